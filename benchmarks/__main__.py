@@ -1,0 +1,32 @@
+"""Run every benchmark (or those named): `python -m benchmarks collectors simulator`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import platform
+import sys
+
+import benchmarks
+
+
+def main(argv: list[str]) -> int:
+    names = sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(benchmarks.__path__)
+                   if m.name.startswith("bench_"))
+    chosen = [a for a in argv if not a.startswith("-")] or names
+    unknown = set(chosen) - set(names)
+    if unknown:
+        print(f"unknown benchmarks {sorted(unknown)}; have {names}", file=sys.stderr)
+        return 2
+    print(f"# machine: {os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}")
+    status = 0
+    for name in chosen:
+        print(f"\n## {name}", flush=True)
+        module = importlib.import_module(f"benchmarks.bench_{name}")
+        status |= int(module.main([a for a in argv if a.startswith("-")]) or 0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,63 @@
+"""The `foreshock` command: one entry point whose subcommands each live beside the code they run.
+
+Each module in COMMAND_MODULES has `register(subparsers)`, which adds its subcommands with
+`set_defaults(run=...)`; `run(args, config_file)` returns the exit status. Modules keep their
+top-level imports light so that `foreshock --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from foreshock import __version__
+from foreshock.config import ConfigError, load_file
+
+COMMAND_MODULES = (
+    "foreshock.collectors.command",
+    "foreshock.simulator.command",
+    "foreshock.predictor.command",
+    "foreshock.service.command",
+    "foreshock.goodput",
+    "foreshock.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foreshock", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"foreshock {__version__}")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (default: $FORESHOCK_CONFIG)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that command is not part of this build
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        file_data = load_file(args.config)
+        return int(args.run(args, file_data) or 0)
+    except ConfigError as exc:
+        print(f"foreshock {args.command}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The Parquet dataset Foreshock writes and reads: schema-v1 tables, hive-partitioned by table, date, node.
+
+Layout (docs/schema.md):
+
+    ROOT/table=<table>/date=<YYYY-MM-DD>/node=<node>/part-<first ts ns>-<writer id>-<n>.parquet
+
+Files are zstd-compressed and written atomically: each is written under a dot-name that readers skip
+(pyarrow, DuckDB and Spark ignore names starting with '.' or '_'), flushed to disk, then renamed, so a
+reader or a crash never sees a half-written file. Rows are buffered per table for one *interval*
+(`rotate_seconds`, a few minutes) and written when it closes; a crash loses at most the open interval.
+The buffer is bounded (`max_buffer_rows`): reaching it closes the interval early. The spool is bounded
+too: when the dataset outgrows `max_bytes`, or the disk's free space drops under `min_free_bytes`, the
+oldest closed files are deleted and counted; writing never blocks sampling.
+
+`node` stays a column inside each file as well as a path component, so a single file is self-describing;
+the reader here prunes by path and reads the in-file columns.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from foreshock import schema as sch
+
+log = logging.getLogger(__name__)
+
+COMPRESSION = "zstd"
+
+
+def _quote(value: str) -> str:
+    return urllib.parse.quote(value, safe="-_.@:")
+
+
+def partition_dir(root: Path, table: str, date: str, node: str) -> Path:
+    return Path(root) / f"table={table}" / f"date={date}" / f"node={_quote(node)}"
+
+
+@dataclass
+class WriterStats:
+    rows_written: collections.Counter = field(default_factory=collections.Counter)
+    files_written: int = 0
+    bytes_written: int = 0
+    files_dropped: int = 0
+    bytes_dropped: int = 0
+    write_errors: int = 0
+
+
+class DatasetWriter:
+    """Buffers schema-v1 rows and writes them as partitioned Parquet files, atomically, with a bounded spool.
+
+    Thread-safe: sources may append from their own threads (the NVML event thread, the kmsg follower).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        rotate_seconds: float = 300.0,
+        max_buffer_rows: int = 500_000,
+        max_bytes: int | None = None,
+        min_free_bytes: int = 0,
+        fsync: bool = True,
+        clock=time.time,
+    ):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.rotate_seconds = float(rotate_seconds)
+        self.max_buffer_rows = int(max_buffer_rows)
+        self.max_bytes = max_bytes
+        self.min_free_bytes = int(min_free_bytes)
+        self.fsync = fsync
+        self._clock = clock
+        self._id = uuid.uuid4().hex[:8]
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._rows: dict[str, list[dict]] = collections.defaultdict(list)
+        self._tables: dict[str, list[pa.Table]] = collections.defaultdict(list)
+        self._buffered: collections.Counter = collections.Counter()
+        self._opened_at = clock()
+        self.stats = WriterStats()
+        self._closed_files: collections.deque[tuple[Path, int]] = collections.deque()
+        self._spool_bytes = 0
+        self._scan_existing()
+
+    # -- appending -------------------------------------------------------------------------------
+    def append_rows(self, table: str, rows: list[dict]) -> None:
+        """Buffer row dicts of a table (validated when the interval is written)."""
+        if not rows:
+            return
+        sch.schema(table)  # an unknown table is refused now, not at flush time
+        with self._lock:
+            self._rows[table].extend(rows)
+            self._buffered[table] += len(rows)
+            over = self._buffered[table] >= self.max_buffer_rows
+        if over:
+            self.flush(tables=[table])
+
+    def append_table(self, table: str, data: pa.Table) -> None:
+        """Buffer an Arrow table (conformed to the schema now, so a bad batch is refused whole)."""
+        if data.num_rows == 0:
+            return
+        data = sch.conform(table, data)
+        with self._lock:
+            self._tables[table].append(data)
+            self._buffered[table] += data.num_rows
+            over = self._buffered[table] >= self.max_buffer_rows
+        if over:
+            self.flush(tables=[table])
+
+    def buffered_rows(self) -> int:
+        with self._lock:
+            return sum(self._buffered.values())
+
+    # -- intervals -------------------------------------------------------------------------------
+    def maybe_rotate(self, now: float | None = None) -> bool:
+        now = self._clock() if now is None else now
+        if now - self._opened_at >= self.rotate_seconds:
+            self.flush()
+            return True
+        return False
+
+    def flush(self, tables: Iterable[str] | None = None) -> list[Path]:
+        """Close the open interval (of the given tables, or all): write every buffered row to files."""
+        with self._lock:
+            names = list(tables) if tables is not None else sorted(set(self._rows) | set(self._tables))
+            pending = []
+            for name in names:
+                rows, parts = self._rows.pop(name, []), self._tables.pop(name, [])
+                self._buffered.pop(name, None)
+                if rows or parts:
+                    pending.append((name, rows, parts))
+            if tables is None:
+                self._opened_at = self._clock()
+        written: list[Path] = []
+        for name, rows, parts in pending:
+            try:
+                if rows:
+                    parts = [*parts, sch.to_table(name, rows)]
+                data = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+                written += self.write_table(name, data)
+            except (sch.SchemaError, OSError, pa.ArrowException) as exc:
+                # The rows of this table in this interval are lost; the error names the table and
+                # is counted, and every other table is still written.
+                self.stats.write_errors += 1
+                log.error("writing table %s under %s failed: %s", name, self.root, exc)
+        self._enforce_spool()
+        return written
+
+    def close(self) -> None:
+        self.flush()
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write_table(self, table: str, data: pa.Table) -> list[Path]:
+        """Write a conformed table now, one file per (date, node) partition it spans."""
+        if data.num_rows == 0:
+            return []
+        data = sch.conform(table, data)
+        out = []
+        for (date, node), part in _split_partitions(data):
+            out.append(self._write_file(table, date, node, part))
+        self.stats.rows_written[table] += data.num_rows
+        return out
+
+    def _write_file(self, table: str, date: str, node: str, part: pa.Table) -> Path:
+        directory = partition_dir(self.root, table, date, node)
+        directory.mkdir(parents=True, exist_ok=True)
+        first_ts = pc.min(part.column("ts")).value
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        name = f"part-{first_ts:019d}-{self._id}-{seq:06d}.parquet"
+        tmp = directory / f".{name}.tmp"
+        final = directory / name
+        pq.write_table(part, tmp, compression=COMPRESSION, use_dictionary=True, write_statistics=True)
+        if self.fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, final)
+        size = final.stat().st_size
+        self.stats.files_written += 1
+        self.stats.bytes_written += size
+        with self._lock:
+            self._closed_files.append((final, size))
+            self._spool_bytes += size
+        return final
+
+    # -- the bounded spool -----------------------------------------------------------------------
+    def _scan_existing(self) -> None:
+        files = []
+        for path in self.root.glob("table=*/date=*/node=*/*.parquet"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, path, st.st_size))
+        for _, path, size in sorted(files):
+            self._closed_files.append((path, size))
+            self._spool_bytes += size
+        # Leftovers of an interrupted write are never complete files: remove them.
+        for tmp in self.root.glob("table=*/date=*/node=*/.*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+    def _disk_free(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def _over_budget(self) -> bool:
+        if self.max_bytes is not None and self._spool_bytes > self.max_bytes:
+            return True
+        return self.min_free_bytes > 0 and self._disk_free() < self.min_free_bytes
+
+    def _enforce_spool(self) -> None:
+        with self._lock:
+            while self._closed_files and self._over_budget():
+                path, size = self._closed_files.popleft()
+                self._spool_bytes -= size
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.error("dropping spooled file %s failed: %s", path, exc)
+                    continue
+                self.stats.files_dropped += 1
+                self.stats.bytes_dropped += size
+                log.warning("spool over budget: dropped oldest file %s (%d bytes)", path, size)
+
+    @property
+    def spool_bytes(self) -> int:
+        return self._spool_bytes
+
+
+def _split_partitions(data: pa.Table) -> Iterator[tuple[tuple[str, str], pa.Table]]:
+    dates = pc.strftime(data.column("ts"), format="%Y-%m-%d", locale="C")
+    nodes = data.column("node")
+    if len(pc.unique(nodes)) == 1 and len(pc.unique(dates)) == 1:
+        yield (dates[0].as_py(), nodes[0].as_py()), data
+        return
+    keys = pc.binary_join_element_wise(nodes, dates, "\x00")
+    encoded = pc.dictionary_encode(keys).combine_chunks()
+    codes = encoded.indices.to_numpy()
+    order = np.argsort(codes, kind="stable")
+    sorted_codes = codes[order]
+    bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(order)]])
+    taken = data.take(pa.array(order))
+    dictionary = encoded.dictionary
+    for s, e in zip(starts, ends):
+        node, date = dictionary[int(sorted_codes[s])].as_py().split("\x00")
+        yield (date, node), taken.slice(int(s), int(e - s))
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def partition_files(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | None = None,
+                    dates: Iterable[str] | None = None) -> list[Path]:
+    base = Path(root) / f"table={table}"
+    if not base.exists():
+        return []
+    node_dirs = None if nodes is None else {f"node={_quote(n)}" for n in nodes}
+    date_dirs = None if dates is None else {f"date={d}" for d in dates}
+    out = []
+    for ddir in sorted(base.iterdir()):
+        if not ddir.name.startswith("date=") or (date_dirs is not None and ddir.name not in date_dirs):
+            continue
+        for ndir in sorted(ddir.iterdir()):
+            if not ndir.name.startswith("node=") or (node_dirs is not None and ndir.name not in node_dirs):
+                continue
+            out.extend(sorted(p for p in ndir.glob("*.parquet") if not p.name.startswith((".", "_"))))
+    return out
+
+
+def list_nodes(root: str | os.PathLike, table: str) -> list[str]:
+    base = Path(root) / f"table={table}"
+    if not base.exists():
+        return []
+    names = {n.name[len("node="):] for d in base.glob("date=*") for n in d.glob("node=*")}
+    return sorted(urllib.parse.unquote(n) for n in names)
+
+
+def read_table(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | None = None,
+               dates: Iterable[str] | None = None, columns: list[str] | None = None,
+               filter: pc.Expression | None = None) -> pa.Table:
+    """Read one table (optionally some nodes/dates/columns), sorted by node then ts, in schema v1."""
+    files = partition_files(root, table, nodes=nodes, dates=dates)
+    full = sch.schema(table)
+    if not files:
+        empty = full.empty_table()
+        return empty.select(columns) if columns else empty
+    dataset = pads.dataset([str(f) for f in files], schema=full, format="parquet")
+    data = dataset.to_table(columns=columns, filter=filter)
+    keys = [k for k in ("node", "ts") if k in data.column_names]
+    return data.sort_by([(k, "ascending") for k in keys]) if keys else data
+
+
+def iter_node_tables(root: str | os.PathLike, table: str, *, columns: list[str] | None = None,
+                     nodes: Iterable[str] | None = None) -> Iterator[tuple[str, pa.Table]]:
+    """Stream a table node-partition by node-partition: memory stays bounded by one node's rows."""
+    for node in (list_nodes(root, table) if nodes is None else nodes):
+        yield node, read_table(root, table, nodes=[node], columns=columns)

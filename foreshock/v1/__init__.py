@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of proto/foreshock/v1 (make proto). Do not edit: regenerate."""

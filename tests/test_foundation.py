@@ -1,0 +1,195 @@
+"""The foundation: one import path per module, config precedence, the dataset writer, schema docs, stubs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from foreshock import config, dataset, schema
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ts(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
+
+
+# -- packaging -------------------------------------------------------------------------------------
+def test_every_package_folder_is_listed_in_pyproject():
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    mapping = cfg["package-dir"]
+    found = set()
+    for pkg, folder in mapping.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
+    assert found <= listed, f"packages not listed in pyproject.toml: {sorted(found - listed)}"
+
+
+def test_wheel_puts_only_foreshock_in_site_packages(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                          "-q", "-w", str(tmp_path), str(REPO)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("foreshock-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    tops = {t for t in tops if not t.endswith(".dist-info")}
+    assert tops == {"foreshock"}, tops
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "foreshock/collectors/__init__.py" in names
+    assert "foreshock/v1/jobs_pb2_grpc.py" in names
+
+
+def test_generated_stubs_match_the_proto_sources(tmp_path):
+    protos = sorted(str(p.relative_to(REPO / "proto")) for p in (REPO / "proto").rglob("*.proto"))
+    out = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO / 'proto'}",
+                          f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
+                          f"--grpc_python_out={tmp_path}", *protos], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
+    assert generated, "protoc generated nothing"
+    for rel in generated:
+        committed = REPO / rel
+        assert committed.exists(), f"{rel} is generated but not committed (run make proto)"
+        assert committed.read_text() == (tmp_path / rel).read_text(), f"{rel} differs: run make proto"
+
+
+# -- configuration ---------------------------------------------------------------------------------
+DEFAULTS = {"interval": 1.0, "node": "", "sources": ["rdma", "netdev"], "once": False, "port": 9400}
+
+
+def test_config_precedence_defaults_file_env_flags():
+    file_data = {"collect": {"interval": 5, "node": "from-file", "port": 9500}}
+    env = {"FORESHOCK_COLLECT_NODE": "from-env", "FORESHOCK_COLLECT_SOURCES": "kmsg, nvml",
+           "FORESHOCK_OTHER_NODE": "ignored"}
+    got = config.resolve("collect", DEFAULTS, file_data=file_data, env=env, flags={"port": 9600, "once": None})
+    assert got == {"interval": 5.0, "node": "from-env", "sources": ["kmsg", "nvml"], "once": False, "port": 9600}
+
+
+@pytest.mark.parametrize("file_data, env, needle", [
+    ({"collect": {"intervl": 1}}, {}, "intervl"),
+    ({"collect": {"interval": "fast"}}, {}, "interval"),
+    ({}, {"FORESHOCK_COLLECT_ONCE": "maybe"}, "FORESHOCK_COLLECT_ONCE"),
+    ({"collect": 3}, {}, "[collect]"),
+])
+def test_config_errors_name_the_key(file_data, env, needle):
+    with pytest.raises(config.ConfigError, match=None) as info:
+        config.resolve("collect", DEFAULTS, file_data=file_data, env=env)
+    assert needle in str(info.value)
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("interval = = 1")
+    with pytest.raises(config.ConfigError, match="bad.toml"):
+        config.load_file(bad)
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        config.load_file(tmp_path / "missing.toml")
+
+
+# -- schema ----------------------------------------------------------------------------------------
+def test_schema_doc_is_generated_from_the_code():
+    doc = (REPO / "docs" / "schema.md").read_text()
+    assert schema.markdown() in doc, "docs/schema.md is stale: regenerate its reference section"
+
+
+def test_conform_refuses_unknown_columns_and_nulls_in_keys():
+    t = pa.table({"ts": pa.array([0], pa.timestamp("ns", tz="UTC")), "node": ["a"], "gpu": [0],
+                  "gpu_lost": [False], "bogus": [1]})
+    with pytest.raises(schema.SchemaError, match="bogus"):
+        schema.conform("gpu", t)
+    t = pa.table({"ts": pa.array([0], pa.timestamp("ns", tz="UTC")), "node": [None], "gpu": [0],
+                  "gpu_lost": [False]})
+    with pytest.raises(schema.SchemaError, match="'node' must not be null"):
+        schema.conform("gpu", t)
+    with pytest.raises(schema.SchemaError, match="unknown table"):
+        schema.schema("gpus")
+
+
+def test_missing_values_stay_null_not_zero():
+    t = schema.to_table("gpu", [{"ts": _ts(0), "node": "n", "gpu": 0, "gpu_lost": False}])
+    assert t.column("ecc_corrected_volatile").null_count == 1
+    assert t.column("temperature_c")[0].as_py() is None
+
+
+# -- the dataset writer ----------------------------------------------------------------------------
+def _gpu_rows(node: str, start: float, n: int) -> list[dict]:
+    return [{"ts": _ts(start + i), "node": node, "gpu": i % 8, "gpu_lost": False,
+             "ecc_corrected_volatile": i} for i in range(n)]
+
+
+def test_writer_partitions_by_table_date_node_and_reads_back(tmp_path):
+    w = dataset.DatasetWriter(tmp_path, fsync=False)
+    midnight = dt.datetime(2026, 12, 2, tzinfo=dt.timezone.utc).timestamp()
+    w.append_rows("gpu", _gpu_rows("node-a", midnight - 5, 10) + _gpu_rows("node/b", midnight, 3))
+    files = w.flush()
+    rel = sorted(str(f.parent.relative_to(tmp_path)) for f in files)
+    assert rel == ["table=gpu/date=2026-12-01/node=node-a", "table=gpu/date=2026-12-02/node=node%2Fb",
+                   "table=gpu/date=2026-12-02/node=node-a"]
+    assert dataset.list_nodes(tmp_path, "gpu") == ["node-a", "node/b"]
+    back = dataset.read_table(tmp_path, "gpu", nodes=["node-a"])
+    assert back.num_rows == 10 and back.schema.equals(schema.schema("gpu"), check_metadata=False)
+    assert back.column("ecc_corrected_volatile").to_pylist() == list(range(10))
+    assert pq.read_metadata(files[0]).row_group(0).column(0).compression == "ZSTD"
+
+
+def test_writer_rotates_by_time_and_never_leaves_partial_files(tmp_path):
+    now = [1000.0]
+    w = dataset.DatasetWriter(tmp_path, rotate_seconds=300, fsync=False, clock=lambda: now[0])
+    w.append_rows("gpu", _gpu_rows("n", 1_700_000_000, 5))
+    assert not w.maybe_rotate()
+    assert dataset.partition_files(tmp_path, "gpu") == []  # the open interval is only in memory
+    now[0] += 301
+    assert w.maybe_rotate()
+    assert len(dataset.partition_files(tmp_path, "gpu")) == 1
+    assert not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_writer_bad_rows_lose_only_their_table(tmp_path, caplog):
+    w = dataset.DatasetWriter(tmp_path, fsync=False)
+    w.append_rows("gpu", [{"ts": _ts(0), "node": "n", "gpu": "not-an-int", "gpu_lost": False}])
+    w.append_rows("netdev", [{"ts": _ts(0), "node": "n", "iface": "eth0", "mtu": 1500}])
+    w.flush()
+    assert w.stats.write_errors == 1
+    assert "gpu" in caplog.text
+    assert dataset.read_table(tmp_path, "netdev").num_rows == 1
+
+
+def test_writer_buffer_is_bounded(tmp_path):
+    w = dataset.DatasetWriter(tmp_path, max_buffer_rows=100, fsync=False)
+    for i in range(5):
+        w.append_rows("gpu", _gpu_rows("n", 1_700_000_000 + i * 50, 50))
+    assert w.buffered_rows() < 100
+    assert dataset.read_table(tmp_path, "gpu").num_rows + w.buffered_rows() == 250
+
+
+def test_spool_drops_oldest_closed_files_and_counts(tmp_path):
+    w = dataset.DatasetWriter(tmp_path, fsync=False, max_bytes=40_000)
+    for i in range(20):
+        w.append_rows("gpu", _gpu_rows("n", 1_700_000_000 + i * 100, 50))
+        w.flush()
+    assert w.stats.files_dropped > 0
+    assert 0 < w.spool_bytes <= 40_000
+    remaining = dataset.partition_files(tmp_path, "gpu")
+    firsts = sorted(int(p.name.split("-")[1]) for p in remaining)
+    assert firsts[0] > 1_700_000_000 * 10**9  # the oldest went first
+    # A new writer over the same spool sees what is there and keeps the bound.
+    w2 = dataset.DatasetWriter(tmp_path, fsync=False, max_bytes=40_000)
+    assert w2.spool_bytes == sum(p.stat().st_size for p in remaining)
+
+
+def test_leftover_temp_files_are_removed_on_start(tmp_path):
+    d = dataset.partition_dir(tmp_path, "gpu", "2026-12-02", "n")
+    d.mkdir(parents=True)
+    (d / ".part-1-x-000001.parquet.tmp").write_bytes(b"PAR1 half written")
+    dataset.DatasetWriter(tmp_path, fsync=False)
+    assert not list(d.iterdir())
