@@ -1,0 +1,247 @@
+"""The failure catalogue and the incident process: which faults happen, where, when, with what precursor.
+
+Rates come from Meta's Llama 3 pre-training run (The Llama 3 Herd of Models, 2024, section 3.3;
+../shared/reference/failure-figures.md): 419 unexpected interruptions on 2,048 nodes in 54 days, by root
+cause, about 3.8 per 1,000 node-days. Each root-cause category maps to one or more failure *modes*
+(the physics in foreshock.simulator.model); a mode either has a precursor (a degradation that starts a
+lead time before the failure) or has none. Lead times, repair times and the shares of each mode inside a
+category are modelling assumptions, written down in docs/simulator.md.
+
+The schedule is drawn up front from the seed, as a list of `Episode`s: failures (each one incident) and
+degrade-then-recover episodes (hard negatives: the same precursor, no failure). Telemetry generation
+reads the schedule and never draws from the schedule's random stream, so the schedule is the ground
+truth of the telemetry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from foreshock.simulator.topology import Topology
+
+NS = 1_000_000_000
+HOUR = 3600 * NS
+DAY = 24 * HOUR
+
+# Llama 3 unexpected interruptions by root cause (counts), 2,048 nodes x 54 days.
+LLAMA3_COUNTS: dict[str, int] = {
+    "faulty_gpu": 148, "gpu_hbm": 72, "software_bug": 54, "network_switch_cable": 35,
+    "host_maintenance": 32, "gpu_sram": 19, "gpu_system_processor": 17, "nic": 7, "nccl_watchdog": 7,
+    "silent_data_corruption": 6, "gpu_thermal": 6, "ssd": 3, "power_supply": 3, "server_chassis": 2,
+    "io_expansion_board": 2, "dependency": 2, "cpu": 2, "system_memory": 2,
+}
+LLAMA3_NODE_DAYS = 2048 * 54
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A failure mode: what it degrades (component kind), whether it warns, how it ends."""
+
+    name: str
+    component: str          # gpu | hca | node | switch | site
+    precursor: bool
+    lead_median_h: float = 0.0   # median precursor lead time (lognormal)
+    lead_sigma: float = 0.8
+    description: str = ""
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("hbm", "gpu", True, 8.0, 0.9, "HBM3 wear: corrected ECC accelerates, rows remapped (Xid 63), Xid 92, "
+                                       "then a double-bit error (Xid 48), uncontained error (Xid 95) or a row-remap failure (Xid 64)"),
+    Mode("hbm_abrupt", "gpu", False, description="HBM double-bit error with no warning (Xid 48)"),
+    Mode("sram", "gpu", True, 1.0, 0.8, "on-chip SRAM: a short burst of corrected ECC, then an uncontained error (Xid 95)"),
+    Mode("sram_abrupt", "gpu", False, description="SRAM uncorrectable error with no warning (Xid 95/48)"),
+    Mode("nvlink", "gpu", True, 3.0, 0.8, "NVLink: CRC flit/data, replay and recovery errors climb, a link drops, then Xid 74"),
+    Mode("gpu_off_bus_pcie", "gpu", True, 1.0, 0.8, "PCIe: replays climb, the link trains down in width, then the GPU falls off the bus (Xid 79)"),
+    Mode("gpu_off_bus", "gpu", False, description="the GPU falls off the bus with no warning (Xid 79)"),
+    Mode("straggler", "node", True, 6.0, 0.8, "slow-degrading node: throughput falls against its job peers, then a GPU is lost (Xid 79)"),
+    Mode("gsp", "gpu", False, description="GPU System Processor timeout or error (Xid 119/120), abrupt"),
+    Mode("thermal", "gpu", True, 2.0, 0.8, "thermal interface/sensor: temperature drifts up, thermal clock events, then the GPU is lost"),
+    Mode("ib_cable", "hca", True, 4.0, 0.9, "cable/transceiver: symbol errors, link error recoveries, link integrity errors, "
+                                            "retransmissions, flaps (link_downed), then the port goes down"),
+    Mode("nic", "hca", True, 2.0, 0.8, "NIC: completion errors, ack timeouts and mlx5 driver errors, then the port goes down"),
+    Mode("leaf_switch", "switch", True, 1.0, 0.8, "leaf switch: remote physical errors, discards, ack timeouts on every port under it, then all go down"),
+    Mode("scale_across", "site", True, 1.0, 0.8, "site uplink: TCP retransmissions and probe RTT rise, then cross-site probes are lost"),
+    Mode("software", "node", False, description="software bug: the job crashes (sometimes with an application Xid 13/43)"),
+    Mode("nccl_hang", "node", False, description="NCCL watchdog timeout: traffic stops, GPUs spin"),
+    Mode("host", "node", False, description="host-side fault or maintenance: the node drops out"),
+    Mode("sdc", "node", False, description="silent data corruption: nothing in telemetry at all"),
+)}
+
+# Root cause -> (mode, share) and median repair time in hours (assumed; docs/simulator.md).
+CATEGORIES: dict[str, tuple[tuple[tuple[str, float], ...], float]] = {
+    "faulty_gpu": ((("gpu_off_bus_pcie", 0.25), ("gpu_off_bus", 0.25), ("nvlink", 0.25), ("straggler", 0.25)), 24.0),
+    "gpu_hbm": ((("hbm", 0.85), ("hbm_abrupt", 0.15)), 24.0),
+    "software_bug": ((("software", 1.0),), 0.5),
+    "network_switch_cable": ((("ib_cable", 0.7), ("leaf_switch", 0.2), ("scale_across", 0.1)), 4.0),
+    "host_maintenance": ((("host", 1.0),), 4.0),
+    "gpu_sram": ((("sram", 0.4), ("sram_abrupt", 0.6)), 24.0),
+    "gpu_system_processor": ((("gsp", 1.0),), 2.0),
+    "nic": ((("nic", 1.0),), 6.0),
+    "nccl_watchdog": ((("nccl_hang", 1.0),), 0.5),
+    "silent_data_corruption": ((("sdc", 1.0),), 24.0),
+    "gpu_thermal": ((("thermal", 1.0),), 12.0),
+    "ssd": ((("host", 1.0),), 6.0),
+    "power_supply": ((("host", 1.0),), 6.0),
+    "server_chassis": ((("host", 1.0),), 12.0),
+    "io_expansion_board": ((("host", 1.0),), 12.0),
+    "dependency": ((("software", 1.0),), 1.0),
+    "cpu": ((("host", 1.0),), 24.0),
+    "system_memory": ((("host", 1.0),), 12.0),
+}
+
+
+def category_rates(rate_scale: float = 1.0) -> dict[str, float]:
+    """Failures per node-day by category."""
+    return {c: n / LLAMA3_NODE_DAYS * rate_scale for c, n in LLAMA3_COUNTS.items()}
+
+
+@dataclass
+class Episode:
+    """One degradation on one component: a failure (an incident) or a degrade-then-recover hard negative.
+
+    Times are ns since the epoch. `start_ns` is the precursor's start (== fail_ns for a mode with no
+    precursor); `end_ns` is the failure, or the end of the recovery. `nodes` are the affected node indices.
+    """
+
+    episode_id: str
+    mode: str
+    category: str | None      # None for a recovery
+    nodes: tuple[int, ...]
+    component: int            # GPU or HCA index (0 for node/switch/site modes)
+    start_ns: int
+    end_ns: int
+    fails: bool
+    repair_ns: int = 0        # back in service (failures only)
+    peak: float = 1.0         # precursor intensity at its end, 1.0 = a failing device's
+    scope_name: str = ""      # leaf or site name for wide faults
+    variant: int = 0          # which fatal signature (e.g. Xid 48 vs 95 vs 64)
+    seed: int = 0             # the episode's own random stream (per-episode effects)
+    injected: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def fail_ns(self) -> int | None:
+        return self.end_ns if self.fails else None
+
+    @property
+    def has_precursor(self) -> bool:
+        return MODES[self.mode].precursor
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    rate_scale: float = 1.0
+    difficulty: float = 1.0       # >1: weaker, shorter precursors, more benign noise and recoveries
+    recovery_ratio: float = 1.0   # degrade-then-recover episodes per precursor failure (at difficulty 1)
+    lead_scale: float = 1.0       # multiplies every precursor lead time
+    time_compression: float = 1.0  # live mode: rates x c, durations / c
+
+
+def _lognormal_ns(rng: np.random.Generator, median_h: float, sigma: float, compression: float) -> int:
+    return int(max(600.0, median_h * 3600.0 * float(np.exp(sigma * rng.standard_normal()))) / compression * NS)
+
+
+def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: FaultSettings = FaultSettings()
+             ) -> list[Episode]:
+    """Draw every failure and recovery episode of [start_ns, end_ns) for the cluster, from the seed alone.
+
+    Failures form a Poisson process per category at rate x nodes; a failure that would land on a node
+    that is already failed-and-in-repair is dropped (a node in repair cannot fail), which lowers the
+    realised rate by the share of node-time in repair (well under 1% at the default rates).
+    """
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
+    comp = settings.time_compression
+    days = (end_ns - start_ns) / DAY * comp
+    d = max(settings.difficulty, 1e-6)
+    episodes: list[Episode] = []
+    leaf_of, site_of = topo.leaf_of, topo.site_of
+    for category, rate in category_rates(settings.rate_scale).items():
+        modes, repair_h = CATEGORIES[category]
+        names = [m for m, _ in modes]
+        shares = np.array([s for _, s in modes], dtype=float)
+        if topo.sites < 2 and "scale_across" in names:
+            i = names.index("scale_across")
+            shares[names.index("ib_cable")] += shares[i]
+            shares[i] = 0.0
+        shares /= shares.sum()
+        count = rng.poisson(rate * topo.nodes * days)
+        for k in range(count):
+            mode = MODES[names[rng.choice(len(names), p=shares)]]
+            fail = start_ns + int(rng.uniform(0, end_ns - start_ns))
+            node = int(rng.integers(topo.nodes))
+            lead = (_lognormal_ns(rng, mode.lead_median_h * settings.lead_scale / d, mode.lead_sigma, comp)
+                    if mode.precursor else 0)
+            repair = _lognormal_ns(rng, repair_h, 0.7, comp)
+            variant = int(rng.integers(1 << 30))
+            ep_seed = int(rng.integers(1 << 62))
+            comp_idx = int(rng.integers(topo.gpus_per_node if mode.component == "gpu" else topo.hcas_per_node))
+            if mode.component == "switch":
+                leaf = int(leaf_of[node])
+                nodes, scope = tuple(int(n) for n in topo.nodes_under_leaf(leaf)), topo.leaf_name(leaf)
+            elif mode.component == "site":
+                site = int(site_of[node])
+                nodes, scope = tuple(int(n) for n in topo.nodes_in_site(site)), topo.site_name(site)
+            else:
+                nodes, scope = (node,), ""
+            episodes.append(Episode(f"{category}-{k:05d}-s{seed}", mode.name, category, nodes,
+                                    comp_idx if mode.component in ("gpu", "hca") else 0,
+                                    max(start_ns - 30 * DAY, fail - lead), fail, True, fail + repair,
+                                    1.0, scope, variant, ep_seed))
+    episodes = _drop_overlaps(sorted(episodes, key=lambda e: (e.end_ns, e.episode_id)))
+
+    # Degrade-then-recover: the same precursor processes at a random peak, fading out, no failure.
+    precursor_failures = [e for e in episodes if e.has_precursor]
+    n_recover = rng.poisson(len(precursor_failures) * settings.recovery_ratio * d) if precursor_failures else 0
+    for k in range(n_recover):
+        like = precursor_failures[int(rng.integers(len(precursor_failures)))]
+        mode = MODES[like.mode]
+        if mode.component in ("switch", "site"):
+            mode = MODES["ib_cable"]  # a wide fault that heals is rare; use a port that heals instead
+        node = int(rng.integers(topo.nodes))
+        dur = _lognormal_ns(rng, mode.lead_median_h * settings.lead_scale / d, mode.lead_sigma, comp)
+        begin = start_ns + int(rng.uniform(-dur, end_ns - start_ns))
+        comp_idx = int(rng.integers(topo.gpus_per_node if mode.component == "gpu" else topo.hcas_per_node))
+        episodes.append(Episode(f"recovery-{k:05d}-s{seed}", mode.name, None, (node,),
+                                comp_idx if mode.component in ("gpu", "hca") else 0,
+                                begin, begin + dur, False, 0, float(rng.uniform(0.3, 0.9)), "",
+                                int(rng.integers(1 << 30)), int(rng.integers(1 << 62))))
+    return sorted(episodes, key=lambda e: (e.start_ns, e.episode_id))
+
+
+def _drop_overlaps(failures: list[Episode]) -> list[Episode]:
+    busy_until: dict[int, int] = {}
+    kept = []
+    for ep in failures:
+        if any(busy_until.get(n, -1) > ep.end_ns for n in ep.nodes):
+            continue
+        if ep.mode not in ("leaf_switch", "scale_across"):
+            for n in ep.nodes:
+                busy_until[n] = ep.repair_ns
+        kept.append(ep)
+    return kept
+
+
+def injected(topo: Topology, node: int, mode: str, now_ns: int, lead_ns: int, component: int | None,
+             repair_ns: int, seed: int, serial: int) -> Episode:
+    """An episode injected on command (live mode): its precursor starts now, it fails lead_ns later."""
+    m = MODES[mode]
+    category = next((c for c, (modes, _) in CATEGORIES.items() if any(x == mode for x, _ in modes)), None)
+    if m.component == "switch":
+        leaf = int(topo.leaf_of[node])
+        nodes, scope = tuple(int(n) for n in topo.nodes_under_leaf(leaf)), topo.leaf_name(leaf)
+    elif m.component == "site":
+        site = int(topo.site_of[node])
+        nodes, scope = tuple(int(n) for n in topo.nodes_in_site(site)), topo.site_name(site)
+    else:
+        nodes, scope = (node,), ""
+    start = now_ns if m.precursor else now_ns + lead_ns
+    return Episode(f"injected-{serial:04d}", mode, category, nodes, component or 0, start, now_ns + lead_ns,
+                   True, now_ns + lead_ns + repair_ns, 1.0, scope, serial, seed ^ (serial * 0x9E3779B97F4A7C15 % (1 << 62)),
+                   injected=True)
+
+
+__all__ = ["Episode", "FaultSettings", "MODES", "CATEGORIES", "LLAMA3_COUNTS", "category_rates", "schedule",
+           "injected", "replace"]

@@ -1,0 +1,856 @@
+"""The physics of the simulated cluster: one model that turns (nodes, sample times) into schema-v1 tables.
+
+Both the batch simulator (foreshock.simulator.batch) and the live cluster (foreshock.simulator.live) call
+`ClusterModel.generate`, so there is one implementation of every signal. A call covers a block of nodes
+over an array of sample times and is vectorised with numpy over (nodes x components x time); the model
+keeps, per node, the true cumulative value of every counter since its last reset (a reboot resets the
+volatile ones, a GPU replacement its lifetime ones) and renders them the way the hardware would:
+narrow InfiniBand error counters saturate at 2^w-1, 32-bit mlx5 hw_counters and port_xmit_wait wrap at
+2^32, values the device does not report are null (signals.md; schema widths in foreshock/schema.py).
+
+What a healthy node shows: job-level activity with checkpoint dips and bursty congestion shared by all
+nodes of a job (port_xmit_wait, CNPs on RoCE, a few out-of-sequence packets), benign errors at per-device
+chronic rates (a lognormal spread, so a few healthy devices are noisy all their life), application Xids
+13/31/43. What a failing one shows: the precursor of its mode (foreshock.simulator.faults), then the
+fatal signature, then it is drained for repair (no rows) and comes back rebooted.
+
+Random streams: the benign telemetry of a block is drawn from a stream keyed by (seed, block, time) whose
+draws never depend on the fault schedule, and each episode's effects come from the episode's own stream,
+so adding or removing an episode changes nothing but that episode's own signals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from foreshock import schema as sch
+from foreshock.simulator.faults import MODES, NS, Episode
+from foreshock.simulator.topology import Topology
+
+NVLINKS_PER_GPU = 18
+PCIE_GEN, PCIE_WIDTH = 5, 16
+MEM_CLOCK_MHZ, SM_CLOCK_MHZ, SM_IDLE_MHZ = 2619, 1980, 345
+IDLE_W, TDP_W = 72.0, 700.0
+RATE_GBPS = 400.0
+HCA_BYTES_PER_S = 20e9       # average all-reduce load per 400G HCA while a job computes
+NVLINK_KIB_PER_S = 1.2e8     # per GPU per direction (about 120 GB/s of a 450 GB/s H100 direction)
+ETH_BYTES_PER_S = 40e6       # front-end traffic (data loading, logging); checkpoints burst above it
+MTU = 4096
+XMIT_WAIT_TICKS_PER_S = 2.0e6  # ticks per second of full congestion: port_xmit_wait wraps in hours
+DRAIN_NS = 10 * 60 * NS        # a failed node reports for 10 min, then is drained for repair
+CKPT_PERIOD_S, CKPT_S = 90 * 60, 180
+
+# mlx5 hw_counters a ConnectX really exposes (the q-counter and retransmission sets, as in the mlx5
+# fixture tree of ../shared/fixtures/procfs); the congestion counters exist on RoCE ports only.
+MLX5_PRESENT = (
+    "rx_write_requests", "rx_read_requests", "rx_atomic_requests", "rx_dct_connect", "out_of_buffer",
+    "out_of_sequence", "duplicate_request", "rnr_nak_retry_err", "packet_seq_err", "implied_nak_seq_err",
+    "local_ack_timeout_err", "resp_local_length_error", "resp_cqe_error", "req_cqe_error",
+    "req_remote_invalid_request", "req_remote_access_errors", "resp_remote_access_errors",
+    "resp_cqe_flush_error", "req_cqe_flush_error", "roce_adp_retrans", "roce_adp_retrans_to",
+    "roce_slow_restart", "roce_slow_restart_cnps", "roce_slow_restart_trans", "lifespan",
+)
+MLX5_ROCE_ONLY = ("rp_cnp_ignored", "rp_cnp_handled", "np_ecn_marked_roce_packets", "np_cnp_sent")
+
+GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate",
+                "ecc_uncorrected_aggregate", "remapped_rows_correctable", "remapped_rows_uncorrectable",
+                "pcie_replay_counter", "replay_errors", "recovery_errors", "crc_flit_errors",
+                "crc_data_errors", "tx_kib", "rx_kib")
+GPU_LIFETIME = ("ecc_corrected_aggregate", "ecc_uncorrected_aggregate", "remapped_rows_correctable",
+                "remapped_rows_uncorrectable")
+HCA_COUNTERS = tuple(sch.IB_PORT_COUNTERS) + MLX5_PRESENT + MLX5_ROCE_ONLY
+NETDEV_COUNTERS = ("carrier_changes", "carrier_up_count", "carrier_down_count") + sch.NETDEV_STATISTICS
+HOST_COUNTERS = tuple(f"Tcp_{n}" for n in sch.TCP_SNMP_FIELDS if n != "CurrEstab") + tuple(
+    f"TcpExt_{n}" for n in sch.TCPEXT_FIELDS)
+NODE_COUNTERS = NETDEV_COUNTERS + HOST_COUNTERS
+
+# Benign error processes of healthy devices: counter -> (median events per device-day, lognormal sigma
+# of the device-to-device spread). The spread makes a few healthy devices chronically noisy.
+BENIGN_GPU = {
+    "ecc_corrected_volatile": (0.3, 2.2),
+    "pcie_replay_counter": (0.2, 2.0),
+    "crc_flit_errors": (0.5, 2.0),
+    "replay_errors": (0.2, 2.0),
+    "remapped_rows_correctable": (0.002, 1.0),
+}
+BENIGN_HCA = {
+    "symbol_error": (1.0, 2.5),
+    "port_rcv_errors": (0.2, 2.0),
+    "link_error_recovery": (0.01, 1.0),
+    "port_xmit_discards": (0.5, 1.5),
+    "VL15_dropped": (0.05, 1.0),
+    "local_ack_timeout_err": (0.2, 1.5),
+    "req_cqe_flush_error": (0.5, 1.5),
+    "resp_cqe_flush_error": (0.5, 1.5),
+    "rnr_nak_retry_err": (0.2, 1.5),
+}
+BENIGN_NODE = {
+    "rx_errors": (0.1, 1.5), "rx_dropped": (20.0, 1.0), "tx_dropped": (0.1, 1.0), "rx_crc_errors": (0.05, 1.5),
+    "Tcp_InErrs": (1.0, 1.0), "Tcp_EstabResets": (20.0, 0.8), "Tcp_AttemptFails": (5.0, 0.8),
+    "TcpExt_TCPTimeouts": (50.0, 1.0), "TcpExt_TCPLostRetransmit": (5.0, 1.0),
+    "TcpExt_TCPSpuriousRTOs": (2.0, 1.0), "TcpExt_TCPSynRetrans": (5.0, 1.0),
+    "TcpExt_TCPRcvQDrop": (0.2, 1.0), "TcpExt_TCPBacklogDrop": (0.2, 1.0), "TcpExt_ListenDrops": (0.1, 1.0),
+    "TcpExt_ListenOverflows": (0.1, 1.0), "TcpExt_TCPRetransFail": (0.1, 1.0),
+    "TcpExt_TCPAbortOnTimeout": (1.0, 1.0), "Tcp_ActiveOpens": (2000.0, 0.3), "Tcp_PassiveOpens": (2000.0, 0.3),
+    "Tcp_OutRsts": (500.0, 0.5),
+}
+APP_XID_PER_NODE_DAY = 0.03
+APP_XIDS = {
+    13: "Graphics SM Warp Exception on (GPC 4, TPC 1, SM 0): Illegal Instruction Parameter",
+    31: "channel 0x0000000c, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC2 GPCCLIENT_PROP_0 faulted @ 0x7f3a_00000000. "
+        "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
+    43: "Ch 00000010, engmask 00000101",
+}
+XID_TEXT = {
+    48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at physAddr "
+        "0x7fffa8860 partition 7, subpartition 1.",
+    63: "Row Remapper: New row marked for remapping, reset gpu to activate.",
+    64: "Row Remapper: Row remapping failed. Row remapping is not available, remapped rows are exhausted.",
+    74: "NVLink: fatal error detected on link 7(0x10000, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0)",
+    79: "GPU has fallen off the bus.",
+    92: "High single-bit ECC error rate detected.",
+    94: "Contained: SM (0x1). RST: No, D-RST: No",
+    95: "Uncontained: LTC TAG (0x2,0x0). RST: Yes, D-RST: No",
+    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) "
+         "(0x90cc0301 0xc).",
+    120: "GSP task exception: GSP Error: Task 1 raised error code 0x5",
+}
+XID_SEVERITY = {13: "application", 31: "application", 43: "application", 45: "application", 94: "application",
+                63: "precursor", 92: "precursor"}
+PROBE_PEERS_PER_SITE = 1
+
+
+def xid_severity(xid: int) -> str:
+    return XID_SEVERITY.get(xid, "fatal")
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """Counter-based hash (splitmix64) -> uniform [0, 1): the same (key, time) gives the same value
+    whichever block or process asks, which keeps job-wide signals identical on every node of a job."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def _key(*parts: int) -> np.uint64:
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(h, "little"))
+
+
+@dataclass
+class Block:
+    """The working arrays of one generate() call: (B nodes, C components, T samples)."""
+
+    nodes: np.ndarray
+    ts: np.ndarray
+    dt: np.ndarray                 # (B, T) seconds since the previous sample
+    deltas: dict                   # counter -> (B, C, T) int64 increments
+    node_tp: np.ndarray            # (B, T) throughput factor (stragglers)
+    gpu_tp: np.ndarray             # (B, G, T)
+    port_tp: np.ndarray            # (B, H, T)
+    temp_add: np.ndarray           # (B, G, T) degC
+    clock_bits: np.ndarray         # (B, G, T) uint64 extra clock-event reasons
+    links_down: np.ndarray         # (B, G, T) int16
+    pcie_width: np.ndarray         # (B, G, T) int8
+    gpu_lost: np.ndarray           # (B, G, T) bool
+    port_down: np.ndarray          # (B, H, T) bool
+    hang: np.ndarray               # (B, T) bool: traffic stops, GPUs spin
+    in_service: np.ndarray         # (B, T) bool: rows are emitted
+    probe_rtt_add: np.ndarray      # (B, T) ms
+    probe_loss: np.ndarray         # (B, T) ratio
+    tcp_retrans_ratio: np.ndarray  # (B, T) extra retransmitted share of OutSegs
+    remap_failure: np.ndarray      # (B, G, T) bool
+    events: list
+    resets: list                   # (b, t index, "reboot" | gpu index replaced)
+
+
+class ClusterModel:
+    """State and physics of a simulated cluster. generate() advances the nodes it is given."""
+
+    def __init__(self, topo: Topology, *, seed: int, episodes: list[Episode] = (), difficulty: float = 1.0,
+                 start_ns: int = 0, interval_s: float = 60.0):
+        self.topo = topo
+        self.seed = int(seed)
+        self.difficulty = float(difficulty)
+        self.interval_s = float(interval_s)
+        self.episodes: list[Episode] = []
+        self._by_node: dict[int, list[Episode]] = {}
+        for ep in episodes:
+            self.add_episode(ep)
+        N, G, H = topo.nodes, topo.gpus_per_node, topo.hcas_per_node
+        init = np.random.default_rng(np.random.SeedSequence([self.seed, 1]))
+        d = self.difficulty
+        self.chronic = {
+            "gpu": {k: med * d / 86400.0 * np.exp(sig * init.standard_normal((N, G))) for k, (med, sig) in BENIGN_GPU.items()},
+            "hca": {k: med * d / 86400.0 * np.exp(sig * init.standard_normal((N, H))) for k, (med, sig) in BENIGN_HCA.items()},
+            "node": {k: med / 86400.0 * np.exp(sig * init.standard_normal((N, 1))) for k, (med, sig) in BENIGN_NODE.items()},
+        }
+        self.gpu_temp_offset = init.normal(0.0, 2.5, (N, G))
+        self.gpu_power_offset = init.normal(0.0, 12.0, (N, G))
+        self.job_phase = init.uniform(0.0, 1.0, max(topo.n_jobs, 1))
+        self.state = {
+            "gpu": {k: np.zeros((N, G), dtype=np.int64) for k in GPU_COUNTERS},
+            "hca": {k: np.zeros((N, H), dtype=np.int64) for k in HCA_COUNTERS},
+            "node": {k: np.zeros((N, 1), dtype=np.int64) for k in NODE_COUNTERS},
+        }
+        # A fleet is not new: lifetime counters start where months of service left them.
+        age_days = init.uniform(30.0, 400.0, (N, G))
+        self.state["gpu"]["ecc_corrected_aggregate"] += init.poisson(
+            self.chronic["gpu"]["ecc_corrected_volatile"] * 86400.0 * age_days * 0.2)
+        self.state["gpu"]["remapped_rows_correctable"] += init.poisson(0.002 * age_days)
+        self.state["node"]["carrier_changes"] += 2
+        self.state["node"]["carrier_up_count"] += 1
+        self.state["node"]["carrier_down_count"] += 1
+        self.energy = np.zeros((N, G), dtype=np.float64)
+        self.remap_pending = np.zeros((N, G), dtype=bool)
+        self.remap_failed = np.zeros((N, G), dtype=bool)
+        self.generation = np.zeros((N, G), dtype=np.int64)
+        self.last_ts = np.full(N, start_ns - int(interval_s * NS), dtype=np.int64)
+        self.fail_fired: set[str] = set()
+
+    # -- the schedule ----------------------------------------------------------------------------
+    def add_episode(self, ep: Episode) -> None:
+        self.episodes.append(ep)
+        for n in ep.nodes:
+            self._by_node.setdefault(int(n), []).append(ep)
+
+    def _relevant(self, nodes: np.ndarray, t0: int, t1: int) -> list[Episode]:
+        seen, out = set(), []
+        for n in nodes:
+            for ep in self._by_node.get(int(n), ()):
+                last = ep.repair_ns if ep.fails else ep.end_ns
+                if ep.episode_id not in seen and ep.start_ns <= t1 and last >= t0:
+                    seen.add(ep.episode_id)
+                    out.append(ep)
+        return out
+
+    # -- the shared job-level processes -----------------------------------------------------------
+    def _activity(self, jobs: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(activity, congestion), each (B, T): identical for every node of a job at the same time."""
+        minute = (ts // (60 * NS)).astype(np.uint64)
+        base = int(_key(self.seed, "job"))
+        with np.errstate(over="ignore"):
+            key = (jobs.astype(np.int64) + 1).astype(np.uint64)[:, None] * np.uint64(0x100000001B3) ^ minute[None, :]
+        u1 = _splitmix(key ^ np.uint64(base))
+        u2 = _splitmix(key ^ np.uint64((base + 7) % (1 << 64)))
+        phase = self.job_phase[np.maximum(jobs, 0)][:, None]
+        in_ckpt = ((ts[None, :] / NS / CKPT_PERIOD_S + phase) % 1.0) < (CKPT_S / CKPT_PERIOD_S)
+        act = np.where(in_ckpt, 0.25, 0.90 + 0.08 * u1)
+        cong = np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * (~in_ckpt)
+        idle = jobs < 0
+        act[idle] = 0.01
+        cong[idle] = 0.0
+        return act, cong
+
+    # -- one call --------------------------------------------------------------------------------
+    def generate(self, nodes, ts) -> dict[str, pa.Table]:
+        """Advance `nodes` (indices) through sample times `ts` (ns, increasing) and return their rows."""
+        topo = self.topo
+        nodes = np.asarray(nodes, dtype=np.int64)
+        ts = np.asarray(ts, dtype=np.int64)
+        B, T, G, H = len(nodes), len(ts), topo.gpus_per_node, topo.hcas_per_node
+        prev = self.last_ts[nodes]
+        if np.any(ts[0] <= prev):
+            raise ValueError(f"sample time {ts[0]} is not after the previous sample of every node")
+        dt = np.diff(np.concatenate([np.broadcast_to(prev[:, None], (B, 1)), np.broadcast_to(ts, (B, T))], axis=1),
+                     axis=1) / NS
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, 2, int(ts[0]), int(nodes[0]), B, T]))
+        blk = Block(
+            nodes=nodes, ts=ts, dt=dt, deltas={},
+            node_tp=np.ones((B, T)), gpu_tp=np.ones((B, G, T)), port_tp=np.ones((B, H, T)),
+            temp_add=np.zeros((B, G, T)), clock_bits=np.zeros((B, G, T), dtype=np.uint64),
+            links_down=np.zeros((B, G, T), dtype=np.int16), pcie_width=np.full((B, G, T), PCIE_WIDTH, np.int8),
+            gpu_lost=np.zeros((B, G, T), bool), port_down=np.zeros((B, H, T), bool), hang=np.zeros((B, T), bool),
+            in_service=np.ones((B, T), bool), probe_rtt_add=np.zeros((B, T)), probe_loss=np.zeros((B, T)),
+            tcp_retrans_ratio=np.zeros((B, T)), remap_failure=np.zeros((B, G, T), bool), events=[], resets=[],
+        )
+        # 1. Every draw of the benign stream, with parameters the fault schedule cannot change.
+        jobs = topo.job_of[nodes]
+        act, cong = self._activity(jobs, ts)
+        z_gpu = rng.standard_normal((4, B, G, T)).astype(np.float32)
+        z_hca = rng.standard_normal((2, B, H, T)).astype(np.float32)
+        z_node = rng.standard_normal((4, B, T)).astype(np.float32)
+        benign = {}
+        for kind, table in (("gpu", BENIGN_GPU), ("hca", BENIGN_HCA), ("node", BENIGN_NODE)):
+            for name in table:
+                rate = self.chronic[kind][name][nodes]  # (B, C)
+                benign[name] = _sparse_poisson(rng, rate, dt)
+        app_xids = self._draw_app_xids(rng, nodes, ts)
+
+        # 2. The fault schedule's effects (each from its own stream).
+        for ep in self._relevant(nodes, int(ts[0] - dt.max() * NS), int(ts[-1])):
+            self._apply_episode(blk, ep)
+
+        # 3. Traffic, counters and analog values.
+        tp = blk.node_tp * (~blk.hang)
+        d = blk.deltas
+        for name, arr in benign.items():
+            d[name] = d[name] + arr if name in d else arr
+        self._traffic(blk, act, cong, tp, z_gpu, z_hca, z_node)
+        tables = self._render(blk, act, tp, z_gpu, z_node, app_xids)
+        self.last_ts[nodes] = ts[-1]
+        return tables
+
+    # -- benign sparse events ----------------------------------------------------------------------
+    def _draw_app_xids(self, rng, nodes, ts):
+        span_days = max((ts[-1] - self.last_ts[nodes].min()) / NS / 86400.0, 1e-9)
+        count = rng.poisson(APP_XID_PER_NODE_DAY * self.difficulty * len(nodes) * span_days)
+        b = rng.integers(len(nodes), size=count)
+        t = rng.integers(len(ts), size=count)
+        g = rng.integers(self.topo.gpus_per_node, size=count)
+        x = rng.choice(np.array(sorted(APP_XIDS)), size=count)
+        return list(zip(b.tolist(), t.tolist(), g.tolist(), x.tolist()))
+
+    # -- the failure modes -------------------------------------------------------------------------
+    def _apply_episode(self, blk: Block, ep: Episode) -> None:
+        ts = blk.ts
+        local = {int(n): i for i, n in enumerate(blk.nodes)}
+        rows = [local[n] for n in ep.nodes if n in local]
+        if not rows:
+            return
+        rows = np.array(rows)
+        erng = np.random.default_rng(np.random.SeedSequence([ep.seed & ((1 << 63) - 1), int(ts[0]), int(rows[0])]))
+        mode = MODES[ep.mode]
+        span = max(ep.end_ns - ep.start_ns, 1)
+        x = np.clip((ts - ep.start_ns) / span, 0.0, 1.0)
+        active = (ts >= ep.start_ns) & (ts < ep.end_ns)
+        if ep.fails:
+            inten = np.where(active, x ** 2, 0.0) * ep.peak / np.sqrt(self.difficulty)
+        else:
+            rise = np.minimum(x / 0.7, 1.0) ** 2
+            fall = np.clip((1.0 - x) / 0.3, 0.0, 1.0)
+            inten = np.where(active, rise * np.where(x > 0.7, fall, 1.0), 0.0) * ep.peak
+        failed = (ts >= ep.end_ns) & (ts < ep.repair_ns) if ep.fails else np.zeros(len(ts), bool)
+        c = ep.component
+        dt = blk.dt[rows]  # (R, T)
+
+        def add(counter: str, rate_per_s: float, comps=None, inten_=None):
+            i = inten if inten_ is None else inten_
+            lam = rate_per_s * i[None, :] * dt
+            if not lam.any():
+                return
+            arr = blk.deltas.get(counter)
+            if arr is None:
+                C = self.topo.gpus_per_node if counter in GPU_COUNTERS else (
+                    self.topo.hcas_per_node if counter in HCA_COUNTERS else 1)
+                blk.deltas[counter] = arr = np.zeros((len(blk.nodes), C, len(ts)), np.int64)
+            for k in ([c] if comps is None else comps):
+                arr[rows, k, :] += erng.poisson(lam)
+
+        m = ep.mode
+        if m in ("hbm", "sram"):
+            add("ecc_corrected_volatile", 1.0 if m == "hbm" else 0.25)
+            if m == "hbm":
+                add("remapped_rows_correctable", 1.0 / 3600.0)
+        elif m == "nvlink":
+            add("crc_flit_errors", 20.0)
+            add("crc_data_errors", 0.5)
+            add("replay_errors", 10.0)
+            add("recovery_errors", 0.002)
+            drop_at = 0.8 + 0.15 * ((ep.variant >> 3) % 4) / 4
+            blk.links_down[rows, c, :] += (active & (x >= drop_at)).astype(np.int16)
+            blk.gpu_tp[rows, c, :] *= 1.0 - 0.1 * inten
+        elif m == "gpu_off_bus_pcie":
+            add("pcie_replay_counter", 2.0)
+            if ep.variant % 2 == 0:
+                blk.pcie_width[rows, c, :] = np.where(active & (inten > 0.5), 8, blk.pcie_width[rows, c, :])
+        elif m == "straggler":
+            blk.node_tp[rows, :] *= 1.0 - 0.35 * inten
+            if ep.variant % 3 == 0:
+                blk.clock_bits[rows, :, :] |= np.where(inten > 0.4, np.uint64(0x8), np.uint64(0))[None, None, :]
+        elif m == "thermal":
+            blk.temp_add[rows, c, :] += 30.0 * inten
+        elif m == "ib_cable":
+            add("symbol_error", 30.0)
+            add("port_rcv_errors", 3.0)
+            add("link_error_recovery", 0.004)
+            add("local_link_integrity_errors", 0.002)
+            add("local_ack_timeout_err", 0.5)
+            add("out_of_sequence", 5.0)
+            add("packet_seq_err", 1.0)
+            add("implied_nak_seq_err", 1.0)
+            add("duplicate_request", 2.0)
+            add("link_downed", 0.0006)
+            blk.port_tp[rows, c, :] *= 1.0 - 0.2 * inten
+        elif m == "nic":
+            add("req_cqe_error", 0.05)
+            add("resp_cqe_error", 0.05)
+            add("req_cqe_flush_error", 0.5)
+            add("resp_cqe_flush_error", 0.5)
+            add("local_ack_timeout_err", 0.3)
+            add("rnr_nak_retry_err", 0.2)
+            add("out_of_buffer", 20.0)
+            lam = 0.002 * inten[None, :] * dt
+            for r, t in zip(*np.nonzero(erng.poisson(lam))):
+                self._nic_event(blk, int(rows[r]), c, int(t), "mlx5_core {bus}: mlx5_cmd_out_err:838: "
+                                "QUERY_QP(0x50b) op_mod(0x0) failed, status bad resource state(0x9), syndrome (0x3a61d5)")
+        elif m == "leaf_switch":
+            hcas = list(range(self.topo.hcas_per_node))
+            add("port_rcv_remote_physical_errors", 2.0, hcas)
+            add("port_xmit_discards", 5.0, hcas)
+            add("port_xmit_wait", XMIT_WAIT_TICKS_PER_S * 0.3, hcas)
+            add("local_ack_timeout_err", 0.2, hcas)
+            add("out_of_sequence", 3.0, hcas)
+            add("link_error_recovery", 0.001, hcas)
+            blk.port_tp[rows, :, :] *= (1.0 - 0.15 * inten)[None, None, :]
+        elif m == "scale_across":
+            blk.tcp_retrans_ratio[rows, :] += 0.02 * inten
+            blk.probe_rtt_add[rows, :] += 40.0 * inten
+            blk.probe_loss[rows, :] = np.maximum(blk.probe_loss[rows, :], 0.3 * inten)
+            add("TcpExt_TCPTimeouts", 0.5)
+            add("TcpExt_TCPLostRetransmit", 0.2)
+
+        # the link flaps of a degrading cable are link_state events too
+        if m == "ib_cable" and "link_downed" in blk.deltas:
+            for r in range(len(rows)):
+                for t in np.flatnonzero(blk.deltas["link_downed"][rows[r], c, :]):
+                    self._link_event(blk, int(rows[r]), c, int(t), "link flap: ACTIVE -> DOWN -> ACTIVE")
+
+        if not ep.fails:
+            return
+        fail_idx = np.flatnonzero(failed)
+        if fail_idx.size == 0:
+            return
+        first = fail_idx[0]
+        fires = ep.episode_id not in self.fail_fired and blk.ts[first] - blk.dt[rows[0], first] * NS < ep.end_ns
+        drain = (ts >= ep.end_ns + DRAIN_NS) & (ts < ep.repair_ns)
+        scope_node = mode.component not in ("switch", "site")
+        if scope_node:
+            blk.in_service[rows, :] &= ~drain[None, :]
+        if fires:
+            self.fail_fired.add(ep.episode_id)
+        one = np.zeros(len(ts), bool)
+        one[first] = True
+
+        def bump(counter: str, comp: int):
+            arr = blk.deltas.setdefault(counter, np.zeros(
+                (len(blk.nodes), self.topo.gpus_per_node if counter in GPU_COUNTERS else self.topo.hcas_per_node,
+                 len(ts)), np.int64))
+            if fires:
+                arr[rows, comp, first] += 1
+
+        if m in ("hbm", "hbm_abrupt", "sram", "sram_abrupt"):
+            xid = {0: 48, 1: 95, 2: 64}[ep.variant % 3] if m == "hbm" else (
+                48 if m == "hbm_abrupt" else (95 if ep.variant % 2 else 48))
+            if xid == 64:
+                blk.remap_failure[rows, c, :] |= failed[None, :]
+            else:
+                bump("ecc_uncorrected_volatile", c)
+                bump("ecc_uncorrected_aggregate", c)
+                if m.startswith("hbm"):
+                    bump("remapped_rows_uncorrectable", c)
+            if fires:
+                for r in rows:
+                    self._xid(blk, int(r), c, first, xid, ep.end_ns)
+        elif m == "nvlink":
+            blk.links_down[rows, c, :] += (failed * (2 + ep.variant % 4)).astype(np.int16)[None, :]
+            if fires:
+                for r in rows:
+                    self._xid(blk, int(r), c, first, 74, ep.end_ns)
+        elif m in ("gpu_off_bus_pcie", "gpu_off_bus", "straggler", "thermal"):
+            blk.gpu_lost[rows, c, :] |= failed[None, :]
+            if fires:
+                for r in rows:
+                    self._xid(blk, int(r), c, first, 79, ep.end_ns)
+                    blk.events.append(dict(self._event_base(blk, int(r), ep.end_ns), kind="gpu_lost",
+                                           severity="fatal", gpu=c, pci_bus_id=self.topo.gpu_bus_id(c),
+                                           message="NVML_ERROR_GPU_IS_LOST"))
+        elif m == "gsp":
+            if fires:
+                for r in rows:
+                    self._xid(blk, int(r), c, first, 119 if ep.variant % 2 else 120, ep.end_ns)
+        elif m in ("ib_cable", "nic", "leaf_switch"):
+            hcas = [c] if m != "leaf_switch" else list(range(self.topo.hcas_per_node))
+            for h in hcas:
+                blk.port_down[rows, h, :] |= failed[None, :]
+                bump("link_downed", h)
+                if fires:
+                    for r in rows:
+                        self._link_event(blk, int(r), h, first, "ACTIVE -> DOWN", ts_ns=ep.end_ns)
+            if m == "nic" and fires:
+                for r in rows:
+                    self._nic_event(blk, int(r), c, first, "mlx5_core {bus}: poll_health:835: device's health "
+                                    "compromised - reached miss count", ts_ns=ep.end_ns)
+        elif m == "scale_across":
+            blk.probe_loss[rows, :] = np.where(failed[None, :], 1.0, blk.probe_loss[rows, :])
+        elif m == "nccl_hang":
+            blk.hang[rows, :] |= failed[None, :]
+        elif m == "software" and fires and ep.variant % 2 == 0:
+            for r in rows:
+                self._xid(blk, int(r), c, first, 43 if ep.variant % 4 else 13, ep.end_ns, pid=True)
+
+        # back in service: rebooted (volatile counters reset), the failed part replaced
+        back = np.flatnonzero(ts >= ep.repair_ns)
+        if scope_node and back.size and (back[0] > 0 or ts[0] - blk.dt[rows[0], 0] * NS < ep.repair_ns):
+            replaced = c if mode.component == "gpu" else None
+            for r in rows:
+                blk.resets.append((int(r), int(back[0]), replaced))
+
+    # -- events ------------------------------------------------------------------------------------
+    def _event_base(self, blk: Block, r: int, ts_ns: int) -> dict:
+        return {"ts": int(ts_ns), "node": self.topo.names[int(blk.nodes[r])], "source": "simulator"}
+
+    def _xid(self, blk: Block, r: int, gpu: int, t: int, xid: int, ts_ns: int | None = None, pid: bool = False):
+        ts_ns = int(blk.ts[t]) if ts_ns is None else int(ts_ns)
+        bus = self.topo.gpu_bus_id(gpu)
+        blk.events.append(dict(self._event_base(blk, r, ts_ns), kind="xid", severity=xid_severity(xid), xid=xid,
+                               gpu=gpu, pci_bus_id=bus, pid=(4000 + 97 * r + gpu) if pid else None,
+                               process_name="python3" if pid else None,
+                               message=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, "
+                                       + (f"pid={4000 + 97 * r + gpu}, name=python3, " if pid
+                                          else "pid='<unknown>', name=<unknown>, ")
+                                       + (APP_XIDS.get(xid) or XID_TEXT.get(xid, ""))))
+
+    def _link_event(self, blk, r, hca, t, what, ts_ns=None):
+        dev = self.topo.hca_device(hca)
+        blk.events.append(dict(self._event_base(blk, r, int(blk.ts[t]) if ts_ns is None else ts_ns),
+                               kind="link_state", severity="info" if "flap" in what else "fatal",
+                               device=dev, port=1, message=f"{dev} port 1: {what}"))
+
+    def _nic_event(self, blk, r, hca, t, text, ts_ns=None):
+        dev = self.topo.hca_device(hca)
+        from foreshock.simulator.topology import HCA_BUS_IDS
+        bus = HCA_BUS_IDS[hca % len(HCA_BUS_IDS)]
+        blk.events.append(dict(self._event_base(blk, r, int(blk.ts[t]) if ts_ns is None else ts_ns),
+                               kind="nic_error", severity="precursor" if ts_ns is None else "fatal",
+                               device=dev, port=1, pci_bus_id=bus, message=text.format(bus=bus)))
+
+    # -- traffic -----------------------------------------------------------------------------------
+    def _traffic(self, blk, act, cong, tp, z_gpu, z_hca, z_node):
+        d, dt = blk.deltas, blk.dt
+        B, T = dt.shape
+        a = (act * tp)[:, None, :]
+        gpu_live = ~blk.gpu_lost
+        nvl = NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :] * (1.0 + 0.02 * z_gpu[2]) * gpu_live
+        d["tx_kib"] = np.maximum(nvl, 0).astype(np.int64)
+        d["rx_kib"] = np.maximum(nvl * (1.0 + 0.005 * z_gpu[3]), 0).astype(np.int64)
+        live = ~blk.port_down
+        words = np.maximum(HCA_BYTES_PER_S / 4 * a * blk.port_tp * dt[:, None, :] * (1.0 + 0.02 * z_hca[0]) * live, 0)
+        xmit_b = words.astype(np.int64) * 4
+        rcv_b = (np.maximum(words * (1.0 + 0.003 * z_hca[1]), 0)).astype(np.int64) * 4
+        d["port_xmit_bytes"], d["port_rcv_bytes"] = xmit_b, rcv_b
+        xp, rp = xmit_b // MTU + 30 * live, rcv_b // MTU + 30 * live
+        d["port_xmit_packets"], d["port_rcv_packets"] = xp, rp
+        mc = (dt[:, None, :] * 0.5 * live).astype(np.int64)
+        d["multicast_xmit_packets"], d["multicast_rcv_packets"] = mc, mc
+        d["unicast_xmit_packets"], d["unicast_rcv_packets"] = xp - mc, rp - mc
+        c3 = (cong[:, None, :] * dt[:, None, :]) * live
+        d["port_xmit_wait"] = d.get("port_xmit_wait", 0) + (c3 * XMIT_WAIT_TICKS_PER_S).astype(np.int64)
+        # Congestion sheds a few packets out of order even on healthy links.
+        d["out_of_sequence"] = d.get("out_of_sequence", 0) + (c3 * 0.05).astype(np.int64)
+        d["rx_write_requests"] = (rp * 0.9).astype(np.int64)
+        d["rx_read_requests"] = (rp * 0.02).astype(np.int64)
+        d["roce_adp_retrans"] = d.get("roce_adp_retrans", 0) + (c3 * 0.01).astype(np.int64)
+        if self.topo.link_layer == "Ethernet":
+            d["np_ecn_marked_roce_packets"] = (c3 * 4000.0).astype(np.int64)
+            d["np_cnp_sent"] = (c3 * 3000.0).astype(np.int64)
+            d["rp_cnp_handled"] = (c3 * 3000.0 * (1.0 + 0.01 * z_hca[1])).astype(np.int64)
+            d["rp_cnp_ignored"] = (c3 * 2.0).astype(np.int64)
+        # Front-end Ethernet and TCP: data loading, checkpoints (act dips are checkpoint writes).
+        ckpt = act < 0.5
+        eth = ETH_BYTES_PER_S * dt * (1.0 + 0.2 * z_node[0]) * (1.0 + 20.0 * ckpt)
+        eth = np.maximum(eth, 0)[:, None, :]
+        rx = (eth * 0.7).astype(np.int64)
+        tx = eth.astype(np.int64)
+        d["rx_bytes"], d["tx_bytes"] = rx, tx
+        d["rx_packets"], d["tx_packets"] = rx // 1400, tx // 1400
+        d["multicast"] = (dt * 0.1).astype(np.int64)[:, None, :]
+        out = tx // 1400
+        d["Tcp_OutSegs"], d["Tcp_InSegs"] = out, rx // 1400
+        retr = out * (2e-5 + blk.tcp_retrans_ratio[:, None, :]) * (1.0 + 0.3 * np.abs(z_node[1]))[:, None, :]
+        d["Tcp_RetransSegs"] = retr.astype(np.int64)
+        d["TcpExt_TCPLossProbes"] = (retr * 0.3).astype(np.int64)
+        d["TcpExt_TCPFastRetrans"] = (retr * 0.5).astype(np.int64)
+        d["TcpExt_TCPSlowStartRetrans"] = (retr * 0.05).astype(np.int64)
+
+    # -- counters to tables -------------------------------------------------------------------------
+    def _accumulate(self, blk: Block, kind: str, names) -> dict[str, np.ndarray]:
+        """True cumulative values (B, C, T) of the counters, with the resets of this block applied."""
+        state = self.state[kind]
+        out = {}
+        nodes = blk.nodes
+        for name in names:
+            st = state[name][nodes]  # (B, C)
+            delta = blk.deltas.get(name)
+            if delta is None:
+                cum = np.broadcast_to(st[:, :, None], st.shape + (len(blk.ts),)).copy()
+            else:
+                delta = np.broadcast_to(delta, st.shape + (len(blk.ts),))
+                cum = st[:, :, None] + np.cumsum(delta, axis=2)
+            for r, t, replaced in blk.resets:
+                if kind == "gpu" and name in GPU_LIFETIME:
+                    if replaced is None:
+                        continue
+                    base = cum[r, replaced, t - 1] if t > 0 else st[r, replaced]
+                    cum[r, replaced, t:] -= base
+                    continue
+                base = cum[r, :, t - 1] if t > 0 else st[r, :]
+                cum[r, :, t:] -= base[:, None]
+            state[name][nodes] = cum[:, :, -1]
+            out[name] = cum
+        return out
+
+    def _render(self, blk: Block, act, tp, z_gpu, z_node, app_xids) -> dict[str, pa.Table]:
+        topo = self.topo
+        nodes, ts, dt = blk.nodes, blk.ts, blk.dt
+        B, T, G, H = len(nodes), len(ts), topo.gpus_per_node, topo.hcas_per_node
+        d = blk.deltas
+        # aggregate ECC moves with volatile
+        d["ecc_corrected_aggregate"] = d.get("ecc_corrected_volatile", 0)
+        blk.resets.sort(key=lambda x: x[1])
+        for r, t, replaced in blk.resets:
+            # replacement GPUs get new identities; reboots clear pending remaps and volatile flags
+            if replaced is not None:
+                self.generation[nodes[r], replaced] += 1
+                self.remap_failed[nodes[r], replaced] = False
+            self.remap_pending[nodes[r], :] = False
+        gpu_c = self._accumulate(blk, "gpu", GPU_COUNTERS)
+        hca_c = self._accumulate(blk, "hca", HCA_COUNTERS)
+        node_c = self._accumulate(blk, "node", NODE_COUNTERS)
+
+        # analog GPU values
+        a = (act * tp)[:, None, :] * np.ones((1, G, 1))
+        hang = blk.hang[:, None, :]
+        util = np.where(hang, 100.0, np.clip(100.0 * a + 1.5 * z_gpu[0], 0, 100))
+        power = IDLE_W + (TDP_W - IDLE_W - 30.0) * a + self.gpu_power_offset[nodes][:, :, None] * (a > 0.1) + 6.0 * z_gpu[1]
+        power = np.where(hang, IDLE_W + 150.0, power)
+        temp = 31.0 + 40.0 * a + self.gpu_temp_offset[nodes][:, :, None] + 0.6 * z_gpu[0] + blk.temp_add
+        hbm_t = temp + 4.0 + 0.4 * z_gpu[1] + 0.3 * blk.temp_add
+        bits = np.where(a < 0.05, np.uint64(0x1), np.uint64(0)) | blk.clock_bits
+        bits = bits | np.where(power > TDP_W - 15, np.uint64(0x4), np.uint64(0))
+        bits = bits | np.where(temp > 87.0, np.uint64(0x20), np.uint64(0)) | np.where(temp > 92.0, np.uint64(0x40), np.uint64(0))
+        sm = np.where(a < 0.05, SM_IDLE_MHZ, SM_CLOCK_MHZ - 30.0 * np.maximum(temp - 87.0, 0) - 200.0 * ((blk.clock_bits & np.uint64(0x8)) > 0))
+        sm = (np.round(sm / 15.0) * 15).astype(np.int32)
+        power = np.round(np.maximum(power, 40.0))
+        lost = blk.gpu_lost
+        energy = self.energy[nodes][:, :, None] + np.cumsum(np.where(lost, 0.0, power) * dt[:, None, :], axis=2)
+        for r, t, _ in blk.resets:
+            base = energy[r, :, t - 1] if t > 0 else self.energy[nodes[r]]
+            energy[r, :, t:] -= base[:, None]
+        self.energy[nodes] = energy[:, :, -1]
+
+        # Derived driver events: a new remapped row is Xid 63 (and a pending remap); a jump in the
+        # corrected-ECC rate past 15/min is Xid 92 (on its rising edge).
+        remap = gpu_c["remapped_rows_correctable"]
+        dremap = np.broadcast_to(d.get("remapped_rows_correctable", 0), (B, G, T))
+        pending = np.logical_or.accumulate(np.concatenate(
+            [self.remap_pending[nodes][:, :, None], dremap > 0], axis=2), axis=2)[:, :, 1:]
+        for r, t, _ in blk.resets:
+            pending[r, :, t:] = np.logical_or.accumulate(dremap[r, :, t:] > 0, axis=1)
+        self.remap_pending[nodes] = pending[:, :, -1]
+        for r, g, t in zip(*np.nonzero(dremap > 0)):
+            self._xid(blk, int(r), int(g), int(t), 63)
+        ce = blk.deltas.get("ecc_corrected_volatile")
+        if ce is not None:
+            hot = ce / np.maximum(dt[:, None, :], 1e-9) > 0.25
+            edge = hot & ~np.concatenate([np.zeros((B, G, 1), bool), hot[:, :, :-1]], axis=2)
+            for r, g, t in zip(*np.nonzero(edge)):
+                self._xid(blk, int(r), int(g), int(t), 92)
+        failure = self.remap_failed[nodes][:, :, None] | blk.remap_failure
+        self.remap_failed[nodes] = failure[:, :, -1]
+        for r, t, g, x in app_xids:
+            if blk.in_service[r, t] and not blk.gpu_lost[r, g, t]:
+                self._xid(blk, r, g, t, int(x), pid=True)
+
+        out = {}
+        keep_gpu = np.broadcast_to(blk.in_service[:, None, :], (B, G, T))
+        gcols = {
+            "gpu": np.broadcast_to(np.arange(G, dtype=np.int16)[None, :, None], (B, G, T)),
+            "uuid": self._uuids(nodes),
+            "pci_bus_id": pa.array([topo.gpu_bus_id(g) for g in range(G)], sch.STR),
+            "temperature_c": (np.round(temp).astype(np.float32), lost),
+            "hbm_temperature_c": (np.round(hbm_t).astype(np.float32), lost),
+            "power_w": (power, lost),
+            "energy_j": (np.round(energy * 1000.0) / 1000.0, lost),
+            "sm_clock_mhz": (sm, lost),
+            "mem_clock_mhz": (np.full((B, G, T), MEM_CLOCK_MHZ, np.int32), lost),
+            "utilization_pct": (np.round(util).astype(np.float32), lost),
+            "clock_event_reasons": (bits, lost),
+            "ecc_corrected_volatile": (gpu_c["ecc_corrected_volatile"], lost),
+            "ecc_uncorrected_volatile": (gpu_c["ecc_uncorrected_volatile"], lost),
+            "ecc_corrected_aggregate": (gpu_c["ecc_corrected_aggregate"], lost),
+            "ecc_uncorrected_aggregate": (gpu_c["ecc_uncorrected_aggregate"], lost),
+            "remapped_rows_correctable": (remap, lost),
+            "remapped_rows_uncorrectable": (gpu_c["remapped_rows_uncorrectable"], lost),
+            "remapped_rows_pending": (pending, lost),
+            "remapped_rows_failure": (failure, lost),
+            "pcie_replay_counter": (gpu_c["pcie_replay_counter"], lost),
+            "pcie_link_gen": (np.full((B, G, T), PCIE_GEN, np.int8), lost),
+            "pcie_link_gen_max": (np.full((B, G, T), PCIE_GEN, np.int8), lost),
+            "pcie_link_width": (blk.pcie_width, lost),
+            "pcie_link_width_max": (np.full((B, G, T), PCIE_WIDTH, np.int8), lost),
+            "gpu_lost": lost,
+        }
+        out["gpu"] = self._table("gpu", nodes, ts, G, gcols, keep_gpu)
+        links_up = np.maximum(NVLINKS_PER_GPU - blk.links_down, 0).astype(np.int16)
+        ncols = {
+            "gpu": gcols["gpu"],
+            "replay_errors": (gpu_c["replay_errors"], lost),
+            "recovery_errors": (gpu_c["recovery_errors"], lost),
+            "crc_flit_errors": (gpu_c["crc_flit_errors"], lost),
+            "crc_data_errors": (gpu_c["crc_data_errors"], lost),
+            "tx_kib": (gpu_c["tx_kib"], lost),
+            "rx_kib": (gpu_c["rx_kib"], lost),
+            "links_up": (links_up, lost),
+            "links_total": (np.full((B, G, T), NVLINKS_PER_GPU, np.int16), lost),
+        }
+        out["nvlink"] = self._table("nvlink", nodes, ts, G, ncols, keep_gpu)
+
+        keep_hca = np.broadcast_to(blk.in_service[:, None, :], (B, H, T))
+        down = blk.port_down
+        rcols = {
+            "device": pa.array([topo.hca_device(h) for h in range(H)], sch.STR),
+            "port": np.ones((B, H, T), np.int16),
+            "state": np.where(down, 1, 4).astype(np.int8),
+            "phys_state": np.where(down, 2, 5).astype(np.int8),
+            "rate_gbps": np.full((B, H, T), RATE_GBPS),
+            "link_layer": pa.array([topo.link_layer] * H, sch.STR),
+        }
+        for name, width in sch.IB_PORT_COUNTERS.items():
+            v = hca_c[name]
+            if width < 32:
+                v = np.minimum(v, (1 << width) - 1)       # narrow IB error counters stick at the top
+            elif width == 32:
+                v = v & 0xFFFFFFFF                          # port_xmit_wait wraps
+            rcols[name] = v
+        for name in MLX5_PRESENT + (MLX5_ROCE_ONLY if topo.link_layer == "Ethernet" else ()):
+            rcols[name] = np.full((B, H, T), 10, np.int64) if name == "lifespan" else hca_c[name] & 0xFFFFFFFF
+        out["rdma_port"] = self._table("rdma_port", nodes, ts, H, rcols, keep_hca)
+
+        keep_node = blk.in_service[:, None, :]
+        one = (B, 1, T)
+        ecols = {
+            "iface": pa.array(["eth0"], sch.STR),
+            "operstate": pa.array(["up"], sch.STR),
+            "carrier": np.ones(one, bool),
+            "speed_mbps": np.full(one, 100000, np.int64),
+            "mtu": np.full(one, 9000, np.int32),
+        }
+        for name in NETDEV_COUNTERS:
+            ecols[name] = node_c[name]
+        out["netdev"] = self._table("netdev", nodes, ts, 1, ecols, keep_node)
+        hcols = {name: node_c[name] for name in HOST_COUNTERS}
+        hcols["Tcp_CurrEstab"] = (40 + 3 * np.abs(z_node[2])).astype(np.int64)[:, None, :]
+        out["host_net"] = self._table("host_net", nodes, ts, 1, hcols, keep_node)
+
+        if topo.sites > 1:
+            out["path_probe"] = self._probes(blk, z_node)
+        out["events"] = sch.to_table("events", sorted(blk.events, key=lambda e: (e["node"], e["ts"]))) \
+            if blk.events else sch.schema("events").empty_table()
+        return out
+
+    def _probes(self, blk, z_node):
+        topo = self.topo
+        nodes, ts = blk.nodes, blk.ts
+        B, T = len(nodes), len(ts)
+        sites = topo.site_of[nodes]
+        peers = [s for s in range(topo.sites)]
+        P = topo.sites - 1
+        peer_idx = np.array([[p for p in peers if p != s] for s in sites])  # (B, P)
+        sent = 5
+        loss = np.clip(blk.probe_loss + 0.002 * np.abs(z_node[3]), 0, 1)
+        recv = np.round(sent * (1.0 - loss)).astype(np.int32)
+        rtt = 18.0 + 1.5 * np.abs(z_node[3]) + blk.probe_rtt_add
+        peer_names = np.array([f"probe.{topo.site_name(s)}:7443" for s in range(topo.sites)], dtype=object)
+        rows = B * P * T
+        keep = np.broadcast_to(blk.in_service[:, None, :], (B, P, T)).reshape(-1)
+        recv3 = np.broadcast_to(recv[:, None, :], (B, P, T)).reshape(-1)
+        cols = {
+            "ts": pa.array(np.broadcast_to(ts, (B, P, T)).reshape(-1)).cast(sch.TS),
+            "node": pa.array(np.repeat(np.array(topo.names, dtype=object)[nodes], P * T), sch.STR),
+            "peer": pa.array(np.repeat(peer_names[peer_idx].reshape(-1), T), sch.STR),
+            "peer_site": pa.array(np.repeat(np.array([topo.site_name(s) for s in range(topo.sites)],
+                                                     dtype=object)[peer_idx].reshape(-1), T), sch.STR),
+            "sent": pa.array(np.full(rows, sent, np.int32)),
+            "received": pa.array(recv3),
+            "loss_ratio": pa.array(1.0 - recv3 / sent),
+            "rtt_ms": pa.array(np.broadcast_to(np.round(rtt, 3)[:, None, :], (B, P, T)).reshape(-1), mask=recv3 == 0),
+        }
+        table = pa.Table.from_pydict(cols, schema=sch.schema("path_probe"))
+        return table if keep.all() else table.filter(pa.array(keep))
+
+    def _uuids(self, nodes):
+        G = self.topo.gpus_per_node
+        gen = self.generation[nodes]
+        return [[f"GPU-{_uuid(self.seed, int(n), g, int(gen[i, g]))}" for g in range(G)] for i, n in enumerate(nodes)]
+
+    def _table(self, table: str, nodes, ts, C: int, cols: dict, keep) -> pa.Table:
+        """Rows ordered (node, component, time): one node's rows are contiguous, and within a
+        component the counters run in time order, which is what delta encoding compresses best."""
+        B, T = len(nodes), len(ts)
+        n = B * C * T
+        schema = sch.schema(table)
+        arrays = []
+        for field in schema:
+            name = field.name
+            if name == "ts":
+                arrays.append(pa.array(np.broadcast_to(ts, (B, C, T)).reshape(-1)).cast(sch.TS))
+            elif name == "node":
+                idx = np.repeat(np.arange(B, dtype=np.int32), C * T)
+                dic = pa.array([self.topo.names[int(x)] for x in nodes], sch.STR)
+                arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), dic).cast(sch.STR))
+            elif name not in cols:
+                arrays.append(pa.nulls(n, field.type))
+            else:
+                v = cols[name]
+                if isinstance(v, pa.Array):  # one value per component
+                    idx = np.tile(np.repeat(np.arange(C, dtype=np.int32), T), B)
+                    arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), v).cast(field.type))
+                    continue
+                if isinstance(v, list):      # one value per (node, component)
+                    flat = pa.array([x for row in v for x in row], sch.STR)
+                    idx = np.repeat(np.arange(B * C, dtype=np.int32), T)
+                    arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), flat).cast(field.type))
+                    continue
+                mask = None
+                if isinstance(v, tuple):
+                    v, mask = v
+                    mask = np.broadcast_to(mask, (B, C, T)).reshape(-1)
+                    if not mask.any():
+                        mask = None
+                v = np.broadcast_to(v, (B, C, T)).reshape(-1)
+                np_type = field.type.to_pandas_dtype()
+                if v.dtype != np_type:
+                    v = v.astype(np_type)
+                arrays.append(pa.array(v, type=field.type, mask=mask))
+        data = pa.Table.from_arrays(arrays, schema=schema)
+        keep = np.broadcast_to(keep, (B, C, T)).reshape(-1)
+        return data if keep.all() else data.filter(pa.array(keep))
+
+
+def _sparse_poisson(rng: np.random.Generator, rate: np.ndarray, dt: np.ndarray) -> np.ndarray:
+    """Poisson event counts (B, C, T) for per-device rates (B, C) per second over steps dt (B, T),
+    drawn as a total per device then scattered over the steps: O(events), not O(B*C*T) draws."""
+    B, C = rate.shape
+    T = dt.shape[1]
+    span = dt.sum(axis=1)  # (B,)
+    counts = rng.poisson(rate * span[:, None])
+    total = int(counts.sum())
+    out = np.zeros((B, C, T), np.int64)
+    if total == 0:
+        return out
+    flat_bc = np.repeat(np.arange(B * C), counts.reshape(-1))
+    # place each event in a step with probability proportional to the step's length
+    u = rng.random(total)
+    if T == 1:
+        t = np.zeros(total, np.int64)
+    elif np.all(dt == dt[:, :1]):
+        t = np.minimum((u * T).astype(np.int64), T - 1)
+    else:
+        cdf = np.cumsum(dt, axis=1) / span[:, None]
+        b = flat_bc // C
+        t = np.array([min(int(np.searchsorted(cdf[bi], ui)), T - 1) for bi, ui in zip(b, u)], np.int64)
+    np.add.at(out.reshape(-1), flat_bc * T + t, 1)
+    return out
+
+
+def _uuid(seed: int, node: int, gpu: int, gen: int) -> str:
+    h = hashlib.blake2b(f"{seed}/{node}/{gpu}/{gen}".encode(), digest_size=16).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"

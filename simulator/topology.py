@@ -1,0 +1,145 @@
+"""The simulated cluster's layout: nodes, GPUs, HCAs, leaf and spine switches, NVLink domains, sites, jobs.
+
+Everything here is a pure function of the settings: the same settings give the same names and the same
+placement. The `inventory` table (schema v1, foreshock/schema.py) is written from it, so the predictor
+sees the same topology labels an operator's configuration would give it (who shares a leaf switch, a
+site, an NVLink domain, a job).
+
+Simplifications (docs/simulator.md): every HCA of a node attaches to the node's one leaf switch (a
+rail-optimised fabric would spread them over rails); jobs take contiguous runs of nodes, so a job spans
+as few leaves as possible, as schedulers try to; a share of nodes is kept as idle spares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from foreshock import schema as sch
+
+# PCI bus ids of the eight GPUs and eight ConnectX HCAs of an HGX H100 board (DGX H100 layout).
+GPU_BUS_IDS = ("0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
+               "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0")
+HCA_BUS_IDS = ("0000:1a:00.0", "0000:2c:00.0", "0000:3c:00.0", "0000:5e:00.0",
+               "0000:9c:00.0", "0000:ad:00.0", "0000:bc:00.0", "0000:dc:00.0")
+
+
+class TopologyError(ValueError):
+    """Topology settings that do not describe a cluster; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int = 64
+    gpus_per_node: int = 8
+    hcas_per_node: int = 8
+    nodes_per_leaf: int = 16
+    leaves_per_spine: int = 8
+    sites: int = 1
+    nvlink_domain_nodes: int = 0  # 0: NVLink stays inside the node (HGX); 9: NVL72 racks of 9 x 8 GPUs
+    job_nodes: int = 32
+    spare_fraction: float = 0.05
+    link_layer: str = "InfiniBand"
+    names: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node", "hcas_per_node", "nodes_per_leaf", "leaves_per_spine",
+                     "sites", "job_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise TopologyError(f"topology {name} must be a positive integer, got {value!r}")
+        if self.gpus_per_node > len(GPU_BUS_IDS) * 4 or self.hcas_per_node > 32:
+            raise TopologyError("topology: at most 32 GPUs and 32 HCAs per node")
+        if self.nvlink_domain_nodes < 0:
+            raise TopologyError(f"topology nvlink_domain_nodes must be >= 0, got {self.nvlink_domain_nodes}")
+        if not 0.0 <= self.spare_fraction < 1.0:
+            raise TopologyError(f"topology spare_fraction must be in [0, 1), got {self.spare_fraction}")
+        if self.link_layer not in ("InfiniBand", "Ethernet"):
+            raise TopologyError(f"topology link_layer must be InfiniBand or Ethernet (RoCE), got {self.link_layer!r}")
+        width = max(3, len(str(self.nodes - 1)))
+        object.__setattr__(self, "names", tuple(f"node-{i:0{width}d}" for i in range(self.nodes)))
+
+    # -- placement -------------------------------------------------------------------------------
+    @property
+    def leaf_of(self) -> np.ndarray:
+        return np.arange(self.nodes) // self.nodes_per_leaf
+
+    @property
+    def n_leaves(self) -> int:
+        return int(self.leaf_of.max()) + 1
+
+    @property
+    def site_of(self) -> np.ndarray:
+        """Sites take equal contiguous shares of the leaves."""
+        per_site = -(-self.n_leaves // self.sites)
+        return np.minimum(self.leaf_of // per_site, self.sites - 1)
+
+    @property
+    def spine_of(self) -> np.ndarray:
+        return self.leaf_of // self.leaves_per_spine
+
+    @property
+    def job_of(self) -> np.ndarray:
+        """Job index per node, -1 for idle spares (the last nodes of each site's share)."""
+        jobs = np.full(self.nodes, -1, dtype=np.int64)
+        next_job = 0
+        for site in range(self.sites):
+            members = np.flatnonzero(self.site_of == site)
+            usable = len(members) - int(round(len(members) * self.spare_fraction))
+            for start in range(0, usable, self.job_nodes):
+                jobs[members[start:min(start + self.job_nodes, usable)]] = next_job
+                next_job += 1
+        return jobs
+
+    @property
+    def n_jobs(self) -> int:
+        return int(self.job_of.max()) + 1
+
+    def leaf_name(self, leaf: int) -> str:
+        return f"leaf-{leaf:03d}"
+
+    def site_name(self, site: int) -> str:
+        return f"site-{chr(ord('a') + site)}" if self.sites <= 26 else f"site-{site:03d}"
+
+    def nodes_under_leaf(self, leaf: int) -> np.ndarray:
+        return np.flatnonzero(self.leaf_of == leaf)
+
+    def nodes_in_site(self, site: int) -> np.ndarray:
+        return np.flatnonzero(self.site_of == site)
+
+    def index(self, node: str) -> int:
+        try:
+            return self.names.index(node)
+        except ValueError:
+            raise TopologyError(f"no node {node!r} in this cluster ({self.names[0]} .. {self.names[-1]})") from None
+
+    def gpu_bus_id(self, gpu: int) -> str:
+        if gpu < len(GPU_BUS_IDS):
+            return GPU_BUS_IDS[gpu]
+        return f"0000:{0xe0 + gpu:02x}:00.0"
+
+    def hca_device(self, hca: int) -> str:
+        return f"mlx5_{hca}"
+
+    def inventory(self, ts_ns: int) -> pa.Table:
+        """The inventory table: one row per node with its topology labels."""
+        leaf, spine, site, job = self.leaf_of, self.spine_of, self.site_of, self.job_of
+        if self.nvlink_domain_nodes:
+            domains = [f"nvl-{i // self.nvlink_domain_nodes:03d}" for i in range(self.nodes)]
+        else:
+            domains = [f"{name}-hgx" for name in self.names]
+        n = self.nodes
+        columns = {
+            "ts": pa.array(np.full(n, ts_ns, dtype=np.int64)).cast(sch.TS),
+            "node": pa.array(self.names, type=sch.STR),
+            "site": pa.array([self.site_name(int(s)) for s in site], type=sch.STR),
+            "spine": pa.array([f"spine-{int(s):03d}" for s in spine], type=sch.STR),
+            "leaf_switch": pa.array([self.leaf_name(int(x)) for x in leaf], type=sch.STR),
+            "nvlink_domain": pa.array(domains, type=sch.STR),
+            "job": pa.array([f"job-{int(j):03d}" if j >= 0 else None for j in job], type=sch.STR),
+            "gpus": pa.array(np.full(n, self.gpus_per_node, dtype=np.int16)),
+            "hcas": pa.array(np.full(n, self.hcas_per_node, dtype=np.int16)),
+        }
+        return pa.Table.from_pydict(columns, schema=sch.schema("inventory"))
