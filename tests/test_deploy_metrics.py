@@ -1,0 +1,158 @@
+"""deploy/grafana and deploy/prometheus query only metrics Foreshock really exports.
+
+The names the code exports are read from the code at run time: the collector's and the control plane's
+prometheus-client collectors are built and collected (see exported_* below), and each metric family's
+type gives the sample names Prometheus stores (`_total` for counters, `_bucket`/`_sum`/`_count` for
+histograms, ...). Every metric name in every alerting/recording rule and every dashboard query must be
+one of those, a recording rule of deploy/prometheus, or a series Prometheus itself synthesises (`up`,
+`ALERTS`). Every dashboard query must also parse as PromQL: the queries are written into a rule file
+(Grafana's variables replaced by values) and checked with `promtool check rules`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARD = REPO / "deploy" / "grafana" / "foreshock.json"
+RULES = REPO / "deploy" / "prometheus" / "foreshock-rules.yaml"
+# Series Prometheus writes itself, not scraped from a target.
+PROMETHEUS_OWN = {"up", "ALERTS", "ALERTS_FOR_STATE", "scrape_duration_seconds", "scrape_samples_scraped"}
+PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+                   "unless", "offset", "inf", "nan", "Inf", "NaN", "atan2"}
+# Grafana's built-in variables and the dashboard's own, replaced before promtool sees a query.
+GRAFANA_VALUES = {"__rate_interval": "5m", "__interval": "1m", "__range": "6h", "node": ".*"}
+
+
+# -- PromQL metric names ------------------------------------------------------------------------------
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects: identifiers that are not functions, keywords or labels."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', expr)  # string literals
+    s = re.sub(r"\$\{[^}]*\}|\$\w+", "", s)                                   # Grafana variables
+    s = re.sub(r"\{[^{}]*\}", "", s)                                          # label matchers
+    s = re.sub(r"\[[^\[\]]*\]", "", s)                                        # ranges, subqueries
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)  # label lists
+    names = set()
+    for match in re.finditer(r"(?<![\w.:])[a-zA-Z_:][a-zA-Z0-9_:]*", s):
+        if s[match.end():].lstrip().startswith("("):
+            continue  # a function or an aggregation
+        if match.group(0) not in PROMQL_KEYWORDS:
+            names.add(match.group(0))
+    return names
+
+
+@pytest.mark.parametrize("expr,names", [
+    ('sum by (kind, outcome) (rate(foreshock_directives_total{outcome="failed"}[5m]))', {"foreshock_directives_total"}),
+    ("histogram_quantile(0.99, sum by (le) (rate(x_seconds_bucket[$__rate_interval])))", {"x_seconds_bucket"}),
+    ('a > on (node) group_left (leaf_switch) b{node=~"$node"} or vector(0)', {"a", "b"}),
+    ("topk(20, risk) and on(node) sig offset 5m", {"risk", "sig"}),
+    ('label_replace(up{job="x"}, "dst", "$1", "instance", "(.*):.*") == 0', {"up"}),
+    ("node:foreshock_node_failure_risk:max5m > 1e3", {"node:foreshock_node_failure_risk:max5m"}),
+    ("sum(rate(a[5m])) / (sum(rate(b[5m])) + sum(rate(a[5m])))", {"a", "b"}),
+])
+def test_metric_names_extracts_only_metrics(expr, names):
+    assert metric_names(expr) == names
+
+
+# -- what the rules and the dashboard use -------------------------------------------------------------
+def rule_groups() -> list[dict]:
+    return yaml.safe_load(RULES.read_text())["groups"]
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for g in rule_groups() for r in g["rules"] if "record" in r}
+
+
+def rule_exprs() -> list[tuple[str, str]]:
+    return [(r.get("alert") or r["record"], r["expr"]) for g in rule_groups() for r in g["rules"]]
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def all_panels(panels: list[dict]) -> list[dict]:
+    out = []
+    for p in panels:
+        out.append(p)
+        out += all_panels(p.get("panels", []))
+    return out
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    d = dashboard()
+    exprs = [(f"{p['title']}/{t['refId']}", t["expr"]) for p in all_panels(d["panels"]) for t in p.get("targets", [])]
+    for var in d["templating"]["list"]:
+        if var["type"] == "query":
+            inner = re.fullmatch(r"label_values\((.*),\s*\w+\)", var["definition"])
+            assert inner, var["definition"]
+            exprs.append((f"variable {var['name']}", inner.group(1)))
+    exprs += [(f"annotation {a['name']}", a["expr"]) for a in d["annotations"]["list"] if "expr" in a]
+    return exprs
+
+
+def grafana_to_promql(expr: str) -> str:
+    def value(match: re.Match) -> str:
+        name = (match.group(1) or match.group(2)).split(":")[0]
+        assert name in GRAFANA_VALUES, f"unknown Grafana variable ${name} in {expr}"
+        return GRAFANA_VALUES[name]
+    return re.sub(r"\$\{([^}]*)\}|\$(\w+)", value, expr)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (run tests/setup.sh)")
+def test_every_dashboard_query_is_valid_promql(tmp_path):
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": grafana_to_promql(expr)}
+        for i, (_, expr) in enumerate(dashboard_exprs())]}]}
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump({"groups": [{"name": "b", "rules": [{"record": "b:x", "expr": "sum by (a"}]}]}))
+    assert subprocess.run(["promtool", "check", "rules", str(broken)], capture_output=True).returncode != 0
+
+
+def test_dashboard_is_well_formed_and_covers_the_issue():
+    d = dashboard()
+    assert d["uid"] and d["title"] and d["schemaVersion"] >= 36
+    panels = all_panels(d["panels"])
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
+        grid = p["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, p["title"]
+    titles = {p["title"] for p in panels}
+    for wanted in ("Risk heatmap by node", "Risk heatmap by leaf switch", "Top risky nodes",
+                   "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node"):
+        assert wanted in titles
+
+
+# -- what the code exports ----------------------------------------------------------------------------
+def sample_names(families) -> set[str]:
+    """The series names Prometheus stores for prometheus-client metric families."""
+    names = set()
+    for family in families:
+        n = family.name
+        names |= {s.name for s in family.samples}
+        names |= {"counter": {n + "_total", n + "_created"},
+                  "histogram": {n + "_bucket", n + "_sum", n + "_count", n + "_created"},
+                  "summary": {n, n + "_sum", n + "_count", n + "_created"},
+                  "info": {n + "_info"},
+                  "gaugehistogram": {n + "_bucket", n + "_gsum", n + "_gcount"}}.get(family.type, {n})
+    return names
