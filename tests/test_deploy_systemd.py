@@ -97,7 +97,7 @@ def test_security_exposure_is_low(unit, tmp_path):
 def test_collector_gets_its_devices_and_nothing_else():
     text = (SYSTEMD / "foreshock-collect.service").read_text()
     devices = re.findall(r"^DeviceAllow=(.+)$", text, re.M)
-    assert sorted(devices) == ["/dev/kmsg r", "char-nvidia-caps r", "char-nvidia-frontend rw"]
+    assert sorted(devices) == ["/dev/kmsg r", "char-nvidia-caps r", "char-nvidia-frontend rw", "char-nvidiactl rw"]
     service = unit_sections("foreshock-collect.service")["Service"]
     assert service["DevicePolicy"] == "closed"
     assert service["CapabilityBoundingSet"] == "CAP_SYSLOG"
