@@ -1,0 +1,185 @@
+"""What every node source shares: the three outcomes, error accounting, and cheap re-reads of sysfs files.
+
+A source reads one interface (sysfs, procfs, /dev/kmsg, NVML) and returns schema-v1 Arrow tables for one
+sweep. It keeps three outcomes apart, the way node_exporter's collectors do:
+
+* hardware absent: the interface is not there at all (no /sys/class/infiniband, no libnvidia-ml). The
+  source says so once in the log and yields nothing; this is not an error.
+* a value unsupported: one file or field the part does not have, or that reads "N/A (no PMA)" or
+  EINVAL. The column is null, never 0.
+* a real error: something that should have worked did not. It is logged with the path, counted in
+  `errors`, and the sweep goes on.
+
+sysfs regenerates an attribute's text on every read at offset 0, so a source opens each file once and
+re-reads it with os.pread(fd, 4096, 0): one system call per value, no open/close, no Python file object.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterable
+
+import pyarrow as pa
+
+log = logging.getLogger("foreshock.collectors")
+
+# Errors that mean "the kernel has no value for this attribute right now" rather than a failure:
+# EINVAL (carrier/speed of a down link, an unsupported PMA counter), EOPNOTSUPP, ENODATA.
+UNSUPPORTED_ERRNOS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENODATA, errno.ENOTSUP})
+# Errors that mean the device went away under us: re-scan the tree.
+GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV, errno.ENXIO, errno.ESTALE, errno.EBADF})
+
+READ_SIZE = 4096
+
+
+class ParseError(ValueError):
+    """Text that is not in the format its parser reads; the message quotes the input."""
+
+
+class HardwareAbsent(RuntimeError):
+    """The interface a source reads does not exist on this machine."""
+
+
+def _quote(text: str | bytes, limit: int = 60) -> str:
+    s = text if isinstance(text, str) else text.decode("utf-8", "replace")
+    return repr(s if len(s) <= limit else s[:limit] + "...")
+
+
+def parse_uint(text: str | bytes) -> int | None:
+    """A sysfs counter: decimal digits and a newline. "N/A (no PMA)" and empty text are null.
+
+    A negative number or one past 2^64-1 is a ParseError (no counter is negative or wider than u64).
+    """
+    s = text.strip()
+    if not s:
+        return None
+    if s.isdigit() and s.isascii():
+        value = int(s)
+        if value >= 1 << 64:
+            raise ParseError(f"counter {_quote(text)} does not fit in 64 bits")
+        return value
+    if (s.startswith("N/A") if isinstance(s, str) else s.startswith(b"N/A")):
+        return None
+    raise ParseError(f"expected an unsigned integer, got {_quote(text)}")
+
+
+def parse_int(text: str | bytes) -> int | None:
+    """A signed sysfs value (mtu, speed); empty is null."""
+    s = text.strip()
+    if not s:
+        return None
+    try:
+        value = int(s)
+    except ValueError:
+        raise ParseError(f"expected an integer, got {_quote(text)}") from None
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ParseError(f"integer {_quote(text)} does not fit in 64 bits")
+    return value
+
+
+class Source:
+    """Base of every source: a name, the tables it feeds, and the three-outcome bookkeeping."""
+
+    name = "source"
+    tables: tuple[str, ...] = ()
+
+    def __init__(self, node: str):
+        self.node = node
+        self.errors = 0
+        self.absent = False
+        self._said: set[str] = set()
+
+    # -- outcomes ----------------------------------------------------------------------------------
+    def say_once(self, key: str, message: str, *args) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.info("%s: " + message, self.name, *args)
+
+    def hardware_absent(self, message: str, *args) -> dict[str, pa.Table]:
+        self.absent = True
+        self.say_once("absent", "hardware absent: " + message, *args)
+        return {}
+
+    def error(self, path: object, exc: BaseException | str) -> None:
+        self.errors += 1
+        log.warning("%s: error reading %s: %s", self.name, path, exc)
+
+    # -- the sweep ---------------------------------------------------------------------------------
+    def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AttrFiles:
+    """A set of sysfs attribute files held open and re-read with pread at offset 0.
+
+    `read(i)` returns the bytes, or None when the kernel answers "unsupported" (EINVAL and friends);
+    it raises OSError for any other failure, after closing the descriptor. Unopenable files (EACCES on
+    a write-only attribute, a broken symlink) are remembered as None at open time.
+    """
+
+    def __init__(self, paths: Iterable[str]):
+        self.paths: list[str] = list(paths)
+        self.fds: list[int | None] = []
+        self.open_errors: list[tuple[str, OSError]] = []
+        for p in self.paths:
+            try:
+                self.fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                self.fds.append(None)
+                if exc.errno not in UNSUPPORTED_ERRNOS and exc.errno != errno.EACCES:
+                    self.open_errors.append((p, exc))
+
+    def read(self, i: int) -> bytes | None:
+        fd = self.fds[i]
+        if fd is None:
+            return None
+        try:
+            return os.pread(fd, READ_SIZE, 0)
+        except OSError as exc:
+            if exc.errno in UNSUPPORTED_ERRNOS:
+                return None
+            raise
+
+    def close(self) -> None:
+        for fd in self.fds:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fds = [None] * len(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+def read_text(path: str) -> str | None:
+    """One-shot read of a small file (used at scan time, not in the hot path); None if unsupported."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(READ_SIZE).decode("utf-8", "replace")
+    except OSError as exc:
+        if exc.errno in UNSUPPORTED_ERRNOS or exc.errno == errno.EACCES:
+            return None
+        raise
+
+
+def listdir(path: str) -> list[str]:
+    """Sorted entries of a directory; [] when it does not exist."""
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        return []

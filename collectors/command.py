@@ -1,0 +1,214 @@
+"""`foreshock collect`: the node collector as a service (or one sweep with --once).
+
+Settings resolve through foreshock.config: defaults < the TOML file's [collect] table <
+FORESHOCK_COLLECT_<KEY> environment variables < flags. The service sweeps every --interval seconds,
+writes the Parquet dataset under --out (rotated every --rotate-seconds, bounded by --spool-max-bytes and
+--min-free-bytes), serves its health on --metrics-listen, optionally streams each sweep to the control
+plane (--service HOST:PORT, through foreshock.collectors.uplink.StreamingUplink), and on SIGTERM/SIGINT
+finishes the sweep in progress, flushes every buffered row to Parquet and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+
+log = logging.getLogger("foreshock.collectors")
+
+DEFAULTS = {
+    "interval": 1.0,
+    "sources": ["nvml", "rdma", "netdev", "host_net", "kmsg"],
+    "sysfs": "/sys",
+    "procfs": "/proc",
+    "kmsg": "/dev/kmsg",
+    "node": "",
+    "out": "/var/lib/foreshock/telemetry",
+    "rotate_seconds": 300.0,
+    "spool_max_bytes": 8 * 1024**3,
+    "min_free_bytes": 1024**3,
+    "max_buffer_rows": 500_000,
+    "metrics_listen": "127.0.0.1:9464",
+    "service": "",
+    "tls_ca": "",
+    "token_file": "",
+    "peers": [],
+    "nvlink_links": False,
+    "sim_gpus": 8,
+    "sim_hcas": 8,
+    "seed": 0,
+    "fsync": True,
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("collect", help="collect node telemetry into Parquet (a node service)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--once", action="store_true", help="one sweep: write it, print what was read, exit")
+    p.add_argument("--interval", type=float, help="seconds between sweeps (default 1)")
+    p.add_argument("--sources", help="comma-separated sources (nvml,rdma,netdev,host_net,kmsg,simulated)")
+    p.add_argument("--sysfs", help="sysfs root (default /sys)")
+    p.add_argument("--procfs", help="procfs root (default /proc)")
+    p.add_argument("--kmsg", help="/dev/kmsg, or a dmesg-style text file")
+    p.add_argument("--node", help="node name (default: the hostname)")
+    p.add_argument("--out", help="dataset root directory")
+    p.add_argument("--rotate-seconds", type=float, help="close a Parquet interval every N seconds (300)")
+    p.add_argument("--spool-max-bytes", type=int, help="drop the oldest files beyond this many bytes")
+    p.add_argument("--min-free-bytes", type=int, help="drop the oldest files when free disk is below this")
+    p.add_argument("--max-buffer-rows", type=int, help="close the interval early at this many rows")
+    p.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus endpoint ('' to disable)")
+    p.add_argument("--service", help="HOST:PORT of the control plane to stream to (optional)")
+    p.add_argument("--tls-ca", help="CA bundle for --service TLS")
+    p.add_argument("--token-file", help="file with the node's bearer token for --service")
+    p.add_argument("--peers", help="comma-separated [site=]host:port TCP probe targets")
+    p.add_argument("--nvlink-links", action="store_const", const=True, help="also write nvlink_link rows")
+    p.add_argument("--sim-gpus", type=int, help="GPUs of the simulated source (8)")
+    p.add_argument("--sim-hcas", type=int, help="HCAs of the simulated source (8)")
+    p.add_argument("--seed", type=int, help="seed of the simulated source")
+    p.set_defaults(run=run)
+
+
+def _settings(args, file_data) -> dict:
+    from foreshock.config import resolve
+    flags = {k: getattr(args, k, None) for k in DEFAULTS}
+    return resolve("collect", DEFAULTS, file_data=file_data, flags=flags)
+
+
+def _uplink(cfg: dict, node: str):
+    try:
+        from foreshock.collectors.uplink import StreamingUplink
+    except ModuleNotFoundError as exc:
+        if exc.name == "foreshock.collectors.uplink":
+            raise SystemExit("foreshock collect: --service needs foreshock.collectors.uplink, "
+                             "which this build does not have") from None
+        raise
+    token = None
+    if cfg["token_file"]:
+        with open(cfg["token_file"], encoding="utf-8") as fh:
+            token = fh.read().strip()
+    tls = cfg["tls_ca"] or None
+    uplink = StreamingUplink(cfg["service"], node=node, tls=tls, token=token)
+    uplink.start()
+    return uplink
+
+
+def build_collector(cfg: dict, *, once: bool = False):
+    from foreshock.dataset import DatasetWriter
+
+    from .collector import Collector
+    from .registry import SourceConfig, build_sources
+
+    node = cfg["node"] or socket.gethostname()
+    sources = build_sources(cfg["sources"], SourceConfig(
+        node=node, sysfs=cfg["sysfs"], procfs=cfg["procfs"], kmsg=cfg["kmsg"], peers=list(cfg["peers"]),
+        nvlink_links=cfg["nvlink_links"], sim_gpus=cfg["sim_gpus"], sim_hcas=cfg["sim_hcas"],
+        seed=cfg["seed"]))
+    writer = DatasetWriter(cfg["out"], rotate_seconds=cfg["rotate_seconds"],
+                           max_buffer_rows=cfg["max_buffer_rows"], max_bytes=cfg["spool_max_bytes"] or None,
+                           min_free_bytes=cfg["min_free_bytes"], fsync=cfg["fsync"])
+    uplink = _uplink(cfg, node) if cfg["service"] and not once else None
+    return Collector(node, sources, writer, uplink=uplink)
+
+
+def summarize(tables: dict) -> str:
+    """A short per-table summary of one sweep: rows, entities, a few non-null columns."""
+    from foreshock import schema as sch
+    lines = []
+    for name in sorted(tables):
+        t = tables[name]
+        keys = sch.ENTITY_KEYS.get(name, ())
+        ents = ""
+        if keys and t.num_rows:
+            vals = sorted({"/".join(str(r[k]) for k in keys) for r in t.select(list(keys)).to_pylist()})
+            ents = " [" + ", ".join(vals[:8]) + (" ..." if len(vals) > 8 else "") + "]"
+        nonnull = sum(1 for c in t.column_names if t.column(c).null_count < t.num_rows)
+        lines.append(f"  {name:<12} {t.num_rows:>4} rows, {nonnull:>3} of {t.num_columns} columns set{ents}")
+    return "\n".join(lines) if lines else "  (nothing read)"
+
+
+def run(args, file_data) -> int:
+    from .registry import UnknownSource
+    cfg = _settings(args, file_data)
+    if cfg["interval"] <= 0:
+        print(f"foreshock collect: --interval must be > 0, got {cfg['interval']}", file=sys.stderr)
+        return 2
+    try:
+        collector = build_collector(cfg, once=args.once)
+    except (UnknownSource, ValueError, OSError) as exc:
+        print(f"foreshock collect: {exc}", file=sys.stderr)
+        return 2
+    if args.once:
+        try:
+            tables = collector.sweep_once()
+        finally:
+            collector.close()
+        snap = collector.snapshot()
+        print(f"foreshock collect --once: node {collector.node}, out {cfg['out']}")
+        for name, st in sorted(snap.sources.items()):
+            state = "absent" if st.absent else ("ok" if st.success else "FAILED")
+            print(f"  source {name:<10} {state:<7} {st.rows:>4} rows, {st.errors} errors, "
+                  f"{st.duration_seconds * 1e3:.2f} ms")
+        print(summarize(tables))
+        print(f"  wrote {snap.files_written} files, {snap.bytes_written} bytes")
+        return 0
+    return serve_forever(collector, cfg)
+
+
+def serve_forever(collector, cfg: dict) -> int:
+    stop = threading.Event()
+
+    def _on_signal(signum, _frame):
+        log.info("signal %s: finishing the sweep, flushing and exiting", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = None
+    if cfg["metrics_listen"]:
+        from .metrics import serve
+        try:
+            server, _thread = serve(collector, cfg["metrics_listen"])
+        except (OSError, ValueError) as exc:
+            print(f"foreshock collect: metrics endpoint {cfg['metrics_listen']}: {exc}", file=sys.stderr)
+            collector.close()
+            return 2
+        log.info("metrics on http://%s/metrics", cfg["metrics_listen"])
+    interval = cfg["interval"]
+    log.info("collecting %s every %.3gs into %s as node %s", ",".join(s.name for s in collector.sources),
+             interval, cfg["out"], collector.node)
+    next_tick = time.monotonic()
+    try:
+        while not stop.is_set():
+            collector.sweep_once()
+            next_tick += interval
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # fell behind (a slow sweep): skip the missed ticks rather than burst
+                next_tick = time.monotonic()
+                delay = 0
+            stop.wait(delay)
+    finally:
+        collector.close()
+        if collector.uplink is not None:
+            try:
+                collector.uplink.close(5.0)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("uplink close: %s", exc)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        snap = collector.snapshot()
+        log.info("stopped after %d sweeps: %d files, %d bytes written, %d dropped", snap.sweeps,
+                 snap.files_written, snap.bytes_written, snap.files_dropped)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="foreshock")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["collect", *(argv or [])])
+    return run(args, {})
