@@ -499,14 +499,22 @@ def plot_figure(s: Scenario, sizes: list[int] | None = None):
     fig = Figure(figsize=(7, 4.2), dpi=100)
     ax = fig.add_subplot()
     for k in STRATEGIES:
-        ax.plot(data["gpus"], [100 * v for v in data[k]], marker="o", markersize=3, label=_LABELS[k])
+        label = _LABELS[k] + (f" ({s.foreshock_fallback} on a miss)" if k == "foreshock" else "")
+        ax.plot(data["gpus"], [100 * v for v in data[k]], marker="o", markersize=3, label=label)
+    # The same evacuations with the other fallback, so both comparisons the docs make are visible.
+    other = next(f for f in FALLBACKS if f != s.foreshock_fallback)
+    alt = sweep(Scenario(**{**asdict(s), "prediction": s.prediction, "mix": s.mix,
+                            "foreshock_fallback": other}), sizes)
+    ax.plot(alt["gpus"], [100 * v for v in alt["foreshock"]], linestyle="--", marker="o", markersize=3,
+            label=f"{_LABELS['foreshock']} ({other} on a miss)")
     ax.set_xscale("log")
+    ax.set_yscale("log")  # the strategies differ by orders of magnitude
     ax.set_xlabel("GPUs in the job")
     ax.set_ylabel("goodput expense (% of paid GPU-hours)")
     ax.set_title(f"{s.failures_per_1000_node_days:.3g} failures per 1,000 node-days, "
                  f"checkpoint every {s.checkpoint_interval_hours:g} h")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
     return fig
 
