@@ -1,0 +1,291 @@
+"""The job's gRPC client of the control plane's Jobs API (proto/foreshock/v1/jobs.proto).
+
+Two background threads, so the training loop never waits on the network: a watcher holds the
+WatchDirectives stream (re-opened every `watch_window_s` and after any error, with exponential backoff
+and jitter; the service re-delivers unacknowledged directives after a reconnect, and DirectiveBook
+drops the duplicates), and a sender drains a bounded queue of acknowledgements and step reports. Every
+unary call has a deadline (`rpc_timeout_s`). Nothing here raises into the caller: service trouble is
+logged (once per outage) and degrades to "no directives". Credentials: a bearer token in the
+`authorization` metadata; TLS when a CA file is given, plaintext only to a loopback address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import queue
+import random
+import threading
+import time
+
+import grpc
+
+from foreshock.migrator.config import MigratorConfig, MigratorConfigError
+from foreshock.migrator.directives import Ack, AckPhase, Directive, DirectiveKind
+from foreshock.v1 import jobs_pb2, jobs_pb2_grpc
+
+log = logging.getLogger("foreshock.migrator.client")
+
+_KIND_FROM_PROTO = {
+    jobs_pb2.DIRECTIVE_KIND_EVACUATE: DirectiveKind.EVACUATE,
+    jobs_pb2.DIRECTIVE_KIND_SHRINK: DirectiveKind.SHRINK,
+    jobs_pb2.DIRECTIVE_KIND_CHECKPOINT_EXIT: DirectiveKind.CHECKPOINT_EXIT,
+}
+_PHASE_TO_PROTO = {
+    AckPhase.ACCEPTED: jobs_pb2.ACK_PHASE_ACCEPTED,
+    AckPhase.STATE_TRANSFERRED: jobs_pb2.ACK_PHASE_STATE_TRANSFERRED,
+    AckPhase.COMPLETED: jobs_pb2.ACK_PHASE_COMPLETED,
+    AckPhase.FAILED: jobs_pb2.ACK_PHASE_FAILED,
+}
+_FALLBACK_TO_PROTO = {
+    "shrink": jobs_pb2.FALLBACK_POLICY_SHRINK,
+    "checkpoint_exit": jobs_pb2.FALLBACK_POLICY_CHECKPOINT_EXIT,
+}
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL}
+
+
+def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
+    """The domain directive, or None (logged) for one this client cannot act on."""
+    kind = _KIND_FROM_PROTO.get(msg.kind)
+    cancelled = msg.state == jobs_pb2.DIRECTIVE_STATE_CANCELLED
+    if kind is None and not cancelled:
+        log.warning("directive %s has unknown kind %d; ignored", msg.directive_id, msg.kind)
+        return None
+    if not msg.directive_id:
+        log.warning("directive without an id ignored: %s", msg)
+        return None
+    deadline = msg.deadline.ToSeconds() + msg.deadline.nanos / 1e9 if msg.HasField("deadline") else None
+    return Directive(directive_id=msg.directive_id, kind=kind or DirectiveKind.EVACUATE,
+                     ranks=tuple(msg.ranks), from_node=msg.from_node, to_node=msg.to_node,
+                     at_step=msg.at_step, reason=msg.reason, cancelled=cancelled,
+                     generation=msg.generation, deadline=deadline)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def open_channel(config: MigratorConfig) -> grpc.Channel:
+    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 4 << 20)]
+    if config.tls_ca:
+        with open(config.tls_ca, "rb") as fh:
+            creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
+        return grpc.secure_channel(config.service, creds, options=options)
+    if not _is_loopback(config.service):
+        raise MigratorConfigError(f"service {config.service}: plaintext is allowed to loopback only; "
+                                  "set FORESHOCK_TLS_CA for a remote control plane")
+    return grpc.insecure_channel(config.service, options=options)
+
+
+class ServiceClient:
+    """DirectiveSource backed by the control plane. Construct, then `register()` / `watch(rank)`."""
+
+    def __init__(self, config: MigratorConfig, *, watch_window_s: float = 30.0,
+                 backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0, queue_size: int = 1024) -> None:
+        self.config = config
+        self._channel = open_channel(config)
+        self._stub = jobs_pb2_grpc.JobsStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        self._timeout = config.rpc_timeout_s
+        self._watch_window = watch_window_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._inbox: queue.Queue[Directive] = queue.Queue(maxsize=queue_size)
+        self._outbox: queue.Queue[Ack | None] = queue.Queue(maxsize=queue_size)
+        self._step: tuple[int, float] | None = None
+        self._step_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch_rank: int | None = None
+        self._watch_call = None
+        self._watch_lock = threading.Lock()
+        self._watch_thread: threading.Thread | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="foreshock-acks", daemon=True)
+        self._sender.start()
+        self.healthy = False            # last call to the service succeeded
+        self.deliveries = 0
+        self.dropped_acks = 0
+
+    # --- calls made before or after training (bounded by deadlines, never raise) -------------
+    def register(self, placement: dict[int, str], spare_nodes=(), *, current_step: int = 0,
+                 fallback: str = "shrink", max_concurrent: int = 0) -> int | None:
+        req = jobs_pb2.RegisterJobRequest(
+            job_id=self.config.job_id,
+            ranks=[jobs_pb2.RankPlacement(rank=r, node=n) for r, n in sorted(placement.items())],
+            spare_nodes=list(spare_nodes), max_concurrent_evacuations=max_concurrent,
+            fallback=_FALLBACK_TO_PROTO[fallback], current_step=current_step)
+        resp = self._call("RegisterJob", req)
+        return None if resp is None else resp.generation
+
+    def deregister(self) -> None:
+        self._call("DeregisterJob", jobs_pb2.DeregisterJobRequest(job_id=self.config.job_id))
+
+    def _call(self, name: str, request):
+        try:
+            resp = getattr(self._stub, name)(request, timeout=self._timeout, metadata=self._metadata)
+            self._set_health(True)
+            return resp
+        except grpc.RpcError as exc:
+            self._set_health(False, f"{name}: {exc.code().name} {exc.details()}")
+            return None
+        except Exception as exc:  # noqa: BLE001 - never raise into the training loop
+            self._set_health(False, f"{name}: {exc!r}")
+            return None
+
+    def _set_health(self, ok: bool, why: str = "") -> None:
+        if ok and not self.healthy:
+            log.info("control plane %s reachable", self.config.service)
+        elif not ok and self.healthy:
+            log.warning("control plane %s unreachable, continuing without directives: %s",
+                        self.config.service, why)
+        elif not ok:
+            log.debug("control plane call failed: %s", why)
+        self.healthy = ok
+
+    # --- DirectiveSource -------------------------------------------------------------------
+    def watch(self, rank: int) -> None:
+        """Watch this rank's directive stream from now on (re-targets an existing watch)."""
+        with self._watch_lock:
+            self._watch_rank = rank
+            if self._watch_call is not None:
+                self._watch_call.cancel()
+            if self._watch_thread is None:
+                self._watch_thread = threading.Thread(target=self._watch_loop, name="foreshock-watch",
+                                                      daemon=True)
+                self._watch_thread.start()
+
+    def poll(self) -> list[Directive]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def ack(self, ack: Ack) -> None:
+        try:
+            self._outbox.put_nowait(ack)
+        except queue.Full:
+            self.dropped_acks += 1
+            log.warning("ack queue full; dropped %s %s", ack.directive_id, ack.phase.value)
+
+    def report_step(self, step: int, step_seconds: float) -> None:
+        with self._step_lock:
+            self._step = (step, step_seconds)
+
+    def close(self, deregister: bool = False, flush_s: float = 2.0) -> None:
+        end = time.monotonic() + flush_s
+        while not self._outbox.empty() and time.monotonic() < end:
+            time.sleep(0.01)
+        if deregister:
+            self.deregister()
+        self._stop.set()
+        with self._watch_lock:
+            if self._watch_call is not None:
+                self._watch_call.cancel()
+        try:
+            self._outbox.put_nowait(None)
+        except queue.Full:
+            pass
+        for thread in (self._watch_thread, self._sender):
+            if thread is not None:
+                thread.join(timeout=2.0)
+        self._channel.close()
+
+    # --- background threads ----------------------------------------------------------------
+    def _sleep_backoff(self, attempt: int) -> None:
+        initial, cap = self._backoff
+        delay = min(cap, initial * (2 ** min(attempt, 16)))
+        self._stop.wait(delay * random.uniform(0.5, 1.0))
+
+    def _watch_loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            with self._watch_lock:
+                rank = self._watch_rank
+                req = jobs_pb2.WatchDirectivesRequest(job_id=self.config.job_id, rank=rank)
+                call = self._stub.WatchDirectives(req, timeout=self._watch_window, metadata=self._metadata)
+                self._watch_call = call
+            try:
+                for msg in call:
+                    self._set_health(True)
+                    failures = 0
+                    directive = directive_from_proto(msg)
+                    if directive is None:
+                        continue
+                    self.deliveries += 1
+                    try:
+                        self._inbox.put_nowait(directive)
+                    except queue.Full:
+                        log.warning("directive inbox full; %s will come again after a reconnect",
+                                    directive.directive_id)
+                failures = 0    # the window ended normally
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.CANCELLED or (code == grpc.StatusCode.DEADLINE_EXCEEDED
+                                                         and self.healthy):
+                    continue        # re-targeted, closed, or the watch window ended: reconnect at once
+                self._set_health(False, f"WatchDirectives: {code.name} {exc.details()}")
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                    log.error("WatchDirectives refused for job %s rank %s: %s %s",
+                              self.config.job_id, rank, code.name, exc.details())
+                failures += 1
+                self._sleep_backoff(failures)
+            except Exception as exc:  # noqa: BLE001
+                self._set_health(False, f"WatchDirectives: {exc!r}")
+                failures += 1
+                self._sleep_backoff(failures)
+
+    def _send_loop(self) -> None:
+        last_report = 0.0
+        while True:
+            try:
+                item = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                item = ...
+            if item is None:
+                return
+            if isinstance(item, Ack):
+                self._send_ack(item)
+            with self._step_lock:
+                pending, self._step = self._step, None
+            if pending is not None:
+                if time.monotonic() - last_report >= self.config.report_interval_s:
+                    last_report = time.monotonic()
+                    self._call("ReportStep", jobs_pb2.ReportStepRequest(
+                        job_id=self.config.job_id, step=pending[0], step_seconds=pending[1]))
+                else:
+                    with self._step_lock:
+                        if self._step is None:
+                            self._step = pending
+            if self._stop.is_set() and self._outbox.empty():
+                return
+
+    def _send_ack(self, ack: Ack, attempts: int = 5) -> None:
+        req = jobs_pb2.AckDirectiveRequest(
+            job_id=self.config.job_id, directive_id=ack.directive_id, rank=max(ack.rank, 0),
+            phase=_PHASE_TO_PROTO[ack.phase], reason=ack.reason, phase_seconds=ack.phase_seconds)
+        for attempt in range(attempts):
+            try:
+                self._stub.AckDirective(req, timeout=self._timeout, metadata=self._metadata)
+                self._set_health(True)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    log.warning("ack %s %s refused: %s %s", ack.directive_id, ack.phase.value,
+                                exc.code().name, exc.details())
+                    return
+                self._set_health(False, f"AckDirective: {exc.code().name}")
+            except Exception as exc:  # noqa: BLE001
+                self._set_health(False, f"AckDirective: {exc!r}")
+            if self._stop.is_set():
+                break
+            self._sleep_backoff(attempt)
+        self.dropped_acks += 1
+        log.warning("ack %s %s not delivered after %d attempts", ack.directive_id, ack.phase.value, attempts)

@@ -1,0 +1,277 @@
+"""A complete data-parallel training job that embeds the migrator, and a launcher for it.
+
+`run_worker(spec)` is one process of the job (a rank or a warm spare): it trains a small MLP with
+dropout (so RNG state matters) and Adam with a step LR schedule on synthetic data whose batch is a
+pure function of (seed, step, rank), so an undisturbed run and a migrated one see the same data order.
+It writes what it did to `<out_dir>/<role>-<name>-<pid>.json`: its pid, the steps it ran with their
+losses, a SHA-256 of the parameters after every world change and at the end, and the world changes.
+
+`launch(...)` hosts the job's TCPStore in the launcher (so the store is on no node that may be
+evacuated), starts the ranks and spares with multiprocessing's forkserver (torch imported once), waits
+for them and returns their results. The demo and the proof tests use it; from a shell:
+
+    python -m foreshock.migrator.example --service 127.0.0.1:50051 --job-id demo \
+        --nodes node-00,node-01,node-02,node-03 --spares node-04 --steps 400 --out /tmp/demo-job
+
+Each process gets its identity the way torchrun passes it (FORESHOCK_RANK, FORESHOCK_NODE, ...; see
+foreshock.migrator.config), so the same `run_worker` also works under a real launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("foreshock.migrator.example")
+
+
+class DataPosition:
+    """The data loader's position: which step's batch comes next. Per rank (not replicated)."""
+
+    def __init__(self) -> None:
+        self.next_step = 0
+        self.samples_seen = 0
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
+        self.samples_seen = int(state["samples_seen"])
+
+
+def hidden_for(params: int, inputs: int = 32, outputs: int = 8) -> int:
+    # 3 layers: in*h + h + h*h + h + h*out + out ~= params
+    a, b, c = 1.0, inputs + outputs + 2.0, outputs - params
+    return max(4, int((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
+
+
+def build(params: int, seed: int, inputs: int = 32, outputs: int = 8, lr: float = 1e-3):
+    import torch
+    torch.manual_seed(seed)
+    h = hidden_for(params, inputs, outputs)
+    model = torch.nn.Sequential(torch.nn.Linear(inputs, h), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, outputs))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=25, gamma=0.9)
+    return model, optimizer, scheduler
+
+
+def batch(seed: int, step: int, rank: int, size: int = 16, inputs: int = 32, outputs: int = 8):
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+    x = torch.randn(size, inputs, generator=g)
+    y = torch.randn(size, outputs, generator=g)
+    return x, y
+
+
+def param_hash(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_worker(spec: dict) -> int:
+    """One process of the demo job. `spec`: env (FORESHOCK_* for this process), steps, out_dir,
+    params, seed, step_sleep_s, progress (write the lead's step to the store)."""
+    os.environ.update(spec.get("env", {}))
+    logging.basicConfig(level=spec.get("log_level", "WARNING"),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    import torch
+    torch.set_num_threads(1)
+    from foreshock.migrator import Migrator, MigratorConfig
+
+    config = MigratorConfig.from_env()
+    seed, steps = int(spec.get("seed", 0)), int(spec["steps"])
+    model, optimizer, scheduler = build(int(spec.get("params", 2000)), seed)
+    position = DataPosition()
+    # rank-local RNG (dropout masks differ per rank); a spare inherits its predecessor's
+    torch.manual_seed(seed + 7919 * max(config.rank, 0) + 1)
+    mig = Migrator(config, model=model, optimizer=optimizer, scheduler=scheduler,
+                   per_rank={"data": position})
+    name = f"rank{config.rank}" if config.role == "rank" else f"spare-{config.node}"
+    record: dict[str, Any] = {"pid": os.getpid(), "role": config.role, "node": config.node, "name": name,
+                              "losses": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
+    out = Path(spec["out_dir"]) / f"{config.role}-{name}-{os.getpid()}.json"
+    progress_key = f"foreshock/{config.job_id}/progress"
+    code = 0
+    try:
+        if not mig.start():
+            record["exit"] = "released"
+            return 0
+        record["joined_at_step"] = mig.step
+        if config.role == "spare":
+            record["hashes"][str(mig.step)] = param_hash(model)
+        sleep = float(spec.get("step_sleep_s", 0.0))
+        loss_fn = torch.nn.MSELoss()
+        while mig.step < steps:
+            if position.next_step != mig.step:
+                raise RuntimeError(f"data position {position.next_step} != step {mig.step}")
+            x, y = batch(seed, mig.step, mig.rank)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(mig.model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            position.next_step += 1
+            position.samples_seen += x.shape[0]
+            record["losses"][str(mig.step)] = loss.item()
+            record["ranks"][str(mig.step)] = mig.rank
+            change = mig.end_step()
+            if change:
+                record["changes"].append({"kind": change.kind, "directive": change.directive_id,
+                                          "step": mig.step, "leave": change.leave, "rank": change.rank,
+                                          "world": change.world_size, "generation": change.generation,
+                                          "phases": change.phases, "reason": change.reason,
+                                          "pause_s": mig.last_pause_s, "checkpoint": change.checkpoint})
+                if change.leave:
+                    record["exit"] = change.kind
+                    code = 3 if change.kind == "checkpoint_exit" else 0
+                    return code
+                record["hashes"][str(mig.step)] = param_hash(model)
+            if spec.get("progress") and mig.is_lead:
+                mig._store.set(progress_key, str(mig.step))
+            if sleep:
+                time.sleep(sleep)
+        record["hashes"][str(mig.step)] = param_hash(model)
+        record["exit"] = "finished"
+        record["final"] = {"rank": mig.rank, "world": mig.world_size, "generation": mig.generation,
+                           "redelivered": mig.book.redelivered,
+                           "history_phases": [c.phases for c in mig.history]}
+        if mig._client is not None:
+            record["final"]["deliveries"] = mig._client.deliveries
+        return 0
+    finally:
+        try:
+            mig.close(finished=record["exit"] == "finished")
+        finally:
+            record["finished_at"] = time.time()
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(out)
+
+
+def _worker_entry(spec: dict) -> None:
+    sys.exit(run_worker(spec))
+
+
+class Job:
+    """A launched job: its processes, the store it hosts, and where results go."""
+
+    def __init__(self, store, processes: dict[str, Any], out_dir: Path, job_id: str) -> None:
+        self.store, self.processes, self.out_dir, self.job_id = store, processes, out_dir, job_id
+
+    def progress(self) -> int:
+        key = f"foreshock/{self.job_id}/progress"
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def wait_progress(self, step: int, timeout: float = 60.0) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            p = self.progress()
+            if p >= step:
+                return p
+            if all(not p.is_alive() for p in self.processes.values()):
+                break
+            time.sleep(0.01)
+        raise TimeoutError(f"job {self.job_id} did not reach step {step} (at {self.progress()})")
+
+    def wait(self, timeout: float = 120.0) -> dict[str, int]:
+        end = time.monotonic() + timeout
+        for p in self.processes.values():
+            p.join(max(0.0, end - time.monotonic()))
+        codes = {}
+        for name, p in self.processes.items():
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+            codes[name] = p.exitcode
+        return codes
+
+    def results(self) -> list[dict]:
+        return [json.loads(f.read_text()) for f in sorted(self.out_dir.glob("*.json"))]
+
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "foreshock.migrator.world"])
+    return _CTX
+
+
+def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_dir: str | os.PathLike,
+           service: str = "", token: str = "", params: int = 2000, seed: int = 0, step_sleep_s: float = 0.0,
+           fallback: str = "shrink", env: dict[str, str] | None = None,
+           spare_env: dict[str, str] | None = None, transfer_timeout_s: float = 30.0,
+           log_level: str = "WARNING") -> Job:
+    """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=transfer_timeout_s))
+    common = {"FORESHOCK_JOB_ID": job_id, "FORESHOCK_STORE": f"127.0.0.1:{store.port}",
+              "FORESHOCK_WORLD_SIZE": str(len(nodes)), "FORESHOCK_SERVICE": service,
+              "FORESHOCK_TOKEN": token, "FORESHOCK_SPARE_NODES": ",".join(spares),
+              "FORESHOCK_FALLBACK": fallback, "FORESHOCK_CHECKPOINT_DIR": str(out / "checkpoints"),
+              "FORESHOCK_TRANSFER_TIMEOUT_S": str(transfer_timeout_s),
+              "FORESHOCK_REPORT_INTERVAL_S": "0.1", "FORESHOCK_SPARE_HEARTBEAT_S": "0.2",
+              "FORESHOCK_STANDBY_POLL_S": "0.05", **(env or {})}
+    base = {"steps": steps, "out_dir": str(out), "params": params, "seed": seed,
+            "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level}
+    ctx = _context()
+    procs = {}
+    for node in spares:
+        e = {**common, "FORESHOCK_ROLE": "spare", "FORESHOCK_NODE": node, "FORESHOCK_RANK": "-1",
+             **(spare_env or {})}
+        procs[f"spare-{node}"] = ctx.Process(target=_worker_entry, args=({**base, "env": e},),
+                                             name=f"{job_id}-spare-{node}")
+    for rank, node in enumerate(nodes):
+        e = {**common, "FORESHOCK_ROLE": "rank", "FORESHOCK_NODE": node, "FORESHOCK_RANK": str(rank)}
+        procs[f"rank{rank}"] = ctx.Process(target=_worker_entry, args=({**base, "env": e},),
+                                           name=f"{job_id}-rank{rank}")
+    for p in procs.values():
+        p.start()
+    return Job(store, procs, out, job_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m foreshock.migrator.example", description=__doc__.split("\n")[0])
+    ap.add_argument("--service", default=os.environ.get("FORESHOCK_SERVICE", ""))
+    ap.add_argument("--token", default=os.environ.get("FORESHOCK_TOKEN", ""))
+    ap.add_argument("--job-id", default="demo")
+    ap.add_argument("--nodes", default="node-00,node-01,node-02,node-03")
+    ap.add_argument("--spares", default="node-04")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--params", type=int, default=2000)
+    ap.add_argument("--step-sleep", type=float, default=0.05)
+    ap.add_argument("--fallback", choices=["shrink", "checkpoint_exit"], default="shrink")
+    ap.add_argument("--out", default="foreshock-demo-job")
+    args = ap.parse_args(argv)
+    job = launch(args.job_id, args.nodes.split(","), [s for s in args.spares.split(",") if s],
+                 steps=args.steps, out_dir=args.out, service=args.service, token=args.token,
+                 params=args.params, step_sleep_s=args.step_sleep, fallback=args.fallback, log_level="INFO")
+    codes = job.wait(timeout=24 * 3600)
+    for r in job.results():
+        print(f"{r['name']:>16} pid {r['pid']:>7} exit {r['exit']:<16} steps "
+              f"{min(map(int, r['losses']), default='-')}..{max(map(int, r['losses']), default='-')}")
+    return 0 if all(c in (0, 3) for c in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+"""The PyTorch side of the migrator: one training world per generation, and the switch between them.
+
+Every process of the job (ranks and warm spares) runs the same script and builds a Migrator around its
+model, optimizer and scheduler. Generation g's default process group is built on
+PrefixStore("<job>/world/g<g>") of the job's TCPStore; each switch uses a fresh prefix, because a reused
+one hands out stale addresses and hangs. At each step boundary `end_step()` reads the agreement (three
+extra elements in the first gradient bucket's all-reduce, via a DDP communication hook; a separate tiny
+all-reduce when no backward ran), and on an agreed directive whose step has come:
+
+1. plan: the coordinator (the lowest rank off the leaving node, which is also the state source) claims
+   the switch for (generation, step), picks live spares from the standby registry in the store (their
+   heartbeats are fresh), falls back to the job's policy when there are none, and publishes the plan;
+2. transfer (evacuate only): the coordinator, the leaving ranks and the spares form a short-lived gloo
+   group on a fresh prefix; the coordinator sends the replicated state (model, optimizer, scheduler,
+   registered replicated objects, step, generation, directives done), each leaving rank, still alive,
+   sends its own rank-local state (RNG states, per-rank objects such as the data position) to the
+   spare that replaces it; each spare confirms in the store;
+3. commit or abort: the coordinator publishes the outcome. On commit the leaving ranks return
+   `leave=True`, everyone else destroys the old group, joins generation g+1, and re-wraps the model in
+   DistributedDataParallel (which holds its process group). On abort (a spare died, a timeout) nothing
+   of the old world was touched: training goes on in it and the directive is reported failed.
+
+Upstream torch 2.13 cannot reconfigure a process group (and gloo cannot shrink one), so a new world is
+always destroy + init on a new prefix store, as torchft does; NCCL follows the same path with
+backend="nccl" (the state transfer group stays gloo on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from foreshock.migrator.config import MigratorConfig
+from foreshock.migrator.directives import (Ack, AckPhase, Directive, DirectiveBook, DirectiveKind,
+                                           DirectiveSource)
+from foreshock.migrator.transfer import load_checkpoint, recv_state, save_checkpoint, send_state
+
+log = logging.getLogger("foreshock.migrator")
+
+LOCAL_TAG = 1 << 20
+
+
+@dataclasses.dataclass
+class WorldChange:
+    """What `end_step` tells the loop. `leave`: this process must stop training now."""
+    kind: str = "none"               # none | evacuate | shrink | checkpoint_exit | failed | rejected
+    directive_id: str = ""
+    leave: bool = False
+    rank: int = -1
+    world_size: int = 0
+    generation: int = 0
+    checkpoint: str = ""
+    reason: str = ""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.kind != "none"
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class Migrator:
+    """Moves this job's ranks to warm spares at step boundaries. See docs/migrator.md."""
+
+    def __init__(self, config: MigratorConfig | None = None, *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                 replicated: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
+                 source: DirectiveSource | None = None, backend: str = "gloo", wrap_ddp: bool = True,
+                 ddp_kwargs: dict | None = None, store: Any = None) -> None:
+        self.config = config or MigratorConfig.from_env()
+        self.module = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.replicated = dict(replicated or {})
+        self.per_rank = dict(per_rank or {})
+        self.backend = backend
+        self.wrap_ddp = wrap_ddp
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.rank = self.config.rank if self.config.role == "rank" else -1
+        self.world_size = self.config.world_size if self.config.role == "rank" else 0
+        self.generation = 0
+        self.step = 0
+        self.placement: dict[int, str] = {}
+        self.book = DirectiveBook()
+        self.history: list[WorldChange] = []
+        self.last_pause_s = 0.0
+        self._ddp: DistributedDataParallel | None = None
+        self._p = f"foreshock/{self.config.job_id}/"
+        self._store = store
+        self._own_source = source is None
+        self._source: DirectiveSource | None = source
+        self._client = None
+        self._summed: list[float] | None = None
+        self._summed_cand: Directive | None = None
+        self._accepted: set[str] = set()
+        self._completing: tuple[Directive, float, dict] | None = None
+        self._step_t = time.monotonic()
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+
+    # --- public surface ----------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model to call in the loop (DDP-wrapped in the current world); re-read it every step."""
+        return self._ddp if self._ddp is not None else self.module
+
+    @property
+    def is_lead(self) -> bool:
+        return self.rank == 0
+
+    def start(self) -> bool:
+        """Join the job: a rank joins generation 0; a spare waits in standby until it is given a
+        rank (True) or the job ends (False)."""
+        self._connect_store()
+        if self.config.role == "spare":
+            return self._standby()
+        self._init_world(self.generation, self.rank, self.world_size)
+        self._store.set(f"{self._p}node/g0/{self.rank}", self.config.node)
+        nodes = self._store.multi_get([f"{self._p}node/g0/{r}" for r in range(self.world_size)])
+        self.placement = {r: n.decode() for r, n in enumerate(nodes)}
+        self._open_source()
+        if self.is_lead and self._client is not None:
+            self._client.register(self.placement, self.config.spare_nodes, current_step=self.step,
+                                  fallback=self.config.fallback)
+        self._wrap()
+        self._step_t = time.monotonic()
+        return True
+
+    def end_step(self, loss: float | None = None) -> WorldChange:
+        """Call once after every optimizer step, on every rank. Never raises for service trouble."""
+        now = time.monotonic()
+        step_s, self._step_t = now - self._step_t, now
+        self.step += 1
+        change = WorldChange(rank=self.rank, world_size=self.world_size, generation=self.generation)
+        if self._completing is not None:
+            self._finish_completion()
+        if self.is_lead and self._client is not None:
+            self._client.report_step(self.step, step_s)
+        summed, cand = self._summed, self._summed_cand
+        self._summed = self._summed_cand = None
+        if summed is None:
+            ctrl, cand = self.book.control(self.step)
+            t = torch.tensor(ctrl, dtype=torch.float64)
+            dist.all_reduce(t)
+            summed = t.tolist()
+        agreed, go = DirectiveBook.decide(summed, self.world_size, cand)
+        if agreed is not None and agreed.directive_id not in self._accepted:
+            self._accepted.add(agreed.directive_id)
+            if self._is_switch_coordinator(agreed):
+                seen = self.book.first_seen.get(agreed.directive_id, now)
+                self._ack(agreed, AckPhase.ACCEPTED, phase_seconds=time.monotonic() - seen,
+                          reason=f"all {self.world_size} ranks agree; switching at step "
+                                 f"{max(agreed.at_step, self.step)}")
+        if agreed is not None and go:
+            change = self._switch(agreed)
+            self.history.append(change)
+        self._drain()
+        self._step_t = time.monotonic()
+        return change
+
+    def close(self, *, finished: bool = True) -> None:
+        """Leave the job. `finished`: training is over (the lead deregisters and releases the spares)."""
+        if self._closed:
+            return
+        self._closed = True
+        if finished and self.is_lead and self._store is not None:
+            try:
+                self._store.set(f"{self._p}released", "1")
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not release spares: %s", exc)
+        if self._client is not None:
+            self._client.close(deregister=finished and self.is_lead)
+        elif self._source is not None and self._own_source:
+            self._source.close()
+        self._heartbeat_stop.set()
+        self._ddp = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def restore(self, checkpoint: str | os.PathLike) -> None:
+        """Load a just-in-time checkpoint written by the checkpoint_exit fallback (this rank's files)."""
+        base = Path(checkpoint)
+        self._load_replicated(load_checkpoint(base))
+        local = base.with_name(f"{base.name}.rank{self.rank}")
+        if local.exists():
+            self._load_local(load_checkpoint(local))
+
+    # --- state ------------------------------------------------------------------------------
+    def replicated_state(self) -> dict:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "objects": {k: v.state_dict() for k, v in self.replicated.items()},
+            "migrator": {"step": self.step, "generation": self.generation,
+                         "done": sorted(self.book.done), "placement": {str(k): v for k, v in self.placement.items()}},
+        }
+
+    def local_state(self) -> dict:
+        state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                 "objects": {k: v.state_dict() for k, v in self.per_rank.items()}}
+        try:
+            import numpy as np
+            name, keys, pos, has_gauss, cached = np.random.get_state()
+            state["numpy_rng"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")),
+                                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        except ImportError:
+            pass
+        return state
+
+    def _load_replicated(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for k, v in state["objects"].items():
+            if k in self.replicated:
+                self.replicated[k].load_state_dict(v)
+        m = state["migrator"]
+        self.step = int(m["step"])
+        self.generation = int(m["generation"])
+        self.book = DirectiveBook(done=m["done"])
+        self.placement = {int(k): v for k, v in m["placement"].items()}
+
+    def _load_local(self, state: dict) -> None:
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if "numpy_rng" in state:
+            import numpy as np
+            n = state["numpy_rng"]
+            np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
+                                 n["cached"]))
+        for k, v in state["objects"].items():
+            if k in self.per_rank:
+                self.per_rank[k].load_state_dict(v)
+
+    # --- plumbing -------------------------------------------------------------------------
+    def _connect_store(self) -> None:
+        if self._store is None:
+            self._store = dist.TCPStore(self.config.store_host, self.config.store_port,
+                                        is_master=self.config.host_store,
+                                        timeout=_td(self.config.transfer_timeout_s), wait_for_workers=False)
+
+    def _open_source(self) -> None:
+        if self._source is None:
+            if self.config.service:
+                from foreshock.migrator.client import ServiceClient
+                self._client = ServiceClient(self.config)
+                self._source = self._client
+            else:
+                # no control plane: directives may still be published in the job's own store
+                self._source = StoreDirectiveSource(self._store, self.config.job_id)
+        elif hasattr(self._source, "watch") and hasattr(self._source, "register"):
+            self._client = self._source
+        if self._client is not None:
+            self._client.watch(self.rank)
+
+    def _drain(self) -> None:
+        try:
+            for d in self._source.poll():
+                if d.directive_id in self.book.done and not d.cancelled:
+                    log.info("directive %s delivered again; already acted on", d.directive_id)
+                self.book.offer(d)
+        except Exception as exc:  # noqa: BLE001 - a broken source must not stop training
+            log.warning("directive source failed: %r", exc)
+
+    def _ack(self, d: Directive, phase: AckPhase, reason: str = "", phase_seconds: float = 0.0) -> None:
+        if self._source is None:
+            return
+        try:
+            self._source.ack(Ack(d.directive_id, self.rank, phase, reason, phase_seconds))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("ack failed: %r", exc)
+
+    def _init_world(self, generation: int, rank: int, world_size: int) -> None:
+        prefix = dist.PrefixStore(f"{self._p}world/g{generation}/", self._store)
+        dist.init_process_group(self.backend, store=prefix, rank=rank, world_size=world_size,
+                                timeout=_td(self.config.transfer_timeout_s))
+
+    def _wrap(self, sync: bool = True) -> None:
+        if not self.wrap_ddp:
+            return
+        self._ddp = DistributedDataParallel(self.module, init_sync=sync, **self.ddp_kwargs)
+        self._ddp.register_comm_hook(self, _agreement_hook)
+
+    def _control_for_hook(self) -> tuple[list[float], Directive | None]:
+        return self.book.control(self.step + 1)
+
+    def _is_switch_coordinator(self, d: Directive) -> bool:
+        return self.rank == self._coordinator_for(d)
+
+    def _coordinator_for(self, d: Directive) -> int | None:
+        for r in range(self.world_size):
+            if r not in d.ranks and (not d.from_node or self.placement.get(r) != d.from_node):
+                return r
+        return None
+
+    def _finish_completion(self) -> None:
+        d, t0, phases = self._completing
+        self._completing = None
+        phases["first_step"] = time.monotonic() - t0 - sum(phases.values())
+        total = time.monotonic() - t0
+        self._ack(d, AckPhase.COMPLETED, phase_seconds=total,
+                  reason=" ".join(f"{k}={v:.4f}s" for k, v in phases.items()))
+        if self.history:
+            self.history[-1].phases["first_step"] = phases["first_step"]
+            self.history[-1].phases["total_to_first_step"] = total
+
+    # --- the switch ---------------------------------------------------------------------------
+    def _switch(self, d: Directive) -> WorldChange:
+        t0 = time.monotonic()
+        phases: dict[str, float] = {"agreement": t0 - self.book.first_seen.get(d.directive_id, t0)}
+        key = f"{self._p}plan/g{self.generation}/s{self.step}"
+        me_coord = self._is_switch_coordinator(d)
+        if me_coord and self._store.add(f"{key}/claim", 1) == 1:
+            plan = self._make_plan(d)
+            for sp in plan.get("spares", []):
+                self._store.set(f"{self._p}assign/{sp['node']}/{sp['slot']}", json.dumps(plan))
+            self._store.set(key, json.dumps(plan))
+        try:
+            plan = json.loads(self._store.get(key))
+        except Exception as exc:  # noqa: BLE001
+            # no plan in time: the coordinator is gone; the old world is broken anyway
+            log.error("no switch plan for %s: %r", d.directive_id, exc)
+            self.book.finish(d.directive_id)
+            return WorldChange("failed", d.directive_id, rank=self.rank, world_size=self.world_size,
+                               generation=self.generation, reason=f"no plan: {exc!r}")
+        phases["plan"] = time.monotonic() - t0
+        did = plan["directive_id"]
+        self.book.finish(did)
+        if did != d.directive_id:
+            self.book.finish(d.directive_id)
+        coordinator = plan["coordinator"] == self.rank
+        if plan["kind"] == "rejected":
+            if coordinator:
+                self._ack(d, AckPhase.FAILED, reason=plan["reason"])
+            return WorldChange("rejected", did, rank=self.rank, world_size=self.world_size,
+                               generation=self.generation, reason=plan["reason"], phases=phases)
+        if plan["kind"] == "checkpoint_exit":
+            return self._checkpoint_exit(d, plan, phases, t0)
+        if plan["kind"] == "evacuate":
+            outcome = self._transfer_as_member(plan, phases)
+            if not outcome.startswith("commit"):
+                reason = outcome.partition(":")[2].strip() or outcome
+                if coordinator:
+                    self._ack(d, AckPhase.FAILED, reason=f"transfer aborted: {reason}; "
+                              f"rank(s) {plan['leaving']} stay", phase_seconds=time.monotonic() - t0)
+                self.last_pause_s = time.monotonic() - t0
+                return WorldChange("failed", did, rank=self.rank, world_size=self.world_size,
+                                   generation=self.generation, reason=reason, phases=phases)
+            if coordinator:
+                self._ack(d, AckPhase.STATE_TRANSFERRED, phase_seconds=phases.get("transfer", 0.0),
+                          reason=f"{plan.get('bytes', 0)} bytes to {[s['node'] for s in plan['spares']]}")
+        leaving = self.rank in plan["leaving"]
+        if leaving:
+            self._ddp = None
+            dist.destroy_process_group()
+            self.last_pause_s = time.monotonic() - t0
+            change = WorldChange(plan["kind"], did, leave=True, rank=self.rank, world_size=plan["world"],
+                                 generation=plan["gen"], reason=plan["reason"], phases=phases)
+            self.close(finished=False)
+            return change
+        t1 = time.monotonic()
+        self._enter_world(plan, new_rank=int(plan["rank_map"][str(self.rank)]))
+        phases["reform"] = time.monotonic() - t1
+        self.last_pause_s = time.monotonic() - t0
+        if coordinator:
+            # the coordinator keeps its rank in both kinds of switch; COMPLETED goes after the next step
+            self._completing = (d, t0 - phases["agreement"], dict(phases))
+        return WorldChange(plan["kind"], did, rank=self.rank, world_size=self.world_size,
+                           generation=self.generation, reason=plan["reason"], phases=phases)
+
+    def _make_plan(self, d: Directive) -> dict:
+        w = self.world_size
+        base = {"directive_id": d.directive_id, "gen": self.generation + 1, "step": self.step,
+                "coordinator": self.rank, "leaving": [], "spares": [], "reason": d.reason}
+        bad = [r for r in d.ranks if not 0 <= r < w]
+        wrong_node = [r for r in d.ranks if d.from_node and self.placement.get(r) != d.from_node]
+        if not d.ranks or bad or wrong_node:
+            return {**base, "kind": "rejected",
+                    "reason": f"directive ranks {list(d.ranks)} do not match placement "
+                              f"{self.placement} (from_node {d.from_node!r})"}
+        leaving = sorted(set(d.ranks))
+        if d.from_node:
+            # every rank of the leaving node leaves together
+            leaving = sorted(set(leaving) | {r for r, n in self.placement.items() if n == d.from_node})
+        base["leaving"] = leaving
+        kind = {DirectiveKind.EVACUATE: "evacuate", DirectiveKind.SHRINK: "shrink",
+                DirectiveKind.CHECKPOINT_EXIT: "checkpoint_exit"}[d.kind]
+        if kind == "evacuate":
+            spares = self._claim_spares(d.to_node, len(leaving))
+            if spares is None:
+                kind = self.config.fallback
+                base["reason"] = (f"{d.reason}; no spare in standby on {d.to_node or 'any node'}: "
+                                  f"fallback {kind}")
+            else:
+                base["spares"] = [{**s, "replaces": r, "transfer_rank": 1 + len(leaving) + j}
+                                  for j, (s, r) in enumerate(zip(spares, leaving))]
+        if kind == "shrink" and len(leaving) >= w:
+            return {**base, "kind": "rejected", "reason": "shrink would leave no rank"}
+        base["kind"] = kind
+        if kind == "evacuate":
+            base["rank_map"] = {str(r): r for r in range(w) if r not in leaving}
+            base["world"] = w
+            base["placement"] = {str(r): (self.placement[r] if r not in leaving else
+                                          next(s["node"] for s in base["spares"] if s["replaces"] == r))
+                                 for r in range(w)}
+        else:
+            stay = [r for r in range(w) if r not in leaving]
+            base["rank_map"] = {str(r): i for i, r in enumerate(stay)}
+            base["world"] = len(stay)
+            base["placement"] = {str(i): self.placement[r] for i, r in enumerate(stay)}
+        return base
+
+    def _claim_spares(self, node: str, count: int) -> list[dict] | None:
+        nodes = [node] if node else list(self.config.spare_nodes)
+        found = []
+        stale_after = 4 * self.config.spare_heartbeat_s + 1.0
+        for n in nodes:
+            total = self._store.add(f"{self._p}standby/{n}/count", 0)
+            for slot in range(total):
+                k = f"{self._p}standby/{n}/{slot}"
+                if not self._store.check([f"{k}/beat"]):
+                    continue
+                beat = float(self._store.get(f"{k}/beat"))
+                if time.time() - beat > stale_after:
+                    continue
+                if self._store.add(f"{k}/claim", 1) != 1:
+                    continue
+                info = json.loads(self._store.get(k))
+                found.append({"node": n, "slot": slot, "pid": info.get("pid")})
+                if len(found) == count:
+                    return found
+        for s in found:   # not enough: give back what was claimed
+            self._store.add(f"{self._p}standby/{s['node']}/{s['slot']}/claim", -1)
+        return None
+
+    def _transfer_as_member(self, plan: dict, phases: dict) -> str:
+        """Run this process's part of the state transfer; returns the published outcome."""
+        did, gen = plan["directive_id"], plan["gen"]
+        okey = f"{self._p}outcome/{did}"
+        leaving = plan["leaving"]
+        t = time.monotonic()
+        coordinator = plan["coordinator"] == self.rank
+        if coordinator:
+            outcome = "commit"
+            try:
+                size = 1 + 2 * len(leaving)
+                pg = self._transfer_group(did, gen, 0, size)
+                state = self.replicated_state()
+                state["migrator"]["generation"] = gen
+                state["migrator"]["placement"] = plan["placement"]
+                total = 0
+                for sp in plan["spares"]:
+                    total += send_state(pg, state, sp["transfer_rank"], 0)
+                plan["bytes"] = total
+                self._await_spares(plan)
+            except Exception as exc:  # noqa: BLE001
+                outcome = f"abort: {exc}".replace("\n", " ")[:500]
+                log.warning("state transfer for %s aborted: %s", did, outcome)
+            self._store.set(okey, outcome)
+        elif self.rank in leaving:
+            try:
+                i = leaving.index(self.rank)
+                pg = self._transfer_group(did, gen, 1 + i, 1 + 2 * len(leaving))
+                sp = next(s for s in plan["spares"] if s["replaces"] == self.rank)
+                send_state(pg, self.local_state(), sp["transfer_rank"], LOCAL_TAG)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sending local state for %s failed: %r", did, exc)
+        try:
+            outcome = self._store.get(okey).decode()
+        except Exception as exc:  # noqa: BLE001
+            outcome = f"abort: no outcome: {exc}"
+        phases["transfer"] = time.monotonic() - t
+        return outcome
+
+    def _transfer_group(self, did: str, gen: int, rank: int, size: int):
+        store = dist.PrefixStore(f"{self._p}xfer/g{gen}/{did}/", self._store)
+        return dist.ProcessGroupGloo(store, rank, size, _td(self.config.transfer_timeout_s))
+
+    def _await_spares(self, plan: dict) -> None:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        stale_after = 4 * self.config.spare_heartbeat_s + 1.0
+        for sp in plan["spares"]:
+            k = f"{self._p}standby/{sp['node']}/{sp['slot']}"
+            while True:
+                # check-and-sleep, not wait(timeout): c10d logs every timed-out wait as a warning
+                if self._store.check([f"{k}/received"]):
+                    break
+                time.sleep(0.002)
+                if time.time() - float(self._store.get(f"{k}/beat")) > stale_after:
+                    raise RuntimeError(f"spare {sp['node']} (pid {sp['pid']}) stopped during the transfer")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"spare {sp['node']} did not confirm within "
+                                       f"{self.config.transfer_timeout_s}s")
+
+    def _enter_world(self, plan: dict, new_rank: int) -> None:
+        self._ddp = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation = int(plan["gen"])
+        self.rank, self.world_size = new_rank, int(plan["world"])
+        self.placement = {int(k): v for k, v in plan["placement"].items()}
+        self._init_world(self.generation, self.rank, self.world_size)
+        self._wrap(sync=False)
+        if self._client is not None:
+            self._client.watch(self.rank)
+
+    def _checkpoint_exit(self, d: Directive, plan: dict, phases: dict, t0: float) -> WorldChange:
+        directory = Path(self.config.checkpoint_dir or "foreshock-checkpoints")
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.config.job_id}-step{self.step}.ckpt"
+        coordinator = plan["coordinator"] == self.rank
+        error = ""
+        try:
+            if coordinator:
+                save_checkpoint(path, self.replicated_state())
+            save_checkpoint(path.with_name(f"{path.name}.rank{self.rank}"), self.local_state())
+            dist.barrier()
+        except Exception as exc:  # noqa: BLE001
+            error = repr(exc)
+        phases["checkpoint"] = time.monotonic() - t0 - sum(phases.values())
+        if coordinator:
+            if error:
+                self._ack(d, AckPhase.FAILED, reason=f"checkpoint failed: {error}")
+            else:
+                self._ack(d, AckPhase.COMPLETED, phase_seconds=time.monotonic() - t0,
+                          reason=f"{plan['reason']}; checkpoint {path} at step {self.step}; job exits")
+        change = WorldChange("checkpoint_exit", plan["directive_id"], leave=True, rank=self.rank,
+                             world_size=self.world_size, generation=self.generation, checkpoint=str(path),
+                             reason=error or plan["reason"], phases=phases)
+        self.close(finished=False)
+        return change
+
+    # --- standby (spares) -----------------------------------------------------------------
+    def _standby(self) -> bool:
+        node = self.config.node
+        self._start_heartbeat()
+        while True:
+            slot = self._store.add(f"{self._p}standby/{node}/count", 1) - 1
+            k = f"{self._p}standby/{node}/{slot}"
+            self._hb_key = f"{k}/beat"
+            self._store.set(self._hb_key, repr(time.time()))
+            self._store.set(k, json.dumps({"pid": os.getpid(), "node": node}))
+            assign = f"{self._p}assign/{node}/{slot}"
+            while not self._store.check([assign]):
+                if self._store.check([f"{self._p}released"]):
+                    self._heartbeat_stop.set()
+                    return False
+                time.sleep(self.config.standby_poll_s)
+            plan = json.loads(self._store.get(assign))
+            if self._join(plan, slot):
+                return True
+            log.info("switch %s aborted; back to standby", plan["directive_id"])
+
+    def _start_heartbeat(self) -> None:
+        store = dist.TCPStore(self.config.store_host, self.config.store_port, is_master=False,
+                              timeout=_td(self.config.transfer_timeout_s), wait_for_workers=False)
+        self._hb_key = ""
+
+        def beat() -> None:
+            while not self._heartbeat_stop.wait(self.config.spare_heartbeat_s):
+                if self._hb_key:
+                    try:
+                        store.set(self._hb_key, repr(time.time()))
+                    except Exception:  # noqa: BLE001
+                        pass
+
+        self._heartbeat = threading.Thread(target=beat, name="foreshock-spare-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _join(self, plan: dict, slot: int) -> bool:
+        did = plan["directive_id"]
+        me = next(s for s in plan["spares"] if s["node"] == self.config.node and s["slot"] == slot)
+        k = f"{self._p}standby/{self.config.node}/{slot}"
+        try:
+            pg = self._transfer_group(did, plan["gen"], me["transfer_rank"], 1 + 2 * len(plan["leaving"]))
+            replicated = recv_state(pg, 0, 0, on_message=_transfer_fault_hook)
+            i = plan["leaving"].index(me["replaces"])
+            local = recv_state(pg, 1 + i, LOCAL_TAG)
+            self._load_replicated(replicated)
+            self._load_local(local)
+            self._store.set(f"{k}/received", "1")
+        except Exception as exc:  # noqa: BLE001
+            log.warning("receiving state for %s failed: %r", did, exc)
+            return False
+        try:
+            outcome = self._store.get(f"{self._p}outcome/{did}").decode()
+        except Exception:  # noqa: BLE001
+            return False
+        if not outcome.startswith("commit"):
+            return False
+        self.book.finish(did)
+        self._open_source_for(me["replaces"])
+        self._enter_world(plan, new_rank=me["replaces"])
+        self._step_t = time.monotonic()
+        return True
+
+    def _open_source_for(self, rank: int) -> None:
+        self.rank = rank
+        self._open_source()
+
+
+def _transfer_fault_hook(message: int, total: int) -> None:
+    """Fault injection for the proof tests and the demo: FORESHOCK_MIGRATOR_FAULT=spare_dies_in_transfer
+    makes a spare kill itself (SIGKILL, no clean-up) after the first message of the state arrives."""
+    if os.environ.get("FORESHOCK_MIGRATOR_FAULT") == "spare_dies_in_transfer":
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they are strings here
+    """DDP communication hook: the default sum-then-average, with the agreement vector riding along in
+    bucket 0 when its dtype keeps the control values exact."""
+    buf = bucket.buffer()
+    world = mig.world_size
+    if bucket.index() != 0 or buf.dtype not in (torch.float32, torch.float64):
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(world))
+    ctrl, cand = mig._control_for_hook()
+    ext = torch.cat([buf, torch.tensor(ctrl, dtype=buf.dtype)])
+    n = buf.numel()
+    fut = dist.all_reduce(ext, async_op=True).get_future()
+
+    def done(f):
+        out = f.value()[0]
+        mig._summed = out[n:].tolist()
+        mig._summed_cand = cand
+        return buf.copy_(out[:n]).div_(world)
+
+    return fut.then(done)
+
+
+class StoreDirectiveSource:
+    """Directives published in the job's own TCPStore (by a launcher, an operator tool, a benchmark):
+    `publish_directive(store, job_id, directive)`; acknowledgements are kept in `acks` and mirrored to
+    the store. A source for jobs without a control plane, and for measuring the switch without gRPC."""
+
+    def __init__(self, store, job_id: str) -> None:
+        self._store = store
+        self._p = f"foreshock/{job_id}/directives/"
+        self._seen = 0
+        self.acks: list[Ack] = []
+
+    def poll(self) -> list[Directive]:
+        try:
+            count = self._store.add(f"{self._p}count", 0)
+            out = []
+            while self._seen < count:
+                raw = json.loads(self._store.get(f"{self._p}{self._seen}"))
+                self._seen += 1
+                raw["kind"] = DirectiveKind(raw["kind"])
+                raw["ranks"] = tuple(raw["ranks"])
+                out.append(Directive(**raw))
+            return out
+        except Exception as exc:  # noqa: BLE001
+            log.warning("store directive source: %r", exc)
+            return []
+
+    def ack(self, ack: Ack) -> None:
+        self.acks.append(ack)
+        try:
+            self._store.set(f"{self._p}ack/{ack.directive_id}/{ack.phase.value}",
+                            json.dumps(dataclasses.asdict(ack), default=lambda v: v.value))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("store directive source ack: %r", exc)
+
+    def close(self) -> None:
+        pass
+
+
+def publish_directive(store, job_id: str, directive: Directive) -> None:
+    p = f"foreshock/{job_id}/directives/"
+    raw = dataclasses.asdict(directive)
+    raw["kind"] = directive.kind.value
+    index = store.add(f"{p}next", 1) - 1
+    store.set(f"{p}{index}", json.dumps(raw))
+    store.add(f"{p}count", 1)
