@@ -115,6 +115,8 @@ class RdmaSource(Source):
                 base = os.path.join(pdir, pname)
                 try:
                     ll = read_text(os.path.join(base, "link_layer"))
+                except FileNotFoundError:  # older kernels have no link_layer: unsupported
+                    ll = None
                 except OSError as exc:
                     self.error(os.path.join(base, "link_layer"), exc)
                     ll = None
