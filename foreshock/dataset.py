@@ -76,6 +76,7 @@ class DatasetWriter:
         min_free_bytes: int = 0,
         fsync: bool = True,
         clock=time.time,
+        parquet_options: dict[str, dict] | None = None,
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -84,6 +85,9 @@ class DatasetWriter:
         self.max_bytes = max_bytes
         self.min_free_bytes = int(min_free_bytes)
         self.fsync = fsync
+        # Extra pyarrow.parquet.write_table keywords per table ("*": every table), e.g. a simulator's
+        # column_encoding={"port_xmit_bytes": "DELTA_BINARY_PACKED"} with use_dictionary=[...].
+        self.parquet_options = dict(parquet_options or {})
         self._clock = clock
         self._id = uuid.uuid4().hex[:8]
         self._seq = 0
@@ -186,7 +190,9 @@ class DatasetWriter:
         name = f"part-{first_ts:019d}-{self._id}-{seq:06d}.parquet"
         tmp = directory / f".{name}.tmp"
         final = directory / name
-        pq.write_table(part, tmp, compression=COMPRESSION, use_dictionary=True, write_statistics=True)
+        options = {"compression": COMPRESSION, "use_dictionary": True, "write_statistics": True,
+                   **self.parquet_options.get("*", {}), **self.parquet_options.get(table, {})}
+        pq.write_table(part, tmp, **options)
         if self.fsync:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -252,11 +258,14 @@ class DatasetWriter:
 
 
 def _split_partitions(data: pa.Table) -> Iterator[tuple[tuple[str, str], pa.Table]]:
-    dates = pc.strftime(data.column("ts"), format="%Y-%m-%d", locale="C")
     nodes = data.column("node")
-    if len(pc.unique(nodes)) == 1 and len(pc.unique(dates)) == 1:
-        yield (dates[0].as_py(), nodes[0].as_py()), data
+    # Fast path, without formatting every timestamp: one node, and first and last day the same.
+    bounds = pc.min_max(data.column("ts"))
+    lo, hi = (pc.strftime(bounds[k], format="%Y-%m-%d", locale="C").as_py() for k in ("min", "max"))
+    if lo == hi and pc.count_distinct(nodes).as_py() == 1:
+        yield (lo, nodes[0].as_py()), data
         return
+    dates = pc.strftime(data.column("ts"), format="%Y-%m-%d", locale="C")
     keys = pc.binary_join_element_wise(nodes, dates, "\x00")
     encoded = pc.dictionary_encode(keys).combine_chunks()
     codes = encoded.indices.to_numpy()

@@ -40,7 +40,7 @@ HCA_BYTES_PER_S = 20e9       # average all-reduce load per 400G HCA while a job 
 NVLINK_KIB_PER_S = 1.2e8     # per GPU per direction (about 120 GB/s of a 450 GB/s H100 direction)
 ETH_BYTES_PER_S = 40e6       # front-end traffic (data loading, logging); checkpoints burst above it
 MTU = 4096
-XMIT_WAIT_TICKS_PER_S = 2.0e6  # ticks per second of full congestion: port_xmit_wait wraps in hours
+XMIT_WAIT_TICKS_PER_S = 2.0e5  # ticks per second of full congestion: port_xmit_wait wraps in days
 DRAIN_NS = 10 * 60 * NS        # a failed node reports for 10 min, then is drained for repair
 CKPT_PERIOD_S, CKPT_S = 90 * 60, 180
 
@@ -150,6 +150,7 @@ class Block:
 
     nodes: np.ndarray
     ts: np.ndarray
+    prev0: np.ndarray              # (B,) each node's sample time before ts[0]
     dt: np.ndarray                 # (B, T) seconds since the previous sample
     deltas: dict                   # counter -> (B, C, T) int64 increments
     node_tp: np.ndarray            # (B, T) throughput factor (stragglers)
@@ -175,8 +176,9 @@ class ClusterModel:
     """State and physics of a simulated cluster. generate() advances the nodes it is given."""
 
     def __init__(self, topo: Topology, *, seed: int, episodes: list[Episode] = (), difficulty: float = 1.0,
-                 start_ns: int = 0, interval_s: float = 60.0):
+                 start_ns: int = 0, interval_s: float = 60.0, time_compression: float = 1.0):
         self.topo = topo
+        self.drain_ns = int(DRAIN_NS / time_compression)
         self.seed = int(seed)
         self.difficulty = float(difficulty)
         self.interval_s = float(interval_s)
@@ -212,8 +214,8 @@ class ClusterModel:
         self.remap_pending = np.zeros((N, G), dtype=bool)
         self.remap_failed = np.zeros((N, G), dtype=bool)
         self.generation = np.zeros((N, G), dtype=np.int64)
+        self.ce_hot = np.zeros((N, G), dtype=bool)
         self.last_ts = np.full(N, start_ns - int(interval_s * NS), dtype=np.int64)
-        self.fail_fired: set[str] = set()
 
     # -- the schedule ----------------------------------------------------------------------------
     def add_episode(self, ep: Episode) -> None:
@@ -233,21 +235,27 @@ class ClusterModel:
 
     # -- the shared job-level processes -----------------------------------------------------------
     def _activity(self, jobs: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(activity, congestion), each (B, T): identical for every node of a job at the same time."""
-        minute = (ts // (60 * NS)).astype(np.uint64)
+        """(activity, congestion), each (B, T): identical for every node of a job at the same time.
+
+        Training throughput is steady: a job's step rate holds for six-hour segments and moves slightly
+        between them. Checkpoints (asynchronous, every 90 min) dip the GPUs a little and burst the
+        front-end network, not the training fabric. Congestion comes in one-minute bursts."""
         base = int(_key(self.seed, "job"))
+        j = (jobs.astype(np.int64) + 1).astype(np.uint64)[:, None]
         with np.errstate(over="ignore"):
-            key = (jobs.astype(np.int64) + 1).astype(np.uint64)[:, None] * np.uint64(0x100000001B3) ^ minute[None, :]
-        u1 = _splitmix(key ^ np.uint64(base))
-        u2 = _splitmix(key ^ np.uint64((base + 7) % (1 << 64)))
+            seg = (ts // (6 * 3600 * NS)).astype(np.uint64)[None, :]
+            minute = (ts // (60 * NS)).astype(np.uint64)[None, :]
+            u1 = _splitmix((j * np.uint64(0x100000001B3)) ^ (seg * np.uint64(0x9E37)) ^ np.uint64(base))
+            u2 = _splitmix((j * np.uint64(0x100000001B3)) ^ (minute * np.uint64(0x85EB)) ^ np.uint64((base + 7) % (1 << 64)))
         phase = self.job_phase[np.maximum(jobs, 0)][:, None]
         in_ckpt = ((ts[None, :] / NS / CKPT_PERIOD_S + phase) % 1.0) < (CKPT_S / CKPT_PERIOD_S)
-        act = np.where(in_ckpt, 0.25, 0.90 + 0.08 * u1)
-        cong = np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * (~in_ckpt)
+        act = np.broadcast_to(0.90 + 0.06 * u1, (len(jobs), len(ts))).copy()
+        cong = np.round(np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * 16.0) / 16.0
         idle = jobs < 0
         act[idle] = 0.01
         cong[idle] = 0.0
-        return act, cong
+        in_ckpt &= ~idle[:, None]
+        return act, cong, in_ckpt
 
     # -- one call --------------------------------------------------------------------------------
     def generate(self, nodes, ts) -> dict[str, pa.Table]:
@@ -263,7 +271,7 @@ class ClusterModel:
                      axis=1) / NS
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, 2, int(ts[0]), int(nodes[0]), B, T]))
         blk = Block(
-            nodes=nodes, ts=ts, dt=dt, deltas={},
+            nodes=nodes, ts=ts, prev0=prev.copy(), dt=dt, deltas={},
             node_tp=np.ones((B, T)), gpu_tp=np.ones((B, G, T)), port_tp=np.ones((B, H, T)),
             temp_add=np.zeros((B, G, T)), clock_bits=np.zeros((B, G, T), dtype=np.uint64),
             links_down=np.zeros((B, G, T), dtype=np.int16), pcie_width=np.full((B, G, T), PCIE_WIDTH, np.int8),
@@ -273,7 +281,7 @@ class ClusterModel:
         )
         # 1. Every draw of the benign stream, with parameters the fault schedule cannot change.
         jobs = topo.job_of[nodes]
-        act, cong = self._activity(jobs, ts)
+        act, cong, ckpt = self._activity(jobs, ts)
         z_gpu = rng.standard_normal((4, B, G, T)).astype(np.float32)
         z_hca = rng.standard_normal((2, B, H, T)).astype(np.float32)
         z_node = rng.standard_normal((4, B, T)).astype(np.float32)
@@ -293,8 +301,8 @@ class ClusterModel:
         d = blk.deltas
         for name, arr in benign.items():
             d[name] = d[name] + arr if name in d else arr
-        self._traffic(blk, act, cong, tp, z_gpu, z_hca, z_node)
-        tables = self._render(blk, act, tp, z_gpu, z_node, app_xids)
+        self._traffic(blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node)
+        tables = self._render(blk, act * np.where(ckpt, 0.7, 1.0), tp, z_gpu, z_node, app_xids)
         self.last_ts[nodes] = ts[-1]
         return tables
 
@@ -331,6 +339,12 @@ class ClusterModel:
         c = ep.component
         dt = blk.dt[rows]  # (R, T)
 
+        span_s = span / NS
+
+        def over(total: float) -> float:
+            """A rate that gives about `total` events over the whole precursor (the integral of x^2 is 1/3)."""
+            return 3.0 * total / span_s
+
         def add(counter: str, rate_per_s: float, comps=None, inten_=None):
             i = inten if inten_ is None else inten_
             lam = rate_per_s * i[None, :] * dt
@@ -348,12 +362,12 @@ class ClusterModel:
         if m in ("hbm", "sram"):
             add("ecc_corrected_volatile", 1.0 if m == "hbm" else 0.25)
             if m == "hbm":
-                add("remapped_rows_correctable", 1.0 / 3600.0)
+                add("remapped_rows_correctable", over(4.0))
         elif m == "nvlink":
             add("crc_flit_errors", 20.0)
             add("crc_data_errors", 0.5)
             add("replay_errors", 10.0)
-            add("recovery_errors", 0.002)
+            add("recovery_errors", over(12.0))
             drop_at = 0.8 + 0.15 * ((ep.variant >> 3) % 4) / 4
             blk.links_down[rows, c, :] += (active & (x >= drop_at)).astype(np.int16)
             blk.gpu_tp[rows, c, :] *= 1.0 - 0.1 * inten
@@ -370,14 +384,14 @@ class ClusterModel:
         elif m == "ib_cable":
             add("symbol_error", 30.0)
             add("port_rcv_errors", 3.0)
-            add("link_error_recovery", 0.004)
-            add("local_link_integrity_errors", 0.002)
+            add("link_error_recovery", over(25.0))
+            add("local_link_integrity_errors", over(10.0))
             add("local_ack_timeout_err", 0.5)
             add("out_of_sequence", 5.0)
             add("packet_seq_err", 1.0)
             add("implied_nak_seq_err", 1.0)
             add("duplicate_request", 2.0)
-            add("link_downed", 0.0006)
+            add("link_downed", over(3.0))
             blk.port_tp[rows, c, :] *= 1.0 - 0.2 * inten
         elif m == "nic":
             add("req_cqe_error", 0.05)
@@ -387,7 +401,7 @@ class ClusterModel:
             add("local_ack_timeout_err", 0.3)
             add("rnr_nak_retry_err", 0.2)
             add("out_of_buffer", 20.0)
-            lam = 0.002 * inten[None, :] * dt
+            lam = over(5.0) * inten[None, :] * dt
             for r, t in zip(*np.nonzero(erng.poisson(lam))):
                 self._nic_event(blk, int(rows[r]), c, int(t), "mlx5_core {bus}: mlx5_cmd_out_err:838: "
                                 "QUERY_QP(0x50b) op_mod(0x0) failed, status bad resource state(0x9), syndrome (0x3a61d5)")
@@ -398,7 +412,7 @@ class ClusterModel:
             add("port_xmit_wait", XMIT_WAIT_TICKS_PER_S * 0.3, hcas)
             add("local_ack_timeout_err", 0.2, hcas)
             add("out_of_sequence", 3.0, hcas)
-            add("link_error_recovery", 0.001, hcas)
+            add("link_error_recovery", over(3.0), hcas)
             blk.port_tp[rows, :, :] *= (1.0 - 0.15 * inten)[None, None, :]
         elif m == "scale_across":
             blk.tcp_retrans_ratio[rows, :] += 0.02 * inten
@@ -419,13 +433,12 @@ class ClusterModel:
         if fail_idx.size == 0:
             return
         first = fail_idx[0]
-        fires = ep.episode_id not in self.fail_fired and blk.ts[first] - blk.dt[rows[0], first] * NS < ep.end_ns
-        drain = (ts >= ep.end_ns + DRAIN_NS) & (ts < ep.repair_ns)
+        # the failure fires in the first sample at or after it (every row of a block shares the clock)
+        fires = bool(first > 0 or blk.prev0[rows[0]] < ep.end_ns)
+        drain = (ts >= ep.end_ns + self.drain_ns) & (ts < ep.repair_ns)
         scope_node = mode.component not in ("switch", "site")
         if scope_node:
             blk.in_service[rows, :] &= ~drain[None, :]
-        if fires:
-            self.fail_fired.add(ep.episode_id)
         one = np.zeros(len(ts), bool)
         one[first] = True
 
@@ -488,7 +501,7 @@ class ClusterModel:
 
         # back in service: rebooted (volatile counters reset), the failed part replaced
         back = np.flatnonzero(ts >= ep.repair_ns)
-        if scope_node and back.size and (back[0] > 0 or ts[0] - blk.dt[rows[0], 0] * NS < ep.repair_ns):
+        if scope_node and back.size and (back[0] > 0 or blk.prev0[rows[0]] < ep.repair_ns):
             replaced = c if mode.component == "gpu" else None
             for r in rows:
                 blk.resets.append((int(r), int(back[0]), replaced))
@@ -523,18 +536,19 @@ class ClusterModel:
                                device=dev, port=1, pci_bus_id=bus, message=text.format(bus=bus)))
 
     # -- traffic -----------------------------------------------------------------------------------
-    def _traffic(self, blk, act, cong, tp, z_gpu, z_hca, z_node):
+    def _traffic(self, blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node):
         d, dt = blk.deltas, blk.dt
         B, T = dt.shape
         a = (act * tp)[:, None, :]
         gpu_live = ~blk.gpu_lost
-        nvl = NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :] * (1.0 + 0.02 * z_gpu[2]) * gpu_live
-        d["tx_kib"] = np.maximum(nvl, 0).astype(np.int64)
-        d["rx_kib"] = np.maximum(nvl * (1.0 + 0.005 * z_gpu[3]), 0).astype(np.int64)
+        # Volumes follow the job's step rate; the per-device jitter is small control traffic.
+        nvl = (NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :]).astype(np.int64)
+        d["tx_kib"] = (nvl + (np.abs(z_gpu[2]) * 30).astype(np.int64)) * gpu_live
+        d["rx_kib"] = (nvl + (np.abs(z_gpu[3]) * 30).astype(np.int64)) * gpu_live
         live = ~blk.port_down
-        words = np.maximum(HCA_BYTES_PER_S / 4 * a * blk.port_tp * dt[:, None, :] * (1.0 + 0.02 * z_hca[0]) * live, 0)
-        xmit_b = words.astype(np.int64) * 4
-        rcv_b = (np.maximum(words * (1.0 + 0.003 * z_hca[1]), 0)).astype(np.int64) * 4
+        words = (HCA_BYTES_PER_S / 4 * a * blk.port_tp * dt[:, None, :]).astype(np.int64)
+        xmit_b = (words + (np.abs(z_hca[0]) * 250).astype(np.int64)) * 4 * live
+        rcv_b = (words + (np.abs(z_hca[1]) * 250).astype(np.int64)) * 4 * live
         d["port_xmit_bytes"], d["port_rcv_bytes"] = xmit_b, rcv_b
         xp, rp = xmit_b // MTU + 30 * live, rcv_b // MTU + 30 * live
         d["port_xmit_packets"], d["port_rcv_packets"] = xp, rp
@@ -554,9 +568,7 @@ class ClusterModel:
             d["rp_cnp_handled"] = (c3 * 3000.0 * (1.0 + 0.01 * z_hca[1])).astype(np.int64)
             d["rp_cnp_ignored"] = (c3 * 2.0).astype(np.int64)
         # Front-end Ethernet and TCP: data loading, checkpoints (act dips are checkpoint writes).
-        ckpt = act < 0.5
-        eth = ETH_BYTES_PER_S * dt * (1.0 + 0.2 * z_node[0]) * (1.0 + 20.0 * ckpt)
-        eth = np.maximum(eth, 0)[:, None, :]
+        eth = (ETH_BYTES_PER_S * dt * (1.0 + 20.0 * ckpt) + 2e3 * np.abs(z_node[0]))[:, None, :]
         rx = (eth * 0.7).astype(np.int64)
         tx = eth.astype(np.int64)
         d["rx_bytes"], d["tx_bytes"] = rx, tx
@@ -564,7 +576,7 @@ class ClusterModel:
         d["multicast"] = (dt * 0.1).astype(np.int64)[:, None, :]
         out = tx // 1400
         d["Tcp_OutSegs"], d["Tcp_InSegs"] = out, rx // 1400
-        retr = out * (2e-5 + blk.tcp_retrans_ratio[:, None, :]) * (1.0 + 0.3 * np.abs(z_node[1]))[:, None, :]
+        retr = out * (2e-5 * (1.0 + 0.3 * np.abs(z_node[1]))[:, None, :] + blk.tcp_retrans_ratio[:, None, :])
         d["Tcp_RetransSegs"] = retr.astype(np.int64)
         d["TcpExt_TCPLossProbes"] = (retr * 0.3).astype(np.int64)
         d["TcpExt_TCPFastRetrans"] = (retr * 0.5).astype(np.int64)
@@ -650,7 +662,8 @@ class ClusterModel:
         ce = blk.deltas.get("ecc_corrected_volatile")
         if ce is not None:
             hot = ce / np.maximum(dt[:, None, :], 1e-9) > 0.25
-            edge = hot & ~np.concatenate([np.zeros((B, G, 1), bool), hot[:, :, :-1]], axis=2)
+            edge = hot & ~np.concatenate([self.ce_hot[nodes][:, :, None], hot[:, :, :-1]], axis=2)
+            self.ce_hot[nodes] = hot[:, :, -1]
             for r, g, t in zip(*np.nonzero(edge)):
                 self._xid(blk, int(r), int(g), int(t), 92)
         failure = self.remap_failed[nodes][:, :, None] | blk.remap_failure
@@ -816,9 +829,13 @@ class ClusterModel:
                     if not mask.any():
                         mask = None
                 v = np.broadcast_to(v, (B, C, T)).reshape(-1)
-                np_type = field.type.to_pandas_dtype()
+                np_type = np.dtype(field.type.to_pandas_dtype())
                 if v.dtype != np_type:
-                    v = v.astype(np_type)
+                    if v.dtype.kind in "iu" and np_type.kind in "iu" and v.dtype.itemsize == np_type.itemsize \
+                            and v.flags.c_contiguous:
+                        v = v.view(np_type)  # counters are never negative: reinterpret, do not copy
+                    else:
+                        v = v.astype(np_type)
                 arrays.append(pa.array(v, type=field.type, mask=mask))
         data = pa.Table.from_arrays(arrays, schema=schema)
         keep = np.broadcast_to(keep, (B, C, T)).reshape(-1)
