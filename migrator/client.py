@@ -41,6 +41,8 @@ _FALLBACK_TO_PROTO = {
     "shrink": jobs_pb2.FALLBACK_POLICY_SHRINK,
     "checkpoint_exit": jobs_pb2.FALLBACK_POLICY_CHECKPOINT_EXIT,
 }
+_FINISHED = {jobs_pb2.DIRECTIVE_STATE_CANCELLED, jobs_pb2.DIRECTIVE_STATE_COMPLETED,
+             jobs_pb2.DIRECTIVE_STATE_FAILED}
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL}
 
@@ -48,7 +50,8 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
     """The domain directive, or None (logged) for one this client cannot act on."""
     kind = _KIND_FROM_PROTO.get(msg.kind)
-    cancelled = msg.state == jobs_pb2.DIRECTIVE_STATE_CANCELLED
+    # a cancelled, completed or failed directive is no longer actionable: it withdraws a pending one
+    cancelled = msg.state in _FINISHED
     if kind is None and not cancelled:
         log.warning("directive %s has unknown kind %d; ignored", msg.directive_id, msg.kind)
         return None
