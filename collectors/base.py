@@ -56,6 +56,8 @@ def parse_uint(text: str | bytes) -> int | None:
     if not s:
         return None
     if s.isdigit() and s.isascii():
+        if len(s) > 20:
+            raise ParseError(f"counter {_quote(text)} does not fit in 64 bits")
         value = int(s)
         if value >= 1 << 64:
             raise ParseError(f"counter {_quote(text)} does not fit in 64 bits")
@@ -71,6 +73,8 @@ def parse_int(text: str | bytes) -> int | None:
     if not s:
         return None
     try:
+        if len(s) > 21:
+            raise ValueError
         value = int(s)
     except ValueError:
         raise ParseError(f"expected an integer, got {_quote(text)}") from None

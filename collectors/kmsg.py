@@ -37,8 +37,8 @@ XID_SEVERITY: dict[int, str] = {
 NVLINK5_XIDS = range(144, 151)
 
 _PCI = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
-_XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r")\): (?P<xid>\d+)(?:,\s*(?P<rest>.*))?$")
-_PID_RE = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d+), name=(?P<name>[^,]*), ?(?P<msg>.*)$")
+_XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r")\): (?P<xid>\d{1,10})\b(?:,\s*(?P<rest>.*))?$")
+_PID_RE = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d{1,18}), name=(?P<name>[^,]*), ?(?P<msg>.*)$")
 _LINK_RE = re.compile(r"\bLink (\d+)\b")
 _FATAL_TOKEN_RE = re.compile(r"\b(Nonfatal|Non-fatal|Fatal)\b", re.IGNORECASE)
 _FELL_OFF_RE = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b.*fallen off the bus")
@@ -52,7 +52,7 @@ _NIC_ERROR_RE = re.compile(
     r"overheat|high temperature|recover|reset|abort|not responding", re.IGNORECASE)
 _NIC_FATAL_RE = re.compile(r"health compromised|fatal|unrecoverable|firmware.*(dead|stuck)|internal error",
                            re.IGNORECASE)
-_DMESG_TS_RE = re.compile(r"^\[\s*(?P<sec>\d+)\.(?P<frac>\d+)\]\s?(?P<msg>.*)$")
+_DMESG_TS_RE = re.compile(r"^\[\s*(?P<sec>\d{1,12})\.(?P<frac>\d{1,9})\]\s?(?P<msg>.*)$")
 
 
 @dataclass(frozen=True)

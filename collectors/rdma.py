@@ -35,8 +35,8 @@ for _file, _col in sch.IB_WORD_COUNTERS.items():
 for _col in sch.IB_WORD_COUNTERS.values():
     _FILE_COLUMN.pop(_col, None)
 
-_STATE_RE = re.compile(r"^\s*(\d+)\s*(?::\s*(\S.*?))?\s*$")
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*Gb/sec\b", re.IGNORECASE)
+_STATE_RE = re.compile(r"^\s*(\d{1,6})\s*(?::\s*(\S.*?))?\s*$")
+_RATE_RE = re.compile(r"^\s*(\d{1,9}(?:\.\d{1,9})?)\s*Gb/sec\b", re.IGNORECASE)
 
 KIND_COUNTER, KIND_EXTRA, KIND_STATE, KIND_PHYS, KIND_RATE = range(5)
 
