@@ -355,7 +355,7 @@ class ClusterModel:
                 C = self.topo.gpus_per_node if counter in GPU_COUNTERS else (
                     self.topo.hcas_per_node if counter in HCA_COUNTERS else 1)
                 blk.deltas[counter] = arr = np.zeros((len(blk.nodes), C, len(ts)), np.int64)
-            for k in ([c] if comps is None else comps):
+            for k in ([c if arr.shape[1] > 1 else 0] if comps is None else comps):
                 arr[rows, k, :] += erng.poisson(lam)
 
         m = ep.mode
