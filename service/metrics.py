@@ -1,0 +1,134 @@
+"""The control plane's Prometheus metrics: a custom collector that yields families from the latest state.
+
+Nothing is updated on the hot path: each scrape reads the node book (risk per node), the ingest and
+scoring counters and the durable store (directives by kind and state), as node_exporter-style
+collectors do. Tested against a private registry and `promtool check metrics`.
+
+  foreshock_node_failure_risk{node,leaf_switch,site}   probability of failing within the horizon
+  foreshock_node_evacuation_alarm{node}                1 while the policy holds the node in alarm
+  foreshock_evacuation_threshold                       the risk threshold in force
+  foreshock_directives{kind,state}                     directives now in each state
+  foreshock_directives_issued_total{kind}              directives ever issued
+  foreshock_directive_outcomes_total{kind,outcome}     finished directives (completed, failed, cancelled)
+  foreshock_ingest_batches_total{result}               accepted | duplicate
+  foreshock_ingest_rejections_total{reason}            tables or batches refused, by reason
+  foreshock_ingest_rows_total{table}                   rows accepted
+  foreshock_ingest_received_bytes_total                Arrow IPC bytes received
+  foreshock_ingest_backlog_batches                     batches waiting for the next scoring round
+  foreshock_ingest_dropped_batches_total               batches dropped because the backlog was full
+  foreshock_scoring_rounds_total{trigger}              interval | fatal | precursor
+  foreshock_scoring_duration_seconds                   histogram of a round (drain + score + policy)
+  foreshock_model_info{version,horizon_seconds,path}   1
+  foreshock_connected_collectors                       open telemetry streams
+  foreshock_connected_job_watchers{job}                open WatchDirectives streams
+  foreshock_registered_jobs                            jobs registered
+  foreshock_fabric_incident{scope,name}                1 while a fabric incident is open
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
+
+SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ControlPlaneCollector:
+    def __init__(self, plane):
+        self.plane = plane
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        p = self.plane
+        risk = GaugeMetricFamily("foreshock_node_failure_risk",
+                                 "Calibrated probability that the node fails within the model's horizon.",
+                                 labels=["node", "leaf_switch", "site"])
+        for r in p.nodes.snapshot():
+            topo = p.nodes.topo(r.node)
+            risk.add_metric([r.node, topo.leaf_switch, topo.site], r.probability)
+        yield risk
+        alarm = GaugeMetricFamily("foreshock_node_evacuation_alarm",
+                                  "1 while the evacuation policy holds the node in alarm.", labels=["node"])
+        for node in list(p.policy.alarms):
+            alarm.add_metric([node], 1.0)
+        yield alarm
+        yield GaugeMetricFamily("foreshock_evacuation_threshold", "Risk threshold in force for evacuations.",
+                                value=p.policy.settings.threshold)
+
+        states = GaugeMetricFamily("foreshock_directives", "Directives now in each state.", labels=["kind", "state"])
+        issued = CounterMetricFamily("foreshock_directives_issued", "Directives issued.", labels=["kind"])
+        outcomes = CounterMetricFamily("foreshock_directive_outcomes", "Finished directives by outcome.",
+                                       labels=["kind", "outcome"])
+        try:
+            counts = p.store_counts()
+        except sqlite3.Error:
+            counts = {}
+        for kind in DirectiveKind:
+            total = 0
+            for state in DirectiveState:
+                n = counts.get((int(kind), int(state)), 0)
+                total += n
+                states.add_metric([kind.name.lower(), state.name.lower()], n)
+                if state in TERMINAL_STATES:
+                    outcomes.add_metric([kind.name.lower(), state.name.lower()], n)
+            issued.add_metric([kind.name.lower()], total)
+        yield states
+        yield issued
+        yield outcomes
+
+        ing = p.ingest
+        batches = CounterMetricFamily("foreshock_ingest_batches", "Telemetry batches received.", labels=["result"])
+        batches.add_metric(["accepted"], ing.accepted_batches)
+        batches.add_metric(["duplicate"], ing.duplicate_batches)
+        batches.add_metric(["gap"], ing.gap_batches)
+        yield batches
+        rej = CounterMetricFamily("foreshock_ingest_rejections", "Telemetry tables or batches refused.",
+                                  labels=["reason"])
+        for reason, n in sorted(dict(ing.rejected).items()):
+            rej.add_metric([reason], n)
+        yield rej
+        rows = CounterMetricFamily("foreshock_ingest_rows", "Telemetry rows accepted.", labels=["table"])
+        for table, n in sorted(dict(ing.accepted_rows).items()):
+            rows.add_metric([table], n)
+        yield rows
+        yield CounterMetricFamily("foreshock_ingest_received_bytes", "Arrow IPC bytes received.",
+                                  value=ing.bytes_received)
+        yield GaugeMetricFamily("foreshock_ingest_backlog_batches", "Batches waiting for the next scoring round.",
+                                value=p.scoring.backlog())
+        yield CounterMetricFamily("foreshock_ingest_dropped_batches", "Batches dropped: the scoring backlog was full.",
+                                  value=p.scoring.dropped_batches)
+        rounds = CounterMetricFamily("foreshock_scoring_rounds", "Scoring rounds run.", labels=["trigger"])
+        for trigger, n in sorted(dict(p.scoring.rounds).items()):
+            rounds.add_metric([trigger], n)
+        yield rounds
+        info = GaugeMetricFamily("foreshock_model_info", "The model in use.",
+                                 labels=["version", "horizon_seconds", "path"])
+        info.add_metric([p.scorer.model_version, str(p.scorer.horizon_seconds),
+                         str(getattr(p.scorer, "model_path", ""))], 1.0)
+        yield info
+        yield GaugeMetricFamily("foreshock_connected_collectors", "Open telemetry streams.", value=ing.connected())
+        watchers = GaugeMetricFamily("foreshock_connected_job_watchers", "Open WatchDirectives streams.",
+                                     labels=["job"])
+        for job, n in sorted(p.jobs.watchers().items()):
+            watchers.add_metric([job], n)
+        yield watchers
+        yield GaugeMetricFamily("foreshock_registered_jobs", "Jobs registered.", value=p.registered_jobs())
+        inc = GaugeMetricFamily("foreshock_fabric_incident", "1 while a fabric incident is open.",
+                                labels=["scope", "name"])
+        for scope, name in list(p.policy.incidents):
+            inc.add_metric([scope, name], 1.0)
+        yield inc
+
+
+def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControlPlaneCollector(plane))
+    hist = Histogram("foreshock_scoring_duration_seconds", "Duration of a scoring round (drain, score, policy).",
+                     buckets=SCORING_BUCKETS, registry=registry)
+    return registry, hist

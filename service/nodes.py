@@ -1,0 +1,108 @@
+"""What the control plane knows about each node: topology labels, liveness, latest risk, fatal events.
+
+Topology (site, spine, leaf switch) comes from the schema-v1 `inventory` table the collectors (or the
+simulator) stream, or from a topology file given to `foreshock serve`; the policy reads it to find a
+fault's blast radius. Risk is written once per scoring round for every scored node at once (arrays in,
+dicts out), so readers (the Risk API, the metrics collector) see one consistent round.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from foreshock.service.store import SignalRecord
+
+
+@dataclass(frozen=True)
+class Topology:
+    site: str = ""
+    spine: str = ""
+    leaf_switch: str = ""
+
+
+@dataclass(frozen=True)
+class NodeRisk:
+    node: str
+    probability: float
+    scored_at_ns: int
+    signals: tuple[SignalRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class FatalEvent:
+    node: str
+    ts_ns: int
+    kind: str
+    description: str
+    received_ns: int = 0
+
+
+@dataclass
+class NodeBook:
+    """Thread-safe per-node state shared by ingest, scoring, policy, the Risk API and the metrics."""
+
+    topology: dict[str, Topology] = field(default_factory=dict)
+    last_seen_ns: dict[str, int] = field(default_factory=dict)
+    risk: dict[str, NodeRisk] = field(default_factory=dict)
+    fatal: dict[str, FatalEvent] = field(default_factory=dict)
+    round_ns: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def set_topology(self, node: str, topo: Topology) -> None:
+        with self._lock:
+            self.topology[node] = topo
+
+    def topo(self, node: str) -> Topology:
+        return self.topology.get(node, Topology())
+
+    def seen(self, node: str, now_ns: int) -> None:
+        self.last_seen_ns[node] = now_ns  # a dict store is atomic under the GIL
+
+    def record_fatal(self, event: FatalEvent) -> None:
+        with self._lock:
+            old = self.fatal.get(event.node)
+            if old is None or event.ts_ns >= old.ts_ns:
+                self.fatal[event.node] = event
+
+    def clear_fatal(self, node: str) -> None:
+        with self._lock:
+            self.fatal.pop(node, None)
+
+    def update_risk(self, nodes: list[str], probability: np.ndarray, signals: list, now_ns: int) -> None:
+        fresh = {n: NodeRisk(n, float(p), now_ns, tuple(s)) for n, p, s in zip(nodes, probability.tolist(), signals)}
+        with self._lock:
+            self.risk.update(fresh)
+            self.round_ns = now_ns
+
+    def probability(self, node: str) -> float | None:
+        r = self.risk.get(node)
+        return None if r is None else r.probability
+
+    def known_nodes(self) -> set[str]:
+        return set(self.last_seen_ns) | set(self.topology) | set(self.risk)
+
+    def nodes_under(self, attr: str, value: str) -> set[str]:
+        if not value:
+            return set()
+        with self._lock:
+            return {n for n, t in self.topology.items() if getattr(t, attr) == value}
+
+    def riskiest(self, limit: int, min_probability: float = 0.0) -> list[NodeRisk]:
+        with self._lock:
+            items = [r for r in self.risk.values() if r.probability >= min_probability]
+        items.sort(key=lambda r: (-r.probability, r.node))
+        return items[:limit]
+
+    def snapshot(self) -> list[NodeRisk]:
+        with self._lock:
+            return list(self.risk.values())
+
+    def forget(self, nodes: Iterable[str]) -> None:
+        with self._lock:
+            for n in nodes:
+                self.risk.pop(n, None)
+                self.last_seen_ns.pop(n, None)

@@ -1,0 +1,329 @@
+"""The evacuation policy: from node risk and fatal events to directives, with every decision logged.
+
+Run after each scoring round (`evaluate`) and on operator request (`drain`). The rules, in order
+(docs/service.md explains each):
+1. Alarm: a node enters alarm when its calibrated risk reaches `threshold` (the model manifest's
+   threshold for the false-evacuation budget, overridable) and leaves it only when the risk falls under
+   `clear_below` (hysteresis), or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
+   fatal class), which holds for `fatal_hold_seconds`.
+2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
+   a fatal alarm acts at once.
+3. Blast radius: when alarmed nodes make up a large share of a leaf switch or a site
+   (`incident_fraction`, at least `incident_min_nodes`), the fault is the fabric's, not the nodes':
+   it is reported as a fabric incident and no spares are spent on those nodes.
+4. Per job: nothing if the job already has an active directive from that node (never issued twice);
+   cool-down `cooldown_seconds` after the node's last directive (risk alarms only); at most
+   `max_concurrent` active directives per job (the job's own limit, or the service default).
+5. Spare: one of the job's spares that hosts no ranks and is no other directive's target, is not in
+   alarm, has risk under `spare_max_risk`, no recent fatal event, is not stale, and is not under a
+   suspect leaf switch (one with `leaf_suspect_nodes` or more alarmed nodes, the failing node's own
+   leaf counted); spares with fresh telemetry first, then other leaves, then lowest risk. With no spare,
+   the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
+6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
+   `min_steps_ahead`, so every rank hears of it before the boundary comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from foreshock.service.decisions import DecisionLog
+from foreshock.service.jobs import JobDirectory, new_directive, switch_step
+from foreshock.service.nodes import NodeBook
+from foreshock.service.store import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicySettings:
+    threshold: float = 0.5
+    clear_below: float | None = None        # None: 0.8 * threshold
+    sustain_seconds: float = 0.0
+    cooldown_seconds: float = 600.0
+    default_max_concurrent: int = 1
+    spare_max_risk: float | None = None     # None: threshold / 2
+    leaf_suspect_nodes: int = 2
+    incident_min_nodes: int = 3
+    incident_fraction: float = 0.5
+    lead_seconds: float = 10.0
+    min_steps_ahead: int = 2
+    deadline_seconds: float = 900.0
+    stale_seconds: float = 30.0
+    fatal_hold_seconds: float = 3600.0
+
+    def __post_init__(self):
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"policy threshold {self.threshold} must be in (0, 1]")
+        if self.clear_below is None:
+            self.clear_below = 0.8 * self.threshold
+        if not 0.0 <= self.clear_below <= self.threshold:
+            raise ValueError(f"policy clear_below {self.clear_below} must be in [0, threshold]")
+        if self.spare_max_risk is None:
+            self.spare_max_risk = self.threshold / 2
+
+
+@dataclass
+class Alarm:
+    since_ns: int
+    risk: float
+    fatal: bool = False
+    reason: str = ""
+
+
+class EvacuationPolicy:
+    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog):
+        self.settings = settings
+        self.nodes = nodes
+        self.jobs = jobs
+        self.decisions = decisions
+        self.alarms: dict[str, Alarm] = {}
+        self.incidents: dict[tuple[str, str], set[str]] = {}
+        self._said: dict[tuple[str, str], str] = {}   # (node, job) -> last decision logged, to log changes only
+        self._fatal_seen: dict[str, int] = {}
+        self._lock = threading.RLock()
+
+    # -- alarms --------------------------------------------------------------------------------------
+    def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:
+        s = self.settings
+        if nodes is not None and probability is not None and len(nodes):
+            p = np.asarray(probability, dtype=np.float64)
+            hot = np.flatnonzero(p >= s.threshold)
+            for i in hot.tolist():
+                node = nodes[i]
+                alarm = self.alarms.get(node)
+                if alarm is None:
+                    self.alarms[node] = Alarm(now_ns, float(p[i]),
+                                              reason=f"risk {p[i]:.2f} at or above threshold {s.threshold:.2f}")
+                    self.decisions.record("alarm", node=node, risk=float(p[i]), threshold=s.threshold,
+                                          reason=self.alarms[node].reason, ts_ns=now_ns)
+                else:
+                    alarm.risk = max(alarm.risk, float(p[i])) if alarm.fatal else float(p[i])
+            index = {n: i for n, i in zip(nodes, range(len(nodes)))} if self.alarms else {}
+            for node, alarm in list(self.alarms.items()):
+                i = index.get(node)
+                if alarm.fatal or i is None:
+                    continue
+                alarm.risk = float(p[i])
+                if p[i] < s.clear_below:
+                    del self.alarms[node]
+                    self.decisions.record("cleared", node=node, risk=float(p[i]), threshold=s.threshold,
+                                          reason=f"risk {p[i]:.2f} fell under {s.clear_below:.2f}", ts_ns=now_ns)
+                    for key in [k for k in self._said if k[0] == node]:
+                        del self._said[key]
+        for node, ev in list(self.nodes.fatal.items()):
+            if now_ns - ev.ts_ns > s.fatal_hold_seconds * 1e9:
+                continue
+            if self._fatal_seen.get(node) == ev.ts_ns:
+                continue
+            self._fatal_seen[node] = ev.ts_ns
+            risk = self.nodes.probability(node) or 0.0
+            self.alarms[node] = Alarm(now_ns, risk, fatal=True, reason=f"fatal {ev.description}")
+            self.decisions.record("alarm", node=node, risk=risk, threshold=s.threshold,
+                                  reason=f"fatal {ev.description}", ts_ns=now_ns)
+        for node, alarm in list(self.alarms.items()):
+            if alarm.fatal and now_ns - alarm.since_ns > s.fatal_hold_seconds * 1e9:
+                del self.alarms[node]
+
+    # -- blast radius --------------------------------------------------------------------------------
+    def _update_incidents(self, now_ns: int) -> set[str]:
+        """Fabric incidents (leaf switch or site) among alarmed nodes; returns the nodes they cover."""
+        s = self.settings
+        groups: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for node in self.alarms:
+            topo = self.nodes.topo(node)
+            if topo.leaf_switch:
+                groups[("leaf_switch", topo.leaf_switch)].add(node)
+            if topo.site:
+                groups[("site", topo.site)].add(node)
+        current: dict[tuple[str, str], set[str]] = {}
+        for (scope, name), members in groups.items():
+            size = len(self.nodes.nodes_under(scope, name))
+            if len(members) >= s.incident_min_nodes and len(members) >= s.incident_fraction * max(size, 1):
+                current[(scope, name)] = members
+        for key, members in current.items():
+            if key not in self.incidents:
+                scope, name = key
+                self.decisions.record(
+                    "fabric_incident", node=name, reason=f"{len(members)} of {len(self.nodes.nodes_under(*key))} "
+                    f"nodes under {scope} {name} in alarm: a fabric fault, not node faults; no spares spent",
+                    scope=scope, nodes=sorted(members), ts_ns=now_ns)
+                log.warning("fabric incident: %s %s (%d nodes in alarm)", scope, name, len(members))
+        for key in set(self.incidents) - set(current):
+            self.decisions.record("fabric_incident_cleared", node=key[1], scope=key[0],
+                                  reason=f"{key[0]} {key[1]} no longer has most of its nodes in alarm",
+                                  nodes=sorted(self.incidents[key]), ts_ns=now_ns)
+        self.incidents = current
+        covered: set[str] = set()
+        for members in current.values():
+            covered |= members
+        return covered
+
+    def suspect_leaves(self) -> set[str]:
+        counts: dict[str, int] = defaultdict(int)
+        for node in self.alarms:
+            leaf = self.nodes.topo(node).leaf_switch
+            if leaf:
+                counts[leaf] += 1
+        return {leaf for leaf, n in counts.items() if n >= self.settings.leaf_suspect_nodes}
+
+    # -- spares --------------------------------------------------------------------------------------
+    def choose_spare(self, job: Job, from_node: str, now_ns: int, busy: set[str]) -> tuple[str | None, str]:
+        s = self.settings
+        suspect = self.suspect_leaves()
+        from_leaf = self.nodes.topo(from_node).leaf_switch
+        ranked, refused = [], []
+        for spare in job.spares:
+            topo = self.nodes.topo(spare)
+            seen = self.nodes.last_seen_ns.get(spare)
+            risk = self.nodes.probability(spare)
+            fatal = self.nodes.fatal.get(spare)
+            why = None
+            if spare in busy:
+                why = "busy"
+            elif spare in self.alarms:
+                why = "in alarm"
+            elif risk is not None and risk >= s.spare_max_risk:
+                why = f"risk {risk:.2f}"
+            elif fatal is not None and now_ns - fatal.ts_ns < s.fatal_hold_seconds * 1e9:
+                why = "recent fatal event"
+            elif seen is not None and now_ns - seen > s.stale_seconds * 1e9:
+                why = "telemetry stale"
+            elif topo.leaf_switch and topo.leaf_switch in suspect:
+                why = f"under suspect leaf {topo.leaf_switch}"
+            if why:
+                refused.append(f"{spare}: {why}")
+                continue
+            same_leaf = bool(from_leaf) and topo.leaf_switch == from_leaf
+            ranked.append(((seen is None, same_leaf, risk if risk is not None else 0.5, spare), spare))
+        if not ranked:
+            return None, "no usable spare" + (f" ({'; '.join(refused[:8])})" if refused else " (the job lists none)")
+        ranked.sort()
+        return ranked[0][1], ""
+
+    def _busy_nodes(self) -> set[str]:
+        busy: set[str] = set()
+        for job in self.jobs.store.jobs():
+            busy |= job.nodes()
+        for d in self.jobs.store.directives(active_only=True):
+            if d.to_node:
+                busy.add(d.to_node)
+        return busy
+
+    # -- acting --------------------------------------------------------------------------------------
+    def _say(self, node: str, job: str, kind: str, **fields) -> None:
+        if self._said.get((node, job)) == kind:
+            return
+        self._said[(node, job)] = kind
+        self.decisions.record(kind, node=node, job=job, **fields)
+
+    def _act(self, job: Job, node: str, now_ns: int, *, risk: float, reason: str, signals, origin: str,
+             enforce_limits: bool, fatal: bool, active: list[Directive], last_directive: dict[str, int],
+             busy: set[str]) -> Directive | None:
+        s = self.settings
+        ranks = job.ranks_on(node)
+        if not ranks:
+            return None
+        mine = [d for d in active if d.job_id == job.job_id]
+        existing = [d for d in mine if d.from_node == node]
+        if existing:
+            return existing[0] if origin == "drain" else None
+        if enforce_limits:
+            last = last_directive.get(node)
+            if not fatal and last is not None and now_ns - last < s.cooldown_seconds * 1e9:
+                self._say(node, job.job_id, "cooldown", risk=risk, threshold=s.threshold, ts_ns=now_ns,
+                          reason=f"{reason}; node had a directive {(now_ns - last) / 1e9:.0f} s ago "
+                                 f"(cool-down {s.cooldown_seconds:.0f} s)")
+                return None
+            limit = job.max_concurrent or s.default_max_concurrent
+            if len(mine) >= limit:
+                self._say(node, job.job_id, "deferred_max_concurrent", risk=risk, threshold=s.threshold,
+                          ts_ns=now_ns, reason=f"{reason}; job has {len(mine)} active evacuations (limit {limit})")
+                return None
+        spare, why_not = self.choose_spare(job, node, now_ns, busy)
+        if spare:
+            kind = DirectiveKind.EVACUATE
+            why = reason
+        else:
+            kind = DirectiveKind.SHRINK if job.fallback == Fallback.SHRINK else DirectiveKind.CHECKPOINT_EXIT
+            why = f"{reason}; {why_not}: {kind.name.lower()}"
+        at_step = switch_step(job, now_ns, lead_seconds=s.lead_seconds, min_steps_ahead=s.min_steps_ahead)
+        d = new_directive(job, kind=kind, ranks=ranks, from_node=node, to_node=spare or "", at_step=at_step,
+                          now_ns=now_ns, deadline_seconds=s.deadline_seconds, reason=why, risk=risk,
+                          signals=signals, origin=origin)
+        stored, created = self.jobs.issue(d)
+        if created:
+            active.append(stored)
+            if spare:
+                busy.add(spare)
+            self._said[(node, job.job_id)] = kind.name.lower()
+            self.decisions.record(kind.name.lower(), node=node, job=job.job_id, directive_id=stored.directive_id,
+                                  risk=risk, threshold=s.threshold, reason=why, to_node=spare or "",
+                                  at_step=at_step, ranks=list(ranks), ts_ns=now_ns,
+                                  signals=[sig.name for sig in signals][:5])
+        return stored
+
+    def evaluate(self, now_ns: int, nodes: list[str] | None = None,
+                 probability: np.ndarray | None = None) -> list[Directive]:
+        """One policy round after a scoring round; returns the directives it issued."""
+        with self._lock:
+            self._update_alarms(now_ns, nodes, probability)
+            covered = self._update_incidents(now_ns)
+            due = [(n, a) for n, a in self.alarms.items()
+                   if n not in covered and (a.fatal or now_ns - a.since_ns >= self.settings.sustain_seconds * 1e9)]
+            for n in covered:
+                for job in self.jobs.jobs_on(n):
+                    self._say(n, job.job_id, "held_fabric_incident", ts_ns=now_ns,
+                              reason="node is inside a fabric incident; spares are kept")
+            if not due:
+                return []
+            jobs = self.jobs.store.jobs()
+            active = self.jobs.store.directives(active_only=True)
+            last = self.jobs.store.last_directive_time()
+            busy = self._busy_nodes()
+            issued = []
+            for node, alarm in sorted(due, key=lambda x: (not x[1].fatal, -x[1].risk, x[0])):
+                risk_rec = self.nodes.risk.get(node)
+                signals = risk_rec.signals if risk_rec else ()
+                for job in jobs:
+                    if node not in job.nodes():
+                        continue
+                    reason = alarm.reason if alarm.fatal else \
+                        f"risk {alarm.risk:.2f} above threshold {self.settings.threshold:.2f}"
+                    d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
+                                  origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
+                                  last_directive=last, busy=busy)
+                    if d is not None:
+                        issued.append(d)
+            return issued
+
+    def drain(self, node: str, reason: str, now_ns: int) -> list[Directive]:
+        """Operator: move every job's ranks off `node` now (limits do not apply; existing ones are returned)."""
+        with self._lock:
+            jobs = self.jobs.jobs_on(node)
+            active = self.jobs.store.directives(active_only=True)
+            busy = self._busy_nodes()
+            out = []
+            risk = self.nodes.probability(node) or 0.0
+            why = f"operator drain: {reason}" if reason else "operator drain"
+            self.decisions.record("drain", node=node, reason=why, risk=risk, ts_ns=now_ns,
+                                  nodes=[j.job_id for j in jobs])
+            for job in jobs:
+                d = self._act(job, node, now_ns, risk=risk, reason=why, signals=(), origin="drain",
+                              enforce_limits=False, fatal=True, active=active, last_directive={}, busy=busy)
+                if d is not None:
+                    out.append(d)
+            return out
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+__all__ = ["EvacuationPolicy", "PolicySettings", "Alarm", "ACTIVE_STATES"]

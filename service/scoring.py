@@ -1,0 +1,251 @@
+"""Scoring: the adapter over the predictor's online scorer, and the loop that runs scoring rounds.
+
+The adapter (`PredictorScorer`) is the only place that knows foreshock.predictor's API
+(registry.load_model(path) -> LoadedModel with .manifest; online.OnlineScorer(model) with
+ingest(table, arrow_table) and score(now_ns) -> ScoreBatch(nodes, probability, signals)); everything
+else talks to the small `Scorer` protocol below.
+
+The loop (`ScoringLoop`, one thread) runs a round every `interval` seconds, and at once when ingest
+wakes it (a fatal or precursor event). A round: drain the ingest queue (telemetry grouped by table, so
+the scorer ingests one Arrow table per table per round, not one per node), score every node in one
+vectorised call, publish the round (node book, Risk watchers), run the policy, expire overdue
+directives. The queue is bounded (`max_backlog` batches); overflow drops the oldest and counts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from foreshock.service.store import SignalRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreResult:
+    nodes: list[str]
+    probability: np.ndarray
+    signals: list[list[SignalRecord]] = field(default_factory=list)
+
+
+class Scorer(Protocol):
+    model_version: str
+    horizon_seconds: int
+    manifest: dict
+
+    def ingest(self, table: str, data: pa.Table) -> None: ...
+
+    def score(self, now_ns: int) -> ScoreResult: ...
+
+
+class NullScorer:
+    """No model: telemetry is validated and counted, nothing is scored (the service says so at start)."""
+
+    model_version = "none"
+    horizon_seconds = 0
+    manifest: dict = {}
+
+    def ingest(self, table: str, data: pa.Table) -> None:
+        pass
+
+    def score(self, now_ns: int) -> ScoreResult:
+        return ScoreResult([], np.zeros(0))
+
+
+class ModelError(RuntimeError):
+    """The model cannot be loaded; the message names the path."""
+
+
+class PredictorScorer:
+    """foreshock.predictor's OnlineScorer behind the Scorer protocol."""
+
+    def __init__(self, model_path: str | Path):
+        try:
+            from foreshock.predictor import online, registry
+        except ImportError as exc:
+            raise ModelError(f"the predictor is not available in this build: {exc}") from exc
+        try:
+            self.model = registry.load_model(model_path)
+        except Exception as exc:
+            raise ModelError(f"model {model_path}: {exc}") from exc
+        self.model_path = str(model_path)
+        self.manifest = dict(getattr(self.model, "manifest", {}) or {})
+        self.model_version = str(self.manifest.get("version", "unknown"))
+        self.horizon_seconds = int(self.manifest.get("horizon_seconds", 0) or 0)
+        self._online = online.OnlineScorer(self.model)
+
+    def ingest(self, table: str, data: pa.Table) -> None:
+        self._online.ingest(table, data)
+
+    def score(self, now_ns: int) -> ScoreResult:
+        batch = self._online.score(now_ns)
+        signals = [[SignalRecord(str(s.name), float(s.value), float(s.contribution), str(s.description))
+                    for s in node_signals] for node_signals in batch.signals]
+        return ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
+
+
+def default_model_path() -> Path | None:
+    try:
+        from foreshock.predictor import registry
+    except ImportError:
+        return None
+    try:
+        return Path(registry.default_model_path())
+    except Exception:
+        return None
+
+
+def threshold_from_manifest(manifest: dict, budget: float | None = None) -> float | None:
+    """The evacuation threshold the model recommends (for `budget` false evacuations per 1,000
+    node-days when the manifest lists thresholds per budget)."""
+    if budget is not None:
+        table = manifest.get("thresholds")
+        pairs: list[tuple[float, float]] = []
+        if isinstance(table, dict):
+            for k, v in table.items():
+                try:
+                    pairs.append((float(k), float(v["threshold"] if isinstance(v, dict) else v)))
+                except (TypeError, ValueError, KeyError):
+                    continue
+        elif isinstance(table, list):
+            for item in table:
+                if isinstance(item, dict) and "threshold" in item:
+                    b = item.get("budget", item.get("false_evacuations_per_1000_node_days"))
+                    if b is not None:
+                        pairs.append((float(b), float(item["threshold"])))
+        if pairs:
+            # The loosest threshold whose budget does not exceed the one asked for.
+            within = [t for b, t in pairs if b <= budget]
+            return min(within) if within else max(t for _, t in pairs)
+    value = manifest.get("recommended_threshold")
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class ScoringLoop:
+    def __init__(self, scorer: Scorer, *, interval: float = 0.1, max_backlog: int = 50_000,
+                 on_round: Callable[[ScoreResult, int, str, float], None] | None = None, clock=time.time_ns):
+        self.scorer = scorer
+        self.interval = interval
+        self.max_backlog = max_backlog
+        self.on_round = on_round
+        self._clock = clock
+        self._queue: collections.deque = collections.deque()
+        self._qlock = threading.Lock()
+        self._wake = threading.Event()
+        self._why = "interval"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._subs: dict[int, Callable] = {}
+        self._next = 0
+        self.rounds: collections.Counter = collections.Counter()
+        self.dropped_batches = 0
+        self.ingest_errors = 0
+        self.score_errors = 0
+        self.last_round_seconds = 0.0
+        self.last_round_ns = 0
+
+    # -- feeding -------------------------------------------------------------------------------------
+    def enqueue(self, node: str, tables: dict[str, pa.Table]) -> int:
+        with self._qlock:
+            self._queue.append(tables)
+            while len(self._queue) > self.max_backlog:
+                self._queue.popleft()
+                self.dropped_batches += 1
+            return len(self._queue)
+
+    def backlog(self) -> int:
+        return len(self._queue)
+
+    def wake(self, why: str) -> None:
+        self._why = why
+        self._wake.set()
+
+    # -- risk watchers -------------------------------------------------------------------------------
+    def subscribe(self, callback: Callable) -> int:
+        self._next += 1
+        self._subs[self._next] = callback
+        return self._next
+
+    def unsubscribe(self, token: int) -> None:
+        self._subs.pop(token, None)
+
+    def publish(self, risks: list) -> None:
+        for cb in list(self._subs.values()):
+            try:
+                cb(risks)
+            except Exception:
+                log.debug("risk watcher gone", exc_info=True)
+
+    # -- rounds --------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        with self._qlock:
+            items = list(self._queue)
+            self._queue.clear()
+        if not items:
+            return
+        by_table: dict[str, list[pa.Table]] = collections.defaultdict(list)
+        for tables in items:
+            for name, t in tables.items():
+                by_table[name].append(t)
+        for name, parts in by_table.items():
+            try:
+                data = parts[0] if len(parts) == 1 else pa.concat_tables(
+                    [p.replace_schema_metadata(None) for p in parts], promote_options="permissive")
+                self.scorer.ingest(name, data)
+            except Exception:
+                self.ingest_errors += 1
+                log.exception("scorer could not ingest %d %s tables", len(parts), name)
+
+    def run_round(self, why: str = "interval") -> ScoreResult | None:
+        t0 = time.perf_counter()
+        self._drain()
+        now = self._clock()
+        try:
+            result = self.scorer.score(now)
+        except Exception:
+            self.score_errors += 1
+            log.exception("scoring round failed")
+            return None
+        elapsed = time.perf_counter() - t0
+        self.last_round_seconds = elapsed
+        self.last_round_ns = now
+        self.rounds[why] += 1
+        if self.on_round is not None:
+            try:
+                self.on_round(result, now, why, elapsed)
+            except Exception:
+                log.exception("after-round step failed")
+        return result
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            if self._stop.is_set():
+                break
+            why = self._why if self._wake.is_set() else "interval"
+            self._wake.clear()
+            self._why = "interval"
+            self.run_round(why)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="foreshock-scoring", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

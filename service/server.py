@@ -1,0 +1,318 @@
+"""The control plane, built by a function: `build_server(Settings) -> ControlPlane`, then start()/stop().
+
+    plane = build_server(Settings(state_dir=tmp, insecure=True))   # loopback only, every role allowed
+    port = plane.start()                                            # listen on port 0 works
+    ...
+    plane.stop(grace=1.0)
+
+It wires the domain objects (store, job directory, node book, ingest, scoring loop, policy, decision
+log, metrics) and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
+runs on its own event-loop thread, so callers (tests, `foreshock serve`, the migrator's tests) use it
+from plain synchronous code. docs/service.md lists the settings and the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from foreshock.service import store as store_mod
+from foreshock.service.auth import (
+    Authenticator, AuthInterceptor, Principal, is_loopback, server_credentials)
+from foreshock.service.decisions import DecisionLog
+from foreshock.service.ingest import Ingest, IngestLimits
+from foreshock.service.jobs import JobDirectory
+from foreshock.service.metrics import build_registry
+from foreshock.service.nodes import NodeBook, Topology
+from foreshock.service.policy import EvacuationPolicy, PolicySettings
+from foreshock.service.scoring import (
+    ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
+from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer
+from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    telemetry_pb2.DESCRIPTOR.services_by_name["Telemetry"].full_name,
+    risk_pb2.DESCRIPTOR.services_by_name["Risk"].full_name,
+    jobs_pb2.DESCRIPTOR.services_by_name["Jobs"].full_name,
+)
+
+
+class SettingsError(ValueError):
+    """Settings that cannot make a safe server; the message names the setting."""
+
+
+@dataclass
+class Settings:
+    state_dir: str | Path
+    listen: str = "127.0.0.1:0"
+    metrics_listen: str = ""                 # HOST:PORT for /metrics; "" = no HTTP server
+    model_path: str | None = None            # None: the shipped default model (if there is none: no scoring)
+    scorer: Any = None                       # a Scorer to use instead of loading a model (tests, benchmarks)
+    insecure: bool = False                   # plaintext, loopback only, every caller gets every role
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""                  # set: mutual TLS, a client certificate is required
+    tokens: dict[str, Principal] = field(default_factory=dict)
+    threshold: float | None = None           # None: from the model manifest
+    false_evacuation_budget: float | None = None  # per 1,000 node-days; picks the manifest's threshold
+    policy: dict[str, Any] = field(default_factory=dict)   # PolicySettings overrides
+    ingest: IngestLimits = field(default_factory=IngestLimits)
+    score_interval: float = 0.1
+    max_backlog: int = 50_000
+    max_message_bytes: int = 16 << 20
+    topology: dict[str, Topology] = field(default_factory=dict)
+    decision_flush_seconds: float = 5.0
+    fsync: bool = True
+
+    @classmethod
+    def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
+        """Plaintext on 127.0.0.1, port 0, every role allowed: tests and the demo only."""
+        return cls(state_dir=state_dir, listen="127.0.0.1:0", insecure=True, **overrides)
+
+
+class ControlPlane:
+    """The running service. Build with build_server(); start() returns the bound gRPC port."""
+
+    def __init__(self, settings: Settings):
+        self.settings = s = settings
+        self._validate(s)
+        self.state_dir = Path(s.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.scorer = self._scorer(s)
+        threshold = s.threshold
+        if threshold is None:
+            threshold = threshold_from_manifest(self.scorer.manifest, s.false_evacuation_budget)
+        if threshold is None:
+            threshold = 0.5
+            if not isinstance(self.scorer, NullScorer):
+                log.warning("the model manifest names no threshold; using %.2f", threshold)
+        try:
+            policy_settings = PolicySettings(threshold=threshold, **s.policy)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"policy settings: {exc}") from None
+        self.store = store_mod.StateStore(self.state_dir / "state.sqlite3")
+        self.jobs = JobDirectory(self.store, default_max_concurrent=policy_settings.default_max_concurrent)
+        self.nodes = NodeBook()
+        for node, topo in s.topology.items():
+            self.nodes.set_topology(node, topo)
+        self.decisions = DecisionLog(self.state_dir / "decisions", flush_seconds=s.decision_flush_seconds,
+                                     model_version=self.scorer.model_version, fsync=s.fsync)
+        self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
+        self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
+                                   on_round=self._after_round)
+        self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake)
+        self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
+        self.registry, self._round_hist = build_registry(self)
+        self.jobs.on_change.append(self._log_change)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server = None
+        self._health = None
+        self._http = None
+        self._stopped = False
+
+    # -- construction ----------------------------------------------------------------------------
+    @staticmethod
+    def _validate(s: Settings) -> None:
+        if s.insecure:
+            if not is_loopback(s.listen):
+                raise SettingsError(f"listen {s.listen!r}: insecure mode is for loopback addresses only "
+                                    "(127.0.0.1, ::1, localhost); give --tls-cert/--tls-key")
+            if s.tls_cert or s.tls_client_ca:
+                raise SettingsError("insecure mode and TLS settings are exclusive")
+        else:
+            if not (s.tls_cert and s.tls_key):
+                raise SettingsError("TLS needs tls_cert and tls_key (or run insecure on loopback for a demo)")
+            if not (s.tokens or s.tls_client_ca):
+                raise SettingsError("no credentials: give tokens or a client CA (mutual TLS), "
+                                    "or every call would be refused")
+        if s.score_interval <= 0 or s.score_interval > 60:
+            raise SettingsError(f"score_interval {s.score_interval} must be in (0, 60] seconds")
+        if s.metrics_listen and ":" not in s.metrics_listen:
+            raise SettingsError(f"metrics_listen {s.metrics_listen!r} must be HOST:PORT")
+
+    @staticmethod
+    def _scorer(s: Settings):
+        if s.scorer is not None:
+            return s.scorer
+        if s.model_path:
+            return PredictorScorer(s.model_path)
+        path = default_model_path()
+        if path is None or not Path(path).exists():
+            log.warning("no model given and no shipped default model found (%s): telemetry is validated "
+                        "but not scored; the Jobs API and DrainNode work", path)
+            return NullScorer()
+        try:
+            return PredictorScorer(path)
+        except ModelError as exc:
+            log.warning("the default model does not load (%s): running without scoring", exc)
+            return NullScorer()
+
+    # -- scoring rounds ----------------------------------------------------------------------------
+    def _after_round(self, result, now_ns: int, why: str, elapsed: float) -> None:
+        t0 = time.perf_counter()
+        if len(result.nodes):
+            signals = result.signals if result.signals else [[] for _ in result.nodes]
+            self.nodes.update_risk(result.nodes, result.probability, signals, now_ns)
+        self.policy.evaluate(now_ns, result.nodes, result.probability)
+        self.jobs.expire(now_ns)
+        self._round_hist.observe(elapsed + time.perf_counter() - t0)
+        if len(result.nodes) and self.scoring._subs:
+            self.scoring.publish([self.nodes.risk[n] for n in result.nodes if n in self.nodes.risk])
+        self.decisions.maybe_flush()
+
+    def _log_change(self, event: str, d, detail: str) -> None:
+        if event == "issued":
+            return  # the policy logs issues itself, with the reasons
+        self.decisions.record(event if event != "ack" else f"ack_{detail}", node=d.from_node, job=d.job_id,
+                              directive_id=d.directive_id, reason=d.reason, to_node=d.to_node,
+                              state=d.state.name.lower())
+
+    def store_counts(self):
+        return store_mod.counts(self.store)
+
+    def registered_jobs(self) -> int:
+        return store_mod.job_count(self.store)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def _serve(self) -> int:
+        s = self.settings
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator)], options=options)
+        telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(self), server)
+        risk_pb2_grpc.add_RiskServicer_to_server(RiskServicer(self), server)
+        jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
+        self._health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(SERVICE_NAMES + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                                             reflection.SERVICE_NAME), server)
+        if s.insecure:
+            port = server.add_insecure_port(s.listen)
+        else:
+            port = server.add_secure_port(s.listen, server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca or None))
+        if not port:
+            raise SettingsError(f"listen {s.listen!r}: could not bind")
+        await server.start()
+        for name in ("",) + SERVICE_NAMES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        return port
+
+    def start(self) -> int:
+        """Start serving; returns the bound gRPC port."""
+        if self._thread is not None:
+            raise RuntimeError("control plane already started")
+        ready = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def run():
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self._loop = loop
+            try:
+                outcome["port"] = loop.run_until_complete(self._serve())
+            except BaseException as exc:  # reported to start()'s caller
+                outcome["error"] = exc
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                try:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                finally:
+                    loop.close()
+
+        self._thread = threading.Thread(target=run, name="foreshock-grpc", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if "error" in outcome:
+            self._thread.join(5)
+            self._thread = None
+            raise outcome["error"]
+        self.port = outcome["port"]
+        self.scoring.start()
+        if self.settings.metrics_listen:
+            from prometheus_client import start_http_server
+            host, _, mport = self.settings.metrics_listen.rpartition(":")
+            self._http, _ = start_http_server(int(mport), addr=host.strip("[]") or "0.0.0.0",
+                                              registry=self.registry)
+            self.metrics_port = self._http.server_port
+        mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
+            ("mutual TLS" if self.settings.tls_client_ca else "TLS")
+        log.info("foreshock control plane on %s (port %d), %s; model %s; threshold %.3f; state %s",
+                 self.settings.listen, self.port, mode, self.scorer.model_version, self.policy.settings.threshold,
+                 self.state_dir)
+        if self.settings.insecure:
+            log.warning("running INSECURE on loopback: every caller has every role (demo and tests only)")
+        return self.port
+
+    @property
+    def address(self) -> str:
+        host = self.settings.listen.rpartition(":")[0] or "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving: in-flight calls get `grace` seconds; state is flushed and closed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = self._loop
+        if loop is not None and self._server is not None and not loop.is_closed():
+            async def shutdown():
+                if self._health is not None:
+                    await self._health.enter_graceful_shutdown()
+                await self._server.stop(grace)
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), loop).result(grace + 10)
+            except Exception:
+                log.exception("stopping the gRPC server")
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(grace + 10)
+        self.scoring.stop()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self.decisions.close()
+        self.store.close()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def build_server(settings: Settings) -> ControlPlane:
+    """Build (not start) the control plane from its settings."""
+    return ControlPlane(settings)
+
+
+__all__ = ["Settings", "ControlPlane", "build_server", "SettingsError", "dataclasses"]

@@ -1,0 +1,283 @@
+"""The gRPC servicers (asyncio): translate protobuf to domain calls and domain errors to gRPC statuses.
+
+Nothing here decides anything: validation lives in jobs.py / ingest.py, decisions in policy.py,
+state in store.py. Slow domain calls (SQLite commits) run in a worker thread so the event loop keeps
+serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
+(proto/foreshock/v1/*.proto).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
+from foreshock.service.jobs import check_node
+from foreshock.service.store import Directive
+from foreshock.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2
+from foreshock.v1 import telemetry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+WATCH_QUEUE = 256          # directives buffered per watcher before it is resynchronised from the store
+RISK_WATCH_QUEUE = 64      # scoring rounds buffered per risk watcher; older rounds are dropped
+
+
+def _ts(ns: int) -> Timestamp:
+    t = Timestamp()
+    t.FromNanoseconds(int(ns))
+    return t
+
+
+async def _abort(context, err: ServiceError):
+    await context.abort(getattr(grpc.StatusCode, err.code), str(err))
+
+
+def directive_to_proto(d: Directive) -> jobs_pb2.Directive:
+    return jobs_pb2.Directive(
+        directive_id=d.directive_id, job_id=d.job_id, kind=int(d.kind), ranks=list(d.ranks),
+        from_node=d.from_node, to_node=d.to_node, at_step=d.at_step, deadline=_ts(d.deadline_ns),
+        reason=d.reason, risk=d.risk,
+        signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
+                                   description=s.description) for s in d.signals],
+        issued_at=_ts(d.issued_at_ns), state=int(d.state), generation=d.generation)
+
+
+class JobsServicer(jobs_pb2_grpc.JobsServicer):
+    def __init__(self, plane):
+        self.plane = plane
+
+    def _principal(self, context):
+        return self.plane.authenticator.principal(context)
+
+    def _job_scope(self, context, job_id: str) -> None:
+        p = self._principal(context)
+        if p is None or not p.may_act_for_job(job_id):
+            raise PermissionDenied(f"credential for {p.subject if p else '?'!r} may not act for job {job_id!r}")
+
+    async def RegisterJob(self, request, context):
+        try:
+            self._job_scope(context, request.job_id)
+            ranks = [(r.rank, r.node, list(r.gpus)) for r in request.ranks]
+            job = await asyncio.to_thread(
+                self.plane.jobs.register, request.job_id, ranks, list(request.spare_nodes),
+                request.max_concurrent_evacuations, int(request.fallback), request.current_step)
+            return jobs_pb2.RegisterJobResponse(job_id=job.job_id, generation=job.generation)
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def ReportStep(self, request, context):
+        try:
+            self._job_scope(context, request.job_id)
+            await asyncio.to_thread(self.plane.jobs.report_step, request.job_id, request.step,
+                                    request.step_seconds)
+            return jobs_pb2.ReportStepResponse()
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def DeregisterJob(self, request, context):
+        try:
+            self._job_scope(context, request.job_id)
+            await asyncio.to_thread(self.plane.jobs.deregister, request.job_id)
+            return jobs_pb2.DeregisterJobResponse()
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def WatchDirectives(self, request, context):
+        job_id = request.job_id
+        try:
+            self._job_scope(context, job_id)
+            self.plane.jobs.job(job_id)  # NOT_FOUND before the stream starts
+        except ServiceError as err:
+            await _abort(context, err)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=WATCH_QUEUE)
+        resync = asyncio.Event()
+
+        def put(d):
+            try:
+                queue.put_nowait(d)
+            except asyncio.QueueFull:
+                resync.set()
+                queue.put_nowait(None) if not queue.full() else None
+
+        def listener(d):  # called from whichever thread changed the directive
+            loop.call_soon_threadsafe(put, d)
+
+        token = self.plane.jobs.subscribe(job_id, listener)
+        sent: dict[str, int] = {}
+        try:
+            snapshot = await asyncio.to_thread(self.plane.jobs.snapshot_for_watch, job_id)
+            for d in snapshot:
+                sent[d.directive_id] = d.state
+                yield directive_to_proto(d)
+            while True:
+                if resync.is_set():
+                    resync.clear()
+                    while not queue.empty():
+                        queue.get_nowait()
+                    for d in await asyncio.to_thread(self.plane.jobs.list, job_id):
+                        if sent.get(d.directive_id) != d.state:
+                            sent[d.directive_id] = d.state
+                            yield directive_to_proto(d)
+                    continue
+                try:
+                    d = await asyncio.wait_for(queue.get(), timeout=5.0)
+                except asyncio.TimeoutError:
+                    if self.plane.jobs.store.find_job(job_id) is None:
+                        return  # deregistered: nothing more will come
+                    continue
+                if d is None or sent.get(d.directive_id) == d.state:
+                    continue
+                # Watchers hear of new directives and of cancellations (proto: jobs.proto WatchDirectives);
+                # progress acks change state too, and are sent so every rank sees the same view.
+                sent[d.directive_id] = d.state
+                yield directive_to_proto(d)
+        except ServiceError as err:
+            await _abort(context, err)
+        finally:
+            self.plane.jobs.unsubscribe(job_id, token)
+
+    async def AckDirective(self, request, context):
+        try:
+            self._job_scope(context, request.job_id)
+            d = await asyncio.to_thread(self.plane.jobs.ack, request.job_id, request.directive_id, request.rank,
+                                        int(request.phase), request.reason, request.phase_seconds)
+            return jobs_pb2.AckDirectiveResponse(state=int(d.state))
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def CancelDirective(self, request, context):
+        try:
+            d = await asyncio.to_thread(self.plane.jobs.cancel, request.directive_id, request.reason)
+            return jobs_pb2.CancelDirectiveResponse(state=int(d.state))
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def ListDirectives(self, request, context):
+        try:
+            p = self._principal(context)
+            if not request.job_id:
+                if p is None or not p.is_operator:
+                    raise PermissionDenied("listing every job's directives needs the operator role; give job_id")
+                job_id = None
+            else:
+                self._job_scope(context, request.job_id)
+                job_id = request.job_id
+            ds = await asyncio.to_thread(self.plane.jobs.list, job_id)
+            return jobs_pb2.ListDirectivesResponse(directives=[directive_to_proto(d) for d in ds])
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def DrainNode(self, request, context):
+        try:
+            check_node("node", request.node)
+            if len(request.reason) > 4096:
+                raise InvalidArgument("reason is longer than 4096 characters")
+            if not self.plane.jobs.jobs_on(request.node) and request.node not in self.plane.nodes.known_nodes():
+                raise NotFound(f"node {request.node!r} hosts no registered job and has sent no telemetry")
+            ds = await asyncio.to_thread(self.plane.policy.drain, request.node, request.reason, time.time_ns())
+            return jobs_pb2.DrainNodeResponse(directives=[directive_to_proto(d) for d in ds])
+        except ServiceError as err:
+            await _abort(context, err)
+
+
+class RiskServicer(risk_pb2_grpc.RiskServicer):
+    def __init__(self, plane):
+        self.plane = plane
+
+    def node_risk(self, r) -> common_pb2.NodeRisk:
+        topo = self.plane.nodes.topo(r.node)
+        scorer = self.plane.scorer
+        return common_pb2.NodeRisk(
+            node=r.node, probability=r.probability, horizon_seconds=int(scorer.horizon_seconds),
+            model_version=scorer.model_version,
+            signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
+                                       description=s.description) for s in r.signals],
+            scored_at=_ts(r.scored_at_ns), above_threshold=r.node in self.plane.policy.alarms,
+            leaf_switch=topo.leaf_switch, site=topo.site)
+
+    async def GetNodeRisk(self, request, context):
+        try:
+            check_node("node", request.node)
+            r = self.plane.nodes.risk.get(request.node)
+            if r is None:
+                raise NotFound(f"node {request.node!r} has not been scored (unknown, or no telemetry yet)")
+            return self.node_risk(r)
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def ListRiskiest(self, request, context):
+        try:
+            limit = request.limit or 10
+            if limit > 1000:
+                raise InvalidArgument(f"limit {limit} is over 1000")
+            if not math.isfinite(request.min_probability) or not 0 <= request.min_probability <= 1:
+                raise InvalidArgument(f"min_probability {request.min_probability} must be in [0, 1]")
+            nodes = self.plane.nodes.riskiest(limit, request.min_probability)
+            return risk_pb2.ListRiskiestResponse(nodes=[self.node_risk(r) for r in nodes])
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def WatchRisk(self, request, context):
+        try:
+            for n in request.nodes:
+                check_node("nodes[]", n)
+            if len(request.nodes) > 100_000:
+                raise InvalidArgument("nodes lists more than 100000 names")
+            if not math.isfinite(request.min_change) or not 0 <= request.min_change <= 1:
+                raise InvalidArgument(f"min_change {request.min_change} must be in [0, 1]")
+        except ServiceError as err:
+            await _abort(context, err)
+        wanted = set(request.nodes) or None
+        min_change = request.min_change
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue(maxsize=RISK_WATCH_QUEUE)
+
+        def put(round_):
+            if queue.full():
+                queue.get_nowait()  # a slow watcher skips rounds; the next one carries the latest values
+            queue.put_nowait(round_)
+
+        token = self.plane.scoring.subscribe(lambda risks: loop.call_soon_threadsafe(put, risks))
+        last: dict[str, float] = {}
+        try:
+            while True:
+                risks = await queue.get()
+                for r in risks:
+                    if wanted is not None and r.node not in wanted:
+                        continue
+                    prev = last.get(r.node)
+                    if prev is not None and abs(r.probability - prev) < min_change:
+                        continue
+                    last[r.node] = r.probability
+                    yield self.node_risk(r)
+        finally:
+            self.plane.scoring.unsubscribe(token)
+
+
+class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
+    def __init__(self, plane):
+        self.plane = plane
+
+    async def StreamSweeps(self, request_iterator, context):
+        principal = self.plane.authenticator.principal(context)
+        ingest = self.plane.ingest
+        session = ingest.open_session(context.peer(), principal.subject if principal else "")
+        try:
+            async for batch in request_iterator:
+                result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
+                                       [(t.table, t.schema_version, t.arrow_ipc) for t in batch.tables])
+                if result.delay_seconds:
+                    await asyncio.sleep(result.delay_seconds)  # backpressure: hold the ack while overloaded
+                yield telemetry_pb2.SweepAck(
+                    acked_sequence=result.acked_sequence, credits=result.credits,
+                    rejections=[telemetry_pb2.Rejection(sequence=r.sequence, table=r.table, reason=r.reason,
+                                                        detail=r.detail) for r in result.rejections])
+        finally:
+            ingest.close_session(session)

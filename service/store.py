@@ -1,0 +1,432 @@
+"""Durable control-plane state: job placements, directives and their acknowledgements, in SQLite (WAL).
+
+Why SQLite: one file, transactions, a partial unique index that makes "one active directive per job and
+node" a database invariant (so a directive is never issued twice, even across a restart), and WAL mode
+so readers never block the writer. `synchronous=FULL`: an acknowledged write survives a power cut, and
+writes are rare (registrations, directives, acks), so the fsync costs nothing that matters.
+
+Tables (created on open, versioned by `PRAGMA user_version`):
+- jobs(job_id, generation, spares, max_concurrent, fallback, step, step_seconds, step_at_ns, ...)
+- ranks(job_id, rank, node, gpus)
+- directives(directive_id, job_id, kind, ranks, from_node, to_node, at_step, deadline_ns, reason, risk,
+  signals, issued_at_ns, state, generation, updated_at_ns, origin)
+- acks(directive_id, rank, phase, reason, phase_seconds, at_ns): every acknowledgement, kept.
+
+The enums mirror proto/foreshock/v1/jobs.proto by number (a test checks), so the store never needs the
+generated stubs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from foreshock.service.errors import FailedPrecondition, NotFound
+
+SCHEMA_VERSION = 1
+
+
+class DirectiveKind(enum.IntEnum):
+    EVACUATE = 1
+    SHRINK = 2
+    CHECKPOINT_EXIT = 3
+
+
+class DirectiveState(enum.IntEnum):
+    PENDING = 1
+    ACCEPTED = 2
+    STATE_TRANSFERRED = 3
+    COMPLETED = 4
+    FAILED = 5
+    CANCELLED = 6
+
+
+ACTIVE_STATES = (DirectiveState.PENDING, DirectiveState.ACCEPTED, DirectiveState.STATE_TRANSFERRED)
+TERMINAL_STATES = (DirectiveState.COMPLETED, DirectiveState.FAILED, DirectiveState.CANCELLED)
+
+
+class AckPhase(enum.IntEnum):
+    ACCEPTED = 1
+    STATE_TRANSFERRED = 2
+    COMPLETED = 3
+    FAILED = 4
+
+
+ACK_TO_STATE = {
+    AckPhase.ACCEPTED: DirectiveState.ACCEPTED,
+    AckPhase.STATE_TRANSFERRED: DirectiveState.STATE_TRANSFERRED,
+    AckPhase.COMPLETED: DirectiveState.COMPLETED,
+    AckPhase.FAILED: DirectiveState.FAILED,
+}
+
+
+class Fallback(enum.IntEnum):
+    UNSPECIFIED = 0
+    SHRINK = 1
+    CHECKPOINT_EXIT = 2
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    node: str
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str
+    ranks: tuple[Rank, ...]
+    spares: tuple[str, ...] = ()
+    max_concurrent: int = 0          # 0: the service's default
+    fallback: Fallback = Fallback.UNSPECIFIED
+    step: int = 0
+    step_seconds: float = 0.0
+    step_at_ns: int = 0              # when `step` was reported
+    generation: int = 1
+    registered_at_ns: int = 0
+
+    def nodes(self) -> set[str]:
+        return {r.node for r in self.ranks}
+
+    def ranks_on(self, node: str) -> tuple[int, ...]:
+        return tuple(sorted(r.rank for r in self.ranks if r.node == node))
+
+
+@dataclass(frozen=True)
+class SignalRecord:
+    name: str
+    value: float
+    contribution: float
+    description: str
+
+
+@dataclass(frozen=True)
+class Directive:
+    directive_id: str
+    job_id: str
+    kind: DirectiveKind
+    ranks: tuple[int, ...]
+    from_node: str
+    to_node: str
+    at_step: int
+    deadline_ns: int
+    reason: str
+    risk: float
+    signals: tuple[SignalRecord, ...] = ()
+    issued_at_ns: int = 0
+    state: DirectiveState = DirectiveState.PENDING
+    generation: int = 1
+    updated_at_ns: int = 0
+    origin: str = "policy"           # policy | drain
+
+
+@dataclass(frozen=True)
+class AckRecord:
+    directive_id: str
+    rank: int
+    phase: AckPhase
+    reason: str
+    phase_seconds: float
+    at_ns: int
+
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS jobs(
+  job_id TEXT PRIMARY KEY, generation INTEGER NOT NULL, spares TEXT NOT NULL,
+  max_concurrent INTEGER NOT NULL, fallback INTEGER NOT NULL, step INTEGER NOT NULL,
+  step_seconds REAL NOT NULL, step_at_ns INTEGER NOT NULL, registered_at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS ranks(
+  job_id TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, gpus TEXT NOT NULL,
+  PRIMARY KEY(job_id, rank));
+CREATE INDEX IF NOT EXISTS ranks_node ON ranks(node);
+CREATE TABLE IF NOT EXISTS directives(
+  directive_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, kind INTEGER NOT NULL, ranks TEXT NOT NULL,
+  from_node TEXT NOT NULL, to_node TEXT NOT NULL, at_step INTEGER NOT NULL, deadline_ns INTEGER NOT NULL,
+  reason TEXT NOT NULL, risk REAL NOT NULL, signals TEXT NOT NULL, issued_at_ns INTEGER NOT NULL,
+  state INTEGER NOT NULL, generation INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL, origin TEXT NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS directives_one_active
+  ON directives(job_id, from_node) WHERE state IN (1, 2, 3);
+CREATE INDEX IF NOT EXISTS directives_job ON directives(job_id, state);
+CREATE TABLE IF NOT EXISTS acks(
+  directive_id TEXT NOT NULL, rank INTEGER NOT NULL, phase INTEGER NOT NULL, reason TEXT NOT NULL,
+  phase_seconds REAL NOT NULL, at_ns INTEGER NOT NULL, PRIMARY KEY(directive_id, rank, phase));
+"""
+
+
+class StateStore:
+    """The control plane's durable state. Thread-safe (one connection behind a lock)."""
+
+    def __init__(self, path: str | Path, *, clock=time.time_ns):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            raise FailedPrecondition(f"state database {self.path} has schema version {version}; "
+                                     f"this build reads version {SCHEMA_VERSION}")
+        self._db.executescript(_DDL)
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- transactions ------------------------------------------------------------------------------
+    def _tx(self):
+        store = self
+
+        class _Tx:
+            def __enter__(self_inner):
+                store._lock.acquire()
+                store._db.execute("BEGIN IMMEDIATE")
+                return store._db
+
+            def __exit__(self_inner, exc_type, exc, tb):
+                try:
+                    store._db.execute("ROLLBACK" if exc_type else "COMMIT")
+                finally:
+                    store._lock.release()
+                return False
+
+        return _Tx()
+
+    # -- jobs ----------------------------------------------------------------------------------------
+    def put_job(self, job: Job) -> Job:
+        """Register a job or replace its placement; the generation bumps when the placement changes."""
+        now = self._clock()
+        with self._tx() as db:
+            old = self._job(db, job.job_id)
+            generation = 1
+            if old is not None:
+                same = (old.ranks == job.ranks and old.spares == job.spares)
+                generation = old.generation if same else old.generation + 1
+            job = replace(job, generation=generation, step_at_ns=now,
+                          registered_at_ns=old.registered_at_ns if old else now)
+            self._write_job(db, job)
+            if old is not None:
+                # Directives from nodes that no longer host the job's ranks are moot.
+                for d in self._directives(db, "job_id=? AND state IN (1,2,3)", (job.job_id,)):
+                    if d.from_node not in job.nodes():
+                        self._set_state(db, d.directive_id, DirectiveState.CANCELLED, now)
+        return job
+
+    def _write_job(self, db, job: Job) -> None:
+        db.execute("INSERT OR REPLACE INTO jobs VALUES (?,?,?,?,?,?,?,?,?)",
+                   (job.job_id, job.generation, json.dumps(list(job.spares)), job.max_concurrent,
+                    int(job.fallback), job.step, job.step_seconds, job.step_at_ns, job.registered_at_ns))
+        db.execute("DELETE FROM ranks WHERE job_id=?", (job.job_id,))
+        db.executemany("INSERT INTO ranks VALUES (?,?,?,?)",
+                       [(job.job_id, r.rank, r.node, json.dumps(list(r.gpus))) for r in job.ranks])
+
+    def _job(self, db, job_id: str) -> Job | None:
+        row = db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        ranks = tuple(Rank(r, n, tuple(json.loads(g))) for r, n, g in db.execute(
+            "SELECT rank, node, gpus FROM ranks WHERE job_id=? ORDER BY rank", (job_id,)))
+        (jid, generation, spares, max_conc, fallback, step, step_seconds, step_at, reg_at) = row
+        return Job(jid, ranks, tuple(json.loads(spares)), max_conc, Fallback(fallback), step, step_seconds,
+                   step_at, generation, reg_at)
+
+    def job(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._job(self._db, job_id)
+        if job is None:
+            raise NotFound(f"job {job_id!r} is not registered")
+        return job
+
+    def find_job(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._job(self._db, job_id)
+
+    def jobs(self) -> list[Job]:
+        with self._lock:
+            ids = [r[0] for r in self._db.execute("SELECT job_id FROM jobs ORDER BY job_id")]
+            return [self._job(self._db, i) for i in ids]
+
+    def report_step(self, job_id: str, step: int, step_seconds: float) -> Job:
+        now = self._clock()
+        with self._tx() as db:
+            n = db.execute("UPDATE jobs SET step=?, step_seconds=?, step_at_ns=? WHERE job_id=?",
+                           (step, step_seconds, now, job_id)).rowcount
+            if not n:
+                raise NotFound(f"job {job_id!r} is not registered")
+            return self._job(db, job_id)
+
+    def delete_job(self, job_id: str) -> list[Directive]:
+        """Deregister a job; its active directives are cancelled (and returned, to notify watchers)."""
+        now = self._clock()
+        with self._tx() as db:
+            if self._job(db, job_id) is None:
+                raise NotFound(f"job {job_id!r} is not registered")
+            cancelled = []
+            for d in self._directives(db, "job_id=? AND state IN (1,2,3)", (job_id,)):
+                cancelled.append(self._set_state(db, d.directive_id, DirectiveState.CANCELLED, now,
+                                                 reason_suffix="job deregistered"))
+            db.execute("DELETE FROM ranks WHERE job_id=?", (job_id,))
+            db.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))
+            return cancelled
+
+    # -- directives --------------------------------------------------------------------------------
+    def insert_directive(self, d: Directive) -> tuple[Directive, bool]:
+        """Store a new directive; if the job already has an active one from that node, return that one.
+
+        Returns (directive, created). The check and the insert are one transaction, and the partial
+        unique index backs it, so two rounds (or a round and a drain) can never both issue one.
+        """
+        with self._tx() as db:
+            existing = self._directives(db, "job_id=? AND from_node=? AND state IN (1,2,3)",
+                                        (d.job_id, d.from_node))
+            if existing:
+                return existing[0], False
+            if not d.directive_id:
+                d = replace(d, directive_id=uuid.uuid4().hex)
+            db.execute("INSERT INTO directives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                       (d.directive_id, d.job_id, int(d.kind), json.dumps(list(d.ranks)), d.from_node,
+                        d.to_node, d.at_step, d.deadline_ns, d.reason, float(d.risk),
+                        json.dumps([s.__dict__ for s in d.signals]), d.issued_at_ns, int(d.state),
+                        d.generation, d.issued_at_ns, d.origin))
+            return d, True
+
+    def _directives(self, db, where: str, args: tuple) -> list[Directive]:
+        rows = db.execute(f"SELECT * FROM directives WHERE {where} ORDER BY issued_at_ns, directive_id",
+                          args).fetchall()
+        return [_directive_from_row(r) for r in rows]
+
+    def directive(self, directive_id: str) -> Directive:
+        with self._lock:
+            found = self._directives(self._db, "directive_id=?", (directive_id,))
+        if not found:
+            raise NotFound(f"directive {directive_id!r} does not exist")
+        return found[0]
+
+    def directives(self, job_id: str | None = None, *, active_only: bool = False) -> list[Directive]:
+        where, args = [], []
+        if job_id is not None:
+            where.append("job_id=?")
+            args.append(job_id)
+        if active_only:
+            where.append("state IN (1,2,3)")
+        with self._lock:
+            return self._directives(self._db, " AND ".join(where) or "1=1", tuple(args))
+
+    def _set_state(self, db, directive_id: str, state: DirectiveState, now: int,
+                   reason_suffix: str = "") -> Directive:
+        if reason_suffix:
+            db.execute("UPDATE directives SET state=?, updated_at_ns=?, reason=reason || ? WHERE directive_id=?",
+                       (int(state), now, f"; {reason_suffix}", directive_id))
+        else:
+            db.execute("UPDATE directives SET state=?, updated_at_ns=? WHERE directive_id=?",
+                       (int(state), now, directive_id))
+        return self._directives(db, "directive_id=?", (directive_id,))[0]
+
+    def cancel(self, directive_id: str, reason: str) -> tuple[Directive, bool]:
+        """Cancel an active directive. Returns (directive, changed); cancelling a finished one changes nothing."""
+        now = self._clock()
+        with self._tx() as db:
+            found = self._directives(db, "directive_id=?", (directive_id,))
+            if not found:
+                raise NotFound(f"directive {directive_id!r} does not exist")
+            d = found[0]
+            if d.state not in ACTIVE_STATES:
+                return d, False
+            return self._set_state(db, directive_id, DirectiveState.CANCELLED, now,
+                                   reason_suffix=f"cancelled: {reason}" if reason else "cancelled"), True
+
+    def expire(self, now_ns: int) -> list[Directive]:
+        """Fail active directives whose deadline has passed (the job never completed them)."""
+        with self._tx() as db:
+            late = self._directives(db, "state IN (1,2,3) AND deadline_ns < ?", (now_ns,))
+            return [self._set_state(db, d.directive_id, DirectiveState.FAILED, now_ns,
+                                    reason_suffix="deadline passed without completion") for d in late]
+
+    def ack(self, a: AckRecord) -> tuple[Directive, bool]:
+        """Record an acknowledgement and advance the directive's state. Returns (directive, changed).
+
+        States only move forward (PENDING < ACCEPTED < STATE_TRANSFERRED < COMPLETED; FAILED from any
+        active state). A repeated or late ack is recorded and changes nothing. COMPLETED applies the move
+        to the job's placement (the ranks now live on `to_node`) and bumps its generation, in the same
+        transaction, so a restart can never see one without the other.
+        """
+        with self._tx() as db:
+            found = self._directives(db, "directive_id=?", (a.directive_id,))
+            if not found:
+                raise NotFound(f"directive {a.directive_id!r} does not exist")
+            d = found[0]
+            db.execute("INSERT OR IGNORE INTO acks VALUES (?,?,?,?,?,?)",
+                       (a.directive_id, a.rank, int(a.phase), a.reason, a.phase_seconds, a.at_ns))
+            target = ACK_TO_STATE[a.phase]
+            if d.state not in ACTIVE_STATES:
+                return d, False
+            if target != DirectiveState.FAILED and target <= d.state:
+                return d, False
+            suffix = f"failed: {a.reason}" if target == DirectiveState.FAILED and a.reason else ""
+            d = self._set_state(db, d.directive_id, target, a.at_ns, reason_suffix=suffix)
+            if target == DirectiveState.COMPLETED:
+                self._apply_move(db, d)
+            return d, True
+
+    def _apply_move(self, db, d: Directive) -> None:
+        job = self._job(db, d.job_id)
+        if job is None:
+            return
+        moved = set(d.ranks)
+        if d.kind == DirectiveKind.EVACUATE and d.to_node:
+            ranks = tuple(replace(r, node=d.to_node) if r.rank in moved else r for r in job.ranks)
+            spares = tuple(s for s in job.spares if s != d.to_node)
+        elif d.kind == DirectiveKind.SHRINK:
+            ranks = tuple(r for r in job.ranks if r.rank not in moved)
+            spares = job.spares
+        else:  # checkpoint-and-exit: the launcher restarts the job, which registers anew
+            ranks, spares = job.ranks, job.spares
+        self._write_job(db, replace(job, ranks=ranks, spares=spares, generation=job.generation + 1))
+
+    def acks(self, directive_id: str) -> list[AckRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM acks WHERE directive_id=? ORDER BY at_ns, rank, phase",
+                                    (directive_id,)).fetchall()
+        return [AckRecord(r[0], r[1], AckPhase(r[2]), r[3], r[4], r[5]) for r in rows]
+
+    def last_directive_time(self, nodes: Iterable[str] | None = None) -> dict[str, int]:
+        """Per from_node, the latest time a directive was issued or changed state (for cool-down)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT from_node, MAX(updated_at_ns) FROM directives GROUP BY from_node").fetchall()
+        out = {n: t for n, t in rows}
+        if nodes is not None:
+            wanted = set(nodes)
+            out = {n: t for n, t in out.items() if n in wanted}
+        return out
+
+
+def counts(store: StateStore) -> dict[tuple[int, int], int]:
+    """(kind, state) -> number of directives, for the metrics."""
+    with store._lock:
+        rows = store._db.execute("SELECT kind, state, COUNT(*) FROM directives GROUP BY kind, state").fetchall()
+    return {(k, s): n for k, s, n in rows}
+
+
+def job_count(store: StateStore) -> int:
+    with store._lock:
+        return store._db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+
+
+def _directive_from_row(r) -> Directive:
+    (did, job_id, kind, ranks, from_node, to_node, at_step, deadline_ns, reason, risk, signals, issued,
+     state, generation, updated, origin) = r
+    return Directive(did, job_id, DirectiveKind(kind), tuple(json.loads(ranks)), from_node, to_node, at_step,
+                     deadline_ns, reason, risk, tuple(SignalRecord(**s) for s in json.loads(signals)), issued,
+                     DirectiveState(state), generation, updated, origin)
