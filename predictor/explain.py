@@ -1,0 +1,126 @@
+"""Explanations: which signals drove a node's risk, in words a person understands.
+
+Contributions are measured by occlusion: for each signal (the group of features computed from one
+base or peer signal of features.py), the signal's features are set to their healthy reference
+values (the medians over healthy training steps, stored in the manifest) and the node is scored
+again; the contribution is how much the probability drops. One batched predict call covers every
+(node, signal) pair, so explaining the riskiest nodes of a round costs milliseconds. The description
+is built from the node's own feature values: "HBM corrected ECC errors: 120 in the last 30 min,
+40x its 3-day baseline, worst on GPU 3".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from foreshock.predictor import features as ft
+from foreshock.predictor import signals as sg
+
+
+@dataclass(frozen=True)
+class Signal:
+    name: str            # the base/peer signal (features.ALL_NAMES)
+    value: float         # its headline value (30-min count, current gauge, peer ratio)
+    contribution: float  # probability points it adds (probability minus probability with it healthy)
+    description: str
+
+
+SIGNAL_BY_NAME = {s.name: s for s in ft.ALL_SIGNALS}
+GROUPS: dict[str, np.ndarray] = {}
+for _i, _spec in enumerate(ft.FEATURES):
+    GROUPS.setdefault(_spec.signal, [])
+    GROUPS[_spec.signal].append(_i)
+GROUPS = {k: np.asarray(v) for k, v in GROUPS.items()}
+GROUP_NAMES = tuple(GROUPS)
+FIDX = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+
+
+def _fmt(v: float) -> str:
+    if v is None or not np.isfinite(v):
+        return "unknown"
+    if abs(v) >= 100 or float(v).is_integer():
+        return f"{v:,.0f}"
+    return f"{v:.2f}"
+
+
+def headline(signal: str, row: np.ndarray) -> float:
+    for suffix in ("_30m", "_now", "_30m_vs_baseline"):
+        j = FIDX.get(signal + suffix)
+        if j is not None:
+            return float(row[j])
+    j = FIDX.get(f"minutes_since_{signal}")
+    return float(row[j]) if j is not None else float("nan")
+
+
+def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
+    spec = SIGNAL_BY_NAME.get(signal)
+    text = spec.text if spec else signal
+    text = text[0].upper() + text[1:]
+    get = lambda name: float(row[FIDX[name]]) if name in FIDX else float("nan")  # noqa: E731
+    parts = []
+    if spec is not None and spec.kind == "count":
+        v30 = get(f"{signal}_30m")
+        ratio = get(f"{signal}_30m_vs_baseline")
+        if np.isfinite(v30):
+            parts.append(f"{_fmt(v30)} in the last 30 min")
+        if np.isfinite(ratio) and (ratio >= 2 or ratio <= 0.5):
+            parts.append(f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline")
+        since = get(f"minutes_since_{signal}")
+        if np.isfinite(since) and since < ft.SINCE_CAP_MINUTES:
+            parts.append(f"the last {since:.0f} min ago")
+    elif spec is not None and spec.kind in ("gauge", "flag"):
+        now, mx = get(f"{signal}_now"), get(f"{signal}_max30m")
+        if spec.kind == "flag":
+            parts.append("now" if now > 0 else "in the last 30 min" if mx > 0 else "not seen")
+        else:
+            unit = f" {spec.unit}" if spec.unit and spec.unit not in ("ratio",) else ""
+            parts.append(f"{_fmt(now)}{unit} now, {_fmt(mx)}{unit} at most in 30 min")
+            rise = get(f"{signal}_rise30m")
+            if np.isfinite(rise) and abs(rise) >= 0.5:
+                parts.append(f"{rise:+.1f}{unit} over 30 min")
+    elif spec is not None and spec.kind == "peer":
+        parts.append(f"{_fmt(get(signal + '_30m'))} over 30 min ({_fmt(get(signal + '_5m'))} over 5 min)")
+    if entity:
+        parts.append(f"worst on {entity}")
+    return f"{text}: {', '.join(parts)}" if parts else text
+
+
+def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: np.ndarray,
+            top: int = 3, entities: list[dict[str, str]] | None = None) -> list[list[Signal]]:
+    """Top contributing signals for each row of X (rows already scored: `probability`)."""
+    n = len(X)
+    if n == 0:
+        return []
+    g = len(GROUP_NAMES)
+    occluded = np.repeat(X[:, None, :], g, axis=1)              # [n, g, F]
+    for k, name in enumerate(GROUP_NAMES):
+        cols = GROUPS[name]
+        occluded[:, k, cols] = reference[cols]
+    p_occ = estimator_proba(occluded.reshape(n * g, -1)).reshape(n, g)
+    contrib = probability[:, None] - p_occ
+    out = []
+    for i in range(n):
+        order = np.argsort(-contrib[i], kind="stable")[:top]
+        sigs = []
+        for k in order:
+            if contrib[i, k] <= 0:
+                break
+            name = GROUP_NAMES[k]
+            ent = (entities[i] or {}).get(name) if entities else None
+            sigs.append(Signal(name, headline(name, X[i]), float(contrib[i, k]), describe(name, X[i], ent)))
+        out.append(sigs)
+    return out
+
+
+# per-entity maxima whose worst entity online.py tracks, for "worst on GPU 3"
+ENTITY_SIGNALS = {
+    "ecc_sbe": ("gpu", "ecc_sbe", "GPU"),
+    "nvl_crc": ("nvlink", "nvl_errors", "GPU"),
+    "nvl_replay": ("nvlink", "nvl_errors", "GPU"),
+    "ib_symbol_error": ("rdma_port", "ib_link_errors", "port"),
+    "ib_link_error_recovery": ("rdma_port", "ib_link_errors", "port"),
+}
+for _name, (_t, _c, _kind) in ENTITY_SIGNALS.items():
+    assert _name in sg.BASE_INDEX

@@ -1,0 +1,330 @@
+"""Features (stage 2): windows, baselines, trends and peer comparisons over the per-step base signals.
+
+Reads the base signals of signals.py (one vector per node and step) and computes, per node and step:
+error counts over 1, 5 and 30 minutes; the 30-minute rate relative to the node's own slowly moving
+baseline (an EWMA with a 3-day half-life, bias-corrected); gauges now and their 30-minute maximum;
+the temperature rise over 30 minutes; minutes since the last fatal/early-warning Xid and link event;
+and peer comparisons: link errors relative to the other nodes under the same leaf switch and the
+share of those peers with link errors (a switch fault shows on all of them), throughput relative to
+the node's job peers (a straggler), and TCP retransmissions of the other nodes of the site.
+
+ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
+takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
+features of every step of the block and the new state. Offline calls it once per node with all of
+its steps; online calls it for all nodes with the step(s) just closed. Windows are sums of shifted
+slices added in a fixed order and the EWMA is scipy's lfilter carrying its state, so both paths give
+bit-identical values (tests/test_predictor_skew.py asserts it).
+
+FEATURE_VERSION changes whenever a feature's definition changes; a model trained with other features
+is refused by the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.signal import lfilter
+
+from foreshock.predictor import signals as sg
+
+FEATURE_VERSION = "1"
+STEP_SECONDS = sg.STEP_SECONDS
+HISTORY = 30                     # steps of history the longest window needs
+BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
+EWMA_ALPHA = 1.0 - 2.0 ** (-1.0 / BASELINE_HALF_LIFE_STEPS)
+SINCE_CAP_MINUTES = 1440.0
+
+# Peer base signals, computed across nodes per step (peer_signals below) and appended to the base.
+PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
+    sg.BaseSignal("leaf_peers_link_err_frac", "peer", "share of the other nodes under this leaf switch with link errors", "ratio"),
+    sg.BaseSignal("link_err_vs_leaf", "peer", "link errors relative to the other nodes under this leaf switch", "x"),
+    sg.BaseSignal("traffic_vs_job", "peer", "throughput relative to the other nodes of its job", "x"),
+    sg.BaseSignal("site_peers_tcp_retrans", "peer", "TCP retransmissions per minute of the other nodes of its site", "segments"),
+)
+ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS
+ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
+IDX = {n: i for i, n in enumerate(ALL_NAMES)}
+PEER_GROUPS = ("leaf_switch", "job", "site")
+
+# count signals not worth windowing on their own (denominators, raw traffic: used through ratios/peers)
+NOT_WINDOWED = {"tcp_out", "nvl_traffic", "ib_traffic", "ib_xmit_wait", "ib_cnp"}
+BASELINED = ("ecc_sbe", "nvl_crc", "nvl_replay", "ib_symbol_error", "ib_link_error_recovery",
+             "ib_retrans", "ib_ack_timeout", "pcie_replay", "tcp_retrans", "ib_xmit_wait", "ib_cnp",
+             "nvl_traffic", "ib_traffic", "eth_errors")
+SINCE = ("xid_fatal", "xid_precursor", "xid_nvlink", "link_state_events", "ib_link_downed")
+RISE = ("temp_max", "hbm_temp_max")
+
+COUNT_IDX = [IDX[s.name] for s in sg.BASE_SIGNALS if s.kind == "count" and s.name not in NOT_WINDOWED]
+GAUGE_IDX = [IDX[s.name] for s in sg.BASE_SIGNALS if s.kind in ("gauge", "flag")]
+PEER_IDX = [IDX[s.name] for s in PEER_SIGNALS]
+BASE_IDX = [IDX[n] for n in BASELINED]
+SINCE_IDX = [IDX[n] for n in SINCE]
+RISE_IDX = [IDX[n] for n in RISE]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    name: str
+    signal: str       # the base/peer signal it is computed from (explanations group by it)
+    op: str           # sum1 sum5 sum30 vs_baseline now max30 rise30 since mean5 mean30
+
+
+def _specs() -> tuple[FeatureSpec, ...]:
+    out = []
+    for i in COUNT_IDX:
+        n = ALL_NAMES[i]
+        out += [FeatureSpec(f"{n}_1m", n, "sum1"), FeatureSpec(f"{n}_5m", n, "sum5"), FeatureSpec(f"{n}_30m", n, "sum30")]
+    for n in BASELINED:
+        out.append(FeatureSpec(f"{n}_30m_vs_baseline", n, "vs_baseline"))
+    for i in GAUGE_IDX:
+        n = ALL_NAMES[i]
+        out += [FeatureSpec(f"{n}_now", n, "now"), FeatureSpec(f"{n}_max30m", n, "max30")]
+    for n in RISE:
+        out.append(FeatureSpec(f"{n}_rise30m", n, "rise30"))
+    for n in SINCE:
+        out.append(FeatureSpec(f"minutes_since_{n}", n, "since"))
+    for i in PEER_IDX:
+        n = ALL_NAMES[i]
+        out += [FeatureSpec(f"{n}_5m", n, "mean5"), FeatureSpec(f"{n}_30m", n, "mean30")]
+    return tuple(out)
+
+
+FEATURES: tuple[FeatureSpec, ...] = _specs()
+FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
+N_FEATURES = len(FEATURES)
+
+
+def feature_names() -> list[str]:
+    return list(FEATURE_NAMES)
+
+
+SUM_IDX = sorted(set(COUNT_IDX) | set(RISE_IDX) | set(PEER_IDX) | set(BASE_IDX))
+_SUM_POS = {i: j for j, i in enumerate(SUM_IDX)}
+S_COUNT = [_SUM_POS[i] for i in COUNT_IDX]
+S_RISE = [_SUM_POS[i] for i in RISE_IDX]
+S_PEER = [_SUM_POS[i] for i in PEER_IDX]
+S_BASE = [_SUM_POS[i] for i in BASE_IDX]
+RING = HISTORY          # cumulative sums kept for the last RING steps
+GRING = HISTORY - 1     # gauge values kept for the last GRING steps
+
+
+@dataclass
+class FeatureState:
+    """What compute() carries between blocks of steps, for N nodes: bounded (HISTORY steps + scalars).
+
+    Window sums are differences of running cumulative sums (C_t - C_{t-w}); the state keeps the
+    cumulative sums of the last RING steps in a ring (time-major, position `head` is the oldest) and
+    the gauge values of the last GRING steps (their maximum is order-free, so any layout works).
+    All N nodes share `head`: the online scorer advances every node every step.
+    """
+    cum: np.ndarray         # [N, K] cumulative sums of the SUM signals (NaN counted as 0)
+    cumv: np.ndarray        # [N, K] cumulative count of known values
+    ring: np.ndarray        # [RING, N, K] cum of the last RING steps
+    ringv: np.ndarray       # [RING, N, K]
+    gring: np.ndarray       # [GRING, N, G] the last gauge values (NaN: none)
+    head: int               # ring position of the oldest entry (= the next to overwrite)
+    ghead: int
+    z: np.ndarray           # [N, B] EWMA state (lfilter's zi)
+    seen: np.ndarray        # [N] steps seen (EWMA bias correction)
+    last_event: np.ndarray  # [N, E] step index of the last event of each SINCE signal (-inf: never)
+
+    @classmethod
+    def empty(cls, n: int) -> "FeatureState":
+        k, g = len(SUM_IDX), len(GAUGE_IDX)
+        return cls(np.zeros((n, k)), np.zeros((n, k)), np.zeros((RING, n, k)), np.zeros((RING, n, k)),
+                   np.full((GRING, n, g), np.nan), 0, 0, np.zeros((n, len(BASE_IDX))), np.zeros(n),
+                   np.full((n, len(SINCE_IDX)), -np.inf))
+
+    def grow(self, n: int) -> "FeatureState":
+        """The same state with n new nodes appended (their history empty, as offline starts them)."""
+        add = FeatureState.empty(n)
+        cat = np.concatenate
+        return FeatureState(cat([self.cum, add.cum]), cat([self.cumv, add.cumv]),
+                            cat([self.ring, add.ring], axis=1), cat([self.ringv, add.ringv], axis=1),
+                            cat([self.gring, add.gring], axis=1), self.head, self.ghead,
+                            cat([self.z, add.z]), cat([self.seen, add.seen]),
+                            cat([self.last_event, add.last_event]))
+
+    def __len__(self) -> int:
+        return len(self.seen)
+
+
+def _lagged(block: np.ndarray, ring: np.ndarray, head: int, w: int) -> np.ndarray:
+    """Cumulative value w steps before each step of the block: block [T, N, K] -> [T, N, K]."""
+    t = block.shape[0]
+    r = ring.shape[0]
+    n_ring = min(w, t)
+    # step j needs C_{j-w}: from the ring when j - w < 0 (m = w - j steps before the block)
+    idx = [(head + r - (w - j)) % r for j in range(n_ring)]
+    from_ring = ring[idx]
+    if t <= w:
+        return from_ring
+    return np.concatenate([from_ring, block[: t - w]], axis=0)
+
+
+def _push(ring: np.ndarray, head: int, block: np.ndarray) -> int:
+    r, t = ring.shape[0], block.shape[0]
+    if t >= r:
+        ring[:] = np.roll(block[t - r:], head, axis=0)
+        return head
+    pos = (head + np.arange(t)) % r
+    ring[pos] = block
+    return (head + t) % r
+
+
+def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.ndarray, FeatureState]:
+    """Features of a block of T consecutive steps for N nodes; updates `state` in place and returns it.
+
+    x: [N, T, S] base + peer signals (ALL_NAMES order); steps: [T] the step indices (ts // step).
+    Returns ([N, T, N_FEATURES] float32, state).
+    """
+    n, t, _ = x.shape
+    xt = np.ascontiguousarray(np.swapaxes(x, 0, 1))              # [T, N, S] time-major
+    out = np.empty((t, n, N_FEATURES), dtype=np.float64)
+    col = 0
+
+    xs = xt[:, :, SUM_IDX]
+    vs = ~np.isnan(xs)
+    xs = np.where(vs, xs, 0.0)
+    # sequential from the carried sum, so that any split of the steps into blocks rounds the same
+    c = np.cumsum(np.concatenate([state.cum[None], xs]), axis=0)[1:]
+    cv = np.cumsum(np.concatenate([state.cumv[None], vs.astype(np.float64)]), axis=0)[1:]
+
+    def window(w, cols):
+        return (c[:, :, cols] - _lagged(c, state.ring, state.head, w)[:, :, cols],
+                cv[:, :, cols] - _lagged(cv, state.ringv, state.head, w)[:, :, cols])
+
+    # counts over 1, 5, 30 steps (NaN when nothing in the window was known)
+    k = len(COUNT_IDX)
+    cols = S_COUNT
+    s1 = np.where(vs[:, :, cols], xs[:, :, cols], np.nan)
+    a5, n5 = window(5, cols)
+    a30, n30 = window(HISTORY, cols)
+    block = np.stack([s1, np.where(n5 > 0, a5, np.nan), np.where(n30 > 0, a30, np.nan)], axis=-1)
+    out[:, :, col:col + 3 * k] = block.reshape(t, n, 3 * k)
+    col += 3 * k
+
+    # 30-minute rate against the node's own EWMA baseline (lfilter recursion: y = a x + z, z = (1-a) y)
+    xb = xs[:, :, S_BASE]
+    if t == 1:
+        y = EWMA_ALPHA * xb + state.z[None]
+        zf = (1.0 - EWMA_ALPHA) * y[-1]
+    else:
+        yy, zz = lfilter([EWMA_ALPHA], [1.0, -(1.0 - EWMA_ALPHA)], xb, axis=0, zi=state.z[None])
+        y, zf = yy, zz[0]
+    seen = state.seen[None, :] + np.arange(1, t + 1, dtype=np.float64)[:, None]
+    baseline = y / (1.0 - (1.0 - EWMA_ALPHA) ** seen)[:, :, None]
+    b30, nb30 = window(HISTORY, S_BASE)
+    eps = 1.0 / HISTORY
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate30 = np.where(nb30 > 0, b30 / np.maximum(nb30, 1.0), np.nan)
+    out[:, :, col:col + len(BASE_IDX)] = (rate30 + eps) / (baseline + eps)
+    col += len(BASE_IDX)
+
+    # gauges and flags: now and the maximum over 30 steps (exact and order-free: np.fmax skips NaN)
+    g = xt[:, :, GAUGE_IDX]
+    hist = np.fmax.reduce(state.gring, axis=0)                     # [N, G] max of the carried steps
+    if t == 1:
+        gmax = np.fmax(g, hist[None])
+    else:
+        ext = np.concatenate([state.gring[(state.ghead + np.arange(GRING)) % GRING], g], axis=0)
+        gmax = g.copy()
+        for kk in range(1, HISTORY):
+            gmax = np.fmax(gmax, ext[GRING - kk: GRING - kk + t])
+    k = len(GAUGE_IDX)
+    out[:, :, col:col + 2 * k] = np.stack([g, gmax], axis=-1).reshape(t, n, 2 * k)
+    col += 2 * k
+
+    # rise over 30 steps: mean of the last 5 minus the mean of the 5 ending 25 steps back
+    cr = S_RISE
+    ra, rn = window(5, cr)
+    old_a = _lagged(c, state.ring, state.head, 25)[:, :, cr] - _lagged(c, state.ring, state.head, 30)[:, :, cr]
+    old_n = _lagged(cv, state.ringv, state.head, 25)[:, :, cr] - _lagged(cv, state.ringv, state.head, 30)[:, :, cr]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[:, :, col:col + len(RISE_IDX)] = np.where((rn > 0) & (old_n > 0), ra / rn - old_a / old_n, np.nan)
+    col += len(RISE_IDX)
+
+    # minutes since the last event of each kind (capped; never = the cap)
+    ev = np.nan_to_num(xt[:, :, SINCE_IDX]) > 0                  # [T, N, E]
+    st = steps.astype(np.float64)[:, None, None]
+    stamp = np.where(ev, st, -np.inf)
+    last = np.maximum.accumulate(np.concatenate([state.last_event[None], stamp], axis=0), axis=0)[1:]
+    out[:, :, col:col + len(SINCE_IDX)] = np.minimum((st - last) * (STEP_SECONDS / 60.0), SINCE_CAP_MINUTES)
+    col += len(SINCE_IDX)
+
+    # peers: means over 5 and 30 steps
+    p5, pn5 = window(5, S_PEER)
+    p30, pn30 = window(HISTORY, S_PEER)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m5 = np.where(pn5 > 0, p5 / np.maximum(pn5, 1.0), np.nan)
+        m30 = np.where(pn30 > 0, p30 / np.maximum(pn30, 1.0), np.nan)
+    k = len(PEER_IDX)
+    out[:, :, col:col + 2 * k] = np.stack([m5, m30], axis=-1).reshape(t, n, 2 * k)
+    col += 2 * k
+    assert col == N_FEATURES
+
+    # carry the state
+    h0 = state.head
+    state.head = _push(state.ring, h0, c)
+    _push(state.ringv, h0, cv)
+    state.ghead = _push(state.gring, state.ghead, g)
+    state.cum, state.cumv = c[-1].copy(), cv[-1].copy()
+    state.z = np.asarray(zf)
+    state.seen = state.seen + t
+    state.last_event = last[-1].copy()
+    return np.swapaxes(out, 0, 1).astype(np.float32), state
+
+
+# -- peers -------------------------------------------------------------------------------------------
+PEER_INPUTS = ("link_err", "traffic", "tcp_retrans")
+
+
+def peer_inputs(base: np.ndarray) -> np.ndarray:
+    """[..., S_base] -> [..., 3]: a node's own link errors, traffic and TCP retransmissions per step.
+
+    Integer-valued, so sums over a group are exact whatever the order (offline and online agree).
+    """
+    link = np.nansum(base[..., [sg.BASE_INDEX[n] for n in sg.IB_LINK_ERRORS]], axis=-1)
+    traffic = np.nansum(base[..., [sg.BASE_INDEX["ib_traffic"], sg.BASE_INDEX["nvl_traffic"]]], axis=-1)
+    retrans = np.nan_to_num(base[..., sg.BASE_INDEX["tcp_retrans"]])
+    return np.stack([link, traffic, retrans], axis=-1)
+
+
+@dataclass
+class GroupTotals:
+    """Per group (and step): nodes present, sum of each peer input, nodes with a nonzero value."""
+    count: np.ndarray   # [G, ...]
+    total: np.ndarray   # [G, ..., 3]
+    nonzero: np.ndarray  # [G, ..., 3]
+
+
+def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarray],
+                 totals: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
+    """The PEER_SIGNALS of nodes given their own inputs and their groups' totals (self included).
+
+    own [M, 3]; present [M] (the node had data this step); codes[group] [M] (-1: no group);
+    totals[group] = (count [M], total [M, 3], nonzero [M, 3]) looked up for each row's group.
+    """
+    m = len(own)
+    out = np.full((m, len(PEER_SIGNALS)), np.nan)
+    p = present.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cnt, tot, nz = totals["leaf_switch"]
+        others = cnt - p
+        ok = (codes["leaf_switch"] >= 0) & (others > 0)
+        own_nz = (own[:, 0] > 0) * p
+        out[:, 0] = np.where(ok, (nz[:, 0] - own_nz) / others, np.nan)
+        mean_others = (tot[:, 0] - own[:, 0] * p) / others
+        out[:, 1] = np.where(ok & present, (own[:, 0] + 1.0) / (mean_others + 1.0), np.nan)
+        cnt, tot, nz = totals["job"]
+        others = cnt - p
+        ok = (codes["job"] >= 0) & (others > 0) & present
+        mean_others = (tot[:, 1] - own[:, 1] * p) / others
+        out[:, 2] = np.where(ok & (mean_others > 0), own[:, 1] / mean_others, np.nan)
+        cnt, tot, nz = totals["site"]
+        others = cnt - p
+        ok = (codes["site"] >= 0) & (others > 0)
+        out[:, 3] = np.where(ok, (tot[:, 2] - own[:, 2] * p) / others, np.nan)
+    out[~present] = np.nan
+    return out

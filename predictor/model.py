@@ -1,0 +1,118 @@
+"""The estimators: the gradient-boosted model, and the two baselines every evaluation compares it with.
+
+* `make_model()`: a scikit-learn Pipeline (FeatureGuard -> HistGradientBoostingClassifier). Training
+  (train.py) wraps the fitted pipeline in CalibratedClassifierCV(FrozenEstimator(...), isotonic),
+  fitted on a later, held-out time slice, so probabilities are calibrated to the true base rate.
+* `RuleBaseline`: DCGM-health-style thresholds (any fatal Xid, uncorrected ECC, a row-remap failure,
+  a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
+  share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
+* `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
+
+Inputs are feature matrices in features.FEATURE_NAMES order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.base import BaseEstimator, ClassifierMixin, TransformerMixin
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.impute import SimpleImputer
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import FunctionTransformer, StandardScaler
+
+from foreshock.predictor import features as ft
+
+
+class FeatureGuard(TransformerMixin, BaseEstimator):
+    """Checks that X has the model's feature columns (by count, and by name for a DataFrame)."""
+
+    def __init__(self, feature_names=ft.FEATURE_NAMES):
+        self.feature_names = feature_names
+
+    def fit(self, X, y=None):
+        self.feature_names_in_ = np.asarray(list(self.feature_names), dtype=object)
+        self.n_features_in_ = len(self.feature_names_in_)
+        self._check(X)
+        return self
+
+    def _check(self, X):
+        cols = getattr(X, "columns", None)
+        if cols is not None and list(cols) != list(self.feature_names_in_):
+            missing = sorted(set(self.feature_names_in_) - set(cols))
+            raise ValueError(f"feature columns do not match the model's (missing {missing[:5]}...)")
+        if X.shape[1] != len(self.feature_names_in_):
+            raise ValueError(f"X has {X.shape[1]} features; the model expects {len(self.feature_names_in_)}")
+
+    def transform(self, X):
+        self._check(X)
+        return np.asarray(X, dtype=np.float32)
+
+    def get_feature_names_out(self, input_features=None):
+        return self.feature_names_in_.copy()
+
+
+def make_model(*, max_iter: int = 300, learning_rate: float = 0.08, max_leaf_nodes: int = 31,
+               l2_regularization: float = 1.0, random_state: int = 0) -> Pipeline:
+    return Pipeline([
+        ("features", FeatureGuard()),
+        ("gbdt", HistGradientBoostingClassifier(
+            max_iter=max_iter, learning_rate=learning_rate, max_leaf_nodes=max_leaf_nodes,
+            min_samples_leaf=40, l2_regularization=l2_regularization, early_stopping=True,
+            validation_fraction=0.15, n_iter_no_change=25, random_state=random_state)),
+    ])
+
+
+def _signed_log1p(X):
+    return np.sign(X) * np.log1p(np.abs(X))
+
+
+def make_logistic() -> Pipeline:
+    return Pipeline([
+        ("features", FeatureGuard()),
+        ("impute", SimpleImputer(strategy="constant", fill_value=0.0, keep_empty_features=True)),
+        ("log", FunctionTransformer(_signed_log1p, feature_names_out="one-to-one", check_inverse=False)),
+        ("scale", StandardScaler()),
+        ("logreg", LogisticRegression(C=0.1, max_iter=500)),
+    ])
+
+
+# (feature, threshold): the condition is met when feature > threshold
+RULE_CONDITIONS: tuple[tuple[str, float], ...] = (
+    ("xid_fatal_5m", 0.0),
+    ("ecc_dbe_5m", 0.0),
+    ("remap_failure_now", 0.0),
+    ("remap_uncorrectable_5m", 0.0),
+    ("gpu_lost_now", 0.0),
+    ("nvl_links_down_now", 0.0),
+    ("ib_port_down_frac_now", 0.0),
+    ("pcie_width_deficit_now", 0.0),
+    ("thermal_throttle_frac_now", 0.0),
+    ("xid_precursor_5m", 0.0),
+    ("xid_nvlink_5m", 0.0),
+    ("ib_link_downed_5m", 0.0),
+)
+
+
+class RuleBaseline(ClassifierMixin, BaseEstimator):
+    """DCGM-health-style rule: the score is the share of the threshold conditions met."""
+
+    def __init__(self, conditions=RULE_CONDITIONS):
+        self.conditions = conditions
+
+    def fit(self, X=None, y=None):
+        names = list(ft.FEATURE_NAMES)
+        self.columns_ = np.array([names.index(f) for f, _ in self.conditions])
+        self.thresholds_ = np.array([t for _, t in self.conditions], dtype=np.float64)
+        self.classes_ = np.array([0, 1])
+        self.n_features_in_ = len(names)
+        return self
+
+    def predict_proba(self, X):
+        X = np.asarray(X, dtype=np.float64)
+        met = np.nan_to_num(X[:, self.columns_], nan=0.0) > self.thresholds_
+        p = met.sum(axis=1) / len(self.columns_)
+        return np.column_stack([1.0 - p, p])
+
+    def predict(self, X):
+        return (self.predict_proba(X)[:, 1] > 0).astype(int)

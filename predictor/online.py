@@ -1,0 +1,281 @@
+"""The online scorer: schema-v1 batches in, each node's calibrated risk and its reasons out.
+
+The service (issue 5) feeds it the rows collectors stream (`ingest(table, batch)`, any nodes, any
+order within the open step) and the topology (`set_inventory`), and calls `score(now_ns)` once per
+scoring round. It runs exactly the offline code (signals.py then features.py) on the steps that have
+closed, so a model trained offline sees the same feature values online (tests/test_predictor_skew.py).
+
+Time is cut into steps of features.STEP_SECONDS aligned to the epoch; `score(now)` closes every step
+that ended at least `grace_seconds` before `now`, advances every known node through them in one
+vectorised block, and scores every node on the features of the last closed step. Rows for a step that
+has already closed are dropped and counted (`stats["late_rows"]`). Everything is bounded: nodes
+(`max_nodes`), rows waiting for their step to close (`max_pending_rows`: the oldest are dropped and
+counted), and per-node history (features.HISTORY steps plus a few scalars).
+
+Explanations (explain.py) are computed for the `explain_top` riskiest nodes of a round; the others
+get an empty signal list.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from foreshock import schema as sch
+from foreshock.predictor import explain as ex
+from foreshock.predictor import features as ft
+from foreshock.predictor import signals as sg
+from foreshock.predictor.explain import Signal
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OnlineScorer", "ScoreBatch", "Signal"]
+
+
+@dataclass
+class ScoreBatch:
+    """One scoring round: for each node, its probability of failing within the horizon and why."""
+    nodes: list[str]
+    probability: np.ndarray                  # [len(nodes)] float
+    signals: list[list[Signal]]              # per node, the top contributing signals (may be empty)
+    step_end_ns: int | None = None           # end of the step the features describe
+    horizon_seconds: int = 0
+    model_version: str = ""
+    features: np.ndarray | None = None       # [len(nodes), F] the feature values scored
+    duration_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+class OnlineScorer:
+    def __init__(self, model, *, max_nodes: int = 50_000, max_pending_rows: int = 5_000_000,
+                 grace_seconds: float = 5.0, explain_top: int = 16, signals_per_node: int = 3,
+                 max_catchup_steps: int = 6 * 60, clock=time.time):
+        """model: a registry.LoadedModel (or anything with probability(X) and a manifest dict)."""
+        self.model = model
+        manifest = getattr(model, "manifest", {}) or {}
+        if int(manifest.get("step_seconds", ft.STEP_SECONDS)) != ft.STEP_SECONDS:
+            raise ValueError(f"model step {manifest.get('step_seconds')} s differs from the code's {ft.STEP_SECONDS} s")
+        self.step_ns = ft.STEP_SECONDS * 1_000_000_000
+        self.max_nodes = int(max_nodes)
+        self.max_pending_rows = int(max_pending_rows)
+        self.grace_ns = int(grace_seconds * 1e9)
+        self.explain_top = int(explain_top)
+        self.signals_per_node = int(signals_per_node)
+        self.max_catchup_steps = int(max_catchup_steps)
+        self._clock = clock
+        ref = manifest.get("reference_features")
+        self.reference = (np.asarray(ref, dtype=np.float32) if ref is not None
+                          else np.zeros(ft.N_FEATURES, dtype=np.float32))
+        self._stage = sg.SampleStage(ft.STEP_SECONDS)
+        self._pending: dict[str, list[pd.DataFrame]] = collections.defaultdict(list)
+        self._pending_rows = 0
+        self._nodes: list[str] = []
+        self._index: dict[str, int] = {}
+        self._state = ft.FeatureState.empty(0)
+        self._next_step: int | None = None
+        self._features = np.zeros((0, ft.N_FEATURES), dtype=np.float32)
+        self._scored = np.zeros(0, dtype=bool)
+        self._labels: dict[str, dict[str, str | None]] = {}
+        self._group_codes: dict[str, dict[str, int]] = {g: {} for g in ft.PEER_GROUPS}
+        self._worst: dict[str, dict[str, str]] = collections.defaultdict(dict)
+        self.stats = collections.Counter()
+
+    # -- input -----------------------------------------------------------------------------------
+    def ingest(self, table: str, batch: pa.Table) -> int:
+        """Take schema-v1 rows of one table (any nodes). Returns the rows accepted.
+
+        Raises SchemaError for a table or batch that does not fit schema v1 (nothing is taken).
+        """
+        if table == "inventory":
+            self.set_inventory(batch)
+            return batch.num_rows
+        if table not in sg.REDUCTIONS:
+            if table in sch.TABLES:
+                return 0  # a schema-v1 table no feature reads (nvlink_link, incidents)
+            raise sch.SchemaError(f"unknown table {table!r}")
+        if not isinstance(batch, pa.Table):
+            raise sch.SchemaError(f"table {table!r}: expected a pyarrow.Table, got {type(batch).__name__}")
+        if batch.num_rows == 0:
+            return 0
+        batch = sch.conform(table, batch)
+        nodes = batch.column("node").unique().to_pylist()
+        new = [n for n in nodes if n not in self._index]
+        if len(self._nodes) + len(new) > self.max_nodes:
+            self.stats["rejected_rows_max_nodes"] += batch.num_rows
+            raise sch.SchemaError(f"table {table!r}: {len(new)} new nodes would exceed max_nodes={self.max_nodes}")
+        self._add_nodes(new)
+        samples = self._stage.samples(table, batch)
+        if self._next_step is not None and len(samples):
+            late = samples["step"].to_numpy() < self._next_step
+            if late.any():
+                self.stats["late_rows"] += int(late.sum())
+                samples = samples[~late]
+        if len(samples):
+            self._pending[table].append(samples)
+            self._pending_rows += len(samples)
+            self._bound_pending()
+        self.stats[f"rows_{table}"] += batch.num_rows
+        return batch.num_rows
+
+    def set_inventory(self, batch: pa.Table) -> None:
+        """Topology labels (schema-v1 inventory rows): the latest row of each node wins."""
+        batch = sch.conform("inventory", batch)
+        df = batch.select(["ts", "node", *ft.PEER_GROUPS]).to_pandas().sort_values("ts", kind="stable")
+        for row in df.itertuples(index=False):
+            self._labels[row.node] = {g: getattr(row, g) for g in ft.PEER_GROUPS}
+        self._add_nodes([n for n in df["node"].unique() if n not in self._index])
+
+    def _add_nodes(self, new: list[str]) -> None:
+        if not new:
+            return
+        for n in new:
+            self._index[n] = len(self._nodes)
+            self._nodes.append(n)
+        self._state = self._state.grow(len(new))
+        self._features = np.concatenate([self._features, np.full((len(new), ft.N_FEATURES), np.nan, np.float32)])
+        self._scored = np.concatenate([self._scored, np.zeros(len(new), dtype=bool)])
+
+    def _bound_pending(self) -> None:
+        while self._pending_rows > self.max_pending_rows:
+            table = max(self._pending, key=lambda t: sum(len(p) for p in self._pending[t]))
+            dropped = self._pending[table].pop(0)
+            self._pending_rows -= len(dropped)
+            self.stats["dropped_pending_rows"] += len(dropped)
+            log.warning("online scorer: pending rows over %d; dropped %d oldest %s rows",
+                        self.max_pending_rows, len(dropped), table)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def _group_code_array(self, group: str) -> np.ndarray:
+        codes = self._group_codes[group]
+        out = np.full(len(self._nodes), -1, dtype=np.int64)
+        for i, n in enumerate(self._nodes):
+            label = (self._labels.get(n) or {}).get(group)
+            if label:
+                out[i] = codes.setdefault(label, len(codes))
+        return out
+
+    def advance(self, now_ns: int | None = None) -> int:
+        """Close the steps that ended before now - grace; returns how many steps were advanced."""
+        now_ns = int(self._clock() * 1e9) if now_ns is None else int(now_ns)
+        close = (now_ns - self.grace_ns) // self.step_ns   # steps < close are closed
+        if self._next_step is None:
+            firsts = [int(p["step"].min()) for parts in self._pending.values() for p in parts if len(p)]
+            if not firsts:
+                return 0
+            self._next_step = min(firsts)
+        if close <= self._next_step:
+            return 0
+        if close - self._next_step > self.max_catchup_steps:
+            skipped = close - self.max_catchup_steps - self._next_step
+            self.stats["skipped_steps"] += int(skipped)
+            self._next_step = close - self.max_catchup_steps
+        steps = np.arange(self._next_step, close, dtype=np.int64)
+        frames, worst = [], {}
+        for table, parts in list(self._pending.items()):
+            if not parts:
+                continue
+            data = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+            st = data["step"].to_numpy()
+            done = st < close
+            old = st < self._next_step
+            if old.any():
+                self.stats["late_rows"] += int(old.sum())
+            use = data[done & ~old]
+            rest = data[~done]
+            self._pending[table] = [rest] if len(rest) else []
+            self._pending_rows -= int(done.sum())
+            if len(use):
+                frames.append(sg.reduce_steps(table, use))
+                self._track_worst(table, use)
+        base = sg.finish(frames)
+        n, t = len(self._nodes), len(steps)
+        x = np.full((n, t, len(sg.BASE_NAMES)), np.nan)
+        if len(base):
+            node_idx = np.array([self._index[v] for v in base.index.get_level_values(0)])
+            step_idx = base.index.get_level_values(1).to_numpy().astype(np.int64) - int(steps[0])
+            x[node_idx, step_idx] = base.to_numpy()
+        present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
+        codes = {g: self._group_code_array(g) for g in ft.PEER_GROUPS}
+        peers = np.empty((n, t, len(ft.PEER_SIGNALS)))
+        own = ft.peer_inputs(x)                                   # [N, T, 3]
+        for j in range(t):
+            totals = {}
+            for g, c in codes.items():
+                totals[g] = group_totals_lookup(c, present[:, j], own[:, j])
+            peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
+        feats, self._state = ft.compute(np.concatenate([x, peers], axis=2), steps, self._state)
+        self._features = feats[:, -1]
+        self._scored = self._scored | present.any(axis=1)
+        self._last_step = int(steps[-1])
+        self._next_step = int(close)
+        return t
+
+    def _track_worst(self, table: str, samples: pd.DataFrame) -> None:
+        for signal, (tbl, column, kind) in ex.ENTITY_SIGNALS.items():
+            if tbl != table or column not in samples:
+                continue
+            sums = samples.groupby(["node", "key"])[column].sum()
+            sums = sums[sums > 0]
+            if not len(sums):
+                continue
+            best = sums.groupby(level=0).idxmax()
+            for node, (_, key) in best.items():
+                entity = key.split("\x1f", 1)[1].replace("\x1f", "/") if "\x1f" in key else key
+                self._worst[node][signal] = f"{kind} {entity}"
+
+    def score(self, now_ns: int | None = None) -> ScoreBatch:
+        """Advance the closed steps and score every node that has had data. Vectorised across nodes."""
+        t0 = time.perf_counter()
+        self.advance(now_ns)
+        idx = np.flatnonzero(self._scored)
+        nodes = [self._nodes[i] for i in idx]
+        X = self._features[idx]
+        prob = (self.model.probability(X) if len(X) else np.zeros(0)).astype(np.float64)
+        signals: list[list[Signal]] = [[] for _ in nodes]
+        k = min(self.explain_top, len(nodes))
+        if k:
+            top = np.argsort(-prob, kind="stable")[:k]
+            top = top[prob[top] > 0]
+            if len(top):
+                ents = [self._worst.get(nodes[i], {}) for i in top]
+                explained = ex.explain(self.model.probability, X[top], prob[top], self.reference,
+                                       top=self.signals_per_node, entities=ents)
+                for i, s in zip(top, explained):
+                    signals[i] = s
+        manifest = getattr(self.model, "manifest", {}) or {}
+        end = (getattr(self, "_last_step", None))
+        return ScoreBatch(nodes=nodes, probability=prob, signals=signals,
+                          step_end_ns=None if end is None else (end + 1) * self.step_ns,
+                          horizon_seconds=int(manifest.get("horizon_seconds", 0)),
+                          model_version=str(manifest.get("version", "")), features=X,
+                          duration_s=time.perf_counter() - t0)
+
+    def features_of(self, node: str) -> np.ndarray:
+        """The feature vector of a node at the last closed step (for tests and debugging)."""
+        return self._features[self._index[node]].copy()
+
+
+def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray):
+    """Per node: its group's (count, total [3], nonzero [3]) over the nodes present, self included."""
+    ok = (codes >= 0) & present
+    g = int(codes.max()) + 1 if len(codes) and codes.max() >= 0 else 1
+    cnt = np.bincount(codes[ok], minlength=g).astype(np.float64)
+    tot = np.zeros((g, own.shape[1]))
+    nz = np.zeros((g, own.shape[1]))
+    for c in range(own.shape[1]):
+        tot[:, c] = np.bincount(codes[ok], weights=own[ok, c], minlength=g)
+        nz[:, c] = np.bincount(codes[ok], weights=(own[ok, c] > 0).astype(np.float64), minlength=g)
+    safe = np.where(codes >= 0, codes, 0)
+    return cnt[safe], tot[safe], nz[safe]

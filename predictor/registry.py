@@ -1,0 +1,242 @@
+"""The model registry: a model directory (skops estimator + manifest.json), saved and loaded safely.
+
+A model directory holds:
+
+    model.skops          the calibrated estimator (skops format: loading it cannot run code)
+    baselines.skops      the logistic baseline (optional; `foreshock evaluate` compares with it)
+    manifest.json        versions, feature names, horizon, thresholds, training summary, metrics,
+                         and the sha256 of each .skops file
+    evaluation.json/html the evaluation report (optional)
+    REPRODUCE.md         the command that rebuilt it (optional)
+
+Loading checks, in order, and refuses with a ModelError that names the file: the manifest parses and
+has the required keys; each .skops file's sha256 matches the manifest; its schema version, feature
+version and feature names match the running code; and the file contains only the types in
+TRUSTED_TYPES (skops.io.get_untrusted_types), so a tampered file cannot smuggle in a callable.
+Never pickle or joblib.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from foreshock import schema as sch
+from foreshock.predictor import features as ft
+
+MODEL_FILE = "model.skops"
+BASELINES_FILE = "baselines.skops"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_VERSION = 1
+REQUIRED_KEYS = ("version", "schema_version", "feature_version", "feature_names", "horizon_seconds",
+                 "step_seconds", "thresholds", "recommended_threshold", "files")
+
+# Every type a Foreshock model file may contain beyond skops' built-in safe set (most of scikit-learn,
+# numpy arrays, builtins): nothing else is accepted. Found with skops.io.get_untrusted_types on the estimators train.py builds.
+TRUSTED_TYPES: tuple[str, ...] = (
+    "foreshock.predictor.model.FeatureGuard",
+    "foreshock.predictor.model.RuleBaseline",
+    "foreshock.predictor.model._signed_log1p",
+    "numpy.dtype",
+    "sklearn.calibration._CalibratedClassifier",
+    "sklearn.calibration._SigmoidCalibration",
+    "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
+)
+
+
+class ModelError(ValueError):
+    """A model directory that cannot be used; the message names the file and what is wrong."""
+
+
+def default_model_path() -> Path:
+    """models/default inside the installed package (foreshock.models package data)."""
+    return Path(str(resources.files("foreshock.models").joinpath("default")))
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    """A verified model: `manifest` (dict), the estimator, and the baselines saved beside it."""
+    manifest: dict[str, Any]
+    estimator: Any
+    path: Path
+    baselines: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self.manifest["feature_names"])
+
+    @property
+    def horizon_seconds(self) -> int:
+        return int(self.manifest["horizon_seconds"])
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["version"])
+
+    def predict_proba(self, X) -> np.ndarray:
+        """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon)."""
+        X = np.asarray(X, dtype=np.float32)
+        if X.ndim != 2 or X.shape[1] != len(self.manifest["feature_names"]):
+            raise ValueError(f"X must be [n, {len(self.manifest['feature_names'])}] features "
+                             f"in manifest order; got shape {X.shape}")
+        if len(X) == 0:
+            return np.zeros((0, 2))
+        return self.estimator.predict_proba(X)
+
+    def probability(self, X) -> np.ndarray:
+        """[n]: the calibrated probability of failing within the horizon."""
+        return self.predict_proba(X)[:, 1]
+
+    def threshold(self, budget: float | None = None, model: str = "model") -> float:
+        """The threshold for a false-evacuation budget (per 1,000 node-days), from the validation curve."""
+        if budget is None and model == "model":
+            return float(self.manifest["recommended_threshold"])
+        return threshold_for_budget(self.manifest, budget if budget is not None
+                                    else float(self.manifest.get("budget", 2.0)), model)
+
+
+def threshold_for_budget(manifest: dict, budget: float, model: str = "model") -> float:
+    """The lowest threshold whose validation false-evacuation rate is within `budget`."""
+    curves = manifest.get("threshold_curves", {})
+    curve = curves.get(model)
+    if not curve:
+        table = manifest["thresholds"].get(model, manifest["thresholds"]) if model != "model" else manifest["thresholds"]
+        key = min(table, key=lambda k: abs(float(k) - budget))
+        return float(table[key])
+    best = None
+    for th, fe, _recall in curve:  # sorted by threshold ascending
+        if fe <= budget:
+            best = th
+            break
+    return float(best if best is not None else curve[-1][0])
+
+
+def save_model(model_dir: str | os.PathLike, estimator, manifest: dict, *,
+               baselines: dict[str, Any] | None = None) -> Path:
+    """Write the estimator (skops), baselines, and the manifest with the files' sha256."""
+    import skops.io as sio
+
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, obj in ((MODEL_FILE, estimator), (BASELINES_FILE, baselines)):
+        if obj is None:
+            continue
+        tmp = out / f".{name}.tmp"
+        sio.dump(obj, tmp)
+        untrusted = set(sio.get_untrusted_types(file=tmp)) - set(TRUSTED_TYPES)
+        if untrusted:
+            tmp.unlink()
+            raise ModelError(f"{out / name}: would contain types outside TRUSTED_TYPES: {sorted(untrusted)}")
+        os.replace(tmp, out / name)
+        files[name] = sha256_file(out / name)
+    manifest = dict(manifest)
+    manifest.setdefault("manifest_version", MANIFEST_VERSION)
+    manifest.setdefault("schema_version", sch.SCHEMA_VERSION)
+    manifest.setdefault("feature_version", ft.FEATURE_VERSION)
+    manifest.setdefault("feature_names", list(ft.FEATURE_NAMES))
+    manifest.setdefault("step_seconds", ft.STEP_SECONDS)
+    manifest["files"] = files
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise ModelError(f"{out / MANIFEST_FILE}: manifest lacks {missing}")
+    tmp = out / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=_json_default) + "\n")
+    os.replace(tmp, out / MANIFEST_FILE)
+    return out
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+def read_manifest(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no manifest (is {model_dir} a model directory?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ModelError(f"{path}: manifest is not a JSON object")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise ModelError(f"{path}: manifest lacks {missing}")
+    return manifest
+
+
+def check_compatible(manifest: dict, where: str) -> None:
+    """Refuse a model whose schema or features differ from the running code's."""
+    if int(manifest["schema_version"]) != sch.SCHEMA_VERSION:
+        raise ModelError(f"{where}: model was trained on schema v{manifest['schema_version']}; "
+                         f"this code reads schema v{sch.SCHEMA_VERSION}")
+    if str(manifest["feature_version"]) != ft.FEATURE_VERSION:
+        raise ModelError(f"{where}: model has feature version {manifest['feature_version']!r}; this code "
+                         f"computes feature version {ft.FEATURE_VERSION!r}: retrain with `foreshock train`")
+    names = list(manifest["feature_names"])
+    if names != list(ft.FEATURE_NAMES):
+        missing = [n for n in ft.FEATURE_NAMES if n not in names]
+        extra = [n for n in names if n not in ft.FEATURE_NAMES]
+        raise ModelError(f"{where}: model's feature names differ from this code's (the code has "
+                         f"{missing[:5]} the model lacks, the model has {extra[:5]} the code lacks, "
+                         f"or the order differs): retrain with `foreshock train`")
+    if int(manifest["step_seconds"]) != ft.STEP_SECONDS:
+        raise ModelError(f"{where}: model step {manifest['step_seconds']} s; this code uses {ft.STEP_SECONDS} s")
+
+
+def _load_skops(path: Path, expected_sha: str | None):
+    import skops.io as sio
+
+    if not path.exists():
+        raise ModelError(f"{path}: missing")
+    if expected_sha is None:
+        raise ModelError(f"{path}: the manifest has no sha256 for it")
+    actual = sha256_file(path)
+    if actual != expected_sha:
+        raise ModelError(f"{path}: sha256 {actual} does not match the manifest's {expected_sha}")
+    try:
+        untrusted = set(sio.get_untrusted_types(file=path))
+    except Exception as exc:  # a corrupt archive: skops raises zipfile/json errors
+        raise ModelError(f"{path}: not a readable skops file: {exc}") from None
+    refused = untrusted - set(TRUSTED_TYPES)
+    if refused:
+        raise ModelError(f"{path}: contains types outside the trusted list: {sorted(refused)}")
+    try:
+        return sio.load(path, trusted=sorted(untrusted))
+    except Exception as exc:
+        raise ModelError(f"{path}: could not be loaded: {exc}") from None
+
+
+def load_model(path: str | os.PathLike | None = None) -> LoadedModel:
+    """Load and verify a model directory (default: the shipped default model)."""
+    model_dir = Path(path) if path is not None else default_model_path()
+    manifest = read_manifest(model_dir)
+    check_compatible(manifest, str(model_dir / MANIFEST_FILE))
+    files = manifest.get("files") or {}
+    estimator = _load_skops(model_dir / MODEL_FILE, files.get(MODEL_FILE))
+    baselines = {}
+    if BASELINES_FILE in files:
+        baselines = _load_skops(model_dir / BASELINES_FILE, files.get(BASELINES_FILE))
+        if not isinstance(baselines, dict):
+            raise ModelError(f"{model_dir / BASELINES_FILE}: expected a dict of estimators")
+    return LoadedModel(manifest=manifest, estimator=estimator, path=model_dir, baselines=baselines)

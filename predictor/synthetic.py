@@ -1,0 +1,143 @@
+"""Small hand-built schema-v1 telemetry for the predictor's tests and benchmarks.
+
+Not the cluster simulator (foreshock.simulator, issue 3): a few nodes with 8 GPUs, NVLink and 2 HCAs,
+healthy noise, and optionally one node whose HBM corrected ECC errors climb before it fails, written
+as exactly the schema-v1 tables (foreshock.schema.to_table), so the real offline and online code
+paths run on them. Also a tiny model directory trained on random features, so registry and online
+tests need no simulator run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from foreshock import schema as sch
+
+T0_NS = 1_780_000_020 * 1_000_000_000  # a step boundary plus 20 s: rows fall inside steps
+
+
+def _ts(ns: np.ndarray) -> pa.Array:
+    return pa.array(ns.astype(np.int64), type=pa.int64()).cast(sch.TS)
+
+
+def node_tables(node: str, steps: int, *, interval_s: int = 60, seed: int = 0, gpus: int = 8, hcas: int = 2,
+                ecc_ramp_from: int | None = None, fail_at: int | None = None,
+                wrap_port_counter: bool = False, t0_ns: int = T0_NS) -> dict[str, pa.Table]:
+    """Telemetry of one node over `steps` samples; a ramp of corrected ECC on GPU 3 from a step on."""
+    rng = np.random.default_rng(seed)
+    n = steps if fail_at is None else min(steps, fail_at)
+    ts = t0_ns + np.arange(n, dtype=np.int64) * interval_s * 1_000_000_000
+    out = {}
+    # gpu
+    g_ts = np.repeat(ts, gpus)
+    g_idx = np.tile(np.arange(gpus), n)
+    ecc = np.cumsum(rng.poisson(0.002, (n, gpus)), axis=0)
+    if ecc_ramp_from is not None:
+        k = np.clip(np.arange(n) - ecc_ramp_from, 0, None)
+        ecc[:, 3] += (k * k // 4)
+    temp = 55 + 3 * rng.standard_normal((n, gpus)) + np.arange(gpus)[None, :] * 0.5
+    gpu = pd.DataFrame({
+        "node": node, "gpu": g_idx.astype(np.int16),
+        "temperature_c": temp.ravel().astype(np.float32),
+        "hbm_temperature_c": (temp + 5).ravel().astype(np.float32),
+        "power_w": 500.0 + rng.random(n * gpus) * 100,
+        "sm_clock_mhz": np.full(n * gpus, 1980, dtype=np.int32),
+        "clock_event_reasons": np.zeros(n * gpus, dtype=np.uint64),
+        "ecc_corrected_volatile": ecc.ravel().astype(np.uint64),
+        "ecc_uncorrected_volatile": np.zeros(n * gpus, dtype=np.uint64),
+        "remapped_rows_correctable": np.zeros(n * gpus, dtype=np.uint64),
+        "remapped_rows_uncorrectable": np.zeros(n * gpus, dtype=np.uint64),
+        "remapped_rows_pending": np.zeros(n * gpus, dtype=bool),
+        "remapped_rows_failure": np.zeros(n * gpus, dtype=bool),
+        "pcie_replay_counter": np.cumsum(rng.poisson(0.01, (n, gpus)), axis=0).ravel().astype(np.uint64),
+        "pcie_link_gen": np.full(n * gpus, 5, dtype=np.int8), "pcie_link_gen_max": np.full(n * gpus, 5, dtype=np.int8),
+        "pcie_link_width": np.full(n * gpus, 16, dtype=np.int8), "pcie_link_width_max": np.full(n * gpus, 16, dtype=np.int8),
+        "gpu_lost": np.zeros(n * gpus, dtype=bool),
+    })
+    t = pa.Table.from_pandas(gpu, preserve_index=False)
+    out["gpu"] = sch.conform("gpu", t.append_column("ts", _ts(g_ts)))
+    # nvlink
+    nv = pd.DataFrame({
+        "node": node, "gpu": g_idx.astype(np.int16),
+        "replay_errors": np.cumsum(rng.poisson(0.01, (n, gpus)), axis=0).ravel().astype(np.uint64),
+        "recovery_errors": np.zeros(n * gpus, dtype=np.uint64),
+        "crc_flit_errors": np.cumsum(rng.poisson(0.02, (n, gpus)), axis=0).ravel().astype(np.uint64),
+        "crc_data_errors": np.zeros(n * gpus, dtype=np.uint64),
+        "tx_kib": np.cumsum(rng.integers(1_000_000, 2_000_000, (n, gpus)), axis=0).ravel().astype(np.uint64),
+        "rx_kib": np.cumsum(rng.integers(1_000_000, 2_000_000, (n, gpus)), axis=0).ravel().astype(np.uint64),
+        "links_up": np.full(n * gpus, 18, dtype=np.int16), "links_total": np.full(n * gpus, 18, dtype=np.int16),
+    })
+    t = pa.Table.from_pandas(nv, preserve_index=False)
+    out["nvlink"] = sch.conform("nvlink", t.append_column("ts", _ts(g_ts)))
+    # rdma_port
+    r_ts = np.repeat(ts, hcas)
+    sym = np.cumsum(rng.poisson(0.01, (n, hcas)), axis=0)
+    wait = np.cumsum(rng.integers(0, 5_000_000, (n, hcas)), axis=0)
+    if wrap_port_counter:
+        wait = wait % (2 ** 32)
+    rd = pd.DataFrame({
+        "node": node, "device": [f"mlx5_{i}" for i in range(hcas)] * n,
+        "port": np.ones(n * hcas, dtype=np.int16), "state": np.full(n * hcas, 4, dtype=np.int8),
+        "phys_state": np.full(n * hcas, 5, dtype=np.int8), "rate_gbps": 400.0, "link_layer": "InfiniBand",
+        "symbol_error": sym.ravel().astype(np.uint64),
+        "link_error_recovery": np.zeros(n * hcas, dtype=np.uint64), "link_downed": np.zeros(n * hcas, dtype=np.uint64),
+        "port_rcv_errors": np.zeros(n * hcas, dtype=np.uint64),
+        "port_xmit_wait": wait.ravel().astype(np.uint64),
+        "port_xmit_bytes": np.cumsum(rng.integers(10**9, 2 * 10**9, (n, hcas)), axis=0).ravel().astype(np.uint64),
+        "port_rcv_bytes": np.cumsum(rng.integers(10**9, 2 * 10**9, (n, hcas)), axis=0).ravel().astype(np.uint64),
+        "local_ack_timeout_err": np.cumsum(rng.poisson(0.02, (n, hcas)), axis=0).ravel().astype(np.uint64),
+    })
+    t = pa.Table.from_pandas(rd, preserve_index=False)
+    out["rdma_port"] = sch.conform("rdma_port", t.append_column("ts", _ts(r_ts)))
+    # host_net
+    hn = pd.DataFrame({"node": node,
+                       "Tcp_OutSegs": np.cumsum(rng.integers(1000, 2000, n)).astype(np.int64),
+                       "Tcp_RetransSegs": np.cumsum(rng.poisson(1.0, n)).astype(np.int64)})
+    t = pa.Table.from_pandas(hn, preserve_index=False)
+    out["host_net"] = sch.conform("host_net", t.append_column("ts", _ts(ts)))
+    # events: an application Xid now and then, early-warning Xids during the ramp
+    ev_rows = []
+    for i in np.flatnonzero(rng.random(n) < 0.01):
+        ev_rows.append({"ts": pd.Timestamp(int(ts[i]) + 7_000_000_000, tz="UTC"), "node": node, "kind": "xid",
+                        "source": "simulator", "severity": "application", "xid": 13, "gpu": 1})
+    if ecc_ramp_from is not None:
+        for i in range(ecc_ramp_from + 5, n, 7):
+            ev_rows.append({"ts": pd.Timestamp(int(ts[i]) + 3_000_000_000, tz="UTC"), "node": node, "kind": "xid",
+                            "source": "simulator", "severity": "precursor", "xid": 92, "gpu": 3})
+    out["events"] = sch.to_table("events", ev_rows)
+    return out
+
+
+def inventory(nodes: list[str], *, leaf_of=None, job_of=None, site: str = "site-a", t0_ns: int = T0_NS) -> pa.Table:
+    leaf_of = leaf_of or (lambda i: f"leaf-{i // 4}")
+    job_of = job_of or (lambda i: "job-1")
+    rows = [{"ts": pd.Timestamp(t0_ns - 60_000_000_000, tz="UTC"), "node": n, "site": site, "spine": "spine-0",
+             "leaf_switch": leaf_of(i), "job": job_of(i), "gpus": 8, "hcas": 2} for i, n in enumerate(nodes)]
+    return sch.to_table("inventory", rows)
+
+
+def tiny_model_dir(path, *, seed: int = 0):
+    """A model directory with a small calibrated model on random features (for registry/online tests)."""
+    from sklearn.calibration import CalibratedClassifierCV
+    from sklearn.frozen import FrozenEstimator
+
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import model as mdl
+    from foreshock.predictor import registry
+
+    rng = np.random.default_rng(seed)
+    X = rng.random((3000, ft.N_FEATURES)).astype(np.float32)
+    j = ft.FEATURE_NAMES.index("ecc_sbe_30m")
+    X[:, j] = rng.poisson(1.0, 3000)
+    y = (X[:, j] >= 4).astype(int)
+    X[y == 1, j] += 50
+    est = mdl.make_model(max_iter=15).fit(X, y)
+    cal = CalibratedClassifierCV(FrozenEstimator(est), method="sigmoid").fit(X, y)
+    manifest = {"version": "tiny-test", "horizon_seconds": 1800, "thresholds": {"2": 0.5},
+                "recommended_threshold": 0.5, "budget": 2.0,
+                "reference_features": np.median(X[y == 0], axis=0).tolist(),
+                "training": {"note": "random features, tests only"}}
+    registry.save_model(path, cal, manifest, baselines={"rule": mdl.RuleBaseline().fit()})
+    return path
