@@ -56,14 +56,15 @@ def _copy(tmp_path: Path, rules_text: str) -> Path:
 
 
 def test_check_rejects_bad_promql(tmp_path):
-    text = RULES.read_text().replace("expr: foreshock_node_failure_risk > 0.5", "expr: foreshock_node_failure_risk >")
+    text = RULES.read_text().replace("expr: foreshock_fabric_incident == 1", "expr: foreshock_fabric_incident ==")
     assert text != RULES.read_text()
     proc = promtool("check", "rules", str(_copy(tmp_path, text) / "foreshock-rules.yaml"))
     assert proc.returncode != 0
 
 
 def test_unit_tests_notice_a_changed_threshold(tmp_path):
-    text = RULES.read_text().replace("expr: foreshock_node_failure_risk > 0.5", "expr: foreshock_node_failure_risk > 0.95")
+    text = RULES.read_text().replace("group_left () foreshock_evacuation_threshold\n",
+                                     "group_left () (1.5 * foreshock_evacuation_threshold)\n")
     assert text != RULES.read_text()
     proc = promtool("test", "rules", str(_copy(tmp_path, text) / "tests" / RULE_TESTS.name), cwd=tmp_path)
     assert proc.returncode != 0 and "ForeshockNodeRiskHigh" in proc.stdout + proc.stderr
