@@ -86,9 +86,17 @@ class Collector:
             ok, rows = True, 0
             try:
                 for name, table in src.sweep(ts_ns).items():
-                    if table.num_rows:
-                        parts[name].append(table)
-                        rows += table.num_rows
+                    if not table.num_rows:
+                        continue
+                    try:
+                        table = sch.conform(name, table)
+                    except sch.SchemaError as exc:
+                        # Rows that do not fit schema v1: refuse that batch whole, keep everything else.
+                        self._rejected += 1
+                        log.error("source %s: table %s refused: %s", src.name, name, exc)
+                        continue
+                    parts[name].append(table)
+                    rows += table.num_rows
             except Exception as exc:  # noqa: BLE001 - a broken source must not stop the others
                 ok = False
                 self._failed[src.name] += 1
@@ -102,13 +110,7 @@ class Collector:
         for name, ts in parts.items():
             table = ts[0] if len(ts) == 1 else pa.concat_tables(ts, promote_options="none")
             if self.writer is not None:
-                try:
-                    self.writer.append_table(name, table)
-                except sch.SchemaError as exc:
-                    # A source produced rows that do not fit schema v1: refuse that table, keep the rest.
-                    self._rejected += 1
-                    log.error("sweep at %d: table %s refused: %s", ts_ns, name, exc)
-                    continue
+                self.writer.append_table(name, table)
             tables[name] = table
         if self.writer is not None:
             self.writer.maybe_rotate()
