@@ -134,7 +134,7 @@ def test_no_secret_is_committed_and_every_referenced_object_exists():
                     assert volume["configMap"]["name"] in configmaps, volume
                 if "secret" in volume:
                     secrets.add(volume["secret"]["secretName"])
-    assert secrets == {"foreshock-serve-tls", "foreshock-collector-tls"}
+    assert secrets == {"foreshock-serve-tls", "foreshock-serve-tokens", "foreshock-collector-credentials"}
 
 
 def _ports(pod_spec: dict) -> set[str]:
