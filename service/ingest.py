@@ -307,23 +307,18 @@ class Ingest:
             last = inv.slice(inv.num_rows - 1).to_pylist()[0]
             self.nodes.set_topology(node, Topology(last.get("site") or "", last.get("spine") or "",
                                                    last.get("leaf_switch") or ""))
-        gpu = good.get("gpu")
-        if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():
-            lost = gpu.filter(gpu.column("gpu_lost"))
-            self.nodes.record_fatal(FatalEvent(node, int(lost.column("ts")[0].value), "gpu_lost",
-                                               f"GPU {lost.column('gpu')[0].as_py()} lost", now))
-            self.wake("fatal")
         ev = good.get("events")
         if ev is not None:
             why = None
-            for row in ev.select(["ts", "kind", "severity", "xid", "gpu", "device", "message"]).to_pylist():
+            ts_ns = ev.column("ts").cast(pa.int64()).to_pylist()
+            for ts_i, row in zip(ts_ns, ev.select(["kind", "severity", "xid", "gpu", "device", "message"]).to_pylist()):
                 xid, sev, kind = row["xid"], row["severity"], row["kind"]
                 msg = (row["message"] or "").lower()
                 if sev == "fatal" or (kind == "xid" and xid in FATAL_XIDS) or kind == "gpu_lost":
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
                     where = f" on GPU {row['gpu']}" if row["gpu"] is not None else \
                         (f" on {row['device']}" if row["device"] else "")
-                    self.nodes.record_fatal(FatalEvent(node, int(row["ts"].timestamp() * 1e9), kind,
+                    self.nodes.record_fatal(FatalEvent(node, ts_i, kind,
                                                        f"{what}{where}", now))
                     why = "fatal"
                 elif sev == "precursor" or (kind == "xid" and xid in PRECURSOR_XIDS) or \
@@ -331,6 +326,12 @@ class Ingest:
                     why = why or "precursor"
             if why:
                 self.wake(why)
+        gpu = good.get("gpu")
+        if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():
+            lost = gpu.filter(gpu.column("gpu_lost"))
+            self.nodes.record_fatal(FatalEvent(node, lost.column("ts").cast(pa.int64())[0].as_py(), "gpu_lost",
+                                               f"GPU {lost.column('gpu')[0].as_py()} lost", now))
+            self.wake("fatal")
 
     def stats(self) -> dict:
         return {"accepted_batches": self.accepted_batches, "duplicate_batches": self.duplicate_batches,

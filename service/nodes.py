@@ -65,7 +65,7 @@ class NodeBook:
     def record_fatal(self, event: FatalEvent) -> None:
         with self._lock:
             old = self.fatal.get(event.node)
-            if old is None or event.ts_ns >= old.ts_ns:
+            if old is None or event.ts_ns > old.ts_ns:  # the first report of an instant names it
                 self.fatal[event.node] = event
 
     def clear_fatal(self, node: str) -> None:

@@ -80,7 +80,8 @@ class Settings:
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
         """Plaintext on 127.0.0.1, port 0, every role allowed: tests and the demo only."""
-        return cls(state_dir=state_dir, listen="127.0.0.1:0", insecure=True, **overrides)
+        overrides.setdefault("listen", "127.0.0.1:0")
+        return cls(state_dir=state_dir, insecure=True, **overrides)
 
 
 class ControlPlane:

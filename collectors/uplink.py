@@ -1,0 +1,331 @@
+"""The collector's uplink: stream each sweep's schema-v1 tables to the control plane, never blocking sampling.
+
+Wire format: foreshock.v1.Telemetry.StreamSweeps (proto/foreshock/v1/telemetry.proto): a SweepBatch per
+sweep, one TableRows per table as an Arrow IPC stream in the table's schema-v1 types and names (the
+per-field unit/help metadata, documentation only, stays home: it would triple the bytes).
+
+    uplink = StreamingUplink("cp.example:7443", node="gpu-017", tls="/etc/foreshock/ca.pem", token=tok)
+    uplink.start()
+    uplink.submit({"gpu": table, "rdma_port": table2})   # O(1); never waits on the network
+    uplink.close(5.0)
+
+- Bounded: `submit` puts the sweep in a queue of `max_queue` sweeps; when full the oldest is dropped
+  and counted (`stats()["dropped_oldest"]`). Sequence numbers are given at submit, so the service sees
+  the gap.
+- Flow control: at most `credits` batches beyond the last acknowledged one are in flight, as the
+  service's SweepAck says; unacknowledged batches are re-sent after a reconnect (the service
+  acknowledges a re-sent sequence without ingesting it twice).
+- Deadlines: connecting (`connect_timeout`), every stream (`stream_seconds`, then it is rotated), and
+  every ack (`ack_timeout`: no ack for that long and the stream is torn down and reopened).
+- Reconnects with exponential backoff (`backoff_initial` doubling to `backoff_max`) and full jitter.
+- Plaintext only to a loopback address; otherwise `tls` (a CA file path, or (ca, cert, key) paths for
+  mutual TLS, or grpc.ChannelCredentials) is required. `token` goes as `authorization: Bearer`.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pyarrow as pa
+
+from foreshock import schema as sch
+from foreshock.v1 import telemetry_pb2, telemetry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_WAKE = ("wake", None)
+_WIRE_SCHEMAS = {name: pa.schema([pa.field(f.name, f.type, f.nullable) for f in s])
+                 for name, s in sch.SCHEMAS.items()}
+
+
+class UplinkError(ValueError):
+    """An uplink that cannot be built as asked (the message says which argument)."""
+
+
+def _is_loopback(target: str) -> bool:
+    host = target.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _credentials(tls) -> grpc.ChannelCredentials | None:
+    if tls is None or tls == "":
+        return None
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    if isinstance(tls, (str, os.PathLike)):
+        tls = (tls, None, None)
+    ca, cert, key = tls
+
+    def read(p):
+        if not p:
+            return None
+        try:
+            return Path(p).read_bytes()
+        except OSError as exc:
+            raise UplinkError(f"uplink TLS file {p}: {exc.strerror}") from None
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def encode_table(name: str, table: pa.Table) -> bytes:
+    """One schema-v1 table as an Arrow IPC stream (the TableRows.arrow_ipc bytes)."""
+    schema = _WIRE_SCHEMAS[name]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+class StreamingUplink:
+    def __init__(self, target: str, *, node: str, tls=None, token: str | None = None, max_queue: int = 600,
+                 collector_id: str | None = None, connect_timeout: float = 5.0, ack_timeout: float = 10.0,
+                 stream_seconds: float = 600.0, backoff_initial: float = 0.5, backoff_max: float = 30.0,
+                 initial_credits: int = 4, max_batch_bytes: int = 8 << 20, server_name: str | None = None):
+        if not target or ":" not in target:
+            raise UplinkError(f"uplink target {target!r} must be HOST:PORT")
+        if not node:
+            raise UplinkError("uplink node must be named")
+        self.target = target
+        self.node = node
+        self._creds = _credentials(tls)
+        if self._creds is None and not _is_loopback(target):
+            raise UplinkError(f"uplink to {target}: plaintext is allowed to loopback addresses only; give tls")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.collector_id = collector_id or f"{node}-{uuid.uuid4().hex[:12]}"
+        self.max_queue = int(max_queue)
+        self.connect_timeout = connect_timeout
+        self.ack_timeout = ack_timeout
+        self.stream_seconds = stream_seconds
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.initial_credits = max(1, int(initial_credits))
+        self.max_batch_bytes = max_batch_bytes
+        self._options = [("grpc.max_send_message_length", max_batch_bytes + (1 << 20)),
+                         ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+        if server_name:
+            self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._lock = threading.Lock()
+        self._pending: collections.deque[tuple[int, dict[str, pa.Table]]] = collections.deque()
+        self._have_work = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sequence = 0
+        self._closed = False
+        self._connected = False
+        self._counts = collections.Counter()
+        self.rejections: collections.Counter = collections.Counter()
+        self.last_rejection: str = ""
+        self.last_error: str = ""
+        self.acked_sequence = 0
+        self._session_q: queue.Queue | None = None
+
+    # -- the sampling side (never blocks) --------------------------------------------------------------
+    def submit(self, tables: dict[str, pa.Table]) -> bool:
+        """Queue one sweep's tables. O(1); when the queue is full the oldest sweep is dropped and counted."""
+        if self._closed:
+            return False
+        good = {n: t for n, t in tables.items() if n in _WIRE_SCHEMAS and t.num_rows}
+        if not good:
+            return False
+        with self._lock:
+            self._sequence += 1
+            self._pending.append((self._sequence, good))
+            self._counts["submitted"] += 1
+            while len(self._pending) > self.max_queue:
+                self._pending.popleft()
+                self._counts["dropped_oldest"] += 1
+        self._have_work.set()
+        q = self._session_q
+        if q is not None:
+            q.put_nowait(_WAKE)  # the sender sends at once instead of at its next poll
+        return True
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._counts)
+            out["queued"] = len(self._pending)
+        out.update(connected=self._connected, acked_sequence=self.acked_sequence,
+                   rejected=dict(self.rejections), last_error=self.last_error, collector_id=self.collector_id)
+        for k in ("submitted", "dropped_oldest", "sent", "acked", "resent", "reconnects", "oversized"):
+            out.setdefault(k, 0)
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> "StreamingUplink":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"foreshock-uplink-{self.node}", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking sweeps, try for `timeout` seconds to deliver what is queued, then stop."""
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._thread is not None and self._connected:
+            with self._lock:
+                if not self._pending and self.acked_sequence >= self._sequence:
+                    break
+            time.sleep(0.02)
+        self._stop.set()
+        self._have_work.set()
+        if self._thread is not None:
+            self._thread.join(max(0.5, deadline - time.monotonic() + 2.0))
+
+    # -- the network side ------------------------------------------------------------------------------
+    def _encode(self, seq: int, tables: dict[str, pa.Table]) -> telemetry_pb2.SweepBatch | None:
+        rows = []
+        size = 0
+        for name, t in tables.items():
+            try:
+                buf = encode_table(name, t)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                log.error("uplink: table %s of sweep %d does not encode: %s", name, seq, exc)
+                continue
+            size += len(buf)
+            rows.append(telemetry_pb2.TableRows(table=name, schema_version=sch.SCHEMA_VERSION, arrow_ipc=buf))
+        if size > self.max_batch_bytes:
+            self._counts["oversized"] += 1
+            log.error("uplink: sweep %d is %d bytes, over %d; dropped", seq, size, self.max_batch_bytes)
+            return None
+        return telemetry_pb2.SweepBatch(node=self.node, collector_id=self.collector_id, sequence=seq, tables=rows)
+
+    def _run(self) -> None:
+        backoff = self.backoff_initial
+        while not self._stop.is_set():
+            if not self._have_work.wait(0.5):
+                continue
+            t0 = time.monotonic()
+            clean = self._session()
+            if self._stop.is_set():
+                break
+            if clean:
+                backoff = self.backoff_initial
+                continue
+            self._counts["reconnects"] += 1
+            if time.monotonic() - t0 > 30:  # it had been up a while: start the backoff over
+                backoff = self.backoff_initial
+            delay = random.uniform(0, backoff)  # full jitter: a cluster of collectors does not reconnect in step
+            backoff = min(self.backoff_max, backoff * 2)
+            self._stop.wait(delay)
+
+    def _session(self) -> bool:
+        """One stream: returns True when it ended cleanly (rotation), False on trouble."""
+        channel = (grpc.secure_channel(self.target, self._creds, options=self._options) if self._creds
+                   else grpc.insecure_channel(self.target, options=self._options))
+        out: queue.Queue = queue.Queue()
+        acks: queue.Queue = queue.Queue()
+        inflight: collections.OrderedDict[int, dict[str, pa.Table]] = collections.OrderedDict()
+        call = None
+        try:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.connect_timeout)
+            except grpc.FutureTimeoutError:
+                self.last_error = f"no connection to {self.target} within {self.connect_timeout} s"
+                log.warning("uplink: %s", self.last_error)
+                return False
+
+            def requests():
+                while True:
+                    item = out.get()
+                    if item is None:
+                        return
+                    yield item
+
+            call = telemetry_pb2_grpc.TelemetryStub(channel).StreamSweeps(
+                requests(), timeout=self.stream_seconds, metadata=self._metadata)
+
+            def read():
+                try:
+                    for ack in call:
+                        acks.put(ack)
+                    acks.put(("end", None))
+                except grpc.RpcError as exc:
+                    acks.put(("error", exc))
+            reader = threading.Thread(target=read, name=f"foreshock-uplink-acks-{self.node}", daemon=True)
+            reader.start()
+            self._session_q = acks
+            self._connected = True
+            credits = self.initial_credits
+            last_ack = time.monotonic()
+            while not self._stop.is_set():
+                # Send what the credits allow.
+                while len(inflight) < max(1, credits):
+                    with self._lock:
+                        if not self._pending:
+                            break
+                        seq, tables = self._pending.popleft()
+                    msg = self._encode(seq, tables)
+                    if msg is None:
+                        continue
+                    if not inflight:
+                        last_ack = time.monotonic()
+                    inflight[seq] = tables
+                    out.put(msg)
+                    self._counts["sent"] += 1
+                if inflight and time.monotonic() - last_ack > self.ack_timeout:
+                    self.last_error = f"no ack from {self.target} for {self.ack_timeout} s"
+                    log.warning("uplink: %s; reconnecting", self.last_error)
+                    return False
+                try:
+                    item = acks.get(timeout=0.25)
+                except queue.Empty:
+                    if not inflight:
+                        self._have_work.clear()
+                        with self._lock:
+                            if self._pending:
+                                self._have_work.set()
+                    continue
+                if isinstance(item, tuple):
+                    kind, exc = item
+                    if kind == "wake":
+                        continue
+                    if kind == "end":
+                        return True
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not inflight:
+                        return True  # the stream's own deadline: rotate
+                    self.last_error = f"{exc.code().name}: {exc.details()}"
+                    log.warning("uplink to %s: %s", self.target, self.last_error)
+                    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                last_ack = time.monotonic()
+                credits = item.credits
+                for r in item.rejections:
+                    self.rejections[r.reason] += 1
+                    self.last_rejection = f"sequence {r.sequence} table {r.table}: {r.reason}: {r.detail}"
+                    log.warning("control plane refused %s", self.last_rejection)
+                done = [s for s in inflight if s <= item.acked_sequence]
+                for s in done:
+                    del inflight[s]
+                self._counts["acked"] += len(done)
+                self.acked_sequence = max(self.acked_sequence, item.acked_sequence)
+            return True
+        finally:
+            self._connected = False
+            self._session_q = None
+            out.put(None)
+            if call is not None:
+                call.cancel()
+            channel.close()
+            if inflight:
+                # Unacknowledged sweeps go back to the front, oldest first; the bound still holds.
+                with self._lock:
+                    for seq in reversed(list(inflight)):
+                        self._pending.appendleft((seq, inflight[seq]))
+                    self._counts["resent"] += len(inflight)
+                    while len(self._pending) > self.max_queue:
+                        self._pending.popleft()
+                        self._counts["dropped_oldest"] += 1
+                self._have_work.set()

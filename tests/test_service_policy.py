@@ -1,0 +1,182 @@
+"""The evacuation policy over the real store, job directory, node book and decision log: risk arrays in,
+directives and logged decisions out (hysteresis, persistence, cool-down, concurrency, spares, blast
+radius, fabric incidents, the switch step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foreshock.service.decisions import DecisionLog, incident_rows, read_decisions
+from foreshock.service.jobs import JobDirectory
+from foreshock.service.nodes import FatalEvent, NodeBook, Topology
+from foreshock.service.policy import EvacuationPolicy, PolicySettings
+from foreshock.service.store import AckPhase, DirectiveKind, DirectiveState, StateStore
+
+S = 1_000_000_000
+T0 = 1_800_000_000 * S
+NODES = [f"n{i:02d}" for i in range(16)]          # leaves: l0 = n00..n03, l1 = n04..n07, ...
+
+
+class Clock:
+    def __init__(self):
+        self.now = T0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def world(tmp_path):
+    clock = Clock()
+    store = StateStore(tmp_path / "state.sqlite3", clock=clock)
+    jobs = JobDirectory(store, clock=clock)
+    nodes = NodeBook()
+    for i, n in enumerate(NODES):
+        nodes.set_topology(n, Topology(site="s0" if i < 12 else "s1", leaf_switch=f"l{i // 4}"))
+        nodes.seen(n, T0)
+    decisions = DecisionLog(tmp_path / "decisions", fsync=False, clock=clock)
+
+    def make(**kw):
+        return EvacuationPolicy(PolicySettings(**{"threshold": 0.5, "cooldown_seconds": 60, **kw}),
+                                nodes, jobs, decisions)
+    # job A on n00..n05 (one rank each), spares on three leaves
+    jobs.register("A", [(i, NODES[i], [0]) for i in range(6)], ["n03x", "n08", "n12"], current_step=1000)
+    store.report_step("A", 1000, 0.5)
+    yield clock, store, jobs, nodes, decisions, make
+    store.close()
+
+
+def _risk(values: dict[str, float]) -> np.ndarray:
+    return np.array([values.get(n, 0.01) for n in NODES])
+
+
+def test_risk_alarm_evacuates_to_a_spare_on_another_leaf_at_a_step_ahead(world, tmp_path):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make()
+    nodes.set_topology("n03x", Topology(site="s0", leaf_switch="l0"))
+    (d,) = _round(policy, nodes, clock.now, NODES, _risk({"n01": 0.9}))
+    assert (d.kind, d.ranks, d.from_node) == (DirectiveKind.EVACUATE, (1,), "n01")
+    assert d.to_node == "n08"                 # other leaf first, then lowest name
+    assert d.at_step >= 1000 + 20             # lead 10 s at 0.5 s a step
+    assert "risk 0.90 above threshold 0.50" in d.reason
+    # The next round, still above: nothing new (one active directive per job and node).
+    assert _round(policy, nodes, clock.now + S, NODES, _risk({"n01": 0.95})) == []
+    decisions.flush()
+    log = read_decisions(tmp_path / "decisions").to_pylist()
+    kinds = [r["kind"] for r in log]
+    assert kinds == ["alarm", "evacuate"]
+    assert log[1]["directive_id"] == d.directive_id and log[1]["to_node"] == "n08"
+
+
+def test_hysteresis_and_persistence(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make(sustain_seconds=5, clear_below=0.3)
+    assert _round(policy, nodes, clock.now, NODES, _risk({"n02": 0.6})) == []
+    assert "n02" in policy.alarms
+    # Dips under the threshold but not under clear_below: the alarm holds, and its age counts.
+    assert _round(policy, nodes, clock.now + 3 * S, NODES, _risk({"n02": 0.4})) == []
+    assert "n02" in policy.alarms
+    (d,) = _round(policy, nodes, clock.now + 6 * S, NODES, _risk({"n02": 0.55}))
+    assert d.from_node == "n02"
+    # A second node that blips above and falls under clear_below never acts.
+    assert _round(policy, nodes, clock.now + 7 * S, NODES, _risk({"n02": 0.55, "n04": 0.7})) == []
+    assert _round(policy, nodes, clock.now + 8 * S, NODES, _risk({"n02": 0.55, "n04": 0.1})) == []
+    assert "n04" not in policy.alarms
+
+
+def test_max_concurrent_then_cooldown(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make()
+    ds = _round(policy, nodes, clock.now, NODES, _risk({"n00": 0.9, "n04": 0.8}))
+    assert [d.from_node for d in ds] == ["n00"]          # the riskiest first; limit 1 per job
+    assert [r["kind"] for r in decisions.buffered()][-1] == "deferred_max_concurrent"
+    # The first completes; the second is issued in the next round.
+    clock.now += S
+    jobs.ack("A", ds[0].directive_id, 0, AckPhase.COMPLETED, "", 1.0)
+    (d2,) = _round(policy, nodes, clock.now, NODES, _risk({"n00": 0.9, "n04": 0.8}))
+    assert d2.from_node == "n04"
+    jobs.ack("A", d2.directive_id, 4, AckPhase.FAILED, "spare died", 1.0)
+    # n04 failed over; it is still hot but in cool-down (60 s) after its last directive.
+    clock.now += 10 * S
+    assert _round(policy, nodes, clock.now, NODES, _risk({"n04": 0.8})) == []
+    assert decisions.buffered()[-1]["kind"] == "cooldown"
+    clock.now += 61 * S
+    (d3,) = _round(policy, nodes, clock.now, NODES, _risk({"n04": 0.8}))
+    assert d3.from_node == "n04" and d3.directive_id != d2.directive_id
+
+
+def test_fatal_event_acts_at_once_and_ignores_cooldown(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make(sustain_seconds=30)
+    nodes.record_fatal(FatalEvent("n05", clock.now, "xid", "Xid 79 on GPU 3", clock.now))
+    (d,) = _round(policy, nodes, clock.now, NODES, _risk({}))
+    assert d.from_node == "n05" and "fatal Xid 79 on GPU 3" in d.reason
+    rows = incident_rows(read_decisions_buffer(decisions))
+    assert rows.column("category").to_pylist() == ["fatal_event"]
+
+
+def read_decisions_buffer(decisions):
+    import pyarrow as pa
+
+    from foreshock.service.decisions import DECISION_SCHEMA
+    return pa.Table.from_pylist(decisions.buffered(), schema=DECISION_SCHEMA)
+
+
+def test_spares_skip_suspect_leaves_risky_stale_and_busy_nodes(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make()
+    # Two alarmed nodes under l2 make it suspect: spare n08 (on l2) is refused; n12 is risky; n03x stale.
+    nodes.set_topology("n03x", Topology(site="s0", leaf_switch="l0"))
+    nodes.seen("n03x", clock.now - 120 * S)
+    risk = _risk({"n01": 0.9, "n09": 0.9, "n10": 0.9, "n12": 0.3})
+    (d,) = _round(policy, nodes, clock.now, NODES, risk)
+    assert d.from_node == "n01" and d.kind == DirectiveKind.CHECKPOINT_EXIT, (d.to_node, d.reason)
+    assert "n08: under suspect leaf l2" in d.reason and "n12: risk 0.30" in d.reason
+    assert "n03x: telemetry stale" in d.reason
+
+
+def test_a_fault_spanning_a_leaf_is_a_fabric_incident_not_four_evacuations(world, tmp_path):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make()
+    risk = _risk({"n00": 0.9, "n01": 0.9, "n02": 0.8, "n03": 0.85})
+    assert _round(policy, nodes, clock.now, NODES, risk) == []
+    assert ("leaf_switch", "l0") in policy.incidents
+    assert store.directives() == []
+    kinds = [r["kind"] for r in decisions.buffered()]
+    assert "fabric_incident" in kinds and "held_fabric_incident" in kinds
+    # It clears when the leaf recovers.
+    _round(policy, nodes, clock.now + S, NODES, _risk({}))
+    assert policy.incidents == {}
+    assert decisions.buffered()[-1]["kind"] == "fabric_incident_cleared" or \
+        "fabric_incident_cleared" in [r["kind"] for r in decisions.buffered()]
+    decisions.flush()
+    inc = incident_rows(read_decisions(tmp_path / "decisions"))
+    (row,) = inc.to_pylist()
+    assert row["scope"] == "switch" and sorted(row["affected_nodes"]) == ["n00", "n01", "n02", "n03"]
+
+
+def test_drain_ignores_limits_and_is_idempotent(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make()
+    (a,) = policy.drain("n02", "bios update", clock.now)
+    (b,) = policy.drain("n03", "bios update", clock.now)   # over max_concurrent: an operator's call
+    assert a.directive_id != b.directive_id and {a.to_node, b.to_node} == {"n08", "n12"}
+    assert a.to_node != b.to_node                            # one spare never takes two evacuations
+    (again,) = policy.drain("n02", "", clock.now)
+    assert again.directive_id == a.directive_id
+    assert len(store.directives(active_only=True)) == 2
+    assert store.directive(a.directive_id).state == DirectiveState.PENDING
+
+
+def test_policy_settings_are_checked():
+    with pytest.raises(ValueError, match="threshold"):
+        PolicySettings(threshold=1.5)
+    with pytest.raises(ValueError, match="clear_below"):
+        PolicySettings(threshold=0.4, clear_below=0.6)
+
+
+def _round(policy, nodes, now, names, risk):
+    """What the server does after a scoring round: publish the risk, then run the policy."""
+    nodes.update_risk(names, risk, [[] for _ in names], now)
+    return policy.evaluate(now, names, risk)
