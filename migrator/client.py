@@ -236,8 +236,8 @@ class ServiceClient:
                 self._set_health(False, f"WatchDirectives: {code.name} {exc.details()}")
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                             grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                    log.error("WatchDirectives refused for job %s rank %s: %s %s",
-                              self.config.job_id, rank, code.name, exc.details())
+                    log.warning("WatchDirectives refused for job %s rank %s: %s %s (retrying)",
+                                self.config.job_id, rank, code.name, exc.details())
                 failures += 1
                 self._sleep_backoff(failures)
             except Exception as exc:  # noqa: BLE001

@@ -111,13 +111,16 @@ def run_worker(spec: dict) -> int:
             return 0
         record["joined_at_step"] = mig.step
         if config.role == "spare":
+            record["joined_wall"] = time.time()
             record["hashes"][str(mig.step)] = param_hash(model)
         sleep = float(spec.get("step_sleep_s", 0.0))
         loss_fn = torch.nn.MSELoss()
+        pending_first = record if config.role == "spare" else None
+        batch_size = int(spec.get("batch_size", 16))
         while mig.step < steps:
             if position.next_step != mig.step:
                 raise RuntimeError(f"data position {position.next_step} != step {mig.step}")
-            x, y = batch(seed, mig.step, mig.rank)
+            x, y = batch(seed, mig.step, mig.rank, batch_size)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(mig.model(x), y)
             loss.backward()
@@ -128,17 +131,23 @@ def run_worker(spec: dict) -> int:
             record["losses"][str(mig.step)] = loss.item()
             record["ranks"][str(mig.step)] = mig.rank
             change = mig.end_step()
+            if pending_first is not None:
+                pending_first["first_step_done_wall"] = time.time()
+                pending_first = None
             if change:
                 record["changes"].append({"kind": change.kind, "directive": change.directive_id,
                                           "step": mig.step, "leave": change.leave, "rank": change.rank,
                                           "world": change.world_size, "generation": change.generation,
                                           "phases": change.phases, "reason": change.reason,
                                           "pause_s": mig.last_pause_s, "checkpoint": change.checkpoint})
+                record["changes"][-1]["done_wall"] = time.time()
+                pending_first = record["changes"][-1]
+                record["hashes"][str(mig.step)] = param_hash(model)
                 if change.leave:
                     record["exit"] = change.kind
+                    # 3: the launcher restarts the job from the checkpoint without the failing node
                     code = 3 if change.kind == "checkpoint_exit" else 0
                     return code
-                record["hashes"][str(mig.step)] = param_hash(model)
             if spec.get("progress") and mig.is_lead:
                 mig._store.set(progress_key, str(mig.step))
             if sleep:
@@ -150,6 +159,7 @@ def run_worker(spec: dict) -> int:
                            "history_phases": [c.phases for c in mig.history]}
         if mig._client is not None:
             record["final"]["deliveries"] = mig._client.deliveries
+            record["final"]["service_healthy"] = mig._client.healthy
         return 0
     finally:
         try:
@@ -217,8 +227,10 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
            service: str = "", token: str = "", params: int = 2000, seed: int = 0, step_sleep_s: float = 0.0,
            fallback: str = "shrink", env: dict[str, str] | None = None,
            spare_env: dict[str, str] | None = None, transfer_timeout_s: float = 30.0,
-           log_level: str = "WARNING") -> Job:
-    """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`."""
+           log_level: str = "WARNING", batch_size: int = 16,
+           registered_spares: list[str] | None = None) -> Job:
+    """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`
+    (`registered_spares`: the spare nodes told to the service, by default `spares`)."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)
@@ -227,13 +239,13 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
                           timeout=timedelta(seconds=transfer_timeout_s))
     common = {"FORESHOCK_JOB_ID": job_id, "FORESHOCK_STORE": f"127.0.0.1:{store.port}",
               "FORESHOCK_WORLD_SIZE": str(len(nodes)), "FORESHOCK_SERVICE": service,
-              "FORESHOCK_TOKEN": token, "FORESHOCK_SPARE_NODES": ",".join(spares),
+              "FORESHOCK_TOKEN": token, "FORESHOCK_SPARE_NODES": ",".join(spares if registered_spares is None else registered_spares),
               "FORESHOCK_FALLBACK": fallback, "FORESHOCK_CHECKPOINT_DIR": str(out / "checkpoints"),
               "FORESHOCK_TRANSFER_TIMEOUT_S": str(transfer_timeout_s),
               "FORESHOCK_REPORT_INTERVAL_S": "0.1", "FORESHOCK_SPARE_HEARTBEAT_S": "0.2",
               "FORESHOCK_STANDBY_POLL_S": "0.05", **(env or {})}
     base = {"steps": steps, "out_dir": str(out), "params": params, "seed": seed,
-            "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level}
+            "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size}
     ctx = _context()
     procs = {}
     for node in spares:

@@ -133,10 +133,13 @@ class Migrator:
         self._store.set(f"{self._p}node/g0/{self.rank}", self.config.node)
         nodes = self._store.multi_get([f"{self._p}node/g0/{r}" for r in range(self.world_size)])
         self.placement = {r: n.decode() for r, n in enumerate(nodes)}
-        self._open_source()
+        self._open_source(watch=False)
         if self.is_lead and self._client is not None:
             self._client.register(self.placement, self.config.spare_nodes, current_step=self.step,
                                   fallback=self.config.fallback)
+        dist.barrier()      # the job is registered before any rank watches its directives
+        if self._client is not None:
+            self._client.watch(self.rank)
         self._wrap()
         self._step_t = time.monotonic()
         return True
@@ -257,7 +260,7 @@ class Migrator:
                                         is_master=self.config.host_store,
                                         timeout=_td(self.config.transfer_timeout_s), wait_for_workers=False)
 
-    def _open_source(self) -> None:
+    def _open_source(self, watch: bool = True) -> None:
         if self._source is None:
             if self.config.service:
                 from foreshock.migrator.client import ServiceClient
@@ -268,7 +271,7 @@ class Migrator:
                 self._source = StoreDirectiveSource(self._store, self.config.job_id)
         elif hasattr(self._source, "watch") and hasattr(self._source, "register"):
             self._client = self._source
-        if self._client is not None:
+        if self._client is not None and watch:
             self._client.watch(self.rank)
 
     def _drain(self) -> None:
@@ -431,7 +434,7 @@ class Migrator:
     def _claim_spares(self, node: str, count: int) -> list[dict] | None:
         nodes = [node] if node else list(self.config.spare_nodes)
         found = []
-        stale_after = 4 * self.config.spare_heartbeat_s + 1.0
+        stale_after = 10 * self.config.spare_heartbeat_s + 1.0
         for n in nodes:
             total = self._store.add(f"{self._p}standby/{n}/count", 0)
             for slot in range(total):
@@ -496,7 +499,7 @@ class Migrator:
 
     def _await_spares(self, plan: dict) -> None:
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        stale_after = 4 * self.config.spare_heartbeat_s + 1.0
+        stale_after = 10 * self.config.spare_heartbeat_s + 1.0
         for sp in plan["spares"]:
             k = f"{self._p}standby/{sp['node']}/{sp['slot']}"
             while True:
@@ -614,7 +617,7 @@ class Migrator:
 
     def _open_source_for(self, rank: int) -> None:
         self.rank = rank
-        self._open_source()
+        self._open_source(watch=False)     # _enter_world starts the watch in the new world
 
 
 def _transfer_fault_hook(message: int, total: int) -> None:

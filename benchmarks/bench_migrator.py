@@ -1,0 +1,89 @@
+"""Migrator: time from an evacuation directive to the first step completed in the new world.
+
+A real job (4 gloo ranks + 1 warm spare, CPU, foreshock.migrator.example) trains an MLP with Adam;
+the launcher publishes an evacuation of rank 1 in the job's store (the control plane's gRPC delivery is
+measured by the service's own benchmark, so this times the migrator alone). Printed per model size:
+directive -> first step done in the new world (the slowest of the surviving ranks and the spare), its
+phases on the coordinating rank (agreement, plan, state transfer, group re-formation), the bytes moved,
+how long the healthy ranks were paused, and an ordinary step for comparison.
+`--quick`: the small model only. `--sizes 2000,10000000`: choose the sizes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+SIZES = (2_000, 10_000_000, 100_000_000)
+
+
+def run_one(params: int, workdir: str) -> dict:
+    from foreshock.migrator import Directive, DirectiveKind, publish_directive
+    from foreshock.migrator.example import launch
+    big = params >= 1_000_000
+    steps_before = 4 if big else 30
+    job = launch(f"bench-{params}", ["n0", "n1", "n2", "n3"], ["n4"], steps=steps_before + (6 if big else 20),
+                 out_dir=f"{workdir}/{params}", params=params, step_sleep_s=0.0 if big else 0.005,
+                 transfer_timeout_s=600.0, batch_size=16)
+    try:
+        job.wait_progress(steps_before, timeout=900)
+        at = job.progress() + 1
+        t0 = time.time()
+        publish_directive(job.store, job.job_id, Directive("bench-1", DirectiveKind.EVACUATE, (1,), "n1", "n4",
+                                                           at_step=at, reason="benchmark"))
+        codes = job.wait(timeout=1800)
+    finally:
+        for p in job.processes.values():
+            if p.is_alive():
+                p.kill()
+    results = job.results()
+    if any(c != 0 for c in codes.values()):
+        raise RuntimeError(f"job exit codes {codes}")
+    changes = [(r, c) for r in results for c in r["changes"] if not c["leave"]]
+    spare = next(r for r in results if r["role"] == "spare")
+    firsts = [c["first_step_done_wall"] for _, c in changes] + [spare["first_step_done_wall"]]
+    coord = next(c for _, c in changes if "total_to_first_step" in c["phases"] or c["rank"] == 0)
+    coord_phases = next((r["final"]["history_phases"][0] for r in results
+                         if r["exit"] == "finished" and r["final"]["history_phases"]
+                         and "total_to_first_step" in r["final"]["history_phases"][0]), coord["phases"])
+    pauses = [c["pause_s"] for _, c in changes]
+    return {"params": params, "directive_to_first_step_s": max(firsts) - t0, "phases": coord_phases,
+            "pause_min_s": min(pauses), "pause_max_s": max(pauses), "reason": coord["reason"]}
+
+
+def main(argv: list[str]) -> int:
+    sizes = SIZES
+    for a in argv:
+        if a == "--quick":
+            sizes = SIZES[:1]
+        elif a.startswith("--sizes="):
+            sizes = tuple(int(s) for s in a.split("=", 1)[1].split(","))
+    print("job: 4 ranks + 1 warm spare, gloo on CPU (loopback), Adam + StepLR, evacuate rank 1 -> spare")
+    print(f"{'params':>12} {'directive->1st step':>20} {'agreement':>10} {'plan':>8} {'transfer':>9} "
+          f"{'re-form':>8} {'1st step':>9} {'healthy paused':>16}")
+    workdir = tempfile.mkdtemp(prefix="bench-migrator-")
+    status = 0
+    try:
+        for params in sizes:
+            try:
+                r = run_one(params, workdir)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the next size
+                print(f"{params:>12} FAILED: {exc}")
+                status = 1
+                continue
+            ph = r["phases"]
+            print(f"{params:>12,} {r['directive_to_first_step_s']:>19.3f}s {ph.get('agreement', 0):>9.3f}s "
+                  f"{ph.get('plan', 0):>7.3f}s {ph.get('transfer', 0):>8.3f}s {ph.get('reform', 0):>7.3f}s "
+                  f"{ph.get('first_step', 0):>8.3f}s {r['pause_min_s'] * 1e3:>7.0f}-{r['pause_max_s'] * 1e3:.0f} ms",
+                  flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("agreement = directive seen -> all ranks agree at the step boundary (includes waiting for at_step)")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
