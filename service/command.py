@@ -1,0 +1,130 @@
+"""`foreshock serve`: the control plane as a service (gRPC + Prometheus), configured like every command.
+
+Settings: defaults < `[serve]` in the TOML config < FORESHOCK_SERVE_<KEY> environment variables < flags
+(foreshock/config.py). It prints `foreshock serve: listening on HOST:PORT` once it serves, and on
+SIGTERM/SIGINT stops accepting calls, gives in-flight ones `--grace` seconds, flushes the decision log
+and closes the state. docs/service.md describes every setting.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = {
+    "listen": "127.0.0.1:7443",
+    "metrics_listen": "127.0.0.1:9464",
+    "model": "",                 # "": the shipped default model
+    "no_model": False,           # run without scoring (the Jobs API and DrainNode still work)
+    "state": "/var/lib/foreshock/serve",
+    "insecure": False,
+    "tls_cert": "",
+    "tls_key": "",
+    "tls_client_ca": "",
+    "token_file": "",
+    "threshold": 0.0,            # 0: the model manifest's threshold
+    "budget": 0.0,               # false evacuations per 1,000 node-days; 0: the manifest's recommendation
+    "score_interval": 0.1,
+    "cooldown_seconds": 600.0,
+    "max_concurrent": 1,
+    "sustain_seconds": 0.0,
+    "grace": 5.0,
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the control plane (gRPC telemetry, risk, jobs; Prometheus)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--listen", help="gRPC HOST:PORT (default 127.0.0.1:7443; port 0 picks one)")
+    p.add_argument("--metrics-listen", help="Prometheus HOST:PORT ('' to disable; default 127.0.0.1:9464)")
+    p.add_argument("--model", help="model directory (default: the shipped default model)")
+    p.add_argument("--no-model", action="store_const", const=True, help="serve without scoring")
+    p.add_argument("--state", help="state directory: SQLite state and the decision log")
+    p.add_argument("--insecure", action="store_const", const=True,
+                   help="plaintext, no credentials: loopback addresses only (demo, tests)")
+    p.add_argument("--tls-cert", help="server certificate (PEM)")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", help="CA of client certificates: mutual TLS, CN = role[:subject]")
+    p.add_argument("--token-file", help="bearer tokens, one `role[:subject] TOKEN` per line")
+    p.add_argument("--threshold", type=float, help="evacuation risk threshold (default: the model's)")
+    p.add_argument("--budget", type=float, help="false evacuations per 1,000 node-days to pick the threshold for")
+    p.add_argument("--score-interval", type=float, help="seconds between scoring rounds (0.1)")
+    p.add_argument("--cooldown-seconds", type=float, help="no new directive for a node this long after one")
+    p.add_argument("--max-concurrent", type=int, help="default concurrent evacuations per job (1)")
+    p.add_argument("--sustain-seconds", type=float, help="risk must stay above the threshold this long (0)")
+    p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (5)")
+    p.set_defaults(run=run)
+
+
+def settings_from(cfg: dict):
+    from foreshock.service.auth import load_token_file
+    from foreshock.service.errors import ServiceError
+    from foreshock.service.scoring import default_model_path
+    from foreshock.service.server import Settings, SettingsError
+
+    model_path = None
+    scorer = None
+    if cfg["no_model"]:
+        from foreshock.service.scoring import NullScorer
+        scorer = NullScorer()
+    else:
+        model_path = cfg["model"] or (str(default_model_path()) if default_model_path() else "")
+        if not model_path:
+            raise SettingsError("no model: the predictor's default model path is unknown; give --model or --no-model")
+    try:
+        tokens = load_token_file(cfg["token_file"]) if cfg["token_file"] else {}
+    except ServiceError as exc:
+        raise SettingsError(str(exc)) from None
+    return Settings(
+        state_dir=cfg["state"], listen=cfg["listen"], metrics_listen=cfg["metrics_listen"],
+        model_path=model_path, scorer=scorer, insecure=cfg["insecure"], tls_cert=cfg["tls_cert"],
+        tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
+        threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
+        score_interval=cfg["score_interval"],
+        policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
+                "sustain_seconds": cfg["sustain_seconds"]})
+
+
+def run(args, file_data) -> int:
+    from foreshock.config import resolve
+    from foreshock.service.scoring import ModelError
+    from foreshock.service.server import SettingsError, build_server
+
+    flags = {k: getattr(args, k, None) for k in DEFAULTS}
+    cfg = resolve("serve", DEFAULTS, file_data=file_data, flags=flags)
+    try:
+        plane = build_server(settings_from(cfg))
+    except (SettingsError, ModelError) as exc:
+        print(f"foreshock serve: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            port = plane.start()
+        except Exception as exc:  # a port in use, unreadable certificates: say which, exit 2
+            print(f"foreshock serve: cannot start: {exc}", file=sys.stderr)
+            plane.stop(0)
+            return 2
+        host = cfg["listen"].rpartition(":")[0]
+        print(f"foreshock serve: listening on {host}:{port}"
+              + (f", metrics on {cfg['metrics_listen'].rpartition(':')[0]}:{plane.metrics_port}"
+                 if plane.metrics_port else "")
+              + (" (INSECURE: plaintext, loopback only, no credentials checked)" if cfg["insecure"] else ""),
+              flush=True)
+        while not stop.wait(1.0):
+            pass
+        plane.stop(grace=cfg["grace"])
+        return 0
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,122 @@
+"""`foreshock serve` as a real process, killed with SIGKILL mid-directive and restarted on the same state:
+nothing acknowledged is lost, nothing is issued twice, finished directives are not re-delivered."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pyarrow as pa
+import pytest
+
+from foreshock import schema as sch
+from foreshock.v1 import jobs_pb2 as pb
+from foreshock.v1 import jobs_pb2_grpc, telemetry_pb2 as tpb, telemetry_pb2_grpc
+
+T = 10
+
+
+class Serve:
+    def __init__(self, state, *extra):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", "127.0.0.1:0",
+             "--metrics-listen", "", "--no-model", "--state", str(state), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.proc.kill()
+            raise AssertionError(f"serve did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
+        assert "INSECURE" in line
+        self.address = line.split("listening on ")[1].split(" ")[0].rstrip(",")
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def term(self):
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(15)
+
+
+def _fatal_batch(node, seq):
+    ev = sch.to_table("events", [{"ts": dt.datetime.now(dt.timezone.utc), "node": node, "kind": "xid",
+                                  "source": "kmsg", "severity": "fatal", "xid": 79, "gpu": 0, "message": "Xid 79"}])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ev.schema) as w:
+        w.write_table(ev)
+    return tpb.SweepBatch(node=node, collector_id=f"c-{node}", sequence=seq,
+                          tables=[tpb.TableRows(table="events", schema_version=1, arrow_ipc=sink.getvalue().to_pybytes())])
+
+
+@pytest.mark.slow
+def test_kill_mid_directive_restart_loses_nothing_and_issues_nothing_twice(tmp_path):
+    state = tmp_path / "state"
+    a = Serve(state)
+    try:
+        with grpc.insecure_channel(a.address) as ch:
+            jobs = jobs_pb2_grpc.JobsStub(ch)
+            jobs.RegisterJob(pb.RegisterJobRequest(
+                job_id="j", ranks=[pb.RankPlacement(rank=i, node=f"n{i}") for i in range(4)],
+                spare_nodes=["s0", "s1"], current_step=7), timeout=T)
+            (d,) = jobs.DrainNode(pb.DrainNodeRequest(node="n1", reason="pre-kill"), timeout=T).directives
+            acked = jobs.AckDirective(pb.AckDirectiveRequest(job_id="j", directive_id=d.directive_id, rank=1,
+                                                             phase=pb.ACK_PHASE_ACCEPTED), timeout=T)
+            assert acked.state == pb.DIRECTIVE_STATE_ACCEPTED
+    finally:
+        a.kill()   # SIGKILL: no shutdown handler runs
+
+    b = Serve(state)
+    try:
+        with grpc.insecure_channel(b.address) as ch:
+            jobs = jobs_pb2_grpc.JobsStub(ch)
+            watch = jobs.WatchDirectives(pb.WatchDirectivesRequest(job_id="j", rank=1), timeout=T)
+            first = next(watch)
+            assert (first.directive_id, first.state, first.to_node) == (d.directive_id, pb.DIRECTIVE_STATE_ACCEPTED,
+                                                                        d.to_node)
+            # The node's fault is reported again (a collector re-sends after the restart): no second directive.
+            acks = list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([_fatal_batch("n1", 1)]), timeout=T))
+            assert not acks[0].rejections
+            time.sleep(0.5)   # a few scoring rounds
+            listed = jobs.ListDirectives(pb.ListDirectivesRequest(job_id="j"), timeout=T).directives
+            assert [x.directive_id for x in listed] == [d.directive_id]
+            done = jobs.AckDirective(pb.AckDirectiveRequest(job_id="j", directive_id=d.directive_id, rank=1,
+                                                            phase=pb.ACK_PHASE_COMPLETED), timeout=T)
+            assert done.state == pb.DIRECTIVE_STATE_COMPLETED
+            watch.cancel()
+    finally:
+        b.kill()
+
+    c = Serve(state)
+    try:
+        with grpc.insecure_channel(c.address) as ch:
+            jobs = jobs_pb2_grpc.JobsStub(ch)
+            (x,) = jobs.ListDirectives(pb.ListDirectivesRequest(job_id="j"), timeout=T).directives
+            assert x.state == pb.DIRECTIVE_STATE_COMPLETED
+            # A finished directive is not re-delivered: the watch stays quiet.
+            watch = jobs.WatchDirectives(pb.WatchDirectivesRequest(job_id="j", rank=1), timeout=1.5)
+            with pytest.raises(grpc.RpcError) as info:
+                next(watch)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The placement moved with the completion: a new drain of the spare's node finds rank 1 there.
+            (y,) = jobs.DrainNode(pb.DrainNodeRequest(node=d.to_node), timeout=T).directives
+            assert list(y.ranks) == [1] and y.generation == 2
+        assert c.term() == 0    # SIGTERM: a clean exit
+    finally:
+        if c.proc.poll() is None:
+            c.kill()
+
+
+def test_serve_refuses_unsafe_settings(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", "0.0.0.0:0",
+                          "--no-model", "--state", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "loopback" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", "127.0.0.1:0",
+                          "--model", str(tmp_path / "missing"), "--state", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "missing" in out.stderr
