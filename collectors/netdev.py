@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from foreshock import schema as sch
 
-from .base import GONE_ERRNOS, AttrFiles, ParseError, Source, listdir, parse_int, parse_uint
+from .base import GONE_ERRNOS, READ_SIZE, UNSUPPORTED_ERRNOS, AttrFiles, ParseError, Source, listdir, parse_int
 
 NETDEV_SCHEMA = sch.schema("netdev")
 # Integer columns (after iface, operstate, carrier) in schema order, with their sysfs paths and kinds.
@@ -30,7 +30,11 @@ _INT_COLUMNS: tuple[tuple[str, str], ...] = (
     ("mtu", "mtu"),
     *((name, f"statistics/{name}") for name in sch.NETDEV_STATISTICS),
 )
-_SIGNED = {"speed_mbps", "mtu"}
+_TYPES = {name: NETDEV_SCHEMA.field(name).type for name, _ in _INT_COLUMNS}
+_U64_COLS = tuple(c for c, (name, _) in enumerate(_INT_COLUMNS) if _TYPES[name] == pa.uint64())
+_U64_SET = frozenset(_U64_COLS)
+_RANGES = {name: ((-(1 << 63), 1 << 63) if _TYPES[name] == pa.int64() else
+                  (0, 1 << 31) if _TYPES[name] == pa.int32() else (0, 1 << 64)) for name in _TYPES}
 OPERSTATES = frozenset({"unknown", "notpresent", "down", "lowerlayerdown", "testing", "dormant", "up"})
 
 
@@ -115,54 +119,91 @@ class NetdevSource(Source):
         if not n:
             return self.hardware_absent("no network interfaces under %s", self.root)
         files = self._files
+        fds, paths = files.fds, files.paths
         per = 2 + len(_INT_COLUMNS)
         ncol = len(_INT_COLUMNS)
         operstate: list[str | None] = [None] * n
         carrier: list[bool | None] = [None] * n
-        values: list[int | None] = [None] * (ncol * n)
+        values: list[int | None] = [None] * (ncol * n)  # column-major: values[c * n + p]
+        pread = os.pread
         for p in range(n):
             base = p * per
-            for j in range(per):
-                i = base + j
-                try:
-                    data = files.read(i)
-                except OSError as exc:
-                    self.error(files.paths[i], exc)
-                    if exc.errno in GONE_ERRNOS:
-                        self._need_rescan = True
-                    continue
-                if data is None:
+            for j in (0, 1):
+                fd = fds[base + j]
+                if fd is None:
                     continue
                 try:
-                    if j >= 2:
-                        c = j - 2
-                        name = _INT_COLUMNS[c][0]
-                        if name == "speed_mbps":
-                            v = parse_speed(data)
-                        elif name == "mtu":
-                            v = parse_mtu(data)
-                        else:
-                            try:
-                                v = int(data)
-                                if v < 0 or v >= 1 << 64:
-                                    raise ParseError(f"counter {data[:40]!r} out of range")
-                            except ValueError:
-                                v = parse_uint(data)
-                        values[c * n + p] = v
-                    elif j == 0:
+                    data = pread(fd, READ_SIZE, 0)
+                    if j == 0:
                         operstate[p] = parse_operstate(data)
                     else:
                         carrier[p] = parse_carrier(data)
                 except ParseError as exc:
-                    self.error(files.paths[i], exc)
+                    self.error(paths[base + j], exc)
+                except OSError as exc:
+                    self._read_failed(base + j, exc)
+            # The hot loop: one pread and one int() per integer file.
+            for c in range(ncol):
+                i = base + 2 + c
+                fd = fds[i]
+                if fd is None:
+                    continue  # the kernel has no such file here: unsupported, null
+                try:
+                    data = pread(fd, READ_SIZE, 0)
+                    values[c * n + p] = int(data)
+                except ValueError:
+                    try:
+                        values[c * n + p] = parse_int(data)
+                    except ParseError as exc:
+                        self.error(paths[i], exc)
+                except OSError as exc:
+                    self._read_failed(i, exc)
         arrays = [
             pa.array(np.full(n, ts_ns, dtype="datetime64[ns]")).cast(sch.TS),
             self._static["node"], self._static["iface"],
             pa.array(operstate, pa.string()), pa.array(carrier, pa.bool_()),
         ]
+        # The unsigned counters go through one conversion and zero-copy slices; speed and mtu apart.
+        u64_slots = [v for c in _U64_COLS for v in values[c * n:(c + 1) * n]]
+        try:
+            flat = pa.array(u64_slots, pa.uint64())
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            flat = None
+        k = 0
         for c, (name, _) in enumerate(_INT_COLUMNS):
-            arrays.append(pa.array(values[c * n:(c + 1) * n], NETDEV_SCHEMA.field(name).type))
-        return {"netdev": pa.Table.from_arrays(arrays, schema=NETDEV_SCHEMA)}
+            if c in _U64_SET and flat is not None:
+                arrays.append(flat.slice(k * n, n))
+                k += 1
+                continue
+            k += c in _U64_SET
+            col = values[c * n:(c + 1) * n]
+            if name == "speed_mbps":
+                col = [None if v is None or v < 0 or v == 0xFFFFFFFF else v for v in col]  # -1: unknown
+            arrays.append(self._column(name, col, p_base=c))
+        batch = pa.RecordBatch.from_arrays(arrays, schema=NETDEV_SCHEMA)
+        return {"netdev": pa.Table.from_batches([batch])}
+
+    def _column(self, name: str, col: list, p_base: int) -> pa.Array:
+        typ = _TYPES[name]
+        try:
+            return pa.array(col, typ)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            lo, hi = _RANGES[name]
+            out = []
+            for p, v in enumerate(col):  # out of range for the column: null it, name the file
+                if v is not None and not lo <= v < hi:
+                    self.error(self._files.paths[p * (2 + len(_INT_COLUMNS)) + 2 + p_base],
+                               f"{name} value {v} out of range")
+                    v = None
+                out.append(v)
+            return pa.array(out, typ)
+
+    def _read_failed(self, i: int, exc: OSError) -> None:
+        if exc.errno in UNSUPPORTED_ERRNOS:  # carrier/speed of a down link: EINVAL, null
+            return
+        self.error(self._files.paths[i], exc)
+        if exc.errno in GONE_ERRNOS:
+            self._need_rescan = True
 
     def close(self) -> None:
         if self._files is not None:
