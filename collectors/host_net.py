@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Iterable
 
-import numpy as np
 import pyarrow as pa
 
 from foreshock import schema as sch
@@ -178,7 +177,7 @@ class HostNetSource(Source):
                     v = None
                 row[f"{proto}_{f}"] = v
         if found:
-            arrays = [pa.array(np.full(1, ts_ns, dtype="datetime64[ns]")).cast(sch.TS),
+            arrays = [pa.array([ts_ns], sch.TS),
                       pa.array([self.node], pa.string())]
             arrays += [pa.array([row.get(f.name)], f.type) for f in list(HOST_NET_SCHEMA)[2:]]
             out["host_net"] = pa.Table.from_arrays(arrays, schema=HOST_NET_SCHEMA)

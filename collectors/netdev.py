@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import pyarrow as pa
 
 from foreshock import schema as sch
@@ -159,7 +158,7 @@ class NetdevSource(Source):
                 except OSError as exc:
                     self._read_failed(i, exc)
         arrays = [
-            pa.array(np.full(n, ts_ns, dtype="datetime64[ns]")).cast(sch.TS),
+            pa.array([ts_ns] * n, sch.TS),
             self._static["node"], self._static["iface"],
             pa.array(operstate, pa.string()), pa.array(carrier, pa.bool_()),
         ]

@@ -16,7 +16,6 @@ import os
 import re
 import time
 
-import numpy as np
 import pyarrow as pa
 
 from foreshock import schema as sch
@@ -248,7 +247,7 @@ class RdmaSource(Source):
                 self.error(paths[i], exc)
         static = self._static
         arrays = [
-            pa.array(np.full(n, ts_ns, dtype="datetime64[ns]")).cast(sch.TS),
+            pa.array([ts_ns] * n, sch.TS),
             static["node"], static["device"], static["port"],
             pa.array(state, pa.int8()), pa.array(phys, pa.int8()), pa.array(rate, pa.float64()),
             static["link_layer"],

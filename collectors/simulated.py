@@ -41,7 +41,7 @@ class NodeModel(Protocol):
 
 
 def _ts(ts_ns: int, n: int) -> pa.Array:
-    return pa.array(np.full(n, ts_ns, dtype="datetime64[ns]")).cast(sch.TS)
+    return pa.array([ts_ns] * n, sch.TS)
 
 
 def build_table(name: str, n: int, columns: dict[str, object]) -> pa.Table:
