@@ -143,3 +143,69 @@ def test_systemd_example_drives_a_real_collect_once(procfs_fixture, tmp_path, ca
     assert rc == 0, out
     assert "source rdma" in out and "FAILED" not in out, out
     assert list((tmp_path / "out").rglob("*.parquet")), "the sweep wrote no Parquet"
+
+
+def test_kubernetes_serve_paths_and_ports_match_the_statefulset():
+    cfg = settings("serve", SOURCES[("kubernetes", "serve")])
+    spec = pod("serve-statefulset.yaml")
+    where = mounts(spec)
+    assert cfg["state"] == where["state"]
+    assert Path(cfg["tls_cert"]).parent == Path(cfg["tls_key"]).parent == Path(where["tls"])
+    assert Path(cfg["token_file"]).parent == Path(where["tokens"])
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    assert secrets["tls"] == "foreshock-serve-tls"  # kubernetes.io/tls: tls.crt and tls.key
+    assert {Path(cfg["tls_cert"]).name, Path(cfg["tls_key"]).name} == {"tls.crt", "tls.key"}
+    ports = {p["name"]: p["containerPort"] for p in spec["containers"][0]["ports"]}
+    assert port_of(cfg["listen"]) == ports["grpc"] and port_of(cfg["metrics_listen"]) == ports["metrics"]
+    assert not cfg["insecure"] and not cfg["tls_client_ca"]
+    grace = yaml.safe_load((KUBE / "serve-statefulset.yaml").read_text())["spec"]["template"]["spec"]
+    assert cfg["grace"] < grace["terminationGracePeriodSeconds"], "SIGKILL would cut the graceful stop short"
+
+
+def test_systemd_serve_paths_match_the_unit():
+    cfg = settings("serve", SYSTEMD_TOML)
+    text = (SYSTEMD / "foreshock-serve.service").read_text()
+    credentials = dict(re.findall(r"^LoadCredential=([^:]+):(\S+)$", text, re.M))
+    for key in ("tls_cert", "tls_key", "token_file"):
+        directory, _, name = cfg[key].rpartition("/")
+        assert directory == "/run/credentials/foreshock-serve.service" and name in credentials, key
+    service = unit("foreshock-serve.service")
+    assert cfg["state"] == "/var/lib/" + service["StateDirectory"]
+    timeout = float(service["TimeoutStopSec"])
+    assert cfg["grace"] < timeout, "systemd would SIGKILL the service before its graceful stop ends"
+
+
+def test_systemd_serve_example_starts_a_real_tls_server(tmp_path):
+    """The [serve] example, secrets and addresses pointed at this test's files, serves TLS and /metrics."""
+    import shutil
+    import subprocess
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    module = command_module("serve")
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI to make a certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", "tls.key", "-out", "tls.crt", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    (tmp_path / "tokens").write_text("collector:gpu-001 0123456789abcdef0123\noperator ops-0123456789abcdef\n")
+    cfg = resolve("serve", module.DEFAULTS, file_data=SYSTEMD_TOML, env={}, flags={
+        "tls_cert": str(tmp_path / "tls.crt"), "tls_key": str(tmp_path / "tls.key"),
+        "token_file": str(tmp_path / "tokens"), "state": str(tmp_path / "state"),
+        "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "no_model": True})
+    from foreshock.service.server import build_server
+    plane = build_server(module.settings_from(cfg))
+    try:
+        port = plane.start()
+        credentials = grpc.ssl_channel_credentials((tmp_path / "tls.crt").read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with urllib.request.urlopen(f"http://127.0.0.1:{plane.metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        assert "foreshock_evacuation_threshold" in text and "foreshock_node_failure_risk" in text
+    finally:
+        plane.stop(0)
