@@ -67,7 +67,15 @@ class Collector:
         self.uplink = uplink
         self._clock = clock
         self._lock = threading.Lock()
-        self._status = {s.name: SourceStatus() for s in sources}
+        # Two sources of one kind (say two rdma roots) are reported apart: rdma, rdma#2, ...
+        self._labels: list[str] = []
+        for s in sources:
+            label, k = s.name, 1
+            while label in self._labels:
+                k += 1
+                label = f"{s.name}#{k}"
+            self._labels.append(label)
+        self._status = {label: SourceStatus() for label in self._labels}
         self._failed = collections.Counter()
         self._sweeps = 0
         self._rejected = 0
@@ -81,7 +89,7 @@ class Collector:
         ts_ns = self._clock() if ts_ns is None else int(ts_ns)
         t_sweep = time.perf_counter()
         parts: dict[str, list[pa.Table]] = collections.defaultdict(list)
-        for src in self.sources:
+        for label, src in zip(self._labels, self.sources):
             t0 = time.perf_counter()
             ok, rows = True, 0
             try:
@@ -99,11 +107,11 @@ class Collector:
                     rows += table.num_rows
             except Exception as exc:  # noqa: BLE001 - a broken source must not stop the others
                 ok = False
-                self._failed[src.name] += 1
+                self._failed[label] += 1
                 log.exception("source %s failed this sweep: %s", src.name, exc)
-            st = self._status[src.name]
+            st = self._status[label]
             st.success, st.duration_seconds, st.rows = ok, time.perf_counter() - t0, rows
-            st.failed_sweeps = self._failed[src.name]
+            st.failed_sweeps = self._failed[label]
             st.errors = src.errors + st.failed_sweeps
             st.absent = src.absent
         tables: dict[str, pa.Table] = {}

@@ -234,3 +234,12 @@ def test_settings_resolve_file_env_and_flags(monkeypatch):
 def test_unknown_source_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["collect", "--once", "--sources", "rdma,gpu_magic", "--out", str(tmp_path)]) == 2
     assert "gpu_magic" in capsys.readouterr().err
+
+
+def test_two_sources_of_one_kind_are_reported_apart(procfs_fixture, tmp_path):
+    col = Collector("d", [RdmaSource("d", sysfs=str(procfs_fixture / "sys")), RdmaSource("d", sysfs=str(tmp_path))],
+                    DatasetWriter(tmp_path / "ds", fsync=False))
+    tables = col.sweep_once(TS)
+    snap = col.snapshot()
+    assert set(snap.sources) == {"rdma", "rdma#2"} and snap.sources["rdma#2"].absent
+    assert snap.sources["rdma"].rows == 4 and tables["rdma_port"].num_rows == 4
