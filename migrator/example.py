@@ -97,8 +97,18 @@ def run_worker(spec: dict) -> int:
     position = DataPosition()
     # rank-local RNG (dropout masks differ per rank); a spare inherits its predecessor's
     torch.manual_seed(seed + 7919 * max(config.rank, 0) + 1)
+    batch_size = int(spec.get("batch_size", 16))
+    loss_fn = torch.nn.MSELoss()
+
+    def warmup(module):
+        # a spare's throw-away step, so its first real step is not its first step ever
+        x, y = batch(seed, 0, 0, batch_size)
+        loss_fn(module(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     mig = Migrator(config, model=model, optimizer=optimizer, scheduler=scheduler,
-                   per_rank={"data": position})
+                   per_rank={"data": position}, warmup=warmup)
     name = f"rank{config.rank}" if config.role == "rank" else f"spare-{config.node}"
     record: dict[str, Any] = {"pid": os.getpid(), "role": config.role, "node": config.node, "name": name,
                               "losses": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
@@ -114,9 +124,7 @@ def run_worker(spec: dict) -> int:
             record["joined_wall"] = time.time()
             record["hashes"][str(mig.step)] = param_hash(model)
         sleep = float(spec.get("step_sleep_s", 0.0))
-        loss_fn = torch.nn.MSELoss()
         pending_first = record if config.role == "spare" else None
-        batch_size = int(spec.get("batch_size", 16))
         while mig.step < steps:
             if position.next_step != mig.step:
                 raise RuntimeError(f"data position {position.next_step} != step {mig.step}")
@@ -207,6 +215,17 @@ class Job:
                 p.join(5)
             codes[name] = p.exitcode
         return codes
+
+    def stop(self, grace: float = 10.0) -> dict[str, int]:
+        """End the job early: tell the spares to leave, terminate the ranks, wait `grace` seconds."""
+        try:
+            self.store.set(f"foreshock/{self.job_id}/released", "1")
+        except Exception:  # noqa: BLE001 - the job may be gone already
+            pass
+        for p in self.processes.values():
+            if p.is_alive():
+                p.terminate()
+        return self.wait(timeout=grace)
 
     def results(self) -> list[dict]:
         return [json.loads(f.read_text()) for f in sorted(self.out_dir.glob("*.json"))]

@@ -80,7 +80,7 @@ class Migrator:
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                  replicated: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
                  source: DirectiveSource | None = None, backend: str = "gloo", wrap_ddp: bool = True,
-                 ddp_kwargs: dict | None = None, store: Any = None) -> None:
+                 ddp_kwargs: dict | None = None, store: Any = None, warmup=None) -> None:
         self.config = config or MigratorConfig.from_env()
         self.module = model
         self.optimizer = optimizer
@@ -90,6 +90,7 @@ class Migrator:
         self.backend = backend
         self.wrap_ddp = wrap_ddp
         self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.warmup = warmup          # spare only: run one throw-away step in standby (kernels, allocator)
         self.rank = self.config.rank if self.config.role == "rank" else -1
         self.world_size = self.config.world_size if self.config.role == "rank" else 0
         self.generation = 0
@@ -554,6 +555,12 @@ class Migrator:
     # --- standby (spares) -----------------------------------------------------------------
     def _standby(self) -> bool:
         node = self.config.node
+        if self.warmup is not None:
+            # everything it touches (parameters, optimizer state, RNG) is overwritten on joining
+            try:
+                self.warmup(self.module)
+            except Exception as exc:  # noqa: BLE001 - a cold spare is still a spare
+                log.warning("spare warm-up failed: %r", exc)
         self._start_heartbeat()
         while True:
             slot = self._store.add(f"{self._p}standby/{node}/count", 1) - 1
@@ -599,6 +606,8 @@ class Migrator:
             local = recv_state(pg, 1 + i, LOCAL_TAG)
             self._load_replicated(replicated)
             self._load_local(local)
+            for p in self.module.parameters():
+                p.grad = None          # nothing of the warm-up may leak into the first real step
             self._store.set(f"{k}/received", "1")
         except Exception as exc:  # noqa: BLE001
             log.warning("receiving state for %s failed: %r", did, exc)
