@@ -153,13 +153,17 @@ def _day_chunks(settings: SimSettings) -> list[np.ndarray]:
 
 
 def _simulate_blocks(settings: SimSettings, episodes: list[Episode], out: str, block_ids: list[int],
-                     writer_options: dict, progress=None) -> tuple[dict, int, int]:
+                     writer_options: dict, progress=None, barrier=None) -> tuple[dict, int, int]:
     """One worker: the given node blocks over the whole span (each block's stream depends only on the
     block, so how blocks are shared among workers does not change the data)."""
     model = ClusterModel(settings.topology, seed=settings.seed, episodes=episodes,
                          difficulty=settings.faults.difficulty, start_ns=settings.start_ns,
                          interval_s=settings.interval_s)
     writer = DatasetWriter(out, fsync=False, max_buffer_rows=1 << 40, **writer_options)
+    if barrier is not None:
+        # A writer clears leftover temporary files when it opens: every worker opens its writer before
+        # any of them starts writing, so none clears another's file in flight.
+        barrier.wait(timeout=600)
     blocks = _blocks(settings)
     for chunk in _day_chunks(settings):
         for i in block_ids:
@@ -199,9 +203,12 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
         results = [_simulate_blocks(settings, episodes, str(out), list(range(n_blocks)), options, progress)]
     else:
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        with ctx.Manager() as manager, \
+                concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            barrier = manager.Barrier(workers)
             futures = [pool.submit(_simulate_blocks, settings, episodes, str(out),
-                                   list(range(w, n_blocks, workers)), options) for w in range(workers)]
+                                   list(range(w, n_blocks, workers)), options, None, barrier)
+                       for w in range(workers)]
             results = [f.result() for f in futures]
     for r, b, f in results:
         rows.update(r)

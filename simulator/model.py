@@ -98,6 +98,28 @@ BENIGN_NODE = {
     "TcpExt_TCPAbortOnTimeout": (1.0, 1.0), "Tcp_ActiveOpens": (2000.0, 0.3), "Tcp_PassiveOpens": (2000.0, 0.3),
     "Tcp_OutRsts": (500.0, 0.5),
 }
+# Benign bursts: a healthy device's counter spikes for minutes at precursor-like rates and stops (a link
+# retrain, a memory-hungry kernel, a congested all-reduce). Per device-day rate, (low, high) events per
+# second while it lasts, median minutes; counters that move with it (counter, share).
+BENIGN_BURSTS = {
+    "ecc_corrected_volatile": ("gpu", 0.01, (0.3, 2.0), 15.0, ()),
+    "pcie_replay_counter": ("gpu", 0.01, (0.5, 3.0), 10.0, ()),
+    "crc_flit_errors": ("gpu", 0.01, (5.0, 40.0), 10.0, (("replay_errors", 0.5),)),
+    "symbol_error": ("hca", 0.01, (5.0, 60.0), 15.0, (("port_rcv_errors", 0.1),)),
+    "local_ack_timeout_err": ("hca", 0.01, (0.2, 1.0), 10.0, (("out_of_sequence", 5.0),)),
+    "port_xmit_discards": ("hca", 0.005, (1.0, 8.0), 10.0, ()),
+}
+# Marginal-but-stable devices: a small share of healthy devices run all their life at error rates a
+# degrading one reaches half-way (a link within spec but with a high BER, a GPU with a weak memory row that
+# the ECC keeps correcting). They never fail: a threshold on the rate flags them forever, a model that
+# looks at the trend does not. counter -> (share of devices at difficulty 1, median events per second).
+MARGINAL = {
+    "ecc_corrected_volatile": (0.01, 0.05),
+    "crc_flit_errors": (0.01, 1.0),
+    "pcie_replay_counter": (0.005, 0.1),
+    "symbol_error": (0.01, 0.5),
+    "local_ack_timeout_err": (0.005, 0.02),
+}
 APP_XID_PER_NODE_DAY = 0.03
 APP_XIDS = {
     13: "Graphics SM Warp Exception on (GPC 4, TPC 1, SM 0): Illegal Instruction Parameter",
@@ -194,6 +216,12 @@ class ClusterModel:
             "hca": {k: med * d / 86400.0 * np.exp(sig * init.standard_normal((N, H))) for k, (med, sig) in BENIGN_HCA.items()},
             "node": {k: med / 86400.0 * np.exp(sig * init.standard_normal((N, 1))) for k, (med, sig) in BENIGN_NODE.items()},
         }
+        for kind in ("gpu", "hca"):
+            for name, rates in self.chronic[kind].items():
+                if name in MARGINAL:
+                    share, median = MARGINAL[name]
+                    marginal = init.random(rates.shape) < share * d
+                    rates[marginal] = median * np.exp(0.8 * init.standard_normal(int(marginal.sum())))
         self.gpu_temp_offset = init.normal(0.0, 2.5, (N, G))
         self.gpu_power_offset = init.normal(0.0, 12.0, (N, G))
         self.job_phase = init.uniform(0.0, 1.0, max(topo.n_jobs, 1))
@@ -290,6 +318,8 @@ class ClusterModel:
             for name in table:
                 rate = self.chronic[kind][name][nodes]  # (B, C)
                 benign[name] = _sparse_poisson(rng, rate, dt)
+        for name, arr in self._draw_bursts(rng, nodes, dt).items():
+            benign[name] = benign[name] + arr if name in benign else arr
         app_xids = self._draw_app_xids(rng, nodes, ts)
 
         # 2. The fault schedule's effects (each from its own stream).
@@ -307,6 +337,30 @@ class ClusterModel:
         return tables
 
     # -- benign sparse events ----------------------------------------------------------------------
+    def _draw_bursts(self, rng, nodes, dt) -> dict[str, np.ndarray]:
+        """Benign bursts inside this block (each starts and ends within it)."""
+        B, T = dt.shape
+        out: dict[str, np.ndarray] = {}
+        span_days = float(dt.sum(axis=1).mean()) / 86400.0
+        step_s = float(dt.mean())
+        for name, (kind, per_day, (lo, hi), minutes, companions) in BENIGN_BURSTS.items():
+            C = self.topo.gpus_per_node if kind == "gpu" else self.topo.hcas_per_node
+            count = rng.poisson(per_day * self.difficulty * B * C * span_days)
+            if count == 0:
+                continue
+            b = rng.integers(B, size=count)
+            c = rng.integers(C, size=count)
+            length = np.maximum(1, np.round(minutes * 60.0 / step_s * np.exp(0.7 * rng.standard_normal(count)))).astype(int)
+            length = np.minimum(length, T)
+            start = (rng.random(count) * (T - length + 1)).astype(int)
+            rate = np.exp(rng.uniform(np.log(lo), np.log(hi), count))
+            for name_, share in ((name, 1.0), *companions):
+                arr = out.setdefault(name_, np.zeros((B, C, T), np.int64))
+                for k in range(count):
+                    sl = slice(start[k], start[k] + length[k])
+                    arr[b[k], c[k], sl] += rng.poisson(rate[k] * share * dt[b[k], sl])
+        return out
+
     def _draw_app_xids(self, rng, nodes, ts):
         span_days = max((ts[-1] - self.last_ts[nodes].min()) / NS / 86400.0, 1e-9)
         count = rng.poisson(APP_XID_PER_NODE_DAY * self.difficulty * len(nodes) * span_days)
@@ -848,9 +902,15 @@ def _sparse_poisson(rng: np.random.Generator, rate: np.ndarray, dt: np.ndarray) 
     B, C = rate.shape
     T = dt.shape[1]
     span = dt.sum(axis=1)  # (B,)
+    dense = rate * span[:, None] > 4 * T  # busy devices: a draw per step is cheaper than scattering
+    dense_rate = rate
+    if dense.any():
+        rate = np.where(dense, 0.0, rate)
     counts = rng.poisson(rate * span[:, None])
     total = int(counts.sum())
     out = np.zeros((B, C, T), np.int64)
+    for b, c in zip(*np.nonzero(dense)):
+        out[b, c] = rng.poisson(dense_rate[b, c] * dt[b])
     if total == 0:
         return out
     flat_bc = np.repeat(np.arange(B * C), counts.reshape(-1))

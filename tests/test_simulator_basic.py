@@ -46,3 +46,13 @@ def test_tables_are_schema_v1_with_real_widths(tmp_path):
     inv = read_table(tmp_path, "inventory")
     assert inv.num_rows == 8 and inv.column("leaf_switch").null_count == 0
     assert set(inv.column("leaf_switch").to_pylist()) == {"leaf-000", "leaf-001"}
+
+
+def test_worker_processes_do_not_change_the_data(tmp_path):
+    settings = _small(block_nodes=4)
+    run(settings, tmp_path / "one", workers=1)
+    run(settings, tmp_path / "two", workers=2)
+    for table in TABLES:
+        assert read_table(tmp_path / "one", table).equals(read_table(tmp_path / "two", table)), table
+    # no temporary file is left behind and none was lost
+    assert not list((tmp_path / "two").rglob(".*.tmp"))
