@@ -69,7 +69,7 @@ class ModelError(RuntimeError):
 class PredictorScorer:
     """foreshock.predictor's OnlineScorer behind the Scorer protocol."""
 
-    def __init__(self, model_path: str | Path):
+    def __init__(self, model_path: str | Path, *, grace_seconds: float = 2.0):
         try:
             from foreshock.predictor import online, registry
         except ImportError as exc:
@@ -82,7 +82,16 @@ class PredictorScorer:
         self.manifest = dict(getattr(self.model, "manifest", {}) or {})
         self.model_version = str(self.manifest.get("version", "unknown"))
         self.horizon_seconds = int(self.manifest.get("horizon_seconds", 0) or 0)
-        self._online = online.OnlineScorer(self.model)
+        # Collectors sweep every second and the service answers within a round, so a step's rows are
+        # all in a second or two after it ends; a shorter grace than the scorer's default means an
+        # earlier verdict on the step that crosses the threshold.
+        self._online = online.OnlineScorer(self.model, grace_seconds=grace_seconds)
+
+    def threshold(self, budget: float | None) -> float | None:
+        try:
+            return float(self.model.threshold(budget))
+        except Exception:
+            return threshold_from_manifest(self.manifest, budget)
 
     def ingest(self, table: str, data: pa.Table) -> None:
         self._online.ingest(table, data)

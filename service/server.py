@@ -76,6 +76,9 @@ class Settings:
     topology: dict[str, Topology] = field(default_factory=dict)
     decision_flush_seconds: float = 5.0
     fsync: bool = True
+    scoring_clock: Any = None                # ns since the epoch for scoring rounds; None: time.time_ns.
+    #                                          Tests replaying telemetry faster than real time set it.
+    scorer_grace_seconds: float = 2.0        # how long the online scorer waits for a step's late rows
 
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
@@ -95,7 +98,9 @@ class ControlPlane:
         self.scorer = self._scorer(s)
         threshold = s.threshold
         if threshold is None:
-            threshold = threshold_from_manifest(self.scorer.manifest, s.false_evacuation_budget)
+            pick = getattr(self.scorer, "threshold", None)
+            threshold = pick(s.false_evacuation_budget) if callable(pick) else \
+                threshold_from_manifest(self.scorer.manifest, s.false_evacuation_budget)
         if threshold is None:
             threshold = 0.5
             if not isinstance(self.scorer, NullScorer):
@@ -113,7 +118,7 @@ class ControlPlane:
                                      model_version=self.scorer.model_version, fsync=s.fsync)
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
         self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
-                                   on_round=self._after_round)
+                                   on_round=self._after_round, clock=s.scoring_clock or time.time_ns)
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake)
         self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
         self.registry, self._round_hist = build_registry(self)
@@ -152,14 +157,14 @@ class ControlPlane:
         if s.scorer is not None:
             return s.scorer
         if s.model_path:
-            return PredictorScorer(s.model_path)
+            return PredictorScorer(s.model_path, grace_seconds=s.scorer_grace_seconds)
         path = default_model_path()
         if path is None or not Path(path).exists():
             log.warning("no model given and no shipped default model found (%s): telemetry is validated "
                         "but not scored; the Jobs API and DrainNode work", path)
             return NullScorer()
         try:
-            return PredictorScorer(path)
+            return PredictorScorer(path, grace_seconds=s.scorer_grace_seconds)
         except ModelError as exc:
             log.warning("the default model does not load (%s): running without scoring", exc)
             return NullScorer()
