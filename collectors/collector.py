@@ -56,6 +56,7 @@ class Snapshot:
     rejected_tables: int = 0
     uplink_submitted: int = 0
     uplink_refused: int = 0
+    uplink: dict = field(default_factory=dict)  # the uplink's own stats() (queued, dropped_oldest, ...)
 
 
 class Collector:
@@ -145,6 +146,11 @@ class Collector:
                             sources={k: SourceStatus(**vars(v)) for k, v in self._status.items()},
                             rejected_tables=self._rejected, uplink_submitted=self._uplink_ok,
                             uplink_refused=self._uplink_refused)
+        if self.uplink is not None and hasattr(self.uplink, "stats"):
+            try:
+                snap.uplink = dict(self.uplink.stats())
+            except Exception as exc:  # noqa: BLE001 - health reporting must not fail the scrape
+                log.debug("uplink stats: %s", exc)
         w = self.writer
         if w is not None:
             st = w.stats

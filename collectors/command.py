@@ -35,6 +35,8 @@ DEFAULTS = {
     "metrics_listen": "127.0.0.1:9464",
     "service": "",
     "tls_ca": "",
+    "tls_cert": "",
+    "tls_key": "",
     "token_file": "",
     "peers": [],
     "nvlink_links": False,
@@ -63,6 +65,8 @@ def register(subparsers) -> None:
     p.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus endpoint ('' to disable)")
     p.add_argument("--service", help="HOST:PORT of the control plane to stream to (optional)")
     p.add_argument("--tls-ca", help="CA bundle for --service TLS")
+    p.add_argument("--tls-cert", help="client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="client key for mutual TLS")
     p.add_argument("--token-file", help="file with the node's bearer token for --service")
     p.add_argument("--peers", help="comma-separated [site=]host:port TCP probe targets")
     p.add_argument("--nvlink-links", action="store_const", const=True, help="also write nvlink_link rows")
@@ -78,6 +82,15 @@ def _settings(args, file_data) -> dict:
     return resolve("collect", DEFAULTS, file_data=file_data, flags=flags)
 
 
+def _tls(cfg: dict):
+    """None, a CA path, or (ca, cert, key) for mutual TLS; a half-given mutual TLS is an error."""
+    if cfg["tls_cert"] or cfg["tls_key"]:
+        if not (cfg["tls_ca"] and cfg["tls_cert"] and cfg["tls_key"]):
+            raise ValueError("mutual TLS needs --tls-ca, --tls-cert and --tls-key together")
+        return (cfg["tls_ca"], cfg["tls_cert"], cfg["tls_key"])
+    return cfg["tls_ca"] or None
+
+
 def _uplink(cfg: dict, node: str):
     try:
         from foreshock.collectors.uplink import StreamingUplink
@@ -90,7 +103,7 @@ def _uplink(cfg: dict, node: str):
     if cfg["token_file"]:
         with open(cfg["token_file"], encoding="utf-8") as fh:
             token = fh.read().strip()
-    tls = cfg["tls_ca"] or None
+    tls = _tls(cfg)
     uplink = StreamingUplink(cfg["service"], node=node, tls=tls, token=token)
     uplink.start()
     return uplink
@@ -103,6 +116,7 @@ def build_collector(cfg: dict, *, once: bool = False):
     from .registry import SourceConfig, build_sources
 
     node = cfg["node"] or socket.gethostname()
+    _tls(cfg)  # refuse bad TLS settings before anything is opened
     sources = build_sources(cfg["sources"], SourceConfig(
         node=node, sysfs=cfg["sysfs"], procfs=cfg["procfs"], kmsg=cfg["kmsg"], peers=list(cfg["peers"]),
         nvlink_links=cfg["nvlink_links"], sim_gpus=cfg["sim_gpus"], sim_hcas=cfg["sim_hcas"],

@@ -8,7 +8,8 @@ foreshock_collector_files_written_total, foreshock_collector_files_dropped_total
 foreshock_collector_bytes_dropped_total, foreshock_collector_write_errors_total,
 foreshock_collector_buffered_rows, foreshock_collector_spool_bytes, foreshock_collector_sweeps_total,
 foreshock_collector_last_sweep_duration_seconds, foreshock_collector_rejected_tables_total,
-foreshock_collector_uplink_batches_total{result}.
+foreshock_collector_uplink_batches_total{result}, and with an uplink: foreshock_collector_uplink_connected,
+_uplink_queued_sweeps, _uplink_dropped_sweeps_total, _uplink_acked_sweeps_total.
 
 Served by prometheus-client on a private registry (never the global one), so tests can read it directly.
 """
@@ -67,6 +68,15 @@ class CollectorMetrics:
         up.add_metric(["accepted"], s.uplink_submitted)
         up.add_metric(["refused"], s.uplink_refused)
         yield up
+        if s.uplink:
+            yield GaugeMetricFamily(P + "uplink_connected", "1 while the uplink has a stream open.",
+                                    value=1.0 if s.uplink.get("connected") else 0.0)
+            yield GaugeMetricFamily(P + "uplink_queued_sweeps", "Sweeps waiting to be sent.",
+                                    value=s.uplink.get("queued", 0))
+            yield CounterMetricFamily(P + "uplink_dropped_sweeps", "Sweeps dropped because the queue was full.",
+                                      value=s.uplink.get("dropped_oldest", 0))
+            yield CounterMetricFamily(P + "uplink_acked_sweeps", "Sweeps the control plane acknowledged.",
+                                      value=s.uplink.get("acked", 0))
 
 
 def registry_for(collector) -> CollectorRegistry:

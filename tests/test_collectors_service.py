@@ -202,6 +202,9 @@ class FakeUplink:
         self.batches.append(tables)
         return self.accept
 
+    def stats(self):
+        return {"connected": False, "queued": 3, "dropped_oldest": 2, "acked": 0}
+
 
 def test_uplink_gets_each_sweeps_tables_once(tmp_path):
     up = FakeUplink(accept=False)
@@ -211,6 +214,9 @@ def test_uplink_gets_each_sweeps_tables_once(tmp_path):
     assert len(up.batches) == 2 and set(up.batches[0]) == {"gpu", "nvlink", "rdma_port", "netdev", "host_net"}
     assert up.batches[1]["gpu"].column("ts").to_pylist()[0].value == TS + 10**9
     assert col.snapshot().uplink_refused == 2
+    text = metrics.render(col).decode()
+    assert "foreshock_collector_uplink_dropped_sweeps_total 2.0" in text
+    assert 'foreshock_collector_uplink_batches_total{result="refused"} 2.0' in text
     col.flush()
     assert read_table(tmp_path, "gpu").num_rows == 4  # a refusing uplink never costs local Parquet
 
@@ -243,3 +249,20 @@ def test_two_sources_of_one_kind_are_reported_apart(procfs_fixture, tmp_path):
     snap = col.snapshot()
     assert set(snap.sources) == {"rdma", "rdma#2"} and snap.sources["rdma#2"].absent
     assert snap.sources["rdma"].rows == 4 and tables["rdma_port"].num_rows == 4
+
+
+def test_service_flag_builds_the_real_streaming_uplink(tmp_path):
+    pytest.importorskip("foreshock.collectors.uplink")
+    cfg = dict(command.DEFAULTS, service="127.0.0.1:9", out=str(tmp_path), sources=["simulated"], node="up",
+               sim_gpus=1, sim_hcas=1, fsync=False)
+    col = command.build_collector(cfg)
+    try:
+        col.sweep_once(TS)
+        snap = col.snapshot()
+        assert type(col.uplink).__name__ == "StreamingUplink" and snap.uplink_submitted == 1
+        assert snap.uplink.get("submitted") == 1  # queued without waiting on the (absent) control plane
+    finally:
+        col.uplink.close(1.0)
+        col.close()
+    with pytest.raises(ValueError, match="mutual TLS"):
+        command.build_collector(dict(cfg, tls_cert="c.pem"))
