@@ -879,10 +879,11 @@ class ClusterModel:
                 mask = None
                 if isinstance(v, tuple):
                     v, mask = v
-                    mask = np.broadcast_to(mask, (B, C, T)).reshape(-1)
                     if not mask.any():
                         mask = None
-                v = np.broadcast_to(v, (B, C, T)).reshape(-1)
+                    else:
+                        mask = _flat(mask, (B, C, T))
+                v = _flat(v, (B, C, T))
                 np_type = np.dtype(field.type.to_pandas_dtype())
                 if v.dtype != np_type:
                     if v.dtype.kind in "iu" and np_type.kind in "iu" and v.dtype.itemsize == np_type.itemsize \
@@ -892,8 +893,14 @@ class ClusterModel:
                         v = v.astype(np_type)
                 arrays.append(pa.array(v, type=field.type, mask=mask))
         data = pa.Table.from_arrays(arrays, schema=schema)
-        keep = np.broadcast_to(keep, (B, C, T)).reshape(-1)
-        return data if keep.all() else data.filter(pa.array(keep))
+        if keep.all():
+            return data
+        return data.filter(pa.array(_flat(keep, (B, C, T))))
+
+
+def _flat(v: np.ndarray, shape: tuple) -> np.ndarray:
+    v = np.asarray(v)
+    return v.reshape(-1) if v.shape == shape else np.broadcast_to(v, shape).reshape(-1)
 
 
 def _sparse_poisson(rng: np.random.Generator, rate: np.ndarray, dt: np.ndarray) -> np.ndarray:
