@@ -266,3 +266,65 @@ def test_simulated_source_takes_any_node_model():
     with pytest.raises(TypeError, match="NodeModel"):
         SimulatedSource("bad", node_model=object())
     assert isinstance(SimpleNodeModel("n"), __import__("foreshock.collectors.simulated").collectors.simulated.NodeModel)
+
+
+def test_kmsg_overwritten_records_skip_ahead_and_seq_dedupes(tmp_path, monkeypatch):
+    """/dev/kmsg semantics: one record per read, EPIPE when records were overwritten, EAGAIN when done."""
+    import errno as _errno
+
+    from foreshock.collectors import kmsg as kmsg_mod
+
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)  # a character-device stand-in: not a regular file, so read record by record
+    script = [b"4,10,1000000,-;NVRM: Xid (PCI:0000:07:00): 48, pid=1, name=a, DBE\n",
+              OSError(_errno.EPIPE, "Broken pipe"),
+              b"4,15,2000000,-;NVRM: Xid (PCI:0000:07:00): 94, pid=1, name=a, contained\n",
+              b"4,15,2000000,-;NVRM: Xid (PCI:0000:07:00): 94, pid=1, name=a, contained\n",  # again: dedupe
+              b"6,16,2000001,-;eth0: renamed from veth1\n",
+              BlockingIOError()]
+
+    def fake_read(fd, n):
+        item = script.pop(0) if script else BlockingIOError()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    src = KmsgSource("k", path=str(fifo), boot_ns=10**18)
+    monkeypatch.setattr(kmsg_mod.os, "read", fake_read)
+    rows = src.sweep(TS)["events"].to_pylist()
+    assert [(r["xid"], r["seq"]) for r in rows] == [(48, 10), (94, 15)]
+    assert rows[1]["ts"].value == 10**18 + 2_000_000_000
+    assert src.records_lost == 1 and src.records_read == 4 and src.errors == 0
+    monkeypatch.undo()
+    src.close()
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_CONTENT = st.one_of(st.integers(-2**70, 2**70).map(lambda v: f"{v}\n"), st.just("N/A (no PMA)\n"),
+                     st.text(max_size=30), st.just(""))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(counters=st.lists(_CONTENT, min_size=4, max_size=4), state=_CONTENT, rate=_CONTENT,
+       speed=_CONTENT, mtu=_CONTENT)
+def test_any_file_contents_give_values_nulls_or_counted_errors(tmp_path_factory, counters, state, rate,
+                                                               speed, mtu):
+    root = tmp_path_factory.mktemp("sys")
+    port = root / "class/infiniband/mlx5_0/ports/1"
+    (port / "counters").mkdir(parents=True)
+    names = ["symbol_error", "port_rcv_data", "port_xmit_wait", "np_wqe_err"]
+    for name, text in zip(names, counters):
+        (port / "counters" / name).write_text(text)
+    (port / "state").write_text(state)
+    (port / "rate").write_text(rate)
+    net = root / "class/net/eth9"
+    net.mkdir(parents=True)
+    (net / "speed").write_text(speed)
+    (net / "mtu").write_text(mtu)
+    for src, table in ((RdmaSource("p", sysfs=str(root)), "rdma_port"), (NetdevSource("p", sysfs=str(root)), "netdev")):
+        out = src.sweep(TS)[table]
+        sch.conform(table, out)  # always a valid schema-v1 table
+        assert out.num_rows == 1
+        src.close()
