@@ -6,7 +6,9 @@ type gives the sample names Prometheus stores (`_total` for counters, `_bucket`/
 histograms, ...). Every metric name in every alerting/recording rule and every dashboard query must be
 one of those, a recording rule of deploy/prometheus, or a series Prometheus itself synthesises (`up`,
 `ALERTS`). Every dashboard query must also parse as PromQL: the queries are written into a rule file
-(Grafana's variables replaced by values) and checked with `promtool check rules`.
+(Grafana's variables replaced by values) and checked with `promtool check rules`. Last, a real
+Prometheus runs deploy/prometheus's scrape configuration and rules against a real collector and a real
+control plane, and the dashboard's collector queries are asked of it.
 """
 
 from __future__ import annotations
@@ -234,3 +236,106 @@ def test_dashboard_uses_only_exported_metrics(exported):
 def test_awaited_metric_is_exported(name, exported, request):
     request.applymarker(pytest.mark.xfail(strict=True, reason=AWAITED[name]))
     assert name in exported["collector"] | exported["service"]
+
+
+# -- a real Prometheus over the real exporters ----------------------------------------------------------
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _query(port: int, expr: str) -> list[dict]:
+    import urllib.parse
+    import urllib.request
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body = json.load(resp)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (run tests/setup.sh)")
+def test_rules_and_dashboard_on_a_real_prometheus(procfs_fixture, tmp_path):
+    """deploy/prometheus/prometheus.yml and the rules, intervals shortened to 1 s, loaded by a real
+    Prometheus that scrapes a real collector (procfs fixture) and a real control plane: the scrape-time
+    `node` label appears, the recording rules evaluate, ForeshockServeDown stays quiet, and every
+    dashboard query over collector metrics returns data."""
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from foreshock.collectors import command, metrics
+    from foreshock.config import resolve
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, build_server
+
+    cfg = resolve("collect", command.DEFAULTS, env={}, flags={
+        "sources": ["rdma", "netdev", "host_net"], "sysfs": str(procfs_fixture / "sys"),
+        "procfs": str(procfs_fixture / "proc"), "node": "fixture", "out": str(tmp_path / "out"),
+        "metrics_listen": ""})
+    collector = command.build_collector(cfg, once=True)
+    collector.sweep_once()
+    collector.flush()  # rows and bytes are counted when an interval's file is written
+    http, _thread = metrics.serve(collector, "127.0.0.1:0")
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(),
+                                                    metrics_listen="127.0.0.1:0"))
+    proc = None
+    try:
+        plane.start()
+        rules = yaml.safe_load(RULES.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+        (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+        (tmp_path / "sd").mkdir()
+        (tmp_path / "sd" / "collectors.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{http.server_port}"]}]))
+        config = yaml.safe_load((RULES.parent / "prometheus.yml").read_text())
+        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(tmp_path / "rules.yaml")]
+        jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+        jobs["foreshock-serve"]["static_configs"] = [{"targets": [f"127.0.0.1:{plane.metrics_port}"]}]
+        jobs["foreshock-collector"]["file_sd_configs"][0]["files"] = [str(tmp_path / "sd" / "*.json")]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = _free_port()
+        proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+        deadline = time.monotonic() + 40
+        ratio = []
+        while time.monotonic() < deadline:
+            try:
+                ratio = _query(port, "foreshock:collector_source_success:ratio_avg5m")
+                # rate() needs two samples in its range: wait for three scrapes of each job.
+                if ratio and len(_query(port, 'count_over_time(up{job=~"foreshock-.*"}[1m]) >= 3')) == 2:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        assert ratio, "no recording-rule result in 40 s:\n" + (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert {r["metric"]["node"] for r in ratio} == {"127.0.0.1"}, "the scrape-time node label"
+        assert {r["metric"]["source"] for r in ratio} == {"rdma", "netdev", "host_net"}
+        assert [float(r["value"][1]) for r in _query(port, "foreshock:collectors_up:count")] == [1.0]
+        assert not _query(port, 'ALERTS{alertname=~"ForeshockServeDown|ForeshockCollectorDown"}')
+        assert _query(port, "foreshock_evacuation_threshold"), "the control plane's series are scraped"
+        collector_names = sample_names(text_string_to_metric_families(metrics.render(collector).decode()))
+        checked = 0
+        for where, expr in dashboard_exprs():
+            names = metric_names(expr)
+            if names and names <= collector_names | {"up"} and "drop" not in expr and "error" not in expr:
+                assert _query(port, grafana_to_promql(expr).replace("[5m]", "[1m]")), f"{where}: no data"
+                checked += 1
+        assert checked >= 5
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as resp:
+            groups = json.load(resp)["data"]["groups"]
+        assert all(r["health"] == "ok" for g in groups for r in g["rules"]), groups
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        plane.stop(0)
+        http.shutdown()
+        collector.close()
