@@ -33,6 +33,7 @@ from .base import HardwareAbsent, Source, log
 # NVML constants (nvml.h; the same values pynvml exports), kept here so the fake needs no pynvml.
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13  # an older driver without this entry point: unsupported there
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_TEMPERATURE_GPU = 0
@@ -121,7 +122,7 @@ class PynvmlBackend:
             return fn(*args)
         except n.NVMLError as exc:
             code = getattr(exc, "value", None)
-            if code == NVML_ERROR_NOT_SUPPORTED:
+            if code in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND):
                 raise NvmlNotSupported(str(exc)) from None
             if code == NVML_ERROR_GPU_IS_LOST:
                 raise NvmlGpuLost(str(exc)) from None

@@ -129,8 +129,10 @@ def test_the_real_backend_calls_only_functions_nvidia_ml_py_has():
         params = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
         assert len(params) == nargs, f"{name} takes {len(params)} required arguments, called with {nargs}"
     # The constants the fake and the source share agree with NVML's:
-    assert (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_TIMEOUT) == (
-        pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_TIMEOUT)
+    assert (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_TIMEOUT,
+            nvml.NVML_ERROR_FUNCTION_NOT_FOUND) == (
+        pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_TIMEOUT,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
     assert (nvml.NVML_FI_DEV_MEMORY_TEMP, nvml.NVML_FI_DEV_NVLINK_LINK_COUNT,
             nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX) == (
         pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT,
@@ -141,3 +143,49 @@ def test_the_real_backend_calls_only_functions_nvidia_ml_py_has():
         pynvml.NVML_NVLINK_ERROR_DL_ECC_DATA]
     assert (nvml.NVML_CLOCK_SM, nvml.NVML_CLOCK_MEM, nvml.NVML_AGGREGATE_ECC) == (
         pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_MEM, pynvml.NVML_AGGREGATE_ECC)
+
+
+def test_the_real_backend_translates_nvml_errors(monkeypatch):
+    """PynvmlBackend over a stand-in pynvml whose calls raise real pynvml.NVMLError codes."""
+    backend = PynvmlBackend.__new__(PynvmlBackend)  # skip nvmlInit: there is no libnvidia-ml here
+    backend._n = pynvml
+    backend._handles = {}
+
+    def raising(code):
+        def fn(*args):
+            raise pynvml.NVMLError(code)
+        return fn
+
+    with pytest.raises(nvml.NvmlNotSupported):
+        backend._call(raising(pynvml.NVML_ERROR_NOT_SUPPORTED))
+    with pytest.raises(nvml.NvmlNotSupported):
+        backend._call(raising(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND))
+    with pytest.raises(nvml.NvmlGpuLost):
+        backend._call(raising(pynvml.NVML_ERROR_GPU_IS_LOST))
+    with pytest.raises(nvml.NvmlCallError) as exc:
+        backend._call(raising(pynvml.NVML_ERROR_UNKNOWN))
+    assert exc.value.code == pynvml.NVML_ERROR_UNKNOWN
+    monkeypatch.setattr(pynvml, "nvmlEventSetWait", raising(pynvml.NVML_ERROR_TIMEOUT))
+    assert backend.event_set_wait(object(), 10) is None  # a wait that times out is "no event"
+
+
+def test_the_real_backend_decodes_field_values_by_type(monkeypatch):
+    """nvmlDeviceGetFieldValues entries are read per nvmlReturn and valueType from pynvml's own struct."""
+    backend = PynvmlBackend.__new__(PynvmlBackend)
+    backend._n = pynvml
+    backend._handles = {}
+
+    def fake_get_field_values(handle, field_ids):
+        values = (pynvml.c_nvmlFieldValue_t * 4)()
+        values[0].nvmlReturn, values[0].valueType = 0, pynvml.NVML_VALUE_TYPE_DOUBLE
+        values[0].value.dVal = 71.5
+        values[1].nvmlReturn, values[1].valueType = 0, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        values[1].value.uiVal = 18
+        values[2].nvmlReturn, values[2].valueType = 0, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        values[2].value.ullVal = 2**40 + 3
+        values[3].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetFieldValues", fake_get_field_values)
+    got = backend.field_values(None, [(82, 0), (91, 0), (138, 0xFFFFFFFF), (139, 0xFFFFFFFF)])
+    assert got == [(0, 71.5), (0, 18), (0, 2**40 + 3), (pynvml.NVML_ERROR_NOT_SUPPORTED, None)]
