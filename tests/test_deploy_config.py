@@ -209,3 +209,20 @@ def test_systemd_serve_example_starts_a_real_tls_server(tmp_path):
         assert "foreshock_evacuation_threshold" in text and "foreshock_node_failure_risk" in text
     finally:
         plane.stop(0)
+
+
+@pytest.mark.parametrize("where", ["foreshock-collect.service", "foreshock-serve.service",
+                                   "collector-daemonset.yaml", "serve-statefulset.yaml"])
+def test_the_command_lines_parse_with_the_real_cli(where):
+    if where.endswith(".service"):
+        exec_start = unit(where)["ExecStart"].split()
+        assert exec_start[0].endswith("/bin/foreshock")
+        argv = exec_start[1:]
+    else:
+        (container,) = pod(where)["containers"]
+        argv = container["args"]
+    section = argv[-1]
+    command_module(section)
+    args = cli.build_parser().parse_args(argv)
+    assert args.command == section and callable(args.run)
+    assert args.run.__module__ == COMMANDS[section]
