@@ -43,8 +43,11 @@ def main(argv: list[str]) -> int:
         settings = SimSettings(topology=Topology(nodes=args.nodes), days=args.days, interval_s=60.0, seed=1)
         t0 = time.perf_counter()
         cpu0 = time.process_time()
+        ch0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         summary = run(settings, out, workers=args.workers)
         wall = time.perf_counter() - t0
+        ch1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = time.process_time() - cpu0 + (ch1.ru_utime - ch0.ru_utime) + (ch1.ru_stime - ch0.ru_stime)
         disk = _du(out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -56,14 +59,17 @@ def main(argv: list[str]) -> int:
     print(f"run: {args.nodes} nodes x {args.days:g} days at 60 s = {node_days:g} node-days, "
           f"{rows:,} rows, {summary.files_written:,} files, workers={args.workers or os.cpu_count()}")
     print(f"wall {wall:.1f} s ({node_days / wall:.1f} node-days/s, {rows / wall / 1e6:.2f} M rows/s); "
-          f"parent CPU {time.process_time() - cpu0:.1f} s")
+          f"CPU {cpu:.1f} s in all processes ({cpu / node_days * 1e3:.1f} ms per node-day); "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"disk {disk / 1e6:.1f} MB ({disk / node_days / 1e3:.0f} kB per node-day, "
           f"{disk / max(summary.rows['gpu'] + summary.rows['nvlink'] + summary.rows['rdma_port'], 1):.1f} B per per-GPU/HCA row)")
     print(f"peak RSS: parent {self_rss / 1e6:.0f} MB, largest worker {child_rss / 1e6:.0f} MB")
     print(f"incidents: {sum(summary.incidents.values())}, recoveries: {summary.recoveries}")
     est_time, est_disk = wall * scale, disk * scale
     mem = self_rss + child_rss * max(1, min(os.cpu_count() or 1, 16))
+    cores = min(os.cpu_count() or 1, args.workers or os.cpu_count() or 1)
     print(f"512 nodes x 30 days {'(measured)' if args.full else '(extrapolated)'}: "
-          f"{est_time / 60:.1f} min (target < 10), {est_disk / 1e9:.2f} GB on disk (target < 5), "
+          f"{est_time / 60:.1f} min wall at this load, {cpu * scale / cores / 60:.1f} min of CPU per core "
+          f"on {cores} cores (target < 10), {est_disk / 1e9:.2f} GB on disk (target < 5), "
           f"memory about {mem / 1e9:.2f} GB (target < 4; per-block, independent of span)")
     return 0

@@ -152,6 +152,10 @@ def _day_chunks(settings: SimSettings) -> list[np.ndarray]:
     return [c for c in np.split(all_ts, bounds) if c.size]
 
 
+def print_progress(now: int, start: int, end: int) -> None:
+    print(f"  {100.0 * (now - start) / (end - start):5.1f}% simulated", flush=True)
+
+
 def _simulate_blocks(settings: SimSettings, episodes: list[Episode], out: str, block_ids: list[int],
                      writer_options: dict, progress=None, barrier=None) -> tuple[dict, int, int]:
     """One worker: the given node blocks over the whole span (each block's stream depends only on the
@@ -206,8 +210,10 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
         with ctx.Manager() as manager, \
                 concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
             barrier = manager.Barrier(workers)
+            # a callback does not cross into a process: the first worker prints the progress itself
+            report = print_progress if progress is not None else None
             futures = [pool.submit(_simulate_blocks, settings, episodes, str(out),
-                                   list(range(w, n_blocks, workers)), options, None, barrier)
+                                   list(range(w, n_blocks, workers)), options, report if w == 0 else None, barrier)
                        for w in range(workers)]
             results = [f.result() for f in futures]
     for r, b, f in results:

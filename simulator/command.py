@@ -7,12 +7,13 @@ Settings resolve through foreshock.config ([simulate] in the TOML file < FORESHO
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 DEFAULTS = {
     "nodes": 64, "days": 1.0, "interval": 60.0, "seed": 0, "out": "sim-data", "start": "2026-01-05T00:00:00Z",
     "gpus_per_node": 8, "hcas_per_node": 8, "nodes_per_leaf": 16, "leaves_per_spine": 8, "sites": 1,
     "nvlink_domain_nodes": 0, "job_nodes": 32, "spare_fraction": 0.05, "link_layer": "InfiniBand",
-    "rate_scale": 1.0, "difficulty": 1.0, "recovery_ratio": 1.0, "lead_scale": 1.0, "block_nodes": 32,
+    "rate_scale": 1.0, "difficulty": 1.0, "recovery_ratio": 1.0, "lead_scale": 1.0, "block_nodes": 32, "workers": 0,
 }
 
 
@@ -39,6 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--recovery-ratio", type=float, help="degrade-then-recover episodes per precursor failure (default 1)")
     p.add_argument("--lead-scale", type=float, help="multiplies precursor lead times (default 1)")
     p.add_argument("--block-nodes", type=int, help="nodes generated together (memory vs speed, default 32)")
+    p.add_argument("--workers", type=int, help="worker processes (default 0: one per CPU); the data do not depend on it")
     p.add_argument("--scenario", metavar="FILE", help="TOML scenario file with a [simulate] table")
     p.set_defaults(run=run)
 
@@ -83,14 +85,20 @@ def run(args, file_data) -> int:
     except (TopologyError, ValueError) as exc:
         print(f"foreshock simulate: {exc}", file=sys.stderr)
         return 2
+    out = Path(cfg["out"])
+    if out.exists() and (not out.is_dir() or any(out.glob("table=*"))):
+        print(f"foreshock simulate: {out} already holds a dataset (or is not a directory); "
+              f"choose an empty --out so two simulations never mix", file=sys.stderr)
+        return 2
+    if cfg["workers"] < 0:
+        print(f"foreshock simulate: workers must be >= 0, got {cfg['workers']}", file=sys.stderr)
+        return 2
     topo = settings.topology
     print(f"simulating {topo.nodes} nodes x {topo.gpus_per_node} GPUs x {topo.hcas_per_node} HCAs, "
           f"{settings.days:g} days at {settings.interval_s:g} s, seed {settings.seed} -> {cfg['out']}", flush=True)
 
-    def progress(now, start, end):
-        print(f"  {100.0 * (now - start) / (end - start):5.1f}% simulated", flush=True)
-
-    summary = batch.run(settings, cfg["out"], progress=progress if settings.days >= 2 else None)
+    summary = batch.run(settings, out, progress=batch.print_progress if settings.days >= 2 else None,
+                        workers=cfg["workers"])
     for line in summary.lines():
         print(line)
     return 0

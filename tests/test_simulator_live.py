@@ -102,6 +102,10 @@ def test_simulate_command(tmp_path, capsys):
     assert "rows:" in text and "incidents:" in text
     assert read_table(out, "inventory").num_rows == 6
     assert read_table(out, "gpu").num_rows == 6 * 8 * 72
+    # a second run into the same dataset is refused, and the first is left as it was
+    assert cli.main(["simulate", "--nodes", "2", "--days", "0.01", "--out", str(out)]) == 2
+    assert "already holds a dataset" in capsys.readouterr().err
+    assert read_table(out, "inventory").num_rows == 6
 
 
 def test_simulate_scenario_file_and_bad_settings(tmp_path, capsys):
