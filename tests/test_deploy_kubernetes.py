@@ -6,13 +6,16 @@ those schemas: it is validated by jsonschema against deploy/schemas/servicemonit
 a strict subset of the CRD's openAPIV3Schema (its $comment says where it comes from). Then the wiring:
 kustomization.yaml lists exactly the directory's manifests, selectors match pod labels, named ports exist,
 referenced ConfigMaps and ServiceAccounts exist, no Secret is committed, and the security contexts and
-RBAC are least privilege.
+RBAC are least privilege. Where kubectl is installed, its built-in kustomize renders the layout and the
+rendering is validated too.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -216,3 +219,33 @@ def test_cordon_rbac_is_get_and_patch_nodes_only():
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "foreshock-serve", "namespace": NAMESPACE}]
     assert objects("StatefulSet")["foreshock-serve"]["spec"]["template"]["spec"]["serviceAccountName"] == \
         "foreshock-serve"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
+def test_kustomize_renders_the_layout_and_the_rendering_validates():
+    """`kubectl kustomize` (kustomize built into kubectl) renders the layout as `kubectl apply -k` would;
+    what it renders is validated again, since kustomize adds labels and rewrites the image."""
+    proc = subprocess.run(["kubectl", "kustomize", str(KUBE)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rendered = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == \
+        sorted((d["kind"], d["metadata"]["name"]) for _, _, d in ALL_DOCS)
+    kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    for doc in rendered:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "foreshock", doc["metadata"]["name"]
+        for version in VERSIONS:
+            validate(doc, version)
+        if doc["kind"] in ("DaemonSet", "StatefulSet"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                assert container["image"] == f"{image['newName']}:{image['newTag']}"
+            # the selector is immutable after creation: kustomize's labels must not have touched it
+            assert "app.kubernetes.io/part-of" not in doc["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
+def test_kustomize_refuses_a_listed_file_that_does_not_exist(tmp_path):
+    shutil.copytree(KUBE, tmp_path / "k")
+    (tmp_path / "k" / "serve-networkpolicy.yaml").unlink()
+    proc = subprocess.run(["kubectl", "kustomize", str(tmp_path / "k")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "serve-networkpolicy.yaml" in proc.stderr
