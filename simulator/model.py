@@ -504,7 +504,7 @@ class ClusterModel:
                 arr[rows, comp, first] += 1
 
         if m in ("hbm", "hbm_abrupt", "sram", "sram_abrupt"):
-            xid = {0: 48, 1: 95, 2: 64}[ep.variant % 3] if m == "hbm" else (
+            xid = {0: 48, 1: 95, 2: 64, 3: 94}[ep.variant % 4] if m == "hbm" else (
                 48 if m == "hbm_abrupt" else (95 if ep.variant % 2 else 48))
             if xid == 64:
                 blk.remap_failure[rows, c, :] |= failed[None, :]

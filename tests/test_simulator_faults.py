@@ -292,7 +292,7 @@ def test_batch_telemetry_agrees_with_the_incident_log(tmp_path):
     assert len(incidents) >= 5
     events = read_table(tmp_path, "events").to_pandas()
     gpu = read_table(tmp_path, "gpu", columns=["ts", "node"]).to_pandas()
-    fatal_xids = {"hbm": {48, 95, 64}, "nvlink": {74}, "gpu_off_bus": {79}, "gsp": {119, 120}}
+    fatal_xids = {"hbm": {48, 95, 64, 94}, "nvlink": {74}, "gpu_off_bus": {79}, "gsp": {119, 120}}
     for inc in incidents.itertuples():
         ts = inc.ts.value
         if inc.scope == "node":
