@@ -217,8 +217,13 @@ def test_cordon_rbac_is_get_and_patch_nodes_only():
     (binding,) = objects("ClusterRoleBinding").values()
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "foreshock-serve", "namespace": NAMESPACE}]
-    assert objects("StatefulSet")["foreshock-serve"]["spec"]["template"]["spec"]["serviceAccountName"] == \
-        "foreshock-serve"
+    pod = objects("StatefulSet")["foreshock-serve"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "foreshock-serve"
+    # The service does not cordon yet (nothing under service/ patches nodes): no token, no usable right.
+    assert pod["automountServiceAccountToken"] is False
+    for _, _, doc in ALL_DOCS:
+        if doc["kind"] == "ServiceAccount":
+            assert doc["automountServiceAccountToken"] is False, doc["metadata"]["name"]
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
