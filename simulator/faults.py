@@ -15,7 +15,7 @@ truth of the telemetry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -244,4 +244,4 @@ def injected(topo: Topology, node: int, mode: str, now_ns: int, lead_ns: int, co
 
 
 __all__ = ["Episode", "FaultSettings", "MODES", "CATEGORIES", "LLAMA3_COUNTS", "category_rates", "schedule",
-           "injected", "replace"]
+           "injected"]

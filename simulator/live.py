@@ -21,7 +21,6 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from foreshock import schema as sch
 from foreshock.simulator.batch import incidents_table
 from foreshock.simulator.faults import MODES, NS, Episode, FaultSettings, injected, schedule
 from foreshock.simulator.model import ClusterModel
@@ -147,4 +146,4 @@ class LiveCluster:
         return out
 
 
-__all__ = ["LiveCluster", "SimulatedNode", "MODE_ALIASES", "sch"]
+__all__ = ["LiveCluster", "SimulatedNode", "MODE_ALIASES"]

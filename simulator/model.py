@@ -493,8 +493,6 @@ class ClusterModel:
         scope_node = mode.component not in ("switch", "site")
         if scope_node:
             blk.in_service[rows, :] &= ~drain[None, :]
-        one = np.zeros(len(ts), bool)
-        one[first] = True
 
         def bump(counter: str, comp: int):
             arr = blk.deltas.setdefault(counter, np.zeros(
