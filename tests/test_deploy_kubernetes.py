@@ -1,9 +1,11 @@
 """deploy/kubernetes: every manifest validates against the Kubernetes schemas, and the pieces fit together.
 
 Built-in kinds are validated by kubernetes-validate in strict mode (unknown fields are errors) against the
-oldest and newest Kubernetes versions we support. ServiceMonitor is a prometheus-operator CRD, outside
-those schemas: it is validated by jsonschema against deploy/schemas/servicemonitor-monitoring-v1.json,
-a strict subset of the CRD's openAPIV3Schema (its $comment says where it comes from). Then the wiring:
+oldest and newest Kubernetes versions we support. ServiceMonitor and PrometheusRule are
+prometheus-operator CRDs, outside those schemas: they are validated by jsonschema against
+deploy/schemas/{servicemonitor,prometheusrule}-monitoring-v1.json, strict subsets written from the CRDs'
+openAPIV3Schema (each $comment says which version), and the PrometheusRule must carry exactly the
+rule file deploy/prometheus tests with promtool. Then the wiring:
 kustomization.yaml lists exactly the directory's manifests, selectors match pod labels, named ports exist,
 referenced ConfigMaps and ServiceAccounts exist, no Secret is committed, and the security contexts and
 RBAC are least privilege. Where kubectl is installed, its built-in kustomize renders the layout and the
@@ -25,7 +27,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"
-SERVICEMONITOR_SCHEMA = REPO / "deploy" / "schemas" / "servicemonitor-monitoring-v1.json"
+# prometheus-operator CRDs, outside kubernetes-validate's schemas: strict subsets of the CRDs' schemas.
+CRD_SCHEMAS = {kind: REPO / "deploy" / "schemas" / f"{kind.lower()}-monitoring-v1.json"
+               for kind in ("ServiceMonitor", "PrometheusRule")}
+RULES = REPO / "deploy" / "prometheus" / "foreshock-rules.yaml"
 VERSIONS = ("1.28.0", "1.37.0")  # oldest and newest supported; both ship with kubernetes-validate
 NAMESPACE = "foreshock"
 
@@ -47,8 +52,8 @@ def objects(kind: str) -> dict[str, dict]:
 
 def validate(doc: dict, version: str) -> None:
     """Raise on an invalid object; an object of a kind nobody can validate is a failure too."""
-    if doc.get("kind") == "ServiceMonitor":
-        schema = json.loads(SERVICEMONITOR_SCHEMA.read_text())
+    if doc.get("kind") in CRD_SCHEMAS:
+        schema = json.loads(CRD_SCHEMAS[doc["kind"]].read_text())
         jsonschema.Draft202012Validator.check_schema(schema)
         jsonschema.Draft202012Validator(schema).validate(doc)
         return
@@ -89,6 +94,18 @@ def _servicemonitor():
     return copy.deepcopy(objects("ServiceMonitor")["foreshock-serve"])
 
 
+def _prometheusrule():
+    return copy.deepcopy(objects("PrometheusRule")["foreshock"])
+
+
+def _record_and_alert(d):
+    d["spec"]["groups"][0]["rules"][0]["alert"] = "Both"
+
+
+def _bad_for(d):
+    d["spec"]["groups"][1]["rules"][0]["for"] = "2 minutes"
+
+
 def _bad_security_field(d):
     d["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
 
@@ -112,6 +129,7 @@ def _no_selector(d):
 @pytest.mark.parametrize("make,mutate", [
     (_daemonset, _bad_security_field), (_daemonset, _bad_mount_flag),
     (_servicemonitor, _bad_endpoint_field), (_servicemonitor, _bad_interval), (_servicemonitor, _no_selector),
+    (_prometheusrule, _record_and_alert), (_prometheusrule, _bad_for),
 ])
 def test_validation_rejects_a_broken_manifest(make, mutate):
     doc = make()
@@ -254,3 +272,8 @@ def test_kustomize_refuses_a_listed_file_that_does_not_exist(tmp_path):
     (tmp_path / "k" / "serve-networkpolicy.yaml").unlink()
     proc = subprocess.run(["kubectl", "kustomize", str(tmp_path / "k")], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "serve-networkpolicy.yaml" in proc.stderr
+
+
+def test_prometheusrule_carries_exactly_the_tested_rule_file():
+    """The rules the operator deploys are the rules promtool checks and unit-tests (deploy/prometheus)."""
+    assert objects("PrometheusRule")["foreshock"]["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
