@@ -136,19 +136,53 @@ class AttrFiles:
         self.paths: list[str] = list(paths)
         self.fds: list[int | None] = []
         self.open_errors: list[tuple[str, OSError]] = []
-        for p in self.paths:
+        # Files we could not keep open for want of descriptors (EMFILE/ENFILE: a node with hundreds
+        # of veth interfaces): they are opened, read and closed on every read instead.
+        self.transient: set[int] = set()
+        exhausted = False
+        for i, p in enumerate(self.paths):
+            if exhausted:
+                self.fds.append(None)
+                self.transient.add(i)
+                continue
             try:
                 self.fds.append(os.open(p, os.O_RDONLY | os.O_CLOEXEC))
             except OSError as exc:
                 self.fds.append(None)
-                if exc.errno not in UNSUPPORTED_ERRNOS and exc.errno != errno.EACCES:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Out of descriptors: give back a reserve (so transient reads, sockets and the
+                    # writer can still open files) and read the rest by open/pread/close.
+                    exhausted = True
+                    self.transient.add(i)
+                    self._release_reserve(i)
+                elif exc.errno not in UNSUPPORTED_ERRNOS and exc.errno not in (errno.EACCES, errno.ENOENT):
                     self.open_errors.append((p, exc))
+
+    RESERVE = 16
+
+    def _release_reserve(self, upto: int) -> None:
+        released = 0
+        for j in range(upto - 1, -1, -1):
+            if released >= self.RESERVE:
+                break
+            fd = self.fds[j]
+            if fd is not None:
+                os.close(fd)
+                self.fds[j] = None
+                self.transient.add(j)
+                released += 1
 
     def read(self, i: int) -> bytes | None:
         fd = self.fds[i]
-        if fd is None:
-            return None
         try:
+            if fd is None:
+                if i not in self.transient:
+                    return None
+                fd = os.open(self.paths[i], os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    return os.pread(fd, READ_SIZE, 0)
+                finally:
+                    os.close(fd)
             return os.pread(fd, READ_SIZE, 0)
         except OSError as exc:
             if exc.errno in UNSUPPORTED_ERRNOS:
@@ -166,6 +200,20 @@ class AttrFiles:
 
     def __len__(self) -> int:
         return len(self.paths)
+
+
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit (sources keep their files open)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 def read_text(path: str) -> str | None:

@@ -115,8 +115,11 @@ def build_collector(cfg: dict, *, once: bool = False):
     from .collector import Collector
     from .registry import SourceConfig, build_sources
 
+    from .base import raise_fd_limit
+
     node = cfg["node"] or socket.gethostname()
     _tls(cfg)  # refuse bad TLS settings before anything is opened
+    raise_fd_limit()
     sources = build_sources(cfg["sources"], SourceConfig(
         node=node, sysfs=cfg["sysfs"], procfs=cfg["procfs"], kmsg=cfg["kmsg"], peers=list(cfg["peers"]),
         nvlink_links=cfg["nvlink_links"], sim_gpus=cfg["sim_gpus"], sim_hcas=cfg["sim_hcas"],

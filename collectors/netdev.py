@@ -129,10 +129,12 @@ class NetdevSource(Source):
             base = p * per
             for j in (0, 1):
                 fd = fds[base + j]
-                if fd is None:
+                if fd is None and base + j not in files.transient:
                     continue
                 try:
-                    data = pread(fd, READ_SIZE, 0)
+                    data = pread(fd, READ_SIZE, 0) if fd is not None else files.read(base + j)
+                    if data is None:
+                        continue
                     if j == 0:
                         operstate[p] = parse_operstate(data)
                     else:
@@ -145,10 +147,12 @@ class NetdevSource(Source):
             for c in range(ncol):
                 i = base + 2 + c
                 fd = fds[i]
-                if fd is None:
+                if fd is None and i not in files.transient:
                     continue  # the kernel has no such file here: unsupported, null
                 try:
-                    data = pread(fd, READ_SIZE, 0)
+                    data = pread(fd, READ_SIZE, 0) if fd is not None else files.read(i)
+                    if data is None:
+                        continue
                     values[c * n + p] = int(data)
                 except ValueError:
                     try:

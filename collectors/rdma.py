@@ -165,8 +165,17 @@ class RdmaSource(Source):
         self._attrs = []  # (fd, path index, port index, kind, column or file name)
         self._word_slots = []
         self._slot_path = {}
+        self._transient = []  # counters read by open/pread/close (no descriptors left to hold them)
         for i, (pi, kind, col, mult) in enumerate(self._entries):
             if fds[i] is None:
+                if i in self._files.transient:
+                    if kind == KIND_COUNTER:
+                        self._transient.append((col * n + pi, i))
+                        self._slot_path[col * n + pi] = i
+                        if mult != 1:
+                            self._word_slots.append(col * n + pi)
+                    else:
+                        self._attrs.append((None, i, pi, kind, col))
                 continue  # could not be opened: unsupported, stays null
             if kind == KIND_COUNTER:
                 slot = col * n + pi
@@ -207,6 +216,14 @@ class RdmaSource(Source):
                     self.error(paths[i], exc)
             except OSError as exc:
                 self._read_failed(i, exc)
+        for slot, i in self._transient:
+            try:
+                data = self._files.read(i)
+                values[slot] = parse_uint(data) if data is not None else None
+            except ParseError as exc:
+                self.error(paths[i], exc)
+            except OSError as exc:
+                self._read_failed(i, exc)
         for slot in self._word_slots:  # 4-byte words -> bytes
             v = values[slot]
             if v is not None:
@@ -226,9 +243,11 @@ class RdmaSource(Source):
         extra: list[list | None] = [None] * n
         for fd, i, pi, kind, col in self._attrs:
             try:
-                data = pread(fd, READ_SIZE, 0)
+                data = pread(fd, READ_SIZE, 0) if fd is not None else self._files.read(i)
             except OSError as exc:
                 self._read_failed(i, exc)
+                continue
+            if data is None:
                 continue
             try:
                 if kind == KIND_EXTRA:

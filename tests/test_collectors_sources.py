@@ -328,3 +328,39 @@ def test_any_file_contents_give_values_nulls_or_counted_errors(tmp_path_factory,
         sch.conform(table, out)  # always a valid schema-v1 table
         assert out.num_rows == 1
         src.close()
+
+
+def test_out_of_descriptors_files_are_read_open_and_close(procfs_fixture):
+    """With RLIMIT_NOFILE exhausted, sources still read every file (EMFILE is not "unsupported")."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    sysfs = str(procfs_fixture / "sys")
+    first = RdmaSource("b", sysfs=sysfs)
+    want = {(r["device"], r["port"]): r for r in first.sweep(TS)["rdma_port"].to_pylist()}
+    first.close()
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 200, hard))
+        while True:  # use up the descriptors, leaving a few for the scan's own listdir/open
+            try:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        for fd in held[-6:]:
+            os.close(fd)
+        del held[-6:]
+        src, net = RdmaSource("b", sysfs=sysfs), NetdevSource("b", sysfs=sysfs)
+        got = {(r["device"], r["port"]): r for r in src.sweep(TS)["rdma_port"].to_pylist()}
+        for fd in held[-6:]:  # the rdma source holds what was left; give netdev's scan a few
+            os.close(fd)
+        del held[-6:]
+        (eth0,) = net.sweep(TS)["netdev"].to_pylist()
+        assert src._files.transient and src.errors == 0
+        src.close()
+        net.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert got == want
+    assert eth0["mtu"] == 1500 and eth0["carrier_changes"] == 2
