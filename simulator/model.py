@@ -42,6 +42,8 @@ ETH_BYTES_PER_S = 40e6       # front-end traffic (data loading, logging); checkp
 MTU = 4096
 XMIT_WAIT_TICKS_PER_S = 2.0e5  # ticks per second of full congestion: port_xmit_wait wraps in days
 DRAIN_NS = 10 * 60 * NS        # a failed node reports for 10 min, then is drained for repair
+RESTART_NS = 20 * 60 * NS      # a failure stalls its whole job: NCCL timeout, then restart from a checkpoint
+                               # on a spare (15-30+ min per incident, failure-figures.md)
 CKPT_PERIOD_S, CKPT_S = 90 * 60, 180
 
 # mlx5 hw_counters a ConnectX really exposes (the q-counter and retransmission sets, as in the mlx5
@@ -201,6 +203,8 @@ class ClusterModel:
                  start_ns: int = 0, interval_s: float = 60.0, time_compression: float = 1.0):
         self.topo = topo
         self.drain_ns = int(DRAIN_NS / time_compression)
+        self.restart_ns = int(RESTART_NS / time_compression)
+        self._by_job: dict[int, list[Episode]] = {}
         self.seed = int(seed)
         self.difficulty = float(difficulty)
         self.interval_s = float(interval_s)
@@ -250,6 +254,18 @@ class ClusterModel:
         self.episodes.append(ep)
         for n in ep.nodes:
             self._by_node.setdefault(int(n), []).append(ep)
+        if ep.fails:
+            for j in {int(self.topo.job_of[n]) for n in ep.nodes} - {-1}:
+                self._by_job.setdefault(j, []).append(ep)
+
+    def _job_stalls(self, jobs: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """(B, T): the node's job is down after a failure of one of its nodes, until it restarts."""
+        stall = np.zeros((len(jobs), len(ts)), bool)
+        for j in set(jobs.tolist()) - {-1}:
+            for ep in self._by_job.get(j, ()):
+                if ep.end_ns <= ts[-1] and ep.end_ns + self.restart_ns > ts[0]:
+                    stall[jobs == j] |= (ts >= ep.end_ns) & (ts < ep.end_ns + self.restart_ns)
+        return stall
 
     def _relevant(self, nodes: np.ndarray, t0: int, t1: int) -> list[Episode]:
         seen, out = set(), []
@@ -327,6 +343,9 @@ class ClusterModel:
             self._apply_episode(blk, ep)
 
         # 3. Traffic, counters and analog values.
+        stall = self._job_stalls(jobs, ts)
+        act = np.where(stall, 0.01, act)
+        cong = np.where(stall, 0.0, cong)
         tp = blk.node_tp * (~blk.hang)
         d = blk.deltas
         for name, arr in benign.items():

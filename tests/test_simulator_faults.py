@@ -254,6 +254,22 @@ def test_no_precursor_leaves_no_trace_before_it_happens(baseline, mode):
     assert (ts >= ep.repair_ns).any()
 
 
+def test_a_failure_stalls_its_job_until_it_restarts(baseline):
+    ep = _episode("host", nodes=(2,), fail_h=5.0)  # node 3 shares job-001 with node 2
+    sim = _simulate([ep])
+    ts, tx = _series(sim, "rdma_port", "port_xmit_bytes", 3, {"device": "mlx5_0"})
+    tx0 = _base(baseline, ts, "rdma_port", "port_xmit_bytes", 3, {"device": "mlx5_0"})
+    step = np.diff(tx, prepend=tx[0])
+    stalled = (ts > ep.end_ns) & (ts < ep.end_ns + 20 * 60 * NS)
+    assert stalled.any() and step[stalled].max() < 0.05 * np.diff(tx0, prepend=tx0[0])[stalled].min()
+    resumed = ts > ep.end_ns + 25 * 60 * NS
+    assert step[resumed].min() > 0.5 * np.diff(tx0, prepend=tx0[0])[resumed].min()
+    _, util = _series(sim, "gpu", "utilization_pct", 3, {"gpu": 0})
+    assert util[stalled].max() < 10
+    ts0, other = _series(sim, "rdma_port", "port_xmit_bytes", 0, {"device": "mlx5_0"})  # another job
+    assert np.array_equal(other, _base(baseline, ts0, "rdma_port", "port_xmit_bytes", 0, {"device": "mlx5_0"}))
+
+
 def test_repair_reboots_and_replaces(baseline):
     ep = _episode("hbm", variant=0, lead_h=2.0, fail_h=3.0, repair_h=2.0)
     sim = _simulate([ep])
