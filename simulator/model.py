@@ -45,6 +45,7 @@ DRAIN_NS = 10 * 60 * NS        # a failed node reports for 10 min, then is drain
 RESTART_NS = 20 * 60 * NS      # a failure stalls its whole job: NCCL timeout, then restart from a checkpoint
                                # on a spare (15-30+ min per incident, failure-figures.md)
 CKPT_PERIOD_S, CKPT_S = 90 * 60, 180
+STEP_PERIODS_MS = (5000, 6000, 10000, 12000, 15000)  # training step times; each divides a minute
 
 # mlx5 hw_counters a ConnectX really exposes (the q-counter and retransmission sets, as in the mlx5
 # fixture tree of ../shared/fixtures/procfs); the congestion counters exist on RoCE ports only.
@@ -607,10 +608,28 @@ class ClusterModel:
                                device=dev, port=1, pci_bus_id=bus, message=text.format(bus=bus)))
 
     # -- traffic -----------------------------------------------------------------------------------
+    def _step_rhythm(self, jobs: np.ndarray, blk: Block) -> np.ndarray:
+        """(B, T) fabric traffic in each interval relative to its mean: a training step computes, then
+        all-reduces in a burst over its second half (at 80% of a 400G line rate). Step periods divide 60 s, so a minute (or any multiple
+        of the period) averages exactly to 1 and only second-scale sampling (live mode) sees the bursts.
+        Integer milliseconds keep the average exact."""
+        periods = np.array(STEP_PERIODS_MS, dtype=np.int64)
+        period = periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)][:, None]  # (B, 1)
+        burst = period // 2
+
+        def comm_ms(t_ms):  # burst milliseconds from the epoch to t
+            return (t_ms // period) * burst + np.clip(t_ms % period - (period - burst), 0, burst)
+
+        t1 = np.broadcast_to(blk.ts // 1_000_000, blk.dt.shape)
+        t0 = np.concatenate([blk.prev0[:, None] // 1_000_000, t1[:, :-1]], axis=1)
+        span = np.maximum(t1 - t0, 1)
+        factor = (comm_ms(t1) - comm_ms(t0)) * period / (span * burst)
+        return np.where((jobs < 0)[:, None], 1.0, factor)
+
     def _traffic(self, blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node):
         d, dt = blk.deltas, blk.dt
         B, T = dt.shape
-        a = (act * tp)[:, None, :]
+        a = (act * tp * self._step_rhythm(self.topo.job_of[blk.nodes], blk))[:, None, :]
         gpu_live = ~blk.gpu_lost
         # Volumes follow the job's step rate; the per-device jitter is small control traffic.
         nvl = (NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :]).astype(np.int64)
