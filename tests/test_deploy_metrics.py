@@ -13,6 +13,7 @@ control plane, and the dashboard's collector queries are asked of it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -160,41 +161,51 @@ def sample_names(families) -> set[str]:
     return names
 
 
-def exported_collector_names(procfs_fixture: Path, out: Path) -> set[str]:
-    """Sweep the procfs fixture with the real collector, then parse the /metrics text it would serve."""
-    from prometheus_client.parser import text_string_to_metric_families
+@contextlib.contextmanager
+def running_exporters(procfs_fixture: Path, base: Path):
+    """A real control plane (started on loopback, no model) and a real collector that swept the procfs
+    fixture, flushed its Parquet and streams to that control plane through its real uplink."""
+    import time
 
-    from foreshock.collectors import command, metrics
+    from foreshock.collectors import command
     from foreshock.config import resolve
-
-    cfg = resolve("collect", command.DEFAULTS, env={}, flags={
-        "sources": ["rdma", "netdev", "host_net"], "sysfs": str(procfs_fixture / "sys"),
-        "procfs": str(procfs_fixture / "proc"), "node": "fixture", "out": str(out), "metrics_listen": ""})
-    collector = command.build_collector(cfg, once=True)
-    try:
-        collector.sweep_once()
-    finally:
-        collector.close()
-    return sample_names(text_string_to_metric_families(metrics.render(collector).decode()))
-
-
-def exported_service_names(state_dir: Path) -> set[str]:
-    """The metric families of a real (built, not started) control plane's private registry."""
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
 
-    plane = build_server(Settings.insecure_loopback(state_dir, scorer=NullScorer()))
+    plane = build_server(Settings.insecure_loopback(base / "state", scorer=NullScorer(),
+                                                    metrics_listen="127.0.0.1:0"))
+    collector = None
     try:
-        return sample_names(plane.registry.collect())
+        port = plane.start()
+        cfg = resolve("collect", command.DEFAULTS, env={}, flags={
+            "sources": ["rdma", "netdev", "host_net"], "sysfs": str(procfs_fixture / "sys"),
+            "procfs": str(procfs_fixture / "proc"), "node": "fixture", "out": str(base / "out"),
+            "metrics_listen": "", "service": f"127.0.0.1:{port}"})
+        collector = command.build_collector(cfg)
+        collector.sweep_once()
+        collector.flush()  # rows and bytes are counted when an interval's file is written
+        deadline = time.monotonic() + 20
+        while plane.ingest.connected() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield collector, plane
     finally:
-        plane.stop()
+        if collector is not None:
+            collector.close()
+            if collector.uplink is not None:
+                collector.uplink.close(2.0)
+        plane.stop(0)
 
 
 @pytest.fixture(scope="module")
 def exported(procfs_fixture, tmp_path_factory) -> dict[str, set[str]]:
-    base = tmp_path_factory.mktemp("exported")
-    return {"collector": exported_collector_names(procfs_fixture, base / "out"),
-            "service": exported_service_names(base / "state")}
+    """Series names from the /metrics text the collector serves and the control plane's registry."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from foreshock.collectors import metrics
+
+    with running_exporters(procfs_fixture, tmp_path_factory.mktemp("exported")) as (collector, plane):
+        return {"collector": sample_names(text_string_to_metric_families(metrics.render(collector).decode())),
+                "service": sample_names(plane.registry.collect())}
 
 
 # Metrics the dashboard asks for that no component exports yet, each with why; a strict xfail below
@@ -260,49 +271,46 @@ def _query(port: int, expr: str) -> list[dict]:
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (run tests/setup.sh)")
 def test_rules_and_dashboard_on_a_real_prometheus(procfs_fixture, tmp_path):
     """deploy/prometheus/prometheus.yml and the rules, intervals shortened to 1 s, loaded by a real
-    Prometheus that scrapes a real collector (procfs fixture) and a real control plane: the scrape-time
-    `node` label appears, the recording rules evaluate, ForeshockServeDown stays quiet, and every
-    dashboard query over collector metrics returns data."""
+    Prometheus that scrapes a real collector (procfs fixture, streaming to the control plane) and the real
+    control plane: the scrape-time `node` label appears, the recording rules evaluate and are healthy,
+    no Foreshock alert fires, and every dashboard query over collector metrics returns data."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from foreshock.collectors import metrics
+
+    with running_exporters(procfs_fixture, tmp_path) as (collector, plane):
+        http, _thread = metrics.serve(collector, "127.0.0.1:0")
+        try:
+            _check_on_prometheus(tmp_path, http.server_port, plane.metrics_port,
+                                 sample_names(text_string_to_metric_families(metrics.render(collector).decode())))
+        finally:
+            http.shutdown()
+
+
+def _check_on_prometheus(tmp_path: Path, collector_port: int, serve_port: int, collector_names: set[str]) -> None:
     import time
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from foreshock.collectors import command, metrics
-    from foreshock.config import resolve
-    from foreshock.service.scoring import NullScorer
-    from foreshock.service.server import Settings, build_server
-
-    cfg = resolve("collect", command.DEFAULTS, env={}, flags={
-        "sources": ["rdma", "netdev", "host_net"], "sysfs": str(procfs_fixture / "sys"),
-        "procfs": str(procfs_fixture / "proc"), "node": "fixture", "out": str(tmp_path / "out"),
-        "metrics_listen": ""})
-    collector = command.build_collector(cfg, once=True)
-    collector.sweep_once()
-    collector.flush()  # rows and bytes are counted when an interval's file is written
-    http, _thread = metrics.serve(collector, "127.0.0.1:0")
-    plane = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(),
-                                                    metrics_listen="127.0.0.1:0"))
-    proc = None
-    try:
-        plane.start()
-        rules = yaml.safe_load(RULES.read_text())
-        for group in rules["groups"]:
-            group["interval"] = "1s"
-        (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
-        (tmp_path / "sd").mkdir()
-        (tmp_path / "sd" / "collectors.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{http.server_port}"]}]))
-        config = yaml.safe_load((RULES.parent / "prometheus.yml").read_text())
-        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-        config["rule_files"] = [str(tmp_path / "rules.yaml")]
-        jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-        jobs["foreshock-serve"]["static_configs"] = [{"targets": [f"127.0.0.1:{plane.metrics_port}"]}]
-        jobs["foreshock-collector"]["file_sd_configs"][0]["files"] = [str(tmp_path / "sd" / "*.json")]
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = _free_port()
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        group["interval"] = "1s"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "collectors.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{collector_port}"]}]))
+    config = yaml.safe_load((RULES.parent / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(tmp_path / "rules.yaml")]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    jobs["foreshock-serve"]["static_configs"] = [{"targets": [f"127.0.0.1:{serve_port}"]}]
+    jobs["foreshock-collector"]["file_sd_configs"][0]["files"] = [str(tmp_path / "sd" / "*.json")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    log = tmp_path / "prometheus.log"
+    with open(log, "w") as err:
         proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
         deadline = time.monotonic() + 40
         ratio = []
         while time.monotonic() < deadline:
@@ -313,19 +321,18 @@ def test_rules_and_dashboard_on_a_real_prometheus(procfs_fixture, tmp_path):
                     break
             except OSError:
                 pass
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            assert proc.poll() is None, log.read_text()[-2000:]
             time.sleep(0.5)
-        assert ratio, "no recording-rule result in 40 s:\n" + (tmp_path / "prometheus.log").read_text()[-2000:]
+        assert ratio, "no recording-rule result in 40 s:\n" + log.read_text()[-2000:]
         assert {r["metric"]["node"] for r in ratio} == {"127.0.0.1"}, "the scrape-time node label"
         assert {r["metric"]["source"] for r in ratio} == {"rdma", "netdev", "host_net"}
         assert [float(r["value"][1]) for r in _query(port, "foreshock:collectors_up:count")] == [1.0]
-        assert not _query(port, 'ALERTS{alertname=~"ForeshockServeDown|ForeshockCollectorDown"}')
+        assert not _query(port, 'ALERTS{alertname=~"Foreshock.*"}'), "an alert fires on a healthy set-up"
         assert _query(port, "foreshock_evacuation_threshold"), "the control plane's series are scraped"
-        collector_names = sample_names(text_string_to_metric_families(metrics.render(collector).decode()))
         checked = 0
         for where, expr in dashboard_exprs():
             names = metric_names(expr)
-            if names and names <= collector_names | {"up"} and "drop" not in expr and "error" not in expr:
+            if names and names <= collector_names | {"up"} and not re.search("drop|error", expr):
                 assert _query(port, grafana_to_promql(expr).replace("[5m]", "[1m]")), f"{where}: no data"
                 checked += 1
         assert checked >= 5
@@ -333,9 +340,5 @@ def test_rules_and_dashboard_on_a_real_prometheus(procfs_fixture, tmp_path):
             groups = json.load(resp)["data"]["groups"]
         assert all(r["health"] == "ok" for g in groups for r in g["rules"]), groups
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
-        plane.stop(0)
-        http.shutdown()
-        collector.close()
+        proc.terminate()
+        proc.wait(timeout=30)
