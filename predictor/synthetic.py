@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from foreshock import schema as sch
 
-T0_NS = 1_780_000_020 * 1_000_000_000  # a step boundary plus 20 s: rows fall inside steps
+T0_NS = 1_780_000_040 * 1_000_000_000  # a step boundary plus 20 s: rows fall inside steps
 
 
 def _ts(ns: np.ndarray) -> pa.Array:
@@ -128,12 +128,12 @@ def tiny_model_dir(path, *, seed: int = 0):
     from foreshock.predictor import registry
 
     rng = np.random.default_rng(seed)
-    X = rng.random((3000, ft.N_FEATURES)).astype(np.float32)
+    X = rng.random((1500, ft.N_FEATURES)).astype(np.float32)
     j = ft.FEATURE_NAMES.index("ecc_sbe_30m")
-    X[:, j] = rng.poisson(1.0, 3000)
+    X[:, j] = rng.poisson(1.0, 1500)
     y = (X[:, j] >= 4).astype(int)
     X[y == 1, j] += 50
-    est = mdl.make_model(max_iter=15).fit(X, y)
+    est = mdl.make_model(max_iter=10).fit(X, y)
     cal = CalibratedClassifierCV(FrozenEstimator(est), method="sigmoid").fit(X, y)
     manifest = {"version": "tiny-test", "horizon_seconds": 1800, "thresholds": {"2": 0.5},
                 "recommended_threshold": 0.5, "budget": 2.0,

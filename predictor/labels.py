@@ -1,0 +1,74 @@
+"""Labels from the incidents table: does a node fail within the horizon after a step?
+
+Reads schema-v1 `incidents` rows (foreshock/schema.py): node, ts, scope (node | switch | site) with
+`affected_nodes` (the blast radius), category, has_precursor, repaired_at. `precursor_start` is never
+read here or anywhere features are built: it is ground truth for the simulator's own tests only.
+
+A step (features as of its end, e) is positive when an incident affecting the node happens in
+(e, e + horizon]. Steps from an incident until the node is back (repaired_at; 6 hours when unknown)
+are excluded: a failed node's telemetry says nothing about failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+DEFAULT_HORIZON_S = 30 * 60
+DEFAULT_DOWN_S = 6 * 3600
+# Categories that show no precursor (failure-figures.md), used when has_precursor is not recorded
+# (operators' own incident records).
+NO_PRECURSOR_CATEGORIES = {"software_bug", "host_maintenance", "silent_data_corruption", "dependency",
+                           "nccl_watchdog_timeout", "power_supply", "ssd", "cpu", "system_memory",
+                           "server_chassis", "io_expansion_board"}
+
+
+@dataclass
+class Incidents:
+    frame: pd.DataFrame   # one row per (incident, affected node): incident_id, node, ts, end, category, has_precursor
+    by_incident: pd.DataFrame  # one row per incident
+
+    @classmethod
+    def from_table(cls, table: pa.Table | None) -> "Incidents":
+        cols = ["incident_id", "node", "ts", "end", "category", "has_precursor", "scope"]
+        if table is None or table.num_rows == 0:
+            empty = pd.DataFrame(columns=cols)
+            return cls(empty, empty)
+        df = table.to_pandas()
+        rows = []
+        for r in df.itertuples(index=False):
+            ts = pd.Timestamp(r.ts).value
+            rep = r.repaired_at
+            end = pd.Timestamp(rep).value if rep is not None and not pd.isna(rep) else ts + DEFAULT_DOWN_S * 10**9
+            affected = list(r.affected_nodes) if r.affected_nodes is not None and len(r.affected_nodes) else [r.node]
+            hp = r.has_precursor
+            if hp is None or pd.isna(hp):
+                hp = r.category not in NO_PRECURSOR_CATEGORIES
+            iid = r.incident_id or f"{r.node}-{ts}"
+            for node in affected:
+                rows.append((iid, node, ts, max(end, ts), r.category, bool(hp), r.scope or "node"))
+        frame = pd.DataFrame(rows, columns=cols)
+        by_incident = frame.drop_duplicates("incident_id").drop(columns=["node"]).reset_index(drop=True)
+        return cls(frame, by_incident)
+
+    def of_node(self, node: str) -> pd.DataFrame:
+        return self.frame[self.frame["node"] == node]
+
+
+def node_labels(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int = DEFAULT_HORIZON_S):
+    """(y [T] int8, excluded [T] bool) for one node's steps, given its rows of Incidents.frame."""
+    t = len(step_end_ns)
+    y = np.zeros(t, dtype=np.int8)
+    excluded = np.zeros(t, dtype=bool)
+    h = int(horizon_s) * 1_000_000_000
+    for ts, end in zip(incidents["ts"].to_numpy(np.int64), incidents["end"].to_numpy(np.int64)):
+        lo = np.searchsorted(step_end_ns, ts - h, side="left")    # e >= ts - h
+        hi = np.searchsorted(step_end_ns, ts, side="left")        # e < ts
+        y[lo:hi] = 1
+        a = np.searchsorted(step_end_ns, ts, side="left")
+        b = np.searchsorted(step_end_ns, end, side="right")
+        excluded[a:b] = True
+    return y, excluded

@@ -1,0 +1,110 @@
+"""The evaluation report as HTML: metrics tables and plots (matplotlib, embedded PNG).
+
+Reads the report dict of evaluate.evaluate_dataset (the same content as the JSON) and writes one
+self-contained HTML file: PR curves, the lead-time histogram, the reliability curve and recall per
+failure category (categories without precursors shown apart), for the model and both baselines.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+NAMES = ("model", "rule", "logistic")
+COLORS = {"model": "#1f77b4", "rule": "#d62728", "logistic": "#2ca02c"}
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return "n/a" if math.isnan(v) else f"{v:.3f}"
+    return html.escape(str(v))
+
+
+def plots(report: dict) -> dict[str, str]:
+    out = {}
+    present = [n for n in NAMES if n in report]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for n in present:
+        pr = report[n].get("pr_curve")
+        if pr:
+            ax.plot(pr["recall"], pr["precision"], label=f"{n} (AP {report[n]['pr_auc']:.3f})", color=COLORS[n])
+    ax.set_xlabel("recall (steps)"), ax.set_ylabel("precision"), ax.set_title("Precision-recall")
+    ax.legend(loc="upper right", fontsize=8)
+    out["pr"] = _png(fig)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for n in present:
+        leads = report[n].get("lead_minutes_precursor") or []
+        if leads:
+            ax.hist(leads, bins=15, alpha=0.5, label=n, color=COLORS[n])
+    ax.set_xlabel("lead time (minutes, first alert to incident)"), ax.set_ylabel("incidents")
+    ax.set_title("Lead time at the recommended threshold")
+    ax.legend(fontsize=8)
+    out["lead"] = _png(fig)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot([0, 1], [0, 1], ":", color="gray")
+    for n in present:
+        rel = report[n].get("reliability") or []
+        if rel:
+            ax.plot([r["mean_predicted"] for r in rel], [r["observed"] for r in rel], "o-", label=n, color=COLORS[n])
+    ax.set_xscale("symlog", linthresh=1e-3), ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("mean predicted probability"), ax.set_ylabel("observed frequency")
+    ax.set_title("Reliability"), ax.legend(fontsize=8)
+    out["reliability"] = _png(fig)
+    cats = sorted(report["model"].get("per_category", {}),
+                  key=lambda c: (not report["model"]["per_category"][c]["has_precursor"], c))
+    if cats:
+        fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(cats)), 4))
+        width = 0.8 / len(present)
+        for k, n in enumerate(present):
+            pc = report[n].get("per_category", {})
+            ax.bar([i + k * width for i in range(len(cats))], [pc.get(c, {}).get("recall", 0) for c in cats],
+                   width, label=n, color=COLORS[n])
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))])
+        ax.set_xticklabels([c + ("" if report["model"]["per_category"][c]["has_precursor"] else " *") for c in cats],
+                           rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("incident recall"), ax.set_ylim(0, 1.05)
+        ax.set_title("Recall per category (* = no precursor: not creditable)"), ax.legend(fontsize=8)
+        out["categories"] = _png(fig)
+    return out
+
+
+def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
+    keys = ("pr_auc", "roc_auc", "brier", "threshold", "incident_recall_precursor", "incident_recall_all",
+            "median_lead_minutes", "false_evacuations_per_1000_node_days", "false_evacuations", "evacuations")
+    present = [n for n in NAMES if n in report]
+    rows = "".join(f"<tr><th>{k}</th>" + "".join(f"<td>{_fmt(report[n].get(k))}</td>" for n in present) + "</tr>"
+                   for k in keys)
+    cat_rows = ""
+    for c, v in sorted(report["model"].get("per_category", {}).items(), key=lambda kv: (not kv[1]["has_precursor"], kv[0])):
+        cat_rows += (f"<tr><td>{html.escape(c)}</td><td>{'yes' if v['has_precursor'] else 'no (not credited)'}</td>"
+                     f"<td>{v['incidents']}</td>" + "".join(
+                         f"<td>{report[n]['per_category'].get(c, {}).get('detected', 0)}</td>" for n in present) + "</tr>")
+    imgs = "".join(f'<figure><img src="data:image/png;base64,{b64}" alt="{k}"></figure>' for k, b64 in plots(report).items())
+    meta = "".join(f"<li><b>{html.escape(k)}</b>: {_fmt(report.get(k))}</li>"
+                   for k in ("data", "data_hash", "nodes", "node_days", "model_version", "budget", "budget_unit",
+                             "horizon_minutes", "thresholds_from"))
+    defs = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in report.get("definitions", {}).items())
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}figure{{display:inline-block;margin:4px}}</style></head>
+<body><h1>{html.escape(title)}</h1><ul>{meta}</ul>
+<h2>Metrics (at each predictor's manifest threshold for the budget)</h2>
+<table><tr><th></th>{''.join(f'<th>{n}</th>' for n in present)}</tr>{rows}</table>
+<h2>Incidents per category (detected)</h2>
+<table><tr><th>category</th><th>precursor</th><th>incidents</th>{''.join(f'<th>{n}</th>' for n in present)}</tr>{cat_rows}</table>
+<h2>Plots</h2>{imgs}<h2>Definitions</h2><ul>{defs}</ul></body></html>
+"""

@@ -1,0 +1,183 @@
+"""Offline training on a logged (or simulated) schema-v1 dataset: the model, its baselines, its manifest.
+
+Reads a dataset directory (foreshock/dataset.py layout) through offline.FeatureBuilder and the
+incidents table (labels.py), and writes a model directory (registry.py).
+
+Split by time, never by row: the first (1 - val_fraction) of the dataset's time span trains the
+estimators (minus one horizon before the boundary, so that no training label looks into the
+validation slice); the rest calibrates the probabilities (isotonic, CalibratedClassifierCV over the
+frozen pipeline) and chooses the thresholds for each false-evacuation budget. Healthy training steps
+are subsampled (all positives kept; quiet negatives at `neg_rate`, negatives with any error signal at
+`hard_neg_rate`); calibration runs on the validation slice at its true base rate (its negatives are
+subsampled too, weighted by 1/rate), so probabilities mean what they say.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import platform
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.frozen import FrozenEstimator
+
+import foreshock
+from foreshock import dataset as ds
+from foreshock import schema as sch
+from foreshock.predictor import evaluate as ev
+from foreshock.predictor import features as ft
+from foreshock.predictor import labels as lb
+from foreshock.predictor import model as mdl
+from foreshock.predictor import offline, registry
+
+log = logging.getLogger(__name__)
+
+BUDGETS = (0.5, 1.0, 2.0, 5.0, 10.0)
+# features whose nonzero value makes a negative step "hard" (kept at the higher rate)
+HARD_FEATURES = [ft.FEATURE_NAMES.index(n) for n in ft.FEATURE_NAMES
+                 if n.endswith("_30m") and not n.startswith(("leaf_", "site_", "traffic_", "link_err_vs"))]
+
+
+def _hard(X: np.ndarray) -> np.ndarray:
+    return np.nan_to_num(X[:, HARD_FEATURES]).max(axis=1) > 0
+
+
+def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: float = 2.0,
+          val_fraction: float = 0.3, neg_rate: float = 0.02, hard_neg_rate: float = 0.25,
+          cal_neg_rate: float = 0.2, max_iter: int = 300, seed: int = 0, progress=None,
+          command: str | None = None) -> dict:
+    t_start = time.perf_counter()
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    rng = np.random.default_rng(seed)
+    incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
+    h_ns = horizon_s * 1_000_000_000
+    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
+        fb.pass1()
+        first, last = fb.step_range
+        span = (last + 1 - first) * offline.STEP_NS
+        boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
+        train_X, train_y, val_nodes, cal_X, cal_y, cal_w, healthy = [], [], [], [], [], [], []
+        n_train_steps = n_val_steps = 0
+        for nf in fb:
+            y, excluded = lb.node_labels(nf.step_end_ns, incidents.of_node(nf.node), horizon_s)
+            usable = nf.present & ~excluded
+            e = nf.step_end_ns
+            tr = usable & (e < boundary - h_ns)
+            va = usable & (e >= boundary)
+            n_train_steps += int(tr.sum())
+            n_val_steps += int(va.sum())
+            X = nf.X
+            hard = _hard(X)
+            r = rng.random(len(X))
+            keep = tr & ((y == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
+            train_X.append(X[keep])
+            train_y.append(y[keep])
+            quiet = tr & (y == 0) & ~hard & (r < 0.002)
+            healthy.append(X[quiet])
+            # calibration sample of the validation slice, weighted back to its true base rate
+            ck = va & ((y == 1) | (r < cal_neg_rate))
+            cal_X.append(X[ck])
+            cal_y.append(y[ck])
+            cal_w.append(np.where(y[ck] == 1, 1.0, 1.0 / cal_neg_rate))
+            val_nodes.append(ev.NodeScores(nf.node, e[va], y[va], np.ones(int(va.sum()), bool),
+                                           {"_X": X[va]}))
+        Xtr, ytr = np.concatenate(train_X), np.concatenate(train_y)
+        if ytr.sum() == 0:
+            raise ValueError(f"{data_dir}: no positive training steps (no incidents in the first "
+                             f"{1 - val_fraction:.0%} of the time span); simulate more days or a higher --rate-scale")
+        # A feature no node of this dataset reports (no path_probe table, say) is all NaN, which
+        # HistGradientBoosting's binning cannot take; one known value makes it a constant feature.
+        all_nan = np.isnan(Xtr).all(axis=0)
+        if all_nan.any():
+            Xtr[0, all_nan] = 0.0
+        t_feat = time.perf_counter() - t_start
+        if progress:
+            progress("fitting", 0, 1)
+        gbdt = mdl.make_model(max_iter=max_iter, random_state=seed).fit(Xtr, ytr)
+        logit = mdl.make_logistic().fit(Xtr, ytr)
+        rule = mdl.RuleBaseline().fit()
+        Xc, yc, wc = np.concatenate(cal_X), np.concatenate(cal_y), np.concatenate(cal_w)
+        if yc.sum() == 0:
+            raise ValueError(f"{data_dir}: no incidents in the validation slice (the last {val_fraction:.0%}); "
+                             "cannot calibrate: simulate more days or a higher --rate-scale")
+        model = CalibratedClassifierCV(FrozenEstimator(gbdt), method="isotonic").fit(Xc, yc, sample_weight=wc)
+        logistic = CalibratedClassifierCV(FrozenEstimator(logit), method="isotonic").fit(Xc, yc, sample_weight=wc)
+        t_fit = time.perf_counter() - t_start - t_feat
+        if progress:
+            progress("fitting", 1, 1)
+        predictors = {"model": lambda X: model.predict_proba(X)[:, 1],
+                      "rule": lambda X: rule.predict_proba(X)[:, 1],
+                      "logistic": lambda X: logistic.predict_proba(X)[:, 1]}
+        for vn in val_nodes:
+            Xv = vn.scores.pop("_X")
+            for name, fn in predictors.items():
+                vn.scores[name] = (fn(Xv) if len(Xv) else np.zeros(0)).astype(np.float32)
+        val_nodes = [vn for vn in val_nodes if len(vn.y)]
+        val_inc = _incidents_within(incidents, boundary, (last + 1) * offline.STEP_NS + h_ns)
+        curves, thresholds = {}, {}
+        for name in ev.MODEL_NAMES:
+            curves[name] = ev.threshold_curve(val_nodes, name, val_inc, horizon_s)
+            thresholds[name] = {str(b): ev.pick_threshold(curves[name], b) for b in BUDGETS}
+        chosen = {name: ev.pick_threshold(curves[name], budget) for name in ev.MODEL_NAMES}
+        validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
+        for m in validation.values():
+            m.pop("pr_curve", None)
+        reference = np.nanmedian(np.concatenate(healthy), axis=0) if sum(len(h) for h in healthy) else np.zeros(ft.N_FEATURES)
+        reference = np.nan_to_num(reference, nan=0.0)
+    gb = gbdt.named_steps["gbdt"]
+    imp_names = list(ft.FEATURE_NAMES)
+    manifest = {
+        "version": f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}-{offline.dataset_hash(data_dir)[:8]}",
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "foreshock_version": foreshock.__version__,
+        "schema_version": sch.SCHEMA_VERSION,
+        "feature_version": ft.FEATURE_VERSION,
+        "feature_names": imp_names,
+        "step_seconds": ft.STEP_SECONDS,
+        "horizon_seconds": int(horizon_s),
+        "budget": float(budget),
+        "budget_unit": "false evacuations per 1,000 node-days",
+        "thresholds": thresholds["model"],
+        "baseline_thresholds": {"rule": thresholds["rule"], "logistic": thresholds["logistic"]},
+        "recommended_threshold": chosen["model"],
+        "threshold_curves": curves,
+        "reference_features": reference.tolist(),
+        "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "isotonic",
+                      "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
+                                                             if isinstance(v, (int, float, str, bool, type(None)))}},
+        "training": {
+            "data": str(data_dir), "data_hash": offline.dataset_hash(data_dir),
+            "nodes": len(fb.nodes), "first_step_end": _iso((first + 1) * offline.STEP_NS),
+            "last_step_end": _iso((last + 1) * offline.STEP_NS), "validation_from": _iso(boundary),
+            "train_steps": n_train_steps, "validation_steps": n_val_steps,
+            "train_rows_sampled": int(len(ytr)), "train_positive_rows": int(ytr.sum()),
+            "sampling": {"neg_rate": neg_rate, "hard_neg_rate": hard_neg_rate, "cal_neg_rate": cal_neg_rate,
+                         "note": "positives all kept; calibration on the validation slice weighted to its true base rate"},
+            "incidents": int(len(incidents.by_incident)),
+            "incidents_by_category": incidents.by_incident["category"].value_counts().to_dict(),
+            "seconds": {"features": round(t_feat, 1), "fit": round(t_fit, 1),
+                        "total": round(time.perf_counter() - t_start, 1)},
+            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
+            "command": command,
+        },
+        "metrics": {"validation": validation},
+    }
+    registry.save_model(out_dir, model, manifest, baselines={"rule": rule, "logistic": logistic})
+    return manifest
+
+
+def _incidents_within(incidents: lb.Incidents, lo_ns: int, hi_ns: int) -> lb.Incidents:
+    f = incidents.frame
+    keep = (f["ts"] >= lo_ns) & (f["ts"] <= hi_ns)
+    frame = f[keep]
+    by = incidents.by_incident[incidents.by_incident["incident_id"].isin(set(frame["incident_id"]))]
+    return lb.Incidents(frame, by.reset_index(drop=True))
+
+
+def _iso(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,138 @@
+"""Base signals and features on hand-built schema-v1 rows: counter wraps and resets, windows, labels."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from foreshock import schema as sch
+from foreshock.predictor import features as ft
+from foreshock.predictor import labels as lb
+from foreshock.predictor import signals as sg
+
+T0 = 1_780_000_040  # seconds; 20 s into a step
+STEP = sg.STEP_SECONDS
+
+
+def _ts(s):
+    return dt.datetime.fromtimestamp(s, dt.timezone.utc)
+
+
+def test_counter_delta_wrap_reset_and_unknown():
+    prev = np.array([10.0, 65530.0, 500.0, np.nan, 7.0])
+    cur = np.array([15.0, 4.0, 3.0, 9.0, np.nan])
+    d = sg.counter_delta(cur, prev, 16)
+    # normal; wrap at 2^16 (65530 -> 4 is 10 counts); reset (500 -> 3 counted 3 since the reset);
+    # first sample (no previous) counts nothing; unsupported stays unknown
+    np.testing.assert_array_equal(d[:4], [5.0, 10.0, 3.0, 0.0])
+    assert np.isnan(d[4])
+
+
+def test_rdma_rows_to_base_signals_with_a_wrap_and_a_saturated_counter():
+    rows = []
+    values = [(100, 2**32 - 10, 3), (130, 5, 3), (130, 50, 65535), (131, 60, 65535)]
+    for i, (sym, wait, rcv) in enumerate(values):
+        rows.append({"ts": _ts(T0 + i * STEP), "node": "n1", "device": "mlx5_0", "port": 1, "state": 4,
+                     "phys_state": 5 if i < 3 else 3, "symbol_error": sym, "port_xmit_wait": wait,
+                     "port_rcv_errors": rcv})
+    base = sg.node_base_signals({"rdma_port": sch.to_table("rdma_port", rows)})
+    assert len(base) == 4
+    np.testing.assert_array_equal(base["ib_symbol_error"].to_numpy(), [0, 30, 0, 1])
+    np.testing.assert_array_equal(base["ib_xmit_wait"].to_numpy(), [0, 15, 45, 10])  # wrapped at 2^32
+    np.testing.assert_array_equal(base["ib_counter_saturated"].to_numpy(), [0, 0, 1, 1])
+    np.testing.assert_array_equal(base["ib_port_down_frac"].to_numpy(), [0, 0, 0, 1])
+    # columns the rows did not carry stay unknown, never 0
+    assert base["ecc_sbe"].isna().all() and base["ib_ack_timeout"].isna().all()
+
+
+def test_gpu_rows_many_samples_per_step_reduce_per_gpu_then_across():
+    rows = []
+    for k in range(6):  # 6 samples at 10 s: one step
+        for g in range(2):
+            rows.append({"ts": _ts(T0 - 20 + k * 10), "node": "n1", "gpu": g, "temperature_c": 50.0 + g * 10 + k,
+                         "ecc_corrected_volatile": (k * 3 if g == 1 else 0), "gpu_lost": False,
+                         "clock_event_reasons": 0x40 if (g == 1 and k >= 3) else 0})
+    base = sg.node_base_signals({"gpu": sch.to_table("gpu", rows)})
+    assert len(base) == 1
+    r = base.iloc[0]
+    assert r["ecc_sbe"] == 15 and r["ecc_sbe_gpu_max"] == 15
+    assert r["temp_max"] == 65 and r["temp_spread"] == 15
+    assert r["thermal_throttle_frac"] == pytest.approx(3 / 12)
+
+
+def test_events_are_counted_by_class():
+    rows = [{"ts": _ts(T0), "node": "n1", "kind": "xid", "source": "kmsg", "severity": s, "xid": x}
+            for s, x in (("fatal", 79), ("precursor", 92), ("application", 13), ("fatal", 74))]
+    rows.append({"ts": _ts(T0 + 1), "node": "n1", "kind": "link_state", "source": "sysfs"})
+    base = sg.node_base_signals({"events": sch.to_table("events", rows)})
+    r = base.iloc[0]
+    assert (r["xid_fatal"], r["xid_precursor"], r["xid_application"], r["xid_nvlink"], r["link_state_events"]) == (2, 1, 1, 1, 1)
+
+
+def test_windows_and_since_match_a_brute_force_computation():
+    rng = np.random.default_rng(0)
+    t = 200
+    x = np.full((1, t, len(ft.ALL_NAMES)), np.nan)
+    i_ecc, i_temp, i_fatal = ft.IDX["ecc_sbe"], ft.IDX["temp_max"], ft.IDX["xid_fatal"]
+    x[0, :, i_ecc] = rng.poisson(2, t)
+    x[0, :, i_temp] = 60 + rng.standard_normal(t)
+    x[0, :, i_fatal] = 0
+    x[0, 120, i_fatal] = 1
+    x[0, 150:160, i_ecc] = np.nan  # a gap in one signal
+    X, _ = ft.compute(x, np.arange(t), ft.FeatureState.empty(1))
+    F = {n: X[0, :, j] for j, n in enumerate(ft.FEATURE_NAMES)}
+    for s in (40, 155, 199):
+        assert F["ecc_sbe_30m"][s] == pytest.approx(np.nansum(x[0, s - 29:s + 1, i_ecc]))
+        if s != 155:
+            assert F["ecc_sbe_5m"][s] == pytest.approx(np.nansum(x[0, s - 4:s + 1, i_ecc]))
+        assert F["temp_max_max30m"][s] == pytest.approx(np.nanmax(x[0, s - 29:s + 1, i_temp]))
+        rise = x[0, s - 4:s + 1, i_temp].mean() - x[0, s - 29:s - 24, i_temp].mean()
+        assert F["temp_max_rise30m"][s] == pytest.approx(rise, rel=1e-5)
+    assert np.isnan(F["ecc_sbe_1m"][155]) and np.isnan(F["ecc_sbe_5m"][155])  # nothing known: NaN, not 0
+    assert F["minutes_since_xid_fatal"][119] == ft.SINCE_CAP_MINUTES
+    assert F["minutes_since_xid_fatal"][130] == 10
+    # the baseline ratio: a sudden tenfold rate shows as roughly tenfold
+    y = np.zeros((1, 3000, len(ft.ALL_NAMES)))
+    y[0, :, i_ecc] = 1.0
+    y[0, -30:, i_ecc] = 10.0
+    Y, _ = ft.compute(y, np.arange(3000), ft.FeatureState.empty(1))
+    assert 8 < Y[0, -1, ft.FEATURE_NAMES.index("ecc_sbe_30m_vs_baseline")] < 11
+
+
+def test_peer_signals_tell_a_switch_fault_from_a_node_fault():
+    # 4 nodes under one leaf; node 0 alone with link errors (its cable), then all four (the switch)
+    own = np.array([[50.0, 1e9, 0], [0, 1e9, 0], [0, 1e9, 0], [0, 5e8, 0]])
+    present = np.ones(4, dtype=bool)
+    codes = {"leaf_switch": np.zeros(4, np.int64), "job": np.zeros(4, np.int64), "site": np.zeros(4, np.int64)}
+
+    def totals(o):
+        t = (np.full(4, 4.0), np.tile(o.sum(axis=0), (4, 1)), np.tile((o > 0).sum(axis=0).astype(float), (4, 1)))
+        return {g: t for g in ft.PEER_GROUPS}
+
+    p = ft.peer_signals(own, present, codes, totals(own))
+    assert p[0, 0] == 0 and p[0, 1] == pytest.approx(51.0)      # node fault: no peer has errors
+    assert p[3, 2] == pytest.approx(5e8 / 1e9)                     # a straggler vs its job
+    own2 = own.copy()
+    own2[:, 0] = 50.0
+    p2 = ft.peer_signals(own2, present, codes, totals(own2))
+    assert p2[0, 0] == 1.0 and p2[0, 1] == pytest.approx(1.0)     # switch fault: all peers too
+
+
+def test_labels_horizon_blast_radius_and_exclusion():
+    step_ns = STEP * 10**9
+    ends = (np.arange(200) + 1) * step_ns
+    ts = int(ends[100] + 30 * 10**9)     # the incident, 30 s after step 100 ends
+    inc = sch.to_table("incidents", [{
+        "ts": pd.Timestamp(ts, tz="UTC"), "node": "leaf-3", "incident_id": "i1", "scope": "switch",
+        "affected_nodes": ["n1", "n2"], "category": "network_switch_cable", "has_precursor": True,
+        "repaired_at": pd.Timestamp(ts + 40 * step_ns, tz="UTC")}])
+    incidents = lb.Incidents.from_table(inc)
+    assert set(incidents.frame["node"]) == {"n1", "n2"}
+    y, excl = lb.node_labels(ends, incidents.of_node("n2"), horizon_s=30 * 60)
+    assert y.sum() == 30 and y[71:101].all() and not y[70] and not y[101]
+    assert excl[101:141].all() and not excl[100] and not excl[142]
+    y3, _ = lb.node_labels(ends, incidents.of_node("n3"), 1800)
+    assert y3.sum() == 0

@@ -1,0 +1,84 @@
+"""Train/serve skew is a defect: the online scorer, fed the same samples, computes the offline features."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from foreshock import dataset
+from foreshock.predictor import features as ft
+from foreshock.predictor import offline, online, registry, synthetic
+
+STEP_NS = ft.STEP_SECONDS * 1_000_000_000
+NODES = ["node-a", "node-b", "node-c", "node-d"]
+STEPS = 45
+
+
+@pytest.fixture(scope="module")
+def telemetry():
+    tables = {n: synthetic.node_tables(n, STEPS, seed=i, ecc_ramp_from=10 if n == "node-b" else None,
+                                       wrap_port_counter=True, interval_s=20)
+              for i, n in enumerate(NODES)}
+    inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
+    return tables, inv
+
+
+def test_online_features_equal_offline_features(tmp_path, telemetry):
+    tables, inv = telemetry
+    root = tmp_path / "data"
+    w = dataset.DatasetWriter(root, fsync=False)
+    for per_node in tables.values():
+        for name, t in per_node.items():
+            w.write_table(name, t)
+    w.write_table("inventory", inv)
+    with offline.FeatureBuilder(root) as fb:
+        off = {nf.node: nf for nf in fb}
+    assert set(off) == set(NODES)
+
+    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    scorer = online.OnlineScorer(model, explain_top=0)
+    scorer.ingest("inventory", inv)
+    rng = np.random.default_rng(7)
+    first = off["node-a"].steps[0]
+    compared = 0
+    for step in range(first, first + STEPS * 20 // 60):
+        lo, hi = step * STEP_NS, (step + 1) * STEP_NS
+        # every table of every node for this step, in two batches of mixed nodes, rows shuffled
+        # within each (an entity's rows must only arrive in time order across batches)
+        for name in tables["node-a"]:
+            for group in (NODES[::2], NODES[1::2]):
+                parts = []
+                for n in group:
+                    t = tables[n][name]
+                    ts = pc.cast(t.column("ts"), pa.int64())
+                    parts.append(t.filter(pc.and_(pc.greater_equal(ts, lo), pc.less(ts, hi))))
+                batch = pa.concat_tables(parts)
+                scorer.ingest(name, batch.take(pa.array(rng.permutation(batch.num_rows))))
+        scorer.score(hi + 6_000_000_000)  # past the 5 s grace
+        for n in NODES:
+            nf = off[n]
+            row = np.searchsorted(nf.steps, step)
+            on = scorer.features_of(n)
+            np.testing.assert_array_equal(on, nf.X[row], err_msg=f"{n} step {step - first}")
+            compared += 1
+    assert compared >= 4 * 14
+    # the comparison is not vacuous: the sick node's ECC and the peer features are live
+    sick = off["node-b"].X[-1]
+    assert sick[ft.FEATURE_NAMES.index("ecc_sbe_30m")] > 0
+    assert np.isfinite(sick[ft.FEATURE_NAMES.index("traffic_vs_job_5m")])
+    assert np.isfinite(sick[ft.FEATURE_NAMES.index("leaf_peers_link_err_frac_30m")])
+
+
+def test_block_size_does_not_change_features():
+    rng = np.random.default_rng(3)
+    x = rng.poisson(0.3, (2, 300, len(ft.ALL_NAMES))).astype(float) * 1.7
+    x[:, 50:80] = np.nan
+    whole, _ = ft.compute(x, np.arange(300), ft.FeatureState.empty(2))
+    for block in (1, 13, 64):
+        state, parts = ft.FeatureState.empty(2), []
+        for i in range(0, 300, block):
+            f, state = ft.compute(x[:, i:i + block], np.arange(i, min(i + block, 300)), state)
+            parts.append(f)
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
