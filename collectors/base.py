@@ -216,6 +216,22 @@ def raise_fd_limit(want: int = 65536) -> int:
     return soft
 
 
+def link_events(node: str, ts_ns: int, previous: dict, current: dict, describe) -> list[dict]:
+    """`link_state` events (source sysfs) for entities whose state changed since the last sweep.
+
+    `previous`/`current` map an entity key to a state tuple; the first sight of an entity is not a
+    change. `describe(key, old, new)` returns the event's device, port and message.
+    """
+    rows = []
+    for key, new in current.items():
+        old = previous.get(key)
+        if old is not None and old != new:
+            device, port, message = describe(key, old, new)
+            rows.append({"ts": ts_ns, "node": node, "kind": "link_state", "source": "sysfs", "severity": "info",
+                         "device": device, "port": port, "message": message})
+    return rows
+
+
 def read_text(path: str) -> str | None:
     """One-shot read of a small file (used at scan time, not in the hot path); None if unsupported."""
     try:

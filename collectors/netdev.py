@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from foreshock import schema as sch
 
-from .base import GONE_ERRNOS, READ_SIZE, UNSUPPORTED_ERRNOS, AttrFiles, ParseError, Source, listdir, parse_int
+from .base import (GONE_ERRNOS, READ_SIZE, UNSUPPORTED_ERRNOS, AttrFiles, ParseError, Source, link_events, listdir,
+                   parse_int)
 
 NETDEV_SCHEMA = sch.schema("netdev")
 # Integer columns (after iface, operstate, carrier) in schema order, with their sysfs paths and kinds.
@@ -75,7 +76,7 @@ def parse_mtu(text: str | bytes) -> int | None:
 
 class NetdevSource(Source):
     name = "netdev"
-    tables = ("netdev",)
+    tables = ("netdev", "events")
 
     def __init__(self, node: str, *, sysfs: str = "/sys", rescan_seconds: float = 60.0,
                  clock=time.monotonic, include=None):
@@ -89,6 +90,7 @@ class NetdevSource(Source):
         self._scanned_at = -1e18
         self._need_rescan = True
         self._static: dict[str, pa.Array] = {}
+        self._last_state: dict[str, tuple] = {}
 
     def _scan(self) -> None:
         if self._files is not None:
@@ -184,7 +186,16 @@ class NetdevSource(Source):
                 col = [None if v is None or v < 0 or v == 0xFFFFFFFF else v for v in col]  # -1: unknown
             arrays.append(self._column(name, col, p_base=c))
         batch = pa.RecordBatch.from_arrays(arrays, schema=NETDEV_SCHEMA)
-        return {"netdev": pa.Table.from_batches([batch])}
+        out = {"netdev": pa.Table.from_batches([batch])}
+        current = {iface: (operstate[k], carrier[k]) for k, iface in enumerate(self._ifaces)}
+        if current != self._last_state:
+            events = link_events(self.node, ts_ns, self._last_state, current,
+                                 lambda key, old, new: (key, None, f"operstate {old[0]} -> {new[0]}, "
+                                                                   f"carrier {old[1]} -> {new[1]}"))
+            self._last_state = current
+            if events:
+                out["events"] = sch.to_table("events", events)
+        return out
 
     def _column(self, name: str, col: list, p_base: int) -> pa.Array:
         typ = _TYPES[name]

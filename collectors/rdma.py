@@ -20,8 +20,8 @@ import pyarrow as pa
 
 from foreshock import schema as sch
 
-from .base import (GONE_ERRNOS, READ_SIZE, UNSUPPORTED_ERRNOS, AttrFiles, ParseError, Source, listdir, parse_uint,
-                   read_text)
+from .base import (GONE_ERRNOS, READ_SIZE, UNSUPPORTED_ERRNOS, AttrFiles, ParseError, Source, link_events, listdir,
+                   parse_uint, read_text)
 
 RDMA_SCHEMA = sch.schema("rdma_port")
 _EXTRA_TYPE = RDMA_SCHEMA.field("extra_counters").type
@@ -77,6 +77,12 @@ def parse_counter(name: str, text: str | bytes) -> tuple[str, int | None]:
     return column, value
 
 
+def _describe_port(key, old, new):
+    (state0, phys0, rate0), (state1, phys1, rate1) = old, new
+    return key[0], key[1], (f"port state {state0} -> {state1}, phys_state {phys0} -> {phys1}, "
+                            f"rate {rate0} -> {rate1} Gb/s")
+
+
 class _Port:
     __slots__ = ("device", "port", "link_layer")
 
@@ -86,7 +92,7 @@ class _Port:
 
 class RdmaSource(Source):
     name = "rdma"
-    tables = ("rdma_port",)
+    tables = ("rdma_port", "events")
 
     def __init__(self, node: str, *, sysfs: str = "/sys", rescan_seconds: float = 60.0,
                  clock=time.monotonic):
@@ -100,6 +106,7 @@ class RdmaSource(Source):
         self._scanned_at = -1e18
         self._need_rescan = True
         self._static: dict[str, pa.Array] = {}
+        self._last_state: dict[tuple[str, int], tuple] = {}
 
     # -- discovery ---------------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -276,7 +283,14 @@ class RdmaSource(Source):
         arrays.extend(flat.slice(c * n, n) for c in range(ncol))
         arrays.append(pa.array(extra, _EXTRA_TYPE))
         batch = pa.RecordBatch.from_arrays(arrays, schema=RDMA_SCHEMA)  # cheaper than Table.from_arrays
-        return {"rdma_port": pa.Table.from_batches([batch])}
+        out = {"rdma_port": pa.Table.from_batches([batch])}
+        current = {(p.device, p.port): (state[k], phys[k], rate[k]) for k, p in enumerate(self._ports)}
+        if current != self._last_state:
+            events = link_events(self.node, ts_ns, self._last_state, current, _describe_port)
+            self._last_state = current
+            if events:
+                out["events"] = sch.to_table("events", events)
+        return out
 
     def close(self) -> None:
         if self._files is not None:

@@ -364,3 +364,18 @@ def test_out_of_descriptors_files_are_read_open_and_close(procfs_fixture):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert got == want
     assert eth0["mtu"] == 1500 and eth0["carrier_changes"] == 2
+
+
+def test_port_and_interface_state_changes_become_link_state_events(sys_copy):
+    rdma, net = RdmaSource("ls", sysfs=str(sys_copy)), NetdevSource("ls", sysfs=str(sys_copy))
+    assert "events" not in rdma.sweep(TS) and "events" not in net.sweep(TS)  # first sight: no change
+    port = sys_copy / "class/infiniband/mlx4_0/ports/2"
+    (port / "state").write_text("1: DOWN\n")
+    (port / "phys_state").write_text("3: Disabled\n")
+    (sys_copy / "class/net/eth0/operstate").write_text("down\n")
+    (ev,) = rdma.sweep(TS + 1)["events"].to_pylist()
+    assert (ev["kind"], ev["source"], ev["device"], ev["port"]) == ("link_state", "sysfs", "mlx4_0", 2)
+    assert "port state 4 -> 1, phys_state 5 -> 3" in ev["message"]
+    (nev,) = net.sweep(TS + 1)["events"].to_pylist()
+    assert nev["device"] == "eth0" and "operstate up -> down" in nev["message"]
+    assert "events" not in rdma.sweep(TS + 2) and "events" not in net.sweep(TS + 2)  # no change, no event
