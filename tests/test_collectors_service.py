@@ -217,6 +217,9 @@ def test_uplink_gets_each_sweeps_tables_once(tmp_path):
     text = metrics.render(col).decode()
     assert "foreshock_collector_uplink_dropped_sweeps_total 2.0" in text
     assert 'foreshock_collector_uplink_batches_total{result="refused"} 2.0' in text
+    lint = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
+                          capture_output=True, text=True, timeout=30)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
     col.flush()
     assert read_table(tmp_path, "gpu").num_rows == 4  # a refusing uplink never costs local Parquet
 
