@@ -155,3 +155,9 @@ def test_runtime_stage_is_non_root_and_matches_the_manifests():
         doc = yaml.safe_load((kube / name).read_text())
         ports |= {p["containerPort"] for c in doc["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
     assert exposed == ports
+
+
+def test_build_context_leaves_out_local_state():
+    ignore = (CONTAINERFILE.parent / "Containerfile.dockerignore").read_text().split()
+    for pattern in (".venv", ".git", "build", "**/__pycache__", "*.egg-info"):
+        assert pattern in ignore, pattern
