@@ -175,7 +175,8 @@ def test_systemd_serve_paths_match_the_unit():
     assert cfg["grace"] < timeout, "systemd would SIGKILL the service before its graceful stop ends"
 
 
-def test_systemd_serve_example_starts_a_real_tls_server(tmp_path):
+@pytest.mark.parametrize("where", ["systemd", "kubernetes"])
+def test_serve_example_starts_a_real_tls_server(where, tmp_path):
     """The [serve] example, secrets and addresses pointed at this test's files, serves TLS and /metrics."""
     import shutil
     import subprocess
@@ -192,7 +193,7 @@ def test_systemd_serve_example_starts_a_real_tls_server(tmp_path):
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    cwd=tmp_path, check=True, capture_output=True, timeout=60)
     (tmp_path / "tokens").write_text("collector:gpu-001 0123456789abcdef0123\noperator ops-0123456789abcdef\n")
-    cfg = resolve("serve", module.DEFAULTS, file_data=SYSTEMD_TOML, env={}, flags={
+    cfg = resolve("serve", module.DEFAULTS, file_data=SOURCES[(where, "serve")], env={}, flags={
         "tls_cert": str(tmp_path / "tls.crt"), "tls_key": str(tmp_path / "tls.key"),
         "token_file": str(tmp_path / "tokens"), "state": str(tmp_path / "state"),
         "listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "no_model": True})
