@@ -11,12 +11,19 @@ are still taken, and the stream goes on:
   trouble), nan_value (NaN or infinity: a missing value is null, never NaN), negative_counter,
   bad_batch (no node, no collector id, too many tables).
 
-Fast path: a collector sends the same schema every sweep, so the schema check is cached by the bytes
-of the IPC schema message; only a schema never seen before is compared field by field and, where it
-differs, conformed (cast) with foreshock.schema.conform.
+Two stages, so that thousands of nodes a second cost little (docs/scaling.md):
+- On receipt (in the stream, answered in that batch's ack): the batch's node, collector id, sequence,
+  table names, versions and sizes, and the Arrow decoding. A collector sends the same schema every
+  sweep, so the schema is recognised by a digest of the IPC schema message and only the record batch
+  is decoded; a schema never seen before is compared field by field and, where it differs, conformed
+  (cast) with foreshock.schema.conform.
+- Once per scoring round, vectorised over every batch of a table received since the last round: the
+  values (rows of the right node, timestamps, NaN and infinities, negative counters). A batch that
+  fails is taken out of the round and its Rejection rides on the next ack of its stream. Nothing
+  unvalidated reaches the scorer.
 
-Fatal events (Xid 48/74/79/..., GPU lost, severity "fatal") and precursors (severity "precursor", a link
-going down) wake the scoring loop at once instead of waiting for the next round.
+A batch with events (Xid 48/74/79/..., a link going down, NIC errors) or a lost GPU wakes the scoring
+loop at once instead of waiting for the next round; the round records fatal ones for the policy.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -71,6 +79,17 @@ class Session:
     collector_id: str = ""
     batches: int = 0
     opened_ns: int = 0
+    deferred: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
+
+
+@dataclass
+class Pending:
+    """One accepted batch's decoded tables, waiting for the next round's value checks."""
+    session: Session
+    sequence: int
+    node: str
+    tables: dict[str, pa.Table]
+    received_ns: int
 
 
 @dataclass
@@ -88,6 +107,10 @@ class _TableCheck:
 
     def __init__(self, table: str):
         self.schema = sch.schema(table)
+        # The canonical in-memory schema: schema-v1 names and types, no unit/help metadata, one object
+        # shared by every batch so that combining thousands of them is cheap.
+        self.wire = pa.schema([pa.field(f.name, f.type, f.nullable) for f in self.schema])
+        self.keys = [f.name for f in self.schema if not f.nullable]
         fields = sch.TABLES[table]
         self.floats = [f.name for f in fields if pa.types.is_floating(f.type)]
         self.signed_counters = [f.name for f in fields if f.unit in COUNTER_UNITS and
@@ -98,20 +121,34 @@ class _TableCheck:
 _CHECKS = {name: _TableCheck(name) for name in sch.TABLES}
 
 
-def _schema_key(buf: bytes) -> bytes | None:
-    """Digest of the IPC stream's schema message (continuation marker, length, flatbuffer)."""
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def _schema_key(buf: bytes) -> tuple[bytes, int] | None:
+    """Digest of the IPC stream's schema message (continuation marker, length, flatbuffer), and where
+    the next message starts."""
     if len(buf) < 8:
         return None
     marker, length = struct.unpack_from("<Ii", buf, 0)
     if marker != 0xFFFFFFFF or not 0 < length <= len(buf) - 8:
         return None
-    return hashlib.blake2b(memoryview(buf)[: 8 + length], digest_size=16).digest()
+    return hashlib.blake2b(memoryview(buf)[: 8 + length], digest_size=16).digest(), 8 + length
+
+
+def _read_single_batch(buf: bytes, offset: int, schema: pa.Schema) -> pa.RecordBatch | None:
+    """The stream's one record batch, decoded against a known schema; None if the stream holds
+    anything else (several batches, dictionaries): the caller then reads it the general way."""
+    reader = pa.BufferReader(pa.py_buffer(buf)[offset:])
+    msg = pa.ipc.read_message(reader)
+    if msg.type != "record batch" or buf[offset + reader.tell():] != _EOS:
+        return None
+    return pa.ipc.read_record_batch(msg, schema)
 
 
 class Ingest:
-    """Validates batches and passes the good tables to `sink(node, {table: arrow_table})`."""
+    """Validates batches; each scoring round takes the pending ones (`take_round`) fully checked."""
 
-    def __init__(self, nodes: NodeBook, sink: Callable[[str, dict[str, pa.Table]], int], *,
+    def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
                  clock=time.time_ns):
         self.nodes = nodes
@@ -122,7 +159,6 @@ class Ingest:
         self._lock = threading.Lock()
         self._good_schemas: dict[bytes, str] = {}
         self._last_sequence: dict[str, int] = {}
-        self.sessions: set[int] = set()
         self._sessions: dict[int, Session] = {}
         self.accepted_batches = 0
         self.duplicate_batches = 0
@@ -131,6 +167,7 @@ class Ingest:
         self.rejected: collections.Counter = collections.Counter()   # reason -> tables (or batches)
         self.bytes_received = 0
         self.backlog = 0
+        self.precursors = 0
 
     # -- sessions ------------------------------------------------------------------------------------
     def open_session(self, peer: str, subject: str) -> Session:
@@ -142,14 +179,18 @@ class Ingest:
     def close_session(self, s: Session) -> None:
         with self._lock:
             self._sessions.pop(id(s), None)
+        if s.deferred:
+            log.warning("stream of %s closed with %d rejections undelivered, e.g. %s", s.node or s.peer,
+                        len(s.deferred), s.deferred[0].detail)
 
     def connected(self) -> int:
         with self._lock:
             return len(self._sessions)
 
-    # -- batches -------------------------------------------------------------------------------------
-    def _reject(self, out: list, sequence: int, table: str, reason: str, detail: str) -> None:
-        self.rejected[reason] += 1
+    # -- receipt -------------------------------------------------------------------------------------
+    def _reject(self, out, sequence: int, table: str, reason: str, detail: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
         out.append(Rejection(sequence, table, reason, detail))
 
     def _credits(self) -> tuple[int, float]:
@@ -161,8 +202,10 @@ class Ingest:
 
     def accept(self, s: Session, node: str, collector_id: str, sequence: int,
                tables: list[tuple[str, int, bytes]]) -> AckResult:
-        """Validate one SweepBatch. Never raises on input: every problem becomes a Rejection."""
+        """Take one SweepBatch. Never raises on input: every problem becomes a Rejection."""
         rejections: list[Rejection] = []
+        while s.deferred:  # value-check verdicts on this stream's earlier batches
+            rejections.append(s.deferred.popleft())
         credits, delay = self._credits()
         result = AckResult(sequence, credits, rejections, delay)
         if not node or not NODE_RE.match(node):
@@ -203,25 +246,23 @@ class Ingest:
         for name, version, buf in tables:
             self.bytes_received += len(buf)
             try:
-                t = self._table(rejections, sequence, node, name, version, buf, now)
+                t = self._decode(rejections, sequence, name, version, buf)
             except Exception as exc:  # never let odd input take the stream down
-                log.exception("ingest: unexpected error on table %r of %s", name, node)
+                log.exception("ingest: unexpected error on table %r of %s", name[:64], node)
                 self._reject(rejections, sequence, name[:64], "bad_ipc", f"table {name[:64]!r}: {exc}")
                 continue
             if t is not None and t.num_rows:
-                if name in good:
-                    good[name] = pa.concat_tables([good[name], t])
-                else:
-                    good[name] = t
+                good[name] = pa.concat_tables([good[name], t]) if name in good else t
         if good:
             self.accepted_batches += 1
-            for name, t in good.items():
-                self.accepted_rows[name] += t.num_rows
-            self._side_effects(node, good, now)
-            self.backlog = self.sink(node, good)
+            self.backlog = self.sink(Pending(s, sequence, node, good, now))
+            if "events" in good or "inventory" in good:
+                # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
+                # a round now rather than at the next interval.
+                self.wake("events")
         return result
 
-    def _table(self, rejections, sequence, node, name, version, buf, now) -> pa.Table | None:
+    def _decode(self, rejections, sequence, name, version, buf) -> pa.Table | None:
         lim = self.limits
         check = _CHECKS.get(name)
         if check is None or name == "incidents":
@@ -237,108 +278,167 @@ class Ingest:
                          f"table {name!r}: {len(buf)} bytes, at most {lim.max_table_bytes}")
             return None
         key = _schema_key(buf)
-        try:
-            t = pa.ipc.open_stream(buf).read_all()
-        except Exception as exc:
-            self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
-            return None
+        t = None
+        if key is not None and self._good_schemas.get(key[0]) == name:
+            try:
+                rb = _read_single_batch(buf, key[1], check.wire)
+            except Exception as exc:
+                self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
+                return None
+            if rb is not None:
+                t = pa.Table.from_batches([rb], schema=check.wire)
+        if t is None:
+            try:
+                t = pa.ipc.open_stream(buf).read_all()
+            except Exception as exc:
+                self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
+                return None
+            if t.schema.equals(check.wire, check_metadata=False):
+                if key is not None and len(self._good_schemas) < 4096:
+                    self._good_schemas[key[0]] = name
+                t = t.cast(check.wire)
+            else:
+                try:
+                    t = sch.conform(name, t).cast(check.wire)
+                except sch.SchemaError as exc:
+                    self._reject(rejections, sequence, name, "bad_schema", str(exc))
+                    return None
         if t.num_rows > lim.max_table_rows:
             self._reject(rejections, sequence, name, "oversized",
                          f"table {name!r}: {t.num_rows} rows, at most {lim.max_table_rows}")
             return None
-        if key is None or self._good_schemas.get(key) != name:
-            if t.schema.equals(check.schema, check_metadata=False):
-                if key is not None and len(self._good_schemas) < 4096:
-                    self._good_schemas[key] = name
-            else:
-                try:
-                    t = sch.conform(name, t)
-                except sch.SchemaError as exc:
-                    self._reject(rejections, sequence, name, "bad_schema", str(exc))
-                    return None
-        if not t.num_rows:
-            return t
-        if t.column("node").null_count:
-            self._reject(rejections, sequence, name, "bad_schema", f"table {name!r}: null node")
-            return None
-        lo, hi = pc.min_max(t.column("node")).values()
-        if lo.as_py() != node or hi.as_py() != node:
-            self._reject(rejections, sequence, name, "node_mismatch",
-                         f"table {name!r}: rows of node {lo.as_py() if lo.as_py() != node else hi.as_py()!r} "
-                         f"in a batch from {node!r}")
-            return None
-        for col in check.ts_columns:
-            mm = pc.min_max(t.column(col).cast(pa.int64()))
-            lo_ts, hi_ts = mm["min"].as_py(), mm["max"].as_py()
-            if hi_ts is None:
+        return t
+
+    # -- the round's value checks --------------------------------------------------------------------
+    def take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
+        """Check the values of every pending batch at once, per table; return what passed."""
+        now = self._clock()
+        by_table: dict[str, list[tuple[Pending, pa.Table]]] = collections.defaultdict(list)
+        for item in items:
+            for name, t in item.tables.items():
+                by_table[name].append((item, t))
+        out: dict[str, pa.Table] = {}
+        for name, parts in by_table.items():
+            try:
+                table = self._check_table(name, parts, now)
+            except Exception:
+                log.exception("ingest: value checks of %d %s tables failed; dropping them", len(parts), name)
                 continue
-            if hi_ts > now + lim.max_future_seconds * 1e9:
-                self._reject(rejections, sequence, name, "ts_future",
-                             f"table {name!r}: {col} {(hi_ts - now) / 1e9:.0f} s in the future "
-                             f"(at most {lim.max_future_seconds:.0f} s; check the node's clock)")
-                return None
-            if col == "ts" and lo_ts < now - lim.max_past_seconds * 1e9:
-                self._reject(rejections, sequence, name, "ts_past",
-                             f"table {name!r}: ts {(now - lo_ts) / 1e9:.0f} s in the past "
-                             f"(at most {lim.max_past_seconds:.0f} s)")
-                return None
+            if table is not None and table.num_rows:
+                out[name] = table
+                with self._lock:
+                    self.accepted_rows[name] += table.num_rows
+        self._side_effects(out, now)
+        return out
+
+    def _defer(self, item: Pending, table: str, reason: str, detail: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
+        item.session.deferred.append(Rejection(item.sequence, table, reason, detail))
+
+    def _check_table(self, name: str, parts: list[tuple[Pending, pa.Table]], now: int) -> pa.Table | None:
+        check, lim = _CHECKS[name], self.limits
+        table = pa.concat_tables([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
+        lengths = np.array([t.num_rows for _, t in parts])
+        bad: dict[int, tuple[str, str]] = {}   # part index -> (reason, detail)
+
+        def per_part(fn):
+            """Run a check on each part (only when the whole-table check found something)."""
+            for i, (_, t) in enumerate(parts):
+                if i not in bad:
+                    verdict = fn(t)
+                    if verdict:
+                        bad[i] = verdict
+
+        for col in check.keys:
+            if table.column(col).null_count:
+                per_part(lambda t, col=col: ("bad_schema", f"table {name!r}: column {col!r} must not be null")
+                         if t.column(col).null_count else None)
+        # Rows of another node: compare each row's node with its batch's node, in one pass.
+        node_codes = pc.dictionary_encode(table.column("node")).combine_chunks()
+        code_of = {n: i for i, n in enumerate(node_codes.dictionary.to_pylist())}
+        owners = [item.node for item, _ in parts]
+        row_owner = np.repeat(np.array([code_of.get(n, -2) for n in owners]), lengths)
+        codes = node_codes.indices.to_numpy(zero_copy_only=False)
+        codes = np.where(np.isnan(codes), -1, codes).astype(np.int64) if codes.dtype.kind == "f" else codes
+        mismatch = codes != row_owner
+        row_part = np.repeat(np.arange(len(parts)), lengths)
+        for i in np.unique(row_part[mismatch]).tolist():
+            if i not in bad:
+                bad[i] = ("node_mismatch", f"table {name!r}: rows of another node in a batch from {owners[i]!r}")
+        for col in check.ts_columns:
+            mm = pc.min_max(table.column(col))
+            lo, hi = mm["min"], mm["max"]
+            if not hi.is_valid:
+                continue
+            future = now + lim.max_future_seconds * 1e9
+            past = now - lim.max_past_seconds * 1e9
+            if hi.value > future or (col == "ts" and lo.value < past):
+                def ts_check(t, col=col):
+                    m = pc.min_max(t.column(col))
+                    if not m["max"].is_valid:
+                        return None
+                    if m["max"].value > future:
+                        return ("ts_future", f"table {name!r}: {col} {(m['max'].value - now) / 1e9:.0f} s in the "
+                                f"future (at most {lim.max_future_seconds:.0f} s; check the node's clock)")
+                    if col == "ts" and m["min"].value < past:
+                        return ("ts_past", f"table {name!r}: ts {(now - m['min'].value) / 1e9:.0f} s in the past "
+                                f"(at most {lim.max_past_seconds:.0f} s)")
+                    return None
+                per_part(ts_check)
         for col in check.floats:
-            c = t.column(col)
+            c = table.column(col)
             if c.null_count == len(c):
                 continue
             if pc.any(pc.invert(pc.is_finite(c))).as_py():
-                self._reject(rejections, sequence, name, "nan_value",
-                             f"table {name!r}: column {col!r} holds NaN or infinity (a missing value is null)")
-                return None
+                per_part(lambda t, col=col: ("nan_value", f"table {name!r}: column {col!r} holds NaN or infinity "
+                                             "(a missing value is null)")
+                         if pc.any(pc.invert(pc.is_finite(t.column(col)))).as_py() else None)
         for col in check.signed_counters:
-            c = t.column(col)
+            c = table.column(col)
             if c.null_count == len(c):
                 continue
             lo_c = pc.min(c).as_py()
             if lo_c is not None and lo_c < 0:
-                self._reject(rejections, sequence, name, "negative_counter",
-                             f"table {name!r}: counter {col!r} is negative ({lo_c})")
-                return None
-        return t
+                per_part(lambda t, col=col: ("negative_counter", f"table {name!r}: counter {col!r} is negative "
+                                             f"({pc.min(t.column(col)).as_py()})")
+                         if (pc.min(t.column(col)).as_py() or 0) < 0 else None)
+        if not bad:
+            return table
+        for i, (reason, detail) in bad.items():
+            self._defer(parts[i][0], name, reason, detail)
+        keep = [t for i, (_, t) in enumerate(parts) if i not in bad]
+        return pa.concat_tables(keep) if keep else None
 
-    def _side_effects(self, node: str, good: dict[str, pa.Table], now: int) -> None:
+    def _side_effects(self, good: dict[str, pa.Table], now: int) -> None:
         inv = good.get("inventory")
         if inv is not None:
-            last = inv.slice(inv.num_rows - 1).to_pylist()[0]
-            self.nodes.set_topology(node, Topology(last.get("site") or "", last.get("spine") or "",
-                                                   last.get("leaf_switch") or ""))
+            for row in inv.select(["node", "site", "spine", "leaf_switch"]).to_pylist():
+                self.nodes.set_topology(row["node"], Topology(row["site"] or "", row["spine"] or "",
+                                                              row["leaf_switch"] or ""))
         ev = good.get("events")
         if ev is not None:
-            why = None
             ts_ns = ev.column("ts").cast(pa.int64()).to_pylist()
-            for ts_i, row in zip(ts_ns, ev.select(["kind", "severity", "xid", "gpu", "device", "message"]).to_pylist()):
+            for ts_i, row in zip(ts_ns, ev.select(["node", "kind", "severity", "xid", "gpu", "device",
+                                                   "message"]).to_pylist()):
                 xid, sev, kind = row["xid"], row["severity"], row["kind"]
                 msg = (row["message"] or "").lower()
                 if sev == "fatal" or (kind == "xid" and xid in FATAL_XIDS) or kind == "gpu_lost":
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
                     where = f" on GPU {row['gpu']}" if row["gpu"] is not None else \
                         (f" on {row['device']}" if row["device"] else "")
-                    self.nodes.record_fatal(FatalEvent(node, ts_i, kind,
-                                                       f"{what}{where}", now))
-                    why = "fatal"
+                    self.nodes.record_fatal(FatalEvent(row["node"], ts_i, kind, f"{what}{where}", now))
                 elif sev == "precursor" or (kind == "xid" and xid in PRECURSOR_XIDS) or \
                         (kind == "link_state" and "down" in msg):
-                    why = why or "precursor"
-            if why:
-                self.wake(why)
+                    self.precursors += 1
         gpu = good.get("gpu")
         if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():
-            lost = gpu.filter(gpu.column("gpu_lost"))
-            self.nodes.record_fatal(FatalEvent(node, lost.column("ts").cast(pa.int64())[0].as_py(), "gpu_lost",
-                                               f"GPU {lost.column('gpu')[0].as_py()} lost", now))
-            self.wake("fatal")
+            lost = gpu.filter(gpu.column("gpu_lost")).select(["ts", "node", "gpu"])
+            for ts_i, row in zip(lost.column("ts").cast(pa.int64()).to_pylist(), lost.to_pylist()):
+                self.nodes.record_fatal(FatalEvent(row["node"], ts_i, "gpu_lost", f"GPU {row['gpu']} lost", now))
 
     def stats(self) -> dict:
         return {"accepted_batches": self.accepted_batches, "duplicate_batches": self.duplicate_batches,
                 "gap_batches": self.gap_batches, "rejected": dict(self.rejected),
                 "accepted_rows": dict(self.accepted_rows), "bytes_received": self.bytes_received,
                 "connected": self.connected(), "backlog": self.backlog}
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)

@@ -36,6 +36,7 @@ class ScoreResult:
     nodes: list[str]
     probability: np.ndarray
     signals: list[list[SignalRecord]] = field(default_factory=list)
+    fresh: bool = True          # False: no step closed since the last round, the same scores again
 
 
 class Scorer(Protocol):
@@ -86,6 +87,9 @@ class PredictorScorer:
         # all in a second or two after it ends; a shorter grace than the scorer's default means an
         # earlier verdict on the step that crosses the threshold.
         self._online = online.OnlineScorer(self.model, grace_seconds=grace_seconds)
+        self._step_ns = self._online.step_ns
+        self._grace_ns = int(grace_seconds * 1e9)
+        self._last: ScoreResult | None = None
 
     def threshold(self, budget: float | None) -> float | None:
         try:
@@ -97,10 +101,18 @@ class PredictorScorer:
         self._online.ingest(table, data)
 
     def score(self, now_ns: int) -> ScoreResult:
+        # Features change only when a step closes; between closes a round re-scores nothing.
+        if self._last is not None and self._online.advance(now_ns) == 0:
+            return ScoreResult(self._last.nodes, self._last.probability, self._last.signals, fresh=False)
         batch = self._online.score(now_ns)
         signals = [[SignalRecord(str(s.name), float(s.value), float(s.contribution), str(s.description))
                     for s in node_signals] for node_signals in batch.signals]
-        return ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
+        self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
+        return self._last
+
+    def next_due_ns(self, now_ns: int) -> int:
+        """When the next step closes: the round that should run then sees the crossing at once."""
+        return (now_ns // self._step_ns + 1) * self._step_ns + self._grace_ns
 
 
 def default_model_path() -> Path | None:
@@ -145,11 +157,13 @@ def threshold_from_manifest(manifest: dict, budget: float | None = None) -> floa
 
 class ScoringLoop:
     def __init__(self, scorer: Scorer, *, interval: float = 0.1, max_backlog: int = 50_000,
-                 on_round: Callable[[ScoreResult, int, str, float], None] | None = None, clock=time.time_ns):
+                 on_round: Callable[[ScoreResult, int, str, float], None] | None = None,
+                 prepare: Callable[[list], dict[str, pa.Table]] | None = None, clock=time.time_ns):
         self.scorer = scorer
         self.interval = interval
         self.max_backlog = max_backlog
         self.on_round = on_round
+        self.prepare = prepare
         self._clock = clock
         self._queue: collections.deque = collections.deque()
         self._qlock = threading.Lock()
@@ -167,9 +181,10 @@ class ScoringLoop:
         self.last_round_ns = 0
 
     # -- feeding -------------------------------------------------------------------------------------
-    def enqueue(self, node: str, tables: dict[str, pa.Table]) -> int:
+    def enqueue(self, item) -> int:
+        """Queue received telemetry (ingest.Pending, or a {table: arrow table} dict) for the next round."""
         with self._qlock:
-            self._queue.append(tables)
+            self._queue.append(item)
             while len(self._queue) > self.max_backlog:
                 self._queue.popleft()
                 self.dropped_batches += 1
@@ -205,18 +220,20 @@ class ScoringLoop:
             self._queue.clear()
         if not items:
             return
-        by_table: dict[str, list[pa.Table]] = collections.defaultdict(list)
-        for tables in items:
-            for name, t in tables.items():
-                by_table[name].append(t)
-        for name, parts in by_table.items():
+        if self.prepare is not None:
+            tables = self.prepare(items)   # the value checks, vectorised over the round
+        else:
+            parts: dict[str, list[pa.Table]] = collections.defaultdict(list)
+            for item in items:
+                for name, t in item.items():
+                    parts[name].append(t)
+            tables = {name: pa.concat_tables(ts) if len(ts) > 1 else ts[0] for name, ts in parts.items()}
+        for name, data in tables.items():
             try:
-                data = parts[0] if len(parts) == 1 else pa.concat_tables(
-                    [p.replace_schema_metadata(None) for p in parts], promote_options="permissive")
                 self.scorer.ingest(name, data)
             except Exception:
                 self.ingest_errors += 1
-                log.exception("scorer could not ingest %d %s tables", len(parts), name)
+                log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
 
     def run_round(self, why: str = "interval") -> ScoreResult | None:
         t0 = time.perf_counter()
@@ -240,8 +257,13 @@ class ScoringLoop:
         return result
 
     def _run(self) -> None:
+        due = getattr(self.scorer, "next_due_ns", None)
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            timeout = self.interval
+            if due is not None:
+                now = self._clock()
+                timeout = min(timeout, max(0.0, (due(now) - now) / 1e9))
+            self._wake.wait(timeout)
             if self._stop.is_set():
                 break
             why = self._why if self._wake.is_set() else "interval"

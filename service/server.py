@@ -120,6 +120,7 @@ class ControlPlane:
         self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
                                    on_round=self._after_round, clock=s.scoring_clock or time.time_ns)
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake)
+        self.scoring.prepare = self.ingest.take_round
         self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
         self.registry, self._round_hist = build_registry(self)
         self.jobs.on_change.append(self._log_change)
@@ -131,6 +132,7 @@ class ControlPlane:
         self._health = None
         self._http = None
         self._stopped = False
+        self._last_expiry_ns = 0
 
     # -- construction ----------------------------------------------------------------------------
     @staticmethod
@@ -172,13 +174,18 @@ class ControlPlane:
     # -- scoring rounds ----------------------------------------------------------------------------
     def _after_round(self, result, now_ns: int, why: str, elapsed: float) -> None:
         t0 = time.perf_counter()
-        if len(result.nodes):
+        if result.fresh and len(result.nodes):
             signals = result.signals if result.signals else [[] for _ in result.nodes]
             self.nodes.update_risk(result.nodes, result.probability, signals, now_ns)
-        self.policy.evaluate(now_ns, result.nodes, result.probability)
-        self.jobs.expire(now_ns)
+        if result.fresh:
+            self.policy.evaluate(now_ns, result.nodes, result.probability)
+        else:
+            self.policy.evaluate(now_ns)   # fatal events only: the scores have not moved
+        if now_ns - self._last_expiry_ns >= 1_000_000_000:
+            self._last_expiry_ns = now_ns
+            self.jobs.expire(now_ns)
         self._round_hist.observe(elapsed + time.perf_counter() - t0)
-        if len(result.nodes) and self.scoring._subs:
+        if result.fresh and len(result.nodes) and self.scoring._subs:
             self.scoring.publish([self.nodes.risk[n] for n in result.nodes if n in self.nodes.risk])
         self.decisions.maybe_flush()
 

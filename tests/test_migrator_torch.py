@@ -184,6 +184,15 @@ def test_outage_training_continues(swap_group):
 def fault_group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migrator-faults")
     planes = {n: _plane(tmp, n) for n in ("spare-dies", "shrink", "checkpoint")}
+    registrations = []
+    shrink_jobs = planes["shrink"][0].jobs
+    original_register = shrink_jobs.register
+
+    def recording_register(job_id, ranks, *args, **kwargs):
+        registrations.append(sorted((r, n) for r, n, _ in ranks))
+        return original_register(job_id, ranks, *args, **kwargs)
+
+    shrink_jobs.register = recording_register
     jobs = {}
     try:
         jobs["spare-dies"] = _launch("spare-dies", planes["spare-dies"][1], tmp, [SPARE],
@@ -200,7 +209,8 @@ def fault_group(tmp_path_factory):
         listed = {n: {d.directive_id: d for d in p.jobs.list(n)} for n, (p, _) in planes.items()}
         acks = {n: p.store.acks(directives[n].directive_id) for n, (p, _) in planes.items()}
         yield {"codes": codes, "results": {n: _by_name(j.results()) for n, j in jobs.items()},
-               "directives": directives, "listed": listed, "acks": acks, "out": tmp}
+               "directives": directives, "listed": listed, "acks": acks, "out": tmp,
+               "registrations": registrations}
     finally:
         for job in jobs.values():
             job.wait(timeout=1)
@@ -238,6 +248,9 @@ def test_no_spare_shrinks_the_world(fault_group):
         assert {rec["ranks"][str(s)] for s in range(k, STEPS)} == {new}
     assert len({res[f"rank{r}"]["hashes"][str(STEPS)] for r in (0, 2, 3)}) == 1
     assert fault_group["listed"]["shrink"][d.directive_id].state.name == "COMPLETED"
+    # the lead re-registered the renumbered placement after the COMPLETED ack
+    assert fault_group["registrations"] == [[(0, NODES[0]), (1, NODES[1]), (2, NODES[2]), (3, NODES[3])],
+                                            [(0, NODES[0]), (1, NODES[2]), (2, NODES[3])]]
 
 
 def test_no_spare_in_standby_checkpoints_and_exits(fault_group):
