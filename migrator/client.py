@@ -100,7 +100,7 @@ class ServiceClient:
         self._watch_window = watch_window_s
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._inbox: queue.Queue[Directive] = queue.Queue(maxsize=queue_size)
-        self._outbox: queue.Queue[Ack | None] = queue.Queue(maxsize=queue_size)
+        self._outbox: queue.Queue[Ack | tuple | None] = queue.Queue(maxsize=queue_size)
         self._step: tuple[int, float] | None = None
         self._step_lock = threading.Lock()
         self._stop = threading.Event()
@@ -176,6 +176,16 @@ class ServiceClient:
         except queue.Full:
             self.dropped_acks += 1
             log.warning("ack queue full; dropped %s %s", ack.directive_id, ack.phase.value)
+
+    def register_later(self, placement: dict[int, str], spare_nodes=(), *, current_step: int = 0,
+                       fallback: str = "shrink") -> None:
+        """Queue a re-registration behind the acknowledgements already queued (after a shrink the
+        ranks are renumbered, and the service must see that after the COMPLETED ack)."""
+        item = ("register", dict(placement), tuple(spare_nodes), current_step, fallback)
+        try:
+            self._outbox.put_nowait(item)
+        except queue.Full:
+            log.warning("queue full; re-registration of job %s dropped", self.config.job_id)
 
     def report_step(self, step: int, step_seconds: float) -> None:
         with self._step_lock:
@@ -256,6 +266,11 @@ class ServiceClient:
                 return
             if isinstance(item, Ack):
                 self._send_ack(item)
+            elif isinstance(item, tuple) and item[0] == "register":
+                _, placement, spares, step, fallback = item
+                if self.register(placement, spares, current_step=step, fallback=fallback) is None:
+                    log.warning("re-registration of job %s failed; the service keeps the old placement",
+                                self.config.job_id)
             with self._step_lock:
                 pending, self._step = self._step, None
             if pending is not None:

@@ -91,6 +91,7 @@ def run_worker(spec: dict) -> int:
     torch.set_num_threads(1)
     from foreshock.migrator import Migrator, MigratorConfig
 
+    log.info("worker up: %.2fs CPU since fork", time.process_time())
     config = MigratorConfig.from_env()
     seed, steps = int(spec.get("seed", 0)), int(spec["steps"])
     model, optimizer, scheduler = build(int(spec.get("params", 2000)), seed)
@@ -111,7 +112,7 @@ def run_worker(spec: dict) -> int:
                    per_rank={"data": position}, warmup=warmup)
     name = f"rank{config.rank}" if config.role == "rank" else f"spare-{config.node}"
     record: dict[str, Any] = {"pid": os.getpid(), "role": config.role, "node": config.node, "name": name,
-                              "losses": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
+                              "losses": {}, "walls": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
     out = Path(spec["out_dir"]) / f"{config.role}-{name}-{os.getpid()}.json"
     progress_key = f"foreshock/{config.job_id}/progress"
     code = 0
@@ -138,6 +139,7 @@ def run_worker(spec: dict) -> int:
             position.samples_seen += x.shape[0]
             record["losses"][str(mig.step)] = loss.item()
             record["ranks"][str(mig.step)] = mig.rank
+            record["walls"][str(mig.step)] = time.time()
             change = mig.end_step()
             if pending_first is not None:
                 pending_first["first_step_done_wall"] = time.time()
@@ -238,7 +240,9 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "foreshock.migrator.world"])
+        # torch._dynamo: the first optimizer a process builds imports it (3 s of CPU here); pay once
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "foreshock.migrator.world",
+                                     "foreshock.migrator.example", "foreshock.migrator.client"])
     return _CTX
 
 

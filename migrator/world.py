@@ -127,10 +127,13 @@ class Migrator:
     def start(self) -> bool:
         """Join the job: a rank joins generation 0; a spare waits in standby until it is given a
         rank (True) or the job ends (False)."""
+        t0 = time.monotonic()
         self._connect_store()
         if self.config.role == "spare":
             return self._standby()
+        t1 = time.monotonic()
         self._init_world(self.generation, self.rank, self.world_size)
+        t2 = time.monotonic()
         self._store.set(f"{self._p}node/g0/{self.rank}", self.config.node)
         nodes = self._store.multi_get([f"{self._p}node/g0/{r}" for r in range(self.world_size)])
         self.placement = {r: n.decode() for r, n in enumerate(nodes)}
@@ -141,8 +144,11 @@ class Migrator:
         dist.barrier()      # the job is registered before any rank watches its directives
         if self._client is not None:
             self._client.watch(self.rank)
+        t3 = time.monotonic()
         self._wrap()
         self._step_t = time.monotonic()
+        log.info("rank %d of job %s joined generation 0: store %.3fs, group %.3fs, registration %.3fs, "
+                 "DDP %.3fs", self.rank, self.config.job_id, t1 - t0, t2 - t1, t3 - t2, self._step_t - t3)
         return True
 
     def end_step(self, loss: float | None = None) -> WorldChange:
@@ -316,12 +322,16 @@ class Migrator:
         return None
 
     def _finish_completion(self) -> None:
-        d, t0, phases = self._completing
+        d, t0, phases, kind = self._completing
         self._completing = None
         phases["first_step"] = time.monotonic() - t0 - sum(phases.values())
         total = time.monotonic() - t0
         self._ack(d, AckPhase.COMPLETED, phase_seconds=total,
                   reason=" ".join(f"{k}={v:.4f}s" for k, v in phases.items()))
+        if kind == "shrink" and self._client is not None:
+            # the service drops the leaving ranks but keeps the old numbers; tell it the new ones
+            self._client.register_later(self.placement, self.config.spare_nodes, current_step=self.step,
+                                        fallback=self.config.fallback)
         if self.history:
             self.history[-1].phases["first_step"] = phases["first_step"]
             self.history[-1].phases["total_to_first_step"] = total
@@ -331,7 +341,8 @@ class Migrator:
         t0 = time.monotonic()
         phases: dict[str, float] = {"agreement": t0 - self.book.first_seen.get(d.directive_id, t0)}
         key = f"{self._p}plan/g{self.generation}/s{self.step}"
-        me_coord = self._is_switch_coordinator(d)
+        # with no rank off the leaving node, rank 0 writes the plan, which rejects the directive
+        me_coord = self.rank == (self._coordinator_for(d) or 0)
         if me_coord and self._store.add(f"{key}/claim", 1) == 1:
             plan = self._make_plan(d)
             for sp in plan.get("spares", []):
@@ -385,8 +396,8 @@ class Migrator:
         phases["reform"] = time.monotonic() - t1
         self.last_pause_s = time.monotonic() - t0
         if coordinator:
-            # the coordinator keeps its rank in both kinds of switch; COMPLETED goes after the next step
-            self._completing = (d, t0 - phases["agreement"], dict(phases))
+            # COMPLETED goes after the first step of the new world
+            self._completing = (d, t0 - phases["agreement"], dict(phases), plan["kind"])
         return WorldChange(plan["kind"], did, rank=self.rank, world_size=self.world_size,
                            generation=self.generation, reason=plan["reason"], phases=phases)
 
@@ -394,6 +405,9 @@ class Migrator:
         w = self.world_size
         base = {"directive_id": d.directive_id, "gen": self.generation + 1, "step": self.step,
                 "coordinator": self.rank, "leaving": [], "spares": [], "reason": d.reason}
+        if self._coordinator_for(d) is None:
+            return {**base, "kind": "rejected",
+                    "reason": f"no rank outside node {d.from_node!r} to act as the state source"}
         bad = [r for r in d.ranks if not 0 <= r < w]
         wrong_node = [r for r in d.ranks if d.from_node and self.placement.get(r) != d.from_node]
         if not d.ranks or bad or wrong_node:
