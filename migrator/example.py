@@ -271,11 +271,11 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
             "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size}
     ctx = _context()
     procs = {}
-    for node in spares:
+    for i, node in enumerate(spares):
         e = {**common, "FORESHOCK_ROLE": "spare", "FORESHOCK_NODE": node, "FORESHOCK_RANK": "-1",
              **(spare_env or {})}
-        procs[f"spare-{node}"] = ctx.Process(target=_worker_entry, args=({**base, "env": e},),
-                                             name=f"{job_id}-spare-{node}")
+        key = f"spare-{node}" if spares.count(node) == 1 else f"spare-{node}-{i}"
+        procs[key] = ctx.Process(target=_worker_entry, args=({**base, "env": e},), name=f"{job_id}-{key}")
     for rank, node in enumerate(nodes):
         e = {**common, "FORESHOCK_ROLE": "rank", "FORESHOCK_NODE": node, "FORESHOCK_RANK": str(rank)}
         procs[f"rank{rank}"] = ctx.Process(target=_worker_entry, args=({**base, "env": e},),

@@ -30,14 +30,15 @@ STEPS = 60
 NODES = ["node-a", "node-b", "node-c", "node-d"]
 SPARE = "node-e"
 SEED = 11
+MULTI_NODES = ["node-a", "node-a", "node-b", "node-b"]
 
 
-def _plane(tmp_path, name):
+def _plane(tmp_path, name, lead_seconds=0.3):
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
     plane = build_server(Settings.insecure_loopback(
         tmp_path / f"state-{name}", scorer=NullScorer(), decision_flush_seconds=0.5,
-        policy={"lead_seconds": 0.3, "min_steps_ahead": 6, "stale_seconds": 3600.0}))
+        policy={"lead_seconds": lead_seconds, "min_steps_ahead": 6, "stale_seconds": 3600.0}))
     port = plane.start()
     return plane, f"127.0.0.1:{port}"
 
@@ -61,11 +62,14 @@ def _wait_registered(plane, job_id, timeout=60.0):
     raise TimeoutError(f"job {job_id} never registered")
 
 
-def _by_name(results):
+def _by_name(results, dup_ok=False):
     out = {}
     for r in results:
-        assert r["name"] not in out, f"{r['name']} ran twice"
-        out[r["name"]] = r
+        name = r["name"]
+        if dup_ok and name in out:      # two spares on one node
+            name = f"{name}-{r['pid']}"
+        assert name not in out, f"{name} ran twice"
+        out[name] = r
     return out
 
 
@@ -73,8 +77,8 @@ def _steps(record):
     return sorted(int(s) for s in record["losses"])
 
 
-def _launch(job_id, address, tmp_path, spares, **kw):
-    return example.launch(job_id, NODES, spares, steps=STEPS, out_dir=tmp_path / job_id, service=address,
+def _launch(job_id, address, tmp_path, spares, nodes=NODES, **kw):
+    return example.launch(job_id, nodes, spares, steps=STEPS, out_dir=tmp_path / job_id, service=address,
                           seed=SEED, step_sleep_s=0.02, transfer_timeout_s=20.0, **kw)
 
 
@@ -83,25 +87,34 @@ def swap_group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migrator-swap")
     plane_s, addr_s = _plane(tmp, "swap")
     plane_o, addr_o = _plane(tmp, "outage")
+    plane_m, addr_m = _plane(tmp, "multi")
     jobs = {}
     try:
         jobs["swap"] = _launch("swap", addr_s, tmp, [SPARE])
         jobs["outage"] = _launch("outage", addr_o, tmp, [SPARE])
+        # two ranks per node, the lead's node drained: two spares take over ranks 0 and 1
+        jobs["multi"] = _launch("multi", addr_m, tmp, [SPARE, SPARE], nodes=MULTI_NODES,
+                                registered_spares=[SPARE])
         _wait_registered(plane_s, "swap")
         jobs["swap"].wait_progress(8, timeout=90)
         directive = _drain(addr_s, NODES[2], "test: evacuate rank 2")
+        _wait_registered(plane_m, "multi")
+        jobs["multi"].wait_progress(8, timeout=90)
+        multi_directive = _drain(addr_m, MULTI_NODES[0], "test: evacuate the lead's node")
         jobs["outage"].wait_progress(12, timeout=90)
         plane_o.stop(grace=0.2)
         codes = {name: job.wait(timeout=120) for name, job in jobs.items()}
         listed = plane_s.jobs.list("swap")
         acks = plane_s.store.acks(directive.directive_id)
-        yield {"codes": codes, "results": {n: _by_name(j.results()) for n, j in jobs.items()},
-               "directive": directive, "listed": listed, "acks": acks, "procs": jobs["swap"].processes}
+        multi_state = plane_m.store.directive(multi_directive.directive_id).state.name
+        yield {"codes": codes, "results": {n: _by_name(j.results(), dup_ok=n == "multi") for n, j in jobs.items()},
+               "directive": directive, "listed": listed, "acks": acks, "procs": jobs["swap"].processes,
+               "multi_state": multi_state}
     finally:
         for job in jobs.values():
             job.wait(timeout=1)
-        plane_s.stop(grace=0.2)
-        plane_o.stop(grace=0.2)
+        for plane in (plane_s, plane_o, plane_m):
+            plane.stop(grace=0.2)
 
 
 def test_swap_no_healthy_rank_restarted_and_steps_continue(swap_group):
@@ -170,6 +183,27 @@ def test_swap_acknowledged_each_phase_and_acted_on_once(swap_group):
     assert pauses and max(pauses) < 10.0
 
 
+def test_two_ranks_of_the_lead_node_move_to_two_spares(swap_group):
+    assert all(c == 0 for c in swap_group["codes"]["multi"].values()), swap_group["codes"]["multi"]
+    res = swap_group["results"]["multi"]
+    spares = [r for r in res.values() if r["role"] == "spare"]
+    assert sorted(set(r["ranks"].values()).pop() for r in spares) == [0, 1]
+    k = spares[0]["joined_at_step"]
+    assert all(r["joined_at_step"] == k for r in spares)
+    for old in (0, 1):
+        assert res[f"rank{old}"]["exit"] == "evacuate" and _steps(res[f"rank{old}"]) == list(range(k))
+    for r in (2, 3):
+        assert _steps(res[f"rank{r}"]) == list(range(STEPS))
+    assert len({r["hashes"][str(STEPS)] for r in res.values() if r["exit"] == "finished"}) == 1
+    # same data and seeds per rank as the undisturbed run: the same curve
+    ref = swap_group["results"]["outage"]
+    ref_curve = {(rec["ranks"][s], int(s)): loss for rec in ref.values() for s, loss in rec["losses"].items()}
+    curve = {(rec["ranks"][s], int(s)): loss for rec in res.values() for s, loss in rec["losses"].items()}
+    assert curve.keys() == ref_curve.keys()
+    assert all(curve[k_] == pytest.approx(ref_curve[k_], rel=1e-6, abs=1e-9) for k_ in curve)
+    assert swap_group["multi_state"] == "COMPLETED"
+
+
 def test_outage_training_continues(swap_group):
     assert all(c == 0 for c in swap_group["codes"]["outage"].values()), swap_group["codes"]
     ref = swap_group["results"]["outage"]
@@ -184,6 +218,7 @@ def test_outage_training_continues(swap_group):
 def fault_group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migrator-faults")
     planes = {n: _plane(tmp, n) for n in ("spare-dies", "shrink", "checkpoint")}
+    planes["cancel"] = _plane(tmp, "cancel", lead_seconds=3600.0)    # at_step far beyond the run
     registrations = []
     shrink_jobs = planes["shrink"][0].jobs
     original_register = shrink_jobs.register
@@ -200,11 +235,18 @@ def fault_group(tmp_path_factory):
         jobs["shrink"] = _launch("shrink", planes["shrink"][1], tmp, [], fallback="shrink")
         jobs["checkpoint"] = _launch("checkpoint", planes["checkpoint"][1], tmp, [], registered_spares=[SPARE],
                                      fallback="checkpoint_exit")
+        jobs["cancel"] = _launch("cancel", planes["cancel"][1], tmp, [SPARE])
         directives = {}
         for name, job in jobs.items():
             _wait_registered(planes[name][0], name)
             job.wait_progress(8, timeout=90)
             directives[name] = _drain(planes[name][1], NODES[1], f"test: {name}")
+        cancel_plane = planes["cancel"][0]
+        cancel_id = directives["cancel"].directive_id
+        end = time.monotonic() + 30
+        while cancel_plane.store.directive(cancel_id).state.name != "ACCEPTED" and time.monotonic() < end:
+            time.sleep(0.02)       # every rank has heard of it and agreed; its step is still far off
+        cancel_plane.jobs.cancel(cancel_id, "test: risk cleared")
         codes = {name: job.wait(timeout=120) for name, job in jobs.items()}
         listed = {n: {d.directive_id: d for d in p.jobs.list(n)} for n, (p, _) in planes.items()}
         acks = {n: p.store.acks(directives[n].directive_id) for n, (p, _) in planes.items()}
@@ -275,3 +317,15 @@ def test_no_spare_in_standby_checkpoints_and_exits(fault_group):
     assert fault_group["listed"]["checkpoint"][d.directive_id].state.name == "COMPLETED"
     done = [a for a in fault_group["acks"]["checkpoint"] if a.phase.name == "COMPLETED"]
     assert "no spare in standby" in done[0].reason
+
+
+def test_cancelled_before_its_step_nothing_happens(fault_group):
+    assert all(c == 0 for c in fault_group["codes"]["cancel"].values())
+    res = fault_group["results"]["cancel"]
+    for r in range(4):
+        rec = res[f"rank{r}"]
+        assert rec["exit"] == "finished" and _steps(rec) == list(range(STEPS)) and not rec["changes"]
+    assert res[f"spare-{SPARE}"]["exit"] == "released"
+    d = fault_group["listed"]["cancel"][fault_group["directives"]["cancel"].directive_id]
+    assert d.state.name == "CANCELLED" and d.at_step > STEPS
+    assert [a.phase.name for a in fault_group["acks"]["cancel"]] == ["ACCEPTED"]
