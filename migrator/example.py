@@ -230,7 +230,10 @@ class Job:
         return self.wait(timeout=grace)
 
     def results(self) -> list[dict]:
-        return [json.loads(f.read_text()) for f in sorted(self.out_dir.glob("*.json"))]
+        """What each process of this job wrote (files of earlier runs in the same folder are skipped)."""
+        pids = {p.pid for p in self.processes.values()}
+        records = [json.loads(f.read_text()) for f in sorted(self.out_dir.glob("*.json"))]
+        return [r for r in records if r.get("pid") in pids]
 
 
 _CTX = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,27 @@ def test_import_needs_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_the_documented_loop_runs():
+    """docs/migrator.md's example, as written, on a one-rank world hosting its own store."""
+    import re
+    pytest.importorskip("torch")
+    doc = (REPO / "docs" / "migrator.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1).replace("10_000", "20")
+    prelude = ("import torch\n"
+               "def load_batch(step, rank, world):\n"
+               "    g = torch.Generator().manual_seed(step * 10 + rank)\n"
+               "    return torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"PATH": "/usr/bin:/bin", "FORESHOCK_JOB_ID": "doc", "RANK": "0", "WORLD_SIZE": "1",
+           "FORESHOCK_STORE": f"127.0.0.1:{port}", "FORESHOCK_HOST_STORE": "1"}
+    out = subprocess.run([sys.executable, "-c", prelude + code + "\nprint('steps', mig.step, position.next_step)"],
+                         env=env, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["steps", "20", "20"]
 
 
 def test_config_from_env_with_torchrun_fallbacks():
