@@ -18,7 +18,8 @@ from pathlib import Path
 from foreshock import config
 
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
-                  "neg_rate": 0.02, "hard_neg_rate": 0.25, "max_iter": 300, "seed": 0}
+                  "neg_rate": 0.02, "hard_neg_rate": 0.25, "max_iter": 300, "seed": 0,
+                  "prior_scale": 1.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0}
 
 
@@ -34,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--hard-neg-rate", type=float, dest="hard_neg_rate")
     p.add_argument("--max-iter", type=int, dest="max_iter")
     p.add_argument("--seed", type=int)
+    p.add_argument("--prior-scale", type=float, dest="prior_scale",
+                   help="the training data's incident rate over the deployment's (simulate --rate-scale): "
+                        "probabilities are moved to the deployment's base rate")
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
     e.add_argument("--data", help="dataset directory (held out: later weeks, another cluster)")
@@ -92,7 +96,7 @@ def run_train(args, file_data) -> int:
             manifest = train.train(cfg["data"], cfg["out"], horizon_s=int(cfg["horizon_minutes"] * 60),
                                    budget=cfg["budget"], val_fraction=cfg["val_fraction"], neg_rate=cfg["neg_rate"],
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
-                                   progress=progress, command=command)
+                                   prior_scale=cfg["prior_scale"], progress=progress, command=command)
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1

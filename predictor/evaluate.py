@@ -73,11 +73,12 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
         starts, ends = _episodes(alert)
         episodes += len(starts)
         e = ns.step_end_ns
-        for s, t in zip(starts, ends):
+        if len(starts):
             # true when an incident follows within the horizon of a step of the episode
-            k = np.searchsorted(inc_ts, e[s], side="right")
-            if not (k < len(inc_ts) and inc_ts[k] <= e[t] + h):
-                false_evac += 1
+            k = np.searchsorted(inc_ts, e[starts], side="right")
+            nxt = inc_ts[np.minimum(k, len(inc_ts) - 1)] if len(inc_ts) else np.zeros(len(k), np.int64)
+            true = (k < len(inc_ts)) & (nxt <= e[ends] + h)
+            false_evac += int((~true).sum())
         if len(alert) == 0:
             continue
         ae = e[alert]

@@ -116,3 +116,27 @@ class RuleBaseline(ClassifierMixin, BaseEstimator):
 
     def predict(self, X):
         return (self.predict_proba(X)[:, 1] > 0).astype(int)
+
+
+class PriorShift(ClassifierMixin, BaseEstimator):
+    """Calibrated probabilities moved to another base rate: the odds divided by `scale`.
+
+    For a model trained and calibrated on data whose incident rate is `scale` times the deployment's
+    (a simulator run with --rate-scale), Bayes' rule with the prior odds changed by 1/scale.
+    """
+
+    def __init__(self, estimator=None, scale: float = 1.0):
+        self.estimator = estimator
+        self.scale = scale
+
+    def fit(self, X=None, y=None):
+        self.classes_ = np.array([0, 1])
+        return self
+
+    def predict_proba(self, X):
+        p = np.clip(self.estimator.predict_proba(X)[:, 1], 0.0, 1.0)
+        q = p / (p + (1.0 - p) * float(self.scale))
+        return np.column_stack([1.0 - q, q])
+
+    def predict(self, X):
+        return (self.predict_proba(X)[:, 1] >= 0.5).astype(int)

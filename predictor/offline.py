@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -127,13 +126,13 @@ class PeerTotals:
         return self.count[group][safe, s], self.total[group][safe, s], self.nonzero[group][safe, s]
 
 
-def densify(base: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One node's base frame -> (steps [T] from its first to last step, base [T, S], present [T])."""
-    steps_have = base.index.get_level_values(1).to_numpy().astype(np.int64)
+def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One node's step signals -> (steps [T] from its first to last step, base [T, S], present [T])."""
+    steps_have = base.step.astype(np.int64)
     first, last = int(steps_have.min()), int(steps_have.max())
     steps = np.arange(first, last + 1, dtype=np.int64)
     x = np.full((len(steps), len(sg.BASE_NAMES)), np.nan)
-    x[steps_have - first] = base.to_numpy()
+    x[steps_have - first] = base.values
     present = np.zeros(len(steps), dtype=bool)
     present[steps_have - first] = True
     return steps, x, present

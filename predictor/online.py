@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from foreshock import schema as sch
@@ -75,7 +74,7 @@ class OnlineScorer:
         self.reference = (np.asarray(ref, dtype=np.float32) if ref is not None
                           else np.zeros(ft.N_FEATURES, dtype=np.float32))
         self._stage = sg.SampleStage(ft.STEP_SECONDS)
-        self._pending: dict[str, list[pd.DataFrame]] = collections.defaultdict(list)
+        self._pending: dict[str, list[sg.Samples]] = collections.defaultdict(list)
         self._pending_rows = 0
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
@@ -114,10 +113,10 @@ class OnlineScorer:
         self._add_nodes(new)
         samples = self._stage.samples(table, batch)
         if self._next_step is not None and len(samples):
-            late = samples["step"].to_numpy() < self._next_step
+            late = samples.step < self._next_step
             if late.any():
                 self.stats["late_rows"] += int(late.sum())
-                samples = samples[~late]
+                samples = samples.select(~late)
         if len(samples):
             self._pending[table].append(samples)
             self._pending_rows += len(samples)
@@ -139,6 +138,8 @@ class OnlineScorer:
         for n in new:
             self._index[n] = len(self._nodes)
             self._nodes.append(n)
+            # the stage's node codes are the scorer's node indices
+            assert self._stage.node_code(n) == self._index[n]
         self._state = self._state.grow(len(new))
         self._features = np.concatenate([self._features, np.full((len(new), ft.N_FEATURES), np.nan, np.float32)])
         self._scored = np.concatenate([self._scored, np.zeros(len(new), dtype=bool)])
@@ -146,6 +147,8 @@ class OnlineScorer:
     def _bound_pending(self) -> None:
         while self._pending_rows > self.max_pending_rows:
             table = max(self._pending, key=lambda t: sum(len(p) for p in self._pending[t]))
+            if not self._pending[table]:
+                break
             dropped = self._pending[table].pop(0)
             self._pending_rows -= len(dropped)
             self.stats["dropped_pending_rows"] += len(dropped)
@@ -171,7 +174,7 @@ class OnlineScorer:
         now_ns = int(self._clock() * 1e9) if now_ns is None else int(now_ns)
         close = (now_ns - self.grace_ns) // self.step_ns   # steps < close are closed
         if self._next_step is None:
-            firsts = [int(p["step"].min()) for parts in self._pending.values() for p in parts if len(p)]
+            firsts = [int(p.step.min()) for parts in self._pending.values() for p in parts if len(p)]
             if not firsts:
                 return 0
             self._next_step = min(firsts)
@@ -186,14 +189,13 @@ class OnlineScorer:
         for table, parts in list(self._pending.items()):
             if not parts:
                 continue
-            data = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-            st = data["step"].to_numpy()
-            done = st < close
-            old = st < self._next_step
+            data = sg.Samples.concat(parts)
+            done = data.step < close
+            old = data.step < self._next_step
             if old.any():
                 self.stats["late_rows"] += int(old.sum())
-            use = data[done & ~old]
-            rest = data[~done]
+            use = data.select(done & ~old)
+            rest = data.select(~done)
             self._pending[table] = [rest] if len(rest) else []
             self._pending_rows -= int(done.sum())
             if len(use):
@@ -203,9 +205,7 @@ class OnlineScorer:
         n, t = len(self._nodes), len(steps)
         x = np.full((n, t, len(sg.BASE_NAMES)), np.nan)
         if len(base):
-            node_idx = np.array([self._index[v] for v in base.index.get_level_values(0)])
-            step_idx = base.index.get_level_values(1).to_numpy().astype(np.int64) - int(steps[0])
-            x[node_idx, step_idx] = base.to_numpy()
+            x[base.node, base.step - int(steps[0])] = base.values
         present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
         codes = {g: self._group_code_array(g) for g in ft.PEER_GROUPS}
         peers = np.empty((n, t, len(ft.PEER_SIGNALS)))
@@ -222,18 +222,22 @@ class OnlineScorer:
         self._next_step = int(close)
         return t
 
-    def _track_worst(self, table: str, samples: pd.DataFrame) -> None:
+    def _track_worst(self, table: str, samples: sg.Samples) -> None:
         for signal, (tbl, column, kind) in ex.ENTITY_SIGNALS.items():
-            if tbl != table or column not in samples:
+            if tbl != table or column not in samples.cols:
                 continue
-            sums = samples.groupby(["node", "key"])[column].sum()
-            sums = sums[sums > 0]
-            if not len(sums):
+            v = np.nan_to_num(samples.cols[column])
+            keys, inv = np.unique(samples.key, return_inverse=True)
+            sums = np.bincount(inv, weights=v, minlength=len(keys))
+            ok = sums > 0
+            if not ok.any():
                 continue
-            best = sums.groupby(level=0).idxmax()
-            for node, (_, key) in best.items():
-                entity = key.split("\x1f", 1)[1].replace("\x1f", "/") if "\x1f" in key else key
-                self._worst[node][signal] = f"{kind} {entity}"
+            keys, sums = keys[ok], sums[ok]
+            nodes = keys // sg.NODE_SHIFT
+            order = np.lexsort((-sums, nodes))
+            firsts = order[sg._segments(nodes[order])]
+            for k in firsts:
+                self._worst[self._nodes[int(nodes[k])]][signal] = self._stage.entity_label(int(keys[k]))
 
     def score(self, now_ns: int | None = None) -> ScoreBatch:
         """Advance the closed steps and score every node that has had data. Vectorised across nodes."""

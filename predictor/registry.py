@@ -43,6 +43,7 @@ REQUIRED_KEYS = ("version", "schema_version", "feature_version", "feature_names"
 TRUSTED_TYPES: tuple[str, ...] = (
     "foreshock.predictor.model.FeatureGuard",
     "foreshock.predictor.model.RuleBaseline",
+    "foreshock.predictor.model.PriorShift",
     "foreshock.predictor.model._signed_log1p",
     "numpy.dtype",
     "sklearn.calibration._CalibratedClassifier",

@@ -30,7 +30,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -270,12 +269,6 @@ def _needed_columns(table: str) -> list[str]:
     return out
 
 
-def _num(df: pd.DataFrame, col: str) -> np.ndarray:
-    if col not in df:
-        return np.full(len(df), np.nan)
-    return pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-
-
 def counter_delta(cur: np.ndarray, prev: np.ndarray, width: int | None) -> np.ndarray:
     """Delta of a cumulative counter between two samples: wrap near the top of `width`, else reset.
 
@@ -303,214 +296,366 @@ class StageStats:
         return cls(Counter(), Counter())
 
 
+NODE_SHIFT = 1 << 20   # entity key = node code * NODE_SHIFT + entity code
+STEP_SHIFT = 1 << 32   # step key = node code * STEP_SHIFT + step
+
+
+@dataclass
+class Samples:
+    """A block of per-row sample values: node code, step, entity key, and the sample columns."""
+    node: np.ndarray
+    step: np.ndarray
+    key: np.ndarray
+    cols: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def select(self, mask: np.ndarray) -> "Samples":
+        return Samples(self.node[mask], self.step[mask], self.key[mask], {k: v[mask] for k, v in self.cols.items()})
+
+    @staticmethod
+    def concat(blocks: list["Samples"]) -> "Samples":
+        blocks = [b for b in blocks if len(b)]
+        if len(blocks) == 1:
+            return blocks[0]
+        if not blocks:
+            return Samples.empty()
+        names = blocks[0].cols.keys()
+        return Samples(np.concatenate([b.node for b in blocks]), np.concatenate([b.step for b in blocks]),
+                       np.concatenate([b.key for b in blocks]),
+                       {k: np.concatenate([b.cols[k] for b in blocks]) for k in names})
+
+    @staticmethod
+    def empty() -> "Samples":
+        z = np.zeros(0, dtype=np.int64)
+        return Samples(z, z, z, {})
+
+
+def _float(batch: pa.Table, name: str) -> np.ndarray:
+    if name not in batch.column_names:
+        return np.full(batch.num_rows, np.nan)
+    col = batch.column(name)
+    if not pa.types.is_floating(col.type):
+        col = pc.cast(col, pa.float64(), safe=False)
+    return col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+
+
+def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list]:
+    """(per-row code, the distinct values) of a column, nulls as the value None."""
+    enc = pc.dictionary_encode(col).combine_chunks()
+    idx = enc.indices.to_numpy(zero_copy_only=False)
+    values = enc.dictionary.to_pylist()
+    if enc.null_count:
+        idx = np.where(np.isnan(idx.astype(np.float64)), len(values), idx)
+        values = values + [None]
+    return idx.astype(np.int64), values
+
+
 class SampleStage:
     """Per-row sample values with counter deltas; carries each entity's last sample across batches.
 
-    The state is bounded by the number of entities (nodes x GPUs/ports/interfaces) it has seen.
+    The state is bounded by the number of entities (nodes x GPUs/ports/interfaces) it has seen. Node
+    codes are assigned in order of first sight (`node_code`), so a caller can keep them in step
+    with its own node index.
     """
 
     def __init__(self, step_seconds: int = STEP_SECONDS):
         self.step_ns = int(step_seconds) * 1_000_000_000
-        # table -> DataFrame indexed by entity key: last ts and the raw counter columns
-        self._last: dict[str, pd.DataFrame] = {}
+        self.node_index: dict[str, int] = {}
+        self.node_names: list[str] = []
+        self._entity_index: dict[tuple, int] = {}
+        self.entity_labels: list[str] = []
+        # table -> (sorted entity keys, last ts, last raw counter values [n, c])
+        self._last: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.stats = StageStats.new()
 
-    def forget_nodes(self, nodes) -> None:
-        nodes = set(nodes)
-        for table, last in self._last.items():
-            keep = ~last["node"].isin(nodes)
-            self._last[table] = last[keep]
+    def node_code(self, name: str) -> int:
+        code = self.node_index.get(name)
+        if code is None:
+            code = self.node_index[name] = len(self.node_names)
+            self.node_names.append(name)
+        return code
 
-    def samples(self, table: str, batch: pa.Table | pd.DataFrame) -> pd.DataFrame:
-        """Rows of one schema-v1 table to sample values (node, step, entity key, sample columns)."""
+    def _node_codes(self, batch: pa.Table) -> np.ndarray:
+        idx, values = _codes(batch.column("node"))
+        return np.array([self.node_code(str(v)) for v in values], dtype=np.int64)[idx]
+
+    def _entity_codes(self, table: str, batch: pa.Table) -> np.ndarray:
+        keys = ENTITY.get(table, ())
+        n = batch.num_rows
+        if not keys:
+            return np.zeros(n, dtype=np.int64)
+        parts, dicts = [], []
+        for k in keys:
+            idx, values = _codes(batch.column(k))
+            parts.append(idx)
+            dicts.append(values)
+        combo = parts[0]
+        for p_, d in zip(parts[1:], dicts[1:]):
+            combo = combo * (len(d) + 1) + p_
+        uniq, inv = np.unique(combo, return_inverse=True)
+        out = np.empty(len(uniq), dtype=np.int64)
+        for j, c in enumerate(uniq):
+            vals = []
+            for d in reversed(dicts):
+                vals.append(d[c % (len(d) + 1)] if c % (len(d) + 1) < len(d) else None)
+                c //= (len(d) + 1)
+            vals = tuple(reversed(vals))
+            label = (f"GPU {vals[0]}" if table in ("gpu", "nvlink") else
+                     f"{vals[0]}/{vals[1]}" if table == "rdma_port" else str(vals[0]))
+            ent = self._entity_index.get((table, vals))
+            if ent is None:
+                ent = self._entity_index[(table, vals)] = len(self.entity_labels)
+                self.entity_labels.append(label)
+            out[j] = ent
+        return out[inv]
+
+    def entity_label(self, key: int) -> str:
+        return self.entity_labels[int(key) % NODE_SHIFT]
+
+    def samples(self, table: str, batch: pa.Table) -> Samples:
+        """Rows of one schema-v1 table (any nodes) to sample values."""
         if table not in REDUCTIONS:
             raise sch.SchemaError(f"table {table!r} has no base signals; known: {list(REDUCTIONS)}")
-        df = self._frame(table, batch)
-        self.stats.rows[table] += len(df)
+        self.stats.rows[table] += batch.num_rows
+        if batch.num_rows == 0:
+            return Samples.empty()
+        ts = pc.cast(batch.column("ts"), pa.int64()).to_numpy(zero_copy_only=False).astype(np.int64)
+        node = self._node_codes(batch)
         if table == "events":
-            return self._event_samples(df)
-        if len(df) == 0:
-            return pd.DataFrame(columns=["node", "step", "key"])
-        keys = ENTITY[table]
-        key = df["node"].astype(str)
-        for k in keys:
-            key = key + "\x1f" + df[k].astype(str)
-        df["key"] = key.to_numpy()
-        df = df.sort_values(["key", "ts"], kind="stable").reset_index(drop=True)
+            return self._event_samples(batch, ts, node)
+        key = node * NODE_SHIFT + self._entity_codes(table, batch)
+        order = np.lexsort((ts, key))
+        ts, node, key = ts[order], node[order], key[order]
         counters = COUNTERS[table]
         raw_cols = [c for spec in counters for c in spec.columns]
-        # previous sample of each row: the row before it of the same entity, or the carried state
-        same = np.zeros(len(df), dtype=bool)
-        kv = df["key"].to_numpy()
-        same[1:] = kv[1:] == kv[:-1]
-        first_idx = np.flatnonzero(~same)
-        last_state = self._last.get(table)
-        prev_ts = np.empty(len(df), dtype=np.int64)
-        tsv = df["ts"].to_numpy()
-        prev_ts[1:] = tsv[:-1]
-        prev_ts[first_idx] = np.iinfo(np.int64).min
-        raw = {c: _num(df, c) for c in raw_cols}
-        prev_raw = {}
-        for c in raw_cols:
-            p = np.empty(len(df))
-            p[1:] = raw[c][:-1]
-            p[first_idx] = np.nan
-            prev_raw[c] = p
-        if last_state is not None and len(last_state):
-            firsts = kv[first_idx]
-            hit = last_state.reindex(firsts)
-            found = hit["ts"].notna().to_numpy()
-            rows = first_idx[found]
-            prev_ts[rows] = hit["ts"].to_numpy()[found].astype(np.int64)
+        raw = {c: _float(batch, c)[order] for c in raw_cols}
+        extra = {c: _float(batch, c)[order] for c in _needed_columns(table)
+                 if c not in raw and c not in ("ts", "node", *ENTITY.get(table, ())) and table != "events"}
+        while True:
+            n = len(ts)
+            first = np.ones(n, dtype=bool)
+            first[1:] = key[1:] != key[:-1]
+            prev_ts = np.empty(n, dtype=np.int64)
+            prev_ts[1:] = ts[:-1]
+            prev_ts[first] = np.iinfo(np.int64).min
+            prev = {}
             for c in raw_cols:
-                prev_raw[c][rows] = hit[c].to_numpy(dtype=np.float64)[found]
-        # duplicates and late rows (not newer than the entity's last sample) are dropped
-        late = tsv <= prev_ts
-        if late.any():
+                p_ = np.empty(n)
+                p_[1:] = raw[c][:-1]
+                p_[first] = np.nan
+                prev[c] = p_
+            state = self._last.get(table)
+            if state is not None and len(state[0]):
+                skeys, sts, svals = state
+                fi = np.flatnonzero(first)
+                pos = np.clip(np.searchsorted(skeys, key[fi]), 0, len(skeys) - 1)
+                hit = skeys[pos] == key[fi]
+                rows, pos = fi[hit], pos[hit]
+                prev_ts[rows] = sts[pos]
+                for j, c in enumerate(raw_cols):
+                    prev[c][rows] = svals[pos, j]
+            late = ts <= prev_ts
+            if not late.any():
+                break
+            # duplicates and rows not newer than their entity's last sample are dropped
             self.stats.dropped_late[table] += int(late.sum())
-            # a late row must not become anyone's "previous": re-run without it
-            df = df[~late].drop(columns=["key"])
-            self.stats.rows[table] -= len(df)
-            return self.samples(table, df) if len(df) else pd.DataFrame(columns=["node", "step", "key"])
-        out = pd.DataFrame({"node": df["node"].to_numpy(), "step": tsv // self.step_ns, "key": kv})
+            keep = ~late
+            ts, node, key = ts[keep], node[keep], key[keep]
+            raw = {c: v[keep] for c, v in raw.items()}
+            extra = {c: v[keep] for c, v in extra.items()}
+            if len(ts) == 0:
+                return Samples.empty()
+        cols: dict[str, np.ndarray] = {}
         for spec in counters:
             total = None
             for c in spec.columns:
-                d = counter_delta(raw[c], prev_raw[c], spec.width)
+                d = counter_delta(raw[c], prev[c], spec.width)
                 total = d if total is None else total + d
-            out[spec.sample] = total
-        self._table_samples(table, df, out)
+            cols[spec.sample] = total
+        self._table_samples(table, extra, raw, cols, len(ts))
         # carry each entity's last sample
-        last_idx = np.append(first_idx[1:] - 1, len(df) - 1)
-        new_last = pd.DataFrame({"node": df["node"].to_numpy()[last_idx], "ts": tsv[last_idx]},
-                                index=pd.Index(kv[last_idx], name="key"))
-        for c in raw_cols:
-            new_last[c] = raw[c][last_idx]
-        if last_state is not None and len(last_state):
-            new_last = pd.concat([last_state[~last_state.index.isin(new_last.index)], new_last])
-        self._last[table] = new_last
-        return out
+        last = np.ones(len(ts), dtype=bool)
+        last[:-1] = key[1:] != key[:-1]
+        new_keys, new_ts = key[last], ts[last]
+        new_vals = (np.column_stack([raw[c][last] for c in raw_cols]) if raw_cols
+                    else np.zeros((int(last.sum()), 0)))
+        state = self._last.get(table)
+        if state is not None and len(state[0]):
+            skeys, sts, svals = state
+            keep = ~np.isin(skeys, new_keys)
+            new_keys = np.concatenate([skeys[keep], new_keys])
+            new_ts = np.concatenate([sts[keep], new_ts])
+            new_vals = np.concatenate([svals[keep], new_vals])
+        o = np.argsort(new_keys, kind="stable")
+        self._last[table] = (new_keys[o], new_ts[o], new_vals[o])
+        return Samples(node, ts // self.step_ns, key, cols)
 
-    def _frame(self, table: str, batch) -> pd.DataFrame:
-        if isinstance(batch, pd.DataFrame):
-            return batch.reset_index(drop=True)
-        cols = [c for c in _needed_columns(table) if c in batch.column_names]
-        batch = batch.select(cols)
-        ts = batch.column("ts")
-        if pa.types.is_timestamp(ts.type):
-            batch = batch.set_column(batch.column_names.index("ts"), "ts", pc.cast(ts, pa.int64()))
-        df = batch.to_pandas()
-        df["ts"] = df["ts"].astype(np.int64)
-        return df
-
-    def _table_samples(self, table: str, df: pd.DataFrame, out: pd.DataFrame) -> None:
-        n = len(df)
+    def _table_samples(self, table: str, col: dict, raw: dict, out: dict, n: int) -> None:
         out["one"] = np.ones(n)
         if table == "gpu":
-            out["temperature_c"] = _num(df, "temperature_c")
-            out["hbm_temperature_c"] = _num(df, "hbm_temperature_c")
-            out["sm_clock_mhz"] = _num(df, "sm_clock_mhz")
-            reasons = _num(df, "clock_event_reasons")
+            out["temperature_c"] = col["temperature_c"]
+            out["hbm_temperature_c"] = col["hbm_temperature_c"]
+            out["sm_clock_mhz"] = col["sm_clock_mhz"]
+            reasons = col["clock_event_reasons"]
             thr = np.full(n, np.nan)
             ok = ~np.isnan(reasons)
             thr[ok] = ((reasons[ok].astype(np.uint64) & np.uint64(THERMAL_REASONS)) != 0).astype(float)
             out["throttled"] = thr
-            out["gpu_lost"] = _num(df, "gpu_lost")
-            out["remap_pending"] = _num(df, "remapped_rows_pending")
-            out["remap_failure"] = _num(df, "remapped_rows_failure")
-            out["pcie_width_deficit"] = np.maximum(_num(df, "pcie_link_width_max") - _num(df, "pcie_link_width"), 0)
-            out["pcie_gen_deficit"] = np.maximum(_num(df, "pcie_link_gen_max") - _num(df, "pcie_link_gen"), 0)
+            out["gpu_lost"] = col["gpu_lost"]
+            out["remap_pending"] = col["remapped_rows_pending"]
+            out["remap_failure"] = col["remapped_rows_failure"]
+            out["pcie_width_deficit"] = np.maximum(col["pcie_link_width_max"] - col["pcie_link_width"], 0)
+            out["pcie_gen_deficit"] = np.maximum(col["pcie_link_gen_max"] - col["pcie_link_gen"], 0)
         elif table == "nvlink":
-            out["nvl_errors"] = np.nansum([out[s].to_numpy() for s in NVL_ERRORS], axis=0)
-            out["links_down"] = np.maximum(_num(df, "links_total") - _num(df, "links_up"), 0)
+            out["nvl_errors"] = _nansum([out[s_] for s_ in NVL_ERRORS])
+            out["links_down"] = np.maximum(col["links_total"] - col["links_up"], 0)
         elif table == "rdma_port":
-            out["ib_link_errors"] = np.nansum([out[s].to_numpy() for s in IB_LINK_ERRORS], axis=0)
-            state, phys = _num(df, "state"), _num(df, "phys_state")
-            down = np.where(np.isnan(state), np.nan, ((state != 4) | (~np.isnan(phys) & (phys != 5))).astype(float))
-            out["port_down"] = down
+            out["ib_link_errors"] = _nansum([out[s_] for s_ in IB_LINK_ERRORS])
+            state, phys = col["state"], col["phys_state"]
+            out["port_down"] = np.where(np.isnan(state), np.nan,
+                                        ((state != 4) | (~np.isnan(phys) & (phys != 5))).astype(float))
             sat = np.zeros(n)
             for name in IB_SATURATING:
-                v = _num(df, name)
+                v = raw[name] if name in raw else col[name]
                 sat = np.maximum(sat, (v >= float(2 ** sch.IB_PORT_COUNTERS[name] - 1)).astype(float))
             out["saturated"] = sat
         elif table == "netdev":
-            carrier = _num(df, "carrier")
+            carrier = col["carrier"]
             out["no_carrier"] = np.where(np.isnan(carrier), np.nan, 1.0 - carrier)
         elif table == "path_probe":
-            out["rtt_ms"] = _num(df, "rtt_ms")
-            out["loss_ratio"] = _num(df, "loss_ratio")
+            out["rtt_ms"] = col["rtt_ms"]
+            out["loss_ratio"] = col["loss_ratio"]
 
-    def _event_samples(self, df: pd.DataFrame) -> pd.DataFrame:
-        n = len(df)
-        out = pd.DataFrame({"node": df["node"].to_numpy() if n else [], "step": (df["ts"].to_numpy() // self.step_ns) if n else []})
-        out["key"] = out["node"]
-        if n == 0:
-            return out
-        kind = df["kind"].astype(str).to_numpy()
-        sev = df["severity"].astype(str).to_numpy() if "severity" in df else np.full(n, "")
-        xid = _num(df, "xid")
-        is_xid = kind == "xid"
-        out["xid_fatal"] = (is_xid & (sev == "fatal")).astype(float)
-        out["xid_precursor"] = (is_xid & (sev == "precursor")).astype(float)
-        out["xid_application"] = (is_xid & (sev == "application")).astype(float)
-        out["xid_nvlink"] = (is_xid & np.isin(xid, NVLINK_XIDS)).astype(float)
-        out["link_state"] = (kind == "link_state").astype(float)
-        out["nic_error"] = (kind == "nic_error").astype(float)
-        out["gpu_lost_event"] = (kind == "gpu_lost").astype(float)
-        return out
+    def _event_samples(self, batch: pa.Table, ts: np.ndarray, node: np.ndarray) -> Samples:
+        def is_(col, value):
+            if col not in batch.column_names:
+                return np.zeros(batch.num_rows, dtype=bool)
+            return pc.fill_null(pc.equal(batch.column(col), value), False).to_numpy(zero_copy_only=False)
+
+        xid = _float(batch, "xid")
+        is_xid = is_("kind", "xid")
+        cols = {
+            "xid_fatal": (is_xid & is_("severity", "fatal")).astype(float),
+            "xid_precursor": (is_xid & is_("severity", "precursor")).astype(float),
+            "xid_application": (is_xid & is_("severity", "application")).astype(float),
+            "xid_nvlink": (is_xid & np.isin(xid, NVLINK_XIDS)).astype(float),
+            "link_state": is_("kind", "link_state").astype(float),
+            "nic_error": is_("kind", "nic_error").astype(float),
+            "gpu_lost_event": is_("kind", "gpu_lost").astype(float),
+        }
+        return Samples(node, ts // self.step_ns, node * NODE_SHIFT, cols)
 
 
-def reduce_steps(table: str, samples: pd.DataFrame) -> pd.DataFrame:
-    """Sample values of one table to base signals per (node, step). Exact: independent of batching."""
+def _nansum(arrays: list[np.ndarray]) -> np.ndarray:
+    stack = np.vstack(arrays)
+    out = np.where(np.isnan(stack), 0.0, stack).sum(axis=0)
+    return np.where(np.isnan(stack).all(axis=0), np.nan, out)
+
+
+@dataclass
+class StepSignals:
+    """Per (node, step) signals: keys = node code * STEP_SHIFT + step, values [G, len(names)]."""
+    keys: np.ndarray
+    names: tuple[str, ...]
+    values: np.ndarray
+
+    @property
+    def node(self) -> np.ndarray:
+        return self.keys // STEP_SHIFT
+
+    @property
+    def step(self) -> np.ndarray:
+        return self.keys % STEP_SHIFT
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[:, self.names.index(name)]
+
+    def row(self, i: int) -> dict[str, float]:
+        return dict(zip(self.names, self.values[i].tolist()))
+
+
+def _segments(sorted_group: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.flatnonzero(sorted_group[1:] != sorted_group[:-1]) + 1])
+
+
+def reduce_steps(table: str, s: Samples) -> StepSignals:
+    """Sample values of one table to signals per (node, step). Exact: independent of batching and order.
+
+    Sums are of integer-valued columns (deltas, counts), so their order does not matter; max and min
+    are order-free. A sum over only unknown values is unknown (NaN), not 0.
+    """
     spec = REDUCTIONS[table]
-    names = [s for s, _, _ in spec]
-    if samples is None or len(samples) == 0:
-        return pd.DataFrame(columns=names, index=pd.MultiIndex.from_arrays([[], []], names=["node", "step"]))
-    g = samples.groupby(["node", "step"], sort=True)
-    cols = {}
-    for signal, column, how in spec:
-        if how == "emax":
-            per_entity = samples.groupby(["node", "step", "key"], sort=True)[column].sum(min_count=1)
-            cols[signal] = per_entity.groupby(level=[0, 1]).max()
-        elif how == "sum":
-            cols[signal] = g[column].sum(min_count=1)
+    names = tuple(sig for sig, _, _ in spec)
+    if len(s) == 0:
+        return StepSignals(np.zeros(0, np.int64), names, np.zeros((0, len(names))))
+    gk = s.node * STEP_SHIFT + s.step
+    order = np.lexsort((s.key, gk))
+    gk_sorted = gk[order]
+    starts = _segments(gk_sorted)
+    keys = gk_sorted[starts]
+    key_sorted = s.key[order]
+    # segments of (group, entity) for the per-entity maxima
+    ent_starts = np.concatenate([[0], np.flatnonzero((gk_sorted[1:] != gk_sorted[:-1]) | (key_sorted[1:] != key_sorted[:-1])) + 1])
+    ent_group = np.searchsorted(starts, ent_starts, side="right") - 1
+    ent_group_starts = _segments(ent_group)
+    out = np.empty((len(keys), len(names)))
+    for j, (_sig, column, how) in enumerate(spec):
+        v = s.cols[column][order]
+        known = ~np.isnan(v)
+        if how in ("sum", "emax"):
+            seg = starts if how == "sum" else ent_starts
+            total = np.add.reduceat(np.where(known, v, 0.0), seg)
+            count = np.add.reduceat(known.astype(np.float64), seg)
+            total = np.where(count > 0, total, np.nan)
+            out[:, j] = total if how == "sum" else np.fmax.reduceat(total, ent_group_starts)
         elif how == "max":
-            cols[signal] = g[column].max()
+            out[:, j] = np.fmax.reduceat(v, starts)
         elif how == "min":
-            cols[signal] = g[column].min()
+            out[:, j] = np.fmin.reduceat(v, starts)
         else:  # pragma: no cover - the table above is fixed
             raise ValueError(how)
-    return pd.DataFrame(cols)
+    return StepSignals(keys, names, out)
 
 
-def finish(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """Join the per-table step frames of the same steps and derive the ratio signals; columns BASE_NAMES."""
-    frames = [f for f in frames if len(f)]
-    if not frames:
-        return pd.DataFrame(columns=list(BASE_NAMES),
-                            index=pd.MultiIndex.from_arrays([[], []], names=["node", "step"]))
-    joined = frames[0].join(frames[1:], how="outer") if len(frames) > 1 else frames[0]
-    out = joined.reindex(columns=list(BASE_NAMES) + [c for c in joined.columns if c.startswith("_")])
+def finish(blocks: list[StepSignals]) -> StepSignals:
+    """Join the per-table signals of the same (node, step) and derive the ratios; names BASE_NAMES."""
+    blocks = [b for b in blocks if len(b)]
+    if not blocks:
+        return StepSignals(np.zeros(0, np.int64), BASE_NAMES, np.zeros((0, len(BASE_NAMES))))
+    keys = np.unique(np.concatenate([b.keys for b in blocks]))
+    cols: dict[str, np.ndarray] = {}
+    for b in blocks:
+        pos = np.searchsorted(keys, b.keys)
+        for j, name in enumerate(b.names):
+            col = cols.get(name)
+            if col is None:
+                col = cols[name] = np.full(len(keys), np.nan)
+            col[pos] = b.values[:, j]
+    nan = np.full(len(keys), np.nan)
+    get = lambda name: cols.get(name, nan)  # noqa: E731
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cols["temp_spread"] = get("temp_max") - get("_temp_min")
+        cols["thermal_throttle_frac"] = get("_throttled") / get("_gpu_samples")
+        cols["ib_port_down_frac"] = get("_ib_down") / get("_ib_samples")
+        cols["eth_down_frac"] = get("_eth_nocarrier") / get("_eth_samples")
+        sent = get("tcp_out")
+        cols["tcp_retrans_ratio"] = np.where(sent > 0, get("tcp_retrans") / np.where(sent > 0, sent, 1.0), np.nan)
+    values = np.column_stack([get(n) for n in BASE_NAMES])
+    return StepSignals(keys, BASE_NAMES, values)
 
-    def col(name):
-        return out[name] if name in out else pd.Series(np.nan, index=out.index)
 
-    out["temp_spread"] = col("temp_max") - col("_temp_min")
-    out["thermal_throttle_frac"] = col("_throttled") / col("_gpu_samples")
-    out["ib_port_down_frac"] = col("_ib_down") / col("_ib_samples")
-    out["eth_down_frac"] = col("_eth_nocarrier") / col("_eth_samples")
-    retrans, sent = col("tcp_retrans"), col("tcp_out")
-    out["tcp_retrans_ratio"] = retrans / sent.where(sent > 0)
-    return out[list(BASE_NAMES)].astype(np.float64)
-
-
-def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECONDS) -> pd.DataFrame:
-    """The offline path for one node partition: every table at once, one row per (node, step) with data."""
+def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECONDS) -> StepSignals:
+    """The offline path for one node partition: every table at once, one row per step with data."""
     stage = SampleStage(step_seconds)
-    frames = []
+    blocks = []
     for table in TABLES:
         data = tables.get(table)
         if data is None or data.num_rows == 0:
             continue
-        frames.append(reduce_steps(table, stage.samples(table, data)))
-    return finish(frames)
+        blocks.append(reduce_steps(table, stage.samples(table, data)))
+    return finish(blocks)

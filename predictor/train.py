@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import warnings
 import platform
 import resource
 import time
@@ -48,7 +49,7 @@ def _hard(X: np.ndarray) -> np.ndarray:
 
 def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: float = 2.0,
           val_fraction: float = 0.3, neg_rate: float = 0.02, hard_neg_rate: float = 0.25,
-          cal_neg_rate: float = 0.2, max_iter: int = 300, seed: int = 0, progress=None,
+          cal_neg_rate: float = 0.2, max_iter: int = 300, seed: int = 0, prior_scale: float = 1.0, progress=None,
           command: str | None = None) -> dict:
     t_start = time.perf_counter()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -101,11 +102,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         logit = mdl.make_logistic().fit(Xtr, ytr)
         rule = mdl.RuleBaseline().fit()
         Xc, yc, wc = np.concatenate(cal_X), np.concatenate(cal_y), np.concatenate(cal_w)
+        # the weights are meant for the calibrator only (the frozen estimator is already fitted)
+        warnings.filterwarnings("ignore", message="Since FrozenEstimator does not appear to accept sample_weight")
         if yc.sum() == 0:
             raise ValueError(f"{data_dir}: no incidents in the validation slice (the last {val_fraction:.0%}); "
                              "cannot calibrate: simulate more days or a higher --rate-scale")
         model = CalibratedClassifierCV(FrozenEstimator(gbdt), method="isotonic").fit(Xc, yc, sample_weight=wc)
         logistic = CalibratedClassifierCV(FrozenEstimator(logit), method="isotonic").fit(Xc, yc, sample_weight=wc)
+        if prior_scale != 1.0:
+            model = mdl.PriorShift(model, prior_scale).fit()
+            logistic = mdl.PriorShift(logistic, prior_scale).fit()
         t_fit = time.perf_counter() - t_start - t_feat
         if progress:
             progress("fitting", 1, 1)
@@ -146,6 +152,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "recommended_threshold": chosen["model"],
         "threshold_curves": curves,
         "reference_features": reference.tolist(),
+        "prior_scale": float(prior_scale),
         "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "isotonic",
                       "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
                                                              if isinstance(v, (int, float, str, bool, type(None)))}},

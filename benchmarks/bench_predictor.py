@@ -1,0 +1,165 @@
+"""Predictor benchmarks: online scoring rounds at 10,000 nodes, offline feature throughput, training.
+
+    .venv/bin/python -m benchmarks predictor [--nodes 10000] [--rounds 5] [--model DIR]
+                                             [--train-data DIR] [--eval-data DIR]
+
+* online: an OnlineScorer with the shipped default model (or --model) is fed one step of schema-v1
+  rows (gpu, nvlink, rdma_port, host_net) for every node each round, through the real ingest path;
+  the figures are ingest time per round and score() time per round, split into the step's reduction
+  of the rows, features, prediction and explanations. Target: a scoring round under 50 ms at 10,000 nodes.
+* offline: base signals + features of one 8-GPU/8-HCA node-day (synthetic rows), in node-days per second.
+* --train-data DIR: `foreshock train` on that dataset (wall time and peak RSS; target: 30 days of
+  512 nodes in under 15 minutes and 8 GB). --eval-data DIR: `foreshock evaluate` figures on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from foreshock import schema as sch
+from foreshock.predictor import features as ft
+from foreshock.predictor import offline, online, registry, signals, synthetic
+
+STEP_NS = ft.STEP_SECONDS * 1_000_000_000
+
+
+def _step_tables(nodes: list[str], step: int, rng, gpus=8, hcas=8) -> dict[str, pa.Table]:
+    n = len(nodes)
+    ts = np.int64(step * STEP_NS + 20 * 10**9)
+    node_g = np.repeat(np.array(nodes, dtype=object), gpus)
+    gpu_idx = np.tile(np.arange(gpus, dtype=np.int16), n)
+    ts_g = pa.array(np.full(n * gpus, ts)).cast(sch.TS)
+    base = step * 1000
+    gpu = pa.table({"ts": ts_g, "node": pa.array(node_g, pa.string()), "gpu": gpu_idx,
+                    "temperature_c": (60 + rng.standard_normal(n * gpus)).astype(np.float32),
+                    "ecc_corrected_volatile": (base + rng.poisson(0.01, n * gpus)).astype(np.uint64),
+                    "pcie_replay_counter": np.full(n * gpus, base, dtype=np.uint64),
+                    "pcie_link_width": np.full(n * gpus, 16, np.int8), "pcie_link_width_max": np.full(n * gpus, 16, np.int8),
+                    "gpu_lost": np.zeros(n * gpus, bool)})
+    nvl = pa.table({"ts": ts_g, "node": pa.array(node_g, pa.string()), "gpu": gpu_idx,
+                    "crc_flit_errors": np.full(n * gpus, base, np.uint64), "replay_errors": np.full(n * gpus, base, np.uint64),
+                    "tx_kib": np.full(n * gpus, base * 1000, np.uint64), "rx_kib": np.full(n * gpus, base * 1000, np.uint64),
+                    "links_up": np.full(n * gpus, 18, np.int16), "links_total": np.full(n * gpus, 18, np.int16)})
+    node_h = np.repeat(np.array(nodes, dtype=object), hcas)
+    rd = pa.table({"ts": pa.array(np.full(n * hcas, ts)).cast(sch.TS), "node": pa.array(node_h, pa.string()),
+                   "device": pa.array([f"mlx5_{i}" for i in range(hcas)] * n), "port": np.ones(n * hcas, np.int16),
+                   "state": np.full(n * hcas, 4, np.int8), "phys_state": np.full(n * hcas, 5, np.int8),
+                   "symbol_error": np.full(n * hcas, base, np.uint64),
+                   "port_xmit_bytes": np.full(n * hcas, base * 10**6, np.uint64),
+                   "port_rcv_bytes": np.full(n * hcas, base * 10**6, np.uint64)})
+    hn = pa.table({"ts": pa.array(np.full(n, ts)).cast(sch.TS), "node": pa.array(nodes, pa.string()),
+                   "Tcp_OutSegs": np.full(n, base * 10, np.int64), "Tcp_RetransSegs": np.full(n, base // 100, np.int64)})
+    return {"gpu": gpu, "nvlink": nvl, "rdma_port": rd, "host_net": hn}
+
+
+def bench_online(n_nodes: int, rounds: int, model) -> None:
+    rng = np.random.default_rng(0)
+    nodes = [f"node-{i:05d}" for i in range(n_nodes)]
+    scorer = online.OnlineScorer(model, max_nodes=max(n_nodes, 1), max_pending_rows=10 * 20 * n_nodes)
+    scorer.set_inventory(synthetic.inventory(nodes, leaf_of=lambda i: f"leaf-{i // 32}", job_of=lambda i: f"job-{i // 512}"))
+    step0 = 29_666_000
+    ingest_s, score_s, parts = [], [], []
+    for r in range(rounds + 1):
+        tables = _step_tables(nodes, step0 + r, rng)
+        t0 = time.perf_counter()
+        for name, t in tables.items():
+            scorer.ingest(name, t)
+        t1 = time.perf_counter()
+        # time the parts of the round: reduce + features (advance), predict, explain
+        a0 = time.perf_counter()
+        scorer.advance((step0 + r + 1) * STEP_NS + 6 * 10**9)
+        a1 = time.perf_counter()
+        X = scorer._features[scorer._scored]
+        p = model.probability(X)
+        a2 = time.perf_counter()
+        top = np.argsort(-p)[:16]
+        from foreshock.predictor import explain
+        explain.explain(model.probability, X[top], p[top], scorer.reference)
+        a3 = time.perf_counter()
+        if r:  # the first round builds the node tables
+            ingest_s.append(t1 - t0)
+            score_s.append(a3 - a0)
+            parts.append((a1 - a0, a2 - a1, a3 - a2))
+    parts = np.array(parts)
+    print(f"online, {n_nodes} nodes (8 GPUs, 8 HCAs each), {rounds} rounds:")
+    print(f"  ingest per round (one step of gpu+nvlink+rdma_port+host_net rows, {n_nodes * 25:,} rows): "
+          f"median {1000 * np.median(ingest_s):.0f} ms")
+    print(f"  score round: median {1000 * np.median(score_s):.0f} ms  (step reduction + features "
+          f"{1000 * np.median(parts[:, 0]):.0f} ms, predict {1000 * np.median(parts[:, 1]):.0f} ms, "
+          f"explain top 16 {1000 * np.median(parts[:, 2]):.0f} ms); target < 50 ms")
+    # the features stage alone, as a scoring round sees it when rows were reduced at ingest
+    state = ft.FeatureState.empty(n_nodes)
+    x = np.zeros((n_nodes, 1, len(ft.ALL_NAMES)))
+    times = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        ft.compute(x, np.array([r]), state)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    model.probability(np.zeros((n_nodes, ft.N_FEATURES), np.float32))
+    tp = time.perf_counter() - t0
+    print(f"  features.compute alone: median {1000 * np.median(times):.0f} ms; predict_proba alone {1000 * tp:.0f} ms")
+
+
+def bench_offline() -> None:
+    tables = synthetic.node_tables("node-x", 1440, hcas=8)
+    t0 = time.perf_counter()
+    base = signals.node_base_signals(tables)
+    t1 = time.perf_counter()
+    steps, x, present = offline.densify(base)
+    full = np.concatenate([x, np.full((len(x), len(ft.PEER_SIGNALS)), np.nan)], axis=1)[None]
+    ft.compute(full, steps, ft.FeatureState.empty(1))
+    t2 = time.perf_counter()
+    print(f"offline, one 8-GPU/8-HCA node-day at 60 s: base signals {t1 - t0:.2f} s, features {t2 - t1:.2f} s "
+          f"({1 / (t2 - t0):.1f} node-days/s; 512 nodes x 30 days ~ {512 * 30 * (t2 - t0) / 60:.0f} min at this rate)")
+
+
+def _run(cmd: list[str]) -> tuple[float, float, str]:
+    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    rss = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 1024
+    if out.returncode:
+        print(out.stderr[-2000:], file=sys.stderr)
+    return wall, rss, out.stdout
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench_predictor")
+    ap.add_argument("--nodes", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--train-data", default=None)
+    ap.add_argument("--eval-data", default=None)
+    args = ap.parse_args(argv)
+    try:
+        model = registry.load_model(args.model)
+        print(f"model: {model.path} ({model.version})")
+    except registry.ModelError as exc:
+        print(f"no usable model ({exc}); using a tiny random one")
+        model = registry.load_model(synthetic.tiny_model_dir(Path(tempfile.mkdtemp()) / "m"))
+    bench_online(args.nodes, args.rounds, model)
+    bench_offline()
+    exe = [sys.executable, "-m", "foreshock.cli"]
+    if args.train_data:
+        out_dir = tempfile.mkdtemp(prefix="bench-model-")
+        wall, rss, out = _run(exe + ["train", "--data", args.train_data, "--out", out_dir])
+        print(f"train on {args.train_data}: {wall:.0f} s wall, peak RSS {rss:.0f} MB\n{out}")
+    if args.eval_data:
+        wall, rss, out = _run(exe + ["evaluate", "--data", args.eval_data] + (["--model", args.model] if args.model else []))
+        print(f"evaluate on {args.eval_data}: {wall:.0f} s wall, peak RSS {rss:.0f} MB\n{out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
