@@ -105,12 +105,12 @@ BENIGN_NODE = {
 # retrain, a memory-hungry kernel, a congested all-reduce). Per device-day rate, (low, high) events per
 # second while it lasts, median minutes; counters that move with it (counter, share).
 BENIGN_BURSTS = {
-    "ecc_corrected_volatile": ("gpu", 0.01, (0.3, 2.0), 15.0, ()),
-    "pcie_replay_counter": ("gpu", 0.01, (0.5, 3.0), 10.0, ()),
-    "crc_flit_errors": ("gpu", 0.01, (5.0, 40.0), 10.0, (("replay_errors", 0.5),)),
-    "symbol_error": ("hca", 0.01, (5.0, 60.0), 15.0, (("port_rcv_errors", 0.1),)),
-    "local_ack_timeout_err": ("hca", 0.01, (0.2, 1.0), 10.0, (("out_of_sequence", 5.0),)),
-    "port_xmit_discards": ("hca", 0.005, (1.0, 8.0), 10.0, ()),
+    "ecc_corrected_volatile": ("gpu", 0.04, (0.3, 2.0), 15.0, ()),
+    "pcie_replay_counter": ("gpu", 0.04, (0.5, 3.0), 10.0, ()),
+    "crc_flit_errors": ("gpu", 0.04, (5.0, 40.0), 10.0, (("replay_errors", 0.5),)),
+    "symbol_error": ("hca", 0.04, (5.0, 60.0), 15.0, (("port_rcv_errors", 0.1),)),
+    "local_ack_timeout_err": ("hca", 0.04, (0.2, 1.0), 10.0, (("out_of_sequence", 5.0),)),
+    "port_xmit_discards": ("hca", 0.02, (1.0, 8.0), 10.0, ()),
 }
 # Marginal-but-stable devices: a small share of healthy devices run all their life at error rates a
 # degrading one reaches half-way (a link within spec but with a high BER, a GPU with a weak memory row that
