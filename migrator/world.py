@@ -151,7 +151,7 @@ class Migrator:
                  "DDP %.3fs", self.rank, self.config.job_id, t1 - t0, t2 - t1, t3 - t2, self._step_t - t3)
         return True
 
-    def end_step(self, loss: float | None = None) -> WorldChange:
+    def end_step(self) -> WorldChange:
         """Call once after every optimizer step, on every rank. Never raises for service trouble."""
         now = time.monotonic()
         step_s, self._step_t = now - self._step_t, now
@@ -164,6 +164,7 @@ class Migrator:
         summed, cand = self._summed, self._summed_cand
         self._summed = self._summed_cand = None
         if summed is None:
+            self._drain()
             ctrl, cand = self.book.control(self.step)
             t = torch.tensor(ctrl, dtype=torch.float64)
             dist.all_reduce(t)
@@ -310,6 +311,8 @@ class Migrator:
         self._ddp.register_comm_hook(self, _agreement_hook)
 
     def _control_for_hook(self) -> tuple[list[float], Directive | None]:
+        # take in what arrived during this step's forward pass: it joins this step's agreement
+        self._drain()
         return self.book.control(self.step + 1)
 
     def _is_switch_coordinator(self, d: Directive) -> bool:
