@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from foreshock.simulator.batch import incidents_table
 from foreshock.simulator.faults import MODES, NS, Episode, FaultSettings, injected, schedule
@@ -68,6 +69,7 @@ class LiveCluster:
         self._serial = 0
         self._seed = seed
         self._nodes = [SimulatedNode(self, i) for i in range(self.topology.nodes)]
+        self._cache: tuple[int, dict[str, dict[str, pa.Table]]] | None = None
 
     # -- the protocol --------------------------------------------------------------------------------
     @property
@@ -90,7 +92,35 @@ class LiveCluster:
         """Sample every node at once (vectorised), for callers that do not run one collector per node."""
         return self._sample(list(range(self.topology.nodes)), time.time_ns() if ts_ns is None else int(ts_ns))
 
+    def sample_all(self, ts_ns: int) -> None:
+        """Sample every node at ts_ns in one vectorised call and keep it, so that the per-node models
+        sampled at that same ts_ns (one collector per node, all sweeping at one timestamp) take their
+        slice instead of each paying for a generate() call of their own."""
+        tables = self.step(ts_ns)
+        # every node gets every table, empty where it had no rows, as a sample of its own would give
+        by_node: dict[str, dict[str, pa.Table]] = {n: {name: t.slice(0, 0) for name, t in tables.items()}
+                                                   for n in self.topology.names}
+        for name, table in tables.items():
+            if table.num_rows == 0:
+                continue
+            codes = pc.dictionary_encode(table.column("node")).combine_chunks()
+            order = np.argsort(codes.indices.to_numpy(), kind="stable")
+            sorted_codes = codes.indices.to_numpy()[order]
+            bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
+            taken = table.take(pa.array(order))
+            for s, e in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [len(order)]])):
+                node = codes.dictionary[int(sorted_codes[s])].as_py()
+                by_node.setdefault(node, {})[name] = taken.slice(int(s), int(e - s))
+        with self._lock:
+            self._cache = (int(ts_ns), by_node)
+
     def _sample(self, indices: list[int], ts_ns: int) -> dict[str, pa.Table]:
+        cache = self._cache
+        if len(indices) == 1 and cache is not None and cache[0] == ts_ns:
+            with self._lock:
+                part = cache[1].pop(self.topology.names[indices[0]], None)
+            if part is not None:
+                return part
         with self._lock:
             last = int(self.model.last_ts[indices].max())
             ts = max(ts_ns, last + 1)  # a clock that did not move still yields a fresh sample
@@ -121,6 +151,25 @@ class LiveCluster:
             self._serial += 1
             ep = injected(self.topology, index, mode, now, int(lead_seconds * NS), component or 0,
                           int(repair_seconds * NS), self._seed, self._serial)
+            self.model.add_episode(ep)
+        return ep
+
+    def disturb(self, node: str | int, mode: str, *, component: int | None = None, seconds: float = 60.0,
+                peak: float = 0.4, now_ns: int | None = None) -> Episode:
+        """A benign disturbance: the mode's precursor rises to `peak` (1.0 = a failing device's) over
+        `seconds` and fades away, with no failure: the degrade-then-recover hard negative, on command."""
+        mode = MODE_ALIASES.get(mode, mode)
+        if mode not in MODES or not MODES[mode].precursor or MODES[mode].component in ("switch", "site"):
+            raise ValueError(f"disturb takes a node-level mode with a precursor, got {mode!r}")
+        if seconds <= 0 or not 0 < peak <= 1:
+            raise ValueError("disturb needs seconds > 0 and 0 < peak <= 1")
+        index = node if isinstance(node, int) else self.topology.index(node)
+        now = time.time_ns() if now_ns is None else int(now_ns)
+        with self._lock:
+            self._serial += 1
+            ep = Episode(f"disturbance-{self._serial:04d}", mode, None, (index,), component or 0, now,
+                         now + int(seconds * NS), False, 0, float(peak), "", self._serial,
+                         self._seed ^ (self._serial * 0x9E3779B97F4A7C15 % (1 << 62)), injected=True)
             self.model.add_episode(ep)
         return ep
 

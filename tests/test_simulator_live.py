@@ -128,3 +128,48 @@ def test_simulate_scenario_file_and_bad_settings(tmp_path, capsys):
     assert cli.main(["simulate", "--scenario", str(bad)]) == 2
     assert "nodez" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_sample_all_hands_each_node_model_its_rows_of_the_vectorised_step():
+    import pyarrow.compute as pc
+    from foreshock.simulator.live import LiveCluster
+    from foreshock.simulator.topology import Topology
+
+    topo = Topology(nodes=20, nodes_per_leaf=10)
+    start = 1_800_000_000 * 10**9
+    batched = LiveCluster(topo, seed=5, rate_scale=0, start_ns=start)
+    stepped = LiveCluster(topo, seed=5, rate_scale=0, start_ns=start)
+    for k in range(1, 4):
+        ts = start + k * 10**9
+        batched.sample_all(ts)
+        whole = stepped.step(ts)
+        for name in topo.names:
+            got = batched.node_model(name).sample(ts)
+            assert sorted(got) == sorted(whole)
+            for table, data in whole.items():
+                want = data.filter(pc.equal(data.column("node"), name))
+                assert got[table].equals(want), (name, table, k)
+    # a timestamp the cache does not hold is sampled directly, and a node's slice is handed out once
+    ts = start + 10 * 10**9
+    direct = batched.node_model(0).sample(ts)
+    assert set(pc.unique(direct["gpu"].column("node")).to_pylist()) == {topo.names[0]}
+    assert pc.min(direct["gpu"].column("ts")).value == ts
+
+
+def test_disturb_degrades_and_recovers_without_an_incident():
+    import pyarrow.compute as pc
+    from foreshock.simulator.live import LiveCluster
+    from foreshock.simulator.topology import Topology
+
+    start = 1_800_000_000 * 10**9
+    cluster = LiveCluster(Topology(nodes=16), seed=3, rate_scale=0, start_ns=start)
+    node = cluster.node_model("node-005")
+    node.sample(start)
+    cluster.disturb("node-005", "ib_cable", component=2, seconds=120, peak=0.8, now_ns=start)
+    tables = [node.sample(start + s * 10**9) for s in range(10, 240, 10)]
+    port = [pc.sum(t["rdma_port"].filter(pc.equal(t["rdma_port"].column("device"), "mlx5_2"))
+                   .column("symbol_error")).as_py() for t in tables]
+    assert port[-1] > port[0], "the disturbed port shows symbol errors"
+    assert cluster.incidents(until_ns=start + 10**12).num_rows == 0
+    with pytest.raises(ValueError, match="disturb"):
+        cluster.disturb("node-005", "sdc")
