@@ -177,6 +177,7 @@ def test_swap_acknowledged_each_phase_and_acted_on_once(swap_group):
     # the service sends the directive again with each state change (and to the spare's new watch):
     # every delivery after the switch is recognised and ignored
     assert any(did in rec["final"]["redelivered"] for rec in res.values() if rec.get("final"))
+    assert all(res[f"rank{r}"]["final"]["deliveries"] >= 3 for r in (0, 1, 3))
     assert all(len(rec["changes"]) <= 1 for rec in res.values())
     assert all(rec["final"]["generation"] == 1 for rec in res.values() if rec.get("final"))
     pauses = [c["pause_s"] for rec in res.values() for c in rec["changes"] if not c["leave"]]
