@@ -212,6 +212,9 @@ class ControlPlane:
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # No BDP probing: each stream's HTTP/2 window stays at the default, so a service that falls
+            # behind holds back its collectors (flow control) instead of buffering gigabytes for them.
+            ("grpc.http2.bdp_probe", 0),
         ]
         server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator)], options=options)
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(self), server)

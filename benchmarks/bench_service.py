@@ -1,0 +1,390 @@
+"""Control-plane load: N simulated nodes streaming 1 Hz sweeps into one `foreshock serve` process.
+
+    .venv/bin/python -m benchmarks service [--nodes 2048] [--seconds 75] [--probe 3072,4096]
+
+Three processes: the service (build_server, insecure loopback, a small model trained here through the
+predictor's registry), a load generator (grpc.aio: one bidirectional stream per node, as real
+collectors open them, each sending a SweepBatch every second: gpu, nvlink, rdma_port, netdev, host_net
+for an 8-GPU / 8-HCA node, encoded once by the real uplink encoder, with each second's timestamp
+written into the encoded bytes so the generator stays cheap), and this one, which is the job client
+(registered jobs, watching their directives, acknowledging them) and the measurer.
+
+Printed: offered and accepted batches per second, the scoring backlog over time (flat = sustained),
+the service's CPU (share of one core) and memory (RSS, peak), ack round trips, and two latencies:
+- fatal: from sending a sweep that carries an Xid 79 to the evacuation directive reaching the
+  subscribed job client (the service acts on the sample that crosses, at once);
+- risk: nodes whose PCIe replay counters climb cross the model's threshold when their one-minute
+  feature step closes; from that close (step end + the scorer's grace) to the directive at the client,
+  and from the step's end (when its last sample arrives) to the directive.
+`--probe` repeats a shorter run at larger node counts to see how far one instance goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+S = 1_000_000_000
+GRACE = 0.25
+
+
+# -- the service process -----------------------------------------------------------------------------
+def train_model(out: Path) -> Path:
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import model as pm
+    from foreshock.predictor import registry
+    rng = np.random.default_rng(0)
+    n = 3000
+    X = np.abs(rng.normal(0, 0.01, (n, ft.N_FEATURES))).astype(np.float32)
+    pos = rng.random(n) < 0.3
+    for name in ("pcie_replay_1m", "pcie_replay_5m", "pcie_replay_30m"):
+        col = ft.FEATURE_NAMES.index(name)
+        X[:, col] = rng.uniform(0, 20, n)
+        X[pos, col] = rng.uniform(500, 1e6, pos.sum())
+    est = pm.make_model(max_iter=30).fit(X, pos.astype(int))
+    registry.save_model(out, est, {"version": "bench-pcie-1", "horizon_seconds": 1800,
+                                   "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.5})
+    return out
+
+
+def serve(state: str, model: str, port_file: str) -> int:
+    from foreshock.service.server import Settings, build_server
+    plane = build_server(Settings.insecure_loopback(
+        state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
+        policy={"cooldown_seconds": 0.0}))
+    port = plane.start()
+    Path(port_file).write_text(json.dumps({"port": port, "metrics": plane.metrics_port}))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    plane.stop(grace=1.0)
+    return 0
+
+
+# -- the load generator process ----------------------------------------------------------------------
+def _templates(nodes: list[str], t0: int):
+    """Per node: [(table, encoded bytes, offsets of the timestamp)], encoded once."""
+    from foreshock.collectors.simulated import SimpleNodeModel
+    from foreshock.collectors.uplink import encode_table
+    marker = struct.pack("<q", t0)
+    out = {}
+    for i, node in enumerate(nodes):
+        tables = SimpleNodeModel(node, gpus=8, hcas=8, seed=i).sample(t0)
+        tables.pop("events", None)
+        rows = []
+        for name, t in tables.items():
+            blob = encode_table(name, t)
+            offs, k = [], blob.find(marker)
+            while k >= 0:
+                offs.append(k)
+                k = blob.find(marker, k + 1)
+            rows.append((name, blob, offs))
+        out[node] = rows
+    return out
+
+
+def _ipc(name, rows):
+    from foreshock import schema as sch
+    from foreshock.collectors.uplink import encode_table
+    return encode_table(name, sch.to_table(name, rows))
+
+
+async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[str, float],
+                    ramp: list[str], result: dict):
+    import grpc
+
+    from foreshock.collectors.simulated import SimpleNodeModel
+    from foreshock.collectors.uplink import encode_table
+    from foreshock.v1 import telemetry_pb2 as tpb
+    from foreshock.v1 import telemetry_pb2_grpc
+
+    t0 = time.time_ns()
+    templates = _templates(nodes, t0)
+    ramp_models = {n: SimpleNodeModel(n, gpus=8, hcas=8, seed=7) for n in ramp}
+    ramp_extra = {n: 0 for n in ramp}
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(8)]
+    stubs = [telemetry_pb2_grpc.TelemetryStub(ch) for ch in channels]
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 2.0
+    stop_at = start + seconds
+    sent_at: dict[str, float] = {}
+    counters = {"sent": 0, "acked": 0, "rejected": 0, "inflight_max": 0}
+    rtts: list[float] = []
+    inflight_series: list[int] = []
+
+    async def one(i: int, node: str):
+        q: asyncio.Queue = asyncio.Queue()
+        pending: dict[int, float] = {}
+
+        async def requests():
+            while (item := await q.get()) is not None:
+                yield item
+        call = stubs[i % len(stubs)].StreamSweeps(requests(), timeout=seconds + 120)
+
+        async def reader():
+            try:
+                async for ack in call:
+                    t = pending.pop(ack.acked_sequence, None)
+                    if t is not None:
+                        rtts.append(time.perf_counter() - t)
+                    counters["acked"] += 1
+                    counters["rejected"] += len(ack.rejections)
+            except grpc.aio.AioRpcError as exc:
+                result.setdefault("stream_errors", []).append(f"{node}: {exc.code().name}")
+        rt = asyncio.create_task(reader())
+        await asyncio.sleep(max(0.0, start - loop.time()) + (i % 1000) / 1000.0)
+        seq, next_t, fatal_at = 0, loop.time(), fatal.get(node)
+        while loop.time() < stop_at:
+            ts = time.time_ns()
+            tsb = struct.pack("<q", ts)
+            rows = []
+            for name, blob, offs in templates[node]:
+                if node in ramp_models and name == "gpu":
+                    import pyarrow as pa
+                    import pyarrow.compute as pc
+                    g = ramp_models[node].sample(ts)["gpu"]
+                    ramp_extra[node] += 20_000
+                    col = pc.add(g.column("pcie_replay_counter").fill_null(0),
+                                 pa.array(np.full(g.num_rows, ramp_extra[node], np.uint64)))
+                    g = g.set_column(g.schema.get_field_index("pcie_replay_counter"),
+                                     g.schema.field("pcie_replay_counter"), col)
+                    rows.append(tpb.TableRows(table=name, schema_version=1, arrow_ipc=encode_table("gpu", g)))
+                    continue
+                b = bytearray(blob)
+                for o in offs:
+                    b[o:o + 8] = tsb
+                rows.append(tpb.TableRows(table=name, schema_version=1, arrow_ipc=bytes(b)))
+            if fatal_at is not None and loop.time() >= start + fatal_at:
+                fatal_at = None
+                import datetime as dt
+                rows.append(tpb.TableRows(table="events", schema_version=1, arrow_ipc=_ipc("events", [{
+                    "ts": dt.datetime.now(dt.timezone.utc), "node": node, "kind": "xid", "source": "kmsg",
+                    "severity": "fatal", "xid": 79, "gpu": 3, "message": "NVRM: Xid 79, GPU has fallen off the bus."}])))
+                sent_at[node] = time.time()
+            seq += 1
+            pending[seq] = time.perf_counter()
+            q.put_nowait(tpb.SweepBatch(node=node, collector_id=f"bench-{node}", sequence=seq, tables=rows))
+            counters["sent"] += 1
+            next_t += 1.0
+            await asyncio.sleep(max(0.0, next_t - loop.time()))
+        q.put_nowait(None)
+        try:
+            await asyncio.wait_for(rt, 30)
+        except asyncio.TimeoutError:
+            call.cancel()
+
+    async def watch():
+        while loop.time() < stop_at:
+            inflight_series.append(counters["sent"] - counters["acked"])
+            await asyncio.sleep(1.0)
+    tasks = [asyncio.create_task(one(i, n)) for i, n in enumerate(nodes)] + [asyncio.create_task(watch())]
+    result["setup_seconds"] = (time.time_ns() - t0) / S
+    await asyncio.gather(*tasks)
+    for ch in channels:
+        await ch.close()
+    rt = np.array(rtts) if rtts else np.zeros(1)
+    result.update(counters, fatal_sent=sent_at, inflight=inflight_series,
+                  ack_rtt_p50_ms=float(np.percentile(rt, 50) * 1e3), ack_rtt_p99_ms=float(np.percentile(rt, 99) * 1e3))
+
+
+def generate(address, nodes_json, seconds, fatal_json, ramp_json, out) -> int:
+    result: dict = {}
+    asyncio.run(_generate(address, json.loads(nodes_json), float(seconds), json.loads(fatal_json),
+                          json.loads(ramp_json), result))
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+# -- the measurer ------------------------------------------------------------------------------------
+def _proc(pid: int) -> tuple[float, int, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
+    hwm = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
+    return cpu, rss, hwm
+
+
+def _metric(port: int, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + (("{" + labels) if labels else "")) and not line.startswith("#"):
+                if labels or line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: int) -> dict:
+    import grpc
+
+    from foreshock.v1 import jobs_pb2 as pb
+    from foreshock.v1 import jobs_pb2_grpc
+    tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    model = train_model(tmp / "model")
+    port_file = tmp / "port.json"
+    py = sys.executable
+    server = subprocess.Popen([py, "-m", "benchmarks.bench_service", "--serve", str(tmp / "state"), str(model),
+                               str(port_file)], stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            if port_file.exists() and port_file.read_text():
+                break
+            time.sleep(0.1)
+        ports = json.loads(port_file.read_text())
+        address = f"127.0.0.1:{ports['port']}"
+        nodes = [f"node-{i:05d}" for i in range(n_nodes)]
+        # Victims host one rank each of their own job (so the per-job concurrency limit never holds a
+        # measurement back); each job has a spare of its own.
+        fatal_nodes = nodes[:fatal_victims]
+        ramp_nodes = nodes[fatal_victims:fatal_victims + ramp_victims]
+        spares = nodes[-(fatal_victims + ramp_victims):]
+        fatal_at = {n: 6.0 + 1.5 * i for i, n in enumerate(fatal_nodes)}
+        ch = grpc.insecure_channel(address)
+        jobs = jobs_pb2_grpc.JobsStub(ch)
+        received: dict[str, tuple[float, object]] = {}
+        watchers = []
+        for i, victim in enumerate(fatal_nodes + ramp_nodes):
+            jid = f"job-{i:03d}"
+            jobs.RegisterJob(pb.RegisterJobRequest(job_id=jid, ranks=[pb.RankPlacement(rank=0, node=victim)],
+                                                   spare_nodes=[spares[i]], current_step=1), timeout=10)
+            stream = jobs.WatchDirectives(pb.WatchDirectivesRequest(job_id=jid, rank=0), timeout=seconds + 120)
+
+            def drain(stream=stream, jid=jid):
+                try:
+                    for d in stream:
+                        if d.from_node not in received and d.state == pb.DIRECTIVE_STATE_PENDING:
+                            received[d.from_node] = (time.time(), d)
+                            jobs.AckDirective(pb.AckDirectiveRequest(job_id=jid, directive_id=d.directive_id,
+                                                                     rank=0, phase=pb.ACK_PHASE_COMPLETED), timeout=10)
+                except grpc.RpcError:
+                    pass
+            t = threading.Thread(target=drain, daemon=True)
+            t.start()
+            watchers.append((stream, t))
+        halves = [nodes[: n_nodes // 2], nodes[n_nodes // 2:]]
+        outs = [tmp / f"gen{i}.json" for i in range(2)]
+        gens = [subprocess.Popen([py, "-m", "benchmarks.bench_service", "--generate", address, json.dumps(h),
+                                  str(seconds), json.dumps({n: a for n, a in fatal_at.items() if n in h}),
+                                  json.dumps([n for n in ramp_nodes if n in h]), str(o)])
+                for h, o in zip(halves, outs)]
+        # Steady-state window: from 15 s in (set-up and connection storms over) to 5 s before the end.
+        connect_deadline = time.time() + 120
+        while time.time() < connect_deadline and all(g.poll() is None for g in gens) and \
+                _metric(ports["metrics"], "foreshock_connected_collectors") < n_nodes:
+            time.sleep(0.5)
+        t_conn = time.time()
+        time.sleep(min(10.0, seconds / 4))
+        cpu0, _, _ = _proc(server.pid)
+        acc0 = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
+        w0 = time.time()
+        backlog = []
+        window = max(5.0, seconds - (time.time() - t_conn) - 5.0)
+        end = w0 + window
+        while time.time() < end:
+            backlog.append(_metric(ports["metrics"], "foreshock_ingest_backlog_batches"))
+            time.sleep(1.0)
+        cpu1, rss, hwm = _proc(server.pid)
+        acc1 = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
+        w1 = time.time()
+        rounds = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_count")
+        round_sum = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_sum")
+        for g in gens:
+            g.wait(seconds + 180)
+        gen = [json.loads(o.read_text()) for o in outs]
+        time.sleep(1.0)
+        for stream, _ in watchers:
+            stream.cancel()
+        ch.close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items()}
+    fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
+    risk_close, risk_end = [], []
+    for n in ramp_nodes:
+        if n in received:
+            got, d = received[n]
+            issued = d.issued_at.seconds + d.issued_at.nanos / 1e9
+            step_end = (int(issued - GRACE) // 60) * 60
+            risk_close.append(got - (step_end + GRACE))
+            risk_end.append(got - step_end)
+    return {
+        "nodes": n_nodes, "window_s": w1 - w0,
+        "offered_per_s": n_nodes, "accepted_per_s": (acc1 - acc0) / (w1 - w0), "accepted_total": (acc0, acc1),
+        "server_cpu_share_of_one_core": (cpu1 - cpu0) / (w1 - w0), "server_rss_mib": rss / 2**20,
+        "server_peak_rss_mib": hwm / 2**20, "backlog_first_last_max": (backlog[0], backlog[-1], max(backlog)) if backlog else None,
+        "gen_sent": sum(g["sent"] for g in gen), "gen_acked": sum(g["acked"] for g in gen),
+        "gen_rejected": sum(g["rejected"] for g in gen),
+        "gen_inflight_tail": [g["inflight"][-3:] for g in gen],
+        "ack_rtt_p50_ms": max(g["ack_rtt_p50_ms"] for g in gen), "ack_rtt_p99_ms": max(g["ack_rtt_p99_ms"] for g in gen),
+        "stream_errors": sum(len(g.get("stream_errors", [])) for g in gen),
+        "fatal_latency_ms": sorted(x * 1e3 for x in fatal_lat), "fatal_expected": len(fatal_nodes),
+        "risk_from_close_ms": sorted(x * 1e3 for x in risk_close),
+        "risk_from_step_end_ms": sorted(x * 1e3 for x in risk_end), "risk_expected": len(ramp_nodes),
+        "scoring_round_mean_ms": round_sum / rounds * 1e3 if rounds else float("nan"),
+    }
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def report(r: dict) -> None:
+    print(f"nodes {r['nodes']}: offered {r['offered_per_s']:.0f} batches/s, accepted {r['accepted_per_s']:.0f}/s "
+          f"over {r['window_s']:.0f} s (counter {r['accepted_total']}); scoring backlog first/last/max "
+          f"{r['backlog_first_last_max']}")
+    print(f"  service CPU {100 * r['server_cpu_share_of_one_core']:.0f}% of one core; RSS {r['server_rss_mib']:.0f} MiB "
+          f"(peak {r['server_peak_rss_mib']:.0f} MiB); scoring round mean {r['scoring_round_mean_ms']:.2f} ms")
+    print(f"  generator sent {r['gen_sent']}, acked {r['gen_acked']}, rejected {r['gen_rejected']}, "
+          f"stream errors {r['stream_errors']}; in flight at the end {r['gen_inflight_tail']}; "
+          f"ack round trip p50 {r['ack_rtt_p50_ms']:.1f} ms p99 {r['ack_rtt_p99_ms']:.1f} ms")
+    f = r["fatal_latency_ms"]
+    print(f"  fatal (Xid 79) sample -> directive at the job client: {len(f)}/{r['fatal_expected']} received, "
+          f"p50 {_pct(f, 50):.0f} ms, p99 {_pct(f, 99):.0f} ms, max {max(f) if f else float('nan'):.0f} ms")
+    c, e = r["risk_from_close_ms"], r["risk_from_step_end_ms"]
+    print(f"  risk crossing -> directive: {len(c)}/{r['risk_expected']} received; from the step's close "
+          f"p50 {_pct(c, 50):.0f} ms p99 {_pct(c, 99):.0f} ms; from the step's end (grace {GRACE} s) "
+          f"p50 {_pct(e, 50):.0f} ms p99 {_pct(e, 99):.0f} ms")
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--serve":
+        return serve(*argv[1:4])
+    if argv and argv[0] == "--generate":
+        return generate(*argv[1:7])
+    p = argparse.ArgumentParser(prog="bench service")
+    p.add_argument("--nodes", type=int, default=2048)
+    p.add_argument("--seconds", type=float, default=75.0)
+    p.add_argument("--probe", default="", help="comma-separated larger node counts for shorter runs")
+    p.add_argument("--quick", action="store_true", help="256 nodes, 20 s (a smoke run)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.nodes, args.seconds = 256, 20.0
+    print(f"# {os.cpu_count()} CPUs; service, load generator (2 processes) and job client share them")
+    r = run_once(args.nodes, args.seconds, fatal_victims=20, ramp_victims=20 if args.seconds >= 70 else 0)
+    report(r)
+    for n in [int(x) for x in args.probe.split(",") if x]:
+        report(run_once(n, 40.0, fatal_victims=10, ramp_victims=0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
