@@ -115,6 +115,7 @@ def run_worker(spec: dict) -> int:
                               "losses": {}, "walls": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
     out = Path(spec["out_dir"]) / f"{config.role}-{name}-{os.getpid()}.json"
     progress_key = f"foreshock/{config.job_id}/progress"
+    stop_key = f"foreshock/{config.job_id}/stop_at"  # Job.request_stop: every rank ends at that step
     code = 0
     try:
         if not mig.start():
@@ -160,6 +161,9 @@ def run_worker(spec: dict) -> int:
                     return code
             if spec.get("progress") and mig.is_lead:
                 mig._store.set(progress_key, str(mig.step))
+                mig._store.set(progress_key + "_loss", repr(loss.item()))
+            if spec.get("progress") and mig._store.check([stop_key]):
+                steps = min(steps, int(mig._store.get(stop_key)))
             if sleep:
                 time.sleep(sleep)
         record["hashes"][str(mig.step)] = param_hash(model)
@@ -194,6 +198,17 @@ class Job:
     def progress(self) -> int:
         key = f"foreshock/{self.job_id}/progress"
         return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def loss(self) -> float | None:
+        key = f"foreshock/{self.job_id}/progress_loss"
+        return float(self.store.get(key)) if self.store.check([key]) else None
+
+    def request_stop(self, steps_ahead: int = 20) -> int:
+        """Ask every rank to end cleanly at progress + steps_ahead (far enough ahead that every rank
+        reads it before getting there); returns that step."""
+        at = self.progress() + steps_ahead
+        self.store.set(f"foreshock/{self.job_id}/stop_at", str(at))
+        return at
 
     def wait_progress(self, step: int, timeout: float = 60.0) -> int:
         end = time.monotonic() + timeout

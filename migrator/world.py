@@ -225,6 +225,8 @@ class Migrator:
     def local_state(self) -> dict:
         state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                  "objects": {k: v.state_dict() for k, v in self.per_rank.items()}}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
         try:
             import numpy as np
             name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -252,6 +254,8 @@ class Migrator:
     def _load_local(self, state: dict) -> None:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         if "numpy_rng" in state:
             import numpy as np
             n = state["numpy_rng"]
