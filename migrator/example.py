@@ -169,7 +169,7 @@ def run_worker(spec: dict) -> int:
         record["hashes"][str(mig.step)] = param_hash(model)
         record["exit"] = "finished"
         record["final"] = {"rank": mig.rank, "world": mig.world_size, "generation": mig.generation,
-                           "redelivered": mig.book.redelivered,
+                           "redelivered": mig.book.redelivered, "agreements": mig.agreement_counts,
                            "history_phases": [c.phases for c in mig.history]}
         if mig._client is not None:
             record["final"]["deliveries"] = mig._client.deliveries

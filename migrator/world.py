@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from foreshock.migrator.config import MigratorConfig
-from foreshock.migrator.directives import (Ack, AckPhase, Directive, DirectiveBook, DirectiveKind,
-                                           DirectiveSource)
+from foreshock.migrator.directives import (MAX_EXACT_WORLD, Ack, AckPhase, Directive, DirectiveBook,
+                                           DirectiveKind, DirectiveSource)
 from foreshock.migrator.transfer import load_checkpoint, recv_state, save_checkpoint, send_state
 
 log = logging.getLogger("foreshock.migrator")
@@ -108,6 +108,7 @@ class Migrator:
         self._summed: list[float] | None = None
         self._summed_cand: Directive | None = None
         self._accepted: set[str] = set()
+        self.agreement_counts = {"piggybacked": 0, "separate": 0}   # how each step's agreement travelled
         self._completing: tuple[Directive, float, dict] | None = None
         self._step_t = time.monotonic()
         self._heartbeat_stop = threading.Event()
@@ -169,6 +170,9 @@ class Migrator:
             t = torch.tensor(ctrl, dtype=torch.float64)
             dist.all_reduce(t)
             summed = t.tolist()
+            self.agreement_counts["separate"] += 1
+        else:
+            self.agreement_counts["piggybacked"] += 1
         agreed, go = DirectiveBook.decide(summed, self.world_size, cand)
         if agreed is not None and agreed.directive_id not in self._accepted:
             self._accepted.add(agreed.directive_id)
@@ -663,7 +667,8 @@ def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they a
     bucket 0 when its dtype keeps the control values exact."""
     buf = bucket.buffer()
     world = mig.world_size
-    if bucket.index() != 0 or buf.dtype not in (torch.float32, torch.float64):
+    exact = buf.dtype == torch.float64 or (buf.dtype == torch.float32 and world <= MAX_EXACT_WORLD)
+    if bucket.index() != 0 or not exact:
         fut = dist.all_reduce(buf, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0].div_(world))
     ctrl, cand = mig._control_for_hook()

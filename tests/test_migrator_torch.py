@@ -13,8 +13,6 @@ against its own in-process control plane, and every test asserts on the group's 
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 
 import pytest
@@ -178,6 +176,10 @@ def test_swap_acknowledged_each_phase_and_acted_on_once(swap_group):
     # every delivery after the switch is recognised and ignored
     assert any(did in rec["final"]["redelivered"] for rec in res.values() if rec.get("final"))
     assert all(res[f"rank{r}"]["final"]["deliveries"] >= 3 for r in (0, 1, 3))
+    # the agreement rode in the gradient all-reduce on every step, never a collective of its own
+    for r in (0, 1, 3):
+        assert res[f"rank{r}"]["final"]["agreements"] == {"piggybacked": STEPS, "separate": 0}
+    assert res[f"spare-{SPARE}"]["final"]["agreements"]["separate"] == 0
     assert all(len(rec["changes"]) <= 1 for rec in res.values())
     assert all(rec["final"]["generation"] == 1 for rec in res.values() if rec.get("final"))
     pauses = [c["pause_s"] for rec in res.values() for c in rec["changes"] if not c["leave"]]
