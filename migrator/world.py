@@ -355,7 +355,12 @@ class Migrator:
         # with no rank off the leaving node, rank 0 writes the plan, which rejects the directive
         me_coord = self.rank == (self._coordinator_for(d) or 0)
         if me_coord and self._store.add(f"{key}/claim", 1) == 1:
-            plan = self._make_plan(d)
+            try:
+                plan = self._make_plan(d)
+            except Exception as exc:  # noqa: BLE001 - every rank waits for a plan: always publish one
+                log.exception("planning the switch for %s failed", d.directive_id)
+                plan = {"directive_id": d.directive_id, "kind": "rejected", "coordinator": self.rank,
+                        "reason": f"planning failed: {exc!r}"[:500], "spares": []}
             for sp in plan.get("spares", []):
                 self._store.set(f"{self._p}assign/{sp['node']}/{sp['slot']}", json.dumps(plan))
             self._store.set(key, json.dumps(plan))

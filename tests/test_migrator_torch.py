@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from foreshock.migrator import example  # noqa: E402
+from foreshock.migrator import Directive, DirectiveKind, publish_directive  # noqa: E402
 from foreshock.migrator.transfer import load_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
@@ -239,8 +240,19 @@ def fault_group(tmp_path_factory):
         jobs["checkpoint"] = _launch("checkpoint", planes["checkpoint"][1], tmp, [], registered_spares=[SPARE],
                                      fallback="checkpoint_exit")
         jobs["cancel"] = _launch("cancel", planes["cancel"][1], tmp, [SPARE])
+        # no control plane: directives published in the job's own store
+        jobs["local"] = _launch("local", "", tmp, [SPARE])
         directives = {}
+        local = jobs["local"]
+        local.wait_progress(5, timeout=90)
+        publish_directive(local.store, "local", Directive("bogus", DirectiveKind.EVACUATE, (7,), "nowhere", SPARE,
+                                                          at_step=0, reason="test: stale placement"))
+        local.wait_progress(15, timeout=90)
+        publish_directive(local.store, "local", Directive("good", DirectiveKind.EVACUATE, (3,), NODES[3], SPARE,
+                                                          at_step=local.progress() + 2, reason="test: local"))
         for name, job in jobs.items():
+            if name == "local":
+                continue
             _wait_registered(planes[name][0], name)
             job.wait_progress(8, timeout=90)
             directives[name] = _drain(planes[name][1], NODES[1], f"test: {name}")
@@ -251,11 +263,14 @@ def fault_group(tmp_path_factory):
             time.sleep(0.02)       # every rank has heard of it and agreed; its step is still far off
         cancel_plane.jobs.cancel(cancel_id, "test: risk cleared")
         codes = {name: job.wait(timeout=120) for name, job in jobs.items()}
+        local_acks = {k: local.store.check([f"foreshock/local/directives/ack/{k}"])
+                      for k in ("bogus/failed", "bogus/completed", "good/accepted", "good/state_transferred",
+                                "good/completed")}
         listed = {n: {d.directive_id: d for d in p.jobs.list(n)} for n, (p, _) in planes.items()}
         acks = {n: p.store.acks(directives[n].directive_id) for n, (p, _) in planes.items()}
         yield {"codes": codes, "results": {n: _by_name(j.results()) for n, j in jobs.items()},
                "directives": directives, "listed": listed, "acks": acks, "out": tmp,
-               "registrations": registrations}
+               "registrations": registrations, "local_acks": local_acks}
     finally:
         for job in jobs.values():
             job.wait(timeout=1)
@@ -332,3 +347,17 @@ def test_cancelled_before_its_step_nothing_happens(fault_group):
     d = fault_group["listed"]["cancel"][fault_group["directives"]["cancel"].directive_id]
     assert d.state.name == "CANCELLED" and d.at_step > STEPS
     assert [a.phase.name for a in fault_group["acks"]["cancel"]] == ["ACCEPTED"]
+
+
+def test_without_a_service_store_directives_bad_one_rejected_good_one_done(fault_group):
+    assert all(c == 0 for c in fault_group["codes"]["local"].values())
+    res = fault_group["results"]["local"]
+    for r in (0, 1, 2):
+        kinds = [(c["kind"], c["directive"]) for c in res[f"rank{r}"]["changes"]]
+        assert kinds == [("rejected", "bogus"), ("evacuate", "good")], kinds
+        assert _steps(res[f"rank{r}"]) == list(range(STEPS))
+    assert "do not match placement" in res["rank0"]["changes"][0]["reason"]
+    spare = res[f"spare-{SPARE}"]
+    assert _steps(res["rank3"]) + _steps(spare) == list(range(STEPS))
+    assert fault_group["local_acks"] == {"bogus/failed": True, "bogus/completed": False, "good/accepted": True,
+                                         "good/state_transferred": True, "good/completed": True}
