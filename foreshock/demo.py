@@ -1,0 +1,563 @@
+"""`foreshock demo`: the whole promise in one run, on loopback, on a laptop-sized machine with no GPU.
+
+It starts a live simulated cluster (foreshock.simulator.LiveCluster, 64 nodes by default), one real
+Collector per node (the `simulated` source over that node's model) streaming through the real
+StreamingUplink to a real control plane (foreshock.service.build_server, with the shipped default
+model, plaintext on 127.0.0.1 only: it says so), and a real PyTorch training job (4 ranks + 1 warm
+spare on gloo, CPU) that embeds the migrator. Then it injects three things:
+
+1. a fault with precursors on a node that hosts a rank: the job must be moved off before it dies;
+2. a fault without precursors on another node: honestly reported as not predicted;
+3. a benign disturbance (a link that degrades and recovers) on a job node: it must not evacuate.
+
+When a failing node still hosts a rank at its failure time, the demo kills that rank's process, as
+the hardware would, and the job counts as restarted. The run ends by itself, prints a summary (also
+written as JSON with --json), writes an HTML report with the timeline and plots, stops everything it
+started, and exits non-zero if the job was not saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import logging
+import os
+import shutil
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from foreshock.config import resolve
+
+log = logging.getLogger("foreshock.demo")
+
+DEFAULTS: dict[str, Any] = {
+    "nodes": 64,
+    "seed": 7,
+    "speed": 60.0,             # the simulator's fault-process acceleration (rates x speed, times / speed)
+    "interval": 1.0,           # collector sweep interval, seconds
+    "out": "out/demo",
+    "json": "",
+    "html": "",
+    "live": True,
+    "warmup_seconds": 20.0,    # history the online features see before the first fault
+    "precursor_lead_seconds": 80.0,
+    "abrupt_at_seconds": 45.0,
+    "benign_at_seconds": 25.0,
+    "benign_seconds": 50.0,
+    "steps": 100000,           # an upper bound: the demo asks the job to stop once the faults are over
+    "step_sleep_seconds": 0.12,
+    "params": 20000,
+    "time_limit_seconds": 270.0,
+}
+
+JOB_ID = "demo-llm"
+
+
+@dataclass
+class Fault:
+    label: str
+    kind: str                  # precursor | no_precursor | benign
+    node: str
+    mode: str
+    component: int
+    injected_at: float = 0.0   # wall seconds since the epoch
+    fails_at: float | None = None
+    first_alert: float | None = None
+    first_directive: float | None = None
+    hosted_rank: bool = False
+    killed_rank: str = ""
+    peak_risk: float = 0.0
+    risk: list[tuple[float, float]] = field(default_factory=list)
+
+
+class Demo:
+    def __init__(self, cfg: dict[str, Any]):
+        self.cfg = cfg
+        self.out = Path(cfg["out"])
+        self.t0 = time.time()
+        self.events: list[tuple[float, str]] = []
+        self.faults: list[Fault] = []
+        self.riskiest: list[Any] = []
+        self.directives: list[Any] = []
+        self.job_step = 0
+        self.job_loss = None
+        self.job_restarts = 0
+        self.threshold = 0.5
+        self._stop = threading.Event()
+        self.job_codes: dict[str, Any] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        self.events.append((time.time(), text))
+        log.info(text)
+        if not self.cfg["live"]:
+            print(f"[{time.time() - self.t0:6.1f}s] {text}", flush=True)
+
+    def rel(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self.t0, 2)
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from foreshock.collectors.collector import Collector
+        from foreshock.collectors.simulated import SimulatedSource
+        from foreshock.collectors.uplink import StreamingUplink
+        from foreshock.dataset import DatasetWriter
+        from foreshock.service.server import Settings, build_server
+        from foreshock.simulator.live import LiveCluster
+        from foreshock.simulator.topology import Topology
+
+        cfg = self.cfg
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        self.out.mkdir(parents=True)
+        topo = Topology(nodes=int(cfg["nodes"]), nodes_per_leaf=16, job_nodes=min(32, int(cfg["nodes"])))
+        # Random faults off: the demo's faults are the three it injects, so its outcome is its own.
+        cluster = LiveCluster(topo, seed=int(cfg["seed"]), speed=float(cfg["speed"]), rate_scale=0.0,
+                              interval_s=float(cfg["interval"]))
+        self.cluster = cluster
+        names = cluster.nodes
+        per_leaf = 16
+        ranks = [names[(i * per_leaf + 1) % len(names)] for i in range(4)]
+        spare = names[min(len(names) - 1, 2 * per_leaf + 9)]
+        abrupt_node = names[min(len(names) - 1, 3 * per_leaf + 5)]
+        self.placement = {"ranks": ranks, "spare": spare}
+
+        settings = Settings.insecure_loopback(self.out / "state", metrics_listen="127.0.0.1:0",
+                                              policy={"cooldown_seconds": 60.0})
+        self.cp = build_server(settings)
+        port = self.cp.start()
+        addr = f"127.0.0.1:{port}"
+        self.threshold = float(self.cp.policy.settings.threshold)
+        self.say(f"control plane on {addr} (PLAINTEXT, loopback only: demo mode), model "
+                 f"{self.cp.scorer.model_version}, threshold {self.threshold:.3f}")
+        self.say(f"Prometheus metrics: http://127.0.0.1:{self.cp.metrics_port}/metrics")
+
+        from foreshock.migrator.example import launch
+        self.job = launch(JOB_ID, ranks, [spare], steps=int(cfg["steps"]), out_dir=self.out / "job",
+                          service=addr, params=int(cfg["params"]), seed=int(cfg["seed"]),
+                          step_sleep_s=float(cfg["step_sleep_seconds"]), fallback="checkpoint_exit")
+
+        writer = DatasetWriter(self.out / "telemetry", rotate_seconds=60.0, fsync=False)
+        inventory = cluster.inventory()
+        import pyarrow.compute as pc
+        self.collectors = []
+        for name in names:
+            uplink = StreamingUplink(addr, node=name).start()
+            c = Collector(name, [SimulatedSource(name, node_model=cluster.node_model(name))], writer, uplink=uplink)
+            inv = inventory.filter(pc.equal(inventory.column("node"), name))
+            uplink.submit({"inventory": inv})
+            self.collectors.append(c)
+        writer.append_table("inventory", inventory)
+        self.writer = writer
+        self.say(f"{len(names)} simulated nodes, one collector each, streaming every {cfg['interval']:g} s")
+        self.sweeper = threading.Thread(target=self._sweep_loop, name="demo-sweeper", daemon=True)
+        self.sweeper.start()
+        self.job.wait_progress(1, timeout=180.0)
+        self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
+        clock0 = time.time()
+
+
+        import grpc
+        from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc
+        channel = grpc.insecure_channel(addr)
+        risk_stub, jobs_stub = risk_pb2_grpc.RiskStub(channel), jobs_pb2_grpc.JobsStub(channel)
+
+        precursor = Fault("HBM wear (precursors)", "precursor", ranks[1], "hbm", 3, hosted_rank=True)
+        abrupt = Fault("GPU off the bus (no precursor)", "no_precursor", abrupt_node, "gpu_off_bus", 5)
+        benign = Fault("link degrades, then recovers (benign)", "benign", ranks[2], "ib_cable", 2, hosted_rank=True)
+        self.faults = [precursor, benign, abrupt]
+        plan = [(float(cfg["warmup_seconds"]), precursor), (float(cfg["benign_at_seconds"]), benign),
+                (float(cfg["abrupt_at_seconds"]), abrupt)]
+
+        live = None
+        if cfg["live"]:
+            from rich.live import Live
+            live = Live(self._render(), refresh_per_second=2, transient=False)
+            live.start()
+        try:
+            deadline = self.t0 + float(cfg["time_limit_seconds"])
+            job_done = stop_requested = False
+            while time.time() < deadline:
+                now = time.time() - clock0
+                for at, fault in plan:
+                    if fault.injected_at == 0.0 and now >= at:
+                        self._inject(cluster, fault)
+                self._poll(risk_stub, jobs_stub, jobs_pb2, risk_pb2)
+                self._fail_due()
+                job_done = all(not p.is_alive() for p in self.job.processes.values())
+                faults_over = all(f.injected_at and (f.fails_at is None or time.time() > f.fails_at + 5)
+                                  for f in self.faults)
+                if faults_over and not stop_requested and not job_done:
+                    at = self.job.request_stop(steps_ahead=25)
+                    stop_requested = True
+                    self.say(f"every fault has played out: the job ends cleanly at step {at}")
+                if job_done:
+                    break
+                if self.job_restarts and not stop_requested:
+                    # a rank died with its node: the other ranks block in the collective (NCCL would
+                    # hang until its watchdog); the job is lost, so stop it now
+                    self.say("the job is lost: stopping its remaining processes")
+                    self.job.stop(grace=5.0)
+                    stop_requested = True
+                if live is not None:
+                    live.update(self._render())
+                time.sleep(0.25)
+            if not job_done:
+                self.say("time limit reached: stopping the job")
+        finally:
+            if live is not None:
+                live.update(self._render())
+                live.stop()
+            channel.close()
+        return self._summary(cluster)
+
+    def shutdown(self) -> None:
+        """Stop everything this run started, whatever state it got to: nothing is left running."""
+        job = getattr(self, "job", None)
+        if job is not None:
+            alive = any(p.is_alive() for p in job.processes.values())
+            self.job_codes = job.stop(grace=15.0) if alive else job.wait(timeout=5.0)
+        self._stop.set()
+        if getattr(self, "sweeper", None) is not None:
+            self.sweeper.join(timeout=10)
+        for c in getattr(self, "collectors", []):
+            c.uplink.close(timeout=2.0)
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
+        if getattr(self, "cp", None) is not None:
+            self.cp.stop(grace=1.0)
+
+    def _sweep_loop(self) -> None:
+        interval = float(self.cfg["interval"])
+        next_at = time.time()
+        while not self._stop.is_set():
+            ts = time.time_ns()
+            # one vectorised sample of the whole cluster; each collector's node model takes its slice
+            self.cluster.sample_all(ts)
+            for c in self.collectors:
+                try:
+                    c.sweep_once(ts)
+                except Exception as exc:  # noqa: BLE001 - a collector fault must not end the demo
+                    log.error("collector %s: %s", c.node, exc)
+            self.writer.maybe_rotate()
+            next_at += interval
+            self._stop.wait(max(0.0, next_at - time.time()))
+
+    def _inject(self, cluster, fault: Fault) -> None:
+        now = time.time()
+        fault.injected_at = now
+        if fault.kind == "benign":
+            cluster.disturb(fault.node, fault.mode, component=fault.component,
+                            seconds=float(self.cfg["benign_seconds"]), peak=0.35)
+            self.say(f"benign: {fault.node} HCA {fault.component} degrades, will recover")
+            return
+        lead = float(self.cfg["precursor_lead_seconds"]) if fault.kind == "precursor" else 0.0
+        ep = cluster.inject(fault.node, fault.mode, component=fault.component, lead_seconds=lead,
+                            repair_seconds=3600.0)
+        fault.fails_at = ep.end_ns / 1e9
+        what = f"fails in {lead:.0f} s" if lead else "fails now"
+        self.say(f"fault injected: {fault.label} on {fault.node} component {fault.component}, {what}")
+
+    def _poll(self, risk_stub, jobs_stub, jobs_pb2, risk_pb2) -> None:
+        import grpc
+        try:
+            self.riskiest = list(risk_stub.ListRiskiest(risk_pb2.ListRiskiestRequest(limit=6), timeout=2).nodes)
+            self.directives = list(jobs_stub.ListDirectives(jobs_pb2.ListDirectivesRequest(job_id=JOB_ID),
+                                                            timeout=2).directives)
+            now = time.time()
+            for f in self.faults:
+                if not f.injected_at:
+                    continue
+                try:
+                    r = risk_stub.GetNodeRisk(risk_pb2.GetNodeRiskRequest(node=f.node), timeout=2)
+                except grpc.RpcError:
+                    continue
+                f.risk.append((now, r.probability))
+                f.peak_risk = max(f.peak_risk, r.probability)
+                if f.first_alert is None and r.probability >= self.threshold:
+                    f.first_alert = now
+                    self.say(f"risk alert: {f.node} at {r.probability:.2f}"
+                             + (f" ({r.signals[0].description})" if r.signals else ""))
+            for d in self.directives:
+                for f in self.faults:
+                    if d.from_node == f.node and f.first_directive is None:
+                        f.first_directive = d.issued_at.seconds + d.issued_at.nanos / 1e9
+                        self.say(f"directive {d.directive_id[:8]}: move ranks {list(d.ranks)} "
+                                 f"{d.from_node} -> {d.to_node or '(none)'} at step {d.at_step} ({d.reason})")
+        except grpc.RpcError as exc:
+            log.warning("polling the control plane: %s", exc.code())
+        try:
+            self.job_step = self.job.progress()
+            self.job_loss = self.job.loss()
+        except Exception:  # noqa: BLE001 - the job's store goes away when it ends
+            pass
+
+    def _fail_due(self) -> None:
+        """A node whose failure time has come takes down any rank still on it, as the hardware would."""
+        for f in self.faults:
+            if f.fails_at is None or f.killed_rank or time.time() < f.fails_at:
+                continue
+            f.killed_rank = "-"
+            if all(not p.is_alive() for p in self.job.processes.values()):
+                self.say(f"{f.node} failed ({f.label}); the job had already finished")
+                continue
+            for name, proc in self.job.processes.items():
+                if name.startswith("rank") and proc.is_alive() and self.placement["ranks"][int(name[4:])] == f.node:
+                    proc.kill()
+                    f.killed_rank = name
+                    self.job_restarts = 1
+                    self.say(f"{f.node} FAILED with {name} still on it: the job crashes "
+                             f"(a checkpoint restart would follow)")
+            if f.killed_rank == "-":
+                self.say(f"{f.node} failed ({f.label}); no rank on it any more")
+
+    # -- display ---------------------------------------------------------------------------------
+    def _render(self):
+        from rich.console import Group
+        from rich.table import Table
+        risk = Table(title=f"riskiest nodes (threshold {self.threshold:.2f})", expand=True)
+        for col in ("node", "risk", "top signal"):
+            risk.add_column(col)
+        for r in self.riskiest:
+            sig = r.signals[0].description if r.signals else ""
+            style = "bold red" if r.probability >= self.threshold else ""
+            risk.add_row(r.node, f"{r.probability:.3f}", sig[:90], style=style)
+        dirs = Table(title="directives", expand=True)
+        for col in ("id", "ranks", "from -> to", "step", "state", "reason"):
+            dirs.add_column(col)
+        from foreshock.v1 import jobs_pb2
+        for d in self.directives:
+            dirs.add_row(d.directive_id[:8], str(list(d.ranks)), f"{d.from_node} -> {d.to_node}", str(d.at_step),
+                         jobs_pb2.DirectiveState.Name(d.state).replace("DIRECTIVE_STATE_", ""), d.reason[:60])
+        status = Table.grid()
+        loss = f"{self.job_loss:.4f}" if self.job_loss is not None else "-"
+        status.add_row(f"t = {time.time() - self.t0:5.1f} s   job {JOB_ID}: step {self.job_step}, "
+                       f"loss {loss}, restarts {self.job_restarts}")
+        for t, text in self.events[-6:]:
+            status.add_row(f"[{t - self.t0:6.1f}s] {text}")
+        return Group(status, risk, dirs)
+
+    # -- the account -----------------------------------------------------------------------------
+    def _summary(self, cluster) -> dict[str, Any]:
+        from foreshock.v1 import jobs_pb2
+        results = self.job.results()
+        ranks_done = [r for r in results if r.get("exit") == "finished"]
+        steps = max((int(max(map(int, r["losses"]), default=-1)) + 1 for r in results if r["losses"]), default=0)
+        final_hashes = {r["name"]: r["hashes"][max(r["hashes"], key=int)] for r in ranks_done if r["hashes"]}
+        changes = [c for r in results for c in r.get("changes", []) if not c.get("leave")]
+        pauses = [c.get("pause_s") for c in changes if c.get("pause_s") is not None]
+        evacuations = []
+        for d in self.directives:
+            phases = next((c.get("phases", {}) for c in changes if c.get("directive") == d.directive_id), {})
+            evacuations.append({"directive_id": d.directive_id, "kind": jobs_pb2.DirectiveKind.Name(d.kind),
+                                "from_node": d.from_node, "to_node": d.to_node, "at_step": d.at_step,
+                                "state": jobs_pb2.DirectiveState.Name(d.state), "reason": d.reason,
+                                "phases_seconds": phases,
+                                "duration_seconds": round(sum(v for v in phases.values() if isinstance(v, (int, float))), 4)
+                                if phases else None})
+        faults = []
+        for f in self.faults:
+            alert = f.first_directive or f.first_alert
+            predicted = alert is not None and (f.fails_at is None or alert < f.fails_at)
+            faults.append({
+                "label": f.label, "kind": f.kind, "node": f.node, "mode": f.mode, "component": f.component,
+                "hosted_rank": f.hosted_rank, "injected_at_s": self.rel(f.injected_at),
+                "fails_at_s": self.rel(f.fails_at), "first_alert_s": self.rel(f.first_alert),
+                "first_directive_s": self.rel(f.first_directive), "predicted": bool(predicted) if f.kind != "benign" else None,
+                "lead_seconds": round(f.fails_at - alert, 2) if predicted and f.fails_at else None,
+                "false_alarm": bool(alert is not None) if f.kind == "benign" else None,
+                "peak_risk": round(f.peak_risk, 4), "rank_killed": f.killed_rank not in ("", "-"),
+            })
+        precursor = next(x for x in faults if x["kind"] == "precursor")
+        benign = next(x for x in faults if x["kind"] == "benign")
+        completed = [e for e in evacuations if e["state"] == "DIRECTIVE_STATE_COMPLETED"]
+        saved = (self.job_restarts == 0 and precursor["predicted"] and bool(completed)
+                 and not precursor["rank_killed"] and len(set(final_hashes.values())) == 1 and len(ranks_done) >= 4)
+        goodput = self._goodput(pauses, steps)
+        return {
+            "saved": bool(saved),
+            "job_restarts": self.job_restarts,
+            "steps_completed": steps,
+            "ranks_finished": len(ranks_done),
+            "final_parameters_identical": len(set(final_hashes.values())) == 1 and bool(final_hashes),
+            "final_loss": statistics.fmean(r["losses"][str(steps - 1)] for r in ranks_done
+                                           if str(steps - 1) in r["losses"]) if ranks_done else None,
+            "faults": faults,
+            "false_evacuations": 1 if benign["first_directive_s"] is not None else 0,
+            "evacuations": evacuations,
+            "healthy_rank_pause_seconds": pauses,
+            "threshold": self.threshold,
+            "placement": self.placement,
+            "goodput": goodput,
+            "wall_seconds": round(time.time() - self.t0, 1),
+            "results": results,
+        }
+
+    def _goodput(self, pauses: list[float], steps: int) -> dict[str, Any]:
+        """This run against the same scenario under checkpoint restart, and the monthly view at scale."""
+        from foreshock import goodput as gp
+        s = gp.scenario_from({})
+        ranks = 4
+        wall = time.time() - self.t0
+        pause = max(pauses) if pauses else None
+        migration_s = pause if pause is not None else 0.0
+        # Checkpoint restart of the same incident: the job restarts (restart_minutes) and redoes the work
+        # since the last checkpoint (on average lost_progress_hours of the default interval).
+        lost_progress_h = gp.lost_progress_hours(s.mttf_hours, s.checkpoint_interval_hours)
+        restart_h = s.identify_hours + s.restart_hours + s.replace_hours
+        ckpt_gpu_h = (restart_h + lost_progress_h) * ranks
+        fs_gpu_h = migration_s / 3600.0 * ranks
+        at_scale = gp.evaluate(gp.scenario_from({"migration_seconds": max(migration_s, 1.0)}))
+        return {
+            "this_run": {
+                "gpus": ranks, "wall_seconds": round(wall, 1),
+                "foreshock_gpu_hours_lost": round(fs_gpu_h, 6),
+                "checkpoint_restart_gpu_hours_lost": round(ckpt_gpu_h, 4),
+                "checkpoint_restart_assumptions": {"restart_minutes": s.restart_hours * 60,
+                                                   "replace_minutes": s.replace_hours * 60,
+                                                   "checkpoint_interval_hours": s.checkpoint_interval_hours,
+                                                   "lost_progress_hours": round(lost_progress_h, 4)},
+            },
+            "at_1024_gpus_per_month": {k: {"usd_per_month": round(at_scale[k]["usd_per_month"]),
+                                           "goodput_expense": round(at_scale[k]["goodput_expense"], 5)}
+                                       for k in gp.STRATEGIES},
+        }
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _png(fig) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
+    import html
+    from matplotlib.figure import Figure
+    from foreshock import goodput as gp
+
+    fig = Figure(figsize=(9, 3.6))
+    ax = fig.add_subplot()
+    for f in demo.faults:
+        if f.risk:
+            ax.plot([t - demo.t0 for t, _ in f.risk], [p for _, p in f.risk], label=f"{f.node}: {f.label}")
+        if f.injected_at:
+            ax.axvline(f.injected_at - demo.t0, ls=":", color="grey")
+        if f.fails_at:
+            ax.axvline(f.fails_at - demo.t0, ls="--", color="red")
+        if f.first_directive:
+            ax.axvline(f.first_directive - demo.t0, ls="-", color="green", alpha=0.5)
+    ax.axhline(demo.threshold, color="black", lw=0.8, label="threshold")
+    ax.set_xlabel("seconds since start (dotted: injected, dashed red: failure, green: directive)")
+    ax.set_ylabel("P(fail within horizon)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left")
+    timeline = _png(fig)
+
+    fig = Figure(figsize=(9, 3))
+    ax = fig.add_subplot()
+    for r in summary["results"]:
+        if r["losses"]:
+            xs = sorted(map(int, r["losses"]))
+            ax.plot(xs, [r["losses"][str(x)] for x in xs], lw=0.8, label=r["name"])
+    for e in summary["evacuations"]:
+        ax.axvline(e["at_step"], color="green", ls="--")
+    ax.set_xlabel("step (green: the switch step)")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    losses = _png(fig)
+    goodput_png = base64.b64encode(gp.plot_png(gp.scenario_from({}))).decode()
+
+    rows = "".join(f"<tr><td>{html.escape(f['label'])}</td><td>{f['node']}</td><td>{f['predicted']}</td>"
+                   f"<td>{f['lead_seconds']}</td><td>{f['peak_risk']}</td><td>{f['rank_killed']}</td></tr>"
+                   for f in summary["faults"])
+    events = "".join(f"<li>[{t - demo.t0:6.1f}s] {html.escape(text)}</li>" for t, text in demo.events)
+    brief = {k: v for k, v in summary.items() if k not in ("results", "faults", "evacuations")}
+    path.write_text(f"""<!doctype html><html><head><meta charset="utf-8"><title>Foreshock demo</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}td,th{{border:1px solid #ccc;padding:3px 6px}}
+table{{border-collapse:collapse}}</style></head><body>
+<h1>Foreshock demo: {'job saved' if summary['saved'] else 'job NOT saved'}</h1>
+<p>job restarts: {summary['job_restarts']}; steps completed: {summary['steps_completed']};
+false evacuations: {summary['false_evacuations']}; wall time {summary['wall_seconds']} s.</p>
+<h2>Faults</h2><table><tr><th>fault</th><th>node</th><th>predicted</th><th>lead (s)</th><th>peak risk</th>
+<th>rank killed</th></tr>{rows}</table>
+<h2>Risk timeline</h2><img src="data:image/png;base64,{timeline}">
+<h2>Training loss per rank</h2><img src="data:image/png;base64,{losses}">
+<h2>Goodput expense against job size</h2><img src="data:image/png;base64,{goodput_png}">
+<h2>Events</h2><ul>{events}</ul>
+<h2>Summary</h2><pre>{html.escape(json.dumps(brief, indent=2, default=str))}</pre>
+<h2>Evacuations</h2><pre>{html.escape(json.dumps(summary['evacuations'], indent=2))}</pre>
+</body></html>""")
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print()
+    print("=" * 78)
+    print(f"Foreshock demo: {'JOB SAVED' if summary['saved'] else 'JOB NOT SAVED'}  "
+          f"(job_restarts={summary['job_restarts']}, steps_completed={summary['steps_completed']}, "
+          f"false_evacuations={summary['false_evacuations']})")
+    for f in summary["faults"]:
+        if f["kind"] == "benign":
+            verdict = "no evacuation (correct)" if not f["false_alarm"] else "FALSE ALARM"
+        elif f["predicted"]:
+            verdict = f"predicted {f['lead_seconds']:.0f} s ahead"
+        else:
+            verdict = "not predicted" + (" (no precursor: expected)" if f["kind"] == "no_precursor" else "")
+        print(f"  {f['label']:<40} {f['node']:<9} peak risk {f['peak_risk']:.2f}  {verdict}")
+    for e in summary["evacuations"]:
+        print(f"  evacuation {e['from_node']} -> {e['to_node']} at step {e['at_step']}: "
+              f"{e['state'].replace('DIRECTIVE_STATE_', '')}, {e['duration_seconds']} s {e['phases_seconds']}")
+    g = summary["goodput"]["this_run"]
+    print(f"  GPU-hours lost: {g['foreshock_gpu_hours_lost']:.5f} with Foreshock vs "
+          f"{g['checkpoint_restart_gpu_hours_lost']:.3f} under checkpoint restart ({g['gpus']} GPUs)")
+    for k, v in summary["goodput"]["at_1024_gpus_per_month"].items():
+        print(f"  at 1,024 GPUs, {k:<19} ${v['usd_per_month']:>9,}/month, goodput expense {v['goodput_expense']:.2%}")
+    print("=" * 78)
+
+
+# -- the command -----------------------------------------------------------------------------------
+def register(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="the whole pipeline on loopback: a fault predicted, a job saved",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--out", help="working directory (default out/demo)")
+    p.add_argument("--json", help="write the summary as JSON to FILE")
+    p.add_argument("--html", help="write the HTML report to FILE (default OUT/report.html)")
+    p.add_argument("--no-live", dest="live", action="store_false", default=None,
+                   help="plain log lines instead of the live terminal view")
+    p.add_argument("--steps", type=int, help="training steps of the demo job")
+    p.add_argument("--time-limit-seconds", type=float)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, file_data) -> int:
+    flags = {k: getattr(args, k, None) for k in DEFAULTS}
+    cfg = resolve("demo", DEFAULTS, file_data=file_data, flags=flags)
+    if cfg["nodes"] < 40:
+        print("foreshock demo: --nodes must be at least 40 (4 leaf switches of ranks, a spare, a bystander)")
+        return 2
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    demo = Demo(cfg)
+    try:
+        summary = demo.run()
+    finally:
+        demo.shutdown()
+    summary["process_exit_codes"] = demo.job_codes
+    html_path = Path(cfg["html"] or Path(cfg["out"]) / "report.html")
+    write_html(demo, summary, html_path)
+    brief = {k: v for k, v in summary.items() if k != "results"}
+    (Path(cfg["out"]) / "summary.json").write_text(json.dumps(brief, indent=2, default=str))
+    if cfg["json"]:
+        Path(cfg["json"]).write_text(json.dumps(brief, indent=2, default=str))
+    print_summary(summary)
+    print(f"report: {html_path}")
+    return 0 if summary["saved"] else 1
