@@ -324,7 +324,9 @@ class Migrator:
         return self.book.control(self.step + 1)
 
     def _is_switch_coordinator(self, d: Directive) -> bool:
-        return self.rank == self._coordinator_for(d)
+        # with no rank off the leaving node, rank 0 plans (a checkpoint, or a rejection)
+        c = self._coordinator_for(d)
+        return self.rank == (0 if c is None else c)
 
     def _coordinator_for(self, d: Directive) -> int | None:
         for r in range(self.world_size):
@@ -352,8 +354,7 @@ class Migrator:
         t0 = time.monotonic()
         phases: dict[str, float] = {"agreement": t0 - self.book.first_seen.get(d.directive_id, t0)}
         key = f"{self._p}plan/g{self.generation}/s{self.step}"
-        # with no rank off the leaving node, rank 0 writes the plan, which rejects the directive
-        me_coord = self.rank == (self._coordinator_for(d) or 0)
+        me_coord = self._is_switch_coordinator(d)
         if me_coord and self._store.add(f"{key}/claim", 1) == 1:
             try:
                 plan = self._make_plan(d)
@@ -421,7 +422,8 @@ class Migrator:
         w = self.world_size
         base = {"directive_id": d.directive_id, "gen": self.generation + 1, "step": self.step,
                 "coordinator": self.rank, "leaving": [], "spares": [], "reason": d.reason}
-        if self._coordinator_for(d) is None:
+        if self._coordinator_for(d) is None and d.kind != DirectiveKind.CHECKPOINT_EXIT:
+            # (a checkpoint may be written by a rank on the node: it is still alive, that is the point)
             return {**base, "kind": "rejected",
                     "reason": f"no rank outside node {d.from_node!r} to act as the state source"}
         bad = [r for r in d.ranks if not 0 <= r < w]

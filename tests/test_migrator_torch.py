@@ -361,3 +361,68 @@ def test_without_a_service_store_directives_bad_one_rejected_good_one_done(fault
     assert _steps(res["rank3"]) + _steps(spare) == list(range(STEPS))
     assert fault_group["local_acks"] == {"bogus/failed": True, "bogus/completed": False, "good/accepted": True,
                                          "good/state_transferred": True, "good/completed": True}
+
+
+def test_checkpoint_exit_then_restore_continues_bit_identically(tmp_path):
+    """In this process: a one-rank world without DDP (the agreement takes its own all-reduce), a
+    directive from a LocalDirectiveSource, a just-in-time checkpoint, and Migrator.restore()."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    from foreshock.migrator import LocalDirectiveSource, Migrator, MigratorConfig
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    cfg = MigratorConfig.from_env({}, job_id="solo", rank=0, world_size=1, node="n0",
+                                  store=f"127.0.0.1:{store.port}", checkpoint_dir=str(tmp_path))
+
+    def job(seed):
+        model, opt, sched = example.build(2000, seed)
+        pos = example.DataPosition()
+        return model, opt, sched, pos
+
+    def train_step(mig, model, opt, sched, pos):
+        x, y = example.batch(SEED, mig.step, 0)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(mig.model(x), y).backward()
+        opt.step()
+        sched.step()
+        pos.next_step += 1
+
+    model, opt, sched, pos = job(SEED)
+    source = LocalDirectiveSource()
+    mig = Migrator(cfg, model=model, optimizer=opt, scheduler=sched, per_rank={"data": pos}, source=source,
+                   wrap_ddp=False, store=store)
+    try:
+        assert mig.start() and mig.model is model
+        change = None
+        while mig.step < 40:
+            train_step(mig, model, opt, sched, pos)
+            if mig.step == 4:
+                source.push(Directive("ck-1", DirectiveKind.CHECKPOINT_EXIT, (0,), "n0", "", at_step=9,
+                                      reason="test: no spare"))
+            change = mig.end_step()
+            if change.leave:
+                break
+        assert change.kind == "checkpoint_exit" and mig.step == 9 and pos.next_step == 9
+        assert mig.agreement_counts == {"piggybacked": 0, "separate": 9}
+        assert [a.phase.value for a in source.acks] == ["accepted", "completed"]
+    finally:
+        mig.close()
+    assert not dist.is_initialized()
+    rng_at_exit = torch.get_rng_state()
+    torch.manual_seed(12345)                     # a restarted process starts from another RNG state
+    # a restarted job restores the checkpoint into fresh objects (another seed: nothing shared)
+    model2, opt2, sched2, pos2 = job(SEED + 1)
+    mig2 = Migrator(cfg, model=model2, optimizer=opt2, scheduler=sched2, per_rank={"data": pos2}, store=store)
+    mig2.restore(change.checkpoint)
+    assert (mig2.step, pos2.next_step, sched2.last_epoch) == (9, 9, sched.last_epoch)
+    assert torch.equal(torch.get_rng_state(), rng_at_exit)
+    # the original (still in memory) and the restored copy take the same next step, bit for bit
+    rng = torch.get_rng_state()
+    for m, o, s_ in ((model, opt, sched), (model2, opt2, sched2)):
+        torch.set_rng_state(rng)
+        x, y = example.batch(SEED, 9, 0)
+        o.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+        s_.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert example.param_hash(model) == example.param_hash(model2)
