@@ -295,8 +295,10 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         backlog = []
         window = max(5.0, seconds - (time.time() - t_conn) - 5.0)
         end = w0 + window
+        accepted_series = []
         while time.time() < end:
             backlog.append(_metric(ports["metrics"], "foreshock_ingest_backlog_batches"))
+            accepted_series.append(_metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"'))
             time.sleep(1.0)
         cpu1, rss, hwm = _proc(server.pid)
         acc1 = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
@@ -328,7 +330,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
             risk_end.append(got - step_end)
     return {
         "nodes": n_nodes, "window_s": w1 - w0,
-        "offered_per_s": n_nodes, "accepted_per_s": (acc1 - acc0) / (w1 - w0), "accepted_total": (acc0, acc1),
+        "accepted_series": accepted_series, "offered_per_s": n_nodes, "accepted_per_s": (acc1 - acc0) / (w1 - w0), "accepted_total": (acc0, acc1),
         "server_cpu_share_of_one_core": (cpu1 - cpu0) / (w1 - w0), "server_rss_mib": rss / 2**20,
         "server_peak_rss_mib": hwm / 2**20, "backlog_first_last_max": (backlog[0], backlog[-1], max(backlog)) if backlog else None,
         "gen_sent": sum(g["sent"] for g in gen), "gen_acked": sum(g["acked"] for g in gen),
@@ -351,6 +353,7 @@ def report(r: dict) -> None:
     print(f"nodes {r['nodes']}: offered {r['offered_per_s']:.0f} batches/s, accepted {r['accepted_per_s']:.0f}/s "
           f"over {r['window_s']:.0f} s (counter {r['accepted_total']}); scoring backlog first/last/max "
           f"{r['backlog_first_last_max']}")
+    print(f"  accepted counter each second: {[int(x) for x in r['accepted_series']]}")
     print(f"  service CPU {100 * r['server_cpu_share_of_one_core']:.0f}% of one core; RSS {r['server_rss_mib']:.0f} MiB "
           f"(peak {r['server_peak_rss_mib']:.0f} MiB); scoring round mean {r['scoring_round_mean_ms']:.2f} ms")
     print(f"  generator sent {r['gen_sent']}, acked {r['gen_acked']}, rejected {r['gen_rejected']}, "

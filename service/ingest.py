@@ -82,13 +82,20 @@ class Session:
     deferred: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
 
 
+@dataclass(frozen=True)
+class RawBatch:
+    """A table's IPC stream whose schema message is known good: decoded with its round's others."""
+    head: bytes        # the schema message
+    body: bytes        # the record batch message(s), without the end-of-stream marker
+
+
 @dataclass
 class Pending:
     """One accepted batch's decoded tables, waiting for the next round's value checks."""
     session: Session
     sequence: int
     node: str
-    tables: dict[str, pa.Table]
+    tables: dict[str, pa.Table | RawBatch]
     received_ns: int
 
 
@@ -251,8 +258,22 @@ class Ingest:
                 log.exception("ingest: unexpected error on table %r of %s", name[:64], node)
                 self._reject(rejections, sequence, name[:64], "bad_ipc", f"table {name[:64]!r}: {exc}")
                 continue
+            if isinstance(t, RawBatch):
+                if name in good:  # the same table twice in one batch: decode both now
+                    t = self._decode_raw(name, t)
+                    if t is None:
+                        self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream")
+                        continue
+                else:
+                    good[name] = t
+                    continue
             if t is not None and t.num_rows:
-                good[name] = pa.concat_tables([good[name], t]) if name in good else t
+                if name in good:
+                    prev = good[name]
+                    prev = self._decode_raw(name, prev) if isinstance(prev, RawBatch) else prev
+                    good[name] = pa.concat_tables([prev, t]) if prev is not None else t
+                else:
+                    good[name] = t
         if good:
             self.accepted_batches += 1
             self.backlog = self.sink(Pending(s, sequence, node, good, now))
@@ -279,14 +300,10 @@ class Ingest:
             return None
         key = _schema_key(buf)
         t = None
-        if key is not None and self._good_schemas.get(key[0]) == name:
-            try:
-                rb = _read_single_batch(buf, key[1], check.wire)
-            except Exception as exc:
-                self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
-                return None
-            if rb is not None:
-                t = pa.Table.from_batches([rb], schema=check.wire)
+        if key is not None and self._good_schemas.get(key[0]) == name and buf.endswith(_EOS) \
+                and len(buf) >= key[1] + 16 and buf[key[1]:key[1] + 4] == b"\xff\xff\xff\xff":
+            # Decoded in the round, together with every other batch of this table (one Arrow read).
+            return RawBatch(buf[:key[1]], buf[key[1]:-8])
         if t is None:
             try:
                 t = pa.ipc.open_stream(buf).read_all()
@@ -310,17 +327,23 @@ class Ingest:
         return t
 
     # -- the round's value checks --------------------------------------------------------------------
+    def _decode_raw(self, name: str, raw: RawBatch) -> pa.Table | None:
+        try:
+            return pa.ipc.open_stream(raw.head + raw.body + _EOS).read_all().cast(_CHECKS[name].wire)
+        except Exception:
+            return None
+
     def take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
-        """Check the values of every pending batch at once, per table; return what passed."""
+        """Decode and check the values of every pending batch at once, per table; return what passed."""
         now = self._clock()
-        by_table: dict[str, list[tuple[Pending, pa.Table]]] = collections.defaultdict(list)
+        by_table: dict[str, list[tuple[Pending, object]]] = collections.defaultdict(list)
         for item in items:
             for name, t in item.tables.items():
                 by_table[name].append((item, t))
         out: dict[str, pa.Table] = {}
         for name, parts in by_table.items():
             try:
-                table = self._check_table(name, parts, now)
+                table = self._round_table(name, parts, now)
             except Exception:
                 log.exception("ingest: value checks of %d %s tables failed; dropping them", len(parts), name)
                 continue
@@ -331,22 +354,64 @@ class Ingest:
         self._side_effects(out, now)
         return out
 
+    def _round_table(self, name: str, parts, now: int) -> pa.Table | None:
+        """One table of the round: raw batches decoded in one Arrow read (a stream of the schema message
+        and every batch's record batches), then the value checks over all rows at once."""
+        check, lim = _CHECKS[name], self.limits
+        raws = [(item, t) for item, t in parts if isinstance(t, RawBatch)]
+        ready = [(item, t) for item, t in parts if not isinstance(t, RawBatch)]
+        chunks: list[pa.Table] = []
+        owners: list[Pending] = []
+        lengths: list[int] = []
+        if raws:
+            joined = None
+            try:
+                joined = pa.ipc.open_stream(b"".join([raws[0][1].head, *(r.body for _, r in raws), _EOS])).read_all()
+                batches = joined.to_batches()
+                if len(batches) != len(raws):
+                    joined = None   # some stream held several batches: take them one by one
+            except Exception:
+                joined = None
+            if joined is not None:
+                chunks.append(joined.cast(check.wire) if not joined.schema.equals(check.wire) else joined)
+                owners += [item for item, _ in raws]
+                lengths += [b.num_rows for b in batches]
+            else:
+                for item, raw in raws:
+                    t = self._decode_raw(name, raw)
+                    if t is None:
+                        self._defer(item, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream")
+                        continue
+                    chunks.append(t)
+                    owners.append(item)
+                    lengths.append(t.num_rows)
+        for item, t in ready:
+            chunks.append(t)
+            owners.append(item)
+            lengths.append(t.num_rows)
+        if not chunks:
+            return None
+        table = pa.concat_tables(chunks) if len(chunks) > 1 else chunks[0]
+        return self._check_table(name, owners, table, np.asarray(lengths, dtype=np.int64), now)
+
     def _defer(self, item: Pending, table: str, reason: str, detail: str) -> None:
         with self._lock:
             self.rejected[reason] += 1
         item.session.deferred.append(Rejection(item.sequence, table, reason, detail))
 
-    def _check_table(self, name: str, parts: list[tuple[Pending, pa.Table]], now: int) -> pa.Table | None:
+    def _check_table(self, name: str, items: list[Pending], table: pa.Table, lengths: np.ndarray,
+                     now: int) -> pa.Table | None:
         check, lim = _CHECKS[name], self.limits
-        table = pa.concat_tables([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
-        lengths = np.array([t.num_rows for _, t in parts])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
         bad: dict[int, tuple[str, str]] = {}   # part index -> (reason, detail)
+        for i in np.flatnonzero(lengths > lim.max_table_rows).tolist():
+            bad[i] = ("oversized", f"table {name!r}: {int(lengths[i])} rows, at most {lim.max_table_rows}")
 
         def per_part(fn):
             """Run a check on each part (only when the whole-table check found something)."""
-            for i, (_, t) in enumerate(parts):
+            for i in range(len(items)):
                 if i not in bad:
-                    verdict = fn(t)
+                    verdict = fn(table.slice(int(starts[i]), int(lengths[i])))
                     if verdict:
                         bad[i] = verdict
 
@@ -357,12 +422,12 @@ class Ingest:
         # Rows of another node: compare each row's node with its batch's node, in one pass.
         node_codes = pc.dictionary_encode(table.column("node")).combine_chunks()
         code_of = {n: i for i, n in enumerate(node_codes.dictionary.to_pylist())}
-        owners = [item.node for item, _ in parts]
+        owners = [item.node for item in items]
         row_owner = np.repeat(np.array([code_of.get(n, -2) for n in owners]), lengths)
         codes = node_codes.indices.to_numpy(zero_copy_only=False)
         codes = np.where(np.isnan(codes), -1, codes).astype(np.int64) if codes.dtype.kind == "f" else codes
         mismatch = codes != row_owner
-        row_part = np.repeat(np.arange(len(parts)), lengths)
+        row_part = np.repeat(np.arange(len(items)), lengths)
         for i in np.unique(row_part[mismatch]).tolist():
             if i not in bad:
                 bad[i] = ("node_mismatch", f"table {name!r}: rows of another node in a batch from {owners[i]!r}")
@@ -406,9 +471,10 @@ class Ingest:
         if not bad:
             return table
         for i, (reason, detail) in bad.items():
-            self._defer(parts[i][0], name, reason, detail)
-        keep = [t for i, (_, t) in enumerate(parts) if i not in bad]
-        return pa.concat_tables(keep) if keep else None
+            self._defer(items[i], name, reason, detail)
+        keep = np.ones(len(items), dtype=bool)
+        keep[list(bad)] = False
+        return table.filter(pa.array(np.repeat(keep, lengths))) if keep.any() else None
 
     def _side_effects(self, good: dict[str, pa.Table], now: int) -> None:
         inv = good.get("inventory")

@@ -159,13 +159,14 @@ class ScoringLoop:
     def __init__(self, scorer: Scorer, *, interval: float = 0.1, max_backlog: int = 50_000,
                  on_round: Callable[[ScoreResult, int, str, float], None] | None = None,
                  prepare: Callable[[list], dict[str, pa.Table]] | None = None, drain_interval: float = 1.0,
-                 clock=time.time_ns):
+                 max_drain: int = 8192, clock=time.time_ns):
         self.scorer = scorer
         self.interval = interval
         self.max_backlog = max_backlog
         self.on_round = on_round
         self.prepare = prepare
         self.drain_interval = drain_interval
+        self.max_drain = max_drain          # batches per drain: an overloaded service keeps answering
         self._last_drain = 0.0
         self._clock = clock
         self._queue: collections.deque = collections.deque()
@@ -224,10 +225,23 @@ class ScoringLoop:
                 log.debug("risk watcher gone", exc_info=True)
 
     # -- rounds --------------------------------------------------------------------------------------
-    def _drain(self) -> None:
+    @staticmethod
+    def _urgent(item) -> bool:
+        tables = getattr(item, "tables", item)
+        return "events" in tables or "inventory" in tables
+
+    def _drain(self, urgent_only: bool = False) -> None:
         with self._qlock:
-            items = list(self._queue)
-            self._queue.clear()
+            if urgent_only:
+                # An event round takes only the batches that carry events (or topology), so a fatal
+                # Xid is not held up behind a second of everyone's telemetry; the rest waits its turn.
+                items = [it for it in self._queue if self._urgent(it)]
+                if items:
+                    rest = [it for it in self._queue if not self._urgent(it)]
+                    self._queue.clear()
+                    self._queue.extend(rest)
+            else:
+                items = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_drain))]
         if not items:
             return
         if self.prepare is not None:
@@ -250,8 +264,9 @@ class ScoringLoop:
         # Telemetry only changes scores when a feature step closes, so it is drained (checked and
         # handed to the scorer) once a `drain_interval`, in big cheap batches; a round woken by events
         # or due at a step close drains at once.
-        if why != "interval" or time.monotonic() - self._last_drain >= self.drain_interval or \
-                self._step_due():
+        if why == "events":
+            self._drain(urgent_only=True)
+        if time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
             self._last_drain = time.monotonic()
             self._drain()
         now = self._clock()
