@@ -43,7 +43,7 @@ class MigratorConfig:
     host_store: bool = False         # this process hosts the store (tests and the demo host it in the launcher)
     rpc_timeout_s: float = 2.0       # deadline of every unary call to the service
     transfer_timeout_s: float = 60.0  # bound on group formation and state transfer during a switch
-    standby_poll_s: float = 0.2       # how often a spare checks for an assignment
+    standby_poll_s: float = 30.0      # a waiting spare checks this often whether the job ended unreleased
     report_interval_s: float = 5.0    # how often the coordinator reports its step to the service
     spare_heartbeat_s: float = 0.5
 
@@ -127,7 +127,7 @@ class MigratorConfig:
             host_store=bool(host_store),
             rpc_timeout_s=as_float("rpc_timeout_s", "FORESHOCK_RPC_TIMEOUT_S", 2.0),
             transfer_timeout_s=as_float("transfer_timeout_s", "FORESHOCK_TRANSFER_TIMEOUT_S", 60.0),
-            standby_poll_s=as_float("standby_poll_s", "FORESHOCK_STANDBY_POLL_S", 0.2),
+            standby_poll_s=as_float("standby_poll_s", "FORESHOCK_STANDBY_POLL_S", 30.0),
             report_interval_s=as_float("report_interval_s", "FORESHOCK_REPORT_INTERVAL_S", 5.0),
             spare_heartbeat_s=as_float("spare_heartbeat_s", "FORESHOCK_SPARE_HEARTBEAT_S", 0.5),
         )

@@ -284,7 +284,7 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
               "FORESHOCK_FALLBACK": fallback, "FORESHOCK_CHECKPOINT_DIR": str(out / "checkpoints"),
               "FORESHOCK_TRANSFER_TIMEOUT_S": str(transfer_timeout_s),
               "FORESHOCK_REPORT_INTERVAL_S": "0.1", "FORESHOCK_SPARE_HEARTBEAT_S": "0.2",
-              "FORESHOCK_STANDBY_POLL_S": "0.05", **(env or {})}
+              "FORESHOCK_STANDBY_POLL_S": "10", **(env or {})}
     base = {"steps": steps, "out_dir": str(out), "params": params, "seed": seed,
             "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size}
     ctx = _context()

@@ -114,6 +114,7 @@ class Migrator:
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._closed = False
+        self._spare_nodes_seen: set[str] = set()
 
     # --- public surface ----------------------------------------------------------------------
     @property
@@ -196,6 +197,7 @@ class Migrator:
         if finished and self.is_lead and self._store is not None:
             try:
                 self._store.set(f"{self._p}released", "1")
+                self._release_spares()
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not release spares: %s", exc)
         if self._client is not None:
@@ -206,6 +208,13 @@ class Migrator:
         self._ddp = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _release_spares(self) -> None:
+        """Wake every unclaimed standby spare of the job's spare nodes with a release assignment."""
+        for node in dict.fromkeys(list(self.config.spare_nodes) + list(self._spare_nodes_seen)):
+            for slot in range(self._store.add(f"{self._p}standby/{node}/count", 0)):
+                if self._store.add(f"{self._p}standby/{node}/{slot}/claim", 1) == 1:
+                    self._store.set(f"{self._p}assign/{node}/{slot}", json.dumps({"release": True}))
 
     def restore(self, checkpoint: str | os.PathLike) -> None:
         """Load a just-in-time checkpoint written by the checkpoint_exit fallback (this rank's files)."""
@@ -466,6 +475,7 @@ class Migrator:
 
     def _claim_spares(self, node: str, count: int) -> list[dict] | None:
         nodes = [node] if node else list(self.config.spare_nodes)
+        self._spare_nodes_seen.update(nodes)
         found = []
         stale_after = 10 * self.config.spare_heartbeat_s + 1.0
         for n in nodes:
@@ -601,12 +611,20 @@ class Migrator:
             self._store.set(self._hb_key, repr(time.time()))
             self._store.set(k, json.dumps({"pid": os.getpid(), "node": node}))
             assign = f"{self._p}assign/{node}/{slot}"
-            while not self._store.check([assign]):
-                if self._store.check([f"{self._p}released"]):
-                    self._heartbeat_stop.set()
-                    return False
-                time.sleep(self.config.standby_poll_s)
+            # block until assigned: the coordinator's plan (or the lead's release) wakes us at once;
+            # a long timeout only to notice a job that ended without releasing its spares
+            while True:
+                try:
+                    self._store.wait([assign], _td(self.config.standby_poll_s))
+                    break
+                except Exception:  # noqa: BLE001 - the poll interval passed
+                    if self._store.check([f"{self._p}released"]):
+                        self._heartbeat_stop.set()
+                        return False
             plan = json.loads(self._store.get(assign))
+            if plan.get("release"):
+                self._heartbeat_stop.set()
+                return False
             if self._join(plan, slot):
                 return True
             log.info("switch %s aborted; back to standby", plan["directive_id"])
