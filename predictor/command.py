@@ -18,7 +18,7 @@ from pathlib import Path
 from foreshock import config
 
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
-                  "neg_rate": 0.02, "hard_neg_rate": 0.25, "max_iter": 300, "seed": 0,
+                  "neg_rate": 0.01, "hard_neg_rate": 0.08, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0}
 

@@ -28,11 +28,13 @@ from scipy.signal import lfilter
 
 from foreshock.predictor import signals as sg
 
-FEATURE_VERSION = "1"
+FEATURE_VERSION = "2"
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
 EWMA_ALPHA = 1.0 - 2.0 ** (-1.0 / BASELINE_HALF_LIFE_STEPS)
+RECENT_HALF_LIFE_STEPS = 2 * 60  # the "last hours" rate, for precursors that build over hours
+RECENT_ALPHA = 1.0 - 2.0 ** (-1.0 / RECENT_HALF_LIFE_STEPS)
 SINCE_CAP_MINUTES = 1440.0
 
 # Peer base signals, computed across nodes per step (peer_signals below) and appended to the base.
@@ -77,6 +79,8 @@ def _specs() -> tuple[FeatureSpec, ...]:
         out += [FeatureSpec(f"{n}_1m", n, "sum1"), FeatureSpec(f"{n}_5m", n, "sum5"), FeatureSpec(f"{n}_30m", n, "sum30")]
     for n in BASELINED:
         out.append(FeatureSpec(f"{n}_30m_vs_baseline", n, "vs_baseline"))
+    for n in BASELINED:
+        out.append(FeatureSpec(f"{n}_2h_vs_baseline", n, "recent_vs_baseline"))
     for i in GAUGE_IDX:
         n = ALL_NAMES[i]
         out += [FeatureSpec(f"{n}_now", n, "now"), FeatureSpec(f"{n}_max30m", n, "max30")]
@@ -125,7 +129,8 @@ class FeatureState:
     gring: np.ndarray       # [GRING, N, G] the last gauge values (NaN: none)
     head: int               # ring position of the oldest entry (= the next to overwrite)
     ghead: int
-    z: np.ndarray           # [N, B] EWMA state (lfilter's zi)
+    z: np.ndarray           # [N, B] EWMA state (lfilter's zi), 3-day baseline
+    zr: np.ndarray          # [N, B] EWMA state, the recent (2-hour half-life) rate
     seen: np.ndarray        # [N] steps seen (EWMA bias correction)
     last_event: np.ndarray  # [N, E] step index of the last event of each SINCE signal (-inf: never)
 
@@ -133,7 +138,8 @@ class FeatureState:
     def empty(cls, n: int) -> "FeatureState":
         k, g = len(SUM_IDX), len(GAUGE_IDX)
         return cls(np.zeros((n, k)), np.zeros((n, k)), np.zeros((RING, n, k)), np.zeros((RING, n, k)),
-                   np.full((GRING, n, g), np.nan), 0, 0, np.zeros((n, len(BASE_IDX))), np.zeros(n),
+                   np.full((GRING, n, g), np.nan), 0, 0, np.zeros((n, len(BASE_IDX))),
+                   np.zeros((n, len(BASE_IDX))), np.zeros(n),
                    np.full((n, len(SINCE_IDX)), -np.inf))
 
     def grow(self, n: int) -> "FeatureState":
@@ -143,7 +149,7 @@ class FeatureState:
         return FeatureState(cat([self.cum, add.cum]), cat([self.cumv, add.cumv]),
                             cat([self.ring, add.ring], axis=1), cat([self.ringv, add.ringv], axis=1),
                             cat([self.gring, add.gring], axis=1), self.head, self.ghead,
-                            cat([self.z, add.z]), cat([self.seen, add.seen]),
+                            cat([self.z, add.z]), cat([self.zr, add.zr]), cat([self.seen, add.seen]),
                             cat([self.last_event, add.last_event]))
 
     def __len__(self) -> int:
@@ -207,19 +213,26 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
 
     # 30-minute rate against the node's own EWMA baseline (lfilter recursion: y = a x + z, z = (1-a) y)
     xb = xs[:, :, S_BASE]
-    if t == 1:
-        y = EWMA_ALPHA * xb + state.z[None]
-        zf = (1.0 - EWMA_ALPHA) * y[-1]
-    else:
-        yy, zz = lfilter([EWMA_ALPHA], [1.0, -(1.0 - EWMA_ALPHA)], xb, axis=0, zi=state.z[None])
-        y, zf = yy, zz[0]
     seen = state.seen[None, :] + np.arange(1, t + 1, dtype=np.float64)[:, None]
-    baseline = y / (1.0 - (1.0 - EWMA_ALPHA) ** seen)[:, :, None]
+
+    def ewma(alpha, z):
+        if t == 1:
+            y_ = alpha * xb + z[None]
+            zf_ = (1.0 - alpha) * y_[-1]
+        else:
+            y_, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], xb, axis=0, zi=z[None])
+            zf_ = zz[0]
+        return y_ / (1.0 - (1.0 - alpha) ** seen)[:, :, None], zf_
+
+    baseline, zf = ewma(EWMA_ALPHA, state.z)
+    recent, zrf = ewma(RECENT_ALPHA, state.zr)
     b30, nb30 = window(HISTORY, S_BASE)
     eps = 1.0 / HISTORY
     with np.errstate(invalid="ignore", divide="ignore"):
         rate30 = np.where(nb30 > 0, b30 / np.maximum(nb30, 1.0), np.nan)
     out[:, :, col:col + len(BASE_IDX)] = (rate30 + eps) / (baseline + eps)
+    col += len(BASE_IDX)
+    out[:, :, col:col + len(BASE_IDX)] = (recent + eps) / (baseline + eps)
     col += len(BASE_IDX)
 
     # gauges and flags: now and the maximum over 30 steps (exact and order-free: np.fmax skips NaN)
@@ -271,6 +284,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     state.ghead = _push(state.gring, state.ghead, g)
     state.cum, state.cumv = c[-1].copy(), cv[-1].copy()
     state.z = np.asarray(zf)
+    state.zr = np.asarray(zrf)
     state.seen = state.seen + t
     state.last_event = last[-1].copy()
     return np.swapaxes(out, 0, 1).astype(np.float32), state

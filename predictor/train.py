@@ -5,7 +5,7 @@ incidents table (labels.py), and writes a model directory (registry.py).
 
 Split by time, never by row: the first (1 - val_fraction) of the dataset's time span trains the
 estimators (minus one horizon before the boundary, so that no training label looks into the
-validation slice); the rest calibrates the probabilities (isotonic, CalibratedClassifierCV over the
+validation slice); the rest calibrates the probabilities (Platt sigmoid, CalibratedClassifierCV over the
 frozen pipeline) and chooses the thresholds for each false-evacuation budget. Healthy training steps
 are subsampled (all positives kept; quiet negatives at `neg_rate`, negatives with any error signal at
 `hard_neg_rate`); calibration runs on the validation slice at its true base rate (its negatives are
@@ -48,8 +48,8 @@ def _hard(X: np.ndarray) -> np.ndarray:
 
 
 def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: float = 2.0,
-          val_fraction: float = 0.3, neg_rate: float = 0.02, hard_neg_rate: float = 0.25,
-          cal_neg_rate: float = 0.2, max_iter: int = 300, seed: int = 0, prior_scale: float = 1.0, progress=None,
+          val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.08,
+          cal_neg_rate: float = 0.2, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0, progress=None,
           command: str | None = None) -> dict:
     t_start = time.perf_counter()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -61,7 +61,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         first, last = fb.step_range
         span = (last + 1 - first) * offline.STEP_NS
         boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
-        train_X, train_y, val_nodes, cal_X, cal_y, cal_w, healthy = [], [], [], [], [], [], []
+        train_X, train_y, val_nodes, cal_X, cal_y, cal_w, healthy, val_paths = [], [], [], [], [], [], [], []
         n_train_steps = n_val_steps = 0
         for nf in fb:
             y, excluded = lb.node_labels(nf.step_end_ns, incidents.of_node(nf.node), horizon_s)
@@ -84,8 +84,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             cal_X.append(X[ck])
             cal_y.append(y[ck])
             cal_w.append(np.where(y[ck] == 1, 1.0, 1.0 / cal_neg_rate))
-            val_nodes.append(ev.NodeScores(nf.node, e[va], y[va], np.ones(int(va.sum()), bool),
-                                           {"_X": X[va]}))
+            # the validation slice's features wait on disk (bounded memory) until the model is fitted
+            val_path = fb.cache / f"val-{len(val_nodes):06d}.npy"
+            np.save(val_path, X[va])
+            val_nodes.append(ev.NodeScores(nf.node, e[va], y[va], np.ones(int(va.sum()), bool)))
+            val_paths.append(val_path)
         Xtr, ytr = np.concatenate(train_X), np.concatenate(train_y)
         if ytr.sum() == 0:
             raise ValueError(f"{data_dir}: no positive training steps (no incidents in the first "
@@ -107,8 +110,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         if yc.sum() == 0:
             raise ValueError(f"{data_dir}: no incidents in the validation slice (the last {val_fraction:.0%}); "
                              "cannot calibrate: simulate more days or a higher --rate-scale")
-        model = CalibratedClassifierCV(FrozenEstimator(gbdt), method="isotonic").fit(Xc, yc, sample_weight=wc)
-        logistic = CalibratedClassifierCV(FrozenEstimator(logit), method="isotonic").fit(Xc, yc, sample_weight=wc)
+        model = CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(Xc, yc, sample_weight=wc)
+        logistic = CalibratedClassifierCV(FrozenEstimator(logit), method="sigmoid").fit(Xc, yc, sample_weight=wc)
         if prior_scale != 1.0:
             model = mdl.PriorShift(model, prior_scale).fit()
             logistic = mdl.PriorShift(logistic, prior_scale).fit()
@@ -118,8 +121,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         predictors = {"model": lambda X: model.predict_proba(X)[:, 1],
                       "rule": lambda X: rule.predict_proba(X)[:, 1],
                       "logistic": lambda X: logistic.predict_proba(X)[:, 1]}
-        for vn in val_nodes:
-            Xv = vn.scores.pop("_X")
+        for vn, path in zip(val_nodes, val_paths):
+            Xv = np.load(path)
             for name, fn in predictors.items():
                 vn.scores[name] = (fn(Xv) if len(Xv) else np.zeros(0)).astype(np.float32)
         val_nodes = [vn for vn in val_nodes if len(vn.y)]
@@ -153,7 +156,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "threshold_curves": curves,
         "reference_features": reference.tolist(),
         "prior_scale": float(prior_scale),
-        "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "isotonic",
+        "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "sigmoid",
                       "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
                                                              if isinstance(v, (int, float, str, bool, type(None)))}},
         "training": {
