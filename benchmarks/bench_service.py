@@ -345,6 +345,39 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
     }
 
 
+def ingest_only(n: int = 1000) -> None:
+    """The service's own per-batch cost, in-process, without gRPC: receipt, then the round's checks."""
+    from foreshock.collectors.simulated import SimpleNodeModel
+    from foreshock.collectors.uplink import encode_table
+    from foreshock.service.ingest import Ingest
+    from foreshock.service.nodes import NodeBook
+    from foreshock.v1 import telemetry_pb2 as tpb
+    now = time.time_ns()
+    raw = []
+    for i in range(n):
+        tables = SimpleNodeModel(f"n{i}", gpus=8, hcas=8, seed=i).sample(now)
+        tables.pop("events", None)
+        raw.append(tpb.SweepBatch(node=f"n{i}", collector_id=f"c{i}", sequence=1, tables=[
+            tpb.TableRows(table=k, schema_version=1, arrow_ipc=encode_table(k, v)) for k, v in tables.items()
+        ]).SerializeToString())
+    queue: list = []
+    ing = Ingest(NodeBook(), lambda p: queue.append(p) or len(queue))
+    sessions = [ing.open_session("bench", "") for _ in range(n)]
+    for seq in (1, 2, 3):   # the first sweep learns the schemas
+        t0 = time.perf_counter()
+        for i, r in enumerate(raw):
+            b = tpb.SweepBatch.FromString(r)
+            ack = ing.accept(sessions[i], b.node, b.collector_id, seq,
+                             [(t.table, t.schema_version, t.arrow_ipc) for t in b.tables])
+            tpb.SweepAck(acked_sequence=ack.acked_sequence, credits=ack.credits).SerializeToString()
+        t1 = time.perf_counter()
+        ing.take_round(queue)
+        queue.clear()
+        t2 = time.perf_counter()
+    print(f"in-process ({n} nodes, 8 GPUs / 8 HCAs each): receipt {(t1 - t0) / n * 1e6:.0f} us a batch, "
+          f"round decode + value checks {(t2 - t1) / n * 1e6:.0f} us a batch")
+
+
 def _pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -378,10 +411,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=75.0)
     p.add_argument("--probe", default="", help="comma-separated larger node counts for shorter runs")
     p.add_argument("--quick", action="store_true", help="256 nodes, 20 s (a smoke run)")
+    p.add_argument("--ingest-only", action="store_true", help="only the in-process per-batch cost")
     args = p.parse_args(argv)
+    print(f"# {os.cpu_count()} CPUs")
+    ingest_only()
+    if args.ingest_only:
+        return 0
     if args.quick:
         args.nodes, args.seconds = 256, 20.0
-    print(f"# {os.cpu_count()} CPUs; service, load generator (2 processes) and job client share them")
+    print("# service, load generator (2 processes) and job client share the CPUs")
     r = run_once(args.nodes, args.seconds, fatal_victims=20, ramp_victims=20 if args.seconds >= 70 else 0)
     report(r)
     for n in [int(x) for x in args.probe.split(",") if x]:
