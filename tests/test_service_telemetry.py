@@ -292,3 +292,23 @@ def test_encode_table_keeps_schema_v1_types():
     back = pa.ipc.open_stream(encode_table("gpu", t)).read_all()
     assert back.schema.equals(sch.schema("gpu"), check_metadata=False)
     assert back.column("temperature_c").to_pylist() == [40.0]
+
+
+@pytest.mark.slow
+def test_foreshock_collect_service_streams_into_the_control_plane(plane, tmp_path):
+    """The real node service (`foreshock collect --service`) as a process, streaming to this server."""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "foreshock.cli", "collect", "--sources", "simulated",
+                             "--node", "sim-1", "--out", str(tmp_path / "data"), "--interval", "0.2",
+                             "--metrics-listen", "", "--service", plane.address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait(lambda: plane.ingest.accepted_rows["gpu"] >= 3 * 8, timeout=60), proc.stderr.read() \
+            if proc.poll() is not None else plane.ingest.stats()
+        assert plane.ingest.rejected == {} and "sim-1" in plane.nodes.last_seen_ns
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
