@@ -212,3 +212,23 @@ def test_insecure_mode_is_loopback_only(tmp_path):
         build_server(Settings(state_dir=tmp_path, listen="0.0.0.0:0", insecure=True))
     with pytest.raises(SettingsError, match="TLS"):
         build_server(Settings(state_dir=tmp_path, listen="0.0.0.0:0"))
+
+
+def test_bad_risk_requests(plane):
+    from foreshock.v1 import risk_pb2, risk_pb2_grpc
+    with grpc.insecure_channel(plane.address) as ch:
+        risk = risk_pb2_grpc.RiskStub(ch)
+        ia = grpc.StatusCode.INVALID_ARGUMENT
+        assert _code(risk.GetNodeRisk, risk_pb2.GetNodeRiskRequest(node=""))[0] == ia
+        assert _code(risk.GetNodeRisk, risk_pb2.GetNodeRiskRequest(node="n0"))[0] == grpc.StatusCode.NOT_FOUND
+        code, details = _code(risk.ListRiskiest, risk_pb2.ListRiskiestRequest(limit=5000))
+        assert code == ia and "limit" in details
+        for bad in (math.nan, -0.5, 2.0):
+            code, details = _code(risk.ListRiskiest, risk_pb2.ListRiskiestRequest(min_probability=bad))
+            assert code == ia and "min_probability" in details
+        assert risk.ListRiskiest(risk_pb2.ListRiskiestRequest(), timeout=T).nodes == []
+        for req, needle in ((risk_pb2.WatchRiskRequest(min_change=math.nan), "min_change"),
+                            (risk_pb2.WatchRiskRequest(nodes=["bad node!"]), "node")):
+            with pytest.raises(grpc.RpcError) as info:
+                next(risk.WatchRisk(req, timeout=T))
+            assert info.value.code() == ia and needle in info.value.details()
