@@ -265,8 +265,8 @@ class ScoringLoop:
         # handed to the scorer) once a `drain_interval`, in big cheap batches; a round woken by events
         # or due at a step close drains at once.
         if why == "events":
-            self._drain(urgent_only=True)
-        if time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
+            self._drain(urgent_only=True)   # the bulk waits for the next round: act on the event first
+        elif time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
             self._last_drain = time.monotonic()
             self._drain()
         now = self._clock()
