@@ -282,27 +282,25 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
                                   str(seconds), json.dumps({n: a for n, a in fatal_at.items() if n in h}),
                                   json.dumps([n for n in ramp_nodes if n in h]), str(o)])
                 for h, o in zip(halves, outs)]
-        # Steady-state window: from 15 s in (set-up and connection storms over) to 5 s before the end.
-        connect_deadline = time.time() + 120
-        while time.time() < connect_deadline and all(g.poll() is None for g in gens) and \
-                _metric(ports["metrics"], "foreshock_connected_collectors") < n_nodes:
-            time.sleep(0.5)
-        t_conn = time.time()
-        time.sleep(min(10.0, seconds / 4))
-        cpu0, _, _ = _proc(server.pid)
-        acc0 = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
-        w0 = time.time()
-        backlog = []
-        window = max(5.0, seconds - (time.time() - t_conn) - 5.0)
-        end = w0 + window
-        accepted_series = []
-        while time.time() < end:
-            backlog.append(_metric(ports["metrics"], "foreshock_ingest_backlog_batches"))
-            accepted_series.append(_metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"'))
+        # Sample the service every second for the whole run; the steady window is from 15 s after the
+        # first accepted batch (connection storm over) to 5 s before the generators stop sending.
+        samples = []   # (time, accepted, backlog, cpu seconds, rss, hwm)
+        while any(g.poll() is None for g in gens):
+            try:
+                acc = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
+                blog = _metric(ports["metrics"], "foreshock_ingest_backlog_batches")
+            except OSError:
+                acc = blog = float("nan")
+            samples.append((time.time(), acc, blog, *_proc(server.pid)))
             time.sleep(1.0)
-        cpu1, rss, hwm = _proc(server.pid)
-        acc1 = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
-        w1 = time.time()
+        first = next((t for t, a, *_ in samples if a == a and a > 0), samples[0][0])
+        window = [x for x in samples if first + 15 <= x[0] <= first + seconds - 5]
+        if len(window) < 2:
+            window = samples[len(samples) // 3: -2] or samples
+        w0, acc0, _, cpu0, _, _ = window[0]
+        w1, acc1, _, cpu1, rss, hwm = window[-1]
+        backlog = [x[2] for x in window]
+        accepted_series = [x[1] for x in window]
         rounds = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_count")
         round_sum = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_sum")
         for g in gens:
