@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import math
 import struct
 import threading
 import time

@@ -15,7 +15,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied
 from foreshock.service.store import (
@@ -249,4 +248,4 @@ def new_directive(job: Job, *, kind: DirectiveKind, ranks: tuple[int, ...], from
                      DirectiveState.PENDING, job.generation, now_ns, origin)
 
 
-__all__ = ["JobDirectory", "estimated_step", "switch_step", "new_directive", "replace"]
+__all__ = ["JobDirectory", "estimated_step", "switch_step", "new_directive"]

@@ -26,7 +26,6 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -320,10 +319,6 @@ class EvacuationPolicy:
                 if d is not None:
                     out.append(d)
             return out
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
 
 
 __all__ = ["EvacuationPolicy", "PolicySettings", "Alarm", "ACTIVE_STATES"]

@@ -14,7 +14,6 @@ from plain synchronous code. docs/service.md lists the settings and the API.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -331,4 +330,4 @@ def build_server(settings: Settings) -> ControlPlane:
     return ControlPlane(settings)
 
 
-__all__ = ["Settings", "ControlPlane", "build_server", "SettingsError", "dataclasses"]
+__all__ = ["Settings", "ControlPlane", "build_server", "SettingsError"]

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from foreshock.service.errors import FailedPrecondition, NotFound
