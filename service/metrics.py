@@ -16,7 +16,7 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_ingest_received_bytes_total                Arrow IPC bytes received
   foreshock_ingest_backlog_batches                     batches waiting for the next scoring round
   foreshock_ingest_dropped_batches_total               batches dropped because the backlog was full
-  foreshock_scoring_rounds_total{trigger}              interval | fatal | precursor
+  foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events
   foreshock_scoring_duration_seconds                   histogram of a round (drain + score + policy)
   foreshock_model_info{version,horizon_seconds,path}   1
   foreshock_connected_collectors                       open telemetry streams
