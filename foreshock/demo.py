@@ -39,17 +39,18 @@ log = logging.getLogger("foreshock.demo")
 DEFAULTS: dict[str, Any] = {
     "nodes": 64,
     "seed": 7,
-    "speed": 60.0,             # the simulator's fault-process acceleration (rates x speed, times / speed)
-    "interval": 1.0,           # collector sweep interval, seconds
+    "time_scale": 60.0,        # simulated seconds per wall second: telemetry, scoring and policy run on it
+    "interval": 1.0,           # collector sweep interval, wall seconds (60 simulated seconds: one model step)
     "out": "out/demo",
     "json": "",
     "html": "",
     "live": True,
-    "warmup_seconds": 20.0,    # history the online features see before the first fault
-    "precursor_lead_seconds": 80.0,
-    "abrupt_at_seconds": 45.0,
-    "benign_at_seconds": 25.0,
-    "benign_seconds": 50.0,
+    # the scenario, in simulated minutes after the job starts training
+    "precursor_at_minutes": 30.0,    # history the online features see before the first fault
+    "precursor_lead_minutes": 120.0,
+    "benign_at_minutes": 35.0,
+    "benign_minutes": 60.0,
+    "abrupt_at_minutes": 70.0,
     "steps": 100000,           # an upper bound: the demo asks the job to stop once the faults are over
     "step_sleep_seconds": 0.12,
     "params": 20000,
@@ -81,6 +82,11 @@ class Demo:
         self.cfg = cfg
         self.out = Path(cfg["out"])
         self.t0 = time.time()
+        self.scale = float(cfg["time_scale"])
+        # The simulated clock starts far enough in the past that it never overtakes the wall clock during
+        # the run: the service checks sample times against its own wall clock, as it would in production.
+        self.sim0_ns = int((self.t0 - self.scale * float(cfg["time_limit_seconds"])) * 1e9)
+        self.job_clock0 = None  # simulated seconds when the job started training
         self.events: list[tuple[float, str]] = []
         self.faults: list[Fault] = []
         self.riskiest: list[Any] = []
@@ -99,8 +105,15 @@ class Demo:
         if not self.cfg["live"]:
             print(f"[{time.time() - self.t0:6.1f}s] {text}", flush=True)
 
+    def sim_ns(self) -> int:
+        return self.sim0_ns + int((time.time() - self.t0) * self.scale * 1e9)
+
+    def sim(self) -> float:
+        return self.sim_ns() / 1e9
+
     def rel(self, t: float | None) -> float | None:
-        return None if t is None else round(t - self.t0, 2)
+        """Simulated minutes since the job started training."""
+        return None if t is None or self.job_clock0 is None else round((t - self.job_clock0) / 60.0, 1)
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -118,8 +131,8 @@ class Demo:
         self.out.mkdir(parents=True)
         topo = Topology(nodes=int(cfg["nodes"]), nodes_per_leaf=16, job_nodes=min(32, int(cfg["nodes"])))
         # Random faults off: the demo's faults are the three it injects, so its outcome is its own.
-        cluster = LiveCluster(topo, seed=int(cfg["seed"]), speed=float(cfg["speed"]), rate_scale=0.0,
-                              interval_s=float(cfg["interval"]))
+        cluster = LiveCluster(topo, seed=int(cfg["seed"]), speed=1.0, rate_scale=0.0, start_ns=self.sim0_ns,
+                              interval_s=float(cfg["interval"]) * self.scale)
         self.cluster = cluster
         names = cluster.nodes
         per_leaf = 16
@@ -128,9 +141,14 @@ class Demo:
         abrupt_node = names[min(len(names) - 1, 3 * per_leaf + 5)]
         self.placement = {"ranks": ranks, "spare": spare}
 
+        # Policy times are simulated seconds, except lead_seconds, which the service divides by the job's
+        # (wall-clock) step time to choose how many steps ahead the switch is.
         settings = Settings.insecure_loopback(self.out / "state", metrics_listen="127.0.0.1:0",
-                                              policy={"cooldown_seconds": 60.0})
+                                              scoring_clock=self.sim_ns,
+                                              policy={"cooldown_seconds": 3600.0, "stale_seconds": 300.0,
+                                                      "lead_seconds": 2.0, "deadline_seconds": 3600.0})
         self.cp = build_server(settings)
+        self.cp.jobs._clock = self.sim_ns  # job step reports and acks on the same clock as the scoring
         port = self.cp.start()
         addr = f"127.0.0.1:{port}"
         self.threshold = float(self.cp.policy.settings.threshold)
@@ -149,18 +167,20 @@ class Demo:
         self.collectors = []
         for name in names:
             uplink = StreamingUplink(addr, node=name).start()
-            c = Collector(name, [SimulatedSource(name, node_model=cluster.node_model(name))], writer, uplink=uplink)
+            c = Collector(name, [SimulatedSource(name, node_model=cluster.node_model(name))], writer,
+                          uplink=uplink, clock=self.sim_ns)
             inv = inventory.filter(pc.equal(inventory.column("node"), name))
             uplink.submit({"inventory": inv})
             self.collectors.append(c)
         writer.append_table("inventory", inventory)
         self.writer = writer
-        self.say(f"{len(names)} simulated nodes, one collector each, streaming every {cfg['interval']:g} s")
+        self.say(f"{len(names)} simulated nodes, one collector each, streaming every {cfg['interval']:g} s "
+                 f"(simulated time runs {self.scale:g}x: one sweep is {cfg['interval'] * self.scale:g} simulated s)")
         self.sweeper = threading.Thread(target=self._sweep_loop, name="demo-sweeper", daemon=True)
         self.sweeper.start()
         self.job.wait_progress(1, timeout=180.0)
         self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
-        clock0 = time.time()
+        self.job_clock0 = self.sim()
 
 
         import grpc
@@ -172,8 +192,8 @@ class Demo:
         abrupt = Fault("GPU off the bus (no precursor)", "no_precursor", abrupt_node, "gpu_off_bus", 5)
         benign = Fault("link degrades, then recovers (benign)", "benign", ranks[2], "ib_cable", 2, hosted_rank=True)
         self.faults = [precursor, benign, abrupt]
-        plan = [(float(cfg["warmup_seconds"]), precursor), (float(cfg["benign_at_seconds"]), benign),
-                (float(cfg["abrupt_at_seconds"]), abrupt)]
+        plan = [(float(cfg["precursor_at_minutes"]), precursor), (float(cfg["benign_at_minutes"]), benign),
+                (float(cfg["abrupt_at_minutes"]), abrupt)]
 
         live = None
         if cfg["live"]:
@@ -184,14 +204,14 @@ class Demo:
             deadline = self.t0 + float(cfg["time_limit_seconds"])
             job_done = stop_requested = False
             while time.time() < deadline:
-                now = time.time() - clock0
+                now = (self.sim() - self.job_clock0) / 60.0
                 for at, fault in plan:
                     if fault.injected_at == 0.0 and now >= at:
                         self._inject(cluster, fault)
                 self._poll(risk_stub, jobs_stub, jobs_pb2, risk_pb2)
                 self._fail_due()
                 job_done = all(not p.is_alive() for p in self.job.processes.values())
-                faults_over = all(f.injected_at and (f.fails_at is None or time.time() > f.fails_at + 5)
+                faults_over = all(f.injected_at and (f.fails_at is None or self.sim() > f.fails_at + 300)
                                   for f in self.faults)
                 if faults_over and not stop_requested and not job_done:
                     at = self.job.request_stop(steps_ahead=25)
@@ -237,7 +257,7 @@ class Demo:
         interval = float(self.cfg["interval"])
         next_at = time.time()
         while not self._stop.is_set():
-            ts = time.time_ns()
+            ts = self.sim_ns()
             # one vectorised sample of the whole cluster; each collector's node model takes its slice
             self.cluster.sample_all(ts)
             for c in self.collectors:
@@ -250,18 +270,18 @@ class Demo:
             self._stop.wait(max(0.0, next_at - time.time()))
 
     def _inject(self, cluster, fault: Fault) -> None:
-        now = time.time()
-        fault.injected_at = now
+        now_ns = self.sim_ns()
+        fault.injected_at = now_ns / 1e9
         if fault.kind == "benign":
-            cluster.disturb(fault.node, fault.mode, component=fault.component,
-                            seconds=float(self.cfg["benign_seconds"]), peak=0.35)
+            cluster.disturb(fault.node, fault.mode, component=fault.component, now_ns=now_ns,
+                            seconds=float(self.cfg["benign_minutes"]) * 60, peak=0.35)
             self.say(f"benign: {fault.node} HCA {fault.component} degrades, will recover")
             return
-        lead = float(self.cfg["precursor_lead_seconds"]) if fault.kind == "precursor" else 0.0
-        ep = cluster.inject(fault.node, fault.mode, component=fault.component, lead_seconds=lead,
-                            repair_seconds=3600.0)
+        lead = float(self.cfg["precursor_lead_minutes"]) if fault.kind == "precursor" else 0.0
+        ep = cluster.inject(fault.node, fault.mode, component=fault.component, lead_seconds=lead * 60,
+                            repair_seconds=4 * 3600.0, now_ns=now_ns)
         fault.fails_at = ep.end_ns / 1e9
-        what = f"fails in {lead:.0f} s" if lead else "fails now"
+        what = f"fails in {lead:.0f} simulated min" if lead else "fails now"
         self.say(f"fault injected: {fault.label} on {fault.node} component {fault.component}, {what}")
 
     def _poll(self, risk_stub, jobs_stub, jobs_pb2, risk_pb2) -> None:
@@ -270,7 +290,7 @@ class Demo:
             self.riskiest = list(risk_stub.ListRiskiest(risk_pb2.ListRiskiestRequest(limit=6), timeout=2).nodes)
             self.directives = list(jobs_stub.ListDirectives(jobs_pb2.ListDirectivesRequest(job_id=JOB_ID),
                                                             timeout=2).directives)
-            now = time.time()
+            now = self.sim()
             for f in self.faults:
                 if not f.injected_at:
                     continue
@@ -301,7 +321,7 @@ class Demo:
     def _fail_due(self) -> None:
         """A node whose failure time has come takes down any rank still on it, as the hardware would."""
         for f in self.faults:
-            if f.fails_at is None or f.killed_rank or time.time() < f.fails_at:
+            if f.fails_at is None or f.killed_rank or self.sim() < f.fails_at:
                 continue
             f.killed_rank = "-"
             if all(not p.is_alive() for p in self.job.processes.values()):
@@ -337,7 +357,8 @@ class Demo:
                          jobs_pb2.DirectiveState.Name(d.state).replace("DIRECTIVE_STATE_", ""), d.reason[:60])
         status = Table.grid()
         loss = f"{self.job_loss:.4f}" if self.job_loss is not None else "-"
-        status.add_row(f"t = {time.time() - self.t0:5.1f} s   job {JOB_ID}: step {self.job_step}, "
+        sim_min = self.rel(self.sim()) or 0.0
+        status.add_row(f"t = {time.time() - self.t0:5.1f} s (simulated +{sim_min:.0f} min)   job {JOB_ID}: step {self.job_step}, "
                        f"loss {loss}, restarts {self.job_restarts}")
         for t, text in self.events[-6:]:
             status.add_row(f"[{t - self.t0:6.1f}s] {text}")
@@ -367,10 +388,11 @@ class Demo:
             predicted = alert is not None and (f.fails_at is None or alert < f.fails_at)
             faults.append({
                 "label": f.label, "kind": f.kind, "node": f.node, "mode": f.mode, "component": f.component,
-                "hosted_rank": f.hosted_rank, "injected_at_s": self.rel(f.injected_at),
-                "fails_at_s": self.rel(f.fails_at), "first_alert_s": self.rel(f.first_alert),
-                "first_directive_s": self.rel(f.first_directive), "predicted": bool(predicted) if f.kind != "benign" else None,
-                "lead_seconds": round(f.fails_at - alert, 2) if predicted and f.fails_at else None,
+                "hosted_rank": f.hosted_rank, "injected_at_min": self.rel(f.injected_at),
+                "fails_at_min": self.rel(f.fails_at), "first_alert_min": self.rel(f.first_alert),
+                "first_directive_min": self.rel(f.first_directive),
+                "predicted": bool(predicted) if f.kind != "benign" else None,
+                "lead_minutes": round((f.fails_at - alert) / 60.0, 1) if predicted and f.fails_at else None,
                 "false_alarm": bool(alert is not None) if f.kind == "benign" else None,
                 "peak_risk": round(f.peak_risk, 4), "rank_killed": f.killed_rank not in ("", "-"),
             })
@@ -389,7 +411,7 @@ class Demo:
             "final_loss": statistics.fmean(r["losses"][str(steps - 1)] for r in ranks_done
                                            if str(steps - 1) in r["losses"]) if ranks_done else None,
             "faults": faults,
-            "false_evacuations": 1 if benign["first_directive_s"] is not None else 0,
+            "false_evacuations": 1 if benign["first_directive_min"] is not None else 0,
             "evacuations": evacuations,
             "healthy_rank_pause_seconds": pauses,
             "threshold": self.threshold,
@@ -448,18 +470,19 @@ def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
     ax = fig.add_subplot()
     for f in demo.faults:
         if f.risk:
-            ax.plot([t - demo.t0 for t, _ in f.risk], [p for _, p in f.risk], label=f"{f.node}: {f.label}")
+            ax.plot([demo.rel(t) for t, _ in f.risk], [p for _, p in f.risk], label=f"{f.node}: {f.label}")
         if f.injected_at:
-            ax.axvline(f.injected_at - demo.t0, ls=":", color="grey")
+            ax.axvline(demo.rel(f.injected_at), ls=":", color="grey")
         if f.fails_at:
-            ax.axvline(f.fails_at - demo.t0, ls="--", color="red")
+            ax.axvline(demo.rel(f.fails_at), ls="--", color="red")
         if f.first_directive:
-            ax.axvline(f.first_directive - demo.t0, ls="-", color="green", alpha=0.5)
+            ax.axvline(demo.rel(f.first_directive), ls="-", color="green", alpha=0.5)
     ax.axhline(demo.threshold, color="black", lw=0.8, label="threshold")
-    ax.set_xlabel("seconds since start (dotted: injected, dashed red: failure, green: directive)")
+    ax.set_xlabel("simulated minutes since the job started (dotted: injected, dashed red: failure, green: directive)")
     ax.set_ylabel("P(fail within horizon)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7, loc="upper left")
+    ax.set_yscale("symlog", linthresh=0.01)
     timeline = _png(fig)
 
     fig = Figure(figsize=(9, 3))
@@ -477,7 +500,7 @@ def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
     goodput_png = base64.b64encode(gp.plot_png(gp.scenario_from({}))).decode()
 
     rows = "".join(f"<tr><td>{html.escape(f['label'])}</td><td>{f['node']}</td><td>{f['predicted']}</td>"
-                   f"<td>{f['lead_seconds']}</td><td>{f['peak_risk']}</td><td>{f['rank_killed']}</td></tr>"
+                   f"<td>{f['lead_minutes']}</td><td>{f['peak_risk']}</td><td>{f['rank_killed']}</td></tr>"
                    for f in summary["faults"])
     events = "".join(f"<li>[{t - demo.t0:6.1f}s] {html.escape(text)}</li>" for t, text in demo.events)
     brief = {k: v for k, v in summary.items() if k not in ("results", "faults", "evacuations")}
@@ -487,7 +510,7 @@ table{{border-collapse:collapse}}</style></head><body>
 <h1>Foreshock demo: {'job saved' if summary['saved'] else 'job NOT saved'}</h1>
 <p>job restarts: {summary['job_restarts']}; steps completed: {summary['steps_completed']};
 false evacuations: {summary['false_evacuations']}; wall time {summary['wall_seconds']} s.</p>
-<h2>Faults</h2><table><tr><th>fault</th><th>node</th><th>predicted</th><th>lead (s)</th><th>peak risk</th>
+<h2>Faults</h2><table><tr><th>fault</th><th>node</th><th>predicted</th><th>lead (simulated min)</th><th>peak risk</th>
 <th>rank killed</th></tr>{rows}</table>
 <h2>Risk timeline</h2><img src="data:image/png;base64,{timeline}">
 <h2>Training loss per rank</h2><img src="data:image/png;base64,{losses}">
@@ -508,7 +531,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         if f["kind"] == "benign":
             verdict = "no evacuation (correct)" if not f["false_alarm"] else "FALSE ALARM"
         elif f["predicted"]:
-            verdict = f"predicted {f['lead_seconds']:.0f} s ahead"
+            verdict = f"predicted {f['lead_minutes']:.0f} simulated min ahead"
         else:
             verdict = "not predicted" + (" (no precursor: expected)" if f["kind"] == "no_precursor" else "")
         print(f"  {f['label']:<40} {f['node']:<9} peak risk {f['peak_risk']:.2f}  {verdict}")

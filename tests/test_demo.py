@@ -1,0 +1,76 @@
+"""`foreshock demo` end to end: a fault predicted, the job saved, honest about the rest, nothing left behind.
+
+This is the README's first command, run exactly as a newcomer runs it (a subprocess of the real CLI, the
+shipped default model, a real gloo job), so it is the slowest test in the suite (about 2-3 minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    summary = out / "summary-copy.json"
+    proc = subprocess.run([sys.executable, "-m", "foreshock", "--log-level", "WARNING", "demo", "--no-live",
+                           "--out", str(out / "run"), "--json", str(summary)],
+                          capture_output=True, text=True, timeout=420)
+    return proc, json.loads(summary.read_text()) if summary.exists() else None, out / "run"
+
+
+def test_demo_saves_the_job(demo_run):
+    proc, summary, _ = demo_run
+    assert summary is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert summary["saved"] is True
+    assert summary["job_restarts"] == 0
+    assert summary["final_parameters_identical"] is True
+    assert summary["ranks_finished"] == 4
+    assert summary["wall_seconds"] < 300
+
+
+def test_demo_predicts_the_precursor_fault_in_time_and_moves_the_rank(demo_run):
+    _, summary, _ = demo_run
+    fault = next(f for f in summary["faults"] if f["kind"] == "precursor")
+    assert fault["predicted"] and fault["lead_minutes"] > 0
+    assert not fault["rank_killed"]
+    moved = [e for e in summary["evacuations"] if e["from_node"] == fault["node"]]
+    assert moved and moved[0]["state"] == "DIRECTIVE_STATE_COMPLETED"
+    assert moved[0]["to_node"] == summary["placement"]["spare"]
+
+
+def test_demo_is_honest_about_the_unpredictable_and_the_benign(demo_run):
+    _, summary, _ = demo_run
+    abrupt = next(f for f in summary["faults"] if f["kind"] == "no_precursor")
+    assert abrupt["predicted"] is False
+    benign = next(f for f in summary["faults"] if f["kind"] == "benign")
+    assert summary["false_evacuations"] == 0 and not benign["false_alarm"]
+
+
+def test_demo_writes_its_report_and_goodput_account(demo_run):
+    proc, summary, run_dir = demo_run
+    html = (run_dir / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3
+    g = summary["goodput"]["this_run"]
+    assert g["foreshock_gpu_hours_lost"] < g["checkpoint_restart_gpu_hours_lost"]
+    assert "JOB SAVED" in proc.stdout
+
+
+def test_demo_leaves_nothing_running(demo_run):
+    proc, summary, run_dir = demo_run
+    for line in proc.stdout.splitlines():
+        if "Prometheus metrics: http://127.0.0.1:" in line:
+            port = int(line.rsplit(":", 1)[1].split("/")[0])
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0, f"metrics port {port} still listening"
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(run_dir) not in ps
+    assert all(code is not None for code in summary["process_exit_codes"].values())
