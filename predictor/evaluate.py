@@ -209,6 +209,18 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
             nodes.append(score_node(nf, incidents, predictors, horizon_s))
     report = evaluate_all(nodes, incidents, thresholds, horizon_s)
     out = {name: report[name] for name in MODEL_NAMES if name in report}
+    # the same scores at the manifest's thresholds for other budgets (no re-scoring)
+    by_budget = {}
+    for b in (0.5, 1.0, 2.0, 5.0, 10.0):
+        row = {}
+        for name in predictors:
+            th = pick_threshold(curves[name], b) if name in curves else float(man["recommended_threshold"])
+            s_ = summarise(at_threshold(nodes, name, th, incidents, horizon_s), incidents)
+            row[name] = {k: s_[k] for k in ("threshold", "incident_recall_precursor", "incident_recall_all",
+                                            "median_lead_minutes", "false_evacuations",
+                                            "false_evacuations_per_1000_node_days")}
+        by_budget[str(b)] = row
+    out["by_budget"] = by_budget
     out["budget"] = budget
     out["budget_unit"] = "false evacuations per 1,000 node-days"
     out["horizon_minutes"] = horizon_s / 60

@@ -82,6 +82,20 @@ def plots(report: dict) -> dict[str, str]:
     return out
 
 
+def _budget_table(report: dict) -> str:
+    bb = report.get("by_budget") or {}
+    if not bb:
+        return ""
+    head = "<tr><th>budget</th><th>predictor</th><th>threshold</th><th>recall (precursor)</th><th>recall (all)</th><th>median lead (min)</th><th>false evacuations / 1,000 node-days</th></tr>"
+    rows = ""
+    for b, per in bb.items():
+        for n, m in per.items():
+            rows += (f"<tr><td>{b}</td><td>{n}</td><td>{_fmt(m['threshold'])}</td><td>{_fmt(m['incident_recall_precursor'])}</td>"
+                     f"<td>{_fmt(m['incident_recall_all'])}</td><td>{_fmt(m['median_lead_minutes'])}</td>"
+                     f"<td>{_fmt(m['false_evacuations_per_1000_node_days'])}</td></tr>")
+    return f"<table>{head}{rows}</table>"
+
+
 def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
     keys = ("pr_auc", "roc_auc", "brier", "threshold", "incident_recall_precursor", "incident_recall_all",
             "median_lead_minutes", "false_evacuations_per_1000_node_days", "false_evacuations", "evacuations")
@@ -104,6 +118,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}figure{{display:i
 <body><h1>{html.escape(title)}</h1><ul>{meta}</ul>
 <h2>Metrics (at each predictor's manifest threshold for the budget)</h2>
 <table><tr><th></th>{''.join(f'<th>{n}</th>' for n in present)}</tr>{rows}</table>
+<h2>By false-evacuation budget (thresholds from the manifest)</h2>{_budget_table(report)}
 <h2>Incidents per category (detected)</h2>
 <table><tr><th>category</th><th>precursor</th><th>incidents</th>{''.join(f'<th>{n}</th>' for n in present)}</tr>{cat_rows}</table>
 <h2>Plots</h2>{imgs}<h2>Definitions</h2><ul>{defs}</ul></body></html>

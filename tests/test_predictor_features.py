@@ -136,3 +136,16 @@ def test_labels_horizon_blast_radius_and_exclusion():
     assert excl[101:141].all() and not excl[100] and not excl[142]
     y3, _ = lb.node_labels(ends, incidents.of_node("n3"), 1800)
     assert y3.sum() == 0
+
+
+def test_prior_shift_moves_probabilities_to_the_deployment_base_rate():
+    from foreshock.predictor.model import PriorShift
+
+    class Fixed:
+        def predict_proba(self, X):
+            p = np.asarray(X, dtype=float)[:, 0]
+            return np.column_stack([1 - p, p])
+
+    q = PriorShift(Fixed(), 10.0).fit().predict_proba(np.array([[0.5], [0.0], [1.0]]))[:, 1]
+    # odds 1 -> 0.1: p = 1/11; 0 and 1 stay where they are
+    np.testing.assert_allclose(q, [1 / 11, 0.0, 1.0])

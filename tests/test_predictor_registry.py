@@ -85,3 +85,19 @@ def test_missing_or_corrupt_manifest(tmp_path):
 def test_default_model_path_is_inside_the_package():
     p = registry.default_model_path()
     assert p.name == "default" and p.parent.name == "models"
+
+
+def test_the_shipped_default_model_loads_and_has_its_report():
+    m = registry.load_model()  # models/default, verified: sha256, features, trusted types
+    man = m.manifest
+    assert man["horizon_seconds"] == 1800 and man["training"]["data_hash"] and man["training"]["command"]
+    assert (m.path / "REPRODUCE.md").read_text().count("foreshock ") >= 3
+    rep = json.loads((m.path / "evaluation.json").read_text())
+    for name in ("model", "rule", "logistic"):
+        assert {"pr_auc", "roc_auc", "brier", "incident_recall_precursor", "incident_recall_all",
+                "median_lead_minutes", "false_evacuations_per_1000_node_days"} <= set(rep[name])
+    assert (m.path / "evaluation.html").stat().st_size > 10_000
+    assert (m.path / registry.MODEL_FILE).stat().st_size < 8_000_000   # a few MB at most
+    X = np.zeros((3, ft.N_FEATURES), dtype=np.float32)
+    p = m.probability(X)
+    assert p.shape == (3,) and np.all((0 <= p) & (p <= 1))
