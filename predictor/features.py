@@ -171,6 +171,9 @@ def _lagged(block: np.ndarray, ring: np.ndarray, head: int, w: int) -> np.ndarra
 
 def _push(ring: np.ndarray, head: int, block: np.ndarray) -> int:
     r, t = ring.shape[0], block.shape[0]
+    if t == 1:  # the online case: a basic-slice write, no fancy indexing
+        ring[head] = block[0]
+        return (head + 1) % r
     if t >= r:
         ring[:] = np.roll(block[t - r:], head, axis=0)
         return head
@@ -194,8 +197,12 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     vs = ~np.isnan(xs)
     xs = np.where(vs, xs, 0.0)
     # sequential from the carried sum, so that any split of the steps into blocks rounds the same
-    c = np.cumsum(np.concatenate([state.cum[None], xs]), axis=0)[1:]
-    cv = np.cumsum(np.concatenate([state.cumv[None], vs.astype(np.float64)]), axis=0)[1:]
+    if t == 1:  # the same additions as the cumsum below, without building the concatenation
+        c = state.cum[None] + xs
+        cv = state.cumv[None] + vs
+    else:
+        c = np.cumsum(np.concatenate([state.cum[None], xs]), axis=0)[1:]
+        cv = np.cumsum(np.concatenate([state.cumv[None], vs.astype(np.float64)]), axis=0)[1:]
 
     def window(w, cols):
         return (c[:, :, cols] - _lagged(c, state.ring, state.head, w)[:, :, cols],
