@@ -200,7 +200,8 @@ def _report_entry(data: Any, model: str, path: str) -> tuple[str, Mapping[str, A
         tables = [data] + [v for v in data.values() if isinstance(v, Mapping)]
         for table in tables:
             for name, value in table.items():
-                if isinstance(value, Mapping) and key in value:
+                # a report may also hold a table of definitions under the same keys: only numbers count
+                if isinstance(value, Mapping) and isinstance(value.get(key), (int, float)):
                     candidates.setdefault(str(name), value)
     if not candidates:
         raise GoodputError(f"{_flag('eval_report')}: {path} has no model with {key}")
@@ -209,7 +210,7 @@ def _report_entry(data: Any, model: str, path: str) -> tuple[str, Mapping[str, A
             raise GoodputError(f"{_flag('eval_model')}: {model!r} is not in {path} "
                                f"(models: {', '.join(sorted(candidates))})")
         return model, candidates[model]
-    name = next(iter(candidates))
+    name = "model" if "model" in candidates else next(iter(candidates))
     return name, candidates[name]
 
 

@@ -169,3 +169,15 @@ def test_plot_is_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     raw = plot_png(scenario_from({}), sizes=[1000, 10000, 100000])
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_report_with_a_definitions_table_reads_the_model_entry(tmp_path):
+    from foreshock import goodput as gp
+    entry = {"incident_recall_precursor": 0.5, "incident_recall_all": 0.2, "median_lead_minutes": 20.0,
+             "false_evacuations_per_1000_node_days": 3.0}
+    report = {"definitions": {k: "what it means" for k in entry}, "rule": {**entry, "incident_recall_precursor": 0.9},
+              "model": entry}
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(report))
+    prediction = gp.load_prediction(str(path))
+    assert prediction.incident_recall_precursor == 0.5
