@@ -21,7 +21,7 @@ import time
 import grpc
 
 from foreshock.migrator.config import MigratorConfig, MigratorConfigError
-from foreshock.migrator.directives import Ack, AckPhase, Directive, DirectiveKind
+from foreshock.migrator.directives import Ack, AckPhase, Directive, DirectiveKind, drain
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc
 
 log = logging.getLogger("foreshock.migrator.client")
@@ -163,12 +163,7 @@ class ServiceClient:
                 self._watch_thread.start()
 
     def poll(self) -> list[Directive]:
-        out = []
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._inbox)
 
     def ack(self, ack: Ack) -> None:
         try:

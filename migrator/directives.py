@@ -34,6 +34,15 @@ KEY_SPACE = 1024
 MAX_EXACT_WORLD = (1 << 24) // (KEY_SPACE + 1)
 
 
+def drain(inbox: "queue.Queue") -> list:
+    """Everything queued now, without waiting (the training loop never blocks on directives)."""
+    out = []
+    while True:
+        try:
+            out.append(inbox.get_nowait())
+        except queue.Empty:
+            return out
+
 class DirectiveKind(enum.Enum):
     EVACUATE = "evacuate"
     SHRINK = "shrink"
@@ -98,12 +107,7 @@ class LocalDirectiveSource:
         self._inbox.put(directive)
 
     def poll(self) -> list[Directive]:
-        out = []
-        while True:
-            try:
-                out.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._inbox)
 
     def ack(self, ack: Ack) -> None:
         with self._lock:
