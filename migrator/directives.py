@@ -43,6 +43,7 @@ def drain(inbox: "queue.Queue") -> list:
         except queue.Empty:
             return out
 
+
 class DirectiveKind(enum.Enum):
     EVACUATE = "evacuate"
     SHRINK = "shrink"
