@@ -5,6 +5,7 @@ scoring counters and the durable store (directives by kind and state), as node_e
 collectors do. Tested against a private registry and `promtool check metrics`.
 
   foreshock_node_failure_risk{node,leaf_switch,site}   probability of failing within the horizon
+  foreshock_node_risk_signal_contribution{node,signal} share of the score a top signal explains
   foreshock_node_evacuation_alarm{node}                1 while the policy holds the node in alarm
   foreshock_evacuation_threshold                       the risk threshold in force
   foreshock_directives{kind,state}                     directives now in each state
@@ -49,10 +50,18 @@ class ControlPlaneCollector:
         risk = GaugeMetricFamily("foreshock_node_failure_risk",
                                  "Calibrated probability that the node fails within the model's horizon.",
                                  labels=["node", "leaf_switch", "site"])
+        # The top signals behind each node's score (a few per node: bounded by the scorer's
+        # signals_per_node), so a dashboard can say why a node is risky next to how risky it is.
+        contribution = GaugeMetricFamily("foreshock_node_risk_signal_contribution",
+                                         "Share of the node's risk score attributed to a signal (top signals only).",
+                                         labels=["node", "signal"])
         for r in p.nodes.snapshot():
             topo = p.nodes.topo(r.node)
             risk.add_metric([r.node, topo.leaf_switch, topo.site], r.probability)
+            for sig in r.signals:
+                contribution.add_metric([r.node, sig.name], sig.contribution)
         yield risk
+        yield contribution
         alarm = GaugeMetricFamily("foreshock_node_evacuation_alarm",
                                   "1 while the evacuation policy holds the node in alarm.", labels=["node"])
         for node in list(p.policy.alarms):

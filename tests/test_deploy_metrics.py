@@ -210,11 +210,7 @@ def exported(procfs_fixture, tmp_path_factory) -> dict[str, set[str]]:
 
 # Metrics the dashboard asks for that no component exports yet, each with why; a strict xfail below
 # turns into a failure the day the metric appears, so this list cannot go stale.
-AWAITED = {
-    "foreshock_node_risk_signal_contribution": (
-        "service/metrics.py exports no per-node signal family: the 'Top risky nodes: their signals' panel "
-        "needs foreshock_node_risk_signal_contribution{node,signal} (NodeRisk.signals' contribution)"),
-}
+AWAITED: dict[str, str] = {}
 
 
 def test_exported_names_come_from_both_components(exported):

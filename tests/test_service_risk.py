@@ -175,6 +175,8 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
             text = resp.read().decode()
         assert 'foreshock_node_failure_risk{leaf_switch="",node="n1",site=""}' in text
         assert 'foreshock_directives_issued_total{kind="evacuate"} 1.0' in text
+        top_signal = r.signals[0].name
+        assert f'foreshock_node_risk_signal_contribution{{node="n1",signal="{top_signal}"}}' in text
         if shutil.which("promtool"):
             out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
                                  timeout=30)
