@@ -152,7 +152,6 @@ class Demo:
                                               policy={"cooldown_seconds": 3600.0, "stale_seconds": 300.0,
                                                       "lead_seconds": 2.0, "deadline_seconds": 3600.0})
         self.cp = build_server(settings)
-        self.cp.jobs._clock = self.sim_ns  # job step reports and acks on the same clock as the scoring
         port = self.cp.start()
         addr = f"127.0.0.1:{port}"
         self.threshold = float(self.cp.policy.settings.threshold)

@@ -109,7 +109,11 @@ class ControlPlane:
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"policy settings: {exc}") from None
         self.store = store_mod.StateStore(self.state_dir / "state.sqlite3")
-        self.jobs = JobDirectory(self.store, default_max_concurrent=policy_settings.default_max_concurrent)
+        # One clock for scoring rounds, job step reports, acks and drains: the policy compares a job's
+        # last step report with the round's now_ns when it picks the switch step.
+        self.clock = s.scoring_clock or time.time_ns
+        self.jobs = JobDirectory(self.store, default_max_concurrent=policy_settings.default_max_concurrent,
+                                 clock=self.clock)
         self.nodes = NodeBook()
         for node, topo in s.topology.items():
             self.nodes.set_topology(node, topo)
@@ -117,7 +121,7 @@ class ControlPlane:
                                      model_version=self.scorer.model_version, fsync=s.fsync)
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
         self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
-                                   on_round=self._after_round, clock=s.scoring_clock or time.time_ns)
+                                   on_round=self._after_round, clock=self.clock)
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake)
         self.scoring.prepare = self.ingest.take_round
         self.authenticator = Authenticator(s.tokens, insecure=s.insecure)

@@ -181,7 +181,7 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
                 raise InvalidArgument("reason is longer than 4096 characters")
             if not self.plane.jobs.jobs_on(request.node) and request.node not in self.plane.nodes.known_nodes():
                 raise NotFound(f"node {request.node!r} hosts no registered job and has sent no telemetry")
-            ds = await asyncio.to_thread(self.plane.policy.drain, request.node, request.reason, time.time_ns())
+            ds = await asyncio.to_thread(self.plane.policy.drain, request.node, request.reason, self.plane.clock())
             return jobs_pb2.DrainNodeResponse(directives=[directive_to_proto(d) for d in ds])
         except ServiceError as err:
             await _abort(context, err)

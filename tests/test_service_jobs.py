@@ -232,3 +232,28 @@ def test_bad_risk_requests(plane):
             with pytest.raises(grpc.RpcError) as info:
                 next(risk.WatchRisk(req, timeout=T))
             assert info.value.code() == ia and needle in info.value.details()
+
+
+def test_a_replay_clock_is_the_one_clock_of_step_reports_and_drains(tmp_path):
+    """With a scoring clock hours behind the wall (a replay), the switch step is still a few steps ahead."""
+    import time as _time
+
+    import grpc as _grpc
+
+    from foreshock.service.server import Settings, build_server
+    from foreshock.v1 import jobs_pb2 as pb, jobs_pb2_grpc as pbg
+
+    offset = 5 * 3600 * 10**9
+    plane = build_server(Settings.insecure_loopback(tmp_path, scoring_clock=lambda: _time.time_ns() - offset))
+    port = plane.start()
+    try:
+        with _grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            jobs = pbg.JobsStub(ch)
+            jobs.RegisterJob(pb.RegisterJobRequest(job_id="replay", spare_nodes=["s0"], ranks=[
+                pb.RankPlacement(rank=0, node="a"), pb.RankPlacement(rank=1, node="b")]), timeout=5)
+            jobs.ReportStep(pb.ReportStepRequest(job_id="replay", step=100, step_seconds=1.0), timeout=5)
+            (d,) = jobs.DrainNode(pb.DrainNodeRequest(node="b", reason="test"), timeout=5).directives
+            assert 100 < d.at_step < 150, d.at_step
+            assert abs(d.issued_at.seconds - (_time.time_ns() - offset) / 1e9) < 60
+    finally:
+        plane.stop()
