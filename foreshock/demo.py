@@ -104,8 +104,8 @@ class Demo:
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, text: str) -> None:
         self.events.append((time.time(), text))
-        log.info(text)
-        if not self.cfg["live"]:
+        if not self.cfg["live"]:  # the live view shows the events itself
+            log.info(text)
             print(f"[{time.time() - self.t0:6.1f}s] {text}", flush=True)
 
     def sim_ns(self) -> int:
@@ -161,6 +161,8 @@ class Demo:
         self.say(f"Prometheus metrics: http://127.0.0.1:{self.cp.metrics_port}/metrics")
 
         from foreshock.migrator.example import launch
+        # A warm spare polls the job's store with a timeout and c10d warns at each one: noise here.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         self.job = launch(JOB_ID, ranks, [spare], steps=int(cfg["steps"]), out_dir=self.out / "job",
                           service=addr, params=int(cfg["params"]), seed=int(cfg["seed"]),
                           step_sleep_s=float(cfg["step_sleep_seconds"]), fallback="checkpoint_exit")
@@ -345,7 +347,7 @@ class Demo:
     def _render(self):
         from rich.console import Group
         from rich.table import Table
-        risk = Table(title=f"riskiest nodes (threshold {self.threshold:.2f})", expand=True)
+        risk = Table(title=f"riskiest nodes (threshold {self.threshold:.4f})", expand=True)
         for col in ("node", "risk", "top signal"):
             risk.add_column(col)
         for r in self.riskiest:
@@ -554,7 +556,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"  {f['label']:<40} {f['node']:<9} peak risk {f['peak_risk']:.2f}  {verdict}")
     for e in summary["evacuations"]:
         print(f"  evacuation {e['from_node']} -> {e['to_node']} at step {e['at_step']}: "
-              f"{e['state'].replace('DIRECTIVE_STATE_', '')}, {e['duration_seconds']} s {e['phases_seconds']}")
+              f"{e['state'].replace('DIRECTIVE_STATE_', '')}, {e['duration_seconds']} s to the first step in the "
+              f"new world (" + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["phases_seconds"].items()
+                                       if isinstance(v, (int, float)) and k != "total_to_first_step") + ")")
     g = summary["goodput"]["this_run"]
     print(f"  GPU-hours lost: {g['foreshock_gpu_hours_lost']:.5f} with Foreshock vs "
           f"{g['checkpoint_restart_gpu_hours_lost']:.3f} under checkpoint restart ({g['gpus']} GPUs)")
@@ -587,6 +591,8 @@ def run(args: argparse.Namespace, file_data) -> int:
         print("foreshock demo: --nodes must be at least 40 (4 leaf switches of ranks, a spare, a bystander)")
         return 2
     os.environ.setdefault("MPLBACKEND", "Agg")
+    if cfg["live"] and logging.getLogger().level == logging.INFO:
+        logging.getLogger().setLevel(logging.WARNING)  # INFO lines would tear through the live view
     demo = Demo(cfg)
     try:
         summary = demo.run()
