@@ -90,6 +90,11 @@ class Demo:
         # the run: the service checks sample times against its own wall clock, as it would in production.
         self.sim0_ns = int((self.t0 - self.scale * float(cfg["time_limit_seconds"])) * 1e9)
         self.job_clock0 = None  # simulated seconds when the job started training
+        # Samples are stamped at exact multiples of the sweep step and faults injected at planned sweep
+        # indices, so a seed gives the same telemetry whatever the wall-clock jitter of this machine.
+        self.step_ns = int(float(cfg["interval"]) * self.scale * 1e9)
+        self.sweep_index = 0
+        self.pending: list[tuple[int, Fault]] = []
         self.events: list[tuple[float, str]] = []
         self.faults: list[Fault] = []
         self.riskiest: list[Any] = []
@@ -149,6 +154,8 @@ class Demo:
         settings = Settings.insecure_loopback(self.out / "state", metrics_listen="127.0.0.1:0",
                                               scoring_clock=self.sim_ns,
                                               false_evacuation_budget=float(cfg["budget"]),
+                                              # late rows of a step: 30 simulated s is half a wall second
+                                              scorer_grace_seconds=30.0,
                                               policy={"cooldown_seconds": 3600.0, "stale_seconds": 300.0,
                                                       "lead_seconds": 2.0, "deadline_seconds": 3600.0})
         self.cp = build_server(settings)
@@ -186,7 +193,8 @@ class Demo:
         self.sweeper.start()
         self.job.wait_progress(1, timeout=180.0)
         self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
-        self.job_clock0 = self.sim()
+        k0 = self.sweep_index
+        self.job_clock0 = (self.sim0_ns + k0 * self.step_ns) / 1e9
 
 
         import grpc
@@ -200,6 +208,7 @@ class Demo:
         self.faults = [precursor, benign, abrupt]
         plan = [(float(cfg["precursor_at_minutes"]), precursor), (float(cfg["benign_at_minutes"]), benign),
                 (float(cfg["abrupt_at_minutes"]), abrupt)]
+        self.pending = [(k0 + round(minutes * 60e9 / self.step_ns), fault) for minutes, fault in plan]
 
         live = None
         if cfg["live"]:
@@ -210,10 +219,6 @@ class Demo:
             deadline = self.t0 + float(cfg["time_limit_seconds"])
             job_done = stop_requested = False
             while time.time() < deadline:
-                now = (self.sim() - self.job_clock0) / 60.0
-                for at, fault in plan:
-                    if fault.injected_at == 0.0 and now >= at:
-                        self._inject(cluster, fault)
                 self._poll(risk_stub, jobs_stub, jobs_pb2, risk_pb2)
                 self._fail_due()
                 job_done = all(not p.is_alive() for p in self.job.processes.values())
@@ -262,8 +267,12 @@ class Demo:
     def _sweep_loop(self) -> None:
         interval = float(self.cfg["interval"])
         next_at = time.time()
+        self.sweep_index = -(-(self.sim_ns() - self.sim0_ns) // self.step_ns)
         while not self._stop.is_set():
-            ts = self.sim_ns()
+            ts = self.sim0_ns + self.sweep_index * self.step_ns
+            for k_at, fault in self.pending:
+                if fault.injected_at == 0.0 and self.sweep_index >= k_at:
+                    self._inject(self.cluster, fault, ts)
             # one vectorised sample of the whole cluster; each collector's node model takes its slice
             self.cluster.sample_all(ts)
             for c in self.collectors:
@@ -272,11 +281,11 @@ class Demo:
                 except Exception as exc:  # noqa: BLE001 - a collector fault must not end the demo
                     log.error("collector %s: %s", c.node, exc)
             self.writer.maybe_rotate()
+            self.sweep_index += 1
             next_at += interval
             self._stop.wait(max(0.0, next_at - time.time()))
 
-    def _inject(self, cluster, fault: Fault) -> None:
-        now_ns = self.sim_ns()
+    def _inject(self, cluster, fault: Fault, now_ns: int) -> None:
         fault.injected_at = now_ns / 1e9
         if fault.kind == "benign":
             cluster.disturb(fault.node, fault.mode, component=fault.component, now_ns=now_ns,
@@ -442,7 +451,8 @@ class Demo:
         lost_progress_h = gp.lost_progress_hours(s.mttf_hours, s.checkpoint_interval_hours)
         restart_h = s.identify_hours + s.restart_hours + s.replace_hours
         ckpt_gpu_h = (restart_h + lost_progress_h) * ranks
-        fs_gpu_h = migration_s / 3600.0 * ranks
+        # a job this run lost falls back to the same checkpoint restart
+        fs_gpu_h = ckpt_gpu_h if self.job_restarts else migration_s / 3600.0 * ranks
         # At scale: the shipped model's own held-out evaluation at this run's budget, and the measured
         # migration time, in the goodput model's default 1,024-GPU cluster.
         from foreshock.predictor.registry import default_model_path
