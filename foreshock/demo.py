@@ -246,7 +246,7 @@ class Demo:
                 live.update(self._render())
                 live.stop()
             channel.close()
-        return self._summary(cluster)
+        return self._summary()
 
     def shutdown(self) -> None:
         """Stop everything this run started, whatever state it got to: nothing is left running."""
@@ -272,7 +272,7 @@ class Demo:
             ts = self.sim0_ns + self.sweep_index * self.step_ns
             for k_at, fault in self.pending:
                 if fault.injected_at == 0.0 and self.sweep_index >= k_at:
-                    self._inject(self.cluster, fault, ts)
+                    self._inject(fault, ts)
             # one vectorised sample of the whole cluster; each collector's node model takes its slice
             self.cluster.sample_all(ts)
             for c in self.collectors:
@@ -285,15 +285,15 @@ class Demo:
             next_at += interval
             self._stop.wait(max(0.0, next_at - time.time()))
 
-    def _inject(self, cluster, fault: Fault, now_ns: int) -> None:
+    def _inject(self, fault: Fault, now_ns: int) -> None:
         fault.injected_at = now_ns / 1e9
         if fault.kind == "benign":
-            cluster.disturb(fault.node, fault.mode, component=fault.component, now_ns=now_ns,
+            self.cluster.disturb(fault.node, fault.mode, component=fault.component, now_ns=now_ns,
                             seconds=float(self.cfg["benign_minutes"]) * 60, peak=0.35)
             self.say(f"benign: {fault.node} HCA {fault.component} degrades, will recover")
             return
         lead = float(self.cfg["precursor_lead_minutes"]) if fault.kind == "precursor" else 0.0
-        ep = cluster.inject(fault.node, fault.mode, component=fault.component, lead_seconds=lead * 60,
+        ep = self.cluster.inject(fault.node, fault.mode, component=fault.component, lead_seconds=lead * 60,
                             repair_seconds=4 * 3600.0, now_ns=now_ns)
         fault.fails_at = ep.end_ns / 1e9
         what = f"fails in {lead:.0f} simulated min" if lead else "fails now"
@@ -380,7 +380,7 @@ class Demo:
         return Group(status, risk, dirs)
 
     # -- the account -----------------------------------------------------------------------------
-    def _summary(self, cluster) -> dict[str, Any]:
+    def _summary(self) -> dict[str, Any]:
         from foreshock.v1 import jobs_pb2
         results = self.job.results()
         ranks_done = [r for r in results if r.get("exit") == "finished"]
