@@ -103,12 +103,22 @@ def feature_names() -> list[str]:
     return list(FEATURE_NAMES)
 
 
-SUM_IDX = sorted(set(COUNT_IDX) | set(RISE_IDX) | set(PEER_IDX) | set(BASE_IDX))
+# The summed signals, laid out so that the count, rise and peer columns are contiguous ranges (a
+# slice is a view, an index list a copy); each column's arithmetic is independent of the layout.
+SUM_IDX = list(dict.fromkeys(COUNT_IDX + BASE_IDX + RISE_IDX + PEER_IDX))
 _SUM_POS = {i: j for j, i in enumerate(SUM_IDX)}
-S_COUNT = [_SUM_POS[i] for i in COUNT_IDX]
-S_RISE = [_SUM_POS[i] for i in RISE_IDX]
-S_PEER = [_SUM_POS[i] for i in PEER_IDX]
-S_BASE = [_SUM_POS[i] for i in BASE_IDX]
+
+
+def _as_slice(pos: list[int]):
+    if pos and pos == list(range(pos[0], pos[0] + len(pos))):
+        return slice(pos[0], pos[0] + len(pos))
+    return pos
+
+
+S_COUNT = _as_slice([_SUM_POS[i] for i in COUNT_IDX])
+S_RISE = _as_slice([_SUM_POS[i] for i in RISE_IDX])
+S_PEER = _as_slice([_SUM_POS[i] for i in PEER_IDX])
+S_BASE = _as_slice([_SUM_POS[i] for i in BASE_IDX])
 RING = HISTORY          # cumulative sums kept for the last RING steps
 GRING = HISTORY - 1     # gauge values kept for the last GRING steps
 
@@ -133,6 +143,7 @@ class FeatureState:
     zr: np.ndarray          # [N, B] EWMA state, the recent (2-hour half-life) rate
     seen: np.ndarray        # [N] steps seen (EWMA bias correction)
     last_event: np.ndarray  # [N, E] step index of the last event of each SINCE signal (-inf: never)
+    gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
 
     @classmethod
     def empty(cls, n: int) -> "FeatureState":
@@ -154,6 +165,36 @@ class FeatureState:
 
     def __len__(self) -> int:
         return len(self.seen)
+
+
+class _SlidingMax:
+    """The maximum of the GRING carried gauge values, kept as the one-step path pushes (exact: fmax).
+
+    Van Herk / Gil-Werman: at a rebuild the ring's values, oldest first, are a_0..a_{W-1}, and
+    `suffix[j]` = max(a_j..a_{W-1}); after m pushes the ring holds a_m..a_{W-1} and the m new values,
+    whose maximum is `prefix`, so the ring's maximum is fmax(suffix[m], prefix). After W pushes the
+    ring is all new values and the next query rebuilds: W-1 fmax per W steps instead of W per step.
+    """
+
+    def __init__(self, gring: np.ndarray, ghead: int):
+        w = gring.shape[0]
+        order = (ghead + np.arange(w)) % w
+        self.suffix = np.empty((w + 1,) + gring.shape[1:])
+        self.suffix[w] = np.nan
+        self.suffix[w - 1] = gring[order[w - 1]]
+        for j in range(w - 2, -1, -1):
+            np.fmax(gring[order[j]], self.suffix[j + 1], out=self.suffix[j])
+        self.prefix = np.full(gring.shape[1:], np.nan)
+        self.m = 0
+
+    def current(self) -> np.ndarray:
+        return np.fmax(self.suffix[self.m], self.prefix)
+
+    def push(self, g: np.ndarray) -> bool:
+        """Account for g entering the ring; False when the structure must be rebuilt."""
+        np.fmax(self.prefix, g, out=self.prefix)
+        self.m += 1
+        return self.m < self.suffix.shape[0] - 1
 
 
 def _lagged(block: np.ndarray, ring: np.ndarray, head: int, w: int) -> np.ndarray:
@@ -189,6 +230,8 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     Returns ([N, T, N_FEATURES] float32, state).
     """
     n, t, _ = x.shape
+    if t == 1:
+        return _compute_step(x[:, 0], steps, state), state
     xt = np.ascontiguousarray(np.swapaxes(x, 0, 1))              # [T, N, S] time-major
     out = np.empty((t, n, N_FEATURES), dtype=np.float64)
     col = 0
@@ -289,12 +332,108 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     state.head = _push(state.ring, h0, c)
     _push(state.ringv, h0, cv)
     state.ghead = _push(state.gring, state.ghead, g)
+    state.gmax = None
     state.cum, state.cumv = c[-1].copy(), cv[-1].copy()
     state.z = np.asarray(zf)
     state.zr = np.asarray(zrf)
     state.seen = state.seen + t
     state.last_event = last[-1].copy()
     return np.swapaxes(out, 0, 1).astype(np.float32), state
+
+
+def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray:
+    """compute() for one step (the online scorer's every round): x [N, S] -> [N, 1, N_FEATURES].
+
+    The same arithmetic on the same operands as the block path above, element by element, so the
+    values are bit-identical (tests/test_predictor_skew.py, test_block_size_does_not_change_features);
+    only the layout differs: ring entries are read as views, each window is one subtraction over all
+    summed columns, and the features are written straight into the float32 result.
+    """
+    n = x.shape[0]
+    out = np.empty((n, N_FEATURES), dtype=np.float32)
+    r, h = RING, state.head
+    xs = x[:, SUM_IDX]
+    vs = ~np.isnan(xs)
+    xs[~vs] = 0.0
+    c = state.cum + xs
+    cv = state.cumv + vs
+    lag5, lag5v = state.ring[(h - 5) % r], state.ringv[(h - 5) % r]
+    lag30, lag30v = state.ring[h % r], state.ringv[h % r]          # HISTORY == RING steps back
+    d5, n5 = c - lag5, cv - lag5v
+    d30, n30 = c - lag30, cv - lag30v
+    col = 0
+
+    k = len(COUNT_IDX)
+    # interleaved per signal (1m, 5m, 30m), as the block path's stack(..., axis=-1)
+    out[:, col:col + 3 * k:3] = np.where(vs[:, S_COUNT], xs[:, S_COUNT], np.nan)
+    out[:, col + 1:col + 3 * k:3] = np.where(n5[:, S_COUNT] > 0, d5[:, S_COUNT], np.nan)
+    out[:, col + 2:col + 3 * k:3] = np.where(n30[:, S_COUNT] > 0, d30[:, S_COUNT], np.nan)
+    col += 3 * k
+
+    xb = xs[:, S_BASE]
+    seen = state.seen + 1.0
+    eps = 1.0 / HISTORY
+    y = EWMA_ALPHA * xb + state.z
+    zf = (1.0 - EWMA_ALPHA) * y
+    baseline = y / (1.0 - (1.0 - EWMA_ALPHA) ** seen)[:, None]
+    yr = RECENT_ALPHA * xb + state.zr
+    zrf = (1.0 - RECENT_ALPHA) * yr
+    recent = yr / (1.0 - (1.0 - RECENT_ALPHA) ** seen)[:, None]
+    b30, nb30 = d30[:, S_BASE], n30[:, S_BASE]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate30 = np.where(nb30 > 0, b30 / np.maximum(nb30, 1.0), np.nan)
+    nb = len(BASE_IDX)
+    base_eps = baseline + eps
+    out[:, col:col + nb] = (rate30 + eps) / base_eps
+    col += nb
+    out[:, col:col + nb] = (recent + eps) / base_eps
+    col += nb
+
+    g = x[:, GAUGE_IDX]
+    if state.gmax is None:
+        state.gmax = _SlidingMax(state.gring, state.ghead)
+    gmax = np.fmax(g, state.gmax.current())
+    k = len(GAUGE_IDX)
+    out[:, col:col + 2 * k:2] = g
+    out[:, col + 1:col + 2 * k:2] = gmax
+    col += 2 * k
+
+    cr = S_RISE
+    ra, rn = d5[:, cr], n5[:, cr]
+    l25, l25v = state.ring[(h - 25) % r][:, cr], state.ringv[(h - 25) % r][:, cr]
+    old_a = l25 - lag30[:, cr]
+    old_n = l25v - lag30v[:, cr]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[:, col:col + len(RISE_IDX)] = np.where((rn > 0) & (old_n > 0), ra / rn - old_a / old_n, np.nan)
+    col += len(RISE_IDX)
+
+    st = float(steps[0])
+    ev = np.nan_to_num(x[:, SINCE_IDX]) > 0
+    last = np.maximum(state.last_event, np.where(ev, st, -np.inf))
+    out[:, col:col + len(SINCE_IDX)] = np.minimum((st - last) * (STEP_SECONDS / 60.0), SINCE_CAP_MINUTES)
+    col += len(SINCE_IDX)
+
+    p5, pn5 = d5[:, S_PEER], n5[:, S_PEER]
+    p30, pn30 = d30[:, S_PEER], n30[:, S_PEER]
+    k = len(PEER_IDX)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[:, col:col + 2 * k:2] = np.where(pn5 > 0, p5 / np.maximum(pn5, 1.0), np.nan)
+        out[:, col + 1:col + 2 * k:2] = np.where(pn30 > 0, p30 / np.maximum(pn30, 1.0), np.nan)
+    col += 2 * k
+    assert col == N_FEATURES
+
+    state.ring[h] = c
+    state.ringv[h] = cv
+    state.head = (h + 1) % r
+    state.gring[state.ghead] = g
+    state.ghead = (state.ghead + 1) % GRING
+    if not state.gmax.push(g):
+        state.gmax = None
+    state.cum, state.cumv = c, cv
+    state.z, state.zr = zf, zrf
+    state.seen = seen
+    state.last_event = last
+    return out[:, None, :]
 
 
 # -- peers -------------------------------------------------------------------------------------------

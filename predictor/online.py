@@ -84,7 +84,9 @@ class OnlineScorer:
         self._scored = np.zeros(0, dtype=bool)
         self._labels: dict[str, dict[str, str | None]] = {}
         self._group_codes: dict[str, dict[str, int]] = {g: {} for g in ft.PEER_GROUPS}
-        self._worst: dict[str, dict[str, str]] = collections.defaultdict(dict)
+        self._code_arrays: dict[str, np.ndarray] | None = None   # per group, per node; rebuilt on change
+        # per explained signal, each node's worst entity key (-1: none yet); labels made when explained
+        self._worst = {signal: np.zeros(0, dtype=np.int64) for signal in ex.ENTITY_SIGNALS}
         self.stats = collections.Counter()
 
     # -- input -----------------------------------------------------------------------------------
@@ -130,6 +132,7 @@ class OnlineScorer:
         df = batch.select(["ts", "node", *ft.PEER_GROUPS]).to_pandas().sort_values("ts", kind="stable")
         for row in df.itertuples(index=False):
             self._labels[row.node] = {g: getattr(row, g) for g in ft.PEER_GROUPS}
+        self._code_arrays = None
         self._add_nodes([n for n in df["node"].unique() if n not in self._index])
 
     def _add_nodes(self, new: list[str]) -> None:
@@ -143,6 +146,8 @@ class OnlineScorer:
         self._state = self._state.grow(len(new))
         self._features = np.concatenate([self._features, np.full((len(new), ft.N_FEATURES), np.nan, np.float32)])
         self._scored = np.concatenate([self._scored, np.zeros(len(new), dtype=bool)])
+        self._worst = {k: np.concatenate([v, np.full(len(new), -1, np.int64)]) for k, v in self._worst.items()}
+        self._code_arrays = None
 
     def _bound_pending(self) -> None:
         while self._pending_rows > self.max_pending_rows:
@@ -169,6 +174,12 @@ class OnlineScorer:
                 out[i] = codes.setdefault(label, len(codes))
         return out
 
+    def _group_code_arrays(self) -> dict[str, np.ndarray]:
+        # the topology changes only with inventory rows or new nodes, not every round
+        if self._code_arrays is None:
+            self._code_arrays = {g: self._group_code_array(g) for g in ft.PEER_GROUPS}
+        return self._code_arrays
+
     def advance(self, now_ns: int | None = None) -> int:
         """Close the steps that ended before now - grace; returns how many steps were advanced."""
         now_ns = int(self._clock() * 1e9) if now_ns is None else int(now_ns)
@@ -192,12 +203,14 @@ class OnlineScorer:
             data = sg.Samples.concat(parts)
             done = data.step < close
             old = data.step < self._next_step
-            if old.any():
-                self.stats["late_rows"] += int(old.sum())
-            use = data.select(done & ~old)
-            rest = data.select(~done)
+            n_old, n_done = int(old.sum()), int(done.sum())
+            if n_old:
+                self.stats["late_rows"] += n_old
+            # the usual round closes every pending row: no copies then
+            use = data if n_done == len(data) and not n_old else data.select(done & ~old)
+            rest = sg.Samples.empty() if n_done == len(data) else data.select(~done)
             self._pending[table] = [rest] if len(rest) else []
-            self._pending_rows -= int(done.sum())
+            self._pending_rows -= n_done
             if len(use):
                 frames.append(sg.reduce_steps(table, use))
                 self._track_worst(table, use)
@@ -207,7 +220,7 @@ class OnlineScorer:
         if len(base):
             x[base.node, base.step - int(steps[0])] = base.values
         present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
-        codes = {g: self._group_code_array(g) for g in ft.PEER_GROUPS}
+        codes = self._group_code_arrays()
         peers = np.empty((n, t, len(ft.PEER_SIGNALS)))
         own = ft.peer_inputs(x)                                   # [N, T, 3]
         for j in range(t):
@@ -223,21 +236,34 @@ class OnlineScorer:
         return t
 
     def _track_worst(self, table: str, samples: sg.Samples) -> None:
+        """Per node, the entity (GPU, port) with the most errors in the block, for "worst on GPU 3"."""
+        done: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
+        grouped = None
         for signal, (tbl, column, kind) in ex.ENTITY_SIGNALS.items():
             if tbl != table or column not in samples.cols:
                 continue
-            v = np.nan_to_num(samples.cols[column])
-            keys, inv = np.unique(samples.key, return_inverse=True)
-            sums = np.bincount(inv, weights=v, minlength=len(keys))
-            ok = sums > 0
-            if not ok.any():
-                continue
-            keys, sums = keys[ok], sums[ok]
-            nodes = keys // sg.NODE_SHIFT
-            order = np.lexsort((-sums, nodes))
-            firsts = order[sg._segments(nodes[order])]
-            for k in firsts:
-                self._worst[self._nodes[int(nodes[k])]][signal] = self._stage.entity_label(int(keys[k]))
+            if column not in done:
+                if grouped is None:
+                    grouped = sg.group_keys(samples.key)
+                keys, starts, order = grouped
+                v = np.nan_to_num(samples.cols[column])
+                sums = np.add.reduceat(v if order is None else v[order], starts) if len(v) else v
+                ok = sums > 0
+                if not ok.any():
+                    done[column] = None
+                else:
+                    k, sm = keys[ok], sums[ok]
+                    nodes = k // sg.NODE_SHIFT
+                    first = np.lexsort((-sm, nodes))     # the largest sum; a tie: the smallest key
+                    first = first[sg._segments(nodes[first])]
+                    done[column] = (nodes[first], k[first])
+            got = done[column]
+            if got is not None:
+                self._worst[signal][got[0]] = got[1]
+
+    def _entities(self, i: int) -> dict[str, str]:
+        return {signal: self._stage.entity_label(int(keys[i]))
+                for signal, keys in self._worst.items() if keys[i] >= 0}
 
     def score(self, now_ns: int | None = None) -> ScoreBatch:
         """Advance the closed steps and score every node that has had data. Vectorised across nodes."""
@@ -253,7 +279,7 @@ class OnlineScorer:
             top = np.argsort(-prob, kind="stable")[:k]
             top = top[prob[top] > 0]
             if len(top):
-                ents = [self._worst.get(nodes[i], {}) for i in top]
+                ents = [self._entities(int(idx[i])) for i in top]
                 explained = ex.explain(self.model.probability, X[top], prob[top], self.reference,
                                        top=self.signals_per_node, entities=ents)
                 for i, s in zip(top, explained):

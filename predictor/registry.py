@@ -14,12 +14,23 @@ has the required keys; each .skops file's sha256 matches the manifest; its schem
 version and feature names match the running code; and the file contains only the types in
 TRUSTED_TYPES (skops.io.get_untrusted_types), so a tampered file cannot smuggle in a callable.
 Never pickle or joblib.
+
+Prediction (`LoadedModel.predict_proba`) takes a fast path for the estimator train.py builds
+(`[PriorShift(] CalibratedClassifierCV(sigmoid, FrozenEstimator(Pipeline(FeatureGuard,
+HistGradientBoostingClassifier))) [)]`, any tree count): the columns the trees split on are binned
+once with the model's own bin thresholds (x <= threshold  <=>  bin <= bin threshold) into a small
+column-major uint8 matrix, and every tree walks it (scikit-learn's binned tree walker), one thread by
+default; then the same baseline-plus-trees sum, sigmoid and prior shift as scikit-learn, in the same
+order, so the probabilities are the estimator's own (tests/test_predictor_speedpaths.py). Anything
+else, or a model whose fast path disagrees with predict_proba on a probe matrix at load, uses the
+estimator's predict_proba.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -30,6 +41,8 @@ import numpy as np
 
 from foreshock import schema as sch
 from foreshock.predictor import features as ft
+
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.skops"
 BASELINES_FILE = "baselines.skops"
@@ -89,6 +102,21 @@ class LoadedModel:
     def version(self) -> str:
         return str(self.manifest["version"])
 
+    threads: int = 1        # threads for the fast path's tree walk (rows split between them)
+    fast: bool = True       # use the fast path when the estimator has the known structure
+
+    def __post_init__(self):
+        self._fast: FastPredictor | None = None
+        self._fast_checked = False
+
+    @property
+    def fast_predictor(self) -> "FastPredictor | None":
+        """The fast path for this estimator (None: predict_proba is used), built on first use."""
+        if not self._fast_checked:
+            self._fast_checked = True
+            self._fast = FastPredictor.build(self.estimator, len(self.manifest["feature_names"])) if self.fast else None
+        return self._fast
+
     def predict_proba(self, X) -> np.ndarray:
         """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon)."""
         X = np.asarray(X, dtype=np.float32)
@@ -97,6 +125,9 @@ class LoadedModel:
                              f"in manifest order; got shape {X.shape}")
         if len(X) == 0:
             return np.zeros((0, 2))
+        fast = self.fast_predictor
+        if fast is not None:
+            return fast.predict_proba(X, threads=self.threads)
         return self.estimator.predict_proba(X)
 
     def probability(self, X) -> np.ndarray:
@@ -109,6 +140,175 @@ class LoadedModel:
             return float(self.manifest["recommended_threshold"])
         return threshold_for_budget(self.manifest, budget if budget is not None
                                     else float(self.manifest.get("budget", 2.0)), model)
+
+
+class _BinnedTrees:
+    """One fitted binary HistGradientBoostingClassifier (numeric splits only) as binned trees.
+
+    Only the columns some tree splits on are binned (`columns`), and the trees' feature indices are
+    renumbered to them: the binned matrix is [n, len(columns)] uint8, column-major, so each tree's
+    pass over the rows reads a few contiguous columns.
+    """
+
+    def __init__(self, hgb):
+        from sklearn.ensemble._hist_gradient_boosting.predictor import TreePredictor
+
+        if getattr(hgb, "n_trees_per_iteration_", None) != 1 or getattr(hgb, "_preprocessor", None) is not None:
+            raise TypeError("not a binary, numeric-only HistGradientBoostingClassifier")
+        trees = [it[0] for it in hgb._predictors]
+        split = [t.nodes[t.nodes["is_leaf"] == 0] for t in trees]
+        if any(s["is_categorical"].any() for s in split):
+            raise TypeError("categorical splits")
+        self.columns = np.unique(np.concatenate([s["feature_idx"] for s in split] + [np.zeros(0, np.intp)]))
+        renumber = np.zeros(max(int(self.columns.max()) + 1 if len(self.columns) else 1, 1), dtype=np.intp)
+        renumber[self.columns] = np.arange(len(self.columns))
+        self.trees = []
+        for t in trees:
+            nodes = t.nodes.copy()
+            inner = nodes["is_leaf"] == 0
+            nodes["feature_idx"][inner] = renumber[nodes["feature_idx"][inner]]
+            nodes["feature_idx"][~inner] = 0
+            self.trees.append(TreePredictor(nodes, t.binned_left_cat_bitsets, t.raw_left_cat_bitsets))
+        mapper = hgb._bin_mapper
+        self.thresholds = [np.asarray(mapper.bin_thresholds_[f], dtype=np.float64) for f in self.columns]
+        self.missing_bin = np.uint8(mapper.missing_values_bin_idx_)
+        self.baseline = np.asarray(hgb._baseline_prediction)
+        if self.baseline.shape != (1, 1):
+            raise TypeError("not a single-output model")
+
+    def binned(self, X: np.ndarray) -> np.ndarray:
+        """X [n, F] -> [n, len(columns)] uint8 bins (as the model's bin mapper bins; NaN = missing bin)."""
+        cols = np.asfortranarray(X.take(self.columns, axis=1), dtype=np.float64)
+        out = np.empty(cols.shape, dtype=np.uint8, order="F")
+        for j, thr in enumerate(self.thresholds):
+            c = cols[:, j]
+            b = np.searchsorted(thr, c, side="left")
+            b[np.isnan(c)] = self.missing_bin
+            out[:, j] = b
+        return out
+
+    def decision(self, X: np.ndarray) -> np.ndarray:
+        """The raw score: the baseline plus each tree's leaf value, added in the model's order."""
+        B = self.binned(X)
+        raw = np.zeros(len(X), dtype=self.baseline.dtype)
+        raw += self.baseline[0, 0]
+        for t in self.trees:
+            raw += t.predict_binned(B, self.missing_bin, 1)
+        return raw
+
+
+class FastPredictor:
+    """predict_proba of [PriorShift(] CalibratedClassifierCV(sigmoid, [FrozenEstimator(] Pipeline(
+    FeatureGuard, HistGradientBoostingClassifier) [)]) [)], computed like scikit-learn does it."""
+
+    PROBE_ROWS = 256
+
+    def __init__(self, estimator):
+        from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
+        from sklearn.ensemble import HistGradientBoostingClassifier
+        from sklearn.pipeline import Pipeline
+
+        from foreshock.predictor import model as mdl
+
+        self.estimator = estimator
+        self.prior_scale = None
+        if type(estimator) is mdl.PriorShift:
+            self.prior_scale = float(estimator.scale)
+            estimator = estimator.estimator
+        if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
+            raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
+        self.members = []   # (compiled trees, a, b) per calibrated classifier
+        compiled = {}
+        for cc in estimator.calibrated_classifiers_:
+            inner = cc.estimator
+            inner = getattr(inner, "estimator", inner) if type(inner).__name__ == "FrozenEstimator" else inner
+            if type(inner) is not Pipeline or len(inner.steps) != 2:
+                raise TypeError("not a Pipeline(FeatureGuard, HistGradientBoostingClassifier)")
+            guard, hgb = inner.steps[0][1], inner.steps[1][1]
+            if type(guard) is not mdl.FeatureGuard or type(hgb) is not HistGradientBoostingClassifier:
+                raise TypeError("not a Pipeline(FeatureGuard, HistGradientBoostingClassifier)")
+            if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
+                raise TypeError("not a sigmoid calibration")
+            if list(cc.classes) != list(estimator.classes_) or list(hgb.classes_) != list(estimator.classes_):
+                raise TypeError("classes differ")
+            if id(hgb) not in compiled:
+                compiled[id(hgb)] = _BinnedTrees(hgb)
+            self.members.append((compiled[id(hgb)], cc.calibrators[0].a_, cc.calibrators[0].b_))
+        if not self.members:
+            raise TypeError("no calibrated classifiers")
+        self._pool = None
+
+    @classmethod
+    def build(cls, estimator, n_features: int) -> "FastPredictor | None":
+        """The fast path, or None (with the reason logged) when the estimator is of another kind or
+        the fast path does not reproduce predict_proba on a probe matrix."""
+        try:
+            fast = cls(estimator)
+        except (TypeError, AttributeError, ValueError, IndexError) as exc:
+            log.info("model: no fast prediction path (%s); using predict_proba", exc)
+            return None
+        from threadpoolctl import threadpool_limits
+
+        probe = fast.probe(n_features)
+        with threadpool_limits(1, user_api="openmp"):   # a few rows: OpenMP start-up would dominate
+            want = np.asarray(estimator.predict_proba(probe))
+        got = fast.predict_proba(probe)
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-9, atol=1e-12):
+            log.warning("model: the fast prediction path disagrees with predict_proba (max %.3g); using "
+                        "predict_proba", float(np.max(np.abs(got - want))) if got.shape == want.shape else np.inf)
+            return None
+        return fast
+
+    def probe(self, n_features: int) -> np.ndarray:
+        """Rows that take every side of the splits: each column at, just around, or off its thresholds, or NaN."""
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((self.PROBE_ROWS, n_features)).astype(np.float32)
+        trees = self.members[0][0]
+        for j, f in enumerate(trees.columns):
+            thr = trees.thresholds[j]
+            if len(thr) == 0:
+                continue
+            pick = thr[rng.integers(0, len(thr), self.PROBE_ROWS)]
+            jitter = rng.choice([-1.0, 0.0, 1.0], self.PROBE_ROWS) * np.maximum(np.abs(pick), 1.0) * 1e-3
+            X[:, f] = (pick + jitter).astype(np.float32)
+            X[rng.random(self.PROBE_ROWS) < 0.1, f] = np.nan
+        return X
+
+    def _p1(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from scipy.special import expit
+
+        n = len(X)
+        mean = np.zeros((n, 2))
+        decisions = {}
+        for trees, a, b in self.members:
+            d = decisions.get(id(trees))
+            if d is None:
+                d = decisions[id(trees)] = trees.decision(X)
+            p1 = expit(-(a * d + b))
+            mean[:, 1] += p1
+            mean[:, 0] += 1.0 - p1
+        mean /= len(self.members)
+        return mean[:, 0], mean[:, 1]
+
+    def predict_proba(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float32)
+        if threads > 1 and len(X) >= 2048:
+            from concurrent.futures import ThreadPoolExecutor
+
+            if self._pool is None or self._pool._max_workers != threads:
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="foreshock-predict")
+            # the tree walk releases the GIL: row blocks run side by side
+            parts = np.array_split(X, threads)
+            return np.concatenate(list(self._pool.map(self._proba, parts)))
+        return self._proba(X)
+
+    def _proba(self, X: np.ndarray) -> np.ndarray:
+        p0, p1 = self._p1(X)
+        if self.prior_scale is None:
+            return np.column_stack([p0, p1])
+        p = np.clip(p1, 0.0, 1.0)
+        q = p / (p + (1.0 - p) * self.prior_scale)
+        return np.column_stack([1.0 - q, q])
 
 
 def threshold_for_budget(manifest: dict, budget: float, model: str = "model") -> float:

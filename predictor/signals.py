@@ -583,6 +583,29 @@ def _segments(sorted_group: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.flatnonzero(sorted_group[1:] != sorted_group[:-1]) + 1])
 
 
+def _nondecreasing(a: np.ndarray) -> bool:
+    return len(a) < 2 or bool((a[1:] >= a[:-1]).all())
+
+
+def group_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(distinct keys ascending, segment starts in sorted order, the sorting order or None if the keys
+    were already sorted: a batch comes from SampleStage sorted by entity key, so no sort is needed)."""
+    order = None if _nondecreasing(keys) else np.argsort(keys, kind="stable")
+    sk = keys if order is None else keys[order]
+    if len(sk) == 0:
+        return sk, np.zeros(0, dtype=np.intp), order
+    starts = _segments(sk)
+    return sk[starts], starts, order
+
+
+def _sorted_by(primary: np.ndarray, secondary: np.ndarray) -> bool:
+    """Rows already in (primary, secondary) order (what np.lexsort((secondary, primary)) would give)."""
+    if len(primary) < 2:
+        return True
+    dp = primary[1:] - primary[:-1]
+    return bool(((dp > 0) | ((dp == 0) & (secondary[1:] >= secondary[:-1]))).all())
+
+
 def reduce_steps(table: str, s: Samples) -> StepSignals:
     """Sample values of one table to signals per (node, step). Exact: independent of batching and order.
 
@@ -594,18 +617,20 @@ def reduce_steps(table: str, s: Samples) -> StepSignals:
     if len(s) == 0:
         return StepSignals(np.zeros(0, np.int64), names, np.zeros((0, len(names))))
     gk = s.node * STEP_SHIFT + s.step
-    order = np.lexsort((s.key, gk))
-    gk_sorted = gk[order]
+    # one step's batch arrives sorted by entity key (SampleStage sorts it): then nothing to sort, and
+    # the identity order is what the stable lexsort would return
+    order = None if _sorted_by(gk, s.key) else np.lexsort((s.key, gk))
+    gk_sorted = gk if order is None else gk[order]
     starts = _segments(gk_sorted)
     keys = gk_sorted[starts]
-    key_sorted = s.key[order]
+    key_sorted = s.key if order is None else s.key[order]
     # segments of (group, entity) for the per-entity maxima
     ent_starts = np.concatenate([[0], np.flatnonzero((gk_sorted[1:] != gk_sorted[:-1]) | (key_sorted[1:] != key_sorted[:-1])) + 1])
     ent_group = np.searchsorted(starts, ent_starts, side="right") - 1
     ent_group_starts = _segments(ent_group)
     out = np.empty((len(keys), len(names)))
     for j, (_sig, column, how) in enumerate(spec):
-        v = s.cols[column][order]
+        v = s.cols[column] if order is None else s.cols[column][order]
         known = ~np.isnan(v)
         if how in ("sum", "emax"):
             seg = starts if how == "sum" else ent_starts

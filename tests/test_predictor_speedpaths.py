@@ -1,0 +1,134 @@
+"""The fast paths give the slow paths' answers: predictions, one-step features, presorted reductions.
+
+Speed is measured in benchmarks/bench_predictor.py; these tests only pin that every shortcut returns
+exactly (or, for predictions, within float rounding) what the general code returns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.frozen import FrozenEstimator
+from threadpoolctl import threadpool_limits
+
+from foreshock.predictor import features as ft
+from foreshock.predictor import model as mdl
+from foreshock.predictor import registry, signals, synthetic
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, ft.N_FEATURES)).astype(np.float32)
+    X[rng.random(X.shape) < 0.15] = np.nan           # missing values take the trees' missing branch
+    X[:, 7] = rng.poisson(1.0, n)                     # a few distinct values (few bins)
+    y = ((np.nan_to_num(X[:, 0]) + np.nan_to_num(X[:, 3]) > 1.0) | (X[:, 7] > 3)).astype(int)
+    return X, y
+
+
+def _loaded(estimator, **kw) -> registry.LoadedModel:
+    return registry.LoadedModel({"feature_names": list(ft.FEATURE_NAMES)}, estimator, path=None, **kw)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_openmp_thread():
+    # scikit-learn's fit and predict on a busy 2-core machine are much faster on one OpenMP thread
+    with threadpool_limits(1, user_api="openmp"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    X, y = _data(3000)
+    gbdt = mdl.make_model(max_iter=25).fit(X, y)
+    return X, y, gbdt
+
+
+def _check_same(model: registry.LoadedModel, X):
+    assert model.fast_predictor is not None
+    want = model.estimator.predict_proba(X)
+    for threads in (1, 2):
+        model.threads = threads
+        got = model.predict_proba(X)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_fast_prediction_equals_predict_proba(fitted):
+    X, y, gbdt = fitted
+    cal = CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y)
+    Xt, _ = _data(5000, seed=1)
+    Xt[:10] = np.inf                                   # beyond every threshold
+    Xt[10:20] = -np.inf
+    _check_same(_loaded(cal), Xt)
+    _check_same(_loaded(mdl.PriorShift(cal, 25.0).fit()), Xt)
+
+
+def test_fast_prediction_of_an_ensemble_of_calibrated_models():
+    X, y = _data(2000, seed=2)
+    # cross-validated calibration: three pipelines with different trees, their probabilities averaged
+    cal = CalibratedClassifierCV(mdl.make_model(max_iter=8), method="sigmoid", cv=3).fit(X, y)
+    assert len(cal.calibrated_classifiers_) == 3
+    _check_same(_loaded(cal), _data(3000, seed=3)[0])
+
+
+def test_other_estimators_fall_back_to_predict_proba(fitted):
+    X, y, gbdt = fitted
+    for est in (mdl.make_logistic().fit(X[:500], y[:500]), mdl.RuleBaseline().fit(),
+                CalibratedClassifierCV(FrozenEstimator(mdl.make_logistic().fit(X, y)), method="sigmoid").fit(X, y),
+                CalibratedClassifierCV(FrozenEstimator(gbdt), method="isotonic").fit(X, y)):
+        model = _loaded(est)
+        assert model.fast_predictor is None
+        np.testing.assert_array_equal(model.predict_proba(X[:50]), est.predict_proba(X[:50]))
+    cal = CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y)
+    off = _loaded(cal, fast=False)
+    assert off.fast_predictor is None
+    np.testing.assert_array_equal(off.predict_proba(X[:50]), cal.predict_proba(X[:50]))
+
+
+def test_the_shipped_model_takes_the_fast_path():
+    model = registry.load_model()
+    X = np.asarray(model.manifest["reference_features"], dtype=np.float32)[None].repeat(400, axis=0)
+    rng = np.random.default_rng(4)
+    X *= rng.lognormal(0.0, 1.5, X.shape).astype(np.float32)
+    X[rng.random(X.shape) < 0.2] = np.nan
+    _check_same(model, X)
+
+
+def test_one_step_features_equal_block_features_in_any_mix():
+    rng = np.random.default_rng(5)
+    n, t = 3, 140
+    x = rng.poisson(0.4, (n, t, len(ft.ALL_NAMES))).astype(float) * 1.3
+    g = ft.GAUGE_IDX
+    x[:, :, g] = rng.normal(60, 5, (n, t, len(g)))
+    x[0, 20:75, :] = np.nan                            # a node silent for longer than the window
+    x[1, :, g[0]] = np.nan                             # a gauge never reported
+    x[2, rng.random(t) < 0.3] = np.nan
+    whole, _ = ft.compute(x, np.arange(t), ft.FeatureState.empty(n))
+    state, parts, i = ft.FeatureState.empty(n), [], 0
+    for size in [1] * 40 + [7, 1, 1, 30] + [1] * 35 + [3] * 5 + [1] * 100:
+        if i >= t:
+            break
+        f, state = ft.compute(x[:, i:i + size], np.arange(i, min(i + size, t)), state)
+        parts.append(f)
+        i += size
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
+
+
+def test_presorted_reduction_equals_the_sorted_one():
+    tables = synthetic.node_tables("node-a", 30, seed=3, interval_s=20)
+    stage = signals.SampleStage()
+    s = stage.samples("rdma_port", tables["rdma_port"])
+    assert signals._sorted_by(s.node * signals.STEP_SHIFT + s.step, s.key) is False  # three steps per key
+    shuffled = s.select(np.random.default_rng(0).permutation(len(s)))
+    a = signals.reduce_steps("rdma_port", s)
+    b = signals.reduce_steps("rdma_port", shuffled)
+    one_step = s.select(s.step == s.step.min())
+    assert signals._sorted_by(one_step.node * signals.STEP_SHIFT + one_step.step, one_step.key)
+    c = signals.reduce_steps("rdma_port", one_step)
+    d = signals.reduce_steps("rdma_port", one_step.select(np.random.default_rng(1).permutation(len(one_step))))
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.values, b.values)
+    np.testing.assert_array_equal(c.keys, d.keys)
+    np.testing.assert_array_equal(c.values, d.values)
+    assert np.isfinite(c.values).any()
