@@ -10,22 +10,33 @@ Two passes:
    the inventory table.
 2. per node: peer signals from those totals, then features.compute over all of the node's steps (the
    same function the online scorer calls), yielding one NodeFeatures per node.
+
+The per-node work of both passes runs in a pool of `workers` processes (default: FORESHOCK_FEATURE_WORKERS,
+else os.cpu_count()); the parent adds the peer totals and yields NodeFeatures in node order, so the
+output is identical to the serial one (workers=1 runs the same functions in-process). At most
+`2 * workers` nodes are in flight, each worker holds one node's rows, and the peer totals reach the
+workers as memory-mapped files in the cache directory: memory stays bounded.
 """
 
 from __future__ import annotations
 
+import collections
+import multiprocessing
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from foreshock import dataset as ds
+from foreshock import schema as sch
 from foreshock.predictor import features as ft
 from foreshock.predictor import signals as sg
 
@@ -51,12 +62,33 @@ def list_dataset_nodes(root) -> list[str]:
     return sorted(nodes)
 
 
-def read_node(root, node: str) -> dict[str, pa.Table]:
+def _dates(root, table: str) -> list[str]:
+    base = Path(root) / f"table={table}"
+    if not base.is_dir():
+        return []
+    return sorted(d.name[len("date="):] for d in base.iterdir() if d.name.startswith("date="))
+
+
+def read_node(root, node: str, dates: dict[str, list[str]] | None = None) -> dict[str, pa.Table]:
+    """One node's rows of every base-signal table, as dataset.read_table(nodes=[node]) reads them.
+
+    The node's partition directories are named directly (dataset.partition_dir) for each date of the
+    table (`dates`, listed once by the caller): listing every node's directory of every date for each
+    node read would cost nodes^2 directory entries.
+    """
     out = {}
     for table in sg.TABLES:
-        data = ds.read_table(root, table, nodes=[node], columns=sg._needed_columns(table))
+        files = []
+        for date in (dates[table] if dates is not None else _dates(root, table)):
+            pdir = ds.partition_dir(Path(root), table, date, node)
+            if pdir.is_dir():
+                files.extend(sorted(f for f in pdir.glob("*.parquet") if not f.name.startswith((".", "_"))))
+        if not files:
+            continue
+        data = pads.dataset([str(f) for f in files], schema=sch.schema(table), format="parquet").to_table(
+            columns=sg._needed_columns(table))
         if data.num_rows:
-            out[table] = data
+            out[table] = data.sort_by([("node", "ascending"), ("ts", "ascending")])
     return out
 
 
@@ -111,11 +143,31 @@ class PeerTotals:
         return out
 
     def add(self, group: str, codes: np.ndarray, steps: np.ndarray, present: np.ndarray, own: np.ndarray):
+        """One node's steps (each step once, so indexed += adds exactly what np.add.at would)."""
         ok = (codes >= 0) & present
         c, s = codes[ok], steps[ok] - self.first
-        np.add.at(self.count[group], (c, s), 1.0)
-        np.add.at(self.total[group], (c, s), own[ok])
-        np.add.at(self.nonzero[group], (c, s), (own[ok] > 0).astype(np.float64))
+        if len(np.unique(s)) != len(s):
+            np.add.at(self.count[group], (c, s), 1.0)
+            np.add.at(self.total[group], (c, s), own[ok])
+            np.add.at(self.nonzero[group], (c, s), (own[ok] > 0).astype(np.float64))
+            return
+        self.count[group][c, s] += 1.0
+        self.total[group][c, s] += own[ok]
+        self.nonzero[group][c, s] += (own[ok] > 0).astype(np.float64)
+
+    def save(self, directory: Path) -> None:
+        """The totals as .npy files, for workers to memory-map (lookup works on the mapped arrays)."""
+        for g in ft.PEER_GROUPS:
+            for name in ("count", "total", "nonzero"):
+                np.save(directory / f"totals-{g}-{name}.npy", getattr(self, name)[g])
+
+    @classmethod
+    def load(cls, directory: Path, first: int, t: int) -> "PeerTotals":
+        out = cls(first, first + t - 1)
+        for g in ft.PEER_GROUPS:
+            for name in ("count", "total", "nonzero"):
+                getattr(out, name)[g] = np.load(directory / f"totals-{g}-{name}.npy", mmap_mode="r")
+        return out
 
     def lookup(self, group: str, codes: np.ndarray, steps: np.ndarray):
         n = len(codes)
@@ -138,25 +190,120 @@ def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return steps, x, present
 
 
-class FeatureBuilder:
-    """Both passes over a dataset; iterate it for one NodeFeatures per node."""
+def _base_pass(root: str, node: str, cache_path: str, dates: dict[str, list[str]]):
+    """Pass 1 for one node (in a worker): base signals to the cache; returns what the totals need."""
+    base = sg.node_base_signals(read_node(root, node, dates))
+    if len(base) == 0:
+        return None
+    steps, x, present = densify(base)
+    cols = {"step": steps, "present": present}
+    cols.update({name: x[:, j] for j, name in enumerate(sg.BASE_NAMES)})
+    pq.write_table(pa.table(cols), cache_path, compression="zstd")
+    return steps, present, ft.peer_inputs(x)
 
-    def __init__(self, root, *, nodes: list[str] | None = None, progress=None, cache_dir=None):
+
+_WORKER_TOTALS: dict[tuple, PeerTotals] = {}
+
+
+def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: int, out_path: str | None,
+                  totals: PeerTotals | None = None):
+    """Pass 2 for one node (in a worker): peer signals from the mapped totals, then the features."""
+    cache = Path(cache_dir)
+    if totals is None:
+        key = (cache_dir, run)
+        totals = _WORKER_TOTALS.get(key)
+        if totals is None:
+            _WORKER_TOTALS.clear()
+            totals = _WORKER_TOTALS[key] = PeerTotals.load(cache, first, t)
+    steps, x, present = _load_cache(cache / f"base-{i:06d}.parquet")
+    codes_all = np.load(cache / f"codes-{i:06d}.npy")
+    own = ft.peer_inputs(x)
+    codes, looked = {}, {}
+    for j, g in enumerate(ft.PEER_GROUPS):
+        codes[g] = codes_all[j].astype(np.int64)
+        looked[g] = totals.lookup(g, codes[g], steps)
+    peers = ft.peer_signals(own, present, codes, looked)
+    X, _ = ft.compute(np.concatenate([x, peers], axis=1)[None], steps, ft.FeatureState.empty(1))
+    nf = NodeFeatures(node, steps, present, X[0])
+    if out_path is None:
+        return nf
+    np.save(out_path, nf.X)   # a file in the page cache: cheaper than pickling through the pipe
+    return NodeFeatures(node, steps, present, None)
+
+
+def _load_cache(path: Path):
+    t = pq.read_table(path)
+    steps = t.column("step").to_numpy()
+    present = t.column("present").to_numpy(zero_copy_only=False)
+    x = np.column_stack([t.column(n).to_numpy(zero_copy_only=False) for n in sg.BASE_NAMES]).astype(np.float64)
+    return steps, x, present
+
+
+# Below this many nodes per worker, starting the workers (a second or two each) costs more than they save.
+MIN_NODES_PER_WORKER = 8
+
+
+def feature_workers(workers: int | None = None, nodes: int | None = None) -> int:
+    """The worker count: the argument, else FORESHOCK_FEATURE_WORKERS, else os.cpu_count() (fewer
+    for a small dataset of `nodes` nodes)."""
+    if workers is None:
+        workers = env_int("FORESHOCK_FEATURE_WORKERS", 0)
+        if workers <= 0:
+            workers = os.cpu_count() or 1
+            if nodes is not None:
+                workers = min(workers, max(1, nodes // MIN_NODES_PER_WORKER))
+    workers = max(1, int(workers))
+    return workers if nodes is None else min(workers, max(nodes, 1))
+
+
+class FeatureBuilder:
+    """Both passes over a dataset; iterate it for one NodeFeatures per node (in node order)."""
+
+    def __init__(self, root, *, nodes: list[str] | None = None, progress=None, cache_dir=None,
+                 workers: int | None = None):
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"dataset directory {self.root} does not exist")
         self.nodes = nodes if nodes is not None else list_dataset_nodes(self.root)
         self.inventory = Inventory.read(self.root)
         self.progress = progress
+        self.workers = feature_workers(workers, len(self.nodes))
         self._own_cache = cache_dir is None
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix="foreshock-features-"))
         self.cache.mkdir(parents=True, exist_ok=True)
         self._ranges: dict[str, tuple[int, int]] = {}
         self.totals: PeerTotals | None = None
+        self._run = ""
+        self._pool: ProcessPoolExecutor | None = None
 
     def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._own_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
+
+    def _map(self, fn, argses) -> Iterator:
+        """fn(*args) for each args, results in order; in `workers` processes, at most 2 per worker ahead."""
+        if self.workers <= 1:
+            for args in argses:
+                yield fn(*args)
+            return
+        if self._pool is None:
+            # spawn: a fresh interpreter, not a fork of a parent that holds threads and large arrays
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        pending: collections.deque = collections.deque()
+        it = iter(argses)
+        for args in it:
+            pending.append(self._pool.submit(fn, *args))
+            if len(pending) >= 2 * self.workers:
+                break
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(self._pool.submit(fn, *nxt))
+            yield result
 
     def __enter__(self):
         return self
@@ -168,15 +315,16 @@ class FeatureBuilder:
         return self.cache / f"base-{i:06d}.parquet"
 
     def pass1(self) -> None:
-        for i, node in enumerate(self.nodes):
-            base = sg.node_base_signals(read_node(self.root, node))
-            if len(base) == 0:
-                continue
-            steps, x, present = densify(base)
-            cols = {"step": steps, "present": present}
-            cols.update({name: x[:, j] for j, name in enumerate(sg.BASE_NAMES)})
-            pq.write_table(pa.table(cols), self._cache_path(i), compression="zstd")
-            self._ranges[node] = (int(steps[0]), int(steps[-1]))
+        dates = {table: _dates(self.root, table) for table in sg.TABLES}
+        # each node's peer inputs wait on disk (bounded memory) until every node's step range is known
+        got = {}
+        jobs = ((str(self.root), node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
+        for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs))):
+            if res is not None:
+                steps, present, own = res
+                self._ranges[node] = (int(steps[0]), int(steps[-1]))
+                np.savez(self.cache / f"own-{i:06d}.npz", steps=steps, present=present, own=own)
+                got[i] = node
             if self.progress:
                 self.progress("base signals", i + 1, len(self.nodes))
         if not self._ranges:
@@ -184,47 +332,46 @@ class FeatureBuilder:
         first = min(r[0] for r in self._ranges.values())
         last = max(r[1] for r in self._ranges.values())
         self.totals = PeerTotals(first, last)
-        for i, node in enumerate(self.nodes):
-            if node not in self._ranges:
-                continue
-            steps, x, present = self._load(i)
-            own = ft.peer_inputs(x)
+        # group codes are assigned here, serially in node order: the same codes whatever the workers
+        for i, node in got.items():
+            with np.load(self.cache / f"own-{i:06d}.npz") as f:
+                steps, present, own = f["steps"], f["present"], f["own"]
             labels = self.inventory.labels_at(node, (steps + 1) * STEP_NS)
+            codes = []
             for g in ft.PEER_GROUPS:
-                self.totals.add(g, self.totals.code_array(g, labels[g]), steps, present, own)
+                c = self.totals.code_array(g, labels[g])
+                self.totals.add(g, c, steps, present, own)
+                codes.append(c)
+            np.save(self.cache / f"codes-{i:06d}.npy", np.stack(codes).astype(np.int32))
+            os.unlink(self.cache / f"own-{i:06d}.npz")
+        self.totals.save(self.cache)
+        self._run = os.urandom(8).hex()   # names this pass's totals for the workers' cache
 
     def _load(self, i: int):
-        t = pq.read_table(self._cache_path(i))
-        steps = t.column("step").to_numpy()
-        present = t.column("present").to_numpy(zero_copy_only=False)
-        x = np.column_stack([t.column(n).to_numpy(zero_copy_only=False) for n in sg.BASE_NAMES]).astype(np.float64)
-        return steps, x, present
+        return _load_cache(self._cache_path(i))
 
     @property
     def step_range(self) -> tuple[int, int]:
         return self.totals.first, self.totals.first + self.totals.t - 1
 
     def node_features(self, i: int) -> NodeFeatures:
-        node = self.nodes[i]
-        steps, x, present = self._load(i)
-        own = ft.peer_inputs(x)
-        labels = self.inventory.labels_at(node, (steps + 1) * STEP_NS)
-        codes, totals = {}, {}
-        for g in ft.PEER_GROUPS:
-            codes[g] = self.totals.code_array(g, labels[g])
-            totals[g] = self.totals.lookup(g, codes[g], steps)
-        peers = ft.peer_signals(own, present, codes, totals)
-        full = np.concatenate([x, peers], axis=1)[None]
-        X, _ = ft.compute(full, steps, ft.FeatureState.empty(1))
-        return NodeFeatures(node, steps, present, X[0])
+        return _feature_pass(str(self.cache), self._run, i, self.nodes[i], self.totals.first, self.totals.t,
+                             None, self.totals)
 
     def __iter__(self) -> Iterator[NodeFeatures]:
         if self.totals is None:
             self.pass1()
-        for i, node in enumerate(self.nodes):
-            if node not in self._ranges:
-                continue
-            yield self.node_features(i)
+        todo = [(i, node) for i, node in enumerate(self.nodes) if node in self._ranges]
+        via_file = self.workers > 1
+        jobs = ((str(self.cache), self._run, i, node, self.totals.first, self.totals.t,
+                 str(self.cache / f"X-{i:06d}.npy") if via_file else None, None if via_file else self.totals)
+                for i, node in todo)
+        for (i, node), nf in zip(todo, self._map(_feature_pass, jobs)):
+            if via_file:
+                path = self.cache / f"X-{i:06d}.npy"
+                nf.X = np.load(path)
+                os.unlink(path)
+            yield nf
             if self.progress:
                 self.progress("features", i + 1, len(self.nodes))
 

@@ -132,3 +132,28 @@ def test_presorted_reduction_equals_the_sorted_one():
     np.testing.assert_array_equal(c.keys, d.keys)
     np.testing.assert_array_equal(c.values, d.values)
     assert np.isfinite(c.values).any()
+
+
+def test_feature_workers_give_the_serial_features_in_node_order(tmp_path):
+    from foreshock import dataset
+    from foreshock.predictor import offline
+
+    nodes = [f"node-{k}" for k in range(5)]
+    w = dataset.DatasetWriter(tmp_path / "data", fsync=False)
+    for i, n in enumerate(nodes):
+        for name, t in synthetic.node_tables(n, 40, seed=i, ecc_ramp_from=5 if i == 2 else None).items():
+            w.write_table(name, t)
+    w.write_table("inventory", synthetic.inventory(nodes, leaf_of=lambda i: f"leaf-{i // 2}"))
+    runs = {}
+    for workers in (1, 2):
+        with offline.FeatureBuilder(tmp_path / "data", workers=workers) as fb:
+            assert fb.workers == workers
+            runs[workers] = list(fb)
+    assert [nf.node for nf in runs[2]] == [nf.node for nf in runs[1]] == nodes
+    for a, b in zip(runs[1], runs[2]):
+        np.testing.assert_array_equal(a.steps, b.steps)
+        np.testing.assert_array_equal(a.present, b.present)
+        np.testing.assert_array_equal(a.X, b.X)
+    assert np.isfinite(runs[2][2].X[:, ft.FEATURE_NAMES.index("leaf_peers_link_err_frac_30m")]).any()
+    assert offline.feature_workers(3) == 3 and offline.feature_workers(3, nodes=2) == 2
+    assert offline.feature_workers(None, nodes=4) == 1   # too small a dataset to start workers
