@@ -75,6 +75,9 @@ class OnlineScorer:
                           else np.zeros(ft.N_FEATURES, dtype=np.float32))
         self._stage = sg.SampleStage(ft.STEP_SECONDS)
         self._pending: dict[str, list[sg.Samples]] = collections.defaultdict(list)
+        # beside each pending part, its own reduction to (node, step) signals, done at ingest so the
+        # scoring round only joins them (None: reduce at the round)
+        self._reduced: dict[str, list[sg.StepSignals | None]] = collections.defaultdict(list)
         self._pending_rows = 0
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
@@ -121,6 +124,7 @@ class OnlineScorer:
                 samples = samples.select(~late)
         if len(samples):
             self._pending[table].append(samples)
+            self._reduced[table].append(sg.reduce_steps(table, samples))
             self._pending_rows += len(samples)
             self._bound_pending()
         self.stats[f"rows_{table}"] += batch.num_rows
@@ -155,6 +159,7 @@ class OnlineScorer:
             if not self._pending[table]:
                 break
             dropped = self._pending[table].pop(0)
+            self._reduced[table].pop(0)
             self._pending_rows -= len(dropped)
             self.stats["dropped_pending_rows"] += len(dropped)
             log.warning("online scorer: pending rows over %d; dropped %d oldest %s rows",
@@ -200,25 +205,15 @@ class OnlineScorer:
         for table, parts in list(self._pending.items()):
             if not parts:
                 continue
-            data = sg.Samples.concat(parts)
-            done = data.step < close
-            old = data.step < self._next_step
-            n_old, n_done = int(old.sum()), int(done.sum())
-            if n_old:
-                self.stats["late_rows"] += n_old
-            # the usual round closes every pending row: no copies then
-            use = data if n_done == len(data) and not n_old else data.select(done & ~old)
-            rest = sg.Samples.empty() if n_done == len(data) else data.select(~done)
-            self._pending[table] = [rest] if len(rest) else []
-            self._pending_rows -= n_done
-            if len(use):
-                frames.append(sg.reduce_steps(table, use))
-                self._track_worst(table, use)
+            frames.extend(self._close_table(table, parts, self._reduced[table], close))
         base = sg.finish(frames)
         n, t = len(self._nodes), len(steps)
-        x = np.full((n, t, len(sg.BASE_NAMES)), np.nan)
-        if len(base):
-            x[base.node, base.step - int(steps[0])] = base.values
+        if t == 1 and len(base) == n and np.array_equal(base.node, np.arange(n)):
+            x = base.values[:, None, :]                            # every node, in node order
+        else:
+            x = np.full((n, t, len(sg.BASE_NAMES)), np.nan)
+            if len(base):
+                x[base.node, base.step - int(steps[0])] = base.values
         present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
         codes = self._group_code_arrays()
         peers = np.empty((n, t, len(ft.PEER_SIGNALS)))
@@ -235,7 +230,59 @@ class OnlineScorer:
         self._next_step = int(close)
         return t
 
-    def _track_worst(self, table: str, samples: sg.Samples) -> None:
+    def _close_table(self, table: str, parts: list[sg.Samples], reduced: list, close: int) -> list[sg.StepSignals]:
+        """The (node, step) signals of one table's rows of the closing steps; the rest stays pending.
+
+        A part wholly inside the closing steps contributes its reduction from ingest; if two parts
+        reduced the same (node, step) (an entity's rows split across batches), or a part straddles
+        the boundary, the closing rows are reduced together here, exactly as one batch would be.
+        """
+        lo = self._next_step
+        whole = [r is not None and len(p) > 0 and int(p.step.min()) >= lo and int(p.step.max()) < close
+                 for p, r in zip(parts, reduced)]
+        frames = [r for r, w in zip(reduced, whole) if w]
+        if all(whole) and (len(frames) == 1 or len(np.unique(np.concatenate([f.keys for f in frames])))
+                           == sum(len(f) for f in frames)):
+            self._pending[table], self._reduced[table] = [], []
+            self._pending_rows -= sum(len(p) for p in parts)
+            self._track_worst(table, parts)
+            return frames
+        data = sg.Samples.concat(parts)
+        done = data.step < close
+        old = data.step < lo
+        n_old, n_done = int(old.sum()), int(done.sum())
+        if n_old:
+            self.stats["late_rows"] += n_old
+        use = data if n_done == len(data) and not n_old else data.select(done & ~old)
+        rest = sg.Samples.empty() if n_done == len(data) else data.select(~done)
+        self._pending[table] = [rest] if len(rest) else []
+        self._reduced[table] = [None] if len(rest) else []
+        self._pending_rows -= n_done
+        if not len(use):
+            return []
+        self._track_worst(table, [use])
+        return [sg.reduce_steps(table, use)]
+
+    def _track_worst(self, table: str, parts: list[sg.Samples]) -> None:
+        # only rows with errors can make an entity the worst (the values are counts, never negative)
+        cols = {c for tbl, c, _k in ex.ENTITY_SIGNALS.values() if tbl == table}
+        pick = []
+        for p in parts:
+            if any(c in p.cols and (p.cols[c] < 0).any() for c in cols):
+                pick = [sg.Samples(q.node, q.step, q.key, {c: q.cols[c] for c in cols if c in q.cols})
+                        for q in parts]   # not counts after all: keep every row
+                break
+            keep = np.zeros(len(p), dtype=bool)
+            for c in cols:
+                if c in p.cols:
+                    keep |= p.cols[c] > 0
+            if keep.any():
+                pick.append(sg.Samples(p.node[keep], p.step[keep], p.key[keep],
+                                       {c: p.cols[c][keep] for c in cols if c in p.cols}))
+        if pick:
+            self._track_worst_rows(table, sg.Samples.concat(pick))
+
+    def _track_worst_rows(self, table: str, samples: sg.Samples) -> None:
         """Per node, the entity (GPU, port) with the most errors in the block, for "worst on GPU 3"."""
         done: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
         grouped = None

@@ -652,25 +652,39 @@ def finish(blocks: list[StepSignals]) -> StepSignals:
     blocks = [b for b in blocks if len(b)]
     if not blocks:
         return StepSignals(np.zeros(0, np.int64), BASE_NAMES, np.zeros((0, len(BASE_NAMES))))
-    keys = np.unique(np.concatenate([b.keys for b in blocks]))
-    cols: dict[str, np.ndarray] = {}
+    # every table reporting the same (node, step)s is the usual case: then no key join is needed
+    same = all(len(b) == len(blocks[0]) and np.array_equal(b.keys, blocks[0].keys) for b in blocks[1:])
+    keys = blocks[0].keys if same else np.unique(np.concatenate([b.keys for b in blocks]))
+    values = np.full((len(keys), len(BASE_NAMES)), np.nan)
+    helpers: dict[str, np.ndarray] = {}   # the reductions that only feed a derived signal
     for b in blocks:
-        pos = np.searchsorted(keys, b.keys)
+        pos = slice(None) if same else np.searchsorted(keys, b.keys)
         for j, name in enumerate(b.names):
-            col = cols.get(name)
-            if col is None:
-                col = cols[name] = np.full(len(keys), np.nan)
-            col[pos] = b.values[:, j]
+            k = BASE_INDEX.get(name)
+            if k is not None:
+                values[pos, k] = b.values[:, j]
+            else:
+                col = helpers.get(name)
+                if col is None:
+                    col = helpers[name] = np.full(len(keys), np.nan)
+                col[pos] = b.values[:, j]
     nan = np.full(len(keys), np.nan)
-    get = lambda name: cols.get(name, nan)  # noqa: E731
+
+    def get(name):
+        k = BASE_INDEX.get(name)
+        return values[:, k] if k is not None else helpers.get(name, nan)
+
     with np.errstate(invalid="ignore", divide="ignore"):
-        cols["temp_spread"] = get("temp_max") - get("_temp_min")
-        cols["thermal_throttle_frac"] = get("_throttled") / get("_gpu_samples")
-        cols["ib_port_down_frac"] = get("_ib_down") / get("_ib_samples")
-        cols["eth_down_frac"] = get("_eth_nocarrier") / get("_eth_samples")
+        derived = {
+            "temp_spread": get("temp_max") - get("_temp_min"),
+            "thermal_throttle_frac": get("_throttled") / get("_gpu_samples"),
+            "ib_port_down_frac": get("_ib_down") / get("_ib_samples"),
+            "eth_down_frac": get("_eth_nocarrier") / get("_eth_samples"),
+        }
         sent = get("tcp_out")
-        cols["tcp_retrans_ratio"] = np.where(sent > 0, get("tcp_retrans") / np.where(sent > 0, sent, 1.0), np.nan)
-    values = np.column_stack([get(n) for n in BASE_NAMES])
+        derived["tcp_retrans_ratio"] = np.where(sent > 0, get("tcp_retrans") / np.where(sent > 0, sent, 1.0), np.nan)
+    for name, v in derived.items():
+        values[:, BASE_INDEX[name]] = v
     return StepSignals(keys, BASE_NAMES, values)
 
 
