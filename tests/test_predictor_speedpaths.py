@@ -157,3 +157,56 @@ def test_feature_workers_give_the_serial_features_in_node_order(tmp_path):
     assert np.isfinite(runs[2][2].X[:, ft.FEATURE_NAMES.index("leaf_peers_link_err_frac_30m")]).any()
     assert offline.feature_workers(3) == 3 and offline.feature_workers(3, nodes=2) == 2
     assert offline.feature_workers(None, nodes=4) == 1   # too small a dataset to start workers
+
+
+def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from foreshock.predictor import online
+
+    step_ns = ft.STEP_SECONDS * 1_000_000_000
+    nodes = ["node-a", "node-b"]
+    tables = {n: synthetic.node_tables(n, 36, seed=i, interval_s=20, ecc_ramp_from=6 if i else None)
+              for i, n in enumerate(nodes)}
+    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    t0 = synthetic.T0_NS - synthetic.T0_NS % step_ns
+
+    def rows(name, lo, hi):
+        parts = []
+        for n in nodes:
+            ts = pc.cast(tables[n][name].column("ts"), pa.int64())
+            parts.append(tables[n][name].filter(pc.and_(pc.greater_equal(ts, lo), pc.less(ts, hi))))
+        return pa.concat_tables(parts)
+
+    def run(cuts):
+        """cuts(lo, hi) -> the [a, b) time slices of one step's rows, each ingested as one batch."""
+        scorer = online.OnlineScorer(model, explain_top=4)
+        scorer.set_inventory(synthetic.inventory(nodes))
+        feats = []
+        for k in range(12):
+            lo = t0 + k * step_ns
+            for a, b in cuts(lo, lo + step_ns):
+                for name in tables["node-a"]:
+                    scorer.ingest(name, rows(name, a, b))
+            batch = scorer.score(lo + step_ns + 6_000_000_000)
+            feats.append(np.stack([scorer.features_of(n) for n in nodes]))
+        return np.stack(feats), batch
+
+    whole, b1 = run(lambda lo, hi: [(lo, hi)])
+    # an entity's samples of one step in two batches: reduced again at the round
+    split, b2 = run(lambda lo, hi: [(lo, lo + 25_000_000_000), (lo + 25_000_000_000, hi)])
+    np.testing.assert_array_equal(split, whole)
+    # rows of the next step arrive before the round: the batch straddles the boundary
+    scorer = online.OnlineScorer(model, explain_top=4)
+    scorer.set_inventory(synthetic.inventory(nodes))
+    straddled = []
+    for k in range(12):
+        lo = t0 + k * step_ns
+        for name in tables["node-a"]:
+            scorer.ingest(name, rows(name, lo + (0 if k == 0 else 30_000_000_000), lo + step_ns + 30_000_000_000))
+        scorer.score(lo + step_ns + 6_000_000_000)
+        straddled.append(np.stack([scorer.features_of(n) for n in nodes]))
+    np.testing.assert_array_equal(np.stack(straddled), whole)
+    assert np.isfinite(whole[-1]).any()
+    assert [s.description for s in b2.signals[1]] == [s.description for s in b1.signals[1]]
