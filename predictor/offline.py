@@ -81,14 +81,20 @@ def read_node(root, node: str, dates: dict[str, list[str]] | None = None) -> dic
         files = []
         for date in (dates[table] if dates is not None else _dates(root, table)):
             pdir = ds.partition_dir(Path(root), table, date, node)
-            if pdir.is_dir():
-                files.extend(sorted(f for f in pdir.glob("*.parquet") if not f.name.startswith((".", "_"))))
+            try:
+                names = os.listdir(pdir)
+            except FileNotFoundError:
+                continue
+            files.extend(str(pdir / f) for f in sorted(names)
+                         if f.endswith(".parquet") and not f.startswith((".", "_")))
         if not files:
             continue
-        data = pads.dataset([str(f) for f in files], schema=sch.schema(table), format="parquet").to_table(
+        # in file order, unsorted: SampleStage sorts each entity's rows by time itself (stably, so
+        # duplicates resolve as after read_table's stable sort)
+        data = pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
             columns=sg._needed_columns(table))
         if data.num_rows:
-            out[table] = data.sort_by([("node", "ascending"), ("ts", "ascending")])
+            out[table] = data
     return out
 
 
