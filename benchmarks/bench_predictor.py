@@ -207,7 +207,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--train-data", default=None)
     ap.add_argument("--eval-data", default=None)
-    ap.add_argument("--threads", type=int, default=1, help="prediction threads in the scoring round")
+    ap.add_argument("--threads", type=int, default=registry.predict_threads(),
+                    help="prediction threads in the scoring round (default: LoadedModel's)")
     args = ap.parse_args(argv)
     try:
         model = registry.load_model(args.model)

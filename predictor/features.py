@@ -247,9 +247,18 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
         c = np.cumsum(np.concatenate([state.cum[None], xs]), axis=0)[1:]
         cv = np.cumsum(np.concatenate([state.cumv[None], vs.astype(np.float64)]), axis=0)[1:]
 
+    lags: dict[tuple[str, int], np.ndarray] = {}
+
+    def lag(which, w):
+        # each lag of the cumulative sums is built once and shared by every window that needs it
+        got = lags.get((which, w))
+        if got is None:
+            got = lags[(which, w)] = (_lagged(c, state.ring, state.head, w) if which == "c"
+                                      else _lagged(cv, state.ringv, state.head, w))
+        return got
+
     def window(w, cols):
-        return (c[:, :, cols] - _lagged(c, state.ring, state.head, w)[:, :, cols],
-                cv[:, :, cols] - _lagged(cv, state.ringv, state.head, w)[:, :, cols])
+        return (c[:, :, cols] - lag("c", w)[:, :, cols], cv[:, :, cols] - lag("v", w)[:, :, cols])
 
     # counts over 1, 5, 30 steps (NaN when nothing in the window was known)
     k = len(COUNT_IDX)
@@ -302,8 +311,8 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     # rise over 30 steps: mean of the last 5 minus the mean of the 5 ending 25 steps back
     cr = S_RISE
     ra, rn = window(5, cr)
-    old_a = _lagged(c, state.ring, state.head, 25)[:, :, cr] - _lagged(c, state.ring, state.head, 30)[:, :, cr]
-    old_n = _lagged(cv, state.ringv, state.head, 25)[:, :, cr] - _lagged(cv, state.ringv, state.head, 30)[:, :, cr]
+    old_a = lag("c", 25)[:, :, cr] - lag("c", 30)[:, :, cr]
+    old_n = lag("v", 25)[:, :, cr] - lag("v", 30)[:, :, cr]
     with np.errstate(invalid="ignore", divide="ignore"):
         out[:, :, col:col + len(RISE_IDX)] = np.where((rn > 0) & (old_n > 0), ra / rn - old_a / old_n, np.nan)
     col += len(RISE_IDX)

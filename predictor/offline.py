@@ -209,6 +209,7 @@ def _base_pass(root: str, node: str, cache_path: str, dates: dict[str, list[str]
 
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
+FEATURE_BLOCK_STEPS = 1024
 
 
 def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: int, out_path: str | None,
@@ -229,8 +230,16 @@ def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: in
         codes[g] = codes_all[j].astype(np.int64)
         looked[g] = totals.lookup(g, codes[g], steps)
     peers = ft.peer_signals(own, present, codes, looked)
-    X, _ = ft.compute(np.concatenate([x, peers], axis=1)[None], steps, ft.FeatureState.empty(1))
-    nf = NodeFeatures(node, steps, present, X[0])
+    full = np.concatenate([x, peers], axis=1)[None]
+    # in blocks of steps, carrying the state (the same values as one block: features.compute's
+    # contract): the temporaries stay small enough to be reused rather than mapped afresh each time
+    X = np.empty((len(steps), ft.N_FEATURES), dtype=np.float32)
+    state = ft.FeatureState.empty(1)
+    for a in range(0, len(steps), FEATURE_BLOCK_STEPS):
+        b = a + FEATURE_BLOCK_STEPS
+        block, state = ft.compute(full[:, a:b], steps[a:b], state)
+        X[a:b] = block[0]
+    nf = NodeFeatures(node, steps, present, X)
     if out_path is None:
         return nf
     np.save(out_path, nf.X)   # a file in the page cache: cheaper than pickling through the pipe

@@ -82,6 +82,16 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def predict_threads() -> int:
+    """Threads for a large prediction: FORESHOCK_PREDICT_THREADS, else up to 2 of the machine's CPUs
+    (the walk over 10,000 nodes splits in two; more threads would take cores the service needs)."""
+    try:
+        n = int(os.environ.get("FORESHOCK_PREDICT_THREADS", "0"))
+    except ValueError:
+        n = 0
+    return n if n > 0 else min(2, os.cpu_count() or 1)
+
+
 @dataclass
 class LoadedModel:
     """A verified model: `manifest` (dict), the estimator, and the baselines saved beside it."""
@@ -102,7 +112,7 @@ class LoadedModel:
     def version(self) -> str:
         return str(self.manifest["version"])
 
-    threads: int = 1        # threads for the fast path's tree walk (rows split between them)
+    threads: int = field(default_factory=lambda: predict_threads())  # the fast path's tree-walk threads
     fast: bool = True       # use the fast path when the estimator has the known structure
 
     def __post_init__(self):
