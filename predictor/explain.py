@@ -88,18 +88,30 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
 
 
 def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: np.ndarray,
-            top: int = 3, entities: list[dict[str, str]] | None = None) -> list[list[Signal]]:
-    """Top contributing signals for each row of X (rows already scored: `probability`)."""
+            top: int = 3, entities: list[dict[str, str]] | None = None,
+            used_features: np.ndarray | None = None) -> list[list[Signal]]:
+    """Top contributing signals for each row of X (rows already scored: `probability`).
+
+    used_features: the feature columns the model reads at all (registry.LoadedModel.used_features);
+    a signal none of whose features is among them contributes exactly 0 and is not re-scored.
+    """
     n = len(X)
     if n == 0:
         return []
     g = len(GROUP_NAMES)
-    occluded = np.repeat(X[:, None, :], g, axis=1)              # [n, g, F]
-    for k, name in enumerate(GROUP_NAMES):
-        cols = GROUPS[name]
-        occluded[:, k, cols] = reference[cols]
-    p_occ = estimator_proba(occluded.reshape(n * g, -1)).reshape(n, g)
-    contrib = probability[:, None] - p_occ
+    live = list(range(g))
+    if used_features is not None:
+        used = np.zeros(X.shape[1], dtype=bool)
+        used[np.asarray(used_features, dtype=np.intp)] = True
+        live = [k for k, name in enumerate(GROUP_NAMES) if used[GROUPS[name]].any()]
+    contrib = np.zeros((n, g))
+    if live:
+        occluded = np.repeat(X[:, None, :], len(live), axis=1)     # [n, live, F]
+        for j, k in enumerate(live):
+            cols = GROUPS[GROUP_NAMES[k]]
+            occluded[:, j, cols] = reference[cols]
+        p_occ = estimator_proba(occluded.reshape(n * len(live), -1)).reshape(n, len(live))
+        contrib[:, live] = probability[:, None] - p_occ
     out = []
     for i in range(n):
         order = np.argsort(-contrib[i], kind="stable")[:top]

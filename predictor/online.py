@@ -328,7 +328,8 @@ class OnlineScorer:
             if len(top):
                 ents = [self._entities(int(idx[i])) for i in top]
                 explained = ex.explain(self.model.probability, X[top], prob[top], self.reference,
-                                       top=self.signals_per_node, entities=ents)
+                                       top=self.signals_per_node, entities=ents,
+                                       used_features=getattr(self.model, "used_features", None))
                 for i, s in zip(top, explained):
                     signals[i] = s
         manifest = getattr(self.model, "manifest", {}) or {}

@@ -127,6 +127,14 @@ class LoadedModel:
             self._fast = FastPredictor.build(self.estimator, len(self.manifest["feature_names"])) if self.fast else None
         return self._fast
 
+    @property
+    def used_features(self) -> np.ndarray | None:
+        """The feature columns the model's trees split on (None: unknown, any may matter)."""
+        fast = self.fast_predictor
+        if fast is None:
+            return None
+        return np.unique(np.concatenate([m[0].columns for m in fast.members]))
+
     def predict_proba(self, X) -> np.ndarray:
         """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon)."""
         X = np.asarray(X, dtype=np.float32)

@@ -210,3 +210,19 @@ def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path)
     np.testing.assert_array_equal(np.stack(straddled), whole)
     assert np.isfinite(whole[-1]).any()
     assert [s.description for s in b2.signals[1]] == [s.description for s in b1.signals[1]]
+
+
+def test_explanations_skip_only_signals_the_model_never_reads(fitted):
+    from foreshock.predictor import explain
+
+    X, y, gbdt = fitted
+    model = _loaded(CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y))
+    used = model.used_features
+    assert used is not None and 0 < len(used) < ft.N_FEATURES
+    rows = X[:40]
+    p = model.probability(rows)
+    reference = np.nanmedian(X, axis=0).astype(np.float32)
+    every = explain.explain(model.probability, rows, p, reference, top=5)
+    fast = explain.explain(model.probability, rows, p, reference, top=5, used_features=used)
+    key = lambda out: [[(s.name, s.contribution, s.description) for s in sigs] for sigs in out]  # noqa: E731
+    assert key(every) == key(fast) and any(every)
