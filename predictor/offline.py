@@ -123,6 +123,15 @@ class Inventory:
         idx = np.clip(np.searchsorted(ts, at_ns, side="right") - 1, 0, None)
         return {g: labels[g][idx] for g in ft.PEER_GROUPS}
 
+    def rows_at(self, node: str, at_ns: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """labels_at as (the inventory row of each time [T], each group's label per row): a node
+        has a handful of rows, so per-row work replaces per-step work."""
+        got = self._rows.get(node)
+        if got is None:
+            return np.zeros(len(at_ns), dtype=np.intp), {g: np.array([None], dtype=object) for g in ft.PEER_GROUPS}
+        ts, labels = got
+        return np.clip(np.searchsorted(ts, at_ns, side="right") - 1, 0, None), labels
+
 
 class PeerTotals:
     """Per group kind and (group, step): nodes present, totals and nonzero counts of the peer inputs."""
@@ -141,12 +150,27 @@ class PeerTotals:
         uniq, inv = np.unique(np.array([lab if lab else "" for lab in labels], dtype=object), return_inverse=True)
         mapped = np.array([codes.setdefault(u, len(codes)) if u else -1 for u in uniq], dtype=np.int64)
         out[:] = mapped[inv] if len(uniq) else -1
-        grow = len(codes) - self.count[group].shape[0]
+        self._grow(group)
+        return out
+
+    def code_rows(self, group: str, row_labels: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """code_array(group, row_labels[idx]) (the same codes, assigned in the same order), from
+        the few distinct rows instead of every step's label."""
+        codes = self.codes[group]
+        used = np.unique(idx)
+        labs = [row_labels[r] if row_labels[r] else "" for r in used]
+        mapping = {u: (codes.setdefault(u, len(codes)) if u else -1) for u in sorted(set(labs))}
+        row_code = np.full(len(row_labels), -1, dtype=np.int64)
+        row_code[used] = [mapping[lab] for lab in labs]
+        self._grow(group)
+        return row_code[idx]
+
+    def _grow(self, group: str) -> None:
+        grow = len(self.codes[group]) - self.count[group].shape[0]
         if grow > 0:
             self.count[group] = np.concatenate([self.count[group], np.zeros((grow, self.t))])
             self.total[group] = np.concatenate([self.total[group], np.zeros((grow, self.t, 3))])
             self.nonzero[group] = np.concatenate([self.nonzero[group], np.zeros((grow, self.t, 3))])
-        return out
 
     def add(self, group: str, codes: np.ndarray, steps: np.ndarray, present: np.ndarray, own: np.ndarray):
         """One node's steps (each step once, so indexed += adds exactly what np.add.at would)."""
@@ -351,10 +375,10 @@ class FeatureBuilder:
         for i, node in got.items():
             with np.load(self.cache / f"own-{i:06d}.npz") as f:
                 steps, present, own = f["steps"], f["present"], f["own"]
-            labels = self.inventory.labels_at(node, (steps + 1) * STEP_NS)
+            idx, labels = self.inventory.rows_at(node, (steps + 1) * STEP_NS)
             codes = []
             for g in ft.PEER_GROUPS:
-                c = self.totals.code_array(g, labels[g])
+                c = self.totals.code_rows(g, labels[g], idx)
                 self.totals.add(g, c, steps, present, own)
                 codes.append(c)
             np.save(self.cache / f"codes-{i:06d}.npy", np.stack(codes).astype(np.int32))
