@@ -64,20 +64,86 @@ def serve(state: str, model: str, port_file: str) -> int:
     from foreshock.service.server import Settings, build_server
     plane = build_server(Settings.insecure_loopback(
         state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
+        scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
         policy={"cooldown_seconds": 0.0}))
     port = plane.start()
     Path(port_file).write_text(json.dumps({"port": port, "metrics": plane.metrics_port}))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    profile = os.environ.get("BENCH_SERVICE_PROFILE")
+    if profile:
+        threading.Thread(target=_sample_stacks, args=(stop, profile), daemon=True).start()
     while not stop.wait(0.5):
         pass
     plane.stop(grace=1.0)
     return 0
 
 
+def _sample_stacks(stop: threading.Event, out: str) -> None:
+    """A sampling profile of the service's threads (sys._current_frames every 10 ms): where the event
+    loop and the scoring thread spend their time. BENCH_SERVICE_PROFILE=FILE turns it on."""
+    import collections
+    import traceback
+    names = {}
+    own = collections.Counter()
+    total = collections.Counter()
+    while not stop.wait(0.01):
+        for t in threading.enumerate():
+            names[t.ident] = t.name
+        for ident, frame in sys._current_frames().items():
+            name = names.get(ident, "?")
+            if name.startswith("foreshock") or name == "MainThread":
+                stack = traceback.extract_stack(frame)
+                if not stack:
+                    continue
+                top = stack[-1]
+                own[(name, f"{top.filename.rsplit('/', 2)[-1]}:{top.lineno} {top.name}")] += 1
+                for fr in {f"{f.filename.rsplit('/', 2)[-1]}:{f.name}" for f in stack}:
+                    total[(name, fr)] += 1
+    with open(out, "w") as f:
+        f.write("# own samples (10 ms each)\n")
+        for (name, where), n in own.most_common(40):
+            f.write(f"{n:6d} {name:24s} {where}\n")
+        f.write("# inclusive samples\n")
+        for (name, where), n in total.most_common(60):
+            f.write(f"{n:6d} {name:24s} {where}\n")
+
+
 # -- the load generator process ----------------------------------------------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (SweepBatch is assembled from pre-serialized parts)."""
+    return bytes([tag]) + _varint(len(payload)) + payload
+
+
+def _table_rows(name: str, blob: bytes, omitted: bool) -> bytes:
+    from foreshock.collectors.uplink import split_stream
+    from foreshock.v1 import telemetry_pb2 as tpb
+    ipc = split_stream(blob)[1] if omitted else blob
+    return _field(0x22, tpb.TableRows(table=name, schema_version=1, arrow_ipc=ipc,
+                                      schema_omitted=omitted).SerializeToString())
+
+
+def _offsets(blob: bytes, marker: bytes) -> list[int]:
+    offs, k = [], blob.find(marker)
+    while k >= 0:
+        offs.append(k)
+        k = blob.find(marker, k + 1)
+    return offs
+
+
 def _templates(nodes: list[str], t0: int):
-    """Per node: [(table, encoded bytes, offsets of the timestamp)], encoded once."""
+    """Per node: (the SweepBatch's node and collector_id fields, then for the whole-schema and the
+    schema-omitted forms: the serialized TableRows fields and the offsets of the timestamp in them).
+    A sweep is then a copy, 8-byte timestamp patches and the sequence field: no Arrow, no protobuf."""
     from foreshock.collectors.simulated import SimpleNodeModel
     from foreshock.collectors.uplink import encode_table
     marker = struct.pack("<q", t0)
@@ -85,15 +151,14 @@ def _templates(nodes: list[str], t0: int):
     for i, node in enumerate(nodes):
         tables = SimpleNodeModel(node, gpus=8, hcas=8, seed=i).sample(t0)
         tables.pop("events", None)
-        rows = []
-        for name, t in tables.items():
-            blob = encode_table(name, t)
-            offs, k = [], blob.find(marker)
-            while k >= 0:
-                offs.append(k)
-                k = blob.find(marker, k + 1)
-            rows.append((name, blob, offs))
-        out[node] = rows
+        prefix = _field(0x0A, node.encode()) + _field(0x12, f"bench-{node}".encode())
+        forms = {}
+        for omitted in (False, True):
+            parts = {name: _table_rows(name, encode_table(name, t), omitted) for name, t in tables.items()}
+            gpu = parts.pop("gpu")
+            blob = b"".join(parts.values()) + gpu   # the gpu part last: a ramp node replaces it
+            forms[omitted] = (blob, _offsets(blob, marker), len(blob) - len(gpu))
+        out[node] = (prefix, forms)
     return out
 
 
@@ -110,7 +175,6 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
     from foreshock.collectors.simulated import SimpleNodeModel
     from foreshock.collectors.uplink import encode_table
     from foreshock.v1 import telemetry_pb2 as tpb
-    from foreshock.v1 import telemetry_pb2_grpc
 
     t0 = time.time_ns()
     templates = _templates(nodes, t0)
@@ -118,74 +182,80 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
     ramp_extra = {n: 0 for n in ramp}
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(8)]
-    stubs = [telemetry_pb2_grpc.TelemetryStub(ch) for ch in channels]
+    # Pre-serialized requests go as they are (no request serializer).
+    methods = [ch.stream_stream("/foreshock.v1.Telemetry/StreamSweeps", request_serializer=None,
+                                response_deserializer=tpb.SweepAck.FromString) for ch in channels]
     loop = asyncio.get_running_loop()
     start = loop.time() + 2.0
     stop_at = start + seconds
     sent_at: dict[str, float] = {}
-    counters = {"sent": 0, "acked": 0, "rejected": 0, "inflight_max": 0}
+    counters = {"sent": 0, "acked": 0, "rejected": 0, "inflight_max": 0, "bytes": 0}
     rtts: list[float] = []
     inflight_series: list[int] = []
 
-    async def one(i: int, node: str):
-        q: asyncio.Queue = asyncio.Queue()
-        pending: dict[int, float] = {}
+    def ramp_gpu(node: str, ts: int, omitted: bool) -> bytes:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        g = ramp_models[node].sample(ts)["gpu"]
+        ramp_extra[node] += 20_000
+        col = pc.add(g.column("pcie_replay_counter").fill_null(0),
+                     pa.array(np.full(g.num_rows, ramp_extra[node], np.uint64)))
+        g = g.set_column(g.schema.get_field_index("pcie_replay_counter"), g.schema.field("pcie_replay_counter"), col)
+        return _table_rows("gpu", encode_table("gpu", g), omitted)
 
-        async def requests():
-            while (item := await q.get()) is not None:
-                yield item
-        call = stubs[i % len(stubs)].StreamSweeps(requests(), timeout=seconds + 120)
+    async def one(i: int, node: str):
+        pending: dict[int, float] = {}
+        kept = {"schemas": False}
+        call = methods[i % len(methods)](timeout=seconds + 120)
 
         async def reader():
             try:
-                async for ack in call:
+                while (ack := await call.read()) is not grpc.aio.EOF:
                     t = pending.pop(ack.acked_sequence, None)
                     if t is not None:
                         rtts.append(time.perf_counter() - t)
+                    kept["schemas"] = ack.schemas_kept
                     counters["acked"] += 1
                     counters["rejected"] += len(ack.rejections)
             except grpc.aio.AioRpcError as exc:
                 result.setdefault("stream_errors", []).append(f"{node}: {exc.code().name}")
         rt = asyncio.create_task(reader())
         await asyncio.sleep(max(0.0, start - loop.time()) + (i % 1000) / 1000.0)
+        prefix, forms = templates[node]
         seq, next_t, fatal_at = 0, loop.time(), fatal.get(node)
         while loop.time() < stop_at:
             ts = time.time_ns()
+            omitted = kept["schemas"]
+            blob, offs, gpu_at = forms[omitted]
+            b = bytearray(blob)
             tsb = struct.pack("<q", ts)
-            rows = []
-            for name, blob, offs in templates[node]:
-                if node in ramp_models and name == "gpu":
-                    import pyarrow as pa
-                    import pyarrow.compute as pc
-                    g = ramp_models[node].sample(ts)["gpu"]
-                    ramp_extra[node] += 20_000
-                    col = pc.add(g.column("pcie_replay_counter").fill_null(0),
-                                 pa.array(np.full(g.num_rows, ramp_extra[node], np.uint64)))
-                    g = g.set_column(g.schema.get_field_index("pcie_replay_counter"),
-                                     g.schema.field("pcie_replay_counter"), col)
-                    rows.append(tpb.TableRows(table=name, schema_version=1, arrow_ipc=encode_table("gpu", g)))
-                    continue
-                b = bytearray(blob)
-                for o in offs:
-                    b[o:o + 8] = tsb
-                rows.append(tpb.TableRows(table=name, schema_version=1, arrow_ipc=bytes(b)))
+            for o in offs:
+                b[o:o + 8] = tsb
+            body = bytes(b) if node not in ramp_models else bytes(b[:gpu_at]) + ramp_gpu(node, ts, omitted)
             if fatal_at is not None and loop.time() >= start + fatal_at:
                 fatal_at = None
                 import datetime as dt
-                rows.append(tpb.TableRows(table="events", schema_version=1, arrow_ipc=_ipc("events", [{
+                body += _field(0x22, tpb.TableRows(table="events", schema_version=1, arrow_ipc=_ipc("events", [{
                     "ts": dt.datetime.now(dt.timezone.utc), "node": node, "kind": "xid", "source": "kmsg",
-                    "severity": "fatal", "xid": 79, "gpu": 3, "message": "NVRM: Xid 79, GPU has fallen off the bus."}])))
+                    "severity": "fatal", "xid": 79, "gpu": 3,
+                    "message": "NVRM: Xid 79, GPU has fallen off the bus."}])).SerializeToString())
                 sent_at[node] = time.time()
             seq += 1
             pending[seq] = time.perf_counter()
-            q.put_nowait(tpb.SweepBatch(node=node, collector_id=f"bench-{node}", sequence=seq, tables=rows))
+            msg = prefix + body + b"\x18" + _varint(seq)
+            counters["bytes"] += len(msg)
+            try:
+                await call.write(msg)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                result.setdefault("stream_errors", []).append(f"{node}: write {exc}")
+                break
             counters["sent"] += 1
             next_t += 1.0
             await asyncio.sleep(max(0.0, next_t - loop.time()))
-        q.put_nowait(None)
         try:
+            await call.done_writing()
             await asyncio.wait_for(rt, 30)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             call.cancel()
 
     async def watch():
@@ -218,6 +288,23 @@ def _proc(pid: int) -> tuple[float, int, int]:
     rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
     hwm = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024
     return cpu, rss, hwm
+
+
+def _proc_tree_cpu(pid: int) -> tuple[float, int]:
+    """CPU seconds and RSS of the service's child processes (the scoring worker)."""
+    cpu, rss = 0.0, 0
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return cpu, rss
+    for c in children:
+        try:
+            c_cpu, c_rss, _ = _proc(int(c))
+        except (OSError, StopIteration, ValueError):
+            continue
+        cpu += c_cpu
+        rss += c_rss
+    return cpu, rss
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
@@ -291,14 +378,21 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
                 blog = _metric(ports["metrics"], "foreshock_ingest_backlog_batches")
             except OSError:
                 acc = blog = float("nan")
-            samples.append((time.time(), acc, blog, *_proc(server.pid)))
+            gen_cpu = 0.0
+            for g in gens:
+                try:
+                    gen_cpu += _proc(g.pid)[0]
+                except (OSError, StopIteration):
+                    pass
+            samples.append((time.time(), acc, blog, *_proc(server.pid), gen_cpu, _proc_tree_cpu(server.pid)))
             time.sleep(1.0)
         first = next((t for t, a, *_ in samples if a == a and a > 0), samples[0][0])
         window = [x for x in samples if first + 15 <= x[0] <= first + seconds - 5]
         if len(window) < 2:
             window = samples[len(samples) // 3: -2] or samples
-        w0, acc0, _, cpu0, _, _ = window[0]
-        w1, acc1, _, cpu1, rss, hwm = window[-1]
+        w0, acc0, _, cpu0, _, _, gcpu0, tree0 = window[0]
+        w1, acc1, _, cpu1, rss, hwm, gcpu1, tree1 = window[-1]
+        load = os.getloadavg()
         backlog = [x[2] for x in window]
         accepted_series = [x[1] for x in window]
         rounds = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_count")
@@ -330,12 +424,15 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         "nodes": n_nodes, "window_s": w1 - w0,
         "accepted_series": accepted_series, "offered_per_s": n_nodes, "accepted_per_s": (acc1 - acc0) / (w1 - w0), "accepted_total": (acc0, acc1),
         "server_cpu_share_of_one_core": (cpu1 - cpu0) / (w1 - w0), "server_rss_mib": rss / 2**20,
+        "worker_cpu_share_of_one_core": (tree1[0] - tree0[0]) / (w1 - w0), "worker_rss_mib": tree1[1] / 2**20,
+        "gen_cpu_share_of_one_core": (gcpu1 - gcpu0) / (w1 - w0), "loadavg": load,
         "server_peak_rss_mib": hwm / 2**20, "backlog_first_last_max": (backlog[0], backlog[-1], max(backlog)) if backlog else None,
         "gen_sent": sum(g["sent"] for g in gen), "gen_acked": sum(g["acked"] for g in gen),
         "gen_rejected": sum(g["rejected"] for g in gen),
         "gen_inflight_tail": [g["inflight"][-3:] for g in gen],
         "ack_rtt_p50_ms": max(g["ack_rtt_p50_ms"] for g in gen), "ack_rtt_p99_ms": max(g["ack_rtt_p99_ms"] for g in gen),
         "stream_errors": sum(len(g.get("stream_errors", [])) for g in gen),
+        "stream_error_kinds": sorted({e.split(": ", 1)[1][:60] for g in gen for e in g.get("stream_errors", [])})[:5],
         "fatal_latency_ms": sorted(x * 1e3 for x in fatal_lat), "fatal_expected": len(fatal_nodes),
         "risk_from_close_ms": sorted(x * 1e3 for x in risk_close),
         "risk_from_step_end_ms": sorted(x * 1e3 for x in risk_end), "risk_expected": len(ramp_nodes),
@@ -346,34 +443,40 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
 def ingest_only(n: int = 1000) -> None:
     """The service's own per-batch cost, in-process, without gRPC: receipt, then the round's checks."""
     from foreshock.collectors.simulated import SimpleNodeModel
-    from foreshock.collectors.uplink import encode_table
+    from foreshock.collectors.uplink import encode_table, split_stream
     from foreshock.service.ingest import Ingest
     from foreshock.service.nodes import NodeBook
     from foreshock.v1 import telemetry_pb2 as tpb
     now = time.time_ns()
-    raw = []
+    raw = {False: [], True: []}
     for i in range(n):
         tables = SimpleNodeModel(f"n{i}", gpus=8, hcas=8, seed=i).sample(now)
         tables.pop("events", None)
-        raw.append(tpb.SweepBatch(node=f"n{i}", collector_id=f"c{i}", sequence=1, tables=[
-            tpb.TableRows(table=k, schema_version=1, arrow_ipc=encode_table(k, v)) for k, v in tables.items()
-        ]).SerializeToString())
+        blobs = {k: encode_table(k, v) for k, v in tables.items()}
+        for omitted in (False, True):
+            raw[omitted].append(tpb.SweepBatch(node=f"n{i}", collector_id=f"c{i}", sequence=1, tables=[
+                tpb.TableRows(table=k, schema_version=1, arrow_ipc=split_stream(v)[1] if omitted else v,
+                              schema_omitted=omitted) for k, v in blobs.items()]).SerializeToString())
+    sizes = {o: sum(map(len, raw[o])) / n / 1024 for o in raw}
     queue: list = []
     ing = Ingest(NodeBook(), lambda p: queue.append(p) or len(queue))
     sessions = [ing.open_session("bench", "") for _ in range(n)]
-    for seq in (1, 2, 3):   # the first sweep learns the schemas
+    figures = {}
+    for seq, omitted in ((1, False), (2, False), (3, True), (4, True)):   # the first sweep learns the schemas
         t0 = time.perf_counter()
-        for i, r in enumerate(raw):
+        for i, r in enumerate(raw[omitted]):
             b = tpb.SweepBatch.FromString(r)
             ack = ing.accept(sessions[i], b.node, b.collector_id, seq,
-                             [(t.table, t.schema_version, t.arrow_ipc) for t in b.tables])
+                             [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted) for t in b.tables])
             tpb.SweepAck(acked_sequence=ack.acked_sequence, credits=ack.credits).SerializeToString()
         t1 = time.perf_counter()
         ing.take_round(queue)
         queue.clear()
         t2 = time.perf_counter()
-    print(f"in-process ({n} nodes, 8 GPUs / 8 HCAs each): receipt {(t1 - t0) / n * 1e6:.0f} us a batch, "
-          f"round decode + value checks {(t2 - t1) / n * 1e6:.0f} us a batch")
+        figures[omitted] = ((t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6)
+    for omitted, what in ((False, "whole schema every sweep"), (True, "schema once a stream")):
+        print(f"in-process ({n} nodes, 8 GPUs / 8 HCAs each), {what} ({sizes[omitted]:.1f} KiB a sweep): receipt "
+              f"{figures[omitted][0]:.0f} us a batch, round decode + value checks {figures[omitted][1]:.0f} us a batch")
 
 
 def _pct(xs, q):
@@ -385,10 +488,14 @@ def report(r: dict) -> None:
           f"over {r['window_s']:.0f} s (counter {r['accepted_total']}); scoring backlog first/last/max "
           f"{r['backlog_first_last_max']}")
     print(f"  accepted counter each second: {[int(x) for x in r['accepted_series']]}")
-    print(f"  service CPU {100 * r['server_cpu_share_of_one_core']:.0f}% of one core; RSS {r['server_rss_mib']:.0f} MiB "
-          f"(peak {r['server_peak_rss_mib']:.0f} MiB); scoring round mean {r['scoring_round_mean_ms']:.2f} ms")
+    print(f"  service CPU {100 * r['server_cpu_share_of_one_core']:.0f}% of one core (main process) + "
+          f"{100 * r['worker_cpu_share_of_one_core']:.0f}% (scoring worker); RSS {r['server_rss_mib']:.0f} MiB "
+          f"(peak {r['server_peak_rss_mib']:.0f} MiB) + {r['worker_rss_mib']:.0f} MiB (worker); "
+          f"scoring round mean {r['scoring_round_mean_ms']:.2f} ms")
+    print(f"  load generator CPU {100 * r['gen_cpu_share_of_one_core']:.0f}% of one core (2 processes); "
+          f"load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}")
     print(f"  generator sent {r['gen_sent']}, acked {r['gen_acked']}, rejected {r['gen_rejected']}, "
-          f"stream errors {r['stream_errors']}; in flight at the end {r['gen_inflight_tail']}; "
+          f"stream errors {r['stream_errors']} {r['stream_error_kinds']}; in flight at the end {r['gen_inflight_tail']}; "
           f"ack round trip p50 {r['ack_rtt_p50_ms']:.1f} ms p99 {r['ack_rtt_p99_ms']:.1f} ms")
     f = r["fatal_latency_ms"]
     print(f"  fatal (Xid 79) sample -> directive at the job client: {len(f)}/{r['fatal_expected']} received, "

@@ -15,9 +15,14 @@ per-field unit/help metadata, documentation only, stays home: it would triple th
 - Flow control: at most `credits` batches beyond the last acknowledged one are in flight, as the
   service's SweepAck says; unacknowledged batches are re-sent after a reconnect (the service
   acknowledges a re-sent sequence without ingesting it twice).
-- Deadlines: connecting (`connect_timeout`), every stream (`stream_seconds`, then it is rotated), and
-  every ack (`ack_timeout`: no ack for that long and the stream is torn down and reopened).
+- Deadlines: connecting (`connect_timeout`), every stream (`stream_seconds`, then it is rotated),
+  every ack (`ack_timeout`: no ack for that long and the stream is torn down and reopened), and the
+  last ack on close (`final_ack_timeout`: the verdicts of the last batches' value checks, which the
+  server sends after the collector half-closes; verdicts a broken stream missed come on the next).
 - Reconnects with exponential backoff (`backoff_initial` doubling to `backoff_max`) and full jitter.
+- The schema once per stream: a server that keeps schemas (SweepAck.schemas_kept) gets each table's
+  schema message whole the first time on a stream (and whenever it changes), then only the record
+  batches (TableRows.schema_omitted): the schema is about 80 % of a sweep's bytes.
 - Plaintext only to a loopback address; otherwise `tls` (a CA file path, or (ca, cert, key) paths for
   mutual TLS, or grpc.ChannelCredentials) is required. `token` goes as `authorization: Bearer`.
 """
@@ -90,11 +95,25 @@ def encode_table(name: str, table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def split_stream(buf: bytes) -> tuple[bytes, bytes]:
+    """An encoded IPC stream as (its schema message, the messages after it without the end marker):
+    the parts a stream whose server keeps schemas sends once and every sweep."""
+    if len(buf) < 8 or buf[:4] != b"\xff\xff\xff\xff":
+        raise ValueError("not an Arrow IPC stream with continuation markers")
+    head = 8 + int.from_bytes(buf[4:8], "little", signed=True)
+    body = buf[head:-8] if buf.endswith(_EOS) else buf[head:]
+    return buf[:head], body
+
+
 class StreamingUplink:
     def __init__(self, target: str, *, node: str, tls=None, token: str | None = None, max_queue: int = 600,
                  collector_id: str | None = None, connect_timeout: float = 5.0, ack_timeout: float = 10.0,
                  stream_seconds: float = 600.0, backoff_initial: float = 0.5, backoff_max: float = 30.0,
-                 initial_credits: int = 4, max_batch_bytes: int = 8 << 20, server_name: str | None = None):
+                 initial_credits: int = 4, max_batch_bytes: int = 8 << 20, server_name: str | None = None,
+                 final_ack_timeout: float = 4.0):
         if not target or ":" not in target:
             raise UplinkError(f"uplink target {target!r} must be HOST:PORT")
         if not node:
@@ -114,6 +133,8 @@ class StreamingUplink:
         self.backoff_max = backoff_max
         self.initial_credits = max(1, int(initial_credits))
         self.max_batch_bytes = max_batch_bytes
+        self.final_ack_timeout = final_ack_timeout
+        self._close_deadline = float("inf")
         self._options = [("grpc.max_send_message_length", max_batch_bytes + (1 << 20)),
                          ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
         if server_name:
@@ -175,6 +196,7 @@ class StreamingUplink:
         """Stop taking sweeps, try for `timeout` seconds to deliver what is queued, then stop."""
         self._closed = True
         deadline = time.monotonic() + timeout
+        self._close_deadline = deadline
         while time.monotonic() < deadline and self._thread is not None and self._connected:
             with self._lock:
                 if not self._pending and self.acked_sequence >= self._sequence:
@@ -186,22 +208,49 @@ class StreamingUplink:
             self._thread.join(max(0.5, deadline - time.monotonic() + 2.0))
 
     # -- the network side ------------------------------------------------------------------------------
-    def _encode(self, seq: int, tables: dict[str, pa.Table]) -> telemetry_pb2.SweepBatch | None:
+    def _encode(self, seq: int, tables: dict[str, pa.Table],
+                heads: dict[str, bytes] | None = None) -> telemetry_pb2.SweepBatch | None:
+        """The sweep as a SweepBatch; with `heads` (this stream's schema messages the server keeps, by
+        table), a table whose schema message is already there goes without it."""
         rows = []
         size = 0
+        sent_heads: dict[str, bytes] = {}
         for name, t in tables.items():
             try:
                 buf = encode_table(name, t)
             except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
                 log.error("uplink: table %s of sweep %d does not encode: %s", name, seq, exc)
                 continue
+            omitted = False
+            if heads is not None:
+                head, body = split_stream(buf)
+                if heads.get(name) == head:
+                    buf, omitted = body, True
+                else:
+                    sent_heads[name] = head
             size += len(buf)
-            rows.append(telemetry_pb2.TableRows(table=name, schema_version=sch.SCHEMA_VERSION, arrow_ipc=buf))
+            rows.append(telemetry_pb2.TableRows(table=name, schema_version=sch.SCHEMA_VERSION, arrow_ipc=buf,
+                                                schema_omitted=omitted))
         if size > self.max_batch_bytes:
             self._counts["oversized"] += 1
             log.error("uplink: sweep %d is %d bytes, over %d; dropped", seq, size, self.max_batch_bytes)
             return None
+        if heads is not None:
+            heads.update(sent_heads)
         return telemetry_pb2.SweepBatch(node=self.node, collector_id=self.collector_id, sequence=seq, tables=rows)
+
+    def _take_ack(self, item, inflight, heads) -> None:
+        for r in item.rejections:
+            if r.reason == "unknown_schema" and heads is not None:
+                heads.pop(r.table, None)   # send that table's schema whole again
+            self.rejections[r.reason] += 1
+            self.last_rejection = f"sequence {r.sequence} table {r.table}: {r.reason}: {r.detail}"
+            log.warning("control plane refused %s", self.last_rejection)
+        done = [s for s in inflight if s <= item.acked_sequence]
+        for s in done:
+            del inflight[s]
+        self._counts["acked"] += len(done)
+        self.acked_sequence = max(self.acked_sequence, item.acked_sequence)
 
     def _run(self) -> None:
         backoff = self.backoff_initial
@@ -260,6 +309,7 @@ class StreamingUplink:
             self._session_q = acks
             self._connected = True
             credits = self.initial_credits
+            heads: dict[str, bytes] | None = None   # set once the server says it keeps schemas
             last_ack = time.monotonic()
             while not self._stop.is_set():
                 # Send what the credits allow.
@@ -268,7 +318,7 @@ class StreamingUplink:
                         if not self._pending:
                             break
                         seq, tables = self._pending.popleft()
-                    msg = self._encode(seq, tables)
+                    msg = self._encode(seq, tables, heads)
                     if msg is None:
                         continue
                     if not inflight:
@@ -302,15 +352,23 @@ class StreamingUplink:
                     return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 last_ack = time.monotonic()
                 credits = item.credits
-                for r in item.rejections:
-                    self.rejections[r.reason] += 1
-                    self.last_rejection = f"sequence {r.sequence} table {r.table}: {r.reason}: {r.detail}"
-                    log.warning("control plane refused %s", self.last_rejection)
-                done = [s for s in inflight if s <= item.acked_sequence]
-                for s in done:
-                    del inflight[s]
-                self._counts["acked"] += len(done)
-                self.acked_sequence = max(self.acked_sequence, item.acked_sequence)
+                if item.schemas_kept and heads is None:
+                    heads = {}
+                self._take_ack(item, inflight, heads)
+            # Closing: half-close, and hear the server out (it sends the verdicts of the last batches'
+            # value checks in a last ack, then ends the stream), within the final-ack time.
+            out.put(None)
+            deadline = min(time.monotonic() + self.final_ack_timeout, max(time.monotonic() + 0.2, self._close_deadline))
+            while time.monotonic() < deadline:
+                try:
+                    item = acks.get(timeout=max(0.01, min(0.25, deadline - time.monotonic())))
+                except queue.Empty:
+                    continue
+                if isinstance(item, tuple):
+                    if item[0] == "wake":
+                        continue
+                    break
+                self._take_ack(item, inflight, heads)
             return True
         finally:
             self._connected = False

@@ -33,6 +33,7 @@ DEFAULTS = {
     "max_concurrent": 1,
     "sustain_seconds": 0.0,
     "grace": 5.0,
+    "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
 }
 
 
@@ -57,6 +58,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-concurrent", type=int, help="default concurrent evacuations per job (1)")
     p.add_argument("--sustain-seconds", type=float, help="risk must stay above the threshold this long (0)")
     p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (5)")
+    p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
+                   help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
 
 
@@ -84,7 +87,7 @@ def settings_from(cfg: dict):
         model_path=model_path, scorer=scorer, insecure=cfg["insecure"], tls_cert=cfg["tls_cert"],
         tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
-        score_interval=cfg["score_interval"],
+        score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"]})
 

@@ -13,10 +13,12 @@ are still taken, and the stream goes on:
 
 Two stages, so that thousands of nodes a second cost little (docs/scaling.md):
 - On receipt (in the stream, answered in that batch's ack): the batch's node, collector id, sequence,
-  table names, versions and sizes, and the Arrow decoding. A collector sends the same schema every
-  sweep, so the schema is recognised by a digest of the IPC schema message and only the record batch
-  is decoded; a schema never seen before is compared field by field and, where it differs, conformed
-  (cast) with foreshock.schema.conform.
+  table names, versions and sizes, and the schema. Each stream keeps its tables' last whole schema
+  messages (acks say so: SweepAck.schemas_kept), so a collector sends a table's schema once a stream
+  and then only its record batches (TableRows.schema_omitted; one omitted before it was ever sent is
+  refused as unknown_schema); an old collector's repeated schema costs a memcmp with the stream's last
+  one. A schema never seen before is compared field by field (recognised by a digest afterwards) and,
+  where it differs, conformed (cast) with foreshock.schema.conform.
 - Once per scoring round, vectorised over every batch of a table received since the last round: the
   values (rows of the right node, timestamps, NaN and infinities, negative counters). A batch that
   fails is taken out of the round and its Rejection rides on the next ack of its stream. Nothing
@@ -52,6 +54,7 @@ FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 155})
 PRECURSOR_XIDS = frozenset({63, 92, 137})
 COUNTER_UNITS = frozenset({"errors", "count", "bytes", "rows", "replays", "KiB", "J", "probes"})
 MAX_TABLES_PER_BATCH = 32
+MAX_UNDELIVERED_COLLECTORS = 10_000   # collectors whose stream ended owing them rejections
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ class Session:
     batches: int = 0
     opened_ns: int = 0
     deferred: collections.deque = field(default_factory=lambda: collections.deque(maxlen=1000))
+    # table -> (its last whole schema message on this stream, whether it is schema v1 as is): later
+    # TableRows may omit it (TableRows.schema_omitted)
+    heads: dict = field(default_factory=dict)
+    closed: bool = False
+    queued: int = 0       # batches handed to scoring (the event loop counts) ...
+    checked: int = 0      # ... and those whose value checks have run (the scoring thread counts)
+
+    def unchecked(self) -> int:
+        return self.queued - self.checked
 
 
 @dataclass(frozen=True)
@@ -163,8 +175,10 @@ class Ingest:
         self.wake = wake or (lambda why: None)
         self._clock = clock
         self._lock = threading.Lock()
-        self._good_schemas: dict[bytes, str] = {}
+        self._good_schemas: dict[bytes, tuple[str, bytes]] = {}   # digest -> (table, schema message)
         self._last_sequence: dict[str, int] = {}
+        self._taken: dict[str, int] = {}                 # collector -> last batch checked, not yet saved
+        self._undelivered: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
         self._sessions: dict[int, Session] = {}
         self.accepted_batches = 0
         self.duplicate_batches = 0
@@ -185,9 +199,28 @@ class Ingest:
     def close_session(self, s: Session) -> None:
         with self._lock:
             self._sessions.pop(id(s), None)
-        if s.deferred:
-            log.warning("stream of %s closed with %d rejections undelivered, e.g. %s", s.node or s.peer,
-                        len(s.deferred), s.deferred[0].detail)
+            s.closed = True
+            if s.deferred and s.collector_id:
+                # Verdicts the stream ended before hearing: the collector's next stream gets them first.
+                q = self._undelivered.setdefault(s.collector_id, collections.deque(maxlen=1000))
+                q.extend(s.deferred)
+                s.deferred.clear()
+                self._undelivered.move_to_end(s.collector_id)
+                while len(self._undelivered) > MAX_UNDELIVERED_COLLECTORS:
+                    _, lost = self._undelivered.popitem(last=False)
+                    log.warning("%d rejections never delivered (collector gone), e.g. %s", len(lost), lost[0].detail)
+
+    def final_rejections(self, s: Session) -> list[Rejection]:
+        """What the stream still owes its collector (at its end, after the last value checks)."""
+        out = []
+        while s.deferred:
+            out.append(s.deferred.popleft())
+        return out
+
+    def taken_sequences(self) -> dict[str, int]:
+        """Each collector's last batch checked since the last call (for the store)."""
+        taken, self._taken = self._taken, {}
+        return taken
 
     def connected(self) -> int:
         with self._lock:
@@ -207,8 +240,9 @@ class Ingest:
         return max(1, int(lim.credit_window * free)), 0.0
 
     def accept(self, s: Session, node: str, collector_id: str, sequence: int,
-               tables: list[tuple[str, int, bytes]]) -> AckResult:
-        """Take one SweepBatch. Never raises on input: every problem becomes a Rejection."""
+               tables: list[tuple[str, int, bytes] | tuple[str, int, bytes, bool]]) -> AckResult:
+        """Take one SweepBatch: (table, schema_version, arrow_ipc[, schema_omitted]) per TableRows.
+        Never raises on input: every problem becomes a Rejection."""
         rejections: list[Rejection] = []
         while s.deferred:  # value-check verdicts on this stream's earlier batches
             rejections.append(s.deferred.popleft())
@@ -233,11 +267,17 @@ class Ingest:
             self._reject(rejections, sequence, "", "bad_batch",
                          f"batch {sequence}: collector_id changed from {s.collector_id!r} to {collector_id!r} mid-stream")
             return result
+        if not s.collector_id and self._undelivered:
+            with self._lock:
+                earlier = self._undelivered.pop(collector_id, None)
+            if earlier:
+                rejections[:0] = list(earlier)
         s.node, s.collector_id = node, collector_id
         s.batches += 1
         last = self._last_sequence.get(collector_id, 0)
         if sequence <= last:
             self.duplicate_batches += 1  # a re-send after a reconnect: acknowledged, not ingested twice
+            self._learn_heads(s, tables)  # but its schemas are this stream's, for the batches after it
             return result
         if sequence > last + 1 and last:
             self.gap_batches += sequence - last - 1
@@ -249,10 +289,10 @@ class Ingest:
         now = self._clock()
         self.nodes.seen(node, now)
         good: dict[str, pa.Table] = {}
-        for name, version, buf in tables:
+        for name, version, buf, *omitted in tables:
             self.bytes_received += len(buf)
             try:
-                t = self._decode(rejections, sequence, name, version, buf)
+                t = self._decode(s, rejections, sequence, name, version, buf, bool(omitted and omitted[0]))
             except Exception as exc:  # never let odd input take the stream down
                 log.exception("ingest: unexpected error on table %r of %s", name[:64], node)
                 self._reject(rejections, sequence, name[:64], "bad_ipc", f"table {name[:64]!r}: {exc}")
@@ -275,6 +315,7 @@ class Ingest:
                     good[name] = t
         if good:
             self.accepted_batches += 1
+            s.queued += 1
             self.backlog = self.sink(Pending(s, sequence, node, good, now))
             if "events" in good or "inventory" in good:
                 # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
@@ -282,7 +323,7 @@ class Ingest:
                 self.wake("events")
         return result
 
-    def _decode(self, rejections, sequence, name, version, buf) -> pa.Table | None:
+    def _decode(self, s: Session, rejections, sequence, name, version, buf, omitted=False) -> pa.Table | None:
         lim = self.limits
         check = _CHECKS.get(name)
         if check is None or name == "incidents":
@@ -297,33 +338,65 @@ class Ingest:
             self._reject(rejections, sequence, name, "oversized",
                          f"table {name!r}: {len(buf)} bytes, at most {lim.max_table_bytes}")
             return None
-        key = _schema_key(buf)
-        t = None
-        if key is not None and self._good_schemas.get(key[0]) == name and buf.endswith(_EOS) \
-                and len(buf) >= key[1] + 16 and buf[key[1]:key[1] + 4] == b"\xff\xff\xff\xff":
-            # Decoded in the round, together with every other batch of this table (one Arrow read).
-            return RawBatch(buf[:key[1]], buf[key[1]:-8])
-        if t is None:
-            try:
-                t = pa.ipc.open_stream(buf).read_all()
-            except Exception as exc:
-                self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
+        known = s.heads.get(name)
+        if omitted:
+            if known is None:
+                self._reject(rejections, sequence, name, "unknown_schema",
+                             f"table {name!r}: schema omitted, but this stream has not sent it whole; send it whole")
                 return None
-            if t.schema.equals(check.wire, check_metadata=False):
-                if key is not None and len(self._good_schemas) < 4096:
-                    self._good_schemas[key[0]] = name
-                t = t.cast(check.wire)
-            else:
-                try:
-                    t = sch.conform(name, t).cast(check.wire)
-                except sch.SchemaError as exc:
-                    self._reject(rejections, sequence, name, "bad_schema", str(exc))
-                    return None
+            body = buf[:-8] if buf.endswith(_EOS) else buf
+            if len(body) < 16 or body[:4] != b"\xff\xff\xff\xff":
+                self._reject(rejections, sequence, name, "bad_ipc",
+                             f"table {name!r}: not the record batch messages of an Arrow IPC stream")
+                return None
+            if known[1]:
+                return RawBatch(known[0], body)   # decoded in the round with the table's other batches
+            buf = known[0] + body + _EOS          # a schema that needs conforming: the general way
+        elif known is not None and known[1] and buf.startswith(known[0]) and buf.endswith(_EOS) \
+                and len(buf) >= len(known[0]) + 16 and buf[len(known[0]):len(known[0]) + 4] == b"\xff\xff\xff\xff":
+            return RawBatch(known[0], buf[len(known[0]):-8])   # the stream's schema again: one memcmp
+        else:
+            key = _schema_key(buf)
+            good = self._good_schemas.get(key[0]) if key is not None else None
+            if good is not None and good[0] == name and buf.endswith(_EOS) \
+                    and len(buf) >= key[1] + 16 and buf[key[1]:key[1] + 4] == b"\xff\xff\xff\xff":
+                s.heads[name] = (good[1], True)
+                return RawBatch(good[1], buf[key[1]:-8])
+        try:
+            t = pa.ipc.open_stream(buf).read_all()
+        except Exception as exc:
+            self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
+            return None
+        key = None if omitted else _schema_key(buf)
+        if t.schema.equals(check.wire, check_metadata=False):
+            if key is not None:
+                head = buf[:key[1]]
+                if len(self._good_schemas) < 4096:
+                    head = self._good_schemas.setdefault(key[0], (name, head))[1]   # one object per schema
+                s.heads[name] = (head, True)
+            t = t.cast(check.wire)
+        else:
+            try:
+                t = sch.conform(name, t).cast(check.wire)
+            except sch.SchemaError as exc:
+                self._reject(rejections, sequence, name, "bad_schema", str(exc))
+                return None
+            if key is not None:
+                s.heads[name] = (buf[:key[1]], False)
         if t.num_rows > lim.max_table_rows:
             self._reject(rejections, sequence, name, "oversized",
                          f"table {name!r}: {t.num_rows} rows, at most {lim.max_table_rows}")
             return None
         return t
+
+    def _learn_heads(self, s: Session, tables) -> None:
+        for name, _version, buf, *omitted in tables:
+            if omitted and omitted[0]:
+                continue
+            key = _schema_key(buf)
+            good = self._good_schemas.get(key[0]) if key is not None else None
+            if good is not None and good[0] == name:
+                s.heads[name] = (good[1], True)
 
     # -- the round's value checks --------------------------------------------------------------------
     def _decode_raw(self, name: str, raw: RawBatch) -> pa.Table | None:
@@ -332,8 +405,22 @@ class Ingest:
         except Exception:
             return None
 
+    def _checked(self, items: list[Pending]) -> None:
+        taken = self._taken
+        for item in items:
+            item.session.checked += 1
+            cid = item.session.collector_id
+            if cid and item.sequence > taken.get(cid, 0):
+                taken[cid] = item.sequence
+
     def take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
         """Decode and check the values of every pending batch at once, per table; return what passed."""
+        try:
+            return self._take_round(items)
+        finally:
+            self._checked(items)
+
+    def _take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
         now = self._clock()
         by_table: dict[str, list[tuple[Pending, object]]] = collections.defaultdict(list)
         for item in items:
@@ -365,10 +452,11 @@ class Ingest:
         if raws:
             joined = None
             try:
-                joined = pa.ipc.open_stream(b"".join([raws[0][1].head, *(r.body for _, r in raws), _EOS])).read_all()
-                batches = joined.to_batches()
+                batches = list(pa.ipc.open_stream(b"".join([raws[0][1].head, *(r.body for _, r in raws), _EOS])))
                 if len(batches) != len(raws):
                     joined = None   # some stream held several batches: take them one by one
+                else:
+                    joined = pa.Table.from_batches(batches)
             except Exception:
                 joined = None
             if joined is not None:
@@ -391,12 +479,24 @@ class Ingest:
         if not chunks:
             return None
         table = pa.concat_tables(chunks) if len(chunks) > 1 else chunks[0]
+        # One chunk per column: the checks here and the scorer's kernels then run once, not per batch.
+        table = table.combine_chunks()
         return self._check_table(name, owners, table, np.asarray(lengths, dtype=np.int64), now)
 
     def _defer(self, item: Pending, table: str, reason: str, detail: str) -> None:
+        rejection = Rejection(item.sequence, table, reason, detail)
+        s = item.session
         with self._lock:
             self.rejected[reason] += 1
-        item.session.deferred.append(Rejection(item.sequence, table, reason, detail))
+            if getattr(s, "closed", False) and s.collector_id:
+                # Its stream is gone: the verdict waits for the collector's next stream.
+                q = self._undelivered.setdefault(s.collector_id, collections.deque(maxlen=1000))
+                q.append(rejection)
+                self._undelivered.move_to_end(s.collector_id)
+                while len(self._undelivered) > MAX_UNDELIVERED_COLLECTORS:
+                    self._undelivered.popitem(last=False)
+                return
+        s.deferred.append(rejection)
 
     def _check_table(self, name: str, items: list[Pending], table: pa.Table, lengths: np.ndarray,
                      now: int) -> pa.Table | None:
@@ -474,6 +574,21 @@ class Ingest:
         keep = np.ones(len(items), dtype=bool)
         keep[list(bad)] = False
         return table.filter(pa.array(np.repeat(keep, lengths))) if keep.any() else None
+
+    def apply_verdicts(self, items: list[Pending], reply: dict) -> None:
+        """The scoring worker's answer on a drain (service/worker.py): each refused table's Rejection
+        onto its stream's next ack, the rows taken, the GPUs found lost. None: the worker failed on it."""
+        if reply is None:
+            for item in items:
+                item.session.checked += 1
+            return
+        self._checked(items)
+        for i, table, reason, detail in reply["verdicts"]:
+            self._defer(items[i], table, reason, detail)
+        with self._lock:
+            self.accepted_rows.update(reply["rows"])
+        for event in reply["lost"]:
+            self.nodes.record_fatal(event)
 
     def _side_effects(self, good: dict[str, pa.Table], now: int) -> None:
         inv = good.get("inventory")

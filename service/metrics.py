@@ -17,7 +17,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_ingest_received_bytes_total                Arrow IPC bytes received
   foreshock_ingest_backlog_batches                     batches waiting for the next scoring round
   foreshock_ingest_dropped_batches_total               batches dropped because the backlog was full
-  foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events
+  foreshock_scoring_worker_up, foreshock_scoring_worker_restarts_total, foreshock_scoring_worker_lost_batches_total
+                                                       the scoring worker process (service/worker.py)
+  foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events | flush (a stream ends)
   foreshock_scoring_duration_seconds                   histogram of a round (drain + score + policy)
   foreshock_model_info{version,horizon_seconds,path}   1
   foreshock_connected_collectors                       open telemetry streams
@@ -112,6 +114,17 @@ class ControlPlaneCollector:
                                 value=p.scoring.backlog())
         yield CounterMetricFamily("foreshock_ingest_dropped_batches", "Batches dropped: the scoring backlog was full.",
                                   value=p.scoring.dropped_batches)
+        worker = getattr(p.scoring, "worker", None)
+        if worker is not None:
+            yield GaugeMetricFamily("foreshock_scoring_worker_up",
+                                    "1 while the scoring worker process is running and answering.",
+                                    value=1.0 if worker.up else 0.0)
+            yield CounterMetricFamily("foreshock_scoring_worker_restarts",
+                                      "Scoring worker processes started again after dying or hanging.",
+                                      value=worker.restarts)
+            yield CounterMetricFamily("foreshock_scoring_worker_lost_batches",
+                                      "Batches lost with a scoring worker that died or hung.",
+                                      value=p.scoring.lost_batches)
         rounds = CounterMetricFamily("foreshock_scoring_rounds", "Scoring rounds run.", labels=["trigger"])
         for trigger, n in sorted(dict(p.scoring.rounds).items()):
             rounds.add_metric([trigger], n)

@@ -155,6 +155,13 @@ def threshold_from_manifest(manifest: dict, budget: float | None = None) -> floa
         return None
 
 
+def _forget(item) -> None:
+    """A batch dropped from a full backlog will never be checked: its stream stops waiting for it."""
+    session = getattr(item, "session", None)
+    if session is not None and hasattr(session, "checked"):
+        session.checked += 1
+
+
 class ScoringLoop:
     def __init__(self, scorer: Scorer, *, interval: float = 0.1, max_backlog: int = 50_000,
                  on_round: Callable[[ScoreResult, int, str, float], None] | None = None,
@@ -190,7 +197,7 @@ class ScoringLoop:
         with self._qlock:
             self._queue.append(item)
             while len(self._queue) > self.max_backlog:
-                self._queue.popleft()
+                _forget(self._queue.popleft())
                 self.dropped_batches += 1
             return len(self._queue)
 
@@ -266,7 +273,7 @@ class ScoringLoop:
         # or due at a step close drains at once.
         if why == "events":
             self._drain(urgent_only=True)   # the bulk waits for the next round: act on the event first
-        elif time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
+        elif why == "flush" or time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
             self._last_drain = time.monotonic()
             self._drain()
         now = self._clock()

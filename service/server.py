@@ -38,6 +38,7 @@ from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.scoring import (
     ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer
+from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ class Settings:
     scoring_clock: Any = None                # ns since the epoch for scoring rounds; None: time.time_ns.
     #                                          Tests replaying telemetry faster than real time set it.
     scorer_grace_seconds: float = 2.0        # how long the online scorer waits for a step's late rows
+    scoring_process: bool = False            # a model's bulk decode, value checks and scoring in a worker
+    #                                          process (service/worker.py; `foreshock serve` turns it on,
+    #                                          it costs a few seconds at start); False: all in this process
+    worker_timeout: float = 60.0             # a worker silent this long on one request is killed and restarted
 
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
@@ -120,10 +125,21 @@ class ControlPlane:
         self.decisions = DecisionLog(self.state_dir / "decisions", flush_seconds=s.decision_flush_seconds,
                                      model_version=self.scorer.model_version, fsync=s.fsync)
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
-        self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
-                                   on_round=self._after_round, clock=self.clock)
+        if s.scoring_process and isinstance(self.scorer, PredictorScorer):
+            worker = ScoringWorker(self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
+                                   timeout=s.worker_timeout)
+            self.scoring = RemoteScoringLoop(self.scorer, worker, interval=s.score_interval,
+                                             max_backlog=s.max_backlog, on_round=self._after_round, clock=self.clock)
+        else:
+            self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
+                                       on_round=self._after_round, clock=self.clock)
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake)
+        # Telemetry taken before a restart is not taken again when its collector re-sends it.
+        self.ingest._last_sequence.update(store_mod.load_sequences(self.store))
+        self._last_sequence_save = 0.0
         self.scoring.prepare = self.ingest.take_round
+        if isinstance(self.scoring, RemoteScoringLoop):
+            self.scoring.on_verdicts = self.ingest.apply_verdicts
         self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
         self.registry, self._round_hist = build_registry(self)
         self.jobs.on_change.append(self._log_change)
@@ -191,6 +207,15 @@ class ControlPlane:
         if result.fresh and len(result.nodes) and self.scoring._subs:
             self.scoring.publish([self.nodes.risk[n] for n in result.nodes if n in self.nodes.risk])
         self.decisions.maybe_flush()
+        if time.monotonic() - self._last_sequence_save >= 1.0:
+            self._save_sequences(now_ns)
+
+    def _save_sequences(self, now_ns: int) -> None:
+        self._last_sequence_save = time.monotonic()
+        try:
+            store_mod.save_sequences(self.store, self.ingest.taken_sequences(), now_ns)
+        except Exception:
+            log.exception("saving the telemetry sequences")
 
     def _log_change(self, event: str, d, detail: str) -> None:
         if event == "issued":
@@ -245,6 +270,10 @@ class ControlPlane:
             raise RuntimeError("control plane already started")
         ready = threading.Event()
         outcome: dict[str, Any] = {}
+        worker = getattr(self.scoring, "worker", None)
+        if worker is not None:
+            worker.start()
+            worker.wait_ready()
 
         def run():
             loop = asyncio.new_event_loop()
@@ -272,6 +301,8 @@ class ControlPlane:
         if "error" in outcome:
             self._thread.join(5)
             self._thread = None
+            if worker is not None:
+                worker.stop()
             raise outcome["error"]
         self.port = outcome["port"]
         self.scoring.start()
@@ -314,6 +345,7 @@ class ControlPlane:
         if self._thread is not None:
             self._thread.join(grace + 10)
         self.scoring.stop()
+        self._save_sequences(self.clock())
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

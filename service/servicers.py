@@ -25,6 +25,7 @@ from foreshock.v1 import telemetry_pb2_grpc
 log = logging.getLogger(__name__)
 
 WATCH_QUEUE = 256          # directives buffered per watcher before it is resynchronised from the store
+FINAL_ACK_SECONDS = 3.0    # at a stream's end, how long it waits for its last batches' value checks
 RISK_WATCH_QUEUE = 64      # scoring rounds buffered per risk watcher; older rounds are dropped
 
 
@@ -269,15 +270,31 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         principal = self.plane.authenticator.principal(context)
         ingest = self.plane.ingest
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
+        last = 0
         try:
             async for batch in request_iterator:
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
-                                       [(t.table, t.schema_version, t.arrow_ipc) for t in batch.tables])
+                                       [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
+                                        for t in batch.tables])
                 if result.delay_seconds:
                     await asyncio.sleep(result.delay_seconds)  # backpressure: hold the ack while overloaded
+                last = result.acked_sequence
                 yield telemetry_pb2.SweepAck(
-                    acked_sequence=result.acked_sequence, credits=result.credits,
+                    acked_sequence=result.acked_sequence, credits=result.credits, schemas_kept=True,
                     rejections=[telemetry_pb2.Rejection(sequence=r.sequence, table=r.table, reason=r.reason,
                                                         detail=r.detail) for r in result.rejections])
+            # The collector half-closed: its last batches' value checks may still be due. Wait for them
+            # (a bounded time; a round is woken for it) and send what they found in a last ack.
+            if session.unchecked() > 0:
+                self.plane.scoring.wake("flush")
+                deadline = time.monotonic() + FINAL_ACK_SECONDS
+                while session.unchecked() > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+            final = ingest.final_rejections(session)
+            if final:
+                yield telemetry_pb2.SweepAck(
+                    acked_sequence=last, credits=0, schemas_kept=True,
+                    rejections=[telemetry_pb2.Rejection(sequence=r.sequence, table=r.table, reason=r.reason,
+                                                        detail=r.detail) for r in final])
         finally:
             ingest.close_session(session)

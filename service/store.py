@@ -11,6 +11,9 @@ Tables (created on open, versioned by `PRAGMA user_version`):
 - directives(directive_id, job_id, kind, ranks, from_node, to_node, at_step, deadline_ns, reason, risk,
   signals, issued_at_ns, state, generation, updated_at_ns, origin)
 - acks(directive_id, rank, phase, reason, phase_seconds, at_ns): every acknowledgement, kept.
+- telemetry_sequences(collector_id, sequence, updated_at_ns): the last telemetry batch of each collector
+  that was taken (checked and scored), so a batch re-sent after a restart is not taken twice; written
+  once a second in one transaction, rows of collectors silent for a week pruned.
 
 The enums mirror proto/foreshock/v1/jobs.proto by number (a test checks), so the store never needs the
 generated stubs.
@@ -158,6 +161,8 @@ CREATE INDEX IF NOT EXISTS directives_job ON directives(job_id, state);
 CREATE TABLE IF NOT EXISTS acks(
   directive_id TEXT NOT NULL, rank INTEGER NOT NULL, phase INTEGER NOT NULL, reason TEXT NOT NULL,
   phase_seconds REAL NOT NULL, at_ns INTEGER NOT NULL, PRIMARY KEY(directive_id, rank, phase));
+CREATE TABLE IF NOT EXISTS telemetry_sequences(
+  collector_id TEXT PRIMARY KEY, sequence INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL);
 """
 
 
@@ -410,6 +415,23 @@ class StateStore:
             wanted = set(nodes)
             out = {n: t for n, t in out.items() if n in wanted}
         return out
+
+
+def save_sequences(store: StateStore, sequences: dict[str, int], now_ns: int,
+                   keep_ns: int = 7 * 86_400 * 1_000_000_000) -> None:
+    """Record each collector's last taken telemetry sequence (never lowers one)."""
+    if not sequences:
+        return
+    with store._tx() as db:
+        db.executemany("INSERT INTO telemetry_sequences VALUES(?,?,?) ON CONFLICT(collector_id) DO UPDATE SET "
+                       "sequence=max(sequence, excluded.sequence), updated_at_ns=excluded.updated_at_ns",
+                       [(c, int(q), now_ns) for c, q in sequences.items()])
+        db.execute("DELETE FROM telemetry_sequences WHERE updated_at_ns < ?", (now_ns - keep_ns,))
+
+
+def load_sequences(store: StateStore) -> dict[str, int]:
+    with store._lock:
+        return dict(store._db.execute("SELECT collector_id, sequence FROM telemetry_sequences").fetchall())
 
 
 def counts(store: StateStore) -> dict[tuple[int, int], int]:

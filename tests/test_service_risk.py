@@ -109,7 +109,7 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
     clock = Clock(start)
     plane = build_server(Settings.insecure_loopback(
         tmp_path / "state", model_path=str(model_dir), scoring_clock=clock, metrics_listen="127.0.0.1:0",
-        decision_flush_seconds=0.0))
+        decision_flush_seconds=0.0, scoring_process=True))   # the worker process, as `foreshock serve` runs
     assert plane.policy.settings.threshold == 0.5 and plane.scorer.model_version == "test-pcie-1"
     plane.start()
     prom = None

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TableRows(_message.Message):
-    __slots__ = ("table", "schema_version", "arrow_ipc")
+    __slots__ = ("table", "schema_version", "arrow_ipc", "schema_omitted")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_OMITTED_FIELD_NUMBER: _ClassVar[int]
     table: str
     schema_version: int
     arrow_ipc: bytes
-    def __init__(self, table: _Optional[str] = ..., schema_version: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ...) -> None: ...
+    schema_omitted: bool
+    def __init__(self, table: _Optional[str] = ..., schema_version: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ..., schema_omitted: _Optional[bool] = ...) -> None: ...
 
 class SweepBatch(_message.Message):
     __slots__ = ("node", "collector_id", "sequence", "tables")
@@ -41,11 +43,13 @@ class Rejection(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., table: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class SweepAck(_message.Message):
-    __slots__ = ("acked_sequence", "credits", "rejections")
+    __slots__ = ("acked_sequence", "credits", "rejections", "schemas_kept")
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMAS_KEPT_FIELD_NUMBER: _ClassVar[int]
     acked_sequence: int
     credits: int
     rejections: _containers.RepeatedCompositeFieldContainer[Rejection]
-    def __init__(self, acked_sequence: _Optional[int] = ..., credits: _Optional[int] = ..., rejections: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ...) -> None: ...
+    schemas_kept: bool
+    def __init__(self, acked_sequence: _Optional[int] = ..., credits: _Optional[int] = ..., rejections: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ..., schemas_kept: _Optional[bool] = ...) -> None: ...

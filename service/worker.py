@@ -1,0 +1,478 @@
+"""The scoring worker: a child process that decodes and value-checks the bulk telemetry and runs the
+predictor's online scorer, so the service uses a second core (the event loop and the scorer no longer
+share one GIL). docs/scaling.md has the measurements.
+
+Split of the work:
+- The service process (gRPC event loop): protobuf, the receipt checks, the ack (service/ingest.py).
+  Its scoring thread runs the policy, the store and the directive watchers, and handles batches with
+  events or topology itself, at once (the fatal path never waits on the worker or on bulk telemetry).
+- The worker (`python -m foreshock.service.worker`: a fresh interpreter, see ScoringWorker; a socket
+  pair is its pipe):
+  fed the raw record-batch bytes of every other batch, it runs the same value checks
+  (`Ingest.take_round`) and `OnlineScorer.ingest`, and scores when a feature step closes. It answers
+  each request with the verdicts (a Rejection per refused table, which rides on its stream's next ack),
+  the rows taken, the GPUs it saw lost, and the scores.
+
+The pipe between them carries one request at a time (bounded: the service's backlog is the only
+queue, and it has a bound), pickled: both ends are this code, the payload is bytes, ints and strings,
+and nothing crosses a trust boundary. A worker that dies or does not answer within `timeout` is
+reported (log, `foreshock_scoring_worker_restarts_total`, `foreshock_scoring_worker_up`), killed and
+started again; its scorer state starts over (the online features refill within their windows).
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import logging
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from foreshock.service.ingest import _CHECKS, _EOS, Ingest, IngestLimits, Pending, RawBatch
+from foreshock.service.nodes import NodeBook
+from foreshock.service.scoring import ScoreResult, ScoringLoop, _forget
+
+log = logging.getLogger(__name__)
+
+
+MAX_VALIDATED = 4096    # validated event/topology tables waiting for the worker's scorer
+
+
+class WorkerError(RuntimeError):
+    """The scoring worker died or did not answer in time; the message says which."""
+
+
+def _encode(name: str, table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, _CHECKS[name].wire) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _decode(buf) -> pa.Table:
+    return pa.ipc.open_stream(buf).read_all()
+
+
+def pack(items: list[Pending]) -> dict:
+    """A drain's batches as the worker's request: per table and schema, the schema message once and
+    every batch's record batches joined (one bytes object), with each part's owner and length."""
+    groups: dict[tuple[str, int], list] = {}
+    heads: dict[int, bytes] = {}
+    decoded: list[tuple[int, str, bytes]] = []
+    owners = []
+    for i, item in enumerate(items):
+        owners.append((item.sequence, item.node))
+        for name, t in item.tables.items():
+            if isinstance(t, RawBatch):
+                key = (name, id(t.head))
+                heads[id(t.head)] = t.head
+                groups.setdefault(key, []).append((i, t.body))
+            else:
+                decoded.append((i, name, _encode(name, t)))
+    raw = [(name, heads[h], b"".join(b for _, b in parts), [i for i, _ in parts], [len(b) for _, b in parts])
+           for (name, h), parts in groups.items()]
+    return {"owners": owners, "raw": raw, "decoded": decoded}
+
+
+class _Owner:
+    """Stands in for a batch's stream in the worker: collects the verdicts on it."""
+    __slots__ = ("deferred",)
+
+    def __init__(self):
+        self.deferred: list = []
+
+
+class _WorkerBook(NodeBook):
+    """The worker's node book only records what the service process must hear of."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost: list = []
+
+    def record_fatal(self, event) -> None:
+        self.lost.append(event)
+
+
+def _unpack(req: dict, now_ns: int) -> list[Pending]:
+    owners = [_Owner() for _ in req["owners"]]
+    items = [Pending(owners[i], seq, node, {}, now_ns) for i, (seq, node) in enumerate(req["owners"])]
+    for name, head, joined, idx, lengths in req["raw"]:
+        view = memoryview(joined)
+        at = 0
+        for i, n in zip(idx, lengths):
+            items[i].tables[name] = RawBatch(head, view[at:at + n])
+            at += n
+    for i, name, buf in req["decoded"]:
+        items[i].tables[name] = _decode(buf).cast(_CHECKS[name].wire)
+    return items
+
+
+def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> None:
+    """The worker process: load the model, then answer requests until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the service stops it, in order
+    logging.basicConfig(level=logging.WARNING, format="foreshock scoring worker: %(levelname)s %(message)s")
+    from foreshock.service.scoring import ModelError, PredictorScorer
+    try:
+        scorer = PredictorScorer(model_path, grace_seconds=grace_seconds)
+    except ModelError as exc:
+        conn.send_bytes(pickle.dumps(("error", str(exc))))
+        return
+    # The model and the imports are long-lived: out of the collector's sight. A drain allocates tens of
+    # thousands of objects, which would otherwise run full collections over the scorer's state.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    book = _WorkerBook()
+    # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
+    ingest = Ingest(book, lambda p: 0, limits=IngestLimits(**limits))
+    conn.send_bytes(pickle.dumps(("ready", scorer.model_version)))
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        kind, req = pickle.loads(msg)
+        if kind == "stop":
+            return
+        t0 = time.perf_counter()
+        now_ns = req["now_ns"]
+        items = _unpack(req, time.time_ns())
+        ingest.rejected.clear()
+        ingest.accepted_rows.clear()
+        book.lost.clear()
+        tables = ingest._take_round(items) if items else {}   # verdicts go back, not onto streams
+        for name, buf in req.get("validated", []):
+            t = _decode(buf)
+            if name in tables:
+                tables[name] = pa.concat_tables([tables[name], t.cast(tables[name].schema)])
+            else:
+                tables[name] = t
+        ingest_errors = 0
+        for name, data in tables.items():
+            try:
+                scorer.ingest(name, data)
+            except Exception:
+                ingest_errors += 1
+                log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
+        score = None
+        score_error = ""
+        if req.get("score"):
+            try:
+                r = scorer.score(now_ns)
+                score = (r.nodes, r.probability, r.signals, r.fresh)
+            except Exception as exc:
+                score_error = f"{type(exc).__name__}: {exc}"
+                log.exception("scoring round failed")
+        verdicts = [(i, r.table, r.reason, r.detail) for i, item in enumerate(items) for r in item.session.deferred]
+        conn.send_bytes(pickle.dumps(("done", {
+            "verdicts": verdicts, "rejected": dict(ingest.rejected), "rows": dict(ingest.accepted_rows),
+            "lost": list(book.lost), "score": score, "score_error": score_error, "ingest_errors": ingest_errors,
+            "seconds": time.perf_counter() - t0})))
+
+
+class ScoringWorker:
+    """The service side of the worker process: start, call with a deadline, restart, stop.
+
+    The worker is a fresh interpreter (`python -m foreshock.service.worker`), not a fork: the service
+    process runs gRPC, Arrow and OpenMP thread pools, and a fork of it hangs in the first Arrow or
+    scikit-learn call that needs one (measured: the first drain never came back). It loads the model
+    itself (a few seconds); start() waits for it."""
+
+    def __init__(self, model_path: str, *, grace_seconds: float = 2.0, limits: IngestLimits | None = None,
+                 timeout: float = 60.0, start_timeout: float = 120.0):
+        self.model_path = str(model_path)
+        self.grace_seconds = grace_seconds
+        self.limits = limits or IngestLimits()
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self._proc: subprocess.Popen | None = None
+        self._conn = None
+        self._ready = False
+        self.restarts = 0
+        self.last_error = ""
+
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def up(self) -> bool:
+        return self._ready and self._alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        parent, child = socket.socketpair()
+        limits = {k: getattr(self.limits, k) for k in IngestLimits.__dataclass_fields__}
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "foreshock.service.worker", str(child.fileno()), self.model_path,
+                 repr(float(self.grace_seconds)), json.dumps(limits)],
+                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self._conn = Connection(parent.detach())
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the worker has loaded its model (WorkerError if it cannot)."""
+        try:
+            self._wait_ready()
+        except WorkerError as exc:
+            self.last_error = str(exc)
+            self.kill()
+            raise
+
+    def _wait_ready(self) -> None:
+        if self._ready:
+            return
+        kind, detail = self._recv(self.start_timeout, "start")
+        if kind != "ready":
+            raise WorkerError(f"scoring worker could not start: {detail}")
+        self._ready = True
+
+    def _recv(self, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"scoring worker (pid {self.pid}) did not answer {what} within {timeout:.0f} s")
+            try:
+                if self._conn.poll(min(left, 0.5)):
+                    return pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                code = self._proc.wait(2) if self._proc else "?"
+                raise WorkerError(f"scoring worker (pid {self.pid}) died: exit code {code}") from None
+            if not self._alive():
+                raise WorkerError(f"scoring worker (pid {self.pid}) died: exit code {self._proc.returncode}")
+
+    def call(self, request: dict) -> dict:
+        """One request, answered within `timeout` seconds, or WorkerError (the worker is then stopped)."""
+        try:
+            self._wait_ready()
+            try:
+                self._conn.send_bytes(pickle.dumps(("drain", request), protocol=5))
+            except (OSError, ValueError) as exc:
+                raise WorkerError(f"scoring worker (pid {self.pid}) died: {exc}") from None
+            kind, reply = self._recv(self.timeout, "a drain")
+            return reply
+        except WorkerError as exc:
+            self.last_error = str(exc)
+            self.kill()
+            raise
+
+    def restart(self) -> None:
+        self.kill()
+        self.restarts += 1
+        self.start()
+
+    def kill(self) -> None:
+        self._ready = False
+        if self._alive():
+            self._proc.kill()
+        if self._proc is not None:
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                log.error("scoring worker (pid %s) does not exit", self.pid)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._proc is None:
+            return
+        try:
+            if self._conn is not None:
+                self._conn.send_bytes(pickle.dumps(("stop", None)))
+        except (OSError, ValueError):
+            pass
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+        self._proc = None
+
+
+@dataclass
+class _Request:
+    items: list
+    now_ns: int
+    score: bool
+    validated: list = field(default_factory=list)
+    submitted: float = 0.0
+
+
+class RemoteScoringLoop(ScoringLoop):
+    """ScoringLoop with the bulk decode, value checks and scoring in the worker process.
+
+    The scoring thread never waits on the worker: a feeder thread carries one request at a time and
+    hands the reply back. Batches with events or topology are queued apart and handled in this
+    process at once (`prepare` = the local Ingest.take_round), their validated tables forwarded to the
+    worker's scorer with the next request."""
+
+    def __init__(self, scorer, worker: ScoringWorker, *, on_verdicts=None, drain_interval: float = 0.25, **kw):
+        super().__init__(scorer, drain_interval=drain_interval, **kw)
+        self.worker = worker
+        self.on_verdicts = on_verdicts       # (items, reply) -> None: rejections back onto their streams
+        self._urgent_q: collections.deque = collections.deque()
+        self._validated: list[tuple[str, bytes]] = []
+        self._feed_q: list[_Request] = []
+        self._feed_cv = threading.Condition()
+        self._busy = False
+        self._replies: collections.deque = collections.deque()
+        self._feeder: threading.Thread | None = None
+        self._last_score_ns = 0
+        self._last = ScoreResult([], np.zeros(0), fresh=False)
+        self.worker_errors = 0
+        self.worker_seconds = 0.0
+        self.lost_batches = 0
+
+    # -- feeding -------------------------------------------------------------------------------------
+    def enqueue(self, item) -> int:
+        with self._qlock:
+            if self._urgent(item):
+                self._urgent_q.append(item)
+                while len(self._urgent_q) > self.max_backlog:
+                    _forget(self._urgent_q.popleft())
+                    self.dropped_batches += 1
+            else:
+                self._queue.append(item)
+                while len(self._queue) > self.max_backlog:
+                    _forget(self._queue.popleft())
+                    self.dropped_batches += 1
+            return len(self._queue) + len(self._urgent_q)
+
+    def backlog(self) -> int:
+        return len(self._queue) + len(self._urgent_q)
+
+    def _step_due(self) -> bool:
+        return self.scorer.next_due_ns(self._last_score_ns) <= self._clock()
+
+    # -- the feeder thread ---------------------------------------------------------------------------
+    def _feed(self) -> None:
+        while True:
+            with self._feed_cv:
+                while not self._feed_q and not self._stop.is_set():
+                    self._feed_cv.wait(0.5)
+                if self._stop.is_set():
+                    return
+                req = self._feed_q.pop(0)
+            t0 = time.perf_counter()
+            try:
+                reply = self.worker.call({"now_ns": req.now_ns, "score": req.score, "validated": req.validated,
+                                          **pack(req.items)})
+            except WorkerError as exc:
+                reply = None
+                if self._stop.is_set():
+                    log.info("scoring worker stopped with a drain of %d batches in flight", len(req.items))
+                else:
+                    self.worker_errors += 1
+                    self.lost_batches += len(req.items)
+                    log.error("%s; %d batches lost; restarting it (restart %d)", exc, len(req.items),
+                              self.worker.restarts + 1)
+                    try:
+                        self.worker.restart()
+                    except Exception:
+                        log.exception("scoring worker restart failed")
+            self.worker_seconds += time.perf_counter() - t0
+            self._replies.append((req, reply))
+            with self._feed_cv:
+                self._busy = False
+            self.wake("worker")
+
+    def _submit(self, req: _Request) -> None:
+        with self._feed_cv:
+            self._busy = True
+            self._feed_q.append(req)
+            self._feed_cv.notify()
+
+    # -- rounds --------------------------------------------------------------------------------------
+    def run_round(self, why: str = "interval") -> ScoreResult | None:
+        t0 = time.perf_counter()
+        now = self._clock()
+        with self._qlock:
+            urgent = list(self._urgent_q)
+            self._urgent_q.clear()
+        if urgent:
+            # Events and topology first, here: a fatal Xid does not wait for anyone's bulk telemetry.
+            tables = self.prepare(urgent) if self.prepare is not None else {}
+            self._validated += [(name, _encode(name, t)) for name, t in tables.items()]
+            del self._validated[:-MAX_VALIDATED]   # a worker that is behind gets the latest ones
+            why = "events"
+        step = self._step_due()
+        if not self._busy and (self._validated or step or (self._queue and (
+                why == "flush" or time.monotonic() - self._last_drain >= self.drain_interval))):
+            self._last_drain = time.monotonic()
+            with self._qlock:
+                items = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_drain))]
+            if step:
+                self._last_score_ns = now
+            self._submit(_Request(items, now, step, self._validated, time.perf_counter()))
+            self._validated = []
+        fresh = None
+        while self._replies:
+            req, reply = self._replies.popleft()
+            if reply is None:
+                if self.on_verdicts is not None:
+                    self.on_verdicts(req.items, None)
+                continue
+            if self.on_verdicts is not None:
+                try:
+                    self.on_verdicts(req.items, reply)
+                except Exception:
+                    log.exception("applying the worker's verdicts failed")
+            self.ingest_errors += reply["ingest_errors"]
+            if reply["score_error"]:
+                self.score_errors += 1
+            if reply["score"] is not None:
+                nodes, prob, signals, is_fresh = reply["score"]
+                self._last = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=False)
+                if is_fresh:
+                    fresh = (ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=True),
+                             req.now_ns)
+        elapsed = time.perf_counter() - t0
+        self.last_round_seconds = elapsed
+        self.last_round_ns = now
+        self.rounds[why if why in ("events", "flush") else "interval"] += 1
+        if self.on_round is not None:
+            try:
+                if fresh is not None:
+                    self.on_round(fresh[0], fresh[1], why, elapsed)
+                else:
+                    self.on_round(self._last, now, why, elapsed)
+            except Exception:
+                log.exception("after-round step failed")
+        return fresh[0] if fresh is not None else self._last
+
+    def start(self) -> None:
+        if not self.worker.up:
+            self.worker.start()
+            self.worker.wait_ready()   # a service that says it serves is scoring
+        self._feeder = threading.Thread(target=self._feed, name="foreshock-scoring-feeder", daemon=True)
+        self._feeder.start()
+        super().start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        super().stop(timeout)
+        with self._feed_cv:
+            self._feed_cv.notify_all()
+        if self._feeder is not None:
+            self._feeder.join(timeout)
+        self.worker.stop(timeout)
+
+
+if __name__ == "__main__":
+    worker_main(Connection(int(sys.argv[1])), sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4]))

@@ -1,0 +1,243 @@
+"""The telemetry path at scale, in a real server on port 0: schemas once a stream, value-check verdicts
+that reach a collector even when its stream ends first, de-duplication that survives a restart, and
+the scoring worker process (its verdicts, its scores, and its death: reported, restarted, service on)."""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from foreshock.collectors.simulated import SimpleNodeModel
+from foreshock.collectors.uplink import StreamingUplink, encode_table, split_stream
+from foreshock.service.scoring import NullScorer
+from foreshock.service.server import Settings, build_server
+from foreshock.v1 import telemetry_pb2 as tpb
+from foreshock.v1 import telemetry_pb2_grpc
+
+T = 10
+
+
+def _wait(pred, timeout=15.0, step=0.02):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+class RawStream:
+    """A collector's stream at the wire: SweepBatch in, SweepAck out."""
+
+    def __init__(self, address):
+        self.channel = grpc.insecure_channel(address)
+        self.q: queue.Queue = queue.Queue()
+        self.acks: queue.Queue = queue.Queue()
+
+        def requests():
+            while (item := self.q.get()) is not None:
+                yield item
+        self.call = telemetry_pb2_grpc.TelemetryStub(self.channel).StreamSweeps(requests(), timeout=60)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for ack in self.call:
+                self.acks.put(ack)
+        except grpc.RpcError:
+            pass
+        self.acks.put(None)
+
+    def send(self, node, seq, tables, collector="c-1"):
+        self.q.put(tpb.SweepBatch(node=node, collector_id=collector, sequence=seq, tables=tables))
+        return self.acks.get(timeout=T)
+
+    def close(self):
+        """Half-close; every ack the server still sends, until it ends the stream."""
+        self.q.put(None)
+        out = []
+        while (ack := self.acks.get(timeout=T)) is not None:
+            out.append(ack)
+        self.channel.close()
+        return out
+
+
+def _rows(node, ts, tables=("gpu", "rdma_port")):
+    return {k: v for k, v in SimpleNodeModel(node, gpus=2, hcas=2, seed=1).sample(ts).items() if k in tables}
+
+
+def _nan_gpu(node, ts):
+    gpu = _rows(node, ts, ("gpu",))["gpu"]
+    i = gpu.schema.get_field_index("temperature_c")
+    return gpu.set_column(i, gpu.schema.field(i), pa.array([math.nan] * gpu.num_rows, gpu.schema.field(i).type))
+
+
+@pytest.fixture
+def plane(tmp_path):
+    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer()))
+    p.start()
+    yield p
+    p.stop(0)
+
+
+def test_the_schema_goes_once_a_stream_and_an_unsent_one_is_refused(plane):
+    up = StreamingUplink(plane.address, node="n1", backoff_initial=0.1).start()
+    sizes = []
+    try:
+        for k in range(6):
+            before = plane.ingest.bytes_received
+            up.submit(_rows("n1", time.time_ns()))
+            assert _wait(lambda: up.stats()["acked"] == k + 1)
+            sizes.append(plane.ingest.bytes_received - before)
+    finally:
+        up.close(2)
+    assert not up.stats()["rejected"] and plane.ingest.accepted_batches == 6
+    # The first batches (before the server's first ack said it keeps schemas) carry them whole.
+    assert sizes[-1] < 0.6 * sizes[0], sizes
+    assert plane.ingest.accepted_rows["rdma_port"] == 6 * 2
+
+    s = RawStream(plane.address)
+    body = split_stream(encode_table("gpu", _rows("n2", time.time_ns(), ("gpu",))["gpu"]))[1]
+    ack = s.send("n2", 1, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=body, schema_omitted=True)])
+    assert ack.schemas_kept and [r.reason for r in ack.rejections] == ["unknown_schema"]
+    whole = encode_table("gpu", _rows("n2", time.time_ns(), ("gpu",))["gpu"])
+    ack = s.send("n2", 2, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=whole)])
+    assert not ack.rejections
+    body = split_stream(encode_table("gpu", _rows("n2", time.time_ns(), ("gpu",))["gpu"]))[1]
+    ack = s.send("n2", 3, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=body, schema_omitted=True)])
+    assert not ack.rejections
+    ack = s.send("n2", 4, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=b"\xff\xff\xff\xffjunk" * 4,
+                                         schema_omitted=True)])
+    s.close()
+    assert _wait(lambda: plane.ingest.accepted_rows["gpu"] >= 2 * 6 + 2 * 2)
+    assert plane.ingest.rejected["unknown_schema"] == 1
+
+
+def test_a_value_check_verdict_reaches_a_collector_whose_stream_ends_first(plane):
+    s = RawStream(plane.address)
+    ack = s.send("n3", 1, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=encode_table("gpu", _nan_gpu("n3", time.time_ns())))])
+    assert not ack.rejections                     # the value checks run with the next drain
+    late = s.close()                              # ... after the collector half-closed
+    assert [(r.sequence, r.reason) for a in late for r in a.rejections] == [(1, "nan_value")]
+
+    # The uplink hears the server out when it closes.
+    up = StreamingUplink(plane.address, node="n4", backoff_initial=0.1).start()
+    up.submit({"gpu": _nan_gpu("n4", time.time_ns())})
+    assert _wait(lambda: up.stats()["acked"] == 1)
+    up.close(3)
+    assert up.rejections["nan_value"] == 1, up.stats()
+
+    # A stream that breaks before the checks ran: the verdict rides on the collector's next stream.
+    s = RawStream(plane.address)
+    s.send("n3", 2, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=encode_table("gpu", _nan_gpu("n3", time.time_ns())))])
+    s.call.cancel()
+    assert _wait(lambda: plane.ingest.rejected["nan_value"] == 3)
+    s = RawStream(plane.address)
+    ack = s.send("n3", 3, [])
+    assert [(r.sequence, r.reason) for r in ack.rejections] == [(2, "nan_value")]
+    s.close()
+
+
+def test_a_batch_taken_before_a_restart_is_not_taken_again(tmp_path):
+    settings = Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer())
+    p = build_server(settings)
+    p.start()
+    try:
+        s = RawStream(p.address)
+        for seq in (1, 2, 3):
+            s.send("n5", seq, [tpb.TableRows(table="gpu", schema_version=1,
+                                             arrow_ipc=encode_table("gpu", _rows("n5", time.time_ns(), ("gpu",))["gpu"]))])
+        assert _wait(lambda: p.ingest.accepted_rows["gpu"] == 6)
+        s.close()
+    finally:
+        p.stop(0)
+    p = build_server(settings)
+    p.start()
+    try:
+        s = RawStream(p.address)
+        gpu = lambda: [tpb.TableRows(table="gpu", schema_version=1,  # noqa: E731
+                                     arrow_ipc=encode_table("gpu", _rows("n5", time.time_ns(), ("gpu",))["gpu"]))]
+        assert s.send("n5", 3, gpu()).acked_sequence == 3      # re-sent after the restart: acknowledged ...
+        assert p.ingest.duplicate_batches == 1                 # ... and not taken again
+        s.send("n5", 4, gpu())
+        assert _wait(lambda: p.ingest.accepted_rows["gpu"] == 2)
+        s.close()
+    finally:
+        p.stop(0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import model as pm
+    from foreshock.predictor import registry
+    rng = np.random.default_rng(0)
+    X = np.abs(rng.normal(0, 0.01, (600, ft.N_FEATURES))).astype(np.float32)
+    pos = rng.random(600) < 0.3
+    col = ft.FEATURE_NAMES.index("pcie_replay_1m")
+    X[pos, col] = rng.uniform(500, 1e6, pos.sum())
+    est = pm.make_model(max_iter=10).fit(X, pos.astype(int))
+    out = tmp_path_factory.mktemp("model")
+    registry.save_model(out, est, {"version": "test-worker-1", "horizon_seconds": 1800,
+                                   "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.5})
+    return out
+
+
+def _metric(port, name):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+def test_the_scoring_worker_checks_scores_and_is_restarted_when_it_dies(model_dir, tmp_path):
+    p = build_server(Settings.insecure_loopback(tmp_path / "state", model_path=str(model_dir),
+                                                metrics_listen="127.0.0.1:0", scorer_grace_seconds=0.1,
+                                                scoring_process=True))
+    p.start()
+    try:
+        worker = p.scoring.worker
+        assert worker.up and worker.pid != os.getpid()
+        s = RawStream(p.address)
+        seq = 0
+
+        def sweep(table):
+            nonlocal seq
+            seq += 1
+            return s.send("n6", seq, [tpb.TableRows(table="gpu", schema_version=1, arrow_ipc=encode_table("gpu", table))])
+
+        sweep(_rows("n6", time.time_ns(), ("gpu",))["gpu"])
+        assert _wait(lambda: p.ingest.accepted_rows["gpu"] == 2)          # checked in the worker
+        # (scored there too: test_service_risk.py runs its risk crossing through this worker)
+        sweep(_nan_gpu("n6", time.time_ns()))
+        got = []
+
+        def verdict():
+            got.extend(sweep(_rows("n6", time.time_ns(), ("gpu",))["gpu"]).rejections)
+            return got
+        assert _wait(verdict, step=0.2)
+        assert [r.reason for r in got] == ["nan_value"] and p.ingest.rejected["nan_value"] == 1
+
+        dead = worker.pid
+        os.kill(dead, signal.SIGKILL)
+        sweep(_rows("n6", time.time_ns(), ("gpu",))["gpu"])              # a drain finds it dead
+        assert _wait(lambda: _metric(p.metrics_port, "foreshock_scoring_worker_restarts_total") == 1.0, 30)
+        assert _wait(lambda: worker.pid not in (None, dead)) and "died" in worker.last_error, worker.last_error
+        ack = sweep(_rows("n6", time.time_ns(), ("gpu",))["gpu"])        # and the service goes on
+        assert ack.acked_sequence == seq
+        s.close()
+    finally:
+        p.stop(0)
+    assert p.scoring.worker._proc is None
