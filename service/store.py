@@ -184,6 +184,10 @@ class StateStore:
                                      f"this build reads version {SCHEMA_VERSION}")
         self._db.executescript(_DDL)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        # The policy reads every job and active directive each scoring round (ten a second) while writes
+        # are a few an hour: those two reads are cached until the next transaction (rows are frozen).
+        self._writes = 0
+        self._cache: dict[str, tuple[int, list]] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -203,6 +207,7 @@ class StateStore:
                 try:
                     store._db.execute("ROLLBACK" if exc_type else "COMMIT")
                 finally:
+                    store._writes += 1   # the read caches below are stale now
                     store._lock.release()
                 return False
 
@@ -257,10 +262,20 @@ class StateStore:
         with self._lock:
             return self._job(self._db, job_id)
 
-    def jobs(self) -> list[Job]:
+    def _cached(self, key: str, read):
         with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == self._writes:
+                return list(hit[1])
+            rows = read()
+            self._cache[key] = (self._writes, rows)
+            return list(rows)
+
+    def jobs(self) -> list[Job]:
+        def read():
             ids = [r[0] for r in self._db.execute("SELECT job_id FROM jobs ORDER BY job_id")]
             return [self._job(self._db, i) for i in ids]
+        return self._cached("jobs", read)
 
     def report_step(self, job_id: str, step: int, step_seconds: float) -> Job:
         now = self._clock()
@@ -325,6 +340,8 @@ class StateStore:
             args.append(job_id)
         if active_only:
             where.append("state IN (1,2,3)")
+        if job_id is None and active_only:
+            return self._cached("active", lambda: self._directives(self._db, where[0], ()))
         with self._lock:
             return self._directives(self._db, " AND ".join(where) or "1=1", tuple(args))
 
