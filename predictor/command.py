@@ -18,8 +18,8 @@ from pathlib import Path
 from foreshock import config
 
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
-                  "neg_rate": 0.01, "hard_neg_rate": 0.08, "max_iter": 150, "seed": 0,
-                  "prior_scale": 1.0}
+                  "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
+                  "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0}
 
 
@@ -34,6 +34,10 @@ def register(subparsers) -> None:
     p.add_argument("--neg-rate", type=float, dest="neg_rate")
     p.add_argument("--hard-neg-rate", type=float, dest="hard_neg_rate")
     p.add_argument("--max-iter", type=int, dest="max_iter")
+    p.add_argument("--label-gap-hours", type=float, dest="label_gap_hours",
+                   help="leave out of training the healthy-labelled steps this long before an incident (default 12)")
+    p.add_argument("--max-negatives", type=int, dest="max_negatives",
+                   help="at most this many sampled negative training rows (default 250000)")
     p.add_argument("--seed", type=int)
     p.add_argument("--prior-scale", type=float, dest="prior_scale",
                    help="the training data's incident rate over the deployment's (simulate --rate-scale): "
@@ -96,7 +100,8 @@ def run_train(args, file_data) -> int:
             manifest = train.train(cfg["data"], cfg["out"], horizon_s=int(cfg["horizon_minutes"] * 60),
                                    budget=cfg["budget"], val_fraction=cfg["val_fraction"], neg_rate=cfg["neg_rate"],
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
-                                   prior_scale=cfg["prior_scale"], progress=progress, command=command)
+                                   prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
+                                   max_negatives=cfg["max_negatives"], progress=progress, command=command)
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1

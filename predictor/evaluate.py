@@ -8,8 +8,12 @@ by the model and both baselines) and the incidents table (labels.py). Definition
   stays out while the alert lasts (hysteresis and cool-down, as the service's policy does).
 * An incident is *detected* when one of its nodes alerted in the horizon before it ([ts - horizon, ts));
   its *lead* is from the start of that alert's episode to the incident.
-* An episode is a *false evacuation* when no incident of that node follows within the horizon of any
-  of its steps. The rate is per 1,000 node-days of evaluated (present, not excluded) steps.
+* An episode is a *false evacuation* when the node does not fail after it: no incident of that node
+  follows within the horizon of any of its steps, nor within JUSTIFIED_HOURS (24 h) of its start. A
+  node evacuated hours before its GPU dies was failing: the move was right, whatever the label horizon
+  (its later alerts still have to land in the horizon for the incident to count as detected). The
+  rate is per 1,000 node-days of evaluated (present, not excluded) steps. The strict count (only the
+  horizon justifies an episode) is reported too, as `false_evacuations_strict*`.
 * Incidents of categories without precursors are reported apart (`incident_recall_all` includes them,
   `incident_recall_precursor` does not) and are never credited as lead time.
 * Thresholds come from the model's manifest (chosen on the training run's validation slice), never
@@ -27,6 +31,7 @@ from foreshock.predictor import labels as lb
 from foreshock.predictor.offline import STEP_NS
 
 COOLDOWN_STEPS = 10
+JUSTIFIED_HOURS = 24.0
 MODEL_NAMES = ("model", "rule", "logistic")
 RELIABILITY_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0000001)
 
@@ -61,8 +66,9 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
                  horizon_s: int) -> dict:
     """Per-incident detection and lead, and false evacuations, at one threshold."""
     h = int(horizon_s) * 1_000_000_000
+    justified = int(JUSTIFIED_HOURS * 3600) * 1_000_000_000
     lead: dict[str, float] = {}
-    false_evac = 0
+    false_evac = strict_false = 0
     episodes = 0
     node_steps = 0
     for ns in nodes:
@@ -77,8 +83,11 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
             # true when an incident follows within the horizon of a step of the episode
             k = np.searchsorted(inc_ts, e[starts], side="right")
             nxt = inc_ts[np.minimum(k, len(inc_ts) - 1)] if len(inc_ts) else np.zeros(len(k), np.int64)
-            true = (k < len(inc_ts)) & (nxt <= e[ends] + h)
+            follows = k < len(inc_ts)
+            strict = follows & (nxt <= e[ends] + h)
+            true = strict | (follows & (nxt <= e[starts] + justified))
             false_evac += int((~true).sum())
+            strict_false += int((~strict).sum())
         if len(alert) == 0:
             continue
         ae = e[alert]
@@ -90,8 +99,10 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
                 lead[iid] = max(lead.get(iid, 0.0), minutes)
     node_days = node_steps * STEP_NS / 86_400e9
     return {"threshold": float(threshold), "lead_minutes": lead, "false_evacuations": false_evac,
-            "evacuations": episodes, "node_days": node_days,
-            "false_evacuations_per_1000_node_days": 1000.0 * false_evac / node_days if node_days else float("nan")}
+            "false_evacuations_strict": strict_false, "evacuations": episodes, "node_days": node_days,
+            "false_evacuations_per_1000_node_days": 1000.0 * false_evac / node_days if node_days else float("nan"),
+            "false_evacuations_strict_per_1000_node_days":
+                1000.0 * strict_false / node_days if node_days else float("nan")}
 
 
 def summarise(res: dict, incidents: lb.Incidents) -> dict:
@@ -114,6 +125,8 @@ def summarise(res: dict, incidents: lb.Incidents) -> dict:
         "false_evacuations": res["false_evacuations"], "evacuations": res["evacuations"],
         "node_days": res["node_days"],
         "false_evacuations_per_1000_node_days": res["false_evacuations_per_1000_node_days"],
+        "false_evacuations_strict": res["false_evacuations_strict"],
+        "false_evacuations_strict_per_1000_node_days": res["false_evacuations_strict_per_1000_node_days"],
         "per_category": cats,
     }
 
@@ -218,7 +231,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
             s_ = summarise(at_threshold(nodes, name, th, incidents, horizon_s), incidents)
             row[name] = {k: s_[k] for k in ("threshold", "incident_recall_precursor", "incident_recall_all",
                                             "median_lead_minutes", "false_evacuations",
-                                            "false_evacuations_per_1000_node_days")}
+                                            "false_evacuations_per_1000_node_days",
+                                            "false_evacuations_strict_per_1000_node_days")}
         by_budget[str(b)] = row
     out["by_budget"] = by_budget
     out["budget"] = budget
@@ -234,6 +248,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         "incident_recall_precursor": "share of incidents of categories with precursors with an alert in the horizon before them",
         "incident_recall_all": "the same over all incidents, including categories without precursors (not creditable)",
         "median_lead_minutes": "median time from the start of the alert episode to the incident, over detected precursor-category incidents",
-        "false_evacuations_per_1000_node_days": f"alert episodes (steps within {COOLDOWN_STEPS} min merged) not followed by an incident within the horizon",
+        "false_evacuations_per_1000_node_days": f"alert episodes (steps within {COOLDOWN_STEPS} min merged) after which the node does not fail: no incident of the node within the horizon of the episode's last step or within {JUSTIFIED_HOURS:g} h of its start",
+        "false_evacuations_strict_per_1000_node_days": "the same, justified by an incident within the horizon of the episode's last step only",
     }
     return out

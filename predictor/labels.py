@@ -72,3 +72,20 @@ def node_labels(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int
         b = np.searchsorted(step_end_ns, end, side="right")
         excluded[a:b] = True
     return y, excluded
+
+
+def before_horizon(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int, gap_s: float) -> np.ndarray:
+    """[T] bool: steps whose node fails within `gap_s` but not within the horizon: (e + horizon, e + gap].
+
+    A precursor that builds for hours already shows in these steps, so calling them healthy would
+    teach the model that the early signs of a failure are benign; training leaves them out (they stay
+    in every evaluation, where an alert on them is judged like any other)."""
+    out = np.zeros(len(step_end_ns), dtype=bool)
+    if gap_s <= horizon_s:
+        return out
+    h, g = int(horizon_s) * 1_000_000_000, int(gap_s * 1e9)
+    for ts in incidents["ts"].to_numpy(np.int64):
+        lo = np.searchsorted(step_end_ns, ts - g, side="left")
+        hi = np.searchsorted(step_end_ns, ts - h, side="left")
+        out[lo:hi] = True
+    return out

@@ -1,6 +1,8 @@
 """The estimators: the gradient-boosted model, and the two baselines every evaluation compares it with.
 
-* `make_model()`: a scikit-learn Pipeline (FeatureGuard -> HistGradientBoostingClassifier). Training
+* `make_model()`: a scikit-learn Pipeline (FeatureGuard -> TrendRatios -> HistGradientBoostingClassifier).
+  TrendRatios appends ratios of the windowed features (is an error rate rising, has it lasted hours or
+  just minutes), which trees cannot form from the separate windows on their own. Training
   (train.py) wraps the fitted pipeline in CalibratedClassifierCV(FrozenEstimator(...), sigmoid),
   fitted on a later, held-out time slice, so probabilities are calibrated to the true base rate.
 * `RuleBaseline`: DCGM-health-style thresholds (any fatal Xid, uncorrected ECC, a row-remap failure,
@@ -52,10 +54,83 @@ class FeatureGuard(TransformerMixin, BaseEstimator):
         return self.feature_names_in_.copy()
 
 
+# Error signals whose trend (rising? sustained?) tells a degrading device from a benign burst.
+TREND_SIGNALS = ("ecc_sbe", "remap_correctable", "pcie_replay", "nvl_replay", "nvl_recovery", "nvl_crc",
+                 "ib_symbol_error", "ib_link_error_recovery", "ib_rcv_errors", "ib_link_integrity",
+                 "ib_ack_timeout", "ib_out_of_sequence", "ib_retrans", "ib_xmit_discards", "tcp_retrans",
+                 "nic_error_events", "eth_errors", "ib_link_downed")
+
+
+def _trend_specs(names) -> list[tuple[str, int, float, int, float]]:
+    """(output name, numerator column, its scale, denominator column, its scale): the ratio is
+    (num * scale + eps) / (den * scale + eps), each side a per-minute rate."""
+    idx = {n: i for i, n in enumerate(names)}
+    out = []
+    for n in TREND_SIGNALS:
+        w = {k: idx.get(f"{n}_{k}") for k in ("1m", "5m", "30m")}
+        if None in w.values():
+            continue
+        out.append((f"{n}_rising_5m_vs_30m", w["5m"], 1 / 5, w["30m"], 1 / 30))
+        out.append((f"{n}_rising_1m_vs_5m", w["1m"], 1.0, w["5m"], 1 / 5))
+    for n in names:
+        if n.endswith("_30m_vs_baseline"):
+            base = n[: -len("_30m_vs_baseline")]
+            if f"{base}_2h_vs_baseline" in idx:
+                # both are relative to the same 3-day baseline, so the ratio is the 30-min rate over the
+                # 2-hour rate: about 1 for a precursor building over hours, >> 1 for a burst of minutes
+                out.append((f"{base}_30m_vs_2h", idx[n], 1.0, idx[f"{base}_2h_vs_baseline"], 1.0))
+    return out
+
+
+class TrendRatios(TransformerMixin, BaseEstimator):
+    """Appends trend ratios of the windowed features (features.py) to X: for each error signal of
+    TREND_SIGNALS, its 5-min rate over its 30-min rate and its 1-min over its 5-min rate (> 1: rising),
+    and for each baselined signal its 30-min rate over its 2-hour rate (a precursor lasts, a burst
+    does not). A pure function of one row, so the online and the offline paths cannot disagree."""
+
+    def __init__(self, feature_names=ft.FEATURE_NAMES, eps: float = 1e-3):
+        self.feature_names = feature_names
+        self.eps = eps
+
+    def fit(self, X=None, y=None):
+        names = list(self.feature_names)
+        specs = _trend_specs(names)
+        self.feature_names_in_ = np.asarray(names, dtype=object)
+        self.n_features_in_ = len(names)
+        self.ratio_names_ = np.asarray([s[0] for s in specs], dtype=object)
+        self.numerator_ = np.array([s[1] for s in specs], dtype=np.intp)
+        self.numerator_scale_ = np.array([s[2] for s in specs], dtype=np.float32)
+        self.denominator_ = np.array([s[3] for s in specs], dtype=np.intp)
+        self.denominator_scale_ = np.array([s[4] for s in specs], dtype=np.float32)
+        return self
+
+    def transform(self, X):
+        X = np.asarray(X, dtype=np.float32)
+        if X.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {X.shape[1]} features; TrendRatios expects {self.n_features_in_}")
+        eps = np.float32(self.eps)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            num = X[:, self.numerator_] * self.numerator_scale_ + eps
+            den = X[:, self.denominator_] * self.denominator_scale_ + eps
+            ratios = num / den
+        return np.concatenate([X, ratios.astype(np.float32)], axis=1)
+
+    def get_feature_names_out(self, input_features=None):
+        return np.concatenate([self.feature_names_in_, self.ratio_names_])
+
+    def source_columns(self, columns: np.ndarray) -> np.ndarray:
+        """The input columns that output `columns` are computed from."""
+        columns = np.asarray(columns, dtype=np.intp)
+        n = self.n_features_in_
+        derived = columns[columns >= n] - n
+        return np.unique(np.concatenate([columns[columns < n], self.numerator_[derived], self.denominator_[derived]]))
+
+
 def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nodes: int = 31,
                l2_regularization: float = 1.0, random_state: int = 0) -> Pipeline:
     return Pipeline([
         ("features", FeatureGuard()),
+        ("trends", TrendRatios()),
         ("gbdt", HistGradientBoostingClassifier(
             max_iter=max_iter, learning_rate=learning_rate, max_leaf_nodes=max_leaf_nodes,
             min_samples_leaf=40, l2_regularization=l2_regularization,

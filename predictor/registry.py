@@ -16,8 +16,9 @@ TRUSTED_TYPES (skops.io.get_untrusted_types), so a tampered file cannot smuggle 
 Never pickle or joblib.
 
 Prediction (`LoadedModel.predict_proba`) takes a fast path for the estimator train.py builds
-(`[PriorShift(] CalibratedClassifierCV(sigmoid, FrozenEstimator(Pipeline(FeatureGuard,
-HistGradientBoostingClassifier))) [)]`, any tree count): the columns the trees split on are binned
+(`[PriorShift(] CalibratedClassifierCV(sigmoid, FrozenEstimator(Pipeline(FeatureGuard, [TrendRatios,]
+HistGradientBoostingClassifier))) [)]`, any tree count; TrendRatios, a pure row function, is applied
+first): the columns the trees split on are binned
 once with the model's own bin thresholds (x <= threshold  <=>  bin <= bin threshold) into a small
 column-major uint8 matrix, and every tree walks it (scikit-learn's binned tree walker), one thread by
 default; then the same baseline-plus-trees sum, sigmoid and prior shift as scikit-learn, in the same
@@ -55,6 +56,7 @@ REQUIRED_KEYS = ("version", "schema_version", "feature_version", "feature_names"
 # numpy arrays, builtins): nothing else is accepted. Found with skops.io.get_untrusted_types on the estimators train.py builds.
 TRUSTED_TYPES: tuple[str, ...] = (
     "foreshock.predictor.model.FeatureGuard",
+    "foreshock.predictor.model.TrendRatios",
     "foreshock.predictor.model.RuleBaseline",
     "foreshock.predictor.model.PriorShift",
     "foreshock.predictor.model._signed_log1p",
@@ -133,7 +135,8 @@ class LoadedModel:
         fast = self.fast_predictor
         if fast is None:
             return None
-        return np.unique(np.concatenate([m[0].columns for m in fast.members]))
+        cols = np.unique(np.concatenate([m[0].columns for m in fast.members]))
+        return fast.trends.source_columns(cols) if fast.trends is not None else cols
 
     def predict_proba(self, X) -> np.ndarray:
         """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon)."""
@@ -217,7 +220,7 @@ class _BinnedTrees:
 
 class FastPredictor:
     """predict_proba of [PriorShift(] CalibratedClassifierCV(sigmoid, [FrozenEstimator(] Pipeline(
-    FeatureGuard, HistGradientBoostingClassifier) [)]) [)], computed like scikit-learn does it."""
+    FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier) [)]) [)], computed like scikit-learn does it."""
 
     PROBE_ROWS = 256
 
@@ -236,15 +239,22 @@ class FastPredictor:
         if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
             raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
         self.members = []   # (compiled trees, a, b) per calibrated classifier
+        self.trends = None  # the pipeline's TrendRatios step (applied before the trees), if any
         compiled = {}
         for cc in estimator.calibrated_classifiers_:
             inner = cc.estimator
             inner = getattr(inner, "estimator", inner) if type(inner).__name__ == "FrozenEstimator" else inner
-            if type(inner) is not Pipeline or len(inner.steps) != 2:
-                raise TypeError("not a Pipeline(FeatureGuard, HistGradientBoostingClassifier)")
-            guard, hgb = inner.steps[0][1], inner.steps[1][1]
-            if type(guard) is not mdl.FeatureGuard or type(hgb) is not HistGradientBoostingClassifier:
-                raise TypeError("not a Pipeline(FeatureGuard, HistGradientBoostingClassifier)")
+            if type(inner) is not Pipeline or len(inner.steps) not in (2, 3):
+                raise TypeError("not a Pipeline(FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier)")
+            guard, hgb = inner.steps[0][1], inner.steps[-1][1]
+            trends = inner.steps[1][1] if len(inner.steps) == 3 else None
+            if type(guard) is not mdl.FeatureGuard or type(hgb) is not HistGradientBoostingClassifier or (
+                    trends is not None and type(trends) is not mdl.TrendRatios):
+                raise TypeError("not a Pipeline(FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier)")
+            if self.trends is not None and trends is not self.trends and (
+                    trends is None or not np.array_equal(trends.numerator_, self.trends.numerator_)):
+                raise TypeError("calibrated members with different trend ratios")
+            self.trends = trends
             if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
                 raise TypeError("not a sigmoid calibration")
             if list(cc.classes) != list(estimator.classes_) or list(hgb.classes_) != list(estimator.classes_):
@@ -284,7 +294,7 @@ class FastPredictor:
         trees = self.members[0][0]
         for j, f in enumerate(trees.columns):
             thr = trees.thresholds[j]
-            if len(thr) == 0:
+            if len(thr) == 0 or f >= n_features:   # a TrendRatios column: probed through its inputs
                 continue
             pick = thr[rng.integers(0, len(thr), self.PROBE_ROWS)]
             jitter = rng.choice([-1.0, 0.0, 1.0], self.PROBE_ROWS) * np.maximum(np.abs(pick), 1.0) * 1e-3
@@ -296,6 +306,8 @@ class FastPredictor:
         from scipy.special import expit
 
         n = len(X)
+        if self.trends is not None:
+            X = self.trends.transform(X)
         mean = np.zeros((n, 2))
         decisions = {}
         for trees, a, b in self.members:

@@ -8,8 +8,11 @@ estimators (minus one horizon before the boundary, so that no training label loo
 validation slice); the rest calibrates the probabilities (Platt sigmoid, CalibratedClassifierCV over the
 frozen pipeline) and chooses the thresholds for each false-evacuation budget. Healthy training steps
 are subsampled (all positives kept; quiet negatives at `neg_rate`, negatives with any error signal at
-`hard_neg_rate`); calibration runs on the validation slice at its true base rate (its negatives are
-subsampled too, weighted by 1/rate), so probabilities mean what they say.
+`hard_neg_rate`, at most `max_negatives` in all); calibration runs on the validation slice at its true
+base rate (its negatives are subsampled too, weighted by 1/rate), so probabilities mean what they say.
+Training leaves out the negatives of the `label_gap_hours` before an incident of their node (outside
+the horizon): a precursor building for hours already shows there, and calling those steps healthy
+would teach the model that early signs are benign (labels.before_horizon).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def _hard(X: np.ndarray) -> np.ndarray:
 
 
 def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: float = 2.0,
-          val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.08,
-          cal_neg_rate: float = 0.2, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0, progress=None,
+          val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.04,
+          cal_neg_rate: float = 0.2, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
+          label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
           command: str | None = None) -> dict:
     t_start = time.perf_counter()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -62,12 +66,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         span = (last + 1 - first) * offline.STEP_NS
         boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
         train_X, train_y, val_nodes, cal_X, cal_y, cal_w, healthy, val_paths = [], [], [], [], [], [], [], []
-        n_train_steps = n_val_steps = 0
+        n_train_steps = n_val_steps = n_early = 0
         for nf in fb:
-            y, excluded = lb.node_labels(nf.step_end_ns, incidents.of_node(nf.node), horizon_s)
+            node_inc = incidents.of_node(nf.node)
+            y, excluded = lb.node_labels(nf.step_end_ns, node_inc, horizon_s)
             usable = nf.present & ~excluded
             e = nf.step_end_ns
+            early = lb.before_horizon(e, node_inc, horizon_s, label_gap_hours * 3600.0)
             tr = usable & (e < boundary - h_ns)
+            n_early += int((tr & early).sum())
+            tr &= ~early
             va = usable & (e >= boundary)
             n_train_steps += int(tr.sum())
             n_val_steps += int(va.sum())
@@ -90,6 +98,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             val_nodes.append(ev.NodeScores(nf.node, e[va], y[va], np.ones(int(va.sum()), bool)))
             val_paths.append(val_path)
         Xtr, ytr = np.concatenate(train_X), np.concatenate(train_y)
+        negatives = np.flatnonzero(ytr == 0)
+        neg_kept_share = 1.0
+        if len(negatives) > max_negatives:
+            # a bigger dataset gives more of the same negatives: fit time stays bounded
+            neg_kept_share = max_negatives / len(negatives)
+            drop = rng.choice(negatives, len(negatives) - max_negatives, replace=False)
+            keep_rows = np.ones(len(ytr), dtype=bool)
+            keep_rows[drop] = False
+            Xtr, ytr = Xtr[keep_rows], ytr[keep_rows]
+        del train_X, train_y
         if ytr.sum() == 0:
             raise ValueError(f"{data_dir}: no positive training steps (no incidents in the first "
                              f"{1 - val_fraction:.0%} of the time span); simulate more days or a higher --rate-scale")
@@ -157,6 +175,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "reference_features": reference.tolist(),
         "prior_scale": float(prior_scale),
         "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "sigmoid",
+                      "trend_features": list(gbdt.named_steps["trends"].ratio_names_) if "trends" in gbdt.named_steps else [],
                       "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
                                                              if isinstance(v, (int, float, str, bool, type(None)))}},
         "training": {
@@ -165,8 +184,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             "last_step_end": _iso((last + 1) * offline.STEP_NS), "validation_from": _iso(boundary),
             "train_steps": n_train_steps, "validation_steps": n_val_steps,
             "train_rows_sampled": int(len(ytr)), "train_positive_rows": int(ytr.sum()),
-            "sampling": {"neg_rate": neg_rate, "hard_neg_rate": hard_neg_rate, "cal_neg_rate": cal_neg_rate,
-                         "note": "positives all kept; calibration on the validation slice weighted to its true base rate"},
+            "sampling": {"neg_rate": neg_rate * neg_kept_share, "hard_neg_rate": hard_neg_rate * neg_kept_share,
+                         "cal_neg_rate": cal_neg_rate, "max_negatives": max_negatives,
+                         "label_gap_hours": label_gap_hours, "train_steps_left_out_before_incidents": n_early,
+                         "note": "positives all kept; negatives of the label gap before an incident left out of "
+                                 "training; calibration on the validation slice weighted to its true base rate"},
             "incidents": int(len(incidents.by_incident)),
             "incidents_by_category": incidents.by_incident["category"].value_counts().to_dict(),
             "seconds": {"features": round(t_feat, 1), "fit": round(t_fit, 1),

@@ -74,18 +74,57 @@ def test_episode_recall_lead_and_false_evacuations_by_hand():
          "category": "software_bug", "has_precursor": False}])
     s1 = np.zeros(t, np.float32)
     s1[281:301] = 0.9          # alerts the 20 steps before the incident: lead 20 min
-    s1[100:103] = 0.9          # a false evacuation
-    s1[110] = 0.9              # 7 steps after: the same episode (cool-down), still false
+    s1[100:103] = 0.9          # 3 h before the failure: strictly false (outside the horizon), yet justified
+    s1[110] = 0.9              # 7 steps after: the same episode (cool-down)
     s2 = np.zeros(t, np.float32)
+    s3 = np.zeros(t, np.float32)
+    s3[200:205] = 0.9          # a node that never fails: a false evacuation by any count
     nodes = []
-    for node, s in (("n1", s1), ("n2", s2)):
+    for node, s in (("n1", s1), ("n2", s2), ("n3", s3)):
         y, excl = lb.node_labels(ends, incidents.of_node(node), 1800)
         nodes.append(ev.NodeScores(node, ends, y, ~excl, {"m": s}))
     res = ev.summarise(ev.at_threshold(nodes, "m", 0.5, incidents, 1800), incidents)
     assert res["incident_recall_precursor"] == 1.0 and res["incident_recall_all"] == 0.5
     # the episode starts at the end of step 281 (282 min); the incident is at 301 min 10 s
     assert res["median_lead_minutes"] == pytest.approx(19 + 10 / 60, abs=0.01)
-    assert res["false_evacuations"] == 1 and res["evacuations"] == 2
+    assert res["false_evacuations"] == 1 and res["evacuations"] == 3
+    assert res["false_evacuations_strict"] == 2
+    # the strict rate counts the early episode as well
+    ev_late = ev.at_threshold(nodes, "m", 0.5, incidents, 1800)
+    assert ev_late["false_evacuations_per_1000_node_days"] < ev_late["false_evacuations_strict_per_1000_node_days"]
     assert res["per_category"]["software_bug"]["recall"] == 0.0
     curve = ev.threshold_curve(nodes, "m", incidents, 1800)
     assert ev.pick_threshold(curve, 0.0) > 0.9 or curve[-1][1] > 0
+
+
+def test_trend_ratios_tell_a_rising_rate_from_a_burst_that_ended():
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import model as mdl
+
+    names = list(ft.FEATURE_NAMES)
+    tr = mdl.TrendRatios().fit()
+    X = np.zeros((2, len(names)), np.float32)
+    col = {n: names.index(n) for n in ("ecc_sbe_1m", "ecc_sbe_5m", "ecc_sbe_30m")}
+    X[0, [col["ecc_sbe_1m"], col["ecc_sbe_5m"], col["ecc_sbe_30m"]]] = (40, 150, 300)    # rising
+    X[1, [col["ecc_sbe_1m"], col["ecc_sbe_5m"], col["ecc_sbe_30m"]]] = (0, 10, 3000)     # a burst, over
+    out = tr.transform(X)
+    out_names = list(tr.get_feature_names_out())
+    assert out.shape == (2, len(out_names)) and out_names[: len(names)] == names
+    rising = out[:, out_names.index("ecc_sbe_rising_5m_vs_30m")]
+    assert rising[0] == pytest.approx((30 + 1e-3) / (10 + 1e-3)) and rising[1] < 0.1
+    assert out[0, out_names.index("ecc_sbe_rising_1m_vs_5m")] == pytest.approx((40 + 1e-3) / (30 + 1e-3))
+    # the derived columns map back to the windows they are made of (explanations occlude those)
+    j = out_names.index("ecc_sbe_rising_5m_vs_30m")
+    assert set(tr.source_columns(np.array([j]))) == {col["ecc_sbe_5m"], col["ecc_sbe_30m"]}
+    with pytest.raises(ValueError, match="features"):
+        tr.transform(X[:, :10])
+
+
+def test_steps_hours_before_an_incident_are_left_out_of_training_only_outside_the_horizon():
+    ends = (np.arange(24 * 60) + 1) * STEP_NS
+    inc = pd.DataFrame({"ts": [int(ends[900])]})
+    early = lb.before_horizon(ends, inc, 1800, 12 * 3600.0)
+    y, _ = lb.node_labels(ends, inc.assign(end=int(ends[900]) + 3600 * 10**9), 1800)
+    assert early.sum() == 12 * 60 - 30 and not (early & (y == 1)).any()
+    assert early[900 - 31] and not early[900 - 30] and not early[900 - 12 * 60 - 1]
+    assert not lb.before_horizon(ends, inc, 1800, 1800.0).any()
