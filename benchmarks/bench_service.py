@@ -62,6 +62,8 @@ def train_model(out: Path) -> Path:
 
 def serve(state: str, model: str, port_file: str) -> int:
     from foreshock.service.server import Settings, build_server
+    if os.environ.get("BENCH_SERVICE_SWITCH"):
+        sys.setswitchinterval(float(os.environ["BENCH_SERVICE_SWITCH"]))
     plane = build_server(Settings.insecure_loopback(
         state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
         scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
@@ -208,7 +210,7 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
         kept = {"schemas": False}
         call = methods[i % len(methods)](timeout=seconds + 120)
 
-        async def reader():
+        async def reader(call):
             try:
                 while (ack := await call.read()) is not grpc.aio.EOF:
                     t = pending.pop(ack.acked_sequence, None)
@@ -218,8 +220,9 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
                     counters["acked"] += 1
                     counters["rejected"] += len(ack.rejections)
             except grpc.aio.AioRpcError as exc:
-                result.setdefault("stream_errors", []).append(f"{node}: {exc.code().name}")
-        rt = asyncio.create_task(reader())
+                result.setdefault("stream_errors", []).append(
+                    f"{node}: {exc.code().name} at {loop.time() - stop_at:+.0f} s from the end")
+        rt = asyncio.create_task(reader(call))
         await asyncio.sleep(max(0.0, start - loop.time()) + (i % 1000) / 1000.0)
         prefix, forms = templates[node]
         seq, next_t, fatal_at = 0, loop.time(), fatal.get(node)
@@ -247,8 +250,18 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
             try:
                 await call.write(msg)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-                result.setdefault("stream_errors", []).append(f"{node}: write {exc}")
-                break
+                result.setdefault("stream_errors", []).append(
+                    f"{node}: write {exc} at {loop.time() - stop_at:+.0f} s from the end")
+                # As a collector does: a new stream (schemas whole again), the sweep again.
+                counters["reopened"] = counters.get("reopened", 0) + 1
+                call.cancel()
+                call = methods[(i + counters["reopened"]) % len(methods)](timeout=seconds + 120)
+                kept["schemas"] = False
+                rt = asyncio.create_task(reader(call))
+                if "Xid 79" in msg.decode("latin-1"):
+                    fatal_at, sent_at[node] = 0.0, None
+                await asyncio.sleep(0.1)
+                continue
             counters["sent"] += 1
             next_t += 1.0
             await asyncio.sleep(max(0.0, next_t - loop.time()))
@@ -305,6 +318,16 @@ def _proc_tree_cpu(pid: int) -> tuple[float, int]:
         cpu += c_cpu
         rss += c_rss
     return cpu, rss
+
+
+def _metrics(port: int, prefixes: list[str]) -> list[float]:
+    out = [float("nan")] * len(prefixes)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            for i, prefix in enumerate(prefixes):
+                if line.startswith(prefix + " "):
+                    out[i] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def _metric(port: int, name: str, labels: str = "") -> float:
@@ -374,8 +397,11 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         samples = []   # (time, accepted, backlog, cpu seconds, rss, hwm)
         while any(g.poll() is None for g in gens):
             try:
-                acc = _metric(ports["metrics"], "foreshock_ingest_batches_total", 'result="accepted"')
-                blog = _metric(ports["metrics"], "foreshock_ingest_backlog_batches")
+                # One scrape a sample (a real Prometheus scrapes every 15-30 s; each scrape renders every
+                # node's risk, which costs the service itself).
+                got = _metrics(ports["metrics"], ['foreshock_ingest_batches_total{result="accepted"}',
+                                                  "foreshock_ingest_backlog_batches"])
+                acc, blog = got[0], got[1]
             except OSError:
                 acc = blog = float("nan")
             gen_cpu = 0.0
@@ -385,7 +411,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
                 except (OSError, StopIteration):
                     pass
             samples.append((time.time(), acc, blog, *_proc(server.pid), gen_cpu, _proc_tree_cpu(server.pid)))
-            time.sleep(1.0)
+            time.sleep(2.0)
         first = next((t for t, a, *_ in samples if a == a and a > 0), samples[0][0])
         window = [x for x in samples if first + 15 <= x[0] <= first + seconds - 5]
         if len(window) < 2:
@@ -410,7 +436,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-    sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items()}
+    sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items() if v is not None}
     fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
     risk_close, risk_end = [], []
     for n in ramp_nodes:
@@ -428,11 +454,11 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         "gen_cpu_share_of_one_core": (gcpu1 - gcpu0) / (w1 - w0), "loadavg": load,
         "server_peak_rss_mib": hwm / 2**20, "backlog_first_last_max": (backlog[0], backlog[-1], max(backlog)) if backlog else None,
         "gen_sent": sum(g["sent"] for g in gen), "gen_acked": sum(g["acked"] for g in gen),
-        "gen_rejected": sum(g["rejected"] for g in gen),
+        "gen_rejected": sum(g["rejected"] for g in gen), "gen_reopened": sum(g.get("reopened", 0) for g in gen),
         "gen_inflight_tail": [g["inflight"][-3:] for g in gen],
         "ack_rtt_p50_ms": max(g["ack_rtt_p50_ms"] for g in gen), "ack_rtt_p99_ms": max(g["ack_rtt_p99_ms"] for g in gen),
         "stream_errors": sum(len(g.get("stream_errors", [])) for g in gen),
-        "stream_error_kinds": sorted({e.split(": ", 1)[1][:60] for g in gen for e in g.get("stream_errors", [])})[:5],
+        "stream_error_kinds": sorted({e.split(": ", 1)[1][:70] for g in gen for e in g.get("stream_errors", [])})[:6],
         "fatal_latency_ms": sorted(x * 1e3 for x in fatal_lat), "fatal_expected": len(fatal_nodes),
         "risk_from_close_ms": sorted(x * 1e3 for x in risk_close),
         "risk_from_step_end_ms": sorted(x * 1e3 for x in risk_end), "risk_expected": len(ramp_nodes),
@@ -495,7 +521,7 @@ def report(r: dict) -> None:
     print(f"  load generator CPU {100 * r['gen_cpu_share_of_one_core']:.0f}% of one core (2 processes); "
           f"load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}")
     print(f"  generator sent {r['gen_sent']}, acked {r['gen_acked']}, rejected {r['gen_rejected']}, "
-          f"stream errors {r['stream_errors']} {r['stream_error_kinds']}; in flight at the end {r['gen_inflight_tail']}; "
+          f"stream errors {r['stream_errors']} {r['stream_error_kinds']} (streams reopened {r['gen_reopened']}); in flight at the end {r['gen_inflight_tail']}; "
           f"ack round trip p50 {r['ack_rtt_p50_ms']:.1f} ms p99 {r['ack_rtt_p99_ms']:.1f} ms")
     f = r["fatal_latency_ms"]
     print(f"  fatal (Xid 79) sample -> directive at the job client: {len(f)}/{r['fatal_expected']} received, "

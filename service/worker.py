@@ -141,9 +141,14 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        kind, req = pickle.loads(msg)
+        kind, req, *n_blobs = pickle.loads(msg)
         if kind == "stop":
             return
+        try:
+            blobs = [conn.recv_bytes() for _ in range(n_blobs[0] if n_blobs else 0)]
+        except (EOFError, OSError):
+            return
+        req["raw"] = [(name, head, blobs[k], idx, lengths) for name, head, k, idx, lengths in req["raw"]]
         t0 = time.perf_counter()
         now_ns = req["now_ns"]
         items = _unpack(req, time.time_ns())
@@ -262,7 +267,13 @@ class ScoringWorker:
         try:
             self._wait_ready()
             try:
-                self._conn.send_bytes(pickle.dumps(("drain", request), protocol=5))
+                # The joined record batches (megabytes) go as they are, after the small pickled rest:
+                # no copy into a pickle, and the GIL is free while the socket takes them.
+                blobs = [entry[2] for entry in request["raw"]]
+                request = dict(request, raw=[(e[0], e[1], k, e[3], e[4]) for k, e in enumerate(request["raw"])])
+                self._conn.send_bytes(pickle.dumps(("drain", request, len(blobs))))
+                for blob in blobs:
+                    self._conn.send_bytes(blob)
             except (OSError, ValueError) as exc:
                 raise WorkerError(f"scoring worker (pid {self.pid}) died: {exc}") from None
             kind, reply = self._recv(self.timeout, "a drain")
