@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -177,10 +178,12 @@ def _tree_rss_mb(pid: int) -> float:
     return total / 2**20
 
 
-def _run(cmd: list[str]) -> tuple[float, float, float, str]:
-    """(wall s, peak summed RSS MB of the process tree, peak RSS MB of the largest process, stdout)."""
+def _run(cmd: list[str]) -> tuple[float, float, float, float, str]:
+    """(wall s, peak summed RSS MB of the process tree, peak RSS MB of the largest process,
+    CPU s of the tree (user + system, workers included), stdout)."""
     t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = r0.ru_maxrss
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = [0.0]
 
@@ -194,10 +197,12 @@ def _run(cmd: list[str]) -> tuple[float, float, float, str]:
     out, err = proc.communicate()
     sampler.join()
     wall = time.perf_counter() - t0
-    rss = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 1024
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss = max(r1.ru_maxrss, before) / 1024
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if proc.returncode:
         print(err[-2000:], file=sys.stderr)
-    return wall, peak[0], rss, out
+    return wall, peak[0], rss, cpu, out
 
 
 def main(argv: list[str]) -> int:
@@ -222,17 +227,18 @@ def main(argv: list[str]) -> int:
     if args.train_data:
         out_dir = tempfile.mkdtemp(prefix="bench-model-")
         print(f"train on {args.train_data} ({offline.feature_workers()} feature workers), {_load()}:", flush=True)
-        wall, tree, rss, out = _run(exe + ["train", "--data", args.train_data, "--out", out_dir])
-        print(f"  {wall:.0f} s wall, peak memory {tree:.0f} MB (all processes), largest process {rss:.0f} MB; "
-              f"{_load()}\n{out}")
+        wall, tree, rss, cpu, out = _run(exe + ["train", "--data", args.train_data, "--out", out_dir])
+        print(f"  {wall:.0f} s wall, {cpu:.0f} s CPU (all processes), peak memory {tree:.0f} MB (all "
+              f"processes), largest process {rss:.0f} MB; {_load()}\n{out}")
         try:
             import json
             secs = json.loads((Path(out_dir) / "manifest.json").read_text())["training"]["seconds"]
             print(f"  the manifest's phases: {secs}")
         except (OSError, KeyError, ValueError):
             pass
+        shutil.rmtree(out_dir, ignore_errors=True)
     if args.eval_data:
-        wall, tree, rss, out = _run(exe + ["evaluate", "--data", args.eval_data] + (["--model", args.model] if args.model else []))
+        wall, tree, rss, cpu, out = _run(exe + ["evaluate", "--data", args.eval_data] + (["--model", args.model] if args.model else []))
         print(f"evaluate on {args.eval_data}: {wall:.0f} s wall, peak memory {tree:.0f} MB (all processes)\n{out}")
     return 0
 

@@ -341,6 +341,16 @@ class FastPredictor:
         return np.column_stack([1.0 - q, q])
 
 
+def fast_probability(estimator, n_features: int = ft.N_FEATURES, threads: int | None = None):
+    """X -> [n] probability of class 1, through the fast path when the estimator has the known
+    structure (else its predict_proba): for training and evaluation, which score millions of rows."""
+    fast = FastPredictor.build(estimator, n_features)
+    th = predict_threads() if threads is None else int(threads)
+    if fast is None:
+        return lambda X: estimator.predict_proba(X)[:, 1]
+    return lambda X: fast.predict_proba(np.asarray(X, dtype=np.float32), threads=th)[:, 1] if len(X) else np.zeros(0)
+
+
 def threshold_for_budget(manifest: dict, budget: float, model: str = "model") -> float:
     """The lowest threshold whose validation false-evacuation rate is within `budget`."""
     curves = manifest.get("threshold_curves", {})

@@ -72,6 +72,15 @@ def test_fast_prediction_of_an_ensemble_of_calibrated_models():
     _check_same(_loaded(cal), _data(3000, seed=3)[0])
 
 
+def test_fast_probability_for_training_and_evaluation(fitted):
+    X, y, gbdt = fitted
+    cal = mdl.PriorShift(CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y), 5.0).fit()
+    np.testing.assert_allclose(registry.fast_probability(cal)(X), cal.predict_proba(X)[:, 1], rtol=1e-12, atol=1e-15)
+    rule = mdl.RuleBaseline().fit()
+    np.testing.assert_array_equal(registry.fast_probability(rule)(X), rule.predict_proba(X)[:, 1])
+    assert len(registry.fast_probability(cal)(X[:0])) == 0
+
+
 def test_other_estimators_fall_back_to_predict_proba(fitted):
     X, y, gbdt = fitted
     for est in (mdl.make_logistic().fit(X[:500], y[:500]), mdl.RuleBaseline().fit(),
