@@ -249,18 +249,27 @@ class ScoringWorker:
 
     def _recv(self, timeout: float, what: str):
         deadline = time.monotonic() + timeout
+        conn = self._conn
+        if conn is None:
+            raise WorkerError("scoring worker is not running")
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WorkerError(f"scoring worker (pid {self.pid}) did not answer {what} within {timeout:.0f} s")
             try:
-                if self._conn.poll(min(left, 0.5)):
-                    return pickle.loads(self._conn.recv_bytes())
+                if conn.poll(min(left, 0.5)):
+                    return pickle.loads(conn.recv_bytes())
             except (EOFError, OSError) as exc:
-                code = self._proc.wait(2) if self._proc else "?"
+                proc = self._proc
+                try:
+                    code = proc.wait(2) if proc is not None else "?"
+                except subprocess.TimeoutExpired:
+                    code = "? (still running)"
                 raise WorkerError(f"scoring worker (pid {self.pid}) died: exit code {code}") from None
-            if not self._alive():
-                raise WorkerError(f"scoring worker (pid {self.pid}) died: exit code {self._proc.returncode}")
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                raise WorkerError(f"scoring worker (pid {self.pid}) died: exit code "
+                                  f"{proc.returncode if proc is not None else '?'}")
 
     def call(self, request: dict) -> dict:
         """One request, answered within `timeout` seconds, or WorkerError (the worker is then stopped)."""
@@ -271,9 +280,12 @@ class ScoringWorker:
                 # no copy into a pickle, and the GIL is free while the socket takes them.
                 blobs = [entry[2] for entry in request["raw"]]
                 request = dict(request, raw=[(e[0], e[1], k, e[3], e[4]) for k, e in enumerate(request["raw"])])
-                self._conn.send_bytes(pickle.dumps(("drain", request, len(blobs))))
+                conn = self._conn
+                if conn is None:
+                    raise WorkerError("scoring worker is not running")
+                conn.send_bytes(pickle.dumps(("drain", request, len(blobs))))
                 for blob in blobs:
-                    self._conn.send_bytes(blob)
+                    conn.send_bytes(blob)
             except (OSError, ValueError) as exc:
                 raise WorkerError(f"scoring worker (pid {self.pid}) died: {exc}") from None
             kind, reply = self._recv(self.timeout, "a drain")
@@ -348,6 +360,7 @@ class RemoteScoringLoop(ScoringLoop):
         self._last_score_ns = 0
         self._last = ScoreResult([], np.zeros(0), fresh=False)
         self.worker_errors = 0
+        self._failing = 0          # consecutive failed drains: the restart backoff
         self.worker_seconds = 0.0
         self.lost_batches = 0
 
@@ -394,10 +407,15 @@ class RemoteScoringLoop(ScoringLoop):
                     self.lost_batches += len(req.items)
                     log.error("%s; %d batches lost; restarting it (restart %d)", exc, len(req.items),
                               self.worker.restarts + 1)
-                    try:
-                        self.worker.restart()
-                    except Exception:
-                        log.exception("scoring worker restart failed")
+                    self._failing += 1
+                    # A worker that cannot start at all is not restarted in a tight loop.
+                    if not self._stop.wait(min(30.0, 0.25 * 2 ** min(self._failing - 1, 7))):
+                        try:
+                            self.worker.restart()
+                        except Exception:
+                            log.exception("scoring worker restart failed")
+            if reply is not None:
+                self._failing = 0
             self.worker_seconds += time.perf_counter() - t0
             self._replies.append((req, reply))
             with self._feed_cv:
