@@ -17,6 +17,7 @@ Insecure loopback mode (tests, the demo) grants every role to unauthenticated ca
 from __future__ import annotations
 
 import hashlib
+import inspect
 import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
@@ -178,6 +179,13 @@ def _wrap(handler, check):
         return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
                                                     handler.response_serializer)
     inner_ss = handler.stream_stream
+    if inspect.iscoroutinefunction(inner_ss):
+        # A handler on context.read()/write() (StreamSweeps): no generator layer per message.
+        async def stream_stream_rw(request_iterator, context):
+            await check(context)
+            await inner_ss(request_iterator, context)
+        return grpc.stream_stream_rpc_method_handler(stream_stream_rw, handler.request_deserializer,
+                                                     handler.response_serializer)
 
     async def stream_stream(request_iterator, context):
         await check(context)

@@ -267,22 +267,28 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         self.plane = plane
 
     async def StreamSweeps(self, request_iterator, context):
+        # context.read()/write() rather than the iterator and a generator: two fewer coroutine hops a
+        # batch, at thousands of batches a second.
         principal = self.plane.authenticator.principal(context)
         ingest = self.plane.ingest
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
+        Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
         try:
-            async for batch in request_iterator:
+            while (batch := await context.read()) is not grpc.aio.EOF:
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
                                        [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
                                         for t in batch.tables])
                 if result.delay_seconds:
                     await asyncio.sleep(result.delay_seconds)  # backpressure: hold the ack while overloaded
                 last = result.acked_sequence
-                yield telemetry_pb2.SweepAck(
-                    acked_sequence=result.acked_sequence, credits=result.credits, schemas_kept=True,
-                    rejections=[telemetry_pb2.Rejection(sequence=r.sequence, table=r.table, reason=r.reason,
-                                                        detail=r.detail) for r in result.rejections])
+                if result.rejections:
+                    ack = Ack(acked_sequence=last, credits=result.credits, schemas_kept=True,
+                              rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason, detail=r.detail)
+                                          for r in result.rejections])
+                else:
+                    ack = Ack(acked_sequence=last, credits=result.credits, schemas_kept=True)
+                await context.write(ack)
             # The collector half-closed: its last batches' value checks may still be due. Wait for them
             # (a bounded time; a round is woken for it) and send what they found in a last ack.
             if session.unchecked() > 0:
@@ -292,9 +298,8 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                     await asyncio.sleep(0.02)
             final = ingest.final_rejections(session)
             if final:
-                yield telemetry_pb2.SweepAck(
-                    acked_sequence=last, credits=0, schemas_kept=True,
-                    rejections=[telemetry_pb2.Rejection(sequence=r.sequence, table=r.table, reason=r.reason,
-                                                        detail=r.detail) for r in final])
+                await context.write(Ack(acked_sequence=last, credits=0, schemas_kept=True,
+                                        rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason,
+                                                        detail=r.detail) for r in final]))
         finally:
             ingest.close_session(session)
