@@ -113,8 +113,11 @@ def summarise(res: dict, incidents: lb.Incidents) -> dict:
     cats = {}
     for cat, part in inc.groupby("category"):
         d = sum(1 for i in part["incident_id"] if i in lead)
+        pre_ids = part.loc[part["has_precursor"], "incident_id"]
+        # a category can mix modes with and without precursors (faulty_gpu: PCIe replays vs off the bus)
         cats[cat] = {"incidents": int(len(part)), "detected": d, "recall": d / len(part),
-                     "has_precursor": bool(part["has_precursor"].iloc[0])}
+                     "has_precursor": bool(len(pre_ids)), "incidents_precursor": int(len(pre_ids)),
+                     "detected_precursor": sum(1 for i in pre_ids if i in lead)}
     return {
         "threshold": res["threshold"],
         "incidents": int(len(inc)), "incidents_precursor": int(len(pre)),
