@@ -415,20 +415,37 @@ class FeatureBuilder:
                 self.progress("features", i + 1, len(self.nodes))
 
 
+_HASHES: dict[tuple, str] = {}
+
+
 def dataset_hash(root) -> str:
-    """sha256 over every Parquet file of the dataset (relative path and content), in sorted order."""
+    """sha256 over every Parquet file of the dataset (relative path and content), in sorted order.
+
+    Remembered for the same files (path, size, modification time): train.py asks twice, and a
+    512-node month is 4 GB to read.
+    """
     import hashlib
 
     root = Path(root)
+    paths = [p for p in sorted(root.rglob("*.parquet")) if not p.name.startswith((".", "_"))]
+    stats = []
+    for path in paths:
+        st = path.stat()
+        stats.append((str(path.relative_to(root)), st.st_size, st.st_mtime_ns))
+    key = (str(root.resolve()), tuple(stats))
+    got = _HASHES.get(key)
+    if got is not None:
+        return got
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.parquet")):
-        if path.name.startswith((".", "_")):
-            continue
+    for path in paths:
         h.update(str(path.relative_to(root)).encode() + b"\0")
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()
+    if len(_HASHES) >= 8:
+        _HASHES.clear()
+    _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
 
 
 def env_int(name: str, default: int) -> int:

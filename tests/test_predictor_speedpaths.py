@@ -235,3 +235,20 @@ def test_explanations_skip_only_signals_the_model_never_reads(fitted):
     fast = explain.explain(model.probability, rows, p, reference, top=5, used_features=used)
     key = lambda out: [[(s.name, s.contribution, s.description) for s in sigs] for sigs in out]  # noqa: E731
     assert key(every) == key(fast) and any(every)
+
+
+def test_dataset_hash_is_remembered_only_for_the_same_files(tmp_path):
+    import hashlib
+    import os
+
+    from foreshock.predictor import offline
+
+    part = tmp_path / "table=gpu" / "date=2026-01-05" / "node=a"
+    part.mkdir(parents=True)
+    (part / "x.parquet").write_bytes(b"one")
+    want = hashlib.sha256(b"table=gpu/date=2026-01-05/node=a/x.parquet\0one").hexdigest()
+    assert offline.dataset_hash(tmp_path) == want
+    assert offline.dataset_hash(tmp_path) == want
+    (part / "x.parquet").write_bytes(b"two!")
+    os.utime(part / "x.parquet", ns=(1, 1))
+    assert offline.dataset_hash(tmp_path) == hashlib.sha256(b"table=gpu/date=2026-01-05/node=a/x.parquet\0two!").hexdigest()
