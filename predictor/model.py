@@ -127,10 +127,10 @@ class TrendRatios(TransformerMixin, BaseEstimator):
 
 
 def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nodes: int = 31,
-               l2_regularization: float = 1.0, random_state: int = 0) -> Pipeline:
+               l2_regularization: float = 1.0, random_state: int = 0, trend_ratios: bool = True) -> Pipeline:
     return Pipeline([
         ("features", FeatureGuard()),
-        ("trends", TrendRatios()),
+        *([("trends", TrendRatios())] if trend_ratios else []),
         ("gbdt", HistGradientBoostingClassifier(
             max_iter=max_iter, learning_rate=learning_rate, max_leaf_nodes=max_leaf_nodes,
             min_samples_leaf=40, l2_regularization=l2_regularization,

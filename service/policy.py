@@ -99,7 +99,7 @@ class EvacuationPolicy:
                 alarm = self.alarms.get(node)
                 if alarm is None:
                     self.alarms[node] = Alarm(now_ns, float(p[i]),
-                                              reason=f"risk {p[i]:.2f} at or above threshold {s.threshold:.2f}")
+                                              reason=f"risk {p[i]:.3g} at or above threshold {s.threshold:.3g}")
                     self.decisions.record("alarm", node=node, risk=float(p[i]), threshold=s.threshold,
                                           reason=self.alarms[node].reason, ts_ns=now_ns)
                 else:
@@ -294,7 +294,7 @@ class EvacuationPolicy:
                     if node not in job.nodes():
                         continue
                     reason = alarm.reason if alarm.fatal else \
-                        f"risk {alarm.risk:.2f} above threshold {self.settings.threshold:.2f}"
+                        f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
                     d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
                                   origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
                                   last_directive=last, busy=busy)

@@ -59,7 +59,7 @@ def test_risk_alarm_evacuates_to_a_spare_on_another_leaf_at_a_step_ahead(world, 
     assert (d.kind, d.ranks, d.from_node) == (DirectiveKind.EVACUATE, (1,), "n01")
     assert d.to_node == "n08"                 # other leaf first, then lowest name
     assert d.at_step >= 1000 + 20             # lead 10 s at 0.5 s a step
-    assert "risk 0.90 above threshold 0.50" in d.reason
+    assert "risk 0.9 above threshold 0.5" in d.reason
     # The next round, still above: nothing new (one active directive per job and node).
     assert _round(policy, nodes, clock.now + S, NODES, _risk({"n01": 0.95})) == []
     decisions.flush()

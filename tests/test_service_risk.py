@@ -157,7 +157,7 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
         assert got, f"no directive; risk {[(r.node, r.probability) for r in plane.nodes.snapshot()]}"
         d = got[0]
         assert (d.kind, list(d.ranks), d.from_node, d.to_node) == (jpb.DIRECTIVE_KIND_EVACUATE, [1], "n1", "n3")
-        assert d.risk > 0.5 and "above threshold 0.50" in d.reason
+        assert d.risk > 0.5 and "above threshold 0.5" in d.reason
         assert ts - fault_at <= 10 * 60 * S    # within minutes of (simulated) telemetry after the fault began
 
         r = risk.GetNodeRisk(risk_pb2.GetNodeRiskRequest(node="n1"), timeout=T)
