@@ -112,10 +112,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             raise ValueError(f"{data_dir}: no positive training steps (no incidents in the first "
                              f"{1 - val_fraction:.0%} of the time span); simulate more days or a higher --rate-scale")
         # A feature no node of this dataset reports (no path_probe table, say) is all NaN, which
-        # HistGradientBoosting's binning cannot take; one known value makes it a constant feature.
-        all_nan = np.isnan(Xtr).all(axis=0)
-        if all_nan.any():
-            Xtr[0, all_nan] = 0.0
+        # HistGradientBoosting's binning cannot take, and it bins on a 200,000-row subsample, which can
+        # miss the few known values of a feature almost nobody reports: such columns become constant 0.
+        sparse = (~np.isnan(Xtr)).sum(axis=0) < 1000
+        if sparse.any():
+            Xtr[:, sparse] = np.nan_to_num(Xtr[:, sparse], nan=0.0)
         t_feat = time.perf_counter() - t_start
         if progress:
             progress("fitting", 0, 1)
@@ -136,7 +137,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         t_fit = time.perf_counter() - t_start - t_feat
         if progress:
             progress("fitting", 1, 1)
-        predictors = {"model": lambda X: model.predict_proba(X)[:, 1],
+        predictors = {"model": registry.fast_probability(model),
                       "rule": lambda X: rule.predict_proba(X)[:, 1],
                       "logistic": lambda X: logistic.predict_proba(X)[:, 1]}
         for vn, path in zip(val_nodes, val_paths):
