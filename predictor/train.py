@@ -52,7 +52,7 @@ def _hard(X: np.ndarray) -> np.ndarray:
 
 def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: float = 2.0,
           val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.04,
-          cal_neg_rate: float = 0.2, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
+          cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
           command: str | None = None) -> dict:
     t_start = time.perf_counter()
