@@ -212,7 +212,8 @@ class ScoringLoop:
         return len(self._queue)
 
     def wake(self, why: str) -> None:
-        self._why = why
+        if why == "events" or self._why != "events":   # a pending event round is not downgraded
+            self._why = why
         self._wake.set()
 
     # -- risk watchers -------------------------------------------------------------------------------
