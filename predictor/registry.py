@@ -240,6 +240,7 @@ class FastPredictor:
             raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
         self.members = []   # (compiled trees, a, b) per calibrated classifier
         self.trends = None  # the pipeline's TrendRatios step (applied before the trees), if any
+        self._trend_key = None
         compiled = {}
         for cc in estimator.calibrated_classifiers_:
             inner = cc.estimator
@@ -251,10 +252,10 @@ class FastPredictor:
             if type(guard) is not mdl.FeatureGuard or type(hgb) is not HistGradientBoostingClassifier or (
                     trends is not None and type(trends) is not mdl.TrendRatios):
                 raise TypeError("not a Pipeline(FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier)")
-            if self.trends is not None and trends is not self.trends and (
-                    trends is None or not np.array_equal(trends.numerator_, self.trends.numerator_)):
+            trend_key = None if trends is None else (tuple(trends.numerator_), tuple(trends.denominator_))
+            if self.members and trend_key != self._trend_key:
                 raise TypeError("calibrated members with different trend ratios")
-            self.trends = trends
+            self.trends, self._trend_key = trends, trend_key
             if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
                 raise TypeError("not a sigmoid calibration")
             if list(cc.classes) != list(estimator.classes_) or list(hgb.classes_) != list(estimator.classes_):

@@ -72,7 +72,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             y, excluded = lb.node_labels(nf.step_end_ns, node_inc, horizon_s)
             usable = nf.present & ~excluded
             e = nf.step_end_ns
-            early = lb.before_horizon(e, node_inc, horizon_s, label_gap_hours * 3600.0)
+            # only negatives: a step in the gap of one incident can be in the horizon of another
+            early = lb.before_horizon(e, node_inc, horizon_s, label_gap_hours * 3600.0) & (y == 0)
             tr = usable & (e < boundary - h_ns)
             n_early += int((tr & early).sum())
             tr &= ~early
