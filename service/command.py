@@ -95,7 +95,7 @@ def settings_from(cfg: dict):
 def run(args, file_data) -> int:
     from foreshock.config import resolve
     from foreshock.service.scoring import ModelError
-    from foreshock.service.server import SettingsError, build_server
+    from foreshock.service.server import SettingsError, build_server, tune_gc
 
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
     cfg = resolve("serve", DEFAULTS, file_data=file_data, flags=flags)
@@ -118,6 +118,7 @@ def run(args, file_data) -> int:
             print(f"foreshock serve: cannot start: {exc}", file=sys.stderr)
             plane.stop(0)
             return 2
+        tune_gc()
         host = cfg["listen"].rpartition(":")[0]
         print(f"foreshock serve: listening on {host}:{port}"
               + (f", metrics on {cfg['metrics_listen'].rpartition(':')[0]}:{plane.metrics_port}"
