@@ -61,7 +61,7 @@ def train_model(out: Path) -> Path:
 
 
 def serve(state: str, model: str, port_file: str) -> int:
-    from foreshock.service.server import Settings, build_server
+    from foreshock.service.server import Settings, build_server, tune_gc
     if os.environ.get("BENCH_SERVICE_SWITCH"):
         sys.setswitchinterval(float(os.environ["BENCH_SERVICE_SWITCH"]))
     plane = build_server(Settings.insecure_loopback(
@@ -69,6 +69,7 @@ def serve(state: str, model: str, port_file: str) -> int:
         scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
         policy={"cooldown_seconds": 0.0}))
     port = plane.start()
+    tune_gc()   # as `foreshock serve` does
     Path(port_file).write_text(json.dumps({"port": port, "metrics": plane.metrics_port}))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -188,14 +189,12 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
     methods = [ch.stream_stream("/foreshock.v1.Telemetry/StreamSweeps", request_serializer=None,
                                 response_deserializer=tpb.SweepAck.FromString) for ch in channels]
     loop = asyncio.get_running_loop()
-    start = loop.time() + 2.0
-    stop_at = start + seconds
     sent_at: dict[str, float] = {}
     counters = {"sent": 0, "acked": 0, "rejected": 0, "inflight_max": 0, "bytes": 0}
     rtts: list[float] = []
     inflight_series: list[int] = []
 
-    def ramp_gpu(node: str, ts: int, omitted: bool) -> bytes:
+    def ramp_gpu_at(node: str, k: int, ts: int) -> dict[bool, tuple[bytes, list[int]]]:
         import pyarrow as pa
         import pyarrow.compute as pc
         g = ramp_models[node].sample(ts)["gpu"]
@@ -203,7 +202,27 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
         col = pc.add(g.column("pcie_replay_counter").fill_null(0),
                      pa.array(np.full(g.num_rows, ramp_extra[node], np.uint64)))
         g = g.set_column(g.schema.get_field_index("pcie_replay_counter"), g.schema.field("pcie_replay_counter"), col)
-        return _table_rows("gpu", encode_table("gpu", g), omitted)
+        marker = struct.pack("<q", ts)
+        out = {}
+        for omitted in (False, True):
+            part = _table_rows("gpu", encode_table("gpu", g), omitted)
+            out[omitted] = (part, _offsets(part, marker))
+        return out
+
+    # The ramp nodes' gpu tables (PCIe replays climbing 20,000 a second), encoded before the run, one
+    # per second, as the other tables are: the generator's own CPU goes to sending, not to Arrow.
+    ramp_parts = {n: [ramp_gpu_at(n, k, t0 + k * S) for k in range(int(seconds) + 4)] for n in ramp}
+
+    def ramp_gpu(node: str, k: int, tsb: bytes, omitted: bool) -> bytes:
+        parts = ramp_parts[node]
+        part, offs = parts[min(k, len(parts) - 1)][omitted]
+        p = bytearray(part)
+        for o in offs:
+            p[o:o + 8] = tsb
+        return bytes(p)
+
+    start = loop.time() + 2.0
+    stop_at = start + seconds
 
     async def one(i: int, node: str):
         pending: dict[int, float] = {}
@@ -234,7 +253,7 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
             tsb = struct.pack("<q", ts)
             for o in offs:
                 b[o:o + 8] = tsb
-            body = bytes(b) if node not in ramp_models else bytes(b[:gpu_at]) + ramp_gpu(node, ts, omitted)
+            body = bytes(b) if node not in ramp_models else bytes(b[:gpu_at]) + ramp_gpu(node, seq, tsb, omitted)
             if fatal_at is not None and loop.time() >= start + fatal_at:
                 fatal_at = None
                 import datetime as dt
