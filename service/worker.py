@@ -67,21 +67,21 @@ def _decode(buf) -> pa.Table:
 def pack(items: list[Pending]) -> dict:
     """A drain's batches as the worker's request: per table and schema, the schema message once and
     every batch's record batches joined (one bytes object), with each part's owner and length."""
-    groups: dict[tuple[str, int], list] = {}
-    heads: dict[int, bytes] = {}
+    groups: dict[tuple[str, int], tuple[bytes, list[int], list[bytes]]] = {}
     decoded: list[tuple[int, str, bytes]] = []
-    owners = []
+    owners = [(item.sequence, item.node) for item in items]
     for i, item in enumerate(items):
-        owners.append((item.sequence, item.node))
         for name, t in item.tables.items():
-            if isinstance(t, RawBatch):
-                key = (name, id(t.head))
-                heads[id(t.head)] = t.head
-                groups.setdefault(key, []).append((i, t.body))
+            if type(t) is RawBatch:
+                g = groups.get((name, id(t.head)))
+                if g is None:
+                    g = groups[(name, id(t.head))] = (t.head, [], [])
+                g[1].append(i)
+                g[2].append(t.body)
             else:
                 decoded.append((i, name, _encode(name, t)))
-    raw = [(name, heads[h], b"".join(b for _, b in parts), [i for i, _ in parts], [len(b) for _, b in parts])
-           for (name, h), parts in groups.items()]
+    raw = [(name, head, b"".join(bodies), idx, list(map(len, bodies)))
+           for (name, _), (head, idx, bodies) in groups.items()]
     return {"owners": owners, "raw": raw, "decoded": decoded}
 
 
@@ -440,6 +440,13 @@ class RemoteScoringLoop(ScoringLoop):
             self._validated += [(name, _encode(name, t)) for name, t in tables.items()]
             del self._validated[:-MAX_VALIDATED]   # a worker that is behind gets the latest ones
             why = "events"
+            if self._replies and self.on_round is not None:
+                # The policy acts on the fatal events before this round applies the worker's answers
+                # on bulk telemetry (thousands of batches' verdicts, maybe every node's new scores).
+                try:
+                    self.on_round(self._last, now, why, time.perf_counter() - t0)
+                except Exception:
+                    log.exception("after-round step failed")
         step = self._step_due()
         if not self._busy and (self._validated or step or (self._queue and (
                 why == "flush" or time.monotonic() - self._last_drain >= self.drain_interval))):
