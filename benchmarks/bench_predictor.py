@@ -38,33 +38,62 @@ from foreshock.predictor import offline, online, registry, signals, synthetic
 STEP_NS = ft.STEP_SECONDS * 1_000_000_000
 
 
-def _step_tables(nodes: list[str], step: int, rng, gpus=8, hcas=8) -> dict[str, pa.Table]:
-    n = len(nodes)
-    ts = np.int64(step * STEP_NS + 20 * 10**9)
-    node_g = np.repeat(np.array(nodes, dtype=object), gpus)
-    gpu_idx = np.tile(np.arange(gpus, dtype=np.int16), n)
-    ts_g = pa.array(np.full(n * gpus, ts)).cast(sch.TS)
-    base = step * 1000
-    gpu = pa.table({"ts": ts_g, "node": pa.array(node_g, pa.string()), "gpu": gpu_idx,
-                    "temperature_c": (60 + rng.standard_normal(n * gpus)).astype(np.float32),
-                    "ecc_corrected_volatile": (base + rng.poisson(0.01, n * gpus)).astype(np.uint64),
-                    "pcie_replay_counter": np.full(n * gpus, base, dtype=np.uint64),
-                    "pcie_link_width": np.full(n * gpus, 16, np.int8), "pcie_link_width_max": np.full(n * gpus, 16, np.int8),
-                    "gpu_lost": np.zeros(n * gpus, bool)})
-    nvl = pa.table({"ts": ts_g, "node": pa.array(node_g, pa.string()), "gpu": gpu_idx,
-                    "crc_flit_errors": np.full(n * gpus, base, np.uint64), "replay_errors": np.full(n * gpus, base, np.uint64),
-                    "tx_kib": np.full(n * gpus, base * 1000, np.uint64), "rx_kib": np.full(n * gpus, base * 1000, np.uint64),
-                    "links_up": np.full(n * gpus, 18, np.int16), "links_total": np.full(n * gpus, 18, np.int16)})
-    node_h = np.repeat(np.array(nodes, dtype=object), hcas)
-    rd = pa.table({"ts": pa.array(np.full(n * hcas, ts)).cast(sch.TS), "node": pa.array(node_h, pa.string()),
-                   "device": pa.array([f"mlx5_{i}" for i in range(hcas)] * n), "port": np.ones(n * hcas, np.int16),
-                   "state": np.full(n * hcas, 4, np.int8), "phys_state": np.full(n * hcas, 5, np.int8),
-                   "symbol_error": np.full(n * hcas, base, np.uint64),
-                   "port_xmit_bytes": np.full(n * hcas, base * 10**6, np.uint64),
-                   "port_rcv_bytes": np.full(n * hcas, base * 10**6, np.uint64)})
-    hn = pa.table({"ts": pa.array(np.full(n, ts)).cast(sch.TS), "node": pa.array(nodes, pa.string()),
-                   "Tcp_OutSegs": np.full(n, base * 10, np.int64), "Tcp_RetransSegs": np.full(n, base // 100, np.int64)})
-    return {"gpu": gpu, "nvlink": nvl, "rdma_port": rd, "host_net": hn}
+class _Cluster:
+    """One step of schema-v1 rows for every node, each step, with counters that run on across steps.
+
+    Not every node alike (a tree walk over identical rows would be unrealistically predictable): most
+    nodes are quiet (error counters still), one in ten has errors at its own rate (log-normal over
+    three decades, Poisson each step, per GPU and HCA), every node has its own traffic level and GPU
+    temperatures, with per-step noise.
+    """
+
+    def __init__(self, nodes: list[str], rng, gpus=8, hcas=8):
+        n = len(nodes)
+        self.nodes, self.rng, self.gpus, self.hcas = nodes, rng, gpus, hcas
+        erroring = rng.random(n) < 0.1
+        self.err_rate = np.where(erroring, rng.lognormal(0.0, 2.0, n), 0.0)       # errors per step
+        self.traffic = rng.lognormal(0.0, 0.3, n) * 5e7                              # KiB per step
+        self.temp = rng.normal(60.0, 4.0, n * gpus)
+        self.cum = {k: np.zeros(n * (hcas if k == "symbol" else gpus), np.uint64)
+                    for k in ("ecc", "pcie", "crc", "replay", "symbol")}
+        self.tx = np.zeros(n * gpus, np.uint64)
+        self.ib = np.zeros(n * hcas, np.uint64)
+        self.tcp_out = np.zeros(n, np.int64)
+        self.tcp_re = np.zeros(n, np.int64)
+
+    def tables(self, step: int) -> dict[str, pa.Table]:
+        nodes, rng, gpus, hcas = self.nodes, self.rng, self.gpus, self.hcas
+        n = len(nodes)
+        ts = np.int64(step * STEP_NS + 20 * 10**9)
+        for k, per in (("ecc", gpus), ("pcie", gpus), ("crc", gpus), ("replay", gpus), ("symbol", hcas)):
+            self.cum[k] += rng.poisson(np.repeat(self.err_rate, per) / per).astype(np.uint64)
+        noise = 1.0 + 0.05 * rng.standard_normal(n)
+        self.tx += np.repeat(self.traffic * noise / gpus, gpus).astype(np.uint64)
+        self.ib += np.repeat(self.traffic * noise * 1024 / hcas, hcas).astype(np.uint64)
+        self.tcp_out += (self.traffic * noise / 10).astype(np.int64)
+        self.tcp_re += rng.poisson(self.err_rate + 0.5)
+        node_g = np.repeat(np.array(nodes, dtype=object), gpus)
+        gpu_idx = np.tile(np.arange(gpus, dtype=np.int16), n)
+        ts_g = pa.array(np.full(n * gpus, ts)).cast(sch.TS)
+        gpu = pa.table({"ts": ts_g, "node": pa.array(node_g, pa.string()), "gpu": gpu_idx,
+                        "temperature_c": (self.temp + rng.standard_normal(n * gpus)).astype(np.float32),
+                        "ecc_corrected_volatile": self.cum["ecc"].copy(),
+                        "pcie_replay_counter": self.cum["pcie"].copy(),
+                        "pcie_link_width": np.full(n * gpus, 16, np.int8), "pcie_link_width_max": np.full(n * gpus, 16, np.int8),
+                        "gpu_lost": np.zeros(n * gpus, bool)})
+        nvl = pa.table({"ts": ts_g, "node": pa.array(node_g, pa.string()), "gpu": gpu_idx,
+                        "crc_flit_errors": self.cum["crc"].copy(), "replay_errors": self.cum["replay"].copy(),
+                        "tx_kib": self.tx.copy(), "rx_kib": self.tx.copy(),
+                        "links_up": np.full(n * gpus, 18, np.int16), "links_total": np.full(n * gpus, 18, np.int16)})
+        node_h = np.repeat(np.array(nodes, dtype=object), hcas)
+        rd = pa.table({"ts": pa.array(np.full(n * hcas, ts)).cast(sch.TS), "node": pa.array(node_h, pa.string()),
+                       "device": pa.array([f"mlx5_{i}" for i in range(hcas)] * n), "port": np.ones(n * hcas, np.int16),
+                       "state": np.full(n * hcas, 4, np.int8), "phys_state": np.full(n * hcas, 5, np.int8),
+                       "symbol_error": self.cum["symbol"].copy(),
+                       "port_xmit_bytes": self.ib.copy(), "port_rcv_bytes": self.ib.copy()})
+        hn = pa.table({"ts": pa.array(np.full(n, ts)).cast(sch.TS), "node": pa.array(nodes, pa.string()),
+                       "Tcp_OutSegs": self.tcp_out.copy(), "Tcp_RetransSegs": self.tcp_re.copy()})
+        return {"gpu": gpu, "nvlink": nvl, "rdma_port": rd, "host_net": hn}
 
 
 def _load() -> str:
@@ -82,10 +111,11 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
     scorer = online.OnlineScorer(model, max_nodes=max(n_nodes, 1), max_pending_rows=10 * 20 * n_nodes)
     scorer.set_inventory(synthetic.inventory(nodes, leaf_of=lambda i: f"leaf-{i // 32}", job_of=lambda i: f"job-{i // 512}"))
     step0 = 29_666_000
+    cluster = _Cluster(nodes, rng)
     ingest_s, round_s, round_cpu, parts = [], [], [], []
     print(f"online, {n_nodes} nodes (8 GPUs, 8 HCAs each), {rounds} rounds, {_load()}:")
     for r in range(2 * rounds + 1):
-        tables = _step_tables(nodes, step0 + r, rng)
+        tables = cluster.tables(step0 + r)
         t0 = time.perf_counter()
         for name, t in tables.items():
             scorer.ingest(name, t)
@@ -138,7 +168,9 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
     t0 = time.perf_counter()
     model.estimator.predict_proba(X)
     tp = time.perf_counter() - t0
-    kind = "binned fast path" if model.fast_predictor is not None else "no fast path for this estimator"
+    fast_path = model.fast_predictor
+    kind = ("no fast path for this estimator" if fast_path is None else
+            "compiled tree walk" if fast_path.compiled else "binned fast path, numba missing")
     print(f"  predict {n_nodes} nodes ({kind}): {fast[1]:.0f} ms on 1 thread, {fast[2]:.0f} ms on 2; "
           f"the estimator's predict_proba {1000 * tp:.0f} ms; {_load()}")
 

@@ -350,7 +350,68 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     return np.swapaxes(out, 0, 1).astype(np.float32), state
 
 
+def _positions(s) -> np.ndarray:
+    return np.arange(len(SUM_IDX), dtype=np.int64)[s] if isinstance(s, slice) else np.asarray(s, dtype=np.int64)
+
+
+_KERNEL_INDEX = None   # the kernel's column positions, built on first use
+
+
 def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray:
+    """compute() for one step: the compiled kernel (predictor/kernels.py) when numba is there, else
+    the numpy path below; bit-identical (tests/test_predictor_skew.py runs both)."""
+    from foreshock.predictor import kernels
+
+    if not kernels.AVAILABLE or not USE_KERNELS:
+        return _compute_step_numpy(x, steps, state)
+    global _KERNEL_INDEX
+    if _KERNEL_INDEX is None:
+        _KERNEL_INDEX = tuple(np.asarray(a, dtype=np.int64) for a in (
+            SUM_IDX, _positions(S_COUNT), _positions(S_BASE), _positions(S_RISE), _positions(S_PEER),
+            GAUGE_IDX, SINCE_IDX))
+    n = x.shape[0]
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    out = np.empty((n, N_FEATURES), dtype=np.float32)
+    seen = state.seen + 1.0
+    den_base = 1.0 - (1.0 - EWMA_ALPHA) ** seen
+    den_recent = 1.0 - (1.0 - RECENT_ALPHA) ** seen
+    if state.gmax is None:
+        state.gmax = _SlidingMax(state.gring, state.ghead)
+    hist = np.ascontiguousarray(state.gmax.current())
+    for name in ("cum", "cumv", "z", "zr", "last_event"):   # updated in place by the kernel
+        a = getattr(state, name)
+        if not (a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float64):
+            setattr(state, name, np.array(a, dtype=np.float64))
+    h = state.head
+    kernels.run_rows(kernels.feature_step, n, kernel_threads(), (
+        x, *_KERNEL_INDEX, state.cum, state.cumv, state.ring, state.ringv, h, state.z, state.zr, den_base,
+        den_recent, hist, state.last_event, float(steps[0]), EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
+        STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
+    g = x[:, GAUGE_IDX]
+    state.head = (h + 1) % RING
+    state.gring[state.ghead] = g
+    state.ghead = (state.ghead + 1) % GRING
+    if not state.gmax.push(g):
+        state.gmax = None
+    state.seen = seen
+    return out[:, None, :]
+
+
+USE_KERNELS = True   # tests switch it off to compare the two paths
+
+
+def kernel_threads() -> int:
+    """Threads for the one-step kernel over many nodes: FORESHOCK_PREDICT_THREADS, else up to 2."""
+    import os
+
+    try:
+        n = int(os.environ.get("FORESHOCK_PREDICT_THREADS", "0"))
+    except ValueError:
+        n = 0
+    return n if n > 0 else min(2, os.cpu_count() or 1)
+
+
+def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray:
     """compute() for one step (the online scorer's every round): x [N, S] -> [N, 1, N_FEATURES].
 
     The same arithmetic on the same operands as the block path above, element by element, so the

@@ -125,6 +125,7 @@ class OnlineScorer:
         if len(samples):
             self._pending[table].append(samples)
             self._reduced[table].append(sg.reduce_steps(table, samples))
+            self._track_worst(table, [samples])   # here, not in the round: the round stays short
             self._pending_rows += len(samples)
             self._bound_pending()
         self.stats[f"rows_{table}"] += batch.num_rows
@@ -245,7 +246,6 @@ class OnlineScorer:
                            == sum(len(f) for f in frames)):
             self._pending[table], self._reduced[table] = [], []
             self._pending_rows -= sum(len(p) for p in parts)
-            self._track_worst(table, parts)
             return frames
         data = sg.Samples.concat(parts)
         done = data.step < close
@@ -260,7 +260,6 @@ class OnlineScorer:
         self._pending_rows -= n_done
         if not len(use):
             return []
-        self._track_worst(table, [use])
         return [sg.reduce_steps(table, use)]
 
     def _track_worst(self, table: str, parts: list[sg.Samples]) -> None:
@@ -283,7 +282,8 @@ class OnlineScorer:
             self._track_worst_rows(table, sg.Samples.concat(pick))
 
     def _track_worst_rows(self, table: str, samples: sg.Samples) -> None:
-        """Per node, the entity (GPU, port) with the most errors in the block, for "worst on GPU 3"."""
+        """Per node, the entity (GPU, port) with the most errors in its latest ingested rows with
+        errors, for "worst on GPU 3". Kept at ingest, so the scoring round does not pay for it."""
         done: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
         grouped = None
         for signal, (tbl, column, kind) in ex.ENTITY_SIGNALS.items():
@@ -299,10 +299,12 @@ class OnlineScorer:
                 if not ok.any():
                     done[column] = None
                 else:
-                    k, sm = keys[ok], sums[ok]
+                    k, sm = keys[ok], sums[ok]           # keys ascending, so nodes are grouped
                     nodes = k // sg.NODE_SHIFT
-                    first = np.lexsort((-sm, nodes))     # the largest sum; a tie: the smallest key
-                    first = first[sg._segments(nodes[first])]
+                    seg = sg._segments(nodes)
+                    top = np.repeat(np.maximum.reduceat(sm, seg), np.diff(np.append(seg, len(sm))))
+                    hit = np.flatnonzero(sm == top)      # the largest sum; a tie: the smallest key
+                    first = hit[sg._segments(np.searchsorted(seg, hit, side="right"))]
                     done[column] = (nodes[first], k[first])
             got = done[column]
             if got is not None:

@@ -18,11 +18,14 @@ Never pickle or joblib.
 Prediction (`LoadedModel.predict_proba`) takes a fast path for the estimator train.py builds
 (`[PriorShift(] CalibratedClassifierCV(sigmoid, FrozenEstimator(Pipeline(FeatureGuard, [TrendRatios,]
 HistGradientBoostingClassifier))) [)]`, any tree count; TrendRatios, a pure row function, is applied
-first): the columns the trees split on are binned
-once with the model's own bin thresholds (x <= threshold  <=>  bin <= bin threshold) into a small
-column-major uint8 matrix, and every tree walks it (scikit-learn's binned tree walker), one thread by
-default; then the same baseline-plus-trees sum, sigmoid and prior shift as scikit-learn, in the same
-order, so the probabilities are the estimator's own (tests/test_predictor_speedpaths.py). Anything
+first): the trees are flattened into node
+arrays that a compiled kernel walks (predictor/kernels.py, numba: raw thresholds and missing-value
+directions as scikit-learn's own predictor decides, the trend ratios computed inside the kernel,
+rows walked in blocks and in an order that groups similar rows, split over threads); without numba,
+the columns the trees split on are binned with the model's own bin thresholds (x <= threshold <=>
+bin <= bin threshold) into a column-major uint8 matrix that scikit-learn's binned walker reads. Then
+the same baseline-plus-trees sum, sigmoid and prior shift as scikit-learn, in the same order, so the
+probabilities are the estimator's own (tests/test_predictor_speedpaths.py). Anything
 else, or a model whose fast path disagrees with predict_proba on a probe matrix at load, uses the
 estimator's predict_proba.
 """
@@ -87,11 +90,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 def predict_threads() -> int:
     """Threads for a large prediction: FORESHOCK_PREDICT_THREADS, else up to 2 of the machine's CPUs
     (the walk over 10,000 nodes splits in two; more threads would take cores the service needs)."""
-    try:
-        n = int(os.environ.get("FORESHOCK_PREDICT_THREADS", "0"))
-    except ValueError:
-        n = 0
-    return n if n > 0 else min(2, os.cpu_count() or 1)
+    return ft.kernel_threads()
 
 
 @dataclass
@@ -161,6 +160,9 @@ class LoadedModel:
             return float(self.manifest["recommended_threshold"])
         return threshold_for_budget(self.manifest, budget if budget is not None
                                     else float(self.manifest.get("budget", 2.0)), model)
+
+
+USE_KERNELS = True   # tests switch it off to compare the compiled and the binned walks
 
 
 class _BinnedTrees:
@@ -261,11 +263,28 @@ class FastPredictor:
             if list(cc.classes) != list(estimator.classes_) or list(hgb.classes_) != list(estimator.classes_):
                 raise TypeError("classes differ")
             if id(hgb) not in compiled:
-                compiled[id(hgb)] = _BinnedTrees(hgb)
+                compiled[id(hgb)] = self._compile(hgb, trends)
             self.members.append((compiled[id(hgb)], cc.calibrators[0].a_, cc.calibrators[0].b_))
         if not self.members:
             raise TypeError("no calibrated classifiers")
         self._pool = None
+
+    def _compile(self, hgb, trends):
+        """The compiled walk (kernels.CompiledTrees: trend ratios fused, raw thresholds) when numba is
+        there, else scikit-learn's binned walker over _BinnedTrees."""
+        from foreshock.predictor import kernels
+
+        if kernels.AVAILABLE and USE_KERNELS:
+            try:
+                return kernels.CompiledTrees(hgb, trends)
+            except TypeError as exc:
+                log.info("model: no compiled tree walk (%s); using the binned walker", exc)
+        return _BinnedTrees(hgb)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the trees run in the compiled kernel (else scikit-learn's binned walker)."""
+        return type(self.members[0][0]).__name__ == "CompiledTrees"
 
     @classmethod
     def build(cls, estimator, n_features: int) -> "FastPredictor | None":
@@ -303,18 +322,21 @@ class FastPredictor:
             X[rng.random(self.PROBE_ROWS) < 0.1, f] = np.nan
         return X
 
-    def _p1(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _p1(self, X: np.ndarray, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
         from scipy.special import expit
 
         n = len(X)
-        if self.trends is not None:
-            X = self.trends.transform(X)
+        if self.compiled:
+            Xt = X   # the kernel computes the trend ratios it reads
+        else:
+            Xt = self.trends.transform(X) if self.trends is not None else X
         mean = np.zeros((n, 2))
         decisions = {}
         for trees, a, b in self.members:
             d = decisions.get(id(trees))
             if d is None:
-                d = decisions[id(trees)] = trees.decision(X)
+                d = decisions[id(trees)] = (trees.decision(Xt, threads=threads) if self.compiled
+                                            else trees.decision(Xt))
             p1 = expit(-(a * d + b))
             mean[:, 1] += p1
             mean[:, 0] += 1.0 - p1
@@ -323,6 +345,8 @@ class FastPredictor:
 
     def predict_proba(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
         X = np.asarray(X, dtype=np.float32)
+        if self.compiled:
+            return self._proba(X, threads)
         if threads > 1 and len(X) >= 2048:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -333,8 +357,8 @@ class FastPredictor:
             return np.concatenate(list(self._pool.map(self._proba, parts)))
         return self._proba(X)
 
-    def _proba(self, X: np.ndarray) -> np.ndarray:
-        p0, p1 = self._p1(X)
+    def _proba(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
+        p0, p1 = self._p1(X, threads)
         if self.prior_scale is None:
             return np.column_stack([p0, p1])
         p = np.clip(p1, 0.0, 1.0)

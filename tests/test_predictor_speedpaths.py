@@ -13,6 +13,7 @@ from sklearn.frozen import FrozenEstimator
 from threadpoolctl import threadpool_limits
 
 from foreshock.predictor import features as ft
+from foreshock.predictor import kernels
 from foreshock.predictor import model as mdl
 from foreshock.predictor import registry, signals, synthetic
 
@@ -104,7 +105,54 @@ def test_the_shipped_model_takes_the_fast_path():
     _check_same(model, X)
 
 
-def test_one_step_features_equal_block_features_in_any_mix():
+needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba not installed")
+
+
+@needs_numba
+def test_the_compiled_walk_is_the_binned_walk_bit_for_bit(monkeypatch):
+    model = registry.load_model()
+    assert model.fast_predictor.compiled       # the shipped model runs in the compiled kernel
+    rng = np.random.default_rng(8)
+    X = np.asarray(model.manifest["reference_features"], dtype=np.float32)[None].repeat(5000, axis=0)
+    X *= rng.lognormal(0.0, 2.0, X.shape).astype(np.float32)
+    X[rng.random(X.shape) < 0.1] = np.nan
+    X[:5] = np.inf
+    X[5:10] = 0.0
+    X = np.concatenate([X, model.fast_predictor.probe(X.shape[1])])   # on and around every threshold
+    compiled = model.fast_predictor
+    monkeypatch.setattr(registry, "USE_KERNELS", False)
+    binned = registry.FastPredictor(model.estimator)
+    assert not binned.compiled
+    want = binned.members[0][0].decision(model.fast_predictor.trends.transform(X))
+    for threads in (1, 2):
+        np.testing.assert_array_equal(compiled.members[0][0].decision(X, threads=threads), want)
+        np.testing.assert_array_equal(compiled.predict_proba(X, threads=threads), binned.predict_proba(X))
+    with pytest.raises(ValueError, match="features"):
+        compiled.members[0][0].decision(X[:, :10])
+
+
+@needs_numba
+def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(9)
+    n, s = 2500, len(ft.ALL_NAMES)                     # over run_rows' split: two threads write the state
+    states = {True: ft.FeatureState.empty(n), False: ft.FeatureState.empty(n)}
+    for step in range(75):                             # the rings wrap; the gauges' running maximum rebuilds
+        x = rng.poisson(0.3, (n, s)) * rng.choice([0.0, 1.0, 1000.0], (n, s), p=[0.3, 0.6, 0.1])
+        x[rng.random((n, s)) < 0.05] = np.nan
+        x[:50] = np.nan                                # nodes that report nothing
+        got = {}
+        for use in (True, False):
+            monkeypatch.setattr(ft, "USE_KERNELS", use)
+            got[use] = ft.compute(x[:, None].copy(), np.array([500 + step]), states[use])[0]
+        np.testing.assert_array_equal(got[True], got[False])
+    for name in ("cum", "cumv", "ring", "ringv", "gring", "z", "zr", "seen", "last_event"):
+        np.testing.assert_array_equal(getattr(states[True], name), getattr(states[False], name), err_msg=name)
+    assert states[True].head == states[False].head
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "numpy"])
+def test_one_step_features_equal_block_features_in_any_mix(use_kernels, monkeypatch):
+    monkeypatch.setattr(ft, "USE_KERNELS", use_kernels)
     rng = np.random.default_rng(5)
     n, t = 3, 140
     x = rng.poisson(0.4, (n, t, len(ft.ALL_NAMES))).astype(float) * 1.3

@@ -1,0 +1,320 @@
+"""Compiled kernels (numba) for the online scorer's hot path: the tree walk and the one-step features.
+
+Both reproduce, bit for bit, arithmetic that is also written in numpy (registry._BinnedTrees and
+scikit-learn's predict_proba for the trees, features._compute_step_numpy for the features): the same
+IEEE operations on the same float64/float32 operands in the same order, no fast-math, no fused
+multiply-add, and anything transcendental (the EWMA bias correction's power) computed by numpy
+outside the kernel. tests/test_predictor_speedpaths.py and tests/test_predictor_skew.py compare them.
+
+The kernels are `nogil`: callers split rows into blocks and run them on a thread pool (numba's own
+parallel layers are not safe to enter from several Python threads at once). Compiled once and cached
+on disk beside this file (numba's cache); `AVAILABLE` is False when numba cannot be imported, and
+the callers then use their numpy paths (slower, identical results).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+try:  # pragma: no cover - exercised by whichever environment runs the tests
+    import numba
+    AVAILABLE = True
+except Exception as exc:  # noqa: BLE001 - any import failure means: use the numpy paths
+    numba = None
+    AVAILABLE = False
+    log.info("numba unavailable (%s): the predictor uses its numpy paths", exc)
+
+
+def _njit(fn):
+    if numba is None:
+        return fn
+    return numba.njit(nogil=True, cache=True)(fn)
+
+
+_POOL = None
+
+
+def run_rows(fn, n: int, threads: int, args: tuple, min_rows: int = 2048) -> None:
+    """fn(*args, lo, hi) over rows 0..n, split into `threads` contiguous blocks run side by side
+    (the kernels release the GIL); one call on this thread when n is small or threads is 1."""
+    global _POOL
+    if threads <= 1 or n < min_rows:
+        fn(*args, 0, n)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _POOL is None or _POOL._max_workers < threads:
+        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="foreshock-kernel")
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+    futures = [_POOL.submit(fn, *args, int(bounds[k]), int(bounds[k + 1])) for k in range(threads)]
+    for f in futures:
+        f.result()
+
+
+# -- trees -------------------------------------------------------------------------------------------
+ROW_BLOCK = 64   # rows walked together: their used columns (64 x ~100 float32) stay in L1 with one tree
+
+
+@_njit
+def walk_trees(X, src, num, num_scale, den, den_scale, eps, feat, thr, mgl, child, value, starts,
+               baseline, rows, out, lo, hi):
+    """Raw scores of rows rows[lo..hi] of X: baseline + each tree's leaf value, added in tree order,
+    into out[rows[...]]. The caller orders `rows` so that similar rows are walked one after another:
+    they take the same branches, which the CPU then predicts (half the time on a mixed cluster).
+
+    X [n, F] float32. The trees read U used columns: src[j] >= 0 is column src[j] of X, src[j] < 0
+    the trend ratio q = -src[j] - 1, (X[num[q]] * num_scale[q] + eps) / (X[den[q]] * den_scale[q] + eps)
+    in float32 (model.TrendRatios). Nodes of all trees in one array, each tree breadth-first so that
+    a node's right child is its left child + 1: feat (used-column index), thr (the float64 threshold:
+    x <= thr goes left), mgl (1: a missing value goes left), child (left child; -1 at a leaf), value
+    (a leaf's value). starts[t] is tree t's root. As scikit-learn's raw-data predictor decides.
+    """
+    U = src.shape[0]
+    T = starts.shape[0]
+    K = ROW_BLOCK
+    ext = np.empty((K, U), dtype=np.float32)
+    acc = np.empty(K, dtype=np.float64)
+    for b0 in range(lo, hi, K):
+        m = min(K, hi - b0)
+        for k in range(m):
+            r = rows[b0 + k]
+            for j in range(U):
+                s = src[j]
+                if s >= 0:
+                    ext[k, j] = X[r, s]
+                else:
+                    q = -s - 1
+                    ext[k, j] = (X[r, num[q]] * num_scale[q] + eps) / (X[r, den[q]] * den_scale[q] + eps)
+            acc[k] = 0.0
+            acc[k] += baseline
+        for t in range(T):
+            root = starts[t]
+            for k in range(m):
+                nd = root
+                c = child[nd]
+                while c >= 0:
+                    x = ext[k, feat[nd]]
+                    if x != x:
+                        go_left = mgl[nd] != 0
+                    else:
+                        go_left = x <= thr[nd]
+                    nd = c if go_left else c + 1
+                    c = child[nd]
+                acc[k] += value[nd]
+        for k in range(m):
+            out[rows[b0 + k]] = acc[k]
+
+
+SORT_KEYS = 6        # the most common root split columns, by which rows are ordered for the walk
+SORT_MIN_ROWS = 512
+
+
+class CompiledTrees:
+    """One fitted binary HistGradientBoostingClassifier (numeric splits), with the TrendRatios step
+    before it if any, as flat node arrays for walk_trees."""
+
+    def __init__(self, hgb, trends=None):
+        if not AVAILABLE:
+            raise TypeError("numba unavailable")
+        if getattr(hgb, "n_trees_per_iteration_", None) != 1 or getattr(hgb, "_preprocessor", None) is not None:
+            raise TypeError("not a binary, numeric-only HistGradientBoostingClassifier")
+        trees = [it[0] for it in hgb._predictors]
+        if any((t.nodes["is_categorical"] & (t.nodes["is_leaf"] == 0)).any() for t in trees):
+            raise TypeError("categorical splits")
+        inner = [t.nodes["feature_idx"][t.nodes["is_leaf"] == 0] for t in trees]
+        self.columns = np.unique(np.concatenate(inner + [np.zeros(0, np.intp)])).astype(np.int64)
+        self.n_inputs = int(trends.n_features_in_) if trends is not None else None
+        if trends is not None:
+            n_in = self.n_inputs
+            if len(self.columns) and self.columns.max() >= n_in + len(trends.numerator_):
+                raise TypeError("a split on a column the trend ratios do not make")
+            self.src = np.where(self.columns < n_in, self.columns, -(self.columns - n_in) - 1).astype(np.int64)
+            self.trend_args = (np.asarray(trends.numerator_, dtype=np.int64),
+                               np.asarray(trends.numerator_scale_, dtype=np.float32),
+                               np.asarray(trends.denominator_, dtype=np.int64),
+                               np.asarray(trends.denominator_scale_, dtype=np.float32),
+                               np.float32(trends.eps))
+        else:
+            self.src = self.columns.copy()
+            self.trend_args = (np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
+                               np.zeros(0, np.float32), np.float32(0.0))
+        used = np.full(int(self.columns.max()) + 1 if len(self.columns) else 1, -1, dtype=np.int64)
+        used[self.columns] = np.arange(len(self.columns))
+        feat, thr, mgl, child, value, starts = [], [], [], [], [], []
+        offset = 0
+        for t in trees:
+            nodes = t.nodes
+            order, pos = [0], {0: 0}
+            q = 0
+            while q < len(order):   # breadth-first: the two children of a node are adjacent
+                o = order[q]
+                q += 1
+                if not nodes["is_leaf"][o]:
+                    for c in (int(nodes["left"][o]), int(nodes["right"][o])):
+                        pos[c] = len(order)
+                        order.append(c)
+            nn = nodes[np.asarray(order)]
+            leaf = nn["is_leaf"].astype(bool)
+            left = np.array([pos[int(v)] for v in nn["left"][~leaf]], dtype=np.int64)
+            ch = np.full(len(nn), -1, dtype=np.int64)
+            ch[~leaf] = left + offset
+            starts.append(offset)
+            feat.append(np.where(leaf, 0, used[np.where(leaf, self.columns[0] if len(self.columns) else 0,
+                                                        nn["feature_idx"])]))
+            thr.append(np.where(leaf, np.inf, nn["num_threshold"]))
+            mgl.append(np.where(leaf, 1, nn["missing_go_to_left"]))
+            child.append(ch)
+            value.append(nn["value"])
+            offset += len(nn)
+        cat = np.concatenate
+        self.feat = cat(feat).astype(np.int32)
+        self.thr = cat(thr).astype(np.float64)
+        self.mgl = cat(mgl).astype(np.uint8)
+        self.child = cat(child).astype(np.int32)
+        self.value = cat(value).astype(np.float64)
+        self.starts = np.asarray(starts, dtype=np.int32)
+        roots = np.bincount(self.feat[self.starts], minlength=len(self.columns))
+        self.sort_columns = [int(j) for j in np.argsort(-roots, kind="stable")[:SORT_KEYS] if roots[j] > 0]
+        inner_nodes = self.child >= 0
+        # per used column, its split thresholds (FastPredictor.probe puts rows on and around them)
+        finite = inner_nodes & np.isfinite(self.thr)
+        self.thresholds = [np.unique(self.thr[finite & (self.feat == j)]) for j in range(len(self.columns))]
+        base = np.asarray(hgb._baseline_prediction)
+        if base.shape != (1, 1):
+            raise TypeError("not a single-output model")
+        self.baseline = float(base[0, 0])
+        self.baseline_dtype = base.dtype
+
+    def decision(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
+        """Raw scores of X [n, F] (the pipeline's input, before trend ratios), as float64."""
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        if self.n_inputs is not None and X.shape[1] != self.n_inputs:
+            raise ValueError(f"X has {X.shape[1]} features; the model expects {self.n_inputs}")
+        if len(self.src) and X.shape[1] <= int(self.src[self.src >= 0].max(initial=-1)):
+            raise ValueError(f"X has {X.shape[1]} features; the trees read column {int(self.src.max())}")
+        out = np.empty(len(X), dtype=np.float64)
+        rows = self.walk_order(X)
+        run_rows(walk_trees, len(X), threads, (X, self.src, *self.trend_args, self.feat, self.thr, self.mgl,
+                                               self.child, self.value, self.starts, self.baseline, rows, out))
+        return out
+
+    def walk_order(self, X: np.ndarray) -> np.ndarray:
+        """Rows sorted by the columns most trees split on first (only the order of the walk changes,
+        never a result)."""
+        if len(X) < SORT_MIN_ROWS or not self.sort_columns:
+            return np.arange(len(X), dtype=np.int64)
+        num, num_scale, den, den_scale, eps = self.trend_args
+        keys = []
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            for j in reversed(self.sort_columns):          # np.lexsort: the last key is the primary one
+                s = int(self.src[j])
+                if s >= 0:
+                    keys.append(X[:, s])
+                else:
+                    q = -s - 1
+                    keys.append((X[:, num[q]] * num_scale[q] + eps) / (X[:, den[q]] * den_scale[q] + eps))
+        return np.lexsort([np.nan_to_num(k, nan=-np.inf) for k in keys]).astype(np.int64)
+
+
+# -- one-step features ----------------------------------------------------------------------------
+@_njit
+def feature_step(x, sum_idx, cnt_pos, base_pos, rise_pos, peer_pos, gauge_idx, since_idx,
+                 cum, cumv, ring, ringv, head, z, zr, den_base, den_recent, hist, last_event, st,
+                 ewma_alpha, recent_alpha, eps, minutes_per_step, since_cap, out, lo, hi):
+    """features._compute_step_numpy for nodes lo..hi, written per node; updates the state rows of those
+    nodes in place (cum, cumv, ring[head], ringv[head], z, zr, last_event). den_base/den_recent are the
+    EWMA bias corrections (1 - (1 - alpha) ** seen), computed by numpy; hist the gauges' carried maximum."""
+    R = ring.shape[0]
+    K = sum_idx.shape[0]
+    h5 = (head - 5) % R
+    h25 = (head - 25) % R
+    h30 = head % R
+    nan = np.nan
+    xs = np.empty(K)
+    vs = np.empty(K)
+    c = np.empty(K)
+    cv = np.empty(K)
+    for i in range(lo, hi):
+        for j in range(K):
+            v = x[i, sum_idx[j]]
+            if v != v:
+                xs[j] = 0.0
+                vs[j] = 0.0
+            else:
+                xs[j] = v
+                vs[j] = 1.0
+            c[j] = cum[i, j] + xs[j]
+            cv[j] = cumv[i, j] + vs[j]
+        col = 0
+        for q in range(cnt_pos.shape[0]):
+            j = cnt_pos[q]
+            out[i, col] = xs[j] if vs[j] != 0.0 else nan
+            n5 = cv[j] - ringv[h5, i, j]
+            out[i, col + 1] = (c[j] - ring[h5, i, j]) if n5 > 0 else nan
+            n30 = cv[j] - ringv[h30, i, j]
+            out[i, col + 2] = (c[j] - ring[h30, i, j]) if n30 > 0 else nan
+            col += 3
+        nb = base_pos.shape[0]
+        for q in range(nb):
+            j = base_pos[q]
+            xb = xs[j]
+            y = ewma_alpha * xb + z[i, q]
+            yr = recent_alpha * xb + zr[i, q]
+            baseline = y / den_base[i]
+            recent = yr / den_recent[i]
+            z[i, q] = (1.0 - ewma_alpha) * y
+            zr[i, q] = (1.0 - recent_alpha) * yr
+            nb30 = cv[j] - ringv[h30, i, j]
+            b30 = c[j] - ring[h30, i, j]
+            rate30 = b30 / max(nb30, 1.0) if nb30 > 0 else nan
+            base_eps = baseline + eps
+            out[i, col + q] = (rate30 + eps) / base_eps
+            out[i, col + nb + q] = (recent + eps) / base_eps
+        col += 2 * nb
+        for q in range(gauge_idx.shape[0]):
+            g = x[i, gauge_idx[q]]
+            hv = hist[i, q]
+            if hv != hv:
+                gm = g
+            elif g != g:
+                gm = hv
+            else:
+                gm = g if g >= hv else hv
+            out[i, col] = g
+            out[i, col + 1] = gm
+            col += 2
+        for q in range(rise_pos.shape[0]):
+            j = rise_pos[q]
+            ra = c[j] - ring[h5, i, j]
+            rn = cv[j] - ringv[h5, i, j]
+            old_a = ring[h25, i, j] - ring[h30, i, j]
+            old_n = ringv[h25, i, j] - ringv[h30, i, j]
+            out[i, col] = (ra / rn - old_a / old_n) if (rn > 0 and old_n > 0) else nan
+            col += 1
+        for q in range(since_idx.shape[0]):
+            v = x[i, since_idx[q]]
+            last = last_event[i, q]
+            if v > 0 and st > last:   # nan_to_num(NaN) = 0: not an event
+                last = st
+            last_event[i, q] = last
+            out[i, col] = min((st - last) * minutes_per_step, since_cap)
+            col += 1
+        for q in range(peer_pos.shape[0]):
+            j = peer_pos[q]
+            pn5 = cv[j] - ringv[h5, i, j]
+            pn30 = cv[j] - ringv[h30, i, j]
+            out[i, col] = ((c[j] - ring[h5, i, j]) / max(pn5, 1.0)) if pn5 > 0 else nan
+            out[i, col + 1] = ((c[j] - ring[h30, i, j]) / max(pn30, 1.0)) if pn30 > 0 else nan
+            col += 2
+        for j in range(K):
+            cum[i, j] = c[j]
+            cumv[i, j] = cv[j]
+            ring[head, i, j] = c[j]
+            ringv[head, i, j] = cv[j]
+
+
+__all__ = ["AVAILABLE", "CompiledTrees", "walk_trees", "feature_step"]
