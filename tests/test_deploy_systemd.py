@@ -115,5 +115,10 @@ def test_unit_sandbox_and_restart(unit):
     state = "/var/lib/" + service["StateDirectory"]
     assert service["ReadWritePaths"] == state, "the only writable path is the unit's own state directory"
     assert service["EnvironmentFile"].startswith("-/etc/foreshock/")
-    assert service["Environment"] == "FORESHOCK_CONFIG=/etc/foreshock/foreshock.toml"
+    env = re.findall(r"^Environment=(.+)$", (SYSTEMD / unit).read_text(), re.M)
+    assert env[0] == "FORESHOCK_CONFIG=/etc/foreshock/foreshock.toml"
+    if "CacheDirectory" in service:   # the serve unit's compiled-kernel cache: systemd's own cache dir
+        assert env[1:] == ["NUMBA_CACHE_DIR=/var/cache/" + service["CacheDirectory"]]
+    else:
+        assert env[1:] == []
     assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
