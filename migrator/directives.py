@@ -161,6 +161,18 @@ class DirectiveBook:
         self._pending.pop(directive_id, None)
         self.done.add(directive_id)
 
+    def expire(self, wall_now: float, keep: Iterable[str] = ()) -> list[Directive]:
+        """Drop the pending directives whose deadline (seconds since the epoch) has passed, except those
+        in `keep` (already agreed by every rank: their switch goes ahead); they count as done. A rank
+        that drops one stops standing for it, so no rank can agree on it afterwards (decide() needs
+        all), whatever moment each rank's clock says it expired."""
+        keep = set(keep)
+        gone = [d for did, d in self._pending.items()
+                if d.deadline is not None and d.deadline < wall_now and did not in keep]
+        for d in gone:
+            self.finish(d.directive_id)
+        return gone
+
     def control(self, next_completed_step: int) -> tuple[list[float], Directive | None]:
         """This rank's contribution, given the step count after the step now running completes, and
         the candidate it stands for (decide() must be given that same candidate, not a later one)."""

@@ -307,6 +307,13 @@ class Migrator:
                 self.book.offer(d)
         except Exception as exc:  # noqa: BLE001 - a broken source must not stop training
             log.warning("directive source failed: %r", exc)
+        # a directive not agreed by its deadline is stale (the node may have failed or recovered
+        # since): dropped and reported failed, so that the service decides again
+        for d in self.book.expire(time.time(), keep=self._accepted):
+            log.warning("directive %s passed its deadline before every rank agreed; dropped", d.directive_id)
+            if self._is_switch_coordinator(d):
+                self._ack(d, AckPhase.FAILED, reason=f"deadline passed at step {self.step} before every "
+                                                     f"rank agreed; not acted on")
 
     def _ack(self, d: Directive, phase: AckPhase, reason: str = "", phase_seconds: float = 0.0) -> None:
         if self._source is None:

@@ -100,6 +100,21 @@ def test_book_acts_once_on_a_directive_delivered_many_times():
     assert not heir.offer(_d("a")) and heir.candidate() is None
 
 
+def test_book_drops_directives_past_their_deadline_unless_agreed():
+    book = DirectiveBook()
+    late = Directive("late", DirectiveKind.EVACUATE, (1,), "a", "b", at_step=5, deadline=100.0)
+    agreed = Directive("agreed", DirectiveKind.EVACUATE, (2,), "c", "d", at_step=9, deadline=100.0)
+    timely = Directive("timely", DirectiveKind.EVACUATE, (3,), "e", "f", at_step=7, deadline=200.0)
+    for d in (late, agreed, timely):
+        book.offer(d)
+    assert book.expire(99.0) == []                          # nothing is due yet
+    assert book.expire(150.0, keep={"agreed"}) == [late]    # an agreed switch goes ahead
+    assert book.get("late") is None and "late" in book.done
+    assert not book.offer(late)                             # a redelivery is not taken again
+    assert book.candidate() == timely and book.get("agreed") == agreed
+    assert [d.directive_id for d in book.expire(250.0)] == ["agreed", "timely"]
+
+
 def test_book_cancel_and_order():
     book = DirectiveBook()
     book.offer(_d("late", at=50))

@@ -247,6 +247,9 @@ def fault_group(tmp_path_factory):
         local.wait_progress(5, timeout=90)
         publish_directive(local.store, "local", Directive("bogus", DirectiveKind.EVACUATE, (7,), "nowhere", SPARE,
                                                           at_step=0, reason="test: stale placement"))
+        publish_directive(local.store, "local", Directive("expired", DirectiveKind.EVACUATE, (3,), NODES[3], SPARE,
+                                                          at_step=0, reason="test: too late",
+                                                          deadline=time.time() - 1.0))
         local.wait_progress(15, timeout=90)
         publish_directive(local.store, "local", Directive("good", DirectiveKind.EVACUATE, (3,), NODES[3], SPARE,
                                                           at_step=local.progress() + 2, reason="test: local"))
@@ -264,8 +267,8 @@ def fault_group(tmp_path_factory):
         cancel_plane.jobs.cancel(cancel_id, "test: risk cleared")
         codes = {name: job.wait(timeout=120) for name, job in jobs.items()}
         local_acks = {k: local.store.check([f"foreshock/local/directives/ack/{k}"])
-                      for k in ("bogus/failed", "bogus/completed", "good/accepted", "good/state_transferred",
-                                "good/completed")}
+                      for k in ("bogus/failed", "bogus/completed", "expired/failed", "expired/accepted",
+                                "good/accepted", "good/state_transferred", "good/completed")}
         listed = {n: {d.directive_id: d for d in p.jobs.list(n)} for n, (p, _) in planes.items()}
         acks = {n: p.store.acks(directives[n].directive_id) for n, (p, _) in planes.items()}
         yield {"codes": codes, "results": {n: _by_name(j.results()) for n, j in jobs.items()},
@@ -359,7 +362,9 @@ def test_without_a_service_store_directives_bad_one_rejected_good_one_done(fault
     assert "do not match placement" in res["rank0"]["changes"][0]["reason"]
     spare = res[f"spare-{SPARE}"]
     assert _steps(res["rank3"]) + _steps(spare) == list(range(STEPS))
-    assert fault_group["local_acks"] == {"bogus/failed": True, "bogus/completed": False, "good/accepted": True,
+    # past its deadline on arrival: dropped by every rank, reported failed, never acted on
+    assert fault_group["local_acks"] == {"bogus/failed": True, "bogus/completed": False, "expired/failed": True,
+                                         "expired/accepted": False, "good/accepted": True,
                                          "good/state_transferred": True, "good/completed": True}
 
 
