@@ -317,4 +317,31 @@ def feature_step(x, sum_idx, cnt_pos, base_pos, rise_pos, peer_pos, gauge_idx, s
             ringv[head, i, j] = cv[j]
 
 
-__all__ = ["AVAILABLE", "CompiledTrees", "walk_trees", "feature_step"]
+@_njit
+def group_totals(codes, present, own, cnt_out, tot_out, nz_out):
+    """online.group_totals_lookup's numpy (bincount) arithmetic as loops: the same additions in the
+    same (node) order, so the same sums. codes [N] (-1: no group), present [N], own [N, C]."""
+    n, nc = own.shape
+    g = 1
+    for i in range(n):
+        if codes[i] + 1 > g:
+            g = codes[i] + 1
+    cnt = np.zeros(g)
+    tot = np.zeros((g, nc))
+    nz = np.zeros((g, nc))
+    for i in range(n):
+        c = codes[i]
+        if c >= 0 and present[i]:
+            cnt[c] += 1.0
+            for k in range(nc):
+                tot[c, k] += own[i, k]
+                nz[c, k] += 1.0 if own[i, k] > 0 else 0.0
+    for i in range(n):
+        c = codes[i] if codes[i] >= 0 else 0
+        cnt_out[i] = cnt[c]
+        for k in range(nc):
+            tot_out[i, k] = tot[c, k]
+            nz_out[i, k] = nz[c, k]
+
+
+__all__ = ["AVAILABLE", "CompiledTrees", "walk_trees", "feature_step", "group_totals"]

@@ -85,6 +85,7 @@ class OnlineScorer:
         self._next_step: int | None = None
         self._features = np.zeros((0, ft.N_FEATURES), dtype=np.float32)
         self._scored = np.zeros(0, dtype=bool)
+        self._scored_names: tuple[np.ndarray, list[str]] | None = None   # (indices, names) last scored
         self._labels: dict[str, dict[str, str | None]] = {}
         self._group_codes: dict[str, dict[str, int]] = {g: {} for g in ft.PEER_GROUPS}
         self._code_arrays: dict[str, np.ndarray] | None = None   # per group, per node; rebuilt on change
@@ -319,7 +320,10 @@ class OnlineScorer:
         t0 = time.perf_counter()
         self.advance(now_ns)
         idx = np.flatnonzero(self._scored)
-        nodes = [self._nodes[i] for i in idx]
+        cached = self._scored_names
+        if cached is None or not np.array_equal(cached[0], idx):
+            cached = self._scored_names = (idx, [self._nodes[i] for i in idx.tolist()])
+        nodes = list(cached[1])   # the scored nodes seldom change between rounds
         X = self._features[idx]
         prob = (self.model.probability(X) if len(X) else np.zeros(0)).astype(np.float64)
         signals: list[list[Signal]] = [[] for _ in nodes]
@@ -349,6 +353,14 @@ class OnlineScorer:
 
 def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray):
     """Per node: its group's (count, total [3], nonzero [3]) over the nodes present, self included."""
+    from foreshock.predictor import kernels
+
+    if kernels.AVAILABLE and ft.USE_KERNELS and len(codes):
+        n = len(codes)
+        cnt, tot, nz = np.empty(n), np.empty((n, own.shape[1])), np.empty((n, own.shape[1]))
+        kernels.group_totals(np.ascontiguousarray(codes, dtype=np.int64), np.ascontiguousarray(present),
+                             np.ascontiguousarray(own, dtype=np.float64), cnt, tot, nz)
+        return cnt, tot, nz
     ok = (codes >= 0) & present
     g = int(codes.max()) + 1 if len(codes) and codes.max() >= 0 else 1
     cnt = np.bincount(codes[ok], minlength=g).astype(np.float64)

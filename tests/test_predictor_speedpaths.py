@@ -300,3 +300,20 @@ def test_dataset_hash_is_remembered_only_for_the_same_files(tmp_path):
     (part / "x.parquet").write_bytes(b"two!")
     os.utime(part / "x.parquet", ns=(1, 1))
     assert offline.dataset_hash(tmp_path) == hashlib.sha256(b"table=gpu/date=2026-01-05/node=a/x.parquet\0two!").hexdigest()
+
+
+@needs_numba
+def test_group_totals_kernel_is_the_bincount_path(monkeypatch):
+    from foreshock.predictor import online
+
+    rng = np.random.default_rng(10)
+    for n in (1, 7, 3000):
+        codes = rng.integers(-1, 40, n)                # -1: a node without a leaf/job/site label
+        present = rng.random(n) < 0.9
+        own = (rng.poisson(2, (n, 3)) * rng.choice([0.0, 1.0, 1e6], (n, 3))).astype(float)
+        got = online.group_totals_lookup(codes, present, own)
+        monkeypatch.setattr(ft, "USE_KERNELS", False)
+        want = online.group_totals_lookup(codes, present, own)
+        monkeypatch.setattr(ft, "USE_KERNELS", True)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
