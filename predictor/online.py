@@ -78,6 +78,9 @@ class OnlineScorer:
         # beside each pending part, its own reduction to (node, step) signals, done at ingest so the
         # scoring round only joins them (None: reduce at the round)
         self._reduced: dict[str, list[sg.StepSignals | None]] = collections.defaultdict(list)
+        # per (table, step) still open, every part's reduction merged as it arrives (_StepAccumulator):
+        # a collector streaming once a second sends 60 parts a step, and the round then takes one frame
+        self._acc: dict[tuple[str, int], _StepAccumulator] = {}
         self._pending_rows = 0
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
@@ -124,10 +127,16 @@ class OnlineScorer:
                 self.stats["late_rows"] += int(late.sum())
                 samples = samples.select(~late)
         if len(samples):
-            self._pending[table].append(samples)
-            self._reduced[table].append(sg.reduce_steps(table, samples))
             self._track_worst(table, [samples])   # here, not in the round: the round stays short
-            self._pending_rows += len(samples)
+            for part in _by_step(samples):
+                reduced = sg.reduce_steps(table, part)
+                self._pending[table].append(part)
+                self._reduced[table].append(reduced)
+                acc = self._acc.get((table, int(part.step[0])))
+                if acc is None:
+                    acc = self._acc[(table, int(part.step[0]))] = _StepAccumulator(table, len(self._nodes))
+                acc.merge(reduced, part)
+                self._pending_rows += len(part)
             self._bound_pending()
         self.stats[f"rows_{table}"] += batch.num_rows
         return batch.num_rows
@@ -162,6 +171,10 @@ class OnlineScorer:
                 break
             dropped = self._pending[table].pop(0)
             self._reduced[table].pop(0)
+            for step in np.unique(dropped.step).tolist():   # its rows are in the step's sums: redo them
+                acc = self._acc.get((table, int(step)))
+                if acc is not None:
+                    acc.valid = False
             self._pending_rows -= len(dropped)
             self.stats["dropped_pending_rows"] += len(dropped)
             log.warning("online scorer: pending rows over %d; dropped %d oldest %s rows",
@@ -235,19 +248,28 @@ class OnlineScorer:
     def _close_table(self, table: str, parts: list[sg.Samples], reduced: list, close: int) -> list[sg.StepSignals]:
         """The (node, step) signals of one table's rows of the closing steps; the rest stays pending.
 
-        A part wholly inside the closing steps contributes its reduction from ingest; if two parts
-        reduced the same (node, step) (an entity's rows split across batches), or a part straddles
-        the boundary, the closing rows are reduced together here, exactly as one batch would be.
+        Parts are one step each (ingest splits a batch that spans two) and every part's reduction
+        was merged into its step's _StepAccumulator as it arrived, so a closing step is one frame
+        per table whatever the batching. Only when the pending-rows bound dropped rows of a step, or
+        steps were skipped, are the closing rows reduced together here, exactly as one batch would be.
         """
         lo = self._next_step
-        whole = [r is not None and len(p) > 0 and int(p.step.min()) >= lo and int(p.step.max()) < close
-                 for p, r in zip(parts, reduced)]
-        frames = [r for r, w in zip(reduced, whole) if w]
-        if all(whole) and (len(frames) == 1 or len(np.unique(np.concatenate([f.keys for f in frames])))
-                           == sum(len(f) for f in frames)):
-            self._pending[table], self._reduced[table] = [], []
-            self._pending_rows -= sum(len(p) for p in parts)
-            return frames
+        first = [int(p.step.min()) if len(p) else close for p in parts]
+        single = all(len(p) == 0 or int(p.step.max()) == f for p, f in zip(parts, first))   # _by_step's parts
+        closing = sorted({f for f in first if f < close})
+        accs = [self._acc.get((table, step)) for step in closing]
+        if single and all(step >= lo for step in closing) and all(a is not None and a.valid for a in accs):
+            frames = [a.frame(step, len(self._nodes)) for a, step in zip(accs, closing)]
+            for step in closing:
+                del self._acc[(table, step)]
+            keep = [i for i, f in enumerate(first) if f >= close]
+            self._pending_rows -= sum(len(p) for p, f in zip(parts, first) if f < close)
+            self._pending[table] = [parts[i] for i in keep]
+            self._reduced[table] = [reduced[i] for i in keep]
+            return [f for f in frames if len(f)]
+        for key in [k for k in self._acc if k[0] == table and k[1] < close]:
+            del self._acc[key]
+        self.stats["steps_reduced_again"] += 1   # rows dropped by the bound, or steps skipped
         data = sg.Samples.concat(parts)
         done = data.step < close
         old = data.step < lo
@@ -256,8 +278,8 @@ class OnlineScorer:
             self.stats["late_rows"] += n_old
         use = data if n_done == len(data) and not n_old else data.select(done & ~old)
         rest = sg.Samples.empty() if n_done == len(data) else data.select(~done)
-        self._pending[table] = [rest] if len(rest) else []
-        self._reduced[table] = [None] if len(rest) else []
+        self._pending[table] = list(_by_step(rest)) if len(rest) else []
+        self._reduced[table] = [sg.reduce_steps(table, p) for p in self._pending[table]]
         self._pending_rows -= n_done
         if not len(use):
             return []
@@ -371,3 +393,99 @@ def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray)
         nz[:, c] = np.bincount(codes[ok], weights=(own[ok, c] > 0).astype(np.float64), minlength=g)
     safe = np.where(codes >= 0, codes, 0)
     return cnt[safe], tot[safe], nz[safe]
+
+
+def _by_step(samples: sg.Samples) -> list[sg.Samples]:
+    """The rows of each step apart (a batch seldom spans two steps: one taken at a step boundary)."""
+    if len(samples) == 0:
+        return []
+    if samples.step.min() == samples.step.max():
+        return [samples]
+    return [samples.select(samples.step == s) for s in np.unique(samples.step).tolist()]
+
+
+class _StepAccumulator:
+    """One table's open step: the (node) signals of every part merged as parts arrive.
+
+    reduce_steps is exact whatever the batching (its sums are of integer-valued columns, max and min
+    are order-free), so merging parts' reductions gives what one reduction of all the rows gives:
+    sums add (unknown only if unknown in every part), maxima and minima combine with fmax/fmin. A
+    per-entity maximum of sums ("emax": the worst GPU's count) cannot be merged from node values, so
+    each entity's partial sum and count are kept too and the maximum is taken when the step closes.
+    Dense arrays by node and entity code: merging a part costs the part's size.
+    """
+
+    def __init__(self, table: str, n_nodes: int):
+        self.table = table
+        self.spec = sg.REDUCTIONS[table]
+        self.names = tuple(sig for sig, _, _ in self.spec)
+        self.vals = np.full((max(n_nodes, 1), len(self.spec)), np.nan)
+        self.touched = np.zeros(max(n_nodes, 1), dtype=bool)
+        # per emax column: [node, entity code] sum and count of known values (entity codes are shared
+        # across nodes: GPU 3 has one code on every node)
+        self.entity = {j: [np.zeros((0, 0)), np.zeros((0, 0))]
+                       for j, (_sig, _col, how) in enumerate(self.spec) if how == "emax"}
+        self._column_of = np.zeros(0, dtype=np.int64)   # entity code -> column (-1: none yet)
+        self._columns = 0
+        self.valid = True
+
+    def _grow_nodes(self, n: int) -> None:
+        if n > len(self.touched):
+            add = n - len(self.touched)
+            self.vals = np.concatenate([self.vals, np.full((add, self.vals.shape[1]), np.nan)])
+            self.touched = np.concatenate([self.touched, np.zeros(add, dtype=bool)])
+
+    def merge(self, reduced: sg.StepSignals, part: sg.Samples) -> None:
+        if len(reduced) == 0:
+            return
+        nodes = reduced.keys // sg.STEP_SHIFT
+        self._grow_nodes(int(nodes.max()) + 1)
+        for j, (_sig, _column, how) in enumerate(self.spec):
+            if how == "emax":
+                continue
+            cur, new = self.vals[nodes, j], reduced.values[:, j]
+            if how == "sum":
+                self.vals[nodes, j] = np.where(np.isnan(cur), new, np.where(np.isnan(new), cur, cur + new))
+            elif how == "max":
+                self.vals[nodes, j] = np.fmax(cur, new)
+            else:
+                self.vals[nodes, j] = np.fmin(cur, new)
+        self.touched[nodes] = True
+        if self.entity:
+            keys, starts, order = sg.group_keys(part.key)
+            node, code = keys // sg.NODE_SHIFT, keys % sg.NODE_SHIFT
+            # entity codes count every table's entities; this table's few get columns of their own
+            if int(code.max()) >= len(self._column_of):
+                self._column_of = np.concatenate([self._column_of, np.full(int(code.max()) + 1 - len(self._column_of), -1)])
+            fresh = np.unique(code[self._column_of[code] < 0])
+            self._column_of[fresh] = self._columns + np.arange(len(fresh))
+            self._columns += len(fresh)
+            code = self._column_of[code]
+            for j, acc in self.entity.items():
+                v = part.cols[self.spec[j][1]]
+                v = v if order is None else v[order]
+                known = ~np.isnan(v)
+                total = np.add.reduceat(np.where(known, v, 0.0), starts)
+                count = np.add.reduceat(known.astype(np.float64), starts)
+                rows = max(acc[0].shape[0], int(node.max()) + 1)
+                cols = max(acc[0].shape[1], int(code.max()) + 1)
+                if (rows, cols) != acc[0].shape:
+                    for k in (0, 1):
+                        grown = np.zeros((rows, cols))
+                        grown[:acc[k].shape[0], :acc[k].shape[1]] = acc[k]
+                        acc[k] = grown
+                acc[0][node, code] += total     # one row per entity after grouping: plain fancy adds
+                acc[1][node, code] += count
+
+    def frame(self, step: int, n_nodes: int) -> sg.StepSignals:
+        """The step's signals of every node that reported in it, as reduce_steps gives them."""
+        self._grow_nodes(n_nodes)
+        idx = np.flatnonzero(self.touched)
+        values = self.vals[idx]
+        for j, (total, count) in self.entity.items():
+            worst = np.full(len(self.touched), np.nan)
+            if total.size:
+                # an entity with no known value is unknown; never seen entities have count 0 too
+                worst[:len(total)] = np.fmax.reduce(np.where(count > 0, total, np.nan), axis=1)
+            values[:, j] = worst[idx]
+        return sg.StepSignals(idx.astype(np.int64) * sg.STEP_SHIFT + int(step), self.names, values)

@@ -248,6 +248,7 @@ def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path)
                     scorer.ingest(name, rows(name, a, b))
             batch = scorer.score(lo + step_ns + 6_000_000_000)
             feats.append(np.stack([scorer.features_of(n) for n in nodes]))
+        assert scorer.stats["steps_reduced_again"] == 0   # the parts' reductions were merged
         return np.stack(feats), batch
 
     whole, b1 = run(lambda lo, hi: [(lo, hi)])
@@ -265,6 +266,10 @@ def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path)
         scorer.score(lo + step_ns + 6_000_000_000)
         straddled.append(np.stack([scorer.features_of(n) for n in nodes]))
     np.testing.assert_array_equal(np.stack(straddled), whole)
+    assert scorer.stats["steps_reduced_again"] == 0
+    # a collector's once-a-second batches: every sample of a step a batch of its own
+    sweeps, _ = run(lambda lo, hi: [(a, a + 20_000_000_000) for a in range(lo, hi, 20_000_000_000)])
+    np.testing.assert_array_equal(sweeps, whole)
     assert np.isfinite(whole[-1]).any()
     assert [s.description for s in b2.signals[1]] == [s.description for s in b1.signals[1]]
 
