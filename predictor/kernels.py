@@ -344,4 +344,23 @@ def group_totals(codes, present, own, cnt_out, tot_out, nz_out):
             nz_out[i, k] = nz[c, k]
 
 
-__all__ = ["AVAILABLE", "CompiledTrees", "walk_trees", "feature_step", "group_totals"]
+_WARM = False
+
+
+def warm_up() -> None:
+    """Load (or compile) the feature and peer kernels now, on a one-node throwaway state: the
+    service's first scoring round would otherwise pay it (numba loads its cache on first call,
+    0.3-0.6 s; a first compile takes seconds). The tree walk is loaded with the model (its probe)."""
+    global _WARM
+    if _WARM or not AVAILABLE:
+        return
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import online
+
+    state = ft.FeatureState.empty(1)
+    ft._compute_step(np.zeros((1, len(ft.ALL_NAMES))), np.array([0]), state)
+    online.group_totals_lookup(np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros((1, 3)))
+    _WARM = True
+
+
+__all__ = ["AVAILABLE", "CompiledTrees", "walk_trees", "feature_step", "group_totals", "warm_up"]

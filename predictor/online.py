@@ -81,6 +81,7 @@ class OnlineScorer:
         # per (table, step) still open, every part's reduction merged as it arrives (_StepAccumulator):
         # a collector streaming once a second sends 60 parts a step, and the round then takes one frame
         self._acc: dict[tuple[str, int], _StepAccumulator] = {}
+        self._part_steps: dict[str, list[int]] = collections.defaultdict(list)   # each pending part's step
         self._pending_rows = 0
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
@@ -95,6 +96,9 @@ class OnlineScorer:
         # per explained signal, each node's worst entity key (-1: none yet); labels made when explained
         self._worst = {signal: np.zeros(0, dtype=np.int64) for signal in ex.ENTITY_SIGNALS}
         self.stats = collections.Counter()
+        from foreshock.predictor import kernels
+        kernels.warm_up()   # the first round is not the one that loads the compiled kernels ...
+        getattr(model, "fast_predictor", None)   # ... or builds and checks the model's fast path
 
     # -- input -----------------------------------------------------------------------------------
     def ingest(self, table: str, batch: pa.Table) -> int:
@@ -132,6 +136,7 @@ class OnlineScorer:
                 reduced = sg.reduce_steps(table, part)
                 self._pending[table].append(part)
                 self._reduced[table].append(reduced)
+                self._part_steps[table].append(int(part.step[0]))
                 acc = self._acc.get((table, int(part.step[0])))
                 if acc is None:
                     acc = self._acc[(table, int(part.step[0]))] = _StepAccumulator(table, len(self._nodes))
@@ -171,6 +176,7 @@ class OnlineScorer:
                 break
             dropped = self._pending[table].pop(0)
             self._reduced[table].pop(0)
+            self._part_steps[table].pop(0)
             for step in np.unique(dropped.step).tolist():   # its rows are in the step's sums: redo them
                 acc = self._acc.get((table, int(step)))
                 if acc is not None:
@@ -254,11 +260,10 @@ class OnlineScorer:
         steps were skipped, are the closing rows reduced together here, exactly as one batch would be.
         """
         lo = self._next_step
-        first = [int(p.step.min()) if len(p) else close for p in parts]
-        single = all(len(p) == 0 or int(p.step.max()) == f for p, f in zip(parts, first))   # _by_step's parts
+        first = self._part_steps[table]          # every pending part is one step (_by_step)
         closing = sorted({f for f in first if f < close})
         accs = [self._acc.get((table, step)) for step in closing]
-        if single and all(step >= lo for step in closing) and all(a is not None and a.valid for a in accs):
+        if all(step >= lo for step in closing) and all(a is not None and a.valid for a in accs):
             frames = [a.frame(step, len(self._nodes)) for a, step in zip(accs, closing)]
             for step in closing:
                 del self._acc[(table, step)]
@@ -266,6 +271,7 @@ class OnlineScorer:
             self._pending_rows -= sum(len(p) for p, f in zip(parts, first) if f < close)
             self._pending[table] = [parts[i] for i in keep]
             self._reduced[table] = [reduced[i] for i in keep]
+            self._part_steps[table] = [first[i] for i in keep]
             return [f for f in frames if len(f)]
         for key in [k for k in self._acc if k[0] == table and k[1] < close]:
             del self._acc[key]
@@ -280,6 +286,7 @@ class OnlineScorer:
         rest = sg.Samples.empty() if n_done == len(data) else data.select(~done)
         self._pending[table] = list(_by_step(rest)) if len(rest) else []
         self._reduced[table] = [sg.reduce_steps(table, p) for p in self._pending[table]]
+        self._part_steps[table] = [int(p.step[0]) for p in self._pending[table]]
         self._pending_rows -= n_done
         if not len(use):
             return []
