@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from foreshock.service.ingest import _CHECKS, _EOS, Ingest, IngestLimits, Pending, RawBatch
 from foreshock.service.nodes import NodeBook
@@ -135,6 +136,9 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
     # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
     ingest = Ingest(book, lambda p: 0, limits=IngestLimits(**limits))
     conn.send_bytes(pickle.dumps(("ready", scorer.model_version)))
+    # Rows of the still-open step that came with a scoring request: held back until the answer is
+    # sent (the step that closes does not need them) and taken first at the next request.
+    held: list[tuple[str, pa.Table]] = []
     while True:
         try:
             msg = conn.recv_bytes()
@@ -162,12 +166,18 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
             else:
                 tables[name] = t
         ingest_errors = 0
-        for name, data in tables.items():
+        now_tables = list(tables.items())
+        if req.get("score"):
+            now_tables, later = _split_at_close(now_tables, now_ns, scorer)
+        else:
+            later = []
+        for name, data in held + now_tables:
             try:
                 scorer.ingest(name, data)
             except Exception:
                 ingest_errors += 1
                 log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
+        held = later
         score = None
         score_error = ""
         if req.get("score"):
@@ -182,6 +192,31 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
             "verdicts": verdicts, "rejected": dict(ingest.rejected), "rows": dict(ingest.accepted_rows),
             "lost": list(book.lost), "score": score, "score_error": score_error, "ingest_errors": ingest_errors,
             "seconds": time.perf_counter() - t0})))
+
+
+def _split_at_close(tables: list[tuple[str, pa.Table]], now_ns: int, scorer) -> tuple[list, list]:
+    """For a scoring request: the rows the closing step(s) need (ts before the last step boundary
+    that `now` closes) and the rest, which may wait until the scores are sent. Splitting by time keeps
+    every entity's rows in time order across the two."""
+    step_ns, grace_ns = getattr(scorer, "_step_ns", None), getattr(scorer, "_grace_ns", None)
+    if not step_ns:
+        return tables, []
+    boundary = ((now_ns - grace_ns) // step_ns) * step_ns
+    now, later = [], []
+    for name, data in tables:
+        if name == "inventory" or "ts" not in data.schema.names or data.num_rows == 0:
+            now.append((name, data))
+            continue
+        early = pc.less(pc.cast(data.column("ts"), pa.int64()), boundary)
+        n_early = pc.sum(early).as_py() or 0
+        if n_early == data.num_rows:
+            now.append((name, data))
+        elif n_early == 0:
+            later.append((name, data))
+        else:
+            now.append((name, data.filter(early)))
+            later.append((name, data.filter(pc.invert(early))))
+    return now, later
 
 
 class ScoringWorker:
