@@ -243,8 +243,10 @@ def switch_step(job: Job, now_ns: int, *, lead_seconds: float, min_steps_ahead: 
 def new_directive(job: Job, *, kind: DirectiveKind, ranks: tuple[int, ...], from_node: str, to_node: str,
                   at_step: int, now_ns: int, deadline_seconds: float, reason: str, risk: float,
                   signals=(), origin: str = "policy") -> Directive:
+    # The deadline is on the wall clock, not the scoring clock (now_ns: the telemetry's time, which a
+    # replay or the demo's simulation runs apart from it): the job's ranks read it on theirs.
     return Directive("", job.job_id, kind, ranks, from_node, to_node, at_step,
-                     now_ns + int(deadline_seconds * 1e9), reason, risk, tuple(signals), now_ns,
+                     time.time_ns() + int(deadline_seconds * 1e9), reason, risk, tuple(signals), now_ns,
                      DirectiveState.PENDING, job.generation, now_ns, origin)
 
 
