@@ -75,9 +75,6 @@ class OnlineScorer:
                           else np.zeros(ft.N_FEATURES, dtype=np.float32))
         self._stage = sg.SampleStage(ft.STEP_SECONDS)
         self._pending: dict[str, list[sg.Samples]] = collections.defaultdict(list)
-        # beside each pending part, its own reduction to (node, step) signals, done at ingest so the
-        # scoring round only joins them (None: reduce at the round)
-        self._reduced: dict[str, list[sg.StepSignals | None]] = collections.defaultdict(list)
         # per (table, step) still open, every part's reduction merged as it arrives (_StepAccumulator):
         # a collector streaming once a second sends 60 parts a step, and the round then takes one frame
         self._acc: dict[tuple[str, int], _StepAccumulator] = {}
@@ -133,14 +130,13 @@ class OnlineScorer:
         if len(samples):
             self._track_worst(table, [samples])   # here, not in the round: the round stays short
             for part in _by_step(samples):
-                reduced = sg.reduce_steps(table, part)
+                step = int(part.step[0])
                 self._pending[table].append(part)
-                self._reduced[table].append(reduced)
-                self._part_steps[table].append(int(part.step[0]))
-                acc = self._acc.get((table, int(part.step[0])))
+                self._part_steps[table].append(step)
+                acc = self._acc.get((table, step))
                 if acc is None:
-                    acc = self._acc[(table, int(part.step[0]))] = _StepAccumulator(table, len(self._nodes))
-                acc.merge(reduced, part)
+                    acc = self._acc[(table, step)] = _StepAccumulator(table, len(self._nodes))
+                acc.merge(sg.reduce_steps(table, part), part)
                 self._pending_rows += len(part)
             self._bound_pending()
         self.stats[f"rows_{table}"] += batch.num_rows
@@ -175,7 +171,6 @@ class OnlineScorer:
             if not self._pending[table]:
                 break
             dropped = self._pending[table].pop(0)
-            self._reduced[table].pop(0)
             self._part_steps[table].pop(0)
             for step in np.unique(dropped.step).tolist():   # its rows are in the step's sums: redo them
                 acc = self._acc.get((table, int(step)))
@@ -226,7 +221,7 @@ class OnlineScorer:
         for table, parts in list(self._pending.items()):
             if not parts:
                 continue
-            frames.extend(self._close_table(table, parts, self._reduced[table], close))
+            frames.extend(self._close_table(table, parts, close))
         base = sg.finish(frames)
         n, t = len(self._nodes), len(steps)
         if t == 1 and len(base) == n and np.array_equal(base.node, np.arange(n)):
@@ -251,7 +246,7 @@ class OnlineScorer:
         self._next_step = int(close)
         return t
 
-    def _close_table(self, table: str, parts: list[sg.Samples], reduced: list, close: int) -> list[sg.StepSignals]:
+    def _close_table(self, table: str, parts: list[sg.Samples], close: int) -> list[sg.StepSignals]:
         """The (node, step) signals of one table's rows of the closing steps; the rest stays pending.
 
         Parts are one step each (ingest splits a batch that spans two) and every part's reduction
@@ -270,7 +265,6 @@ class OnlineScorer:
             keep = [i for i, f in enumerate(first) if f >= close]
             self._pending_rows -= sum(len(p) for p, f in zip(parts, first) if f < close)
             self._pending[table] = [parts[i] for i in keep]
-            self._reduced[table] = [reduced[i] for i in keep]
             self._part_steps[table] = [first[i] for i in keep]
             return [f for f in frames if len(f)]
         for key in [k for k in self._acc if k[0] == table and k[1] < close]:
@@ -285,7 +279,6 @@ class OnlineScorer:
         use = data if n_done == len(data) and not n_old else data.select(done & ~old)
         rest = sg.Samples.empty() if n_done == len(data) else data.select(~done)
         self._pending[table] = list(_by_step(rest)) if len(rest) else []
-        self._reduced[table] = [sg.reduce_steps(table, p) for p in self._pending[table]]
         self._part_steps[table] = [int(p.step[0]) for p in self._pending[table]]
         self._pending_rows -= n_done
         if not len(use):
@@ -423,7 +416,6 @@ class _StepAccumulator:
     """
 
     def __init__(self, table: str, n_nodes: int):
-        self.table = table
         self.spec = sg.REDUCTIONS[table]
         self.names = tuple(sig for sig, _, _ in self.spec)
         self.vals = np.full((max(n_nodes, 1), len(self.spec)), np.nan)
