@@ -114,6 +114,10 @@ class PredictorScorer:
         """When the next step closes: the round that should run then sees the crossing at once."""
         return (now_ns // self._step_ns + 1) * self._step_ns + self._grace_ns
 
+    def step_boundary_ns(self, now_ns: int) -> int:
+        """The end of the last step a round at now_ns closes: the rows before it are what it scores."""
+        return ((now_ns - self._grace_ns) // self._step_ns) * self._step_ns
+
 
 def default_model_path() -> Path | None:
     try:

@@ -198,10 +198,10 @@ def _split_at_close(tables: list[tuple[str, pa.Table]], now_ns: int, scorer) -> 
     """For a scoring request: the rows the closing step(s) need (ts before the last step boundary
     that `now` closes) and the rest, which may wait until the scores are sent. Splitting by time keeps
     every entity's rows in time order across the two."""
-    step_ns, grace_ns = getattr(scorer, "_step_ns", None), getattr(scorer, "_grace_ns", None)
-    if not step_ns:
+    boundary_of = getattr(scorer, "step_boundary_ns", None)
+    if boundary_of is None:   # a scorer without steps
         return tables, []
-    boundary = ((now_ns - grace_ns) // step_ns) * step_ns
+    boundary = boundary_of(now_ns)
     now, later = [], []
     for name, data in tables:
         if name == "inventory" or "ts" not in data.schema.names or data.num_rows == 0:

@@ -246,8 +246,9 @@ def test_the_scoring_worker_checks_scores_and_is_restarted_when_it_dies(model_di
 def test_a_scoring_request_takes_the_closing_steps_rows_first():
     from foreshock.service.worker import _split_at_close
 
-    class Scorer:
-        _step_ns, _grace_ns = 60 * 10**9, 2 * 10**9
+    class Scorer:   # a PredictorScorer's steps: 60 s, closed 2 s after they end
+        def step_boundary_ns(self, now_ns):
+            return ((now_ns - 2 * 10**9) // (60 * 10**9)) * 60 * 10**9
 
     boundary = 1_000 * 60 * 10**9
     ts = np.array([boundary - 5 * 10**9, boundary + 10**9, boundary - 10**9, boundary + 3 * 10**9])
