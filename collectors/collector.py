@@ -85,8 +85,11 @@ class Collector:
         self._last = (0.0, 0.0)
         self.last_tables: dict[str, pa.Table] = {}
 
-    def sweep_once(self, ts_ns: int | None = None) -> dict[str, pa.Table]:
-        """Read every source at one timestamp; return the sweep's tables (concatenated per table)."""
+    def sweep_once(self, ts_ns: int | None = None, *, next_sweep_ns: int = 0) -> dict[str, pa.Table]:
+        """Read every source at one timestamp; return the sweep's tables (concatenated per table).
+
+        next_sweep_ns: when the next sweep will be taken at the earliest (wall clock, Unix ns), sent
+        to the service as this sweep's watermark; 0 when unknown (a one-off sweep)."""
         ts_ns = self._clock() if ts_ns is None else int(ts_ns)
         t_sweep = time.perf_counter()
         parts: dict[str, list[pa.Table]] = collections.defaultdict(list)
@@ -125,7 +128,9 @@ class Collector:
             self.writer.maybe_rotate()
         if self.uplink is not None and tables:
             try:
-                accepted = self.uplink.submit(tables)
+                # the watermark only when there is one: an uplink may take just the tables
+                accepted = (self.uplink.submit(tables, watermark_ns=next_sweep_ns) if next_sweep_ns
+                            else self.uplink.submit(tables))
             except Exception as exc:  # noqa: BLE001 - the network side never stops sampling
                 accepted = False
                 log.warning("uplink submit failed: %s", exc)

@@ -199,7 +199,10 @@ def serve_forever(collector, cfg: dict) -> int:
     next_tick = time.monotonic()
     try:
         while not stop.is_set():
-            collector.sweep_once()
+            # The next sweep is taken no earlier than the next tick (stop.wait never returns early);
+            # 1 ms less covers the wall clock slewing against the monotonic one meanwhile.
+            next_wall = time.time_ns() + int((next_tick + interval - time.monotonic()) * 1e9) - 1_000_000
+            collector.sweep_once(next_sweep_ns=next_wall)
             next_tick += interval
             delay = next_tick - time.monotonic()
             if delay < 0:  # fell behind (a slow sweep): skip the missed ticks rather than burst

@@ -108,6 +108,15 @@ def split_stream(buf: bytes) -> tuple[bytes, bytes]:
     return buf[:head], body
 
 
+class _Sweep(dict):
+    """One sweep's tables, with the watermark it was submitted with."""
+    __slots__ = ("watermark_ns",)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.watermark_ns = 0
+
+
 class StreamingUplink:
     def __init__(self, target: str, *, node: str, tls=None, token: str | None = None, max_queue: int = 600,
                  collector_id: str | None = None, connect_timeout: float = 5.0, ack_timeout: float = 10.0,
@@ -155,13 +164,18 @@ class StreamingUplink:
         self._session_q: queue.Queue | None = None
 
     # -- the sampling side (never blocks) --------------------------------------------------------------
-    def submit(self, tables: dict[str, pa.Table]) -> bool:
-        """Queue one sweep's tables. O(1); when the queue is full the oldest sweep is dropped and counted."""
+    def submit(self, tables: dict[str, pa.Table], watermark_ns: int = 0) -> bool:
+        """Queue one sweep's tables. O(1); when the queue is full the oldest sweep is dropped and counted.
+
+        watermark_ns: the promise that no sampled row submitted later has an earlier ts (the time of the
+        next sweep; 0: none). It travels as SweepBatch.watermark_ns and lets the service close a
+        feature step as soon as every node is past it."""
         if self._closed:
             return False
-        good = {n: t for n, t in tables.items() if n in _WIRE_SCHEMAS and t.num_rows}
+        good = _Sweep((n, t) for n, t in tables.items() if n in _WIRE_SCHEMAS and t.num_rows)
         if not good:
             return False
+        good.watermark_ns = max(0, int(watermark_ns))
         with self._lock:
             self._sequence += 1
             self._pending.append((self._sequence, good))
@@ -237,7 +251,8 @@ class StreamingUplink:
             return None
         if heads is not None:
             heads.update(sent_heads)
-        return telemetry_pb2.SweepBatch(node=self.node, collector_id=self.collector_id, sequence=seq, tables=rows)
+        return telemetry_pb2.SweepBatch(node=self.node, collector_id=self.collector_id, sequence=seq, tables=rows,
+                                        watermark_ns=getattr(tables, "watermark_ns", 0))
 
     def _take_ack(self, item, inflight, heads) -> None:
         for r in item.rejections:

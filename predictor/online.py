@@ -6,9 +6,11 @@ scoring round. It runs exactly the offline code (signals.py then features.py) on
 closed, so a model trained offline sees the same feature values online (tests/test_predictor_skew.py).
 
 Time is cut into steps of features.STEP_SECONDS aligned to the epoch; `score(now)` closes every step
-that ended at least `grace_seconds` before `now`, advances every known node through them in one
-vectorised block, and scores every node on the features of the last closed step. Rows for a step that
-has already closed are dropped and counted (`stats["late_rows"]`). Everything is bounded: nodes
+that ended at least `grace_seconds` before `now` (or, `score(now, close_ns)`, by close_ns: the service
+knows from the collectors' watermarks when a step's rows are all in), advances every known node
+through them in one vectorised block, and scores every node on the features of the last closed step.
+Rows for a step that has already closed are dropped and counted (`stats["late_rows"]`), but for kernel
+events, which count in the open step (`stats["late_events_moved"]`). Everything is bounded: nodes
 (`max_nodes`), rows waiting for their step to close (`max_pending_rows`: the oldest are dropped and
 counted), and per-node history (features.HISTORY steps plus a few scalars).
 
@@ -125,8 +127,15 @@ class OnlineScorer:
         if self._next_step is not None and len(samples):
             late = samples.step < self._next_step
             if late.any():
-                self.stats["late_rows"] += int(late.sum())
-                samples = samples.select(~late)
+                if table == "events":
+                    # A kernel event keeps the kernel's time, which can be before the sweep that read
+                    # it and so before a step that has closed: it counts in the open step, late, rather
+                    # than not at all.
+                    self.stats["late_events_moved"] += int(late.sum())
+                    samples.step[late] = self._next_step
+                else:
+                    self.stats["late_rows"] += int(late.sum())
+                    samples = samples.select(~late)
         if len(samples):
             self._track_worst(table, [samples])   # here, not in the round: the round stays short
             for part in _by_step(samples):
@@ -201,10 +210,13 @@ class OnlineScorer:
             self._code_arrays = {g: self._group_code_array(g) for g in ft.PEER_GROUPS}
         return self._code_arrays
 
-    def advance(self, now_ns: int | None = None) -> int:
-        """Close the steps that ended before now - grace; returns how many steps were advanced."""
+    def advance(self, now_ns: int | None = None, close_ns: int | None = None) -> int:
+        """Close the steps that ended before now - grace, and those that end by close_ns (the caller
+        knows their rows are all in); returns how many steps were advanced."""
         now_ns = int(self._clock() * 1e9) if now_ns is None else int(now_ns)
         close = (now_ns - self.grace_ns) // self.step_ns   # steps < close are closed
+        if close_ns is not None:
+            close = max(close, int(close_ns) // self.step_ns)
         if self._next_step is None:
             firsts = [int(p.step.min()) for parts in self._pending.values() for p in parts if len(p)]
             if not firsts:
@@ -337,10 +349,11 @@ class OnlineScorer:
         return {signal: self._stage.entity_label(int(keys[i]))
                 for signal, keys in self._worst.items() if keys[i] >= 0}
 
-    def score(self, now_ns: int | None = None) -> ScoreBatch:
-        """Advance the closed steps and score every node that has had data. Vectorised across nodes."""
+    def score(self, now_ns: int | None = None, close_ns: int | None = None) -> ScoreBatch:
+        """Advance the closed steps (advance()) and score every node that has had data. Vectorised
+        across nodes."""
         t0 = time.perf_counter()
-        self.advance(now_ns)
+        self.advance(now_ns, close_ns)
         idx = np.flatnonzero(self._scored)
         cached = self._scored_names
         if cached is None or not np.array_equal(cached[0], idx):

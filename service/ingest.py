@@ -169,8 +169,9 @@ class Ingest:
 
     def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
-                 clock=time.time_ns):
+                 clock=time.time_ns, steps=None):
         self.nodes = nodes
+        self.steps = steps       # a steps.StepTracker: the watermarks say when a step's rows are all in
         self.sink = sink
         self.limits = limits or IngestLimits()
         self.wake = wake or (lambda why: None)
@@ -190,6 +191,7 @@ class Ingest:
         self.bytes_received = 0
         self.backlog = 0
         self.precursors = 0
+        self.bad_watermarks = 0
 
     # -- sessions ------------------------------------------------------------------------------------
     def open_session(self, peer: str, subject: str) -> Session:
@@ -242,9 +244,10 @@ class Ingest:
         return max(1, int(lim.credit_window * free)), 0.0
 
     def accept(self, s: Session, node: str, collector_id: str, sequence: int,
-               tables: list[tuple[str, int, bytes] | tuple[str, int, bytes, bool]]) -> AckResult:
-        """Take one SweepBatch: (table, schema_version, arrow_ipc[, schema_omitted]) per TableRows.
-        Never raises on input: every problem becomes a Rejection."""
+               tables: list[tuple[str, int, bytes] | tuple[str, int, bytes, bool]],
+               watermark_ns: int = 0) -> AckResult:
+        """Take one SweepBatch: (table, schema_version, arrow_ipc[, schema_omitted]) per TableRows,
+        and its watermark (0: none). Never raises on input: every problem becomes a Rejection."""
         rejections: list[Rejection] = []
         while s.deferred:  # value-check verdicts on this stream's earlier batches
             rejections.append(s.deferred.popleft())
@@ -323,6 +326,16 @@ class Ingest:
                 # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
                 # a round now rather than at the next interval.
                 self.wake("events")
+        if self.steps is not None:
+            lim = self.limits
+            if watermark_ns and not (now - lim.max_past_seconds * 1e9 <= watermark_ns
+                                     <= now + lim.max_future_seconds * 1e9):
+                # Not a time this node could mean: no promise (the step then waits its grace period).
+                self.bad_watermarks += 1
+                watermark_ns = 0
+            # After the batch is queued: a round woken now takes it with the rest of its step.
+            if self.steps.note(node, int(watermark_ns), now):
+                self.wake("step")
         return result
 
     def _decode(self, s: Session, rejections, sequence, name, version, buf, omitted=False) -> pa.Table | None:

@@ -9,6 +9,7 @@ job has seen is always durable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -64,6 +65,7 @@ class JobDirectory:
         self._listeners: dict[str, dict[int, Listener]] = {}
         self._next = 0
         self.on_change: list[Callable[[str, Directive, str], None]] = []  # (event, directive, detail)
+        self._held = threading.local()    # inside issuing(): announcements wait for the commit
 
     # -- watchers ------------------------------------------------------------------------------------
     def subscribe(self, job_id: str, listener: Listener) -> int:
@@ -83,7 +85,28 @@ class JobDirectory:
         with self._lock:
             return {job: len(subs) for job, subs in self._listeners.items()}
 
+    @contextlib.contextmanager
+    def issuing(self):
+        """Directives issued inside are stored in one transaction (store.batch) and announced once
+        it has committed: none reaches a job before it is durable, and the disk is waited for once."""
+        if getattr(self._held, "events", None) is not None:
+            yield   # already inside one
+            return
+        self._held.events = []
+        try:
+            with self.store.batch():
+                yield
+            events, self._held.events = self._held.events, None
+            for args in events:
+                self._publish(*args)
+        finally:
+            self._held.events = None
+
     def _publish(self, d: Directive, event: str, detail: str = "") -> None:
+        held = getattr(self._held, "events", None)
+        if held is not None:
+            held.append((d, event, detail))
+            return
         with self._lock:
             listeners = list(self._listeners.get(d.job_id, {}).values())
         for listener in listeners:

@@ -129,6 +129,9 @@ class ControlPlaneCollector:
         for trigger, n in sorted(dict(p.scoring.rounds).items()):
             rounds.add_metric([trigger], n)
         yield rounds
+        yield CounterMetricFamily(
+            "foreshock_scoring_watermark_closes", "Feature steps closed as soon as every reporting node's "
+            "watermark had passed their end, not after the grace period.", value=p.scoring.early_closes)
         info = GaugeMetricFamily("foreshock_model_info", "The model in use.",
                                  labels=["version", "horizon_seconds", "path"])
         info.add_metric([p.scorer.model_version, str(p.scorer.horizon_seconds),

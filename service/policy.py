@@ -287,19 +287,20 @@ class EvacuationPolicy:
             last = self.jobs.store.last_directive_time()
             busy = self._busy_nodes()
             issued = []
-            for node, alarm in sorted(due, key=lambda x: (not x[1].fatal, -x[1].risk, x[0])):
-                risk_rec = self.nodes.risk.get(node)
-                signals = risk_rec.signals if risk_rec else ()
-                for job in jobs:
-                    if node not in job.nodes():
-                        continue
-                    reason = alarm.reason if alarm.fatal else \
-                        f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
-                    d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
-                                  origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
-                                  last_directive=last, busy=busy)
-                    if d is not None:
-                        issued.append(d)
+            with self.jobs.issuing():   # one commit for the round's directives, then announced
+                for node, alarm in sorted(due, key=lambda x: (not x[1].fatal, -x[1].risk, x[0])):
+                    risk_rec = self.nodes.risk.get(node)
+                    signals = risk_rec.signals if risk_rec else ()
+                    for job in jobs:
+                        if node not in job.nodes():
+                            continue
+                        reason = alarm.reason if alarm.fatal else \
+                            f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+                        d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
+                                      origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
+                                      last_directive=last, busy=busy)
+                        if d is not None:
+                            issued.append(d)
             return issued
 
     def drain(self, node: str, reason: str, now_ns: int) -> list[Directive]:

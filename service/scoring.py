@@ -6,7 +6,8 @@ ingest(table, arrow_table) and score(now_ns) -> ScoreBatch(nodes, probability, s
 else talks to the small `Scorer` protocol below.
 
 The loop (`ScoringLoop`, one thread) runs a round every `interval` seconds, and at once when ingest
-wakes it (a fatal or precursor event). A round: drain the ingest queue (telemetry grouped by table, so
+wakes it (a fatal or precursor event, or the collectors' watermarks saying a feature step is complete:
+service/steps.py; the step then closes without waiting out its grace period). A round: drain the ingest queue (telemetry grouped by table, so
 the scorer ingests one Arrow table per table per round, not one per node), score every node in one
 vectorised call, publish the round (node book, Risk watchers), run the policy, expire overdue
 directives. The queue is bounded (`max_backlog` batches); overflow drops the oldest and counts it.
@@ -26,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from foreshock.service.steps import StepTracker
 from foreshock.service.store import SignalRecord
 
 log = logging.getLogger(__name__)
@@ -100,11 +102,21 @@ class PredictorScorer:
     def ingest(self, table: str, data: pa.Table) -> None:
         self._online.ingest(table, data)
 
-    def score(self, now_ns: int) -> ScoreResult:
+    @property
+    def step_ns(self) -> int:
+        return self._step_ns
+
+    @property
+    def grace_ns(self) -> int:
+        return self._grace_ns
+
+    def score(self, now_ns: int, close_ns: int | None = None) -> ScoreResult:
+        """close_ns: also close the steps that end by then (their telemetry is all in: the
+        watermarks), before their grace period is over."""
         # Features change only when a step closes; between closes a round re-scores nothing.
-        if self._last is not None and self._online.advance(now_ns) == 0:
+        if self._last is not None and self._online.advance(now_ns, close_ns) == 0:
             return ScoreResult(self._last.nodes, self._last.probability, self._last.signals, fresh=False)
-        batch = self._online.score(now_ns)
+        batch = self._online.score(now_ns, close_ns)
         signals = [[SignalRecord(str(s.name), float(s.value), float(s.contribution), str(s.description))
                     for s in node_signals] for node_signals in batch.signals]
         self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
@@ -194,6 +206,10 @@ class ScoringLoop:
         self.score_errors = 0
         self.last_round_seconds = 0.0
         self.last_round_ns = 0
+        # Which feature step is complete, from the collectors' watermarks (ingest notes them).
+        step_ns = getattr(scorer, "step_ns", None)
+        self.steps = StepTracker(step_ns) if isinstance(step_ns, int) and step_ns > 0 else None
+        self.early_closes = 0
 
     # -- feeding -------------------------------------------------------------------------------------
     def enqueue(self, item) -> int:
@@ -209,8 +225,30 @@ class ScoringLoop:
         due = getattr(self.scorer, "next_due_ns", None)
         if due is None:
             return True
+        if self.steps is not None and self.steps.complete_boundary() is not None:
+            return True   # every node's watermark is past the open step's end
         now = self._clock()
         return due(self.last_round_ns) <= now   # a step closes between the last round and this one
+
+    def _close_boundary(self, now_ns: int, drained_all: bool) -> int | None:
+        """The end of the last step a round at now_ns closes: by the grace period, or earlier when
+        the watermarks say the open step is complete and the round took every batch received (an
+        overloaded service, more than a drain behind, waits for the grace period as before). None for
+        a scorer without steps."""
+        boundary_of = getattr(self.scorer, "step_boundary_ns", None)
+        if boundary_of is None:
+            return None
+        boundary = boundary_of(now_ns)
+        if self.steps is not None and drained_all:
+            complete = self.steps.complete_boundary()
+            if complete is not None and complete > boundary:
+                self.early_closes += 1
+                return complete
+        return boundary
+
+    def _closed(self, boundary: int | None) -> None:
+        if self.steps is not None and boundary is not None:
+            self.steps.closed(boundary)
 
     def backlog(self) -> int:
         return len(self._queue)
@@ -278,16 +316,20 @@ class ScoringLoop:
         # or due at a step close drains at once.
         if why == "events":
             self._drain(urgent_only=True)   # the bulk waits for the next round: act on the event first
+            if self._step_due():
+                self._drain()   # ... unless a step closes in this round: it needs every row before it
         elif why == "flush" or time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
             self._last_drain = time.monotonic()
             self._drain()
         now = self._clock()
+        boundary = self._close_boundary(now, drained_all=not self._queue)
         try:
-            result = self.scorer.score(now)
+            result = self.scorer.score(now) if boundary is None else self.scorer.score(now, boundary)
         except Exception:
             self.score_errors += 1
             log.exception("scoring round failed")
             return None
+        self._closed(boundary)
         elapsed = time.perf_counter() - t0
         self.last_round_seconds = elapsed
         self.last_round_ns = now

@@ -278,7 +278,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             while (batch := await context.read()) is not grpc.aio.EOF:
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
                                        [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
-                                        for t in batch.tables])
+                                        for t in batch.tables], batch.watermark_ns)
                 if result.delay_seconds:
                     await asyncio.sleep(result.delay_seconds)  # backpressure: hold the ack while overloaded
                 last = result.acked_sequence

@@ -132,6 +132,16 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
     # thousands of objects, which would otherwise run full collections over the scorer's state.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+    from foreshock.service.server import tune_malloc
+    tune_malloc()
+    # One OpenMP thread: scikit-learn's predict (a model without the compiled path) runs many small
+    # parallel regions, and on a machine whose cores the service and the collectors' streams keep busy
+    # each one waits for a descheduled thread (measured: explanations 7 -> 175 ms under that load).
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(1, user_api="openmp")
+    except Exception:   # noqa: BLE001 - an optional tuning
+        log.debug("threadpoolctl not available", exc_info=True)
     book = _WorkerBook()
     # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
     ingest = Ingest(book, lambda p: 0, limits=IngestLimits(**limits))
@@ -167,8 +177,9 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
                 tables[name] = t
         ingest_errors = 0
         now_tables = list(tables.items())
+        close_ns = req.get("close_ns")
         if req.get("score"):
-            now_tables, later = _split_at_close(now_tables, now_ns, scorer)
+            now_tables, later = _split_at_close(now_tables, close_ns)
         else:
             later = []
         for name, data in held + now_tables:
@@ -182,7 +193,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
         score_error = ""
         if req.get("score"):
             try:
-                r = scorer.score(now_ns)
+                r = scorer.score(now_ns, close_ns)
                 score = (r.nodes, r.probability, r.signals, r.fresh)
             except Exception as exc:
                 score_error = f"{type(exc).__name__}: {exc}"
@@ -194,14 +205,12 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
             "seconds": time.perf_counter() - t0})))
 
 
-def _split_at_close(tables: list[tuple[str, pa.Table]], now_ns: int, scorer) -> tuple[list, list]:
-    """For a scoring request: the rows the closing step(s) need (ts before the last step boundary
-    that `now` closes) and the rest, which may wait until the scores are sent. Splitting by time keeps
-    every entity's rows in time order across the two."""
-    boundary_of = getattr(scorer, "step_boundary_ns", None)
-    if boundary_of is None:   # a scorer without steps
+def _split_at_close(tables: list[tuple[str, pa.Table]], boundary: int | None) -> tuple[list, list]:
+    """For a scoring request: the rows the closing step(s) need (ts before `boundary`, the end of the
+    last step it closes) and the rest, which may wait until the scores are sent. Splitting by time
+    keeps every entity's rows in time order across the two. boundary None: a scorer without steps."""
+    if boundary is None:
         return tables, []
-    boundary = boundary_of(now_ns)
     now, later = [], []
     for name, data in tables:
         if name == "inventory" or "ts" not in data.schema.names or data.num_rows == 0:
@@ -218,6 +227,8 @@ def _split_at_close(tables: list[tuple[str, pa.Table]], now_ns: int, scorer) -> 
             later.append((name, data.filter(pc.invert(early))))
     return now, later
 
+
+EAGER_BEFORE_NS = 500_000_000   # RemoteScoringLoop._closing
 
 class ScoringWorker:
     """The service side of the worker process: start, call with a deadline, restart, stop.
@@ -370,6 +381,7 @@ class _Request:
     score: bool
     validated: list = field(default_factory=list)
     submitted: float = 0.0
+    close_ns: int | None = None     # the end of the last step this request closes
 
 
 class RemoteScoringLoop(ScoringLoop):
@@ -397,6 +409,9 @@ class RemoteScoringLoop(ScoringLoop):
         self._failing = 0          # consecutive failed drains: the restart backoff
         self.worker_seconds = 0.0
         self.lost_batches = 0
+        self._enqueued = 0          # bulk batches queued, and taken off the queue, since the start
+        self._taken = 0
+        self._step_mark: int | None = None   # _enqueued when the watermarks completed the open step
 
     # -- feeding -------------------------------------------------------------------------------------
     def enqueue(self, item) -> int:
@@ -408,15 +423,41 @@ class RemoteScoringLoop(ScoringLoop):
                     self.dropped_batches += 1
             else:
                 self._queue.append(item)
+                self._enqueued += 1
                 while len(self._queue) > self.max_backlog:
                     _forget(self._queue.popleft())
+                    self._taken += 1
                     self.dropped_batches += 1
             return len(self._queue) + len(self._urgent_q)
+
+    def wake(self, why: str) -> None:
+        if why == "step":
+            # Every batch queued from now on is past the step's end (the watermarks promise it): the
+            # round that closes the step takes only the batches before this mark.
+            with self._qlock:
+                self._step_mark = self._enqueued
+        super().wake(why)
+
+    def _drain_now(self, now_ns: int) -> bool | None:
+        """In the last half second of a step, until the watermarks complete it or its grace period is
+        over, bulk drains follow the step instead of drain_interval: back to back while many nodes
+        still owe rows of it (so that little is left to take when it completes), and none once nearly
+        all are in (so that the worker is free when the last ones come). None: not in that window."""
+        if self.steps is None:
+            return None
+        b = self.steps.boundary_ns
+        if b is None or self.steps.complete_boundary() is not None:
+            return None
+        if not b - EAGER_BEFORE_NS <= now_ns < b + self.scorer.grace_ns:
+            return None
+        return not self.steps.nearly_complete()
 
     def backlog(self) -> int:
         return len(self._queue) + len(self._urgent_q)
 
     def _step_due(self) -> bool:
+        if self.steps is not None and self.steps.complete_boundary() is not None:
+            return True   # every node's watermark is past the open step's end
         return self.scorer.next_due_ns(self._last_score_ns) <= self._clock()
 
     # -- the feeder thread ---------------------------------------------------------------------------
@@ -431,7 +472,7 @@ class RemoteScoringLoop(ScoringLoop):
             t0 = time.perf_counter()
             try:
                 reply = self.worker.call({"now_ns": req.now_ns, "score": req.score, "validated": req.validated,
-                                          **pack(req.items)})
+                                          "close_ns": req.close_ns, **pack(req.items)})
             except WorkerError as exc:
                 reply = None
                 if self._stop.is_set():
@@ -483,15 +524,28 @@ class RemoteScoringLoop(ScoringLoop):
                 except Exception:
                     log.exception("after-round step failed")
         step = self._step_due()
-        if not self._busy and (self._validated or step or (self._queue and (
-                why == "flush" or time.monotonic() - self._last_drain >= self.drain_interval))):
+        closing = self._drain_now(now)
+        if not self._busy and (self._validated or step or (self._queue and (why == "flush" or (
+                closing if closing is not None else time.monotonic() - self._last_drain >= self.drain_interval)))):
             self._last_drain = time.monotonic()
             with self._qlock:
-                items = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_drain))]
+                take = len(self._queue)
+                early = step and self.steps is not None and self.steps.complete_boundary() is not None
+                if early and self._step_mark is not None:
+                    take = min(take, max(0, self._step_mark - self._taken))
+                items = [self._queue.popleft() for _ in range(min(take, self.max_drain))]
+                self._taken += len(items)
+                drained_all = take <= self.max_drain
+            boundary = None
             if step:
                 self._last_score_ns = now
-            self._submit(_Request(items, now, step, self._validated, time.perf_counter()))
+                self._step_mark = None
+                boundary = self._close_boundary(now, drained_all=drained_all)
+            self._submit(_Request(items, now, step, self._validated, time.perf_counter(), boundary))
             self._validated = []
+            if step:
+                # Everything received so far is in this request: the tracker watches the next step.
+                self._closed(boundary)
         fresh = None
         while self._replies:
             req, reply = self._replies.popleft()
@@ -516,7 +570,7 @@ class RemoteScoringLoop(ScoringLoop):
         elapsed = time.perf_counter() - t0
         self.last_round_seconds = elapsed
         self.last_round_ns = now
-        self.rounds[why if why in ("events", "flush") else "interval"] += 1
+        self.rounds[why if why in ("events", "flush", "step") else "interval"] += 1
         if self.on_round is not None:
             try:
                 if fresh is not None:

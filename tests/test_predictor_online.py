@@ -76,3 +76,30 @@ def test_pending_rows_are_bounded(model):
     scorer.ingest("gpu", tables["gpu"])
     assert scorer._pending_rows <= 100
     assert scorer.stats["dropped_pending_rows"] > 0
+
+
+def test_a_kernel_event_read_after_its_step_closed_counts_in_the_open_step(model):
+    """An Xid keeps the kernel's time; read by the sweep after a step closed (on the watermarks, or
+    after the grace period), it counts one step late rather than not at all. Other rows are dropped."""
+    import pandas as pd
+    scorer = online.OnlineScorer(model, grace_seconds=0)
+    tables = synthetic.node_tables("a", 8)
+    t0 = synthetic.T0_NS - synthetic.T0_NS % STEP_NS        # the step of the first sample
+    for name, t in tables.items():
+        scorer.ingest(name, _slice(t, 0, t0 + 5 * STEP_NS))
+    scorer.score(t0 + 5 * STEP_NS, close_ns=t0 + 5 * STEP_NS)    # steps before t0 + 5 steps closed
+    fatal = ft.FEATURE_NAMES.index("xid_fatal_1m")
+    assert not scorer.features_of("a")[fatal] > 0           # no events yet (unknown)
+    xid = sch.to_table("events", [{"ts": pd.Timestamp(t0 + 5 * STEP_NS - 10**9, tz="UTC"), "node": "a",
+                                   "kind": "xid", "source": "kmsg", "severity": "fatal", "xid": 79, "gpu": 3,
+                                   "message": "NVRM: Xid 79, GPU has fallen off the bus."}])
+    scorer.ingest("events", xid)
+    late_gpu = _slice(tables["gpu"], t0 + 4 * STEP_NS, t0 + 5 * STEP_NS)
+    scorer.ingest("gpu", late_gpu)
+    assert scorer.stats["late_events_moved"] == 1
+    dropped = scorer.stats["late_rows"] + scorer._stage.stats.dropped_late["gpu"]
+    assert dropped == late_gpu.num_rows                         # samples are not moved: dropped, counted
+    for name, t in tables.items():
+        scorer.ingest(name, _slice(t, t0 + 5 * STEP_NS, t0 + 6 * STEP_NS))
+    scorer.score(t0 + 6 * STEP_NS, close_ns=t0 + 6 * STEP_NS)
+    assert scorer.features_of("a")[fatal] == 1                 # in the step that was open

@@ -4,11 +4,13 @@ radius, fabric incidents, the switch step)."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import numpy as np
 import pytest
 
 from foreshock.service.decisions import DecisionLog, incident_rows, read_decisions
-from foreshock.service.jobs import JobDirectory
+from foreshock.service.jobs import JobDirectory, new_directive
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.store import AckPhase, DirectiveKind, DirectiveState, StateStore
@@ -180,3 +182,42 @@ def _round(policy, nodes, now, names, risk):
     """What the server does after a scoring round: publish the risk, then run the policy."""
     nodes.update_risk(names, risk, [[] for _ in names], now)
     return policy.evaluate(now, names, risk)
+
+
+def test_a_rounds_directives_are_one_commit_and_announced_only_after_it(world):
+    clock, store, jobs, nodes, decisions, make = world
+    jobs.register("B", [(0, "n09", [0])], ["n13"], current_step=10)
+    policy = make(default_max_concurrent=4)
+    heard, commits = [], []
+    jobs.subscribe("A", lambda d: heard.append((d.from_node, store._depth)))
+    jobs.subscribe("B", lambda d: heard.append((d.from_node, store._depth)))
+    store._db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    issued = _round(policy, nodes, clock.now, NODES, _risk({"n01": 0.9, "n02": 0.8, "n09": 0.7}))
+    store._db.set_trace_callback(None)
+    assert sorted(d.from_node for d in issued) == ["n01", "n02", "n09"]
+    assert len(commits) == 1                               # one fsync for the round, not three
+    assert sorted(heard) == [("n01", 0), ("n02", 0), ("n09", 0)]   # heard after the commit
+
+
+def test_a_batch_that_fails_stores_and_announces_nothing(world):
+    clock, store, jobs, nodes, decisions, make = world
+    heard = []
+    jobs.subscribe("A", heard.append)
+    job = store.job("A")
+    with pytest.raises(RuntimeError, match="disk gone"):
+        with jobs.issuing():
+            jobs.issue(new_directive(job, kind=DirectiveKind.EVACUATE, ranks=(1,), from_node="n01", to_node="n08",
+                                     at_step=1020, now_ns=clock.now, deadline_seconds=60, reason="test", risk=0.9,
+                                     signals=(), origin="policy"))
+            raise RuntimeError("disk gone")
+    assert heard == [] and store.directives() == []
+    # a failed write inside a batch undoes only itself (a savepoint); the batch goes on
+    with jobs.issuing():
+        with pytest.raises(sqlite3.IntegrityError):
+            with store._tx() as db:
+                db.execute("INSERT INTO jobs VALUES ('A', 1, '[]', 0, 0, 0, 0, 0, 0)")   # A exists
+        stored, created = jobs.issue(new_directive(
+            job, kind=DirectiveKind.EVACUATE, ranks=(1,), from_node="n01", to_node="n08", at_step=1020,
+            now_ns=clock.now, deadline_seconds=60, reason="test", risk=0.9, signals=(), origin="policy"))
+    assert created and [x.directive_id for x in heard] == [stored.directive_id]
+    assert [x.directive_id for x in store.directives()] == [stored.directive_id]

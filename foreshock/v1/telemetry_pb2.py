@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66oreshock/v1/telemetry.proto\x12\x0c\x66oreshock.v1\"]\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x16\n\x0eschema_version\x18\x02 \x01(\r\x12\x11\n\tarrow_ipc\x18\x03 \x01(\x0c\x12\x16\n\x0eschema_omitted\x18\x04 \x01(\x08\"k\n\nSweepBatch\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0c\x63ollector_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\'\n\x06tables\x18\x04 \x03(\x0b\x32\x17.foreshock.v1.TableRows\"L\n\tRejection\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"v\n\x08SweepAck\x12\x16\n\x0e\x61\x63ked_sequence\x18\x01 \x01(\x04\x12\x0f\n\x07\x63redits\x18\x02 \x01(\r\x12+\n\nrejections\x18\x03 \x03(\x0b\x32\x17.foreshock.v1.Rejection\x12\x14\n\x0cschemas_kept\x18\x04 \x01(\x08\x32Q\n\tTelemetry\x12\x44\n\x0cStreamSweeps\x12\x18.foreshock.v1.SweepBatch\x1a\x16.foreshock.v1.SweepAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66oreshock/v1/telemetry.proto\x12\x0c\x66oreshock.v1\"]\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x16\n\x0eschema_version\x18\x02 \x01(\r\x12\x11\n\tarrow_ipc\x18\x03 \x01(\x0c\x12\x16\n\x0eschema_omitted\x18\x04 \x01(\x08\"\x81\x01\n\nSweepBatch\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x14\n\x0c\x63ollector_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\'\n\x06tables\x18\x04 \x03(\x0b\x32\x17.foreshock.v1.TableRows\x12\x14\n\x0cwatermark_ns\x18\x05 \x01(\x10\"L\n\tRejection\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"v\n\x08SweepAck\x12\x16\n\x0e\x61\x63ked_sequence\x18\x01 \x01(\x04\x12\x0f\n\x07\x63redits\x18\x02 \x01(\r\x12+\n\nrejections\x18\x03 \x03(\x0b\x32\x17.foreshock.v1.Rejection\x12\x14\n\x0cschemas_kept\x18\x04 \x01(\x08\x32Q\n\tTelemetry\x12\x44\n\x0cStreamSweeps\x12\x18.foreshock.v1.SweepBatch\x1a\x16.foreshock.v1.SweepAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TABLEROWS']._serialized_start=46
   _globals['_TABLEROWS']._serialized_end=139
-  _globals['_SWEEPBATCH']._serialized_start=141
-  _globals['_SWEEPBATCH']._serialized_end=248
-  _globals['_REJECTION']._serialized_start=250
-  _globals['_REJECTION']._serialized_end=326
-  _globals['_SWEEPACK']._serialized_start=328
-  _globals['_SWEEPACK']._serialized_end=446
-  _globals['_TELEMETRY']._serialized_start=448
-  _globals['_TELEMETRY']._serialized_end=529
+  _globals['_SWEEPBATCH']._serialized_start=142
+  _globals['_SWEEPBATCH']._serialized_end=271
+  _globals['_REJECTION']._serialized_start=273
+  _globals['_REJECTION']._serialized_end=349
+  _globals['_SWEEPACK']._serialized_start=351
+  _globals['_SWEEPACK']._serialized_end=469
+  _globals['_TELEMETRY']._serialized_start=471
+  _globals['_TELEMETRY']._serialized_end=552
 # @@protoc_insertion_point(module_scope)

@@ -19,16 +19,18 @@ class TableRows(_message.Message):
     def __init__(self, table: _Optional[str] = ..., schema_version: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ..., schema_omitted: _Optional[bool] = ...) -> None: ...
 
 class SweepBatch(_message.Message):
-    __slots__ = ("node", "collector_id", "sequence", "tables")
+    __slots__ = ("node", "collector_id", "sequence", "tables", "watermark_ns")
     NODE_FIELD_NUMBER: _ClassVar[int]
     COLLECTOR_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_NS_FIELD_NUMBER: _ClassVar[int]
     node: str
     collector_id: str
     sequence: int
     tables: _containers.RepeatedCompositeFieldContainer[TableRows]
-    def __init__(self, node: _Optional[str] = ..., collector_id: _Optional[str] = ..., sequence: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ...) -> None: ...
+    watermark_ns: int
+    def __init__(self, node: _Optional[str] = ..., collector_id: _Optional[str] = ..., sequence: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., watermark_ns: _Optional[int] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("sequence", "table", "reason", "detail")

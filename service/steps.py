@@ -1,0 +1,104 @@
+"""When a feature step's telemetry is all in: the collectors' watermarks, per node.
+
+Every SweepBatch carries a watermark (proto/foreshock/v1/telemetry.proto, `SweepBatch.watermark_ns`):
+the collector's promise that no sampled row it sends later has an earlier ts, i.e. the time of its
+next sweep. A step [B - step, B) is complete once every node that is reporting has promised past B:
+nothing more can arrive for it, and the scorer may close it at once instead of waiting out its grace
+period after B (the one-minute steps of predictor/features.py; a risk crossing is only seen when its
+step closes). This is the event-time watermark of stream processors (Flink, Beam) kept per node.
+
+A node is reporting when its last watermark lies in or after the open step (it swept within about
+one step); a collector that stops holds the close back until the grace period ends, for at most two
+steps, and then no longer counts. A batch without a watermark (an older collector) turns early closes
+off for a step: its rows could still come after the close. Bounded: `max_nodes` nodes tracked, nodes
+silent for `forget_steps` steps forgotten.
+
+`note()` runs on the gRPC event loop for every batch and costs a dict update and a set update.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class StepTracker:
+    def __init__(self, step_ns: int, *, max_nodes: int = 100_000, forget_steps: int = 10):
+        if step_ns <= 0:
+            raise ValueError(f"step_ns {step_ns} must be > 0")
+        self.step_ns = int(step_ns)
+        self.max_nodes = int(max_nodes)
+        self.forget_steps = int(forget_steps)
+        self._lock = threading.Lock()
+        self._watermark: dict[str, int] = {}
+        self._waiting: set[str] = set()     # reporting in the open step, not yet promised past its end
+        self._boundary: int | None = None   # the end of the open step (the earliest not closed)
+        self._reporting = 0                 # nodes whose watermark passed into or beyond the open step
+        self._unpromised_until = 0          # a batch without a watermark: no early close before this
+        self._fired = False
+        self.untracked_nodes = 0            # over max_nodes: not tracked (they never hold a close back)
+
+    def note(self, node: str, watermark_ns: int, now_ns: int) -> bool:
+        """One accepted batch of `node` with its watermark (0: none) at server time now_ns. True when
+        it completes the open step (the caller then wakes the scoring round)."""
+        with self._lock:
+            if watermark_ns <= 0:
+                # Its rows could still arrive for the open step after an early close.
+                self._unpromised_until = max(self._unpromised_until, now_ns + 2 * self.step_ns)
+                return False
+            old = self._watermark.get(node)
+            if old is None:
+                if len(self._watermark) >= self.max_nodes:
+                    self.untracked_nodes += 1
+                    return False
+            elif watermark_ns <= old:
+                return False   # a re-sent or reordered batch promises nothing new
+            self._watermark[node] = watermark_ns
+            b = self._boundary
+            if b is None:
+                return False   # the scoring loop has not said which step is open yet (closed())
+            lo = b - self.step_ns
+            if watermark_ns >= lo and (old is None or old < lo):
+                self._reporting += 1
+            if lo <= watermark_ns < b:
+                self._waiting.add(node)
+            else:
+                self._waiting.discard(node)
+            if self._fired or self._waiting or not self._reporting or now_ns < self._unpromised_until:
+                return False
+            self._fired = True
+            return True
+
+    @property
+    def boundary_ns(self) -> int | None:
+        """The end of the open step (None until the scoring loop has said which one is open)."""
+        return self._boundary
+
+    def nearly_complete(self, fraction: float = 0.02) -> bool:
+        """At most `fraction` of the reporting nodes (and at least one) still owe rows of the open step."""
+        with self._lock:
+            return bool(self._waiting) and len(self._waiting) <= max(1, int(self._reporting * fraction))
+
+    def complete_boundary(self) -> int | None:
+        """The end of the open step if every reporting node has promised past it, else None."""
+        with self._lock:
+            return self._boundary if self._fired else None
+
+    def closed(self, boundary_ns: int) -> None:
+        """The scorer closed every step that ends at or before boundary_ns: track the next one."""
+        with self._lock:
+            b = (boundary_ns // self.step_ns + 1) * self.step_ns   # the end of the first step not closed
+            if self._boundary is not None and b <= self._boundary:
+                return
+            self._boundary = b
+            lo = b - self.step_ns
+            gone = b - self.forget_steps * self.step_ns
+            for node in [n for n, w in self._watermark.items() if w < gone]:
+                del self._watermark[node]
+            self._waiting = {n for n, w in self._watermark.items() if lo <= w < b}
+            self._reporting = sum(1 for w in self._watermark.values() if w >= lo)
+            self._fired = False
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"tracked_nodes": len(self._watermark), "waiting": len(self._waiting),
+                    "boundary_ns": self._boundary, "untracked_nodes": self.untracked_nodes}
