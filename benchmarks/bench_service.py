@@ -69,9 +69,7 @@ def train_model(out: Path) -> Path:
 
 
 def serve(state: str, model: str, port_file: str) -> int:
-    from foreshock.service.server import Settings, build_server, tune_gc, tune_malloc
-    if os.environ.get("BENCH_SERVICE_SWITCH"):
-        sys.setswitchinterval(float(os.environ["BENCH_SERVICE_SWITCH"]))
+    from foreshock.service.server import Settings, build_server, tune_gc, tune_malloc, tune_threads
     plane = build_server(Settings.insecure_loopback(
         state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
         scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
@@ -79,6 +77,9 @@ def serve(state: str, model: str, port_file: str) -> int:
     port = plane.start()
     tune_gc()   # as `foreshock serve` does
     tune_malloc()
+    tune_threads()
+    if os.environ.get("BENCH_SERVICE_SWITCH"):
+        sys.setswitchinterval(float(os.environ["BENCH_SERVICE_SWITCH"]))
     Path(port_file).write_text(json.dumps({"port": port, "metrics": plane.metrics_port}))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -431,10 +432,10 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
             watchers.append((stream, t))
         halves = [nodes[: n_nodes // 2], nodes[n_nodes // 2:]]
         outs = [tmp / f"gen{i}.json" for i in range(2)]
-        gens = [subprocess.Popen([py, "-m", "benchmarks.bench_service", "--generate", address, json.dumps(h),
-                                  str(seconds), json.dumps({n: a for n, a in fatal_at.items() if n in h}),
-                                  json.dumps([n for n in ramp_nodes if n in h]), str(o)],
-                                 preexec_fn=(lambda: os.nice(GENERATOR_NICE)) if GENERATOR_NICE else None)
+        nice = ["nice", "-n", str(GENERATOR_NICE)] if GENERATOR_NICE else []
+        gens = [subprocess.Popen(nice + [py, "-m", "benchmarks.bench_service", "--generate", address, json.dumps(h),
+                                         str(seconds), json.dumps({n: a for n, a in fatal_at.items() if n in h}),
+                                         json.dumps([n for n in ramp_nodes if n in h]), str(o)])
                 for h, o in zip(halves, outs)]
         # Sample the service every second for the whole run; the steady window is from 15 s after the
         # first accepted batch (connection storm over) to 5 s before the generators stop sending.

@@ -95,7 +95,7 @@ def settings_from(cfg: dict):
 def run(args, file_data) -> int:
     from foreshock.config import resolve
     from foreshock.service.scoring import ModelError
-    from foreshock.service.server import SettingsError, build_server, tune_gc, tune_malloc
+    from foreshock.service.server import SettingsError, build_server, tune_gc, tune_malloc, tune_threads
 
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
     cfg = resolve("serve", DEFAULTS, file_data=file_data, flags=flags)
@@ -120,6 +120,7 @@ def run(args, file_data) -> int:
             return 2
         tune_gc()
         tune_malloc()
+        tune_threads()
         host = cfg["listen"].rpartition(":")[0]
         print(f"foreshock serve: listening on {host}:{port}"
               + (f", metrics on {cfg['metrics_listen'].rpartition(':')[0]}:{plane.metrics_port}"

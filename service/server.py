@@ -394,9 +394,20 @@ def tune_malloc() -> None:
         log.debug("mallopt(M_MXFAST, 0) refused")
 
 
+def tune_threads() -> None:
+    """For the service process: the GIL changes hands after 1 ms instead of 5. Its scoring thread hands
+    the GIL to the event loop at every socket, SQLite or queue call of a closing round, and while the
+    loop is busy with telemetry each hand-back waits up to a whole switch interval (measured at 2,048
+    nodes, three step closes a run: crossing to directive p99 405 and 560 ms at 5 ms, 304 and 431 ms
+    at 1 ms: a small gain inside the runs' spread, at no CPU cost measured)."""
+    import sys
+
+    sys.setswitchinterval(0.001)
+
+
 def build_server(settings: Settings) -> ControlPlane:
     """Build (not start) the control plane from its settings."""
     return ControlPlane(settings)
 
 
-__all__ = ["Settings", "ControlPlane", "build_server", "SettingsError", "tune_gc", "tune_malloc"]
+__all__ = ["Settings", "ControlPlane", "build_server", "SettingsError", "tune_gc", "tune_malloc", "tune_threads"]
