@@ -7,9 +7,9 @@ else talks to the small `Scorer` protocol below.
 
 The loop (`ScoringLoop`, one thread) runs a round every `interval` seconds, and at once when ingest
 wakes it (a fatal or precursor event, or the collectors' watermarks saying a feature step is complete:
-service/steps.py; the step then closes without waiting out its grace period). A round: drain the ingest queue (telemetry grouped by table, so
-the scorer ingests one Arrow table per table per round, not one per node), score every node in one
-vectorised call, publish the round (node book, Risk watchers), run the policy, expire overdue
+service/steps.py; the step then closes without waiting out its grace period). A round: drain the
+ingest queue (telemetry grouped by table, so the scorer ingests one Arrow table per table per round,
+not one per node), score every node in one vectorised call, publish the round (node book, Risk watchers), run the policy, expire overdue
 directives. The queue is bounded (`max_backlog` batches); overflow drops the oldest and counts it.
 """
 
@@ -225,10 +225,14 @@ class ScoringLoop:
         due = getattr(self.scorer, "next_due_ns", None)
         if due is None:
             return True
-        if self.steps is not None and self.steps.complete_boundary() is not None:
-            return True   # every node's watermark is past the open step's end
+        if self._step_complete():
+            return True
         now = self._clock()
         return due(self.last_round_ns) <= now   # a step closes between the last round and this one
+
+    def _step_complete(self) -> bool:
+        """Every reporting node's watermark is past the open step's end."""
+        return self.steps is not None and self.steps.complete_boundary() is not None
 
     def _close_boundary(self, now_ns: int, drained_all: bool) -> int | None:
         """The end of the last step a round at now_ns closes: by the grace period, or earlier when

@@ -10,7 +10,7 @@ step closes). This is the event-time watermark of stream processors (Flink, Beam
 A node is reporting when its last watermark lies in or after the open step (it swept within about
 one step); a collector that stops holds the close back until the grace period ends, for at most two
 steps, and then no longer counts. A batch without a watermark (an older collector) turns early closes
-off for a step: its rows could still come after the close. Bounded: `max_nodes` nodes tracked, nodes
+off for two steps: its rows could still come after the close. Bounded: `max_nodes` nodes tracked, nodes
 silent for `forget_steps` steps forgotten.
 
 `note()` runs on the gRPC event loop for every batch and costs a dict update and a set update.

@@ -342,8 +342,8 @@ class StateStore:
         with self._tx(savepoint=False) as db:
             if not d.directive_id:
                 d = replace(d, directive_id=uuid.uuid4().hex)
-            # One statement, the index deciding: each costs a GIL hand-off, which under load is a
-            # switch interval (5 ms) while the event loop runs.
+            # One statement, the index deciding: each statement hands the GIL over, and under load
+            # getting it back waits up to a switch interval while the event loop runs.
             cur = db.execute("INSERT OR IGNORE INTO directives VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                              (d.directive_id, d.job_id, int(d.kind), json.dumps(list(d.ranks)), d.from_node,
                               d.to_node, d.at_step, d.deadline_ns, d.reason, float(d.risk),

@@ -228,7 +228,8 @@ def _split_at_close(tables: list[tuple[str, pa.Table]], boundary: int | None) ->
     return now, later
 
 
-EAGER_BEFORE_NS = 500_000_000   # RemoteScoringLoop._closing
+EAGER_BEFORE_NS = 500_000_000   # RemoteScoringLoop._drain_now: a step's last half second
+
 
 class ScoringWorker:
     """The service side of the worker process: start, call with a deadline, restart, stop.
@@ -443,10 +444,10 @@ class RemoteScoringLoop(ScoringLoop):
         over, bulk drains follow the step instead of drain_interval: back to back while many nodes
         still owe rows of it (so that little is left to take when it completes), and none once nearly
         all are in (so that the worker is free when the last ones come). None: not in that window."""
-        if self.steps is None:
+        if self.steps is None or self._step_complete():
             return None
         b = self.steps.boundary_ns
-        if b is None or self.steps.complete_boundary() is not None:
+        if b is None:
             return None
         if not b - EAGER_BEFORE_NS <= now_ns < b + self.scorer.grace_ns:
             return None
@@ -456,8 +457,8 @@ class RemoteScoringLoop(ScoringLoop):
         return len(self._queue) + len(self._urgent_q)
 
     def _step_due(self) -> bool:
-        if self.steps is not None and self.steps.complete_boundary() is not None:
-            return True   # every node's watermark is past the open step's end
+        if self._step_complete():
+            return True
         return self.scorer.next_due_ns(self._last_score_ns) <= self._clock()
 
     # -- the feeder thread ---------------------------------------------------------------------------
@@ -530,8 +531,7 @@ class RemoteScoringLoop(ScoringLoop):
             self._last_drain = time.monotonic()
             with self._qlock:
                 take = len(self._queue)
-                early = step and self.steps is not None and self.steps.complete_boundary() is not None
-                if early and self._step_mark is not None:
+                if step and self._step_complete() and self._step_mark is not None:
                     take = min(take, max(0, self._step_mark - self._taken))
                 items = [self._queue.popleft() for _ in range(min(take, self.max_drain))]
                 self._taken += len(items)
