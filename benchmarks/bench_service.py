@@ -469,6 +469,9 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         rounds = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_count")
         round_sum = _metric(ports["metrics"], "foreshock_scoring_duration_seconds_sum")
         watermark_closes = _metric(ports["metrics"], "foreshock_scoring_watermark_closes_total")
+        holds = _metrics(ports["metrics"], ["foreshock_ingest_close_holds_total",
+                                            "foreshock_ingest_close_hold_expired_total",
+                                            "foreshock_ingest_close_hold_seconds_total"])
         for g in gens:
             g.wait(seconds + 180)
         gen = [json.loads(o.read_text()) for o in outs]
@@ -524,6 +527,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         "risk_from_step_end_ms": sorted(x * 1e3 for x in risk_end), "risk_expected": len(ramp_nodes),
         "scoring_round_mean_ms": round_sum / rounds * 1e3 if rounds else float("nan"),
         "watermark_closes": watermark_closes,
+        "close_holds": holds[0], "close_holds_expired": holds[1], "close_hold_seconds": holds[2],
     }
 
 
@@ -593,6 +597,9 @@ def report(r: dict) -> None:
           f"max {max(c) if c else float('nan'):.0f} ms; from the crossing node's own last sample of the step "
           f"p50 {_pct(o, 50):.0f} ms p99 {_pct(o, 99):.0f} ms; from the step's end p50 {_pct(e, 50):.0f} ms "
           f"p99 {_pct(e, 99):.0f} ms; steps closed on the watermarks {r['watermark_closes']:.0f}")
+    h = r["close_holds"]
+    print(f"  streams held for closing rounds: {h:.0f} times, {r['close_holds_expired']:.0f} ran out, "
+          f"{r['close_hold_seconds'] / h * 1e3 if h else float('nan'):.0f} ms on average")
 
 
 def main(argv: list[str]) -> int:

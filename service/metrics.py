@@ -132,6 +132,16 @@ class ControlPlaneCollector:
         yield CounterMetricFamily(
             "foreshock_scoring_watermark_closes", "Feature steps closed as soon as every reporting node's "
             "watermark had passed their end, not after the grace period.", value=p.scoring.early_closes)
+        hold = p.hold
+        yield CounterMetricFamily(
+            "foreshock_ingest_close_holds", "Times telemetry streams waited for a complete step's closing round.",
+            value=hold.holds)
+        yield CounterMetricFamily(
+            "foreshock_ingest_close_hold_expired", "Close holds that reached their limit before the round ended.",
+            value=hold.expired)
+        yield CounterMetricFamily(
+            "foreshock_ingest_close_hold_seconds", "Time telemetry streams spent waiting for closing rounds.",
+            value=hold.held_seconds)
         info = GaugeMetricFamily("foreshock_model_info", "The model in use.",
                                  labels=["version", "horizon_seconds", "path"])
         info.add_metric([p.scorer.model_version, str(p.scorer.horizon_seconds),

@@ -210,6 +210,7 @@ class ScoringLoop:
         step_ns = getattr(scorer, "step_ns", None)
         self.steps = StepTracker(step_ns) if isinstance(step_ns, int) and step_ns > 0 else None
         self.early_closes = 0
+        self.hold = None    # a steps.CloseHold: telemetry streams wait while a complete step closes
 
     # -- feeding -------------------------------------------------------------------------------------
     def enqueue(self, item) -> int:
@@ -254,10 +255,16 @@ class ScoringLoop:
         if self.steps is not None and boundary is not None:
             self.steps.closed(boundary)
 
+    def _release_hold(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+
     def backlog(self) -> int:
         return len(self._queue)
 
     def wake(self, why: str) -> None:
+        if why == "step" and self.hold is not None:
+            self.hold.hold()   # released once the closing round has acted (_release_hold)
         if why == "events" or self._why != "events":   # a pending event round is not downgraded
             self._why = why
         self._wake.set()
@@ -343,6 +350,8 @@ class ScoringLoop:
                 self.on_round(result, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
+        if not self._step_complete():
+            self._release_hold()   # this round closed the complete step (or there was none)
         return result
 
     def _run(self) -> None:

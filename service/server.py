@@ -39,6 +39,7 @@ from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.scoring import (
     ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer
+from foreshock.service.steps import CloseHold
 from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
@@ -84,6 +85,8 @@ class Settings:
     #                                          process (service/worker.py; `foreshock serve` turns it on,
     #                                          it costs a few seconds at start); False: all in this process
     worker_timeout: float = 60.0             # a worker silent this long on one request is killed and restarted
+    close_hold_seconds: float = 0.5          # telemetry streams wait at most this long while a step's
+    #                                          closing round runs (service/steps.py CloseHold); 0: never
 
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
@@ -134,6 +137,8 @@ class ControlPlane:
         else:
             self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
                                        on_round=self._after_round, clock=self.clock)
+        self.hold = CloseHold(s.close_hold_seconds)
+        self.scoring.hold = self.hold
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
                              steps=self.scoring.steps)
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
@@ -172,6 +177,8 @@ class ControlPlane:
                                     "or every call would be refused")
         if s.score_interval <= 0 or s.score_interval > 60:
             raise SettingsError(f"score_interval {s.score_interval} must be in (0, 60] seconds")
+        if not 0 <= s.close_hold_seconds <= 5:
+            raise SettingsError(f"close_hold_seconds {s.close_hold_seconds} must be in [0, 5] seconds")
         if s.metrics_listen and ":" not in s.metrics_listen:
             raise SettingsError(f"metrics_listen {s.metrics_listen!r} must be HOST:PORT")
 
@@ -261,6 +268,7 @@ class ControlPlane:
         if not port:
             raise SettingsError(f"listen {s.listen!r}: could not bind")
         await server.start()
+        self.hold.bind(asyncio.get_running_loop())
         for name in ("",) + SERVICE_NAMES:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server

@@ -262,6 +262,11 @@ class RiskServicer(risk_pb2_grpc.RiskServicer):
             self.plane.scoring.unsubscribe(token)
 
 
+def _urgent(batch) -> bool:
+    """The batch carries events or topology: the scoring loop acts on it at once (ingest.py)."""
+    return any(t.table == "events" or t.table == "inventory" for t in batch.tables)
+
+
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
     def __init__(self, plane):
         self.plane = plane
@@ -271,11 +276,14 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         # batch, at thousands of batches a second.
         principal = self.plane.authenticator.principal(context)
         ingest = self.plane.ingest
+        hold = self.plane.hold
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
         Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
         try:
             while (batch := await context.read()) is not grpc.aio.EOF:
+                if hold.held and not _urgent(batch):
+                    await hold.wait()   # a complete step is closing; events never wait (steps.CloseHold)
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
                                        [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
                                         for t in batch.tables], batch.watermark_ns)

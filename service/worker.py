@@ -547,8 +547,10 @@ class RemoteScoringLoop(ScoringLoop):
                 # Everything received so far is in this request: the tracker watches the next step.
                 self._closed(boundary)
         fresh = None
+        closed = False
         while self._replies:
             req, reply = self._replies.popleft()
+            closed = closed or req.score
             if reply is None:
                 if self.on_verdicts is not None:
                     self.on_verdicts(req.items, None)
@@ -579,6 +581,8 @@ class RemoteScoringLoop(ScoringLoop):
                     self.on_round(self._last, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
+        if closed:
+            self._release_hold()   # the closing request's answer has been acted on
         return fresh[0] if fresh is not None else self._last
 
     def start(self) -> None:
