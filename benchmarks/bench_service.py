@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks service [--nodes 2048] [--seconds 200] [--probe 3072,4096]
     BENCH_GENERATOR_NICE=19 ...   the load generator at the lowest priority (the collectors elsewhere)
+    BENCH_CLOSE_HOLD=0 ...        the service without its close hold (`--close-hold-seconds`), to compare
 
 Three processes: the service (build_server, insecure loopback, a small model trained here through the
 predictor's registry), a load generator (grpc.aio: one bidirectional stream per node, as real
@@ -73,6 +74,7 @@ def serve(state: str, model: str, port_file: str) -> int:
     plane = build_server(Settings.insecure_loopback(
         state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
         scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
+        close_hold_seconds=float(os.environ.get("BENCH_CLOSE_HOLD", "0.5")),
         policy={"cooldown_seconds": 0.0}))
     port = plane.start()
     tune_gc()   # as `foreshock serve` does
@@ -493,6 +495,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
             step_last[int(k)] = max(step_last.get(int(k), 0.0), v)
     ramp_sent = {n: v for g in gen for n, v in g.get("ramp_sent", {}).items()}
     risk_complete, risk_own, risk_end = [], [], []
+    by_close: dict[int, list[float]] = {}
     for n in ramp_nodes:
         if n in received and ramp_sent.get(n):
             got, d = received[n]
@@ -507,6 +510,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
             step = ts // (60 * S)
             risk_own.append(got - at)
             risk_complete.append(got - step_last.get(step, at))
+            by_close.setdefault(step, []).append(risk_complete[-1] * 1e3)
             risk_end.append(got - (step + 1) * 60)
     return {
         "nodes": n_nodes, "window_s": w1 - w0,
@@ -525,6 +529,7 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         "risk_from_complete_ms": sorted(x * 1e3 for x in risk_complete),
         "risk_from_own_sample_ms": sorted(x * 1e3 for x in risk_own),
         "risk_from_step_end_ms": sorted(x * 1e3 for x in risk_end), "risk_expected": len(ramp_nodes),
+        "risk_by_close_ms": [sorted(by_close[k]) for k in sorted(by_close)],
         "scoring_round_mean_ms": round_sum / rounds * 1e3 if rounds else float("nan"),
         "watermark_closes": watermark_closes,
         "close_holds": holds[0], "close_holds_expired": holds[1], "close_hold_seconds": holds[2],
@@ -597,6 +602,10 @@ def report(r: dict) -> None:
           f"max {max(c) if c else float('nan'):.0f} ms; from the crossing node's own last sample of the step "
           f"p50 {_pct(o, 50):.0f} ms p99 {_pct(o, 99):.0f} ms; from the step's end p50 {_pct(e, 50):.0f} ms "
           f"p99 {_pct(e, 99):.0f} ms; steps closed on the watermarks {r['watermark_closes']:.0f}")
+    closes = r.get("risk_by_close_ms") or []
+    if closes:
+        print("  risk per close (from the step's last sample): " + "; ".join(
+            f"{len(x)} crossings, {min(x):.0f}-{max(x):.0f} ms" for x in closes))
     h = r["close_holds"]
     print(f"  streams held for closing rounds: {h:.0f} times, {r['close_holds_expired']:.0f} ran out, "
           f"{r['close_hold_seconds'] / h * 1e3 if h else float('nan'):.0f} ms on average")

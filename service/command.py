@@ -34,6 +34,7 @@ DEFAULTS = {
     "sustain_seconds": 0.0,
     "grace": 5.0,
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
+    "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
 }
 
 
@@ -58,6 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-concurrent", type=int, help="default concurrent evacuations per job (1)")
     p.add_argument("--sustain-seconds", type=float, help="risk must stay above the threshold this long (0)")
     p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (5)")
+    p.add_argument("--close-hold-seconds", type=float,
+                   help="telemetry streams pause at most this long while a complete step's closing round "
+                        "runs, so the risk path gets the CPU (0.5; 0 turns it off)")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -88,6 +92,7 @@ def settings_from(cfg: dict):
         tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
+        close_hold_seconds=cfg["close_hold_seconds"],
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"]})
 

@@ -55,6 +55,9 @@ FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 155})
 PRECURSOR_XIDS = frozenset({63, 92, 137})
 COUNTER_UNITS = frozenset({"errors", "count", "bytes", "rows", "replays", "KiB", "J", "probes"})
 MAX_TABLES_PER_BATCH = 32
+# Tables whose batch the scoring loop acts on at once (a fatal Xid, a link down, a lost GPU, a topology
+# change): they skip the bulk drains and never wait for a close hold (steps.CloseHold).
+URGENT_TABLES = frozenset({"events", "inventory"})
 MAX_UNDELIVERED_COLLECTORS = 10_000   # collectors whose stream ended owing them rejections
 
 
@@ -322,7 +325,7 @@ class Ingest:
             self.accepted_batches += 1
             s.queued += 1
             self.backlog = self.sink(Pending(s, sequence, node, good, now))
-            if "events" in good or "inventory" in good:
+            if not URGENT_TABLES.isdisjoint(good):
                 # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
                 # a round now rather than at the next interval.
                 self.wake("events")

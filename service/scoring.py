@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.steps import StepTracker
 from foreshock.service.store import SignalRecord
 
@@ -288,8 +289,7 @@ class ScoringLoop:
     # -- rounds --------------------------------------------------------------------------------------
     @staticmethod
     def _urgent(item) -> bool:
-        tables = getattr(item, "tables", item)
-        return "events" in tables or "inventory" in tables
+        return not URGENT_TABLES.isdisjoint(getattr(item, "tables", item))
 
     def _drain(self, urgent_only: bool = False) -> None:
         with self._qlock:
@@ -350,8 +350,8 @@ class ScoringLoop:
                 self.on_round(result, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
-        if not self._step_complete():
-            self._release_hold()   # this round closed the complete step (or there was none)
+        if self.steps is not None and not self._step_complete():
+            self._release_hold()   # this round closed the complete step: the streams go on
         return result
 
     def _run(self) -> None:

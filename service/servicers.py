@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
+from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
 from foreshock.service.store import Directive
 from foreshock.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2
@@ -264,7 +265,7 @@ class RiskServicer(risk_pb2_grpc.RiskServicer):
 
 def _urgent(batch) -> bool:
     """The batch carries events or topology: the scoring loop acts on it at once (ingest.py)."""
-    return any(t.table == "events" or t.table == "inventory" for t in batch.tables)
+    return any(t.table in URGENT_TABLES for t in batch.tables)
 
 
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):

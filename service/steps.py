@@ -119,17 +119,22 @@ class CloseHold:
 
     `hold()` and `release()` may be called from any thread; `held` is a plain read, cheap enough for
     every batch; `wait()` runs on the gRPC event loop (`bind()` it first: until then nothing holds).
-    A hold ends at `release()` or after `max_seconds`, whichever is first; 0 turns holds off."""
+    A hold ends `resume_seconds` after `release()` (so that the closing round's own replies, the
+    directive among them, leave the event loop before the held streams' batches come in) or after
+    `max_seconds`, whichever is first; 0 turns holds off."""
 
-    def __init__(self, max_seconds: float = 0.5):
-        if not max_seconds >= 0:
-            raise ValueError(f"close hold {max_seconds!r} s must be >= 0")
+    def __init__(self, max_seconds: float = 0.5, *, resume_seconds: float = 0.02):
+        if not 0 <= max_seconds <= 5:
+            raise ValueError(f"close hold {max_seconds!r} s must be in [0, 5] seconds")
         self.max_seconds = float(max_seconds)
+        self.resume_seconds = min(max(float(resume_seconds), 0.0), self.max_seconds)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id = 0
         self._open: asyncio.Event | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._since = 0.0
+        self._generation = 0         # which hold a pending release belongs to
+        self._releasing = False
         self.holds = 0               # holds begun
         self.expired = 0             # holds that ran out before the round released them
         self.held_seconds = 0.0
@@ -165,26 +170,34 @@ class CloseHold:
         self._call(self._hold)
 
     def release(self) -> None:
-        self._call(self._release)
+        self._call(self._release_soon)
 
     def _hold(self) -> None:
         if self.held:
             return
         self._open.clear()
         self._since = time.monotonic()
+        self._generation += 1
+        self._releasing = False
         self.holds += 1
         self._timer = self._loop.call_later(self.max_seconds, self._expire)
 
-    def _expire(self) -> None:
-        if self.held:
-            self.expired += 1
-        self._timer = None
-        self._release()
+    def _release_soon(self) -> None:
+        if self.held and not self._releasing:
+            self._releasing = True
+            self._loop.call_later(self.resume_seconds, self._release, self._generation)
 
-    def _release(self) -> None:
+    def _expire(self) -> None:
+        self._timer = None
+        if self.held and not self._releasing:
+            self.expired += 1
+        self._release(self._generation)
+
+    def _release(self, generation: int) -> None:
+        if generation != self._generation or not self.held:
+            return   # a release of an earlier hold, late
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.held:
-            self.held_seconds += time.monotonic() - self._since
-            self._open.set()
+        self.held_seconds += time.monotonic() - self._since
+        self._open.set()

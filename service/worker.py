@@ -538,9 +538,11 @@ class RemoteScoringLoop(ScoringLoop):
                 drained_all = take <= self.max_drain
             boundary = None
             if step:
-                self._last_score_ns = now
                 self._step_mark = None
                 boundary = self._close_boundary(now, drained_all=drained_all)
+                # A step the watermarks completed just before its end is not due again at the end of
+                # its grace period: the next close is the next step's.
+                self._last_score_ns = now if boundary is None else max(now, boundary)
             self._submit(_Request(items, now, step, self._validated, time.perf_counter(), boundary))
             self._validated = []
             if step:

@@ -127,6 +127,9 @@ def test_the_service_closes_a_step_on_the_watermarks_not_after_the_grace_period(
         assert _wait(lambda: set(plane.nodes.risk) == {"n0", "n1", "n2"}), plane.scoring.steps.stats()
         assert plane.scoring.early_closes == 1 and clock.now < b   # 50 s before the grace period ends
         assert plane.scoring.steps.stats()["boundary_ns"] == b + STEP
+        # the streams were held for the closing round, once, and let go when it had acted
+        assert _wait(lambda: not plane.hold.held, 5)
+        assert (plane.hold.holds, plane.hold.expired) == (1, 0)
         if not scoring_process:
             assert plane.scorer._online.stats["late_rows"] == 0    # every row of the step was in it
 
@@ -143,6 +146,7 @@ def test_the_service_closes_a_step_on_the_watermarks_not_after_the_grace_period(
         clock.now = b + STEP + 31 * S                     # now the grace period closes it
         assert _wait(lambda: "old" in plane.nodes.risk), plane.scoring.steps.stats()
         assert plane.scoring.early_closes == 1
+        assert plane.hold.holds == 1 and not plane.hold.held   # a close by the grace period holds nothing
     finally:
         for u in ups.values():
             u.close(2.0)
@@ -182,17 +186,23 @@ class _Scorer:
         return ((now_ns - self.grace_ns) // STEP) * STEP
 
 
-def test_the_closing_request_takes_the_batches_up_to_the_completing_one_and_drains_follow_the_step():
+def _worker_loop(clock):
+    """A RemoteScoringLoop without a worker or a feeder thread, and a function that takes the requests
+    it has submitted since the last call (the test plays the worker's answer)."""
     from foreshock.service.worker import RemoteScoringLoop
-    clock = Clock(B - 10 * S)
     loop = RemoteScoringLoop(_Scorer(), worker=None, clock=clock, drain_interval=10.0)
 
     def submitted():
         reqs = list(loop._feed_q)
         loop._feed_q.clear()
-        loop._busy = False   # no feeder thread here: the test plays the worker's answer
+        loop._busy = False
         return reqs
+    return loop, submitted
 
+
+def test_the_closing_request_takes_the_batches_up_to_the_completing_one_and_drains_follow_the_step():
+    clock = Clock(B - 10 * S)
+    loop, submitted = _worker_loop(clock)
     loop.run_round()                                   # the first round says which step is open
     (first,) = submitted()
     assert first.score and first.close_ns == B - STEP and loop.steps.boundary_ns == B
@@ -218,3 +228,175 @@ def test_the_closing_request_takes_the_batches_up_to_the_completing_one_and_drai
     assert close.score and close.close_ns == B and loop.early_closes == 1
     assert close.items == [{"gpu": "a-2"}, {"gpu": "b-last"}]
     assert list(loop._queue) == [{"gpu": "a-next"}] and loop.steps.boundary_ns == B + STEP
+
+
+def test_a_step_closed_just_before_its_end_is_not_closed_again_when_its_grace_period_ends():
+    clock = Clock(B - 10 * S)
+    loop, submitted = _worker_loop(clock)
+    loop.run_round()
+    submitted()
+    clock.now = B - 100_000_000                      # every node's last sweep of the step is in, 0.1 s early
+    loop.steps.note("a", B + 900_000_000, clock.now)
+    loop.wake("step")
+    loop.run_round("step")
+    (close,) = submitted()
+    assert close.score and close.close_ns == B
+    clock.now = B + _Scorer.grace_ns + 50_000_000     # the end of the step's grace period
+    loop.run_round()
+    assert [r for r in submitted() if r.score] == []   # nothing to close: the step is scored
+    clock.now = B + STEP + _Scorer.grace_ns           # the next step's grace period ends, nobody completed it
+    loop.run_round()
+    (nxt,) = submitted()
+    assert nxt.score and nxt.close_ns == B + STEP
+
+
+# -- the close hold ----------------------------------------------------------------------------------
+@pytest.fixture
+def event_loop_thread():
+    import asyncio
+    import threading
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+def _bound(hold, loop):
+    import asyncio
+
+    async def bind():
+        hold.bind(asyncio.get_running_loop())
+    asyncio.run_coroutine_threadsafe(bind(), loop).result(5)
+    return hold
+
+
+def test_the_close_hold_pauses_waiters_until_released_from_another_thread(event_loop_thread):
+    import asyncio
+    from foreshock.service.steps import CloseHold
+    hold = _bound(CloseHold(2.0, resume_seconds=0.02), event_loop_thread)
+    assert not hold.held
+    asyncio.run_coroutine_threadsafe(hold.wait(), event_loop_thread).result(1)   # not held: at once
+    hold.hold()                                      # from this thread, as the scoring thread does
+    assert _wait(lambda: hold.held, 2)
+    waiter = asyncio.run_coroutine_threadsafe(hold.wait(), event_loop_thread)
+    hold.hold()                                      # a second wake for the same close: the same hold
+    time.sleep(0.2)
+    assert not waiter.done() and hold.holds == 1
+    t0 = time.monotonic()
+    hold.release()
+    waiter.result(2)
+    assert 0.015 <= time.monotonic() - t0 < 1.0      # after the resume delay, well before max_seconds
+    assert (hold.holds, hold.expired) == (1, 0) and 0.2 <= hold.held_seconds < 1.5
+    hold.release()                                   # a release with nothing held changes nothing
+    assert not hold.held and hold.holds == 1
+
+
+def test_a_close_hold_that_is_never_released_runs_out_and_is_counted(event_loop_thread):
+    import asyncio
+    from foreshock.service.steps import CloseHold
+    hold = _bound(CloseHold(0.3), event_loop_thread)
+    hold.hold()
+    assert _wait(lambda: hold.held, 2)
+    t0 = time.monotonic()
+    asyncio.run_coroutine_threadsafe(hold.wait(), event_loop_thread).result(3)
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert (hold.holds, hold.expired) == (1, 1) and not hold.held
+    hold.hold()                                      # a late release of the first hold does not end the next
+    assert _wait(lambda: hold.held, 2)
+    hold._call(lambda: hold._release(1))
+    time.sleep(0.1)
+    assert hold.held and hold.holds == 2
+
+
+def test_a_close_hold_of_zero_never_holds_and_a_bad_one_is_refused(event_loop_thread, tmp_path):
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import SettingsError
+    from foreshock.service.steps import CloseHold
+    off = _bound(CloseHold(0), event_loop_thread)
+    off.hold()
+    time.sleep(0.1)
+    assert not off.held and off.holds == 0
+    for bad in (-0.1, float("nan"), 6.0):
+        with pytest.raises(ValueError, match="close hold"):
+            CloseHold(bad)
+        with pytest.raises(SettingsError, match="close_hold_seconds"):
+            build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), close_hold_seconds=bad))
+
+
+def test_held_telemetry_waits_while_an_xid_on_another_stream_is_taken_and_acted_on(tmp_path):
+    """A real server: while a close hold is on, a stream's next gpu sweep is not taken (not acked), an
+    Xid 79 on another stream is acked and puts its node in alarm, and the release lets the held sweep
+    through; the hold's metrics say so."""
+    import datetime as dt
+    import queue
+    import threading
+    import urllib.request
+
+    import grpc
+
+    from foreshock import schema as sch
+    from foreshock.collectors.uplink import encode_table
+    from foreshock.service.scoring import NullScorer
+    from foreshock.v1 import telemetry_pb2 as tpb
+    from foreshock.v1 import telemetry_pb2_grpc
+
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), close_hold_seconds=5.0,
+                                                    metrics_listen="127.0.0.1:0"))
+    plane.start()
+    channel = grpc.insecure_channel(plane.address)
+    stub = telemetry_pb2_grpc.TelemetryStub(channel)
+
+    def open_stream(node):
+        out: queue.Queue = queue.Queue()
+        acks: queue.Queue = queue.Queue()
+        calls = stub.StreamSweeps(iter(out.get, None), timeout=60)
+
+        def read():
+            try:
+                for ack in calls:
+                    acks.put(ack)
+            except grpc.RpcError:
+                pass   # the channel closes at the end of the test
+        threading.Thread(target=read, daemon=True).start()
+        return out, acks, calls
+
+    def batch(node, seq, table, rows):
+        return tpb.SweepBatch(node=node, collector_id=f"c-{node}", sequence=seq, tables=[
+            tpb.TableRows(table=table, schema_version=1, arrow_ipc=encode_table(table, sch.to_table(table, rows)))])
+
+    def gpu(node):
+        return [{"ts": dt.datetime.now(dt.timezone.utc), "node": node, "gpu": 0, "gpu_lost": False}]
+
+    try:
+        gpu_out, gpu_acks, gpu_call = open_stream("n1")
+        xid_out, xid_acks, xid_call = open_stream("n2")
+        gpu_out.put(batch("n1", 1, "gpu", gpu("n1")))
+        assert gpu_acks.get(timeout=10).acked_sequence == 1
+        plane.hold.hold()                                        # as the scoring loop does when a step is complete
+        assert _wait(lambda: plane.hold.held, 5)
+        gpu_out.put(batch("n1", 2, "gpu", gpu("n1")))
+        xid_out.put(batch("n2", 1, "events", [{
+            "ts": dt.datetime.now(dt.timezone.utc), "node": "n2", "kind": "xid", "source": "kmsg",
+            "severity": "fatal", "xid": 79, "gpu": 3, "message": "NVRM: Xid 79, GPU has fallen off the bus"}]))
+        assert xid_acks.get(timeout=10).acked_sequence == 1      # events never wait
+        assert _wait(lambda: "n2" in plane.policy.alarms, 10)
+        with pytest.raises(queue.Empty):
+            gpu_acks.get(timeout=0.5)                            # the gpu sweep waits in its stream
+        assert plane.ingest.accepted_batches == 2
+        plane.hold.release()
+        assert gpu_acks.get(timeout=10).acked_sequence == 2
+        assert plane.ingest.accepted_batches == 3
+        text = urllib.request.urlopen(f"http://127.0.0.1:{plane.metrics_port}/metrics", timeout=10).read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("foreshock_ingest_close_hold")}
+        assert values["foreshock_ingest_close_holds_total"] == 1
+        assert values["foreshock_ingest_close_hold_expired_total"] == 0
+        assert 0.5 <= values["foreshock_ingest_close_hold_seconds_total"] < 5
+        gpu_out.put(None)
+        xid_out.put(None)
+    finally:
+        channel.close()
+        plane.stop(0)
