@@ -1,7 +1,7 @@
 """Predictor benchmarks: online scoring rounds at 10,000 nodes, offline feature throughput, training.
 
     .venv/bin/python -m benchmarks predictor [--nodes 10000] [--rounds 5] [--model DIR]
-                                             [--train-data DIR] [--eval-data DIR]
+                                             [--train-data DIR] [--eval-data DIR] [--drains-only]
 
 * online: an OnlineScorer with the shipped default model (or --model) is fed one step of schema-v1
   rows (gpu, nvlink, rdma_port, host_net) for every node each round, through the real ingest path,
@@ -10,6 +10,8 @@
   predict, explain the riskiest 16), wall and CPU time, then the same parts timed apart, and prediction
   on 1 and 2 threads (`--threads`, LoadedModel.threads). Target: a scoring round under 50 ms at
   10,000 nodes. The load average is printed with the figures: the machine is shared.
+* drains: the online ingest of one drain (40 nodes' sweeps, every node's) into a scorer that carries
+  the last sample of every entity of a 2,048-node cluster (`--drain-nodes`; `--drains-only`).
 * offline: base signals + features of one 8-GPU/8-HCA node-day (synthetic rows), in node-days per second.
 * --train-data DIR: `foreshock train` on that dataset (wall time, and the peak of the summed RSS of
   the command and its feature workers, sampled; target: 30 days of 512 nodes in under 15 minutes
@@ -181,6 +183,38 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
           f"the estimator's predict_proba {1000 * tp:.0f} ms; {_load()}")
 
 
+def bench_drains(n_nodes: int, model, sizes=(40, 2048), repeats: int = 7) -> None:
+    """The online scorer's ingest of one drain as the service's worker hands it over: a few nodes'
+    sweeps (the closing request in a step's last second) or every node's, into a scorer that already
+    carries the last sample of every entity of the cluster."""
+    rng = np.random.default_rng(1)
+    nodes = [f"node-{i:05d}" for i in range(n_nodes)]
+    # every drain is a step of its own, none closed: the pending-rows bound holds them all
+    scorer = online.OnlineScorer(model, max_nodes=n_nodes, max_pending_rows=25 * n_nodes * (len(sizes) * repeats + 1))
+    cluster = _Cluster(nodes, rng)
+    step = 29_666_000
+    for name, t in cluster.tables(step).items():
+        scorer.ingest(name, t)
+    figures = []
+    for size in sizes:
+        times = []
+        for r in range(repeats):
+            step += 1
+            tables = cluster.tables(step)
+            first = (r * size) % max(1, n_nodes - size + 1)
+            part = {}
+            for name, t in tables.items():
+                per = t.num_rows // n_nodes                # rows a node has in this table
+                part[name] = t.slice(first * per, size * per)
+            t0 = time.perf_counter()
+            for name, t in part.items():
+                scorer.ingest(name, t)
+            times.append(time.perf_counter() - t0)
+        figures.append(f"{size:,} nodes' sweeps {_med(times):.1f} ms")
+    print(f"online ingest of one drain into a scorer carrying {n_nodes:,} nodes (gpu+nvlink+rdma_port+host_net), "
+          f"median of {repeats}: " + ", ".join(figures) + f"; {_load()}")
+
+
 def bench_offline() -> None:
     tables = synthetic.node_tables("node-x", 1440, hcas=8)
     t0 = time.perf_counter()
@@ -252,6 +286,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--eval-data", default=None)
     ap.add_argument("--threads", type=int, default=registry.predict_threads(),
                     help="prediction threads in the scoring round (default: LoadedModel's)")
+    ap.add_argument("--drain-nodes", type=int, default=2048,
+                    help="cluster size for the drain ingest figures (the service benchmark's)")
+    ap.add_argument("--drains-only", action="store_true", help="only the drain ingest figures")
     args = ap.parse_args(argv)
     try:
         model = registry.load_model(args.model)
@@ -259,7 +296,11 @@ def main(argv: list[str]) -> int:
     except registry.ModelError as exc:
         print(f"no usable model ({exc}); using a tiny random one")
         model = registry.load_model(synthetic.tiny_model_dir(Path(tempfile.mkdtemp()) / "m"))
+    if args.drains_only:
+        bench_drains(args.drain_nodes, model)
+        return 0
     bench_online(args.nodes, args.rounds, model, args.threads)
+    bench_drains(args.drain_nodes, model)
     bench_offline()
     exe = [sys.executable, "-m", "foreshock.cli"]
     if args.train_data:
