@@ -99,6 +99,7 @@ class Demo:
         self.faults: list[Fault] = []
         self.riskiest: list[Any] = []
         self.directives: list[Any] = []
+        self.detached: set[str] = set()   # nodes the job was evacuated from (LiveCluster.detach)
         self.job_step = 0
         self.job_loss = None
         self.job_restarts = 0
@@ -325,6 +326,13 @@ class Demo:
                     self.say(f"risk alert: {f.node} at {r.probability:.2f}"
                              + (f" ({r.signals[0].description})" if r.signals else ""))
             for d in self.directives:
+                if (d.kind == jobs_pb2.DIRECTIVE_KIND_EVACUATE and d.state == jobs_pb2.DIRECTIVE_STATE_COMPLETED
+                        and d.from_node not in self.detached):
+                    # The rank has left the node: when it fails, no job stalls with it. The simulated
+                    # cluster's job on it follows (otherwise its peers would go idle in the simulation
+                    # although, here, the job trains on).
+                    self.cluster.detach(d.from_node, now_ns=self.sim_ns())
+                    self.detached.add(d.from_node)
                 for f in self.faults:
                     if d.from_node == f.node and f.first_directive is None:
                         f.first_directive = d.issued_at.seconds + d.issued_at.nanos / 1e9

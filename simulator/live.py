@@ -154,6 +154,13 @@ class LiveCluster:
             self.model.add_episode(ep)
         return ep
 
+    def detach(self, node: str | int, now_ns: int | None = None) -> None:
+        """The training job has moved off `node` (Foreshock evacuated it): when the node fails later,
+        its job no longer stalls (ClusterModel.detach)."""
+        index = node if isinstance(node, int) else self.topology.index(node)
+        with self._lock:
+            self.model.detach(index, time.time_ns() if now_ns is None else int(now_ns))
+
     def disturb(self, node: str | int, mode: str, *, component: int | None = None, seconds: float = 60.0,
                 peak: float = 0.4, now_ns: int | None = None) -> Episode:
         """A benign disturbance: the mode's precursor rises to `peak` (1.0 = a failing device's) over

@@ -206,6 +206,7 @@ class ClusterModel:
         self.drain_ns = int(DRAIN_NS / time_compression)
         self.restart_ns = int(RESTART_NS / time_compression)
         self._by_job: dict[int, list[Episode]] = {}
+        self._detached: dict[int, int] = {}   # node -> since when its job no longer runs on it (ns)
         self.seed = int(seed)
         self.difficulty = float(difficulty)
         self.interval_s = float(interval_s)
@@ -259,12 +260,20 @@ class ClusterModel:
             for j in {int(self.topo.job_of[n]) for n in ep.nodes} - {-1}:
                 self._by_job.setdefault(j, []).append(ep)
 
+    def detach(self, node: int, since_ns: int) -> None:
+        """The job's work has moved off the node (an evacuation): a failure of it from then on stalls
+        no job. The node's own telemetry is unchanged."""
+        self._detached[int(node)] = int(since_ns)
+
+    def _stalls_job(self, ep: Episode) -> bool:
+        return not all(n in self._detached and self._detached[n] <= ep.end_ns for n in map(int, ep.nodes))
+
     def _job_stalls(self, jobs: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """(B, T): the node's job is down after a failure of one of its nodes, until it restarts."""
         stall = np.zeros((len(jobs), len(ts)), bool)
         for j in set(jobs.tolist()) - {-1}:
             for ep in self._by_job.get(j, ()):
-                if ep.end_ns <= ts[-1] and ep.end_ns + self.restart_ns > ts[0]:
+                if ep.end_ns <= ts[-1] and ep.end_ns + self.restart_ns > ts[0] and self._stalls_job(ep):
                     stall[jobs == j] |= (ts >= ep.end_ns) & (ts < ep.end_ns + self.restart_ns)
         return stall
 

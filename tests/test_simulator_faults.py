@@ -270,6 +270,25 @@ def test_a_failure_stalls_its_job_until_it_restarts(baseline):
     assert np.array_equal(other, _base(baseline, ts0, "rdma_port", "port_xmit_bytes", 0, {"device": "mlx5_0"}))
 
 
+def test_a_node_the_job_has_left_fails_without_stalling_it():
+    ep = _episode("host", nodes=(2,), fail_h=5.0)      # node 3 shares job-001 with node 2
+    ts = T0 + np.arange(0, 12 * 60) * 60 * NS
+    window = (ts > ep.end_ns) & (ts < ep.end_ns + 20 * 60 * NS)
+
+    def node3_traffic(detach_at):
+        model = ClusterModel(TOPO, seed=5, episodes=[ep], start_ns=T0, interval_s=60.0)
+        model.detach(2, detach_at)
+        t, tx = _series(model.generate(np.arange(TOPO.nodes), ts), "rdma_port", "port_xmit_bytes", 3,
+                        {"device": "mlx5_0"})
+        assert np.array_equal(t, ts)
+        return np.diff(tx, prepend=tx[0])[1:], window[1:]
+
+    step, win = node3_traffic(ep.end_ns - HOUR)         # evacuated an hour before it fails: no stall
+    assert step[win].min() > 0.5 * np.median(step[~win])
+    step, win = node3_traffic(ep.end_ns + HOUR)         # left after the failure: the job stalled
+    assert step[win].max() < 0.05 * np.median(step[~win])
+
+
 def test_repair_reboots_and_replaces(baseline):
     ep = _episode("hbm", variant=0, lead_h=2.0, fail_h=3.0, repair_h=2.0)
     sim = _simulate([ep])
