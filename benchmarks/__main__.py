@@ -14,7 +14,12 @@ import benchmarks
 def main(argv: list[str]) -> int:
     names = sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(benchmarks.__path__)
                    if m.name.startswith("bench_"))
-    chosen = [a for a in argv if not a.startswith("-")] or names
+    # Benchmark names first, then the options for them (`service --probe 3072` or `--probe=3072`).
+    rest = list(argv)
+    chosen = []
+    while rest and not rest[0].startswith("-"):
+        chosen.append(rest.pop(0))
+    chosen = chosen or names
     unknown = set(chosen) - set(names)
     if unknown:
         print(f"unknown benchmarks {sorted(unknown)}; have {names}", file=sys.stderr)
@@ -24,7 +29,7 @@ def main(argv: list[str]) -> int:
     for name in chosen:
         print(f"\n## {name}", flush=True)
         module = importlib.import_module(f"benchmarks.bench_{name}")
-        status |= int(module.main([a for a in argv if a.startswith("-")]) or 0)
+        status |= int(module.main(rest) or 0)
     return status
 
 
