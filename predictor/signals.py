@@ -352,6 +352,12 @@ def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list]:
     return idx.astype(np.int64), values
 
 
+def _find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position in sorted_keys, found) of each key; sorted_keys is not empty."""
+    pos = np.clip(np.searchsorted(sorted_keys, keys), 0, len(sorted_keys) - 1)
+    return pos, sorted_keys[pos] == keys
+
+
 class SampleStage:
     """Per-row sample values with counter deltas; carries each entity's last sample across batches.
 
@@ -450,8 +456,7 @@ class SampleStage:
             if state is not None and len(state[0]):
                 skeys, sts, svals = state
                 fi = np.flatnonzero(first)
-                pos = np.clip(np.searchsorted(skeys, key[fi]), 0, len(skeys) - 1)
-                hit = skeys[pos] == key[fi]
+                pos, hit = _find_sorted(skeys, key[fi])
                 rows, pos = fi[hit], pos[hit]
                 prev_ts[rows] = sts[pos]
                 for j, c in enumerate(raw_cols):
@@ -494,8 +499,7 @@ class SampleStage:
             self._last[table] = (keys.copy(), ts.copy(), np.array(vals, dtype=np.float64))
             return
         skeys, sts, svals = state
-        pos = np.clip(np.searchsorted(skeys, keys), 0, len(skeys) - 1)
-        hit = skeys[pos] == keys
+        pos, hit = _find_sorted(skeys, keys)
         sts[pos[hit]] = ts[hit]
         svals[pos[hit]] = vals[hit]
         if hit.all():

@@ -177,8 +177,9 @@ class ControlPlane:
                                     "or every call would be refused")
         if s.score_interval <= 0 or s.score_interval > 60:
             raise SettingsError(f"score_interval {s.score_interval} must be in (0, 60] seconds")
-        if not 0 <= s.close_hold_seconds <= 5:
-            raise SettingsError(f"close_hold_seconds {s.close_hold_seconds} must be in [0, 5] seconds")
+        if not 0 <= s.close_hold_seconds <= CloseHold.MAX_SECONDS:
+            raise SettingsError(f"close_hold_seconds {s.close_hold_seconds} must be in "
+                                f"[0, {CloseHold.MAX_SECONDS:g}] seconds")
         if s.metrics_listen and ":" not in s.metrics_listen:
             raise SettingsError(f"metrics_listen {s.metrics_listen!r} must be HOST:PORT")
 

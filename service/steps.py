@@ -123,9 +123,11 @@ class CloseHold:
     directive among them, leave the event loop before the held streams' batches come in) or after
     `max_seconds`, whichever is first; 0 turns holds off."""
 
+    MAX_SECONDS = 5.0
+
     def __init__(self, max_seconds: float = 0.5, *, resume_seconds: float = 0.02):
-        if not 0 <= max_seconds <= 5:
-            raise ValueError(f"close hold {max_seconds!r} s must be in [0, 5] seconds")
+        if not 0 <= max_seconds <= self.MAX_SECONDS:
+            raise ValueError(f"close hold {max_seconds!r} s must be in [0, {self.MAX_SECONDS:g}] seconds")
         self.max_seconds = float(max_seconds)
         self.resume_seconds = min(max(float(resume_seconds), 0.0), self.max_seconds)
         self._loop: asyncio.AbstractEventLoop | None = None

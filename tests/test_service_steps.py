@@ -5,15 +5,25 @@ nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
+import queue
+import threading
 import time
+import urllib.request
 
+import grpc
 import pytest
 
+from foreshock import schema as sch
 from foreshock.collectors.collector import Collector
 from foreshock.collectors.simulated import SimpleNodeModel, SimulatedSource
-from foreshock.collectors.uplink import StreamingUplink
-from foreshock.service.server import Settings, build_server
-from foreshock.service.steps import StepTracker
+from foreshock.collectors.uplink import StreamingUplink, encode_table
+from foreshock.service.scoring import NullScorer
+from foreshock.service.server import Settings, SettingsError, build_server
+from foreshock.service.steps import CloseHold, StepTracker
+from foreshock.v1 import telemetry_pb2 as tpb
+from foreshock.v1 import telemetry_pb2_grpc
 
 S = 1_000_000_000
 STEP = 60 * S
@@ -163,7 +173,6 @@ def test_a_watermark_that_is_no_time_the_node_could_mean_is_ignored_and_counted(
     ing = Ingest(NodeBook(), lambda p: queued.append(p) or len(queued), wake=woken.append, steps=steps,
                  clock=lambda: now)
     s = ing.open_session("peer", "*")
-    from foreshock.collectors.uplink import encode_table
     gpu = SimpleNodeModel("n0", gpus=1, hcas=1, seed=0).sample(now)["gpu"]
     buf = encode_table("gpu", gpu)
     ing.accept(s, "n0", "c0", 1, [("gpu", 1, buf)], watermark_ns=now + 3600 * S)   # an hour ahead
@@ -253,8 +262,6 @@ def test_a_step_closed_just_before_its_end_is_not_closed_again_when_its_grace_pe
 # -- the close hold ----------------------------------------------------------------------------------
 @pytest.fixture
 def event_loop_thread():
-    import asyncio
-    import threading
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -265,8 +272,6 @@ def event_loop_thread():
 
 
 def _bound(hold, loop):
-    import asyncio
-
     async def bind():
         hold.bind(asyncio.get_running_loop())
     asyncio.run_coroutine_threadsafe(bind(), loop).result(5)
@@ -274,8 +279,6 @@ def _bound(hold, loop):
 
 
 def test_the_close_hold_pauses_waiters_until_released_from_another_thread(event_loop_thread):
-    import asyncio
-    from foreshock.service.steps import CloseHold
     hold = _bound(CloseHold(2.0, resume_seconds=0.02), event_loop_thread)
     assert not hold.held
     asyncio.run_coroutine_threadsafe(hold.wait(), event_loop_thread).result(1)   # not held: at once
@@ -295,8 +298,6 @@ def test_the_close_hold_pauses_waiters_until_released_from_another_thread(event_
 
 
 def test_a_close_hold_that_is_never_released_runs_out_and_is_counted(event_loop_thread):
-    import asyncio
-    from foreshock.service.steps import CloseHold
     hold = _bound(CloseHold(0.3), event_loop_thread)
     hold.hold()
     assert _wait(lambda: hold.held, 2)
@@ -312,9 +313,6 @@ def test_a_close_hold_that_is_never_released_runs_out_and_is_counted(event_loop_
 
 
 def test_a_close_hold_of_zero_never_holds_and_a_bad_one_is_refused(event_loop_thread, tmp_path):
-    from foreshock.service.scoring import NullScorer
-    from foreshock.service.server import SettingsError
-    from foreshock.service.steps import CloseHold
     off = _bound(CloseHold(0), event_loop_thread)
     off.hold()
     time.sleep(0.1)
@@ -330,19 +328,6 @@ def test_held_telemetry_waits_while_an_xid_on_another_stream_is_taken_and_acted_
     """A real server: while a close hold is on, a stream's next gpu sweep is not taken (not acked), an
     Xid 79 on another stream is acked and puts its node in alarm, and the release lets the held sweep
     through; the hold's metrics say so."""
-    import datetime as dt
-    import queue
-    import threading
-    import urllib.request
-
-    import grpc
-
-    from foreshock import schema as sch
-    from foreshock.collectors.uplink import encode_table
-    from foreshock.service.scoring import NullScorer
-    from foreshock.v1 import telemetry_pb2 as tpb
-    from foreshock.v1 import telemetry_pb2_grpc
-
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), close_hold_seconds=5.0,
                                                     metrics_listen="127.0.0.1:0"))
     plane.start()
