@@ -46,6 +46,8 @@ def _fmt(v: float) -> str:
 
 
 def headline(signal: str, row: np.ndarray) -> float:
+    if signal == "anomaly":
+        return float(row[FIDX["anomaly_vs_own_history"]])
     for suffix in ("_30m", "_now", "_30m_vs_baseline"):
         j = FIDX.get(signal + suffix)
         if j is not None:
@@ -82,9 +84,70 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
                 parts.append(f"{rise:+.1f}{unit} over 30 min")
     elif spec is not None and spec.kind == "peer":
         parts.append(f"{_fmt(get(signal + '_30m'))} over 30 min ({_fmt(get(signal + '_5m'))} over 5 min)")
+    elif signal == "anomaly":
+        return _describe_anomaly(get)
+    parts += _against_peers(signal, get)
     if entity:
         parts.append(f"worst on {entity}")
     return f"{text}: {', '.join(parts)}" if parts else text
+
+
+IB_LINK_SIGNALS = frozenset(sg.IB_LINK_ERRORS) | {"ib_link_err_port_max"}
+GPU_ERROR_SIGNALS = frozenset(ft.GPU_ERRORS) | {"nvl_replay", "nvl_recovery", "nvl_crc", "nvl_ecc"}
+
+
+def _against_peers(signal: str, get) -> list[str]:
+    """What the node's peers show for the same signal: whether it is the node's own or everybody's."""
+    if signal in IB_LINK_SIGNALS:
+        ratio, share = get("link_err_vs_leaf_30m"), get("leaf_peers_link_err_frac_30m")
+        if np.isfinite(share) and share >= 0.5:
+            return [f"{share:.0%} of its leaf switch's other nodes too"]
+        if np.isfinite(ratio) and ratio >= 2:
+            return [f"{ratio:,.0f}x the other nodes under its leaf switch"]
+    elif signal in GPU_ERROR_SIGNALS:
+        ratio = get("gpu_err_vs_job_30m")
+        if np.isfinite(ratio) and ratio >= 2:
+            return [f"{ratio:,.0f}x its job's other nodes"]
+    elif signal == "temp_max":
+        gap = get("temp_vs_job_30m")
+        if np.isfinite(gap) and abs(gap) >= 3:
+            return [f"{gap:+.0f} degC against its job's other nodes"]
+    return []
+
+
+def _describe_anomaly(get) -> str:
+    """The anomaly scores in words: the signal furthest above the node's own baseline, and how far
+    above its peers the node is."""
+    parts = []
+    ratios = [(get(f"{n}_30m_vs_baseline"), n) for n in ft.BASELINED]
+    ratios = [(r, n) for r, n in ratios if np.isfinite(r)]
+    if ratios:
+        r, n = max(ratios)
+        if r >= 2:
+            text = SIGNAL_BY_NAME[n].text
+            parts.append(f"{text} at {r:,.0f}x this node's 3-day baseline")
+    count = get("anomaly_signals_4x_baseline")
+    if np.isfinite(count) and count >= 2:
+        parts.append(f"{count:.0f} error signals at 4x their baseline or more at once")
+    peers = get("anomaly_vs_peers")
+    if np.isfinite(peers) and peers >= 1:
+        parts.append(f"errors {2 ** peers:,.0f}x its job or leaf-switch peers'")
+    return "Unusual for this node: " + "; ".join(parts) if parts else "Unusual for this node"
+
+
+def unusual(signal: str, row: np.ndarray, reference: np.ndarray) -> bool:
+    """Whether a signal's features say something an operator can act on: a count, peer ratio or
+    anomaly score above its healthy reference (never a zero), a gauge off its reference."""
+    cols = GROUPS[signal]
+    v, ref = row[cols], reference[cols]
+    known = np.isfinite(v)
+    spec = SIGNAL_BY_NAME.get(signal)
+    if spec is not None and spec.kind in ("gauge", "flag"):
+        return bool((known & (v != ref)).any())
+    above = known & (v > np.where(np.isfinite(ref), ref, 0.0))
+    if spec is not None and spec.kind == "count":
+        above &= v > 0
+    return bool(above.any())
 
 
 def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: np.ndarray,
@@ -114,14 +177,18 @@ def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: 
         contrib[:, live] = probability[:, None] - p_occ
     out = []
     for i in range(n):
-        order = np.argsort(-contrib[i], kind="stable")[:top]
+        order = np.argsort(-contrib[i], kind="stable")
         sigs = []
         for k in order:
             if contrib[i, k] <= 0:
                 break
             name = GROUP_NAMES[k]
+            if not unusual(name, X[i], reference):
+                continue
             ent = (entities[i] or {}).get(name) if entities else None
             sigs.append(Signal(name, headline(name, X[i]), float(contrib[i, k]), describe(name, X[i], ent)))
+            if len(sigs) == top:
+                break
         out.append(sigs)
     return out
 
@@ -129,6 +196,7 @@ def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: 
 # per-entity maxima whose worst entity online.py tracks, for "worst on GPU 3"
 ENTITY_SIGNALS = {
     "ecc_sbe": ("gpu", "ecc_sbe", "GPU"),
+    "pcie_replay": ("gpu", "pcie_replay", "GPU"),
     "nvl_crc": ("nvlink", "nvl_errors", "GPU"),
     "nvl_replay": ("nvlink", "nvl_errors", "GPU"),
     "ib_symbol_error": ("rdma_port", "ib_link_errors", "port"),

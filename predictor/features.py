@@ -1,12 +1,16 @@
 """Features (stage 2): windows, baselines, trends and peer comparisons over the per-step base signals.
 
-Reads the base signals of signals.py (one vector per node and step) and computes, per node and step:
+Reads the base signals of signals.py (one vector per node and step; error counts are the worst
+device's, scaled to one step's worth across sampling gaps) and computes, per node and step:
 error counts over 1, 5 and 30 minutes; the 30-minute rate relative to the node's own slowly moving
 baseline (an EWMA with a 3-day half-life, bias-corrected); gauges now and their 30-minute maximum;
 the temperature rise over 30 minutes; minutes since the last fatal/early-warning Xid and link event;
-and peer comparisons: link errors relative to the other nodes under the same leaf switch and the
-share of those peers with link errors (a switch fault shows on all of them), throughput relative to
-the node's job peers (a straggler), and TCP retransmissions of the other nodes of the site.
+peer comparisons: link errors relative to the other nodes under the same leaf switch and the share
+of those peers with link errors (a switch fault shows on all of them), throughput, GPU errors,
+hottest GPU and lowest clock relative to the node's job peers (a straggler, also when the whole job
+slows with it), and TCP retransmissions of the other nodes of the site; and three anomaly scores
+derived from those (ANOMALY: how far the node is from its own history and from its peers), which
+need no failure seen before.
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -28,7 +32,7 @@ from scipy.signal import lfilter
 
 from foreshock.predictor import signals as sg
 
-FEATURE_VERSION = "2"
+FEATURE_VERSION = "3"
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -43,6 +47,9 @@ PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("link_err_vs_leaf", "peer", "link errors relative to the other nodes under this leaf switch", "x"),
     sg.BaseSignal("traffic_vs_job", "peer", "throughput relative to the other nodes of its job", "x"),
     sg.BaseSignal("site_peers_tcp_retrans", "peer", "TCP retransmissions per minute of the other nodes of its site", "segments"),
+    sg.BaseSignal("gpu_err_vs_job", "peer", "GPU errors (ECC, PCIe, NVLink) relative to the other nodes of its job", "x"),
+    sg.BaseSignal("temp_vs_job", "peer", "hottest GPU against the other nodes of its job", "degC"),
+    sg.BaseSignal("sm_clock_vs_job", "peer", "lowest SM clock relative to the other nodes of its job", "x"),
 )
 ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
@@ -51,9 +58,14 @@ PEER_GROUPS = ("leaf_switch", "job", "site")
 
 # count signals not worth windowing on their own (denominators, raw traffic: used through ratios/peers)
 NOT_WINDOWED = {"tcp_out", "nvl_traffic", "ib_traffic", "ib_xmit_wait", "ib_cnp"}
-BASELINED = ("ecc_sbe", "nvl_crc", "nvl_replay", "ib_symbol_error", "ib_link_error_recovery",
-             "ib_retrans", "ib_ack_timeout", "pcie_replay", "tcp_retrans", "ib_xmit_wait", "ib_cnp",
-             "nvl_traffic", "ib_traffic", "eth_errors")
+# Error signals judged against the node's own slowly moving baseline. Traffic and congestion are not:
+# jobs start, end and change, so a node's traffic against its own days is the job's story, not the
+# node's; they are judged against the job's other nodes (PEER_SIGNALS) instead. The HBM temperature
+# is judged against its own days too: failing HBM can creep warmer for hours with few corrected
+# errors, a rise no 30-minute window shows.
+BASELINED = ("ecc_sbe", "nvl_crc", "nvl_replay", "nvl_recovery", "ib_symbol_error", "ib_link_error_recovery",
+             "ib_rcv_errors", "ib_retrans", "ib_ack_timeout", "ib_out_of_sequence", "ib_xmit_discards",
+             "pcie_replay", "tcp_retrans", "eth_errors", "hbm_temp_max")
 SINCE = ("xid_fatal", "xid_precursor", "xid_nvlink", "link_state_events", "ib_link_downed")
 RISE = ("temp_max", "hbm_temp_max")
 
@@ -94,9 +106,43 @@ def _specs() -> tuple[FeatureSpec, ...]:
     return tuple(out)
 
 
-FEATURES: tuple[FeatureSpec, ...] = _specs()
+CORE_FEATURES: tuple[FeatureSpec, ...] = _specs()
+N_CORE = len(CORE_FEATURES)
+
+# Anomaly scores: pure functions of one row of the core features, needing no failure seen before.
+# How far the node's most unusual error signal is above its own 3-day baseline (log2 of the ratio),
+# how many error signals are at least 4x their baseline at once, and how far the node is above its
+# leaf and job peers (log2 of the ratio): the node against its own history and against its peers of
+# the same job and switch, in the spirit of Minder's per-machine similarity (NSDI 2025). The model
+# is constrained to rise with them (model.monotonic_constraints), so a precursor of a shape or a
+# signal the training data never had still raises the risk through them.
+ANOMALY: tuple[FeatureSpec, ...] = (
+    FeatureSpec("anomaly_vs_own_history", "anomaly", "anomaly_own"),
+    FeatureSpec("anomaly_signals_4x_baseline", "anomaly", "anomaly_count"),
+    FeatureSpec("anomaly_vs_peers", "anomaly", "anomaly_peers"),
+)
+ANOMALY_RATIO = 4.0
+FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 N_FEATURES = len(FEATURES)
+_VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
+_VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
+                         dtype=np.intp)
+
+
+def anomaly_scores(out: np.ndarray) -> None:
+    """Fill the ANOMALY columns of float32 feature rows `out` [M, N_FEATURES] from their core columns.
+
+    Both compute paths call it on the same float32 values, so they agree bit for bit. NaN (nothing
+    known) counts as not unusual: 0.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        own = np.log2(out[:, _VS_BASELINE_COLS])
+        peers = np.log2(out[:, _VS_PEER_COLS])
+        base = N_CORE
+        out[:, base] = np.maximum(np.max(np.where(np.isnan(own), 0.0, own), axis=1), 0.0)
+        out[:, base + 1] = (out[:, _VS_BASELINE_COLS] >= ANOMALY_RATIO).sum(axis=1)
+        out[:, base + 2] = np.maximum(np.max(np.where(np.isnan(peers), 0.0, peers), axis=1), 0.0)
 
 
 def feature_names() -> list[str]:
@@ -234,6 +280,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
         return _compute_step(x[:, 0], steps, state), state
     xt = np.ascontiguousarray(np.swapaxes(x, 0, 1))              # [T, N, S] time-major
     out = np.empty((t, n, N_FEATURES), dtype=np.float64)
+    out[:, :, N_CORE:] = 0.0
     col = 0
 
     xs = xt[:, :, SUM_IDX]
@@ -334,7 +381,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     k = len(PEER_IDX)
     out[:, :, col:col + 2 * k] = np.stack([m5, m30], axis=-1).reshape(t, n, 2 * k)
     col += 2 * k
-    assert col == N_FEATURES
+    assert col == N_CORE
 
     # carry the state
     h0 = state.head
@@ -347,7 +394,9 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     state.zr = np.asarray(zrf)
     state.seen = state.seen + t
     state.last_event = last[-1].copy()
-    return np.swapaxes(out, 0, 1).astype(np.float32), state
+    result = np.ascontiguousarray(np.swapaxes(out, 0, 1), dtype=np.float32)
+    anomaly_scores(result.reshape(n * t, N_FEATURES))
+    return result, state
 
 
 def _positions(s) -> np.ndarray:
@@ -387,6 +436,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.n
         x, *_KERNEL_INDEX, state.cum, state.cumv, state.ring, state.ringv, h, state.z, state.zr, den_base,
         den_recent, hist, state.last_event, float(steps[0]), EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
+    anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
     state.gring[state.ghead] = g
@@ -490,7 +540,8 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
         out[:, col:col + 2 * k:2] = np.where(pn5 > 0, p5 / np.maximum(pn5, 1.0), np.nan)
         out[:, col + 1:col + 2 * k:2] = np.where(pn30 > 0, p30 / np.maximum(pn30, 1.0), np.nan)
     col += 2 * k
-    assert col == N_FEATURES
+    assert col == N_CORE
+    anomaly_scores(out)
 
     state.ring[h] = c
     state.ringv[h] = cv
@@ -507,18 +558,24 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
 
 
 # -- peers -------------------------------------------------------------------------------------------
-PEER_INPUTS = ("link_err", "traffic", "tcp_retrans")
+PEER_INPUTS = ("link_err", "traffic", "tcp_retrans", "gpu_err", "temp", "sm_clock")
+GPU_ERRORS = ("ecc_sbe", "pcie_replay", "nvl_err_gpu_max")
 
 
 def peer_inputs(base: np.ndarray) -> np.ndarray:
-    """[..., S_base] -> [..., 3]: a node's own link errors, traffic and TCP retransmissions per step.
+    """[..., S_base] -> [..., len(PEER_INPUTS)]: a node's own link errors, traffic, TCP
+    retransmissions, GPU errors, hottest GPU and lowest SM clock per step (unknown: 0).
 
-    Integer-valued, so sums over a group are exact whatever the order (offline and online agree).
+    Integer-valued (or multiples of 1/64 for gap-scaled counts), so sums over a group are exact
+    whatever the order (offline and online agree).
     """
     link = np.nansum(base[..., [sg.BASE_INDEX[n] for n in sg.IB_LINK_ERRORS]], axis=-1)
     traffic = np.nansum(base[..., [sg.BASE_INDEX["ib_traffic"], sg.BASE_INDEX["nvl_traffic"]]], axis=-1)
     retrans = np.nan_to_num(base[..., sg.BASE_INDEX["tcp_retrans"]])
-    return np.stack([link, traffic, retrans], axis=-1)
+    gpu_err = np.nansum(base[..., [sg.BASE_INDEX[n] for n in GPU_ERRORS]], axis=-1)
+    temp = np.nan_to_num(base[..., sg.BASE_INDEX["temp_max"]])
+    clock = np.nan_to_num(base[..., sg.BASE_INDEX["sm_clock_min"]])
+    return np.stack([link, traffic, retrans, gpu_err, temp, clock], axis=-1)
 
 
 @dataclass
@@ -534,7 +591,8 @@ def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarr
     """The PEER_SIGNALS of nodes given their own inputs and their groups' totals (self included).
 
     own [M, 3]; present [M] (the node had data this step); codes[group] [M] (-1: no group);
-    totals[group] = (count [M], total [M, 3], nonzero [M, 3]) looked up for each row's group.
+    totals[group] = (count [M], total [M, I], nonzero [M, I]) looked up for each row's group, I =
+    len(PEER_INPUTS). Gauges (temperature, clock) average over the peers that reported them (nonzero).
     """
     m = len(own)
     out = np.full((m, len(PEER_SIGNALS)), np.nan)
@@ -556,5 +614,16 @@ def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarr
         others = cnt - p
         ok = (codes["site"] >= 0) & (others > 0)
         out[:, 3] = np.where(ok, (tot[:, 2] - own[:, 2] * p) / others, np.nan)
+        cnt, tot, nz = totals["job"]
+        others = cnt - p
+        ok = (codes["job"] >= 0) & (others > 0) & present
+        mean_others = (tot[:, 3] - own[:, 3] * p) / others
+        out[:, 4] = np.where(ok, (own[:, 3] + 1.0) / (mean_others + 1.0), np.nan)
+        for col, k, relative in ((5, 4, False), (6, 5, True)):
+            own_known = own[:, k] > 0
+            reporting = nz[:, k] - own_known * p
+            mean_others = (tot[:, k] - own[:, k] * p) / reporting
+            ok = (codes["job"] >= 0) & (reporting > 0) & present & own_known
+            out[:, col] = np.where(ok, own[:, k] / mean_others if relative else own[:, k] - mean_others, np.nan)
     out[~present] = np.nan
     return out

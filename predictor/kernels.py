@@ -359,7 +359,7 @@ def warm_up() -> None:
 
     state = ft.FeatureState.empty(1)
     ft._compute_step(np.zeros((1, len(ft.ALL_NAMES))), np.array([0]), state)
-    online.group_totals_lookup(np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros((1, 3)))
+    online.group_totals_lookup(np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros((1, len(ft.PEER_INPUTS))))
     _WARM = True
 
 

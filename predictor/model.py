@@ -126,6 +126,35 @@ class TrendRatios(TransformerMixin, BaseEstimator):
         return np.unique(np.concatenate([columns[columns < n], self.numerator_[derived], self.denominator_[derived]]))
 
 
+# Risk may only rise with these (never fall as errors grow): error counts and their ratios to the
+# node's baseline, hard-fault gauges, the anomaly scores. On data unlike the training data a tree
+# ensemble otherwise extrapolates arbitrarily (a rate above any seen in training can land in a leaf
+# learnt from a benign burst); the constraint keeps "more errors, more risk" true everywhere. Trend
+# ratios, temperatures, clocks, traffic and times since events stay free: their shape is learnt.
+NOT_RISING = {"xid_application"}
+RISING_GAUGES = {"remap_pending", "remap_failure", "pcie_width_deficit", "nvl_links_down", "ib_port_down_frac",
+                 "eth_down_frac", "gpu_lost", "thermal_throttle_frac", "remap_rows_total"}
+RISING_PEERS = {"gpu_err_vs_job", "link_err_vs_leaf"}
+
+
+def monotonic_constraints(feature_names=ft.FEATURE_NAMES, trend_ratios: bool = True) -> list[int]:
+    """HistGradientBoosting's monotonic_cst for the model's input columns (features, then the trend
+    ratios TrendRatios appends): 1 = the risk does not fall as the value grows, 0 = free."""
+    spec = {f.name: f for f in ft.FEATURES}
+    out = []
+    for name in feature_names:
+        f = spec.get(name)
+        rising = f is not None and (
+            (f.op in ("sum1", "sum5", "sum30", "vs_baseline", "recent_vs_baseline") and f.signal not in NOT_RISING)
+            or (f.op in ("now", "max30") and f.signal in RISING_GAUGES)
+            or (f.op in ("mean5", "mean30") and f.signal in RISING_PEERS)
+            or f.signal == "anomaly")
+        out.append(1 if rising else 0)
+    if trend_ratios:
+        out += [0] * len(_trend_specs(list(feature_names)))
+    return out
+
+
 def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nodes: int = 31,
                l2_regularization: float = 1.0, random_state: int = 0, trend_ratios: bool = True) -> Pipeline:
     return Pipeline([
@@ -134,6 +163,7 @@ def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nod
         ("gbdt", HistGradientBoostingClassifier(
             max_iter=max_iter, learning_rate=learning_rate, max_leaf_nodes=max_leaf_nodes,
             min_samples_leaf=40, l2_regularization=l2_regularization,
+            monotonic_cst=monotonic_constraints(trend_ratios=trend_ratios),
             # no internal early stopping: its random hold-out can leave a rarely-reported feature with
             # no known value in the binned part (sklearn 1.9 then fails); the time split is ours
             early_stopping=False, random_state=random_state)),

@@ -141,8 +141,8 @@ class PeerTotals:
         self.t = int(last_step) - int(first_step) + 1
         self.codes: dict[str, dict[str, int]] = {g: {} for g in ft.PEER_GROUPS}
         self.count = {g: np.zeros((0, self.t)) for g in ft.PEER_GROUPS}
-        self.total = {g: np.zeros((0, self.t, 3)) for g in ft.PEER_GROUPS}
-        self.nonzero = {g: np.zeros((0, self.t, 3)) for g in ft.PEER_GROUPS}
+        self.total = {g: np.zeros((0, self.t, len(ft.PEER_INPUTS))) for g in ft.PEER_GROUPS}
+        self.nonzero = {g: np.zeros((0, self.t, len(ft.PEER_INPUTS))) for g in ft.PEER_GROUPS}
 
     def code_array(self, group: str, labels: np.ndarray) -> np.ndarray:
         codes = self.codes[group]
@@ -169,8 +169,8 @@ class PeerTotals:
         grow = len(self.codes[group]) - self.count[group].shape[0]
         if grow > 0:
             self.count[group] = np.concatenate([self.count[group], np.zeros((grow, self.t))])
-            self.total[group] = np.concatenate([self.total[group], np.zeros((grow, self.t, 3))])
-            self.nonzero[group] = np.concatenate([self.nonzero[group], np.zeros((grow, self.t, 3))])
+            self.total[group] = np.concatenate([self.total[group], np.zeros((grow, self.t, len(ft.PEER_INPUTS)))])
+            self.nonzero[group] = np.concatenate([self.nonzero[group], np.zeros((grow, self.t, len(ft.PEER_INPUTS)))])
 
     def add(self, group: str, codes: np.ndarray, steps: np.ndarray, present: np.ndarray, own: np.ndarray):
         """One node's steps (each step once, so indexed += adds exactly what np.add.at would)."""
@@ -204,7 +204,7 @@ class PeerTotals:
         safe = np.where(codes >= 0, codes, 0)
         s = steps - self.first
         if self.count[group].shape[0] == 0:
-            return np.zeros(n), np.zeros((n, 3)), np.zeros((n, 3))
+            return np.zeros(n), np.zeros((n, len(ft.PEER_INPUTS))), np.zeros((n, len(ft.PEER_INPUTS)))
         return self.count[group][safe, s], self.total[group][safe, s], self.nonzero[group][safe, s]
 
 

@@ -10,10 +10,12 @@ scorer (batches as they arrive):
 
 * `SampleStage.samples(table, batch)`: per-row values, with counter *deltas* taken against the
   previous sample of the same entity (GPU, port, interface), carried across batches in the stage's
-  state. A counter that goes down is a wrap when it was near the top of its hardware width (the
-  IB counters of schema.IB_PORT_COUNTERS, the 32-bit mlx5 hw_counters) and a reset otherwise (the
-  delta is then the new value: what it counted since the reset). InfiniBand PMA counters saturate
-  at their maximum rather than wrap; a saturated counter is flagged (`ib_counter_saturated`).
+  state. A counter that goes down is a wrap when it can wrap (port_xmit_wait and the 32-bit mlx5
+  hw_counters) and was near the top of its width, and otherwise a clear or a reset (the delta is
+  then the new value: what it counted since). InfiniBand PMA error counters saturate at their
+  maximum and are cleared, never wrapped; a saturated counter is flagged (`ib_counter_saturated`).
+  A delta that spans a gap (a missed sample, a collector outage) is scaled to one step's worth of
+  the elapsed time, so a gap's errors do not land in one step as a burst.
   A duplicate or late row (not newer than the entity's last sample) is dropped and counted.
 * `reduce_steps(table, samples)`: per (node, step) sums, maxima and minima. Only exact operations
   are used (sums of integer-valued deltas, max, min), so the result does not depend on how the
@@ -67,14 +69,13 @@ def _f(name, text):
 
 BASE_SIGNALS: tuple[BaseSignal, ...] = (
     # gpu
-    _c("ecc_sbe", "HBM corrected (single-bit) ECC errors"),
-    _c("ecc_sbe_gpu_max", "HBM corrected ECC errors on the worst GPU", entity="GPU"),
+    _c("ecc_sbe", "HBM corrected (single-bit) ECC errors on the worst GPU", entity="GPU"),
     _c("ecc_dbe", "HBM uncorrected (double-bit) ECC errors"),
     _c("remap_correctable", "HBM rows remapped for correctable errors", "rows"),
     _c("remap_uncorrectable", "HBM rows remapped for uncorrectable errors", "rows"),
     _f("remap_pending", "an HBM row remap pending"),
     _f("remap_failure", "an HBM row remap failure"),
-    _c("pcie_replay", "PCIe replays", "replays"),
+    _c("pcie_replay", "PCIe replays on the worst GPU", "replays", entity="GPU"),
     _g("pcie_width_deficit", "PCIe lanes below the link's maximum width", "lanes"),
     _g("pcie_gen_deficit", "PCIe generations below the link's maximum", "gens"),
     _g("temp_max", "hottest GPU temperature", "degC"),
@@ -82,29 +83,30 @@ BASE_SIGNALS: tuple[BaseSignal, ...] = (
     _g("hbm_temp_max", "hottest HBM temperature", "degC"),
     _g("thermal_throttle_frac", "share of GPU samples in thermal or hardware slowdown", "ratio"),
     _g("sm_clock_min", "lowest SM clock", "MHz"),
+    _g("remap_rows_total", "HBM rows remapped over the worst GPU's life", "rows"),
     _f("gpu_lost", "a GPU lost (off the bus)"),
     # nvlink
-    _c("nvl_replay", "NVLink replay errors"),
-    _c("nvl_recovery", "NVLink recovery errors"),
-    _c("nvl_crc", "NVLink CRC (flit and data) errors"),
-    _c("nvl_ecc", "NVLink data ECC errors"),
+    _c("nvl_replay", "NVLink replay errors on the worst GPU", entity="GPU"),
+    _c("nvl_recovery", "NVLink recovery errors on the worst GPU", entity="GPU"),
+    _c("nvl_crc", "NVLink CRC (flit and data) errors on the worst GPU", entity="GPU"),
+    _c("nvl_ecc", "NVLink data ECC errors on the worst GPU", entity="GPU"),
     _c("nvl_err_gpu_max", "NVLink errors on the worst GPU", entity="GPU"),
     _g("nvl_links_down", "NVLink links down on the worst GPU", "links"),
     _c("nvl_traffic", "NVLink traffic", "KiB"),
     # rdma_port
-    _c("ib_symbol_error", "InfiniBand/RoCE symbol errors"),
-    _c("ib_link_error_recovery", "InfiniBand link error recoveries", "recoveries"),
-    _c("ib_link_downed", "InfiniBand link-down events (link_downed)", "events"),
-    _c("ib_rcv_errors", "InfiniBand receive errors"),
-    _c("ib_link_integrity", "InfiniBand local link integrity errors"),
-    _c("ib_buffer_overrun", "InfiniBand excessive buffer overrun errors"),
-    _c("ib_xmit_discards", "InfiniBand transmit discards", "packets"),
+    _c("ib_symbol_error", "InfiniBand/RoCE symbol errors on the worst port", entity="port"),
+    _c("ib_link_error_recovery", "InfiniBand link error recoveries on the worst port", "recoveries", entity="port"),
+    _c("ib_link_downed", "InfiniBand link-down events (link_downed) on the worst port", "events", entity="port"),
+    _c("ib_rcv_errors", "InfiniBand receive errors on the worst port", entity="port"),
+    _c("ib_link_integrity", "InfiniBand local link integrity errors on the worst port", entity="port"),
+    _c("ib_buffer_overrun", "InfiniBand excessive buffer overrun errors on the worst port", entity="port"),
+    _c("ib_xmit_discards", "InfiniBand transmit discards on the worst port", "packets", entity="port"),
     _c("ib_xmit_wait", "InfiniBand transmit wait (congestion)", "ticks"),
-    _c("ib_ack_timeout", "RDMA local ACK timeouts", "timeouts"),
-    _c("ib_out_of_sequence", "RDMA out-of-sequence packets", "packets"),
-    _c("ib_packet_seq_err", "RDMA packet sequence errors"),
-    _c("ib_retrans", "RoCE adaptive retransmissions", "retransmissions"),
-    _c("ib_retries_exceeded", "RDMA transport retries exceeded"),
+    _c("ib_ack_timeout", "RDMA local ACK timeouts on the worst port", "timeouts", entity="port"),
+    _c("ib_out_of_sequence", "RDMA out-of-sequence packets on the worst port", "packets", entity="port"),
+    _c("ib_packet_seq_err", "RDMA packet sequence errors on the worst port", entity="port"),
+    _c("ib_retrans", "RoCE adaptive retransmissions on the worst port", "retransmissions", entity="port"),
+    _c("ib_retries_exceeded", "RDMA transport retries exceeded on the worst port", entity="port"),
     _c("ib_cnp", "congestion notification packets (CNPs)", "packets"),
     _c("ib_link_err_port_max", "link errors on the worst InfiniBand port", entity="port"),
     _g("ib_port_down_frac", "share of InfiniBand port samples not active/LinkUp", "ratio"),
@@ -146,10 +148,15 @@ class Counter_:
 
 
 def _ib_width(name: str) -> int | None:
+    """The width a decrease of the counter may wrap at; None: a decrease is a clear or a reset.
+
+    The IB PMA error counters (schema.IB_PORT_COUNTERS under 32 bits) saturate at their maximum and
+    are cleared (by a fabric manager, `perfquery -x`, a reboot), never wrapped: IBTA vol. 1, 16.1.3.5
+    (PortCounters). Read as a wrap, a symbol_error cleared at 60,000 would count 5,539 errors. port_xmit_wait (32-bit) and the mlx5 hw_counters (32-bit) do wrap on busy ports."""
     if name in sch.IB_PORT_COUNTERS:
         w = sch.IB_PORT_COUNTERS[name]
-        return None if w >= 64 else w
-    return 32  # mlx5 hw_counters are 32-bit
+        return None if w >= 64 or w < 32 else w
+    return 32
 
 
 # Per table: entity key columns, counters to difference, and how samples reduce to signals.
@@ -205,26 +212,34 @@ IB_SATURATING = tuple(name for name, w in sch.IB_PORT_COUNTERS.items() if w < 64
 IB_LINK_ERRORS = ("ib_symbol_error", "ib_link_error_recovery", "ib_link_downed", "ib_rcv_errors", "ib_link_integrity")
 NVL_ERRORS = ("nvl_replay", "nvl_recovery", "nvl_crc", "nvl_ecc")
 
+# Counters summed over the node's entities: traffic and congestion, judged against the node's job
+# peers. Every error counter reduces to its worst entity ("emax"): a failing device shows as itself,
+# and the chronic noise of healthy devices does not grow with how many GPUs or ports a node has, so
+# a 4-GPU node reads like an 8-GPU one.
+NODE_TOTALS = ("ib_traffic", "ib_xmit_wait", "ib_cnp")
+
 # (signal, sample column, reducer)
 REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "gpu": (
-        ("ecc_sbe", "ecc_sbe", "sum"), ("ecc_sbe_gpu_max", "ecc_sbe", "emax"),
+        ("ecc_sbe", "ecc_sbe", "emax"),
         ("ecc_dbe", "ecc_dbe", "sum"), ("remap_correctable", "remap_correctable", "sum"),
         ("remap_uncorrectable", "remap_uncorrectable", "sum"),
         ("remap_pending", "remap_pending", "max"), ("remap_failure", "remap_failure", "max"),
-        ("pcie_replay", "pcie_replay", "sum"), ("pcie_width_deficit", "pcie_width_deficit", "max"),
+        ("pcie_replay", "pcie_replay", "emax"), ("pcie_width_deficit", "pcie_width_deficit", "max"),
         ("pcie_gen_deficit", "pcie_gen_deficit", "max"), ("temp_max", "temperature_c", "max"),
         ("_temp_min", "temperature_c", "min"), ("hbm_temp_max", "hbm_temperature_c", "max"),
         ("_throttled", "throttled", "sum"), ("_gpu_samples", "one", "sum"),
         ("sm_clock_min", "sm_clock_mhz", "min"), ("gpu_lost", "gpu_lost", "max"),
+        ("remap_rows_total", "remap_rows_total", "max"),
     ),
     "nvlink": (
-        ("nvl_replay", "nvl_replay", "sum"), ("nvl_recovery", "nvl_recovery", "sum"),
-        ("nvl_crc", "nvl_crc", "sum"), ("nvl_ecc", "nvl_ecc", "sum"),
+        ("nvl_replay", "nvl_replay", "emax"), ("nvl_recovery", "nvl_recovery", "emax"),
+        ("nvl_crc", "nvl_crc", "emax"), ("nvl_ecc", "nvl_ecc", "emax"),
         ("nvl_err_gpu_max", "nvl_errors", "emax"), ("nvl_links_down", "links_down", "max"),
         ("nvl_traffic", "nvl_traffic", "sum"),
     ),
-    "rdma_port": tuple((c.sample, c.sample, "sum") for c in COUNTERS["rdma_port"]) + (
+    "rdma_port": tuple((c.sample, c.sample, "sum" if c.sample in NODE_TOTALS else "emax")
+                       for c in COUNTERS["rdma_port"]) + (
         ("ib_link_err_port_max", "ib_link_errors", "emax"), ("_ib_down", "port_down", "sum"),
         ("_ib_samples", "one", "sum"), ("ib_counter_saturated", "saturated", "max"),
     ),
@@ -284,6 +299,27 @@ def counter_delta(cur: np.ndarray, prev: np.ndarray, width: int | None) -> np.nd
             fixed = np.where(wrap, cur + top - prev, cur)
         d = np.where(down, fixed, d)
     return np.where(np.isnan(prev) & ~np.isnan(cur), 0.0, d)
+
+
+GAP_FACTOR = 1.5        # a delta spanning more than this many steps is a gap's, not one step's
+RATE_QUANTUM = 64.0     # gap-scaled deltas are rounded to 1/64: dyadic, so their sums stay exact
+
+
+def gap_scale(ts: np.ndarray, prev_ts: np.ndarray, step_ns: int) -> np.ndarray | None:
+    """Per row, one step over the time its delta spans when that exceeds GAP_FACTOR steps, else 1;
+    None when no row spans a gap (the usual case: nothing to scale)."""
+    has_prev = prev_ts > np.iinfo(np.int64).min
+    span = np.where(has_prev, ts - np.where(has_prev, prev_ts, ts), 0)
+    gap = span > GAP_FACTOR * step_ns
+    if not gap.any():
+        return None
+    return np.where(gap, step_ns / np.where(gap, span, 1).astype(np.float64), 1.0)
+
+
+def per_step(delta: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """A delta scaled to one step's worth, rounded to 1/RATE_QUANTUM so that sums of deltas stay
+    exact in any order (the offline and online paths add them in different orders)."""
+    return np.where(scale < 1.0, np.round(delta * scale * RATE_QUANTUM) / RATE_QUANTUM, delta)
 
 
 @dataclass
@@ -473,12 +509,13 @@ class SampleStage:
             if len(ts) == 0:
                 return Samples.empty()
         cols: dict[str, np.ndarray] = {}
+        scale = gap_scale(ts, prev_ts, self.step_ns)
         for spec in counters:
             total = None
             for c in spec.columns:
                 d = counter_delta(raw[c], prev[c], spec.width)
                 total = d if total is None else total + d
-            cols[spec.sample] = total
+            cols[spec.sample] = total if scale is None else per_step(total, scale)
         self._table_samples(table, extra, raw, cols, len(ts))
         # carry each entity's last sample
         last = np.ones(len(ts), dtype=bool)
@@ -526,6 +563,7 @@ class SampleStage:
             out["remap_failure"] = col["remapped_rows_failure"]
             out["pcie_width_deficit"] = np.maximum(col["pcie_link_width_max"] - col["pcie_link_width"], 0)
             out["pcie_gen_deficit"] = np.maximum(col["pcie_link_gen_max"] - col["pcie_link_gen"], 0)
+            out["remap_rows_total"] = raw["remapped_rows_correctable"] + raw["remapped_rows_uncorrectable"]
         elif table == "nvlink":
             out["nvl_errors"] = _nansum([out[s_] for s_ in NVL_ERRORS])
             out["links_down"] = np.maximum(col["links_total"] - col["links_up"], 0)

@@ -128,9 +128,9 @@ def tiny_model_dir(path, *, seed: int = 0):
     from foreshock.predictor import registry
 
     rng = np.random.default_rng(seed)
-    X = rng.random((1500, ft.N_FEATURES)).astype(np.float32)
+    X = rng.random((4000, ft.N_FEATURES)).astype(np.float32)
     j = ft.FEATURE_NAMES.index("ecc_sbe_30m")
-    X[:, j] = rng.poisson(1.0, 1500)
+    X[:, j] = rng.poisson(1.0, 4000)
     y = (X[:, j] >= 4).astype(int)
     X[y == 1, j] += 50
     # no trend ratios: on these random windows a ratio would separate the classes by accident

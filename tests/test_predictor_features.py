@@ -48,6 +48,37 @@ def test_rdma_rows_to_base_signals_with_a_wrap_and_a_saturated_counter():
     assert np.isnan(base["ecc_sbe"]).all() and np.isnan(base["ib_ack_timeout"]).all()
 
 
+def test_a_cleared_pma_error_counter_counts_from_zero_not_as_a_wrap():
+    """IB PMA error counters saturate and are cleared (fabric manager, perfquery -x), never wrapped:
+    a symbol_error cleared at 60,000 then counting 3 is 3 errors, not 65,536 - 60,000 + 3."""
+    rows = [{"ts": _ts(T0 + i * STEP), "node": "n1", "device": "mlx5_0", "port": 1, "state": 4, "phys_state": 5,
+             "symbol_error": sym} for i, sym in enumerate((59_990, 60_000, 3, 4))]
+    base = sg.node_base_signals({"rdma_port": sch.to_table("rdma_port", rows)})
+    np.testing.assert_array_equal(base["ib_symbol_error"], [0, 10, 3, 1])
+
+
+def test_a_delta_across_a_gap_is_scaled_to_one_step():
+    """A missed sample or a collector outage: the errors of the whole gap are spread over it, so the
+    first step after the gap is not a burst. Ten steps without samples, then 100 errors: 10 a step."""
+    rows = [{"ts": _ts(T0 + k * STEP), "node": "n1", "gpu": 0, "gpu_lost": False, "ecc_corrected_volatile": v}
+            for k, v in ((0, 0), (1, 2), (11, 102), (12, 103))]
+    base = sg.node_base_signals({"gpu": sch.to_table("gpu", rows)})
+    np.testing.assert_array_equal(base["ecc_sbe"], [0, 2, 10, 1])
+
+
+def test_error_counters_reduce_to_the_worst_device_so_node_sizes_compare():
+    """Four quiet GPUs or eight: the same worst-GPU count; the failing GPU shows as itself."""
+    def node(gpus, noisy):
+        rows = []
+        for k in range(2):
+            for g in range(gpus):
+                rows.append({"ts": _ts(T0 + k * STEP), "node": f"n{gpus}", "gpu": g, "gpu_lost": False,
+                             "ecc_corrected_volatile": k * (7 if g == noisy else 1)})
+        return sg.node_base_signals({"gpu": sch.to_table("gpu", rows)}).row(1)["ecc_sbe"]
+
+    assert node(4, 2) == node(8, 5) == 7
+
+
 def test_gpu_rows_many_samples_per_step_reduce_per_gpu_then_across():
     rows = []
     for k in range(6):  # 6 samples at 10 s: one step
@@ -58,7 +89,7 @@ def test_gpu_rows_many_samples_per_step_reduce_per_gpu_then_across():
     base = sg.node_base_signals({"gpu": sch.to_table("gpu", rows)})
     assert len(base) == 1
     r = base.row(0)
-    assert r["ecc_sbe"] == 15 and r["ecc_sbe_gpu_max"] == 15
+    assert r["ecc_sbe"] == 15   # the worst GPU's count: GPU 1 counted 15, GPU 0 none
     assert r["temp_max"] == 65 and r["temp_spread"] == 15
     assert r["thermal_throttle_frac"] == pytest.approx(3 / 12)
 
@@ -104,7 +135,9 @@ def test_windows_and_since_match_a_brute_force_computation():
 
 def test_peer_signals_tell_a_switch_fault_from_a_node_fault():
     # 4 nodes under one leaf; node 0 alone with link errors (its cable), then all four (the switch)
-    own = np.array([[50.0, 1e9, 0], [0, 1e9, 0], [0, 1e9, 0], [0, 5e8, 0]])
+    # inputs: link errors, traffic, TCP retransmissions, GPU errors, hottest GPU, lowest SM clock
+    own = np.array([[50.0, 1e9, 0, 0, 60, 1980], [0, 1e9, 0, 0, 60, 1980], [0, 1e9, 0, 0, 60, 1980],
+                    [0, 5e8, 0, 30, 75, 1800]])
     present = np.ones(4, dtype=bool)
     codes = {"leaf_switch": np.zeros(4, np.int64), "job": np.zeros(4, np.int64), "site": np.zeros(4, np.int64)}
 
@@ -115,6 +148,18 @@ def test_peer_signals_tell_a_switch_fault_from_a_node_fault():
     p = ft.peer_signals(own, present, codes, totals(own))
     assert p[0, 0] == 0 and p[0, 1] == pytest.approx(51.0)      # node fault: no peer has errors
     assert p[3, 2] == pytest.approx(5e8 / 1e9)                     # a straggler vs its job
+    # the straggler's GPUs against its job's: errors, heat and clock (the job may slow as a whole)
+    names = [s_.name for s_ in ft.PEER_SIGNALS]
+    assert p[3, names.index("gpu_err_vs_job")] == pytest.approx(31.0)
+    assert p[3, names.index("temp_vs_job")] == pytest.approx(15.0)
+    assert p[3, names.index("sm_clock_vs_job")] == pytest.approx(1800 / 1980)
+    assert p[0, names.index("temp_vs_job")] == pytest.approx(60 - 65)
+    # a node that reports no GPU readings has no GPU comparison, and does not drag its peers' mean
+    own3 = own.copy()
+    own3[1, 4:] = 0
+    p3 = ft.peer_signals(own3, present, codes, totals(own3))
+    assert np.isnan(p3[1, names.index("temp_vs_job")])
+    assert p3[3, names.index("temp_vs_job")] == pytest.approx(15.0)
     own2 = own.copy()
     own2[:, 0] = 50.0
     p2 = ft.peer_signals(own2, present, codes, totals(own2))
