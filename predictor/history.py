@@ -366,7 +366,12 @@ def top_lift(scores: np.ndarray, labels: np.ndarray, fraction: float = 0.05) -> 
 
 # -- repair and failure figures ---------------------------------------------------------------------
 def fault_statistics(log: FaultLog, fleet_size: int, span_days: float) -> dict:
-    """Repair time and time between failures from a fault log (docs/goodput.md cites these)."""
+    """Repair time and time between failures from a fault log (docs/goodput.md cites these).
+
+    Repair time: fault start to its repair, closed faults only. Time between failures: the fleet's
+    node-hours per fault (the MTBF of one node) and, for nodes that faulted again, the gap between
+    consecutive fault starts.
+    """
     closed = np.isfinite(log.end)
     repair_h = (log.end[closed] - log.start[closed]) * 24
     gaps = []
@@ -374,6 +379,8 @@ def fault_statistics(log: FaultLog, fleet_size: int, span_days: float) -> dict:
         starts = np.sort(log.start[log.node == node])
         gaps.extend(np.diff(starts))
     gaps = np.asarray(gaps)
+    hw_repair_h = (log.end[closed & log.hardware] - log.start[closed & log.hardware]) * 24
+    other_repair_h = (log.end[closed & ~log.hardware] - log.start[closed & ~log.hardware]) * 24
     counts = pd.Series(log.node).value_counts().to_numpy()
     counts = np.sort(np.concatenate([counts, np.zeros(max(fleet_size - len(counts), 0))]))[::-1]
     worst = max(int(round(0.1 * fleet_size)), 1)
@@ -387,6 +394,8 @@ def fault_statistics(log: FaultLog, fleet_size: int, span_days: float) -> dict:
         "repairs_closed": int(closed.sum()),
         "repair_hours_median": float(np.median(repair_h)) if len(repair_h) else float("nan"),
         "repair_hours_p90": float(np.percentile(repair_h, 90)) if len(repair_h) else float("nan"),
+        "repair_hours_median_hardware": float(np.median(hw_repair_h)) if len(hw_repair_h) else float("nan"),
+        "repair_hours_median_other": float(np.median(other_repair_h)) if len(other_repair_h) else float("nan"),
         "repeat_fault_gap_days_median": float(np.median(gaps)) if len(gaps) else float("nan"),
         "repeat_fault_gap_days_p10": float(np.percentile(gaps, 10)) if len(gaps) else float("nan"),
         "worst_10pct_nodes_fault_share": float(counts[:worst].sum() / max(counts.sum(), 1)),

@@ -2,6 +2,7 @@
 
     foreshock history import --format infinitehbd TRACE.json --out DIR [--fleet-size 400]
     foreshock history score --data DIR --at TIME [--horizon-days 30] [--hardware-only] --json OUT
+    foreshock history stats --data DIR [--span-days DAYS]
 
 `import` writes the `incidents` table (and an `inventory` row per node seen) with foreshock.dataset's
 writer, the layout `foreshock simulate` writes, plus DIR/history.json (predictor/history.py
@@ -9,7 +10,9 @@ METADATA_FILE: the fleet size, since a fault log names only the nodes that faile
 `score` fits predictor/history.py's NodeHistoryModel on the events before TIME only and writes
 {"scores": {node: P}, "default": P for a node with no history, ...}. TIME is ISO-8601
 (2024-09-01T00:00Z) or a number of days since the dataset's day 0 (history.json, else the day of its
-first incident). docs/predictor.md, "Node history score", has the measured figures.
+first incident). `stats` prints repair times and times between faults as JSON (history.py
+fault_statistics; docs/goodput.md cites them). docs/predictor.md, "Node history score", has the
+measured figures.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def register(subparsers) -> None:
                    help="predict hardware faults only (history.py HARDWARE_CATEGORIES)")
     s.add_argument("--json", required=True, help="write the scores here")
     s.set_defaults(run=run_score)
+    t = sub.add_parser("stats", help="repair time and time between faults of a fault log, as JSON")
+    t.add_argument("--data", required=True, help="dataset directory with an incidents table")
+    t.add_argument("--span-days", type=float, dest="span_days",
+                   help="days the log covers (default: day 0 to its last event, rounded up)")
+    t.set_defaults(run=run_stats)
     p.set_defaults(run=lambda args, file_data: (p.print_help(), 2)[1])
 
 
@@ -109,6 +117,25 @@ def run_score(args, file_data) -> int:
     top = sorted(result["scores"].items(), key=lambda kv: -kv[1])[:3]
     print(f"{len(nodes)} nodes with history scored at day {at:.2f} (horizon {args.horizon_days:g} d); default "
           f"{result['default']:.3f}; highest " + ", ".join(f"{n} {p:.3f}" for n, p in top) + f" -> {args.json}")
+    return 0
+
+
+def run_stats(args, file_data) -> int:
+    import numpy as np
+
+    from foreshock.predictor import history
+
+    try:
+        log, fleet = history.load(args.data)
+    except history.HistoryError as exc:
+        print(f"foreshock history stats: {exc}", file=sys.stderr)
+        return 1
+    times = np.concatenate([log.start, log.end[np.isfinite(log.end)]])
+    span = args.span_days if args.span_days is not None else float(np.ceil(times.max())) if len(times) else 0.0
+    if not span > 0:
+        print(f"foreshock history stats: --span-days must be > 0, got {span}", file=sys.stderr)
+        return 2
+    print(json.dumps(history.fault_statistics(log, fleet, span), indent=2))
     return 0
 
 

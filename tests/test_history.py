@@ -164,6 +164,19 @@ def test_score_cli_accepts_days_and_iso_times(tmp_path):
     assert main(["history", "score", "--data", str(out), "--at", "soon", "--json", str(by_days)]) == 2
 
 
+def test_stats(tmp_path, capsys):
+    trace = _write(tmp_path, _synthetic_trace())
+    out = tmp_path / "data"
+    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(out), "--fleet-size", "50"]) == 0
+    capsys.readouterr()
+    assert main(["history", "stats", "--data", str(out)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["span_days"] == 148.0 and stats["faults"] == 53 and stats["repairs_closed"] == 52
+    assert stats["faults_per_1000_node_days"] == pytest.approx(53 / (50 * 148) * 1000)
+    assert stats["repair_hours_median_hardware"] == pytest.approx(12.0)   # the lemon's 30 half-day repairs
+    assert stats["repeat_fault_gap_days_median"] == pytest.approx(5.0)
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="../shared/datasets/infinitehbd-trace is not here")
 def test_cli_end_to_end_on_the_real_trace(tmp_path):
     out, scores = tmp_path / "ihbd", tmp_path / "scores.json"
