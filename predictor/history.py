@@ -275,6 +275,7 @@ class NodeHistoryModel:
         self._check()
         log = log.before(at)
         self.at_ = float(at)
+        self.day0_ = log.day0
         self.first_fault_ = float(log.start.min()) if len(log.start) else float(at)
         last, lo = at - self.horizon_days, self.first_fault_ + self.min_history_days
         self.cutoffs_ = np.arange(last, lo - 1e-9, -self.step_days)[::-1] if last >= lo else np.array([])
@@ -434,3 +435,15 @@ def load(root: str | Path) -> tuple[FaultLog, int]:
     if fleet < len(set(log.node)):
         raise HistoryError(f"{root}: fleet size {fleet} is smaller than the {len(set(log.node))} nodes with faults")
     return log, int(fleet)
+
+
+def score_dataset(root: str | Path, at=None, *, horizon_days: float = 30.0,
+                  hardware_only: bool = False) -> tuple[dict[str, float], float, NodeHistoryModel, float]:
+    """Fit on a dataset directory's incidents before `at` (days since its day 0, or a timestamp; None:
+    now) and score its nodes: ({node: P}, P for a node with no history, the fitted model, `at` in days)."""
+    log, fleet = load(root)
+    at_days = log.to_days(pd.Timestamp.now(tz="UTC") if at is None else at)
+    model = NodeHistoryModel(horizon_days=horizon_days, fleet_size=fleet, hardware_only=hardware_only).fit(log, at_days)
+    nodes = sorted(set(log.node[log.start < at_days]))
+    scores = {n: float(p) for n, p in zip(nodes, model.predict_proba(log, nodes, at_days))}
+    return scores, model.default_proba(log, at_days), model, at_days

@@ -88,8 +88,9 @@ def run_score(args, file_data) -> int:
         print(f"foreshock history score: --horizon-days must be > 0, got {args.horizon_days}", file=sys.stderr)
         return 2
     try:
-        log, fleet = history.load(args.data)
-        at = log.to_days(float(args.at) if _is_number(args.at) else args.at)
+        scores, default, model, at = history.score_dataset(
+            args.data, float(args.at) if _is_number(args.at) else args.at, horizon_days=args.horizon_days,
+            hardware_only=args.hardware_only)
     except history.HistoryError as exc:
         print(f"foreshock history score: {exc}", file=sys.stderr)
         return 1
@@ -97,25 +98,21 @@ def run_score(args, file_data) -> int:
         print(f"foreshock history score: --at {args.at!r}: not an ISO-8601 time or a number of days ({exc})",
               file=sys.stderr)
         return 2
-    model = history.NodeHistoryModel(horizon_days=args.horizon_days, fleet_size=fleet,
-                                     hardware_only=args.hardware_only).fit(log, at)
-    nodes = sorted(set(log.node[log.start < at]))
-    scores = model.predict_proba(log, nodes, at)
     result = {
-        "scores": {n: float(p) for n, p in zip(nodes, scores)},
-        "default": model.default_proba(log, at),
-        "at": (log.day0 + pd.Timedelta(days=at)).isoformat(),
+        "scores": scores,
+        "default": default,
+        "at": (model.day0_ + pd.Timedelta(days=at)).isoformat(),
         "at_days": at,
         "horizon_days": args.horizon_days,
         "hardware_only": args.hardware_only,
-        "fleet_size": fleet,
+        "fleet_size": model.fleet_size,
         "model": {"half_life_days": model.half_life_days_, "other_fault_weight": model.other_weight_,
                   "prior_a": model.a_, "prior_b_days": model.b_, "training_cutoffs": len(model.cutoffs_),
                   "training_rows": model.n_training_rows_, "base_rate": model.base_rate_},
     }
     Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     top = sorted(result["scores"].items(), key=lambda kv: -kv[1])[:3]
-    print(f"{len(nodes)} nodes with history scored at day {at:.2f} (horizon {args.horizon_days:g} d); default "
+    print(f"{len(scores)} nodes with history scored at day {at:.2f} (horizon {args.horizon_days:g} d); default "
           f"{result['default']:.3f}; highest " + ", ".join(f"{n} {p:.3f}" for n, p in top) + f" -> {args.json}")
     return 0
 

@@ -189,3 +189,54 @@ def test_cli_end_to_end_on_the_real_trace(tmp_path):
     assert all(result["default"] <= p < 1 for p in result["scores"].values())
     stats = h.fault_statistics(h.load(out)[0], 400, 250.0)
     assert 15 < stats["repair_hours_median"] < 40 and stats["repair_hours_p90"] > 100
+
+
+# -- the control plane: the exported gauge and spares with a clean history --------------------------
+def test_policy_prefers_the_spare_with_the_cleanest_history(tmp_path):
+    from foreshock.service.decisions import DecisionLog
+    from foreshock.service.jobs import JobDirectory
+    from foreshock.service.nodes import NodeBook, Topology
+    from foreshock.service.policy import EvacuationPolicy, PolicySettings
+    from foreshock.service.store import StateStore
+
+    now = 1_800_000_000 * 10**9
+    store = StateStore(tmp_path / "state.sqlite3", clock=lambda: now)
+    try:
+        jobs = JobDirectory(store, clock=lambda: now)
+        nodes = NodeBook()
+        for n in ("r0", "r1", "sa", "sb"):
+            nodes.set_topology(n, Topology(site="s", leaf_switch="l1" if n.startswith("s") else "l0"))
+            nodes.seen(n, now)
+        jobs.register("J", [(0, "r0", [0]), (1, "r1", [0])], ["sa", "sb"], current_step=10)
+        policy = EvacuationPolicy(PolicySettings(threshold=0.5), nodes, jobs,
+                                  DecisionLog(tmp_path / "decisions", fsync=False, clock=lambda: now))
+        # Without a history the first spare by name is taken; with "sa" a lemon, "sb" (no past fault).
+        assert policy.choose_spare(store.job("J"), "r0", now, set()) == ("sa", "")
+        nodes.set_history({"sa": 0.4}, default=0.05)
+        assert nodes.history_risk("sb") == 0.05
+        assert policy.choose_spare(store.job("J"), "r0", now, set()) == ("sb", "")
+    finally:
+        store.close()
+
+
+def test_control_plane_exports_the_history_score(tmp_path):
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import ControlPlane, Settings, SettingsError
+
+    trace = _write(tmp_path, _synthetic_trace())
+    data = tmp_path / "data"
+    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(data), "--fleet-size", "50"]) == 0
+    at_ns = (h.INFINITEHBD_DAY0 + pd.Timedelta(days=120)).value
+    plane = ControlPlane(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), history_dir=str(data),
+                                                    scoring_clock=lambda: at_ns, fsync=False))
+    try:
+        gauges = {tuple(s.labels.values()): s.value for fam in plane.registry.collect()
+                  if fam.name == "foreshock_node_history_risk" for s in fam.samples}
+        assert gauges[("lemon",)] > 3 * gauges[("quiet",)] and len(gauges) == 20  # lemon, once, quiet, n0..n16
+        assert plane.nodes.history_default == pytest.approx(gauges[("quiet",)], rel=0.5)
+    finally:
+        plane.decisions.close()
+        plane.store.close()
+    with pytest.raises(SettingsError, match="history"):
+        ControlPlane(Settings.insecure_loopback(tmp_path / "state2", scorer=NullScorer(),
+                                                history_dir=str(tmp_path / "missing")))
