@@ -2,11 +2,12 @@
 
 Rolling origin: at each weekly cut-off T the model is fitted on the trace before T only (its own
 training cut-offs' label windows close before T) and scores the whole fleet (400 servers, the never
-failed ones as zero-history nodes); the label is a fault of the node in (T, T + 30 days]. Choices
-(the estimator, its grids of half-lives and weights) were made on the selection cut-offs (label windows ending by day 150); the figures that
-count are the report cut-offs, day 160 on, whose label windows end by day 250, the end of the trace
-this project holds. Baselines: the fault count of the last 90 days (the trace README's published
-analysis) and an exponentially decayed count (half-life 30 days). Results: benchmarks/results/.
+failed ones as zero-history nodes); the label is a fault of the node in (T, T + 30 days]. Choices (the
+estimator, its grids of half-lives and weights) were made on the selection cut-offs, day 70-119 (label
+windows end by day 149); the figures that count are the report cut-offs, day 160-216, whose label
+windows end by day 246, inside the 250 days this project holds. Baselines: the fault count of the last
+90 days (the trace README's published analysis) and an exponentially decayed count (half-life 30
+days). Results: benchmarks/results/history-2026-12-03.md.
 
     python -m benchmarks history [--trace FILE] [--period select|report]
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "infinitehbd-trace" / "fault_trace_days_0_250.json"
+TRACE = (Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "infinitehbd-trace"
+         / "fault_trace_days_0_250.json")
 HORIZON_DAYS = 30.0
 PERIODS = {"select": np.arange(70.0, 120.0 + 1e-9, 7.0), "report": np.arange(160.0, 220.0 + 1e-9, 7.0)}
 
@@ -44,7 +46,9 @@ def evaluate(log, fleet_size: int, cutoffs, *, hardware_only: bool) -> dict[str,
             row["auc"].append(roc_auc_score(y, s))
             row["lift"].append(h.top_lift(s, y, 0.05))
             row["at"].append(at)
-        out.setdefault("_base", {"rate": []})["rate"].append(float(y.mean()))
+        base = out.setdefault("_base", {"rate": [], "choice": []})
+        base["rate"].append(float(y.mean()))
+        base["choice"].append((model.half_life_days_, model.other_weight_))
     return out
 
 
@@ -75,8 +79,9 @@ def main(argv: list[str]) -> int:
             r = res[name]
             print(f"{name:12} {np.mean(r['auc']):8.3f} {min(r['auc']):6.3f} {max(r['auc']):6.3f} "
                   f"{np.mean(r['lift']):12.2f} {min(r['lift']):6.2f} {max(r['lift']):6.2f}")
-        print("per cut-off (day: AUC count / decayed / model):",
-              ", ".join(f"{at:g}: {a:.2f}/{b:.2f}/{c:.2f}" for at, a, b, c in
-                        zip(res["model"]["at"], res["count_90d"]["auc"], res["decayed_30d"]["auc"], res["model"]["auc"])))
+        rows = zip(res["model"]["at"], res["count_90d"]["auc"], res["decayed_30d"]["auc"], res["model"]["auc"],
+                   res["_base"]["choice"])
+        print("per cut-off (day: AUC count / decayed / model, the model's half-life d and other-fault weight):",
+              ", ".join(f"{at:g}: {a:.2f}/{b:.2f}/{c:.2f} h{hl:g} w{w:g}" for at, a, b, c, (hl, w) in rows))
     print(f"\nload average {os.getloadavg()[0]:.2f}")
     return 0

@@ -2,16 +2,18 @@
 
 The 30-minute predictor reads telemetry; this score reads only the fault log, the schema-v1 `incidents`
 table (foreshock/schema.py INCIDENTS), so it works on a fleet's own incident records and on public
-fault traces. Three parts:
+fault traces. The parts:
 
 - Import of the InfiniteHBD fault trace (StepFun, SIGCOMM 2025; format in
   ../shared/datasets/infinitehbd-trace/README.md) into `incidents` rows: `read_infinitehbd`, with the
   fault-type -> category mapping declared once in INFINITEHBD_CATEGORIES.
-- `history_features`: per-node features at a cut-off time from the incidents strictly before it.
-- `NodeHistoryModel`: a logistic regression trained on the history itself at rolling weekly cut-offs
-  (label: a fault within the horizon after the cut-off), with every node of the fleet represented, the
-  never-failed ones as zero-history rows. docs/predictor.md ("Node history score") has the measured
-  figures against the published 90-day-count baseline.
+- `FaultLog`: the incidents as arrays, and `before(at)`, what was known at a cut-off.
+- `NodeHistoryModel`: an empirical-Bayes Gamma-Poisson score on decayed fault counts, fitted on the
+  history itself at rolling weekly cut-offs (label: a fault within the horizon after the cut-off), with
+  every node of the fleet represented, the never-failed ones as zero-history rows.
+- The published baselines (`count_score`, `decayed_count_score`), the top-fraction lift, and
+  `fault_statistics` (repair times, time between faults). docs/predictor.md ("Node history score") has
+  the measured figures.
 
 Times inside this module are float days since an origin (`day0`), the unit of the trace and of the
 horizon; `to_days` converts.
@@ -202,13 +204,6 @@ def decayed_exposure(at: float, since: float, half_life_days: float) -> float:
     return half_life_days / np.log(2) * (1 - 0.5 ** (max(at - since, 0.0) / half_life_days))
 
 
-def fleet_nodes(log: FaultLog, fleet_size: int, at: float | None = None) -> list[str]:
-    """The nodes to score: those with a fault (before `at`, if given), padded with anonymous zero-history
-    nodes up to `fleet_size` (the nodes that never failed are not named in a fault log)."""
-    seen = sorted(set(log.node if at is None else log.node[log.start < at]))
-    return seen + [f"_unseen_{i}" for i in range(max(fleet_size - len(seen), 0))]
-
-
 def labelled_population(log: FaultLog, fleet_size: int, at: float, horizon_days: float,
                         hardware_only: bool = False) -> tuple[list[str], np.ndarray]:
     """The fleet at `at` with labels (1: a fault starting in (at, at + horizon]): the nodes seen before
@@ -237,29 +232,34 @@ class NodeHistoryModel:
 
     A node's fault rate has a Gamma(a, b) prior shared by the fleet; its evidence is its decayed fault
     count (recent faults weigh more; half-life h) over the decayed exposure, a hardware fault counting 1
-    and any other fault w. The posterior gives P(>= 1 fault in the horizon), so a node with one fault is shrunk towards
-    the fleet and a node with ten is not, and a node with no history gets the prior's probability.
+    and any other fault w. The posterior gives P(>= 1 fault in the horizon), so a node with one fault is
+    shrunk towards the fleet and a node with ten is not, and a node with no history gets the prior's
+    probability.
 
-    fit(log, at) learns a_, b_ (maximum likelihood) for each h in `half_lives` and w in `other_weights`,
-    and keeps the (h, w) of best likelihood (half_life_days_, other_weight_), on training cut-offs every `step_days` back from
-    `at - horizon_days` (so every label window closes before `at`: nothing at or after `at` is read) to
-    `min_history_days` after the first fault, each cut-off contributing the whole fleet of `fleet_size`
-    nodes, the never-failed ones as zero-history rows.
+    fit(log, at) learns a_, b_ (maximum likelihood) for each h in `half_lives` and w in `other_weights`
+    and keeps the (h, w) of best likelihood (half_life_days_, other_weight_). Its training cut-offs run
+    every `step_days` back from `at - horizon_days` (so every label window closes before `at`: nothing
+    at or after `at` is read) to `min_history_days` after the first fault or `training_window_days`
+    before `at`, whichever is later; each contributes the whole fleet of `fleet_size` nodes, the
+    never-failed ones as zero-history rows. With no cut-off or no fault after one, the prior is the
+    fleet's mean rate since the first fault.
     """
 
     def __init__(self, horizon_days: float = 30.0, fleet_size: int = INFINITEHBD_FLEET_SIZE, step_days: float = 7.0,
-                 min_history_days: float = 28.0, half_lives: tuple[float, ...] = HALF_LIVES_DAYS,
+                 min_history_days: float = 28.0, training_window_days: float = 365.0,
+                 half_lives: tuple[float, ...] = HALF_LIVES_DAYS,
                  other_weights: tuple[float, ...] = OTHER_KIND_WEIGHTS, hardware_only: bool = False):
         self.horizon_days = horizon_days
         self.fleet_size = fleet_size
         self.step_days = step_days
         self.min_history_days = min_history_days
+        self.training_window_days = training_window_days
         self.half_lives = half_lives
         self.other_weights = other_weights
         self.hardware_only = hardware_only
 
     def _check(self) -> None:
-        for name in ("horizon_days", "step_days"):
+        for name in ("horizon_days", "step_days", "training_window_days"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"NodeHistoryModel: {name} must be > 0, got {getattr(self, name)}")
         if int(self.fleet_size) < 1:
@@ -277,14 +277,15 @@ class NodeHistoryModel:
         self.at_ = float(at)
         self.day0_ = log.day0
         self.first_fault_ = float(log.start.min()) if len(log.start) else float(at)
-        last, lo = at - self.horizon_days, self.first_fault_ + self.min_history_days
+        last = at - self.horizon_days
+        lo = max(self.first_fault_ + self.min_history_days, at - self.training_window_days)
         self.cutoffs_ = np.arange(last, lo - 1e-9, -self.step_days)[::-1] if last >= lo else np.array([])
         population = [labelled_population(log, self.fleet_size, t, self.horizon_days, self.hardware_only)
                       for t in self.cutoffs_]
         labels = np.concatenate([y for _, y in population]) if population else np.array([])
         self.n_training_rows_ = int(len(labels))
         self.base_rate_ = float(labels.mean()) if len(labels) else float("nan")
-        # With no positive (or no cut-off) there is nothing to fit: the prior is the fleet's own rate.
+        # Until fitted (and when there is nothing to fit): a Gamma(1, b) prior at the fleet's mean rate.
         faults = int((log.hardware if self.hardware_only else np.ones(len(log.start), bool)).sum())
         days = max(at - self.first_fault_, self.horizon_days)
         self.a_, self.b_ = 1.0, float(self.fleet_size * days / max(faults, 1))
@@ -317,13 +318,13 @@ class NodeHistoryModel:
         """P(fault within the horizon after `at`) per node, from the faults before `at` only."""
         hw, other = decayed_counts(log, nodes, at, self.half_life_days_)
         count = hw + self.other_weight_ * other
-        first = min(self.first_fault_, float(log.start.min())) if len(log.start) else self.first_fault_
-        exposure = decayed_exposure(at, first, self.half_life_days_)
+        exposure = decayed_exposure(at, self.first_fault_, self.half_life_days_)
         return _gamma_poisson_p(self.a_, self.b_, count, exposure, self.horizon_days)
 
     def default_proba(self, log: FaultLog, at: float) -> float:
         """The score of a node with no fault before `at`."""
         return float(self.predict_proba(log, ["_never_failed"], at)[0])
+
 
 # -- the published baselines ------------------------------------------------------------------------
 def count_score(log: FaultLog, nodes: list[str], at: float, window_days: float = 90.0,

@@ -75,7 +75,8 @@ def run_import(args, file_data) -> int:
     writer.write_table("inventory", schema.to_table("inventory", [{"ts": day0, "node": n} for n in nodes]))
     history.write_metadata(out, fleet_size=fleet, day0=day0, source=str(Path(args.trace).resolve()), fmt=args.format)
     still_open = sum(r["repaired_at"] is None for r in rows)
-    print(f"{args.trace}: {len(rows)} incidents on {len(nodes)} nodes (fleet of {fleet}; {still_open} still open) -> {out}")
+    print(f"{args.trace}: {len(rows)} incidents on {len(nodes)} nodes (fleet of {fleet}; {still_open} still open)"
+          f" -> {out}")
     return 0
 
 

@@ -71,7 +71,8 @@ def test_import_round_trip(tmp_path):
     (json.dumps({"node_id": "a"}), "expected a JSON list"),
     (json.dumps([_ev("a", 1.0, "fault_start", SOFT), {"node_id": "a", "event_time": 2.0}]), "record 1: missing fields"),
     (json.dumps([_ev("a", 1.0, "fault_begin", SOFT)]), "record 0: unknown event_type 'fault_begin'"),
-    (json.dumps([_ev("a", 1.0, "fault_start", SOFT), _ev("a", 0.5, "fault_end", SOFT)]), "record 1: fault_end at day 0.5 is before"),
+    (json.dumps([_ev("a", 1.0, "fault_start", SOFT), _ev("a", 0.5, "fault_end", SOFT)]),
+     "record 1: fault_end at day 0.5 is before"),
     (json.dumps([_ev("a", 1.0, "fault_end", SOFT)]), "record 0: fault_end with no open fault_start"),
     (json.dumps([_ev("a", "x", "fault_start", SOFT)]), "record 0: event_time must be"),
     (json.dumps([_ev("a", 1.0, "fault_start", {"Level": "Hardware Failure"})]), "record 0: fault_type must be"),
@@ -118,7 +119,8 @@ def test_lemon_ranks_above_quiet_and_unseen_nodes_get_the_default(tmp_path):
     log = _fault_log(tmp_path, _synthetic_trace())
     at = 120.0
     model = h.NodeHistoryModel(fleet_size=50).fit(log, at)
-    p = dict(zip(["lemon", "once", "quiet", "never-seen"], model.predict_proba(log, ["lemon", "once", "quiet", "never-seen"], at)))
+    names = ["lemon", "once", "quiet", "never-seen"]
+    p = dict(zip(names, model.predict_proba(log, names, at)))
     default = model.default_proba(log, at)
     assert p["lemon"] > p["once"] >= default
     assert p["lemon"] > 3 * default
@@ -154,7 +156,8 @@ def test_top_lift_counts_ties_in_proportion():
 def test_score_cli_accepts_days_and_iso_times(tmp_path):
     trace = _write(tmp_path, _synthetic_trace())
     out = tmp_path / "data"
-    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(out), "--fleet-size", "50"]) == 0
+    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(out),
+                 "--fleet-size", "50"]) == 0
     by_days, by_time = tmp_path / "a.json", tmp_path / "b.json"
     assert main(["history", "score", "--data", str(out), "--at", "100", "--json", str(by_days)]) == 0
     assert main(["history", "score", "--data", str(out), "--at", "2024-07-08T00:00Z", "--json", str(by_time)]) == 0
@@ -167,7 +170,8 @@ def test_score_cli_accepts_days_and_iso_times(tmp_path):
 def test_stats(tmp_path, capsys):
     trace = _write(tmp_path, _synthetic_trace())
     out = tmp_path / "data"
-    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(out), "--fleet-size", "50"]) == 0
+    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(out),
+                 "--fleet-size", "50"]) == 0
     capsys.readouterr()
     assert main(["history", "stats", "--data", str(out)]) == 0
     stats = json.loads(capsys.readouterr().out)
@@ -225,7 +229,8 @@ def test_control_plane_exports_the_history_score(tmp_path):
 
     trace = _write(tmp_path, _synthetic_trace())
     data = tmp_path / "data"
-    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(data), "--fleet-size", "50"]) == 0
+    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(data),
+                 "--fleet-size", "50"]) == 0
     at_ns = (h.INFINITEHBD_DAY0 + pd.Timedelta(days=120)).value
     plane = ControlPlane(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), history_dir=str(data),
                                                     scoring_clock=lambda: at_ns, fsync=False))
