@@ -419,6 +419,8 @@ def load(root: str | Path) -> tuple[FaultLog, int]:
     root = Path(root)
     if not root.is_dir():
         raise HistoryError(f"{root}: not a dataset directory")
+    if not dataset.partition_files(root, "incidents"):
+        raise HistoryError(f"{root}: no incidents table (foreshock history import, or a fleet's own records)")
     incidents = dataset.read_table(root, "incidents").to_pandas()
     meta_path = root / METADATA_FILE
     meta = {}

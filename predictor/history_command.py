@@ -50,7 +50,12 @@ def register(subparsers) -> None:
     t.add_argument("--span-days", type=float, dest="span_days",
                    help="days the log covers (default: day 0 to its last event, rounded up)")
     t.set_defaults(run=run_stats)
-    p.set_defaults(run=lambda args, file_data: (p.print_help(), 2)[1])
+
+    def usage(args, file_data) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(run=usage)
 
 
 def run_import(args, file_data) -> int:

@@ -165,6 +165,8 @@ def test_score_cli_accepts_days_and_iso_times(tmp_path):
     assert a["scores"] == b["scores"] and a["default"] == b["default"] and a["at_days"] == 100.0
     assert "open" not in a["scores"] and max(a["scores"], key=a["scores"].get) == "lemon"
     assert main(["history", "score", "--data", str(out), "--at", "soon", "--json", str(by_days)]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["history", "score", "--data", str(tmp_path / "empty"), "--at", "1", "--json", str(by_days)]) == 1
 
 
 def test_stats(tmp_path, capsys):
