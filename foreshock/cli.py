@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "foreshock.collectors.command",
     "foreshock.simulator.command",
     "foreshock.predictor.command",
+    "foreshock.predictor.history_command",
     "foreshock.service.command",
     "foreshock.goodput",
     "foreshock.demo",

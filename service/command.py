@@ -35,6 +35,7 @@ DEFAULTS = {
     "grace": 5.0,
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
+    "history": "",               # a dataset with incidents: the node history score, hourly; "": none
 }
 
 
@@ -62,6 +63,9 @@ def register(subparsers) -> None:
     p.add_argument("--close-hold-seconds", type=float,
                    help="telemetry streams pause at most this long while a complete step's closing round "
                         "runs, so the risk path gets the CPU (0.5; 0 turns it off)")
+    p.add_argument("--history", metavar="DIR",
+                   help="dataset with an incidents table (foreshock history import, or your own): export the "
+                        "node history score (foreshock_node_history_risk) hourly and prefer clean spares")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -92,7 +96,7 @@ def settings_from(cfg: dict):
         tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
-        close_hold_seconds=cfg["close_hold_seconds"],
+        close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"]})
 

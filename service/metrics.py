@@ -6,6 +6,8 @@ collectors do. Tested against a private registry and `promtool check metrics`.
 
   foreshock_node_failure_risk{node,leaf_switch,site}   probability of failing within the horizon
   foreshock_node_risk_signal_contribution{node,signal} share of the score a top signal explains
+  foreshock_node_history_risk{node}                    P(a fault within the history horizon) from the node's
+                                                       past faults (`serve --history`; docs/predictor.md)
   foreshock_node_evacuation_alarm{node}                1 while the policy holds the node in alarm
   foreshock_evacuation_threshold                       the risk threshold in force
   foreshock_directives{kind,state}                     directives now in each state
@@ -64,6 +66,14 @@ class ControlPlaneCollector:
                 contribution.add_metric([r.node, sig.name], sig.contribution)
         yield risk
         yield contribution
+        if p.nodes.history_default is not None:
+            history = GaugeMetricFamily("foreshock_node_history_risk",
+                                        "Probability of a fault within the history horizon (days), from the "
+                                        "node's past faults; nodes with none get the fleet's default.",
+                                        labels=["node"])
+            for node in sorted(p.nodes.known_nodes() | set(p.nodes.history)):
+                history.add_metric([node], p.nodes.history_risk(node))
+            yield history
         alarm = GaugeMetricFamily("foreshock_node_evacuation_alarm",
                                   "1 while the evacuation policy holds the node in alarm.", labels=["node"])
         for node in list(p.policy.alarms):

@@ -50,6 +50,10 @@ class NodeBook:
     risk: dict[str, NodeRisk] = field(default_factory=dict)
     fatal: dict[str, FatalEvent] = field(default_factory=dict)
     round_ns: int = 0
+    # Node history score (predictor/history.py): P(a fault within days) per node with a past fault, and
+    # the score of a node with none; None while no fault log is loaded (`serve --history`).
+    history: dict[str, float] = field(default_factory=dict)
+    history_default: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_topology(self, node: str, topo: Topology) -> None:
@@ -81,6 +85,13 @@ class NodeBook:
     def probability(self, node: str) -> float | None:
         r = self.risk.get(node)
         return None if r is None else r.probability
+
+    def set_history(self, scores: dict[str, float], default: float) -> None:
+        with self._lock:
+            self.history, self.history_default = dict(scores), float(default)
+
+    def history_risk(self, node: str) -> float | None:
+        return self.history.get(node, self.history_default)
 
     def known_nodes(self) -> set[str]:
         return set(self.last_seen_ns) | set(self.topology) | set(self.risk)

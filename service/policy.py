@@ -17,7 +17,8 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 5. Spare: one of the job's spares that hosts no ranks and is no other directive's target, is not in
    alarm, has risk under `spare_max_risk`, no recent fatal event, is not stale, and is not under a
    suspect leaf switch (one with `leaf_suspect_nodes` or more alarmed nodes, the failing node's own
-   leaf counted); spares with fresh telemetry first, then other leaves, then lowest risk. With no spare,
+   leaf counted); spares with fresh telemetry first, then other leaves, then the cleanest history (the
+   node history score, `serve --history`), then lowest risk. With no spare,
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
@@ -200,7 +201,9 @@ class EvacuationPolicy:
                 refused.append(f"{spare}: {why}")
                 continue
             same_leaf = bool(from_leaf) and topo.leaf_switch == from_leaf
-            ranked.append(((seen is None, same_leaf, risk if risk is not None else 0.5, spare), spare))
+            history = self.nodes.history_risk(spare)
+            ranked.append(((seen is None, same_leaf, history if history is not None else 0.0,
+                            risk if risk is not None else 0.5, spare), spare))
         if not ranked:
             return None, "no usable spare" + (f" ({'; '.join(refused[:8])})" if refused else " (the job lists none)")
         ranked.sort()

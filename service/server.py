@@ -87,6 +87,10 @@ class Settings:
     worker_timeout: float = 60.0             # a worker silent this long on one request is killed and restarted
     close_hold_seconds: float = 0.5          # telemetry streams wait at most this long while a step's
     #                                          closing round runs (service/steps.py CloseHold); 0: never
+    history_dir: str = ""                    # a dataset with an incidents table: the node history score
+    #                                          (predictor/history.py), fitted at start and then every
+    #                                          history_interval_seconds, exported and used to rank spares
+    history_interval_seconds: float = 3600.0
 
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
@@ -101,6 +105,9 @@ class ControlPlane:
     def __init__(self, settings: Settings):
         self.settings = s = settings
         self._validate(s)
+        # Scored before anything is opened, so a bad fault log stops the service before it serves.
+        history_scores = self._history_scores(s.history_dir, (s.scoring_clock or time.time_ns)()) \
+            if s.history_dir else None
         self.state_dir = Path(s.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = self._scorer(s)
@@ -159,10 +166,37 @@ class ControlPlane:
         self._http = None
         self._stopped = False
         self._last_expiry_ns = 0
+        self._history_stop = threading.Event()
+        self._history_thread: threading.Thread | None = None
+        if history_scores is not None:
+            self.nodes.set_history(*history_scores)
+
+    @staticmethod
+    def _history_scores(history_dir: str, now_ns: int) -> tuple[dict[str, float], float]:
+        """The node history score of every node in the fault log, and the default, as of now."""
+        import pandas as pd
+
+        from foreshock.predictor import history
+
+        try:
+            scores, default, _, _ = history.score_dataset(history_dir, pd.Timestamp(now_ns, tz="UTC"))
+        except (history.HistoryError, OSError) as exc:
+            raise SettingsError(f"history {history_dir!r}: {exc}") from None
+        log.info("node history score: %d nodes with past faults, %.3f for a node without", len(scores), default)
+        return scores, default
+
+    def _history_loop(self) -> None:
+        while not self._history_stop.wait(self.settings.history_interval_seconds):
+            try:
+                self.nodes.set_history(*self._history_scores(self.settings.history_dir, self.clock()))
+            except SettingsError as exc:  # the last scores stay in force
+                log.error("refreshing the node history score: %s", exc)
 
     # -- construction ----------------------------------------------------------------------------
     @staticmethod
     def _validate(s: Settings) -> None:
+        if not s.history_interval_seconds > 0:
+            raise SettingsError(f"history_interval_seconds must be > 0, got {s.history_interval_seconds}")
         if s.insecure:
             if not is_loopback(s.listen):
                 raise SettingsError(f"listen {s.listen!r}: insecure mode is for loopback addresses only "
@@ -317,6 +351,9 @@ class ControlPlane:
             raise outcome["error"]
         self.port = outcome["port"]
         self.scoring.start()
+        if self.settings.history_dir:
+            self._history_thread = threading.Thread(target=self._history_loop, name="foreshock-history", daemon=True)
+            self._history_thread.start()
         if self.settings.metrics_listen:
             from prometheus_client import start_http_server
             host, _, mport = self.settings.metrics_listen.rpartition(":")
@@ -355,6 +392,9 @@ class ControlPlane:
             loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(grace + 10)
+        self._history_stop.set()
+        if self._history_thread is not None:
+            self._history_thread.join(5)
         self.scoring.stop()
         self._save_sequences(self.clock())
         if self._http is not None:
