@@ -135,19 +135,22 @@ def _describe_anomaly(get) -> str:
     return "Unusual for this node: " + "; ".join(parts) if parts else "Unusual for this node"
 
 
-def unusual(signal: str, row: np.ndarray, reference: np.ndarray) -> bool:
-    """Whether a signal's features say something an operator can act on: a count, peer ratio or
-    anomaly score above its healthy reference (never a zero), a gauge off its reference."""
-    cols = GROUPS[signal]
-    v, ref = row[cols], reference[cols]
-    known = np.isfinite(v)
-    spec = SIGNAL_BY_NAME.get(signal)
-    if spec is not None and spec.kind in ("gauge", "flag"):
-        return bool((known & (v != ref)).any())
-    above = known & (v > np.where(np.isfinite(ref), ref, 0.0))
-    if spec is not None and spec.kind == "count":
-        above &= v > 0
-    return bool(above.any())
+_KIND = np.array([SIGNAL_BY_NAME[ft.FEATURES[i].signal].kind if ft.FEATURES[i].signal in SIGNAL_BY_NAME
+                  else ft.FEATURES[i].signal for i in range(ft.N_FEATURES)])
+_GROUP_OF = np.zeros((ft.N_FEATURES, len(GROUP_NAMES)))
+for _k, _name in enumerate(GROUP_NAMES):
+    _GROUP_OF[GROUPS[_name], _k] = 1.0
+
+
+def unusual(X: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """[n, groups]: whether each signal's features say something an operator can act on: a count,
+    peer ratio or anomaly score above its healthy reference (never a zero), a gauge off it."""
+    known = np.isfinite(X)
+    ref = np.where(np.isfinite(reference), reference, 0.0)
+    gauge = np.isin(_KIND, ("gauge", "flag"))
+    off = np.where(gauge, X != reference, X > ref)
+    off &= known & ((_KIND != "count") | (X > 0))
+    return (off.astype(np.float64) @ _GROUP_OF) > 0
 
 
 def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: np.ndarray,
@@ -175,6 +178,7 @@ def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: 
             occluded[:, j, cols] = reference[cols]
         p_occ = estimator_proba(occluded.reshape(n * len(live), -1)).reshape(n, len(live))
         contrib[:, live] = probability[:, None] - p_occ
+    worth_naming = unusual(X, reference)
     out = []
     for i in range(n):
         order = np.argsort(-contrib[i], kind="stable")
@@ -183,7 +187,7 @@ def explain(estimator_proba, X: np.ndarray, probability: np.ndarray, reference: 
             if contrib[i, k] <= 0:
                 break
             name = GROUP_NAMES[k]
-            if not unusual(name, X[i], reference):
+            if not worth_naming[i, k]:
                 continue
             ent = (entities[i] or {}).get(name) if entities else None
             sigs.append(Signal(name, headline(name, X[i]), float(contrib[i, k]), describe(name, X[i], ent)))
