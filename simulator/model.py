@@ -255,6 +255,15 @@ class ClusterModel:
         self.state["gpu"]["ecc_corrected_aggregate"] += init.poisson(
             self.chronic["gpu"]["ecc_corrected_volatile"] * 86400.0 * age_days * 0.2)
         self.state["gpu"]["remapped_rows_correctable"] += init.poisson(0.002 * age_days)
+        if self.world.random:
+            # Counters since the last driver load or PMA clear: 32-bit hw_counters anywhere in their range
+            # (they wrap during the run), a tenth of the narrow PMA error counters already high or stuck.
+            hist = np.random.default_rng(np.random.SeedSequence([self.seed, 3]))
+            for name in MLX5_PRESENT + MLX5_ROCE_ONLY:
+                self.state["hca"][name] += hist.integers(0, 1 << 32, (N, H)) if name.startswith("rx_") else 0
+            for name in sorted(PMA_ERROR_COUNTERS):
+                top = (1 << sch.IB_PORT_COUNTERS[name]) - 1
+                self.state["hca"][name] += hist.integers(0, top + 1, (N, H)) * (hist.random((N, H)) < 0.1)
         self.state["node"]["carrier_changes"] += 2
         self.state["node"]["carrier_up_count"] += 1
         self.state["node"]["carrier_down_count"] += 1

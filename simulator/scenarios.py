@@ -73,14 +73,14 @@ FF, SIG, HBD = ("../shared/reference/failure-figures.md", "../shared/reference/s
 
 KNOBS: tuple[Knob, ...] = (
     # node types
-    Knob("gpus_per_node", "pod", 8, ("choice", (8, 4), (0.6, 0.4)), "assumption (HGX 8-GPU boards; "
-         "4-GPU boards such as GH200 or PCIe servers)", "GPUs per node (at most --gpus-per-node)"),
-    Knob("hcas_per_node", "pod", 8, ("choice", (8, 4), (0.6, 0.4)), "assumption (one 400G HCA per GPU, "
-         "or one per two)", "HCAs per node (at most --hcas-per-node)"),
-    Knob("nvlinks_per_gpu", "pod", 18, ("choice", (18, 12), (0.6, 0.4)), f"{SIG}: H100/H200 have 18 links; "
-         "A100 has 12 (assumption)", "NVLink links per GPU (links_total; NVLink bytes scale with it)"),
-    Knob("pcie_gen", "pod", 5, ("choice", (5, 4), (0.6, 0.4)), "assumption (H100 is Gen5, A100 Gen4)",
-         "PCIe generation (pcie_link_gen_max)"),
+    Knob("gpus_per_node", "pod", 0, ("choice", (8, 4), (0.6, 0.4)), "assumption (HGX 8-GPU boards; "
+         "4-GPU boards such as GH200 or PCIe servers)", "GPUs per node, at most --gpus-per-node (0: that many)"),
+    Knob("hcas_per_node", "pod", 0, ("choice", (8, 4), (0.6, 0.4)), "assumption (one 400G HCA per GPU, "
+         "or one per two)", "HCAs per node, at most --hcas-per-node (0: that many)"),
+    Knob("nvlinks_per_gpu", "pod", 0, ("choice", (18, 12), (0.6, 0.4)), f"{SIG}: H100/H200 have 18 links; "
+         "A100 has 12 (assumption)", "NVLink links per GPU (0: 18): links_total; NVLink bytes scale with it"),
+    Knob("pcie_gen", "pod", 0, ("choice", (5, 4), (0.6, 0.4)), "assumption (H100 is Gen5, A100 Gen4)",
+         "PCIe generation (0: 5): pcie_link_gen_max"),
     # healthy-fleet nuisances
     Knob("chronic_sigma_add", "pod", 0.0, ("uniform", 0.0, 1.0), "assumption (heavy tail: sigma up to 3.5)",
          "added to every healthy device's lognormal rate spread (sigma 1-2.5 in the clean world)"),
