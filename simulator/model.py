@@ -148,6 +148,7 @@ XID_TEXT = {
 XID_SEVERITY = {13: "application", 31: "application", 43: "application", 45: "application", 94: "application",
                 63: "precursor", 92: "precursor"}
 PROBE_PEERS_PER_SITE = 1
+LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
 PMA_CLEAR = "pma_clear"   # a reset of the narrow IB PMA error counters only (a fabric manager's clear)
 PMA_ERROR_COUNTERS = frozenset(n for n, w in sch.IB_PORT_COUNTERS.items() if w < 32)
 
@@ -366,7 +367,8 @@ class ClusterModel:
         idle = jobs < 0
         if self.world.random:
             jk = {k: v[np.maximum(jobs, 0)][:, None] for k, v in self.job_knobs.items()}
-            hour = (ts / NS / 3600.0) % 24.0
+            # Hour by hour (a scheduler's pace): steady within an hour, so the counters stay cheap to store.
+            hour = (ts // (3600 * NS)) % 24
             night = 0.5 * (1.0 + np.cos(2 * np.pi * (hour - 3.0) / 24.0))[None, :]  # 1 at 03:00 UTC
             act = (0.96 - jk["load_spread"] * (1.0 - u1)) * (1.0 - jk["load_diurnal"] * night)
             with np.errstate(over="ignore"):
@@ -475,13 +477,18 @@ class ClusterModel:
         w, topo = self.world, self.topo
         nodes, ts = blk.nodes, blk.ts
         pods = topo.leaf_of[nodes]
-        key = (nodes.astype(np.uint64)[:, None] * np.uint64(0x9E3779B1)) ^ (ts // NS).astype(np.uint64)[None, :]
+        node_key = nodes.astype(np.uint64)[:, None] * np.uint64(0x9E3779B1)
+        key = node_key ^ (ts // NS).astype(np.uint64)[None, :]
         salt = int(_key(self.seed, "collect"))
         with np.errstate(over="ignore"):
-            u_jit = _splitmix(key ^ np.uint64(salt))
+            u_phase = _splitmix(node_key ^ (ts // DAY).astype(np.uint64)[None, :] ^ np.uint64(salt))
+            u_late = _splitmix(key ^ np.uint64(salt))
             u_miss = _splitmix(key ^ np.uint64((salt * 3 + 1) % (1 << 64)))
-        jitter_s = np.minimum(w.per_node("ts_jitter_s", pods).astype(float), 0.45 * self.interval_s)[:, None]
-        blk.row_ts = ts[None, :] + (u_jit * jitter_s * NS).astype(np.int64)
+        # A collector's phase against the minute (set per node and day: a restart moves it), plus now and
+        # then a late sample. Per-sample jitter on every row would cost 4 bytes a row on disk.
+        jitter_s = np.minimum(w.per_node("ts_jitter_s", pods).astype(float), 0.2 * self.interval_s)[:, None]
+        late = np.where(u_late < LATE_SAMPLE_SHARE, u_late / LATE_SAMPLE_SHARE, 0.0)
+        blk.row_ts = ts[None, :] + ((u_phase + late) * jitter_s * NS).astype(np.int64)
         collected = u_miss >= w.per_node("missing_share", pods).astype(float)[:, None]
         first_day, last_day = int(ts[0] // DAY) - 1, int(ts[-1] // DAY)
         for r, (n, p) in enumerate(zip(nodes.tolist(), pods.tolist())):
@@ -1079,18 +1086,24 @@ class ClusterModel:
 
     def _table(self, table: str, nodes, ts, C: int, cols: dict, keep) -> pa.Table:
         """Rows ordered (node, component, time): one node's rows are contiguous, and within a
-        component the counters run in time order, which is what delta encoding compresses best."""
+        component the counters run in time order, which is what delta encoding compresses best.
+        Rows not kept are dropped from the numpy arrays, before any string is made."""
         B, T = len(nodes), ts.shape[-1]
-        n = B * C * T
+        sel = None if keep.all() else np.ascontiguousarray(_flat(keep, (B, C, T)))
+        n = B * C * T if sel is None else int(sel.sum())
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return a if sel is None else a[sel]
+
         schema = sch.schema(table)
         arrays = []
         for field in schema:
             name = field.name
             if name == "ts":
                 ts3 = ts if ts.ndim == 1 else ts[:, None, :]  # (T,) or per node (B, T) when jittered
-                arrays.append(pa.array(np.broadcast_to(ts3, (B, C, T)).reshape(-1)).cast(sch.TS))
+                arrays.append(pa.array(pick(np.broadcast_to(ts3, (B, C, T)).reshape(-1))).cast(sch.TS))
             elif name == "node":
-                idx = np.repeat(np.arange(B, dtype=np.int32), C * T)
+                idx = pick(np.repeat(np.arange(B, dtype=np.int32), C * T))
                 dic = pa.array([self.topo.names[int(x)] for x in nodes], sch.STR)
                 arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), dic).cast(sch.STR))
             elif name not in cols:
@@ -1098,12 +1111,12 @@ class ClusterModel:
             else:
                 v = cols[name]
                 if isinstance(v, pa.Array):  # one value per component
-                    idx = np.tile(np.repeat(np.arange(C, dtype=np.int32), T), B)
+                    idx = pick(np.tile(np.repeat(np.arange(C, dtype=np.int32), T), B))
                     arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), v).cast(field.type))
                     continue
                 if isinstance(v, list):      # one value per (node, component)
                     flat = pa.array([x for row in v for x in row], sch.STR)
-                    idx = np.repeat(np.arange(B * C, dtype=np.int32), T)
+                    idx = pick(np.repeat(np.arange(B * C, dtype=np.int32), T))
                     arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), flat).cast(field.type))
                     continue
                 mask = None
@@ -1112,8 +1125,10 @@ class ClusterModel:
                     if not mask.any():
                         mask = None
                     else:
-                        mask = _flat(mask, (B, C, T))
-                v = _flat(v, (B, C, T))
+                        mask = pick(_flat(mask, (B, C, T)))
+                        if not mask.any():
+                            mask = None
+                v = pick(_flat(v, (B, C, T)))
                 np_type = np.dtype(field.type.to_pandas_dtype())
                 if v.dtype != np_type:
                     if v.dtype.kind in "iu" and np_type.kind in "iu" and v.dtype.itemsize == np_type.itemsize \
@@ -1122,10 +1137,7 @@ class ClusterModel:
                     else:
                         v = v.astype(np_type)
                 arrays.append(pa.array(v, type=field.type, mask=mask))
-        data = pa.Table.from_arrays(arrays, schema=schema)
-        if keep.all():
-            return data
-        return data.filter(pa.array(_flat(keep, (B, C, T))))
+        return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _flat(v: np.ndarray, shape: tuple) -> np.ndarray:

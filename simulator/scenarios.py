@@ -102,7 +102,8 @@ KNOBS: tuple[Knob, ...] = (
          "share of six-hour segments in which a job's nodes sit idle between runs"),
     # collection noise
     Knob("ts_jitter_s", "pod", 0.0, ("uniform", 0.5, 4.0), "assumption",
-         "a collector samples up to this late (ts = tick + U(0, jitter))"),
+         "a node's collector runs up to this behind the tick (per node and day), and 1 % of its samples up to "
+         "this later again"),
     Knob("missing_share", "pod", 0.0, ("loguniform", 0.001, 0.02), "assumption", "samples lost at random"),
     Knob("outages_per_node_day", "pod", 0.0, ("loguniform", 0.005, 0.05), "assumption",
          "collector outages (a node's rows missing for 5 min to 3 h, lognormal median 30 min)"),
