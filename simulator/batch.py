@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from foreshock import schema as sch
 from foreshock.dataset import DatasetWriter
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, FaultSettings, schedule
-from foreshock.simulator.model import ClusterModel
+from foreshock.simulator.model import ClusterModel, job_name, job_runs
 from foreshock.simulator.scenarios import World
 from foreshock.simulator.topology import Topology
 
@@ -118,14 +118,28 @@ def describe(ep: Episode) -> str:
     return f"{ep.mode}: {ep.extra['signature']} / {ep.extra['shape']}{faint}"
 
 
-def inventory(topo: Topology, world: World, ts_ns: int) -> pa.Table:
-    """The topology's inventory with each node's type (GPU and HCA counts) from the world."""
-    table = topo.inventory(ts_ns)
-    model_types = ClusterModel.node_type_arrays(topo, world)
-    for name, values in (("gpus", model_types["gpus"]), ("hcas", model_types["hcas"])):
-        i = table.schema.get_field_index(name)
-        table = table.set_column(i, table.schema.field(i), pa.array(values.astype(np.int16)))
-    return table
+def inventory(topo: Topology, world: World, seed: int, start_ns: int, end_ns: int) -> pa.Table:
+    """The topology's inventory with each node's type (GPU and HCA counts) from the world; where jobs
+    change (the world's job_epoch_h), a row per node at the start and at every change, naming its job."""
+    types = ClusterModel.node_type_arrays(topo, world)
+    epoch_h = float(world.scalar("job_epoch_h"))
+    times = [start_ns]
+    if epoch_h > 0:
+        epoch_ns = int(epoch_h * 3600 * NS)
+        times += list(range((start_ns // epoch_ns + 1) * epoch_ns, end_ns, epoch_ns))
+    n_slots = max(topo.n_jobs, 1)
+    parts = []
+    for t in times:
+        table = topo.inventory(t)
+        columns = {"gpus": pa.array(types["gpus"].astype(np.int16)), "hcas": pa.array(types["hcas"].astype(np.int16))}
+        if epoch_h > 0:
+            runs = job_runs(topo, world, seed, np.arange(topo.nodes), np.array([t], dtype=np.int64))[:, 0]
+            columns["job"] = pa.array([job_name(int(r), n_slots, True) for r in runs], sch.STR)
+        for name, values in columns.items():
+            i = table.schema.get_field_index(name)
+            table = table.set_column(i, table.schema.field(i), values)
+        parts.append(table)
+    return pa.concat_tables(parts)
 
 
 def incidents_table(topo: Topology, episodes: list[Episode], start_ns: int, end_ns: int) -> pa.Table:
@@ -226,7 +240,7 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
     workers = min(workers or (os.cpu_count() or 1), n_blocks)
     Path(out).mkdir(parents=True, exist_ok=True)
     writer = DatasetWriter(out, fsync=False, **options)
-    writer.write_table("inventory", inventory(topo, world, start))
+    writer.write_table("inventory", inventory(topo, world, settings.seed, start, end))
     rows = collections.Counter()
     bytes_written = files_written = 0
     if workers <= 1:

@@ -168,6 +168,43 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
+def _col(a: np.ndarray) -> np.ndarray:
+    """A per-node array (B,) as a column against time, or a per-node-and-time one (B, T) as it is."""
+    return a[:, None] if a.ndim == 1 else a
+
+
+def job_runs(topo: Topology, world: World, seed: int, nodes: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """The job run each node is in: (B,) job indices of the topology (-1 idle) where jobs never change,
+    or (B, T) run ids where the world ends all jobs every `job_epoch_h` hours and starts new ones on the
+    site's nodes rotated by a random shift, so nodes move between jobs and the spares. A run id is
+    slot + n_slots * epoch, so every run is a new job (job_name)."""
+    static = topo.job_of
+    epoch_h = float(world.scalar("job_epoch_h"))
+    if epoch_h <= 0:
+        return static[nodes]
+    n_slots = max(topo.n_jobs, 1)
+    site_of = topo.site_of
+    starts = np.array([int(np.flatnonzero(site_of == s)[0]) for s in range(topo.sites)])
+    sizes = np.bincount(site_of, minlength=topo.sites)
+    site = site_of[nodes]
+    epoch = ts // int(epoch_h * 3600 * NS)
+    with np.errstate(over="ignore"):
+        u = _splitmix((site.astype(np.uint64)[:, None] * np.uint64(0x2545F491)) ^ epoch.astype(np.uint64)[None, :]
+                      ^ np.uint64(int(_key(seed, "job-epoch"))))
+    size = sizes[site][:, None]
+    shift = (u * size).astype(np.int64)
+    pos = (nodes - starts[site])[:, None]
+    src = starts[site][:, None] + (pos + shift) % size
+    slot = static[src]
+    return np.where(slot >= 0, slot + n_slots * epoch[None, :], -1)
+
+
+def job_name(run: int, n_slots: int, churn: bool) -> str | None:
+    if run < 0:
+        return None
+    return f"job-{run % n_slots:03d}-r{run // n_slots}" if churn else f"job-{run:03d}"
+
+
 def _key(*parts: int) -> np.uint64:
     h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return np.uint64(int.from_bytes(h, "little"))
@@ -201,6 +238,7 @@ class Block:
     events: list
     resets: list                   # (b, t index, None: a reboot | gpu index replaced | PMA_CLEAR)
     row_ts: np.ndarray | None = None  # (B, T) the collector's sample times, where they are jittered
+    jobs: np.ndarray | None = None    # (B,) or (B, T) job runs (job_runs)
 
 
 class ClusterModel:
@@ -307,13 +345,20 @@ class ClusterModel:
         for n in self._touched_nodes(ep):
             self._by_node.setdefault(int(n), []).append(ep)
         if ep.fails:
-            for j in {int(self.topo.job_of[n]) for n in ep.nodes} - {-1}:
-                self._by_job.setdefault(j, []).append(ep)
+            at_fail = self.jobs_at(np.asarray(ep.nodes, dtype=np.int64), np.array([ep.end_ns], dtype=np.int64))
+            for j in set(at_fail.reshape(-1).tolist()) - {-1}:
+                self._by_job.setdefault(int(j), []).append(ep)
+
+    def jobs_at(self, nodes: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        return job_runs(self.topo, self.world, self.seed, nodes, ts)
 
     def _touched_nodes(self, ep: Episode):
         """The nodes whose telemetry the episode changes: its own, and for a job-wide slowdown every node
-        of the culprit's job."""
+        that shares a job with the culprit while it lasts (with jobs that move: any node of its site)."""
         if ep.extra.get("signature") == "job_slow":
+            if float(self.world.scalar("job_epoch_h")) > 0:
+                site = self.topo.site_of[ep.nodes[0]]
+                return np.flatnonzero(self.topo.site_of == site).tolist()
             job = int(self.topo.job_of[ep.nodes[0]])
             if job >= 0:
                 return sorted(set(ep.nodes) | set(np.flatnonzero(self.topo.job_of == job).tolist()))
@@ -330,10 +375,10 @@ class ClusterModel:
     def _job_stalls(self, jobs: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """(B, T): the node's job is down after a failure of one of its nodes, until it restarts."""
         stall = np.zeros((len(jobs), len(ts)), bool)
-        for j in set(jobs.tolist()) - {-1}:
+        for j in set(np.unique(jobs).tolist()) - {-1}:
             for ep in self._by_job.get(j, ()):
                 if ep.end_ns <= ts[-1] and ep.end_ns + self.restart_ns > ts[0] and self._stalls_job(ep):
-                    stall[jobs == j] |= (ts >= ep.end_ns) & (ts < ep.end_ns + self.restart_ns)
+                    stall |= (_col(jobs) == j) & ((ts >= ep.end_ns) & (ts < ep.end_ns + self.restart_ns))[None, :]
         return stall
 
     def _relevant(self, nodes: np.ndarray, t0: int, t1: int) -> list[Episode]:
@@ -354,19 +399,24 @@ class ClusterModel:
         between them. Checkpoints (asynchronous, every 90 min) dip the GPUs a little and burst the
         front-end network, not the training fabric. Congestion comes in one-minute bursts."""
         base = int(_key(self.seed, "job"))
-        j = (jobs.astype(np.int64) + 1).astype(np.uint64)[:, None]
+        j = _col((jobs.astype(np.int64) + 1).astype(np.uint64))
+        slot = np.maximum(jobs, 0) % max(self.topo.n_jobs, 1)
         with np.errstate(over="ignore"):
             seg = (ts // (6 * 3600 * NS)).astype(np.uint64)[None, :]
             minute = (ts // (60 * NS)).astype(np.uint64)[None, :]
             u1 = _splitmix((j * np.uint64(0x100000001B3)) ^ (seg * np.uint64(0x9E37)) ^ np.uint64(base))
             u2 = _splitmix((j * np.uint64(0x100000001B3)) ^ (minute * np.uint64(0x85EB)) ^ np.uint64((base + 7) % (1 << 64)))
-        phase = self.job_phase[np.maximum(jobs, 0)][:, None]
+        if jobs.ndim == 1:
+            phase = self.job_phase[np.maximum(jobs, 0)][:, None]
+        else:  # every run of a job slot is a new job, with its own checkpoint phase
+            with np.errstate(over="ignore"):
+                phase = _splitmix(j * np.uint64(0xD1B54A32D192ED03) ^ np.uint64((base + 29) % (1 << 64)))
         in_ckpt = ((ts[None, :] / NS / CKPT_PERIOD_S + phase) % 1.0) < (CKPT_S / CKPT_PERIOD_S)
         act = np.broadcast_to(0.90 + 0.06 * u1, (len(jobs), len(ts))).copy()
-        cong = np.round(np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * 16.0) / 16.0
-        idle = jobs < 0
+        cong = np.broadcast_to(np.round(np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * 16.0) / 16.0, act.shape).copy()
+        idle = np.broadcast_to(_col(jobs < 0), act.shape)
         if self.world.random:
-            jk = {k: v[np.maximum(jobs, 0)][:, None] for k, v in self.job_knobs.items()}
+            jk = {k: _col(v[slot]) for k, v in self.job_knobs.items()}
             # Hour by hour (a scheduler's pace): steady within an hour, so the counters stay cheap to store.
             hour = (ts // (3600 * NS)) % 24
             night = 0.5 * (1.0 + np.cos(2 * np.pi * (hour - 3.0) / 24.0))[None, :]  # 1 at 03:00 UTC
@@ -379,7 +429,7 @@ class ClusterModel:
             in_ckpt = in_ckpt & ~gap
         act[idle] = 0.01
         cong[idle] = 0.0
-        in_ckpt &= ~idle[:, None]
+        in_ckpt &= ~idle
         return act, cong, in_ckpt
 
     # -- one call --------------------------------------------------------------------------------
@@ -405,7 +455,8 @@ class ClusterModel:
             tcp_retrans_ratio=np.zeros((B, T)), remap_failure=np.zeros((B, G, T), bool), events=[], resets=[],
         )
         # 1. Every draw of the benign stream, with parameters the fault schedule cannot change.
-        jobs = topo.job_of[nodes]
+        jobs = self.jobs_at(nodes, ts)
+        blk.jobs = jobs
         act, cong, ckpt = self._activity(jobs, ts)
         z_gpu = rng.standard_normal((4, B, G, T)).astype(np.float32)
         z_hca = rng.standard_normal((2, B, H, T)).astype(np.float32)
@@ -530,9 +581,9 @@ class ClusterModel:
             inten = np.where(active, rise * np.where(x > 0.7, fall, 1.0), 0.0) * ep.peak
         if signature == "job_slow":
             # A synchronous job runs at its slowest rank's pace: every node of the job slows together.
-            job = int(self.topo.job_of[ep.nodes[0]])
-            peers = np.flatnonzero(self.topo.job_of[blk.nodes] == job) if job >= 0 else np.zeros(0, int)
-            blk.node_tp[peers, :] *= 1.0 - 0.3 * inten
+            culprit = _col(self.jobs_at(np.asarray(ep.nodes[:1], dtype=np.int64), ts))
+            peers = (_col(blk.jobs) == culprit) & (culprit >= 0)
+            blk.node_tp *= np.where(peers, 1.0 - 0.3 * inten[None, :], 1.0)
         local = {int(n): i for i, n in enumerate(blk.nodes)}
         rows = [local[n] for n in ep.nodes if n in local]
         if not rows:
@@ -776,7 +827,7 @@ class ClusterModel:
         of the period) averages exactly to 1 and only second-scale sampling (live mode) sees the bursts.
         Integer milliseconds keep the average exact."""
         periods = np.array(STEP_PERIODS_MS, dtype=np.int64)
-        period = periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)][:, None]  # (B, 1)
+        period = _col(periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)])  # (B, 1) or (B, T)
         burst = period // 2
 
         def comm_ms(t_ms):  # burst milliseconds from the epoch to t
@@ -786,12 +837,12 @@ class ClusterModel:
         t0 = np.concatenate([blk.prev0[:, None] // 1_000_000, t1[:, :-1]], axis=1)
         span = np.maximum(t1 - t0, 1)
         factor = (comm_ms(t1) - comm_ms(t0)) * period / (span * burst)
-        return np.where((jobs < 0)[:, None], 1.0, factor)
+        return np.where(_col(jobs < 0), 1.0, factor)
 
     def _traffic(self, blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node):
         d, dt = blk.deltas, blk.dt
         B, T = dt.shape
-        a = (act * tp * self._step_rhythm(self.topo.job_of[blk.nodes], blk))[:, None, :]
+        a = (act * tp * self._step_rhythm(blk.jobs, blk))[:, None, :]
         gpu_live = ~blk.gpu_lost
         # Volumes follow the job's step rate; the per-device jitter is small control traffic.
         nvl = NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :]

@@ -100,6 +100,9 @@ KNOBS: tuple[Knob, ...] = (
          "a job's load falls by up to this at night (follows the day)"),
     Knob("job_gap_share", "pod", 0.0, ("uniform", 0.0, 0.2), "assumption",
          "share of six-hour segments in which a job's nodes sit idle between runs"),
+    Knob("job_epoch_h", "world", 0.0, ("choice", (12.0, 24.0, 48.0, 96.0), (1, 1, 1, 1)), "assumption",
+         "every this many hours the jobs end and new ones start on rotated nodes, so nodes move between jobs "
+         "and the spares; the inventory gets a row at each change (0: never)"),
     # collection noise
     Knob("ts_jitter_s", "pod", 0.0, ("uniform", 0.5, 4.0), "assumption",
          "a node's collector runs up to this behind the tick (per node and day), and 1 % of its samples up to "

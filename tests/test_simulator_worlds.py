@@ -27,7 +27,7 @@ TABLES = ("gpu", "nvlink", "rdma_port", "netdev", "host_net", "path_probe", "eve
 CLEAN_GOLDEN = "78d694089097d4b0d7ff46d163a38e35eee053941c34f96a1075e6eaf68e8025"
 TOPO = Topology(nodes=4, nodes_per_leaf=2, job_nodes=2, spare_fraction=0.0)
 QUIET = {"ts_jitter_s": 0, "missing_share": 0, "outages_per_node_day": 0, "reloads_per_node_day": 0,
-         "pma_clears_per_node_day": 0, "gpus_per_node": 8, "hcas_per_node": 8}
+         "pma_clears_per_node_day": 0, "gpus_per_node": 8, "hcas_per_node": 8, "job_epoch_h": 0}
 
 
 def _digest(path) -> str:
@@ -280,3 +280,24 @@ def test_the_docs_list_every_knob_of_the_catalogue():
         assert f"`{knob.name}`" in doc, knob.name
     for mode, signatures in SIGNATURES.items():
         assert all(f"`{s}`" in doc for s in signatures), mode
+
+
+def test_jobs_end_and_start_on_other_nodes_and_the_inventory_follows(tmp_path):
+    settings = SimSettings(topology=Topology(nodes=10, nodes_per_leaf=5, job_nodes=4, spare_fraction=0.2),
+                           days=1.0, interval_s=300.0, seed=4, faults=FaultSettings(rate_scale=0.0),
+                           world="random", knobs=dict(QUIET, job_epoch_h=12, job_gap_share=0))
+    run(settings, tmp_path, workers=1)
+    inv = read_table(tmp_path, "inventory").to_pandas()
+    assert len(set(inv.ts)) == 2 and len(inv) == 20
+    jobs = inv.pivot(index="node", columns="ts", values="job")
+    assert set(jobs.iloc[:, 0].dropna()).isdisjoint(jobs.iloc[:, 1].dropna())  # new jobs at the change
+    gpu = read_table(tmp_path, "gpu", columns=["ts", "node", "utilization_pct"]).to_pandas()
+    gpu["late"] = gpu.ts >= jobs.columns[1]
+    moved = 0
+    for node, (before, after) in jobs.iterrows():
+        mine = gpu[gpu.node == node]
+        util = (mine[~mine.late].utilization_pct.mean(), mine[mine.late].utilization_pct.mean())
+        for label, u in zip((before, after), util):
+            assert (u > 50) if isinstance(label, str) else (u < 5), (node, label, u)
+        moved += isinstance(before, str) != isinstance(after, str)
+    assert moved >= 2  # nodes moved between a job and the spares
