@@ -301,3 +301,15 @@ def test_jobs_end_and_start_on_other_nodes_and_the_inventory_follows(tmp_path):
             assert (u > 50) if isinstance(label, str) else (u < 5), (node, label, u)
         moved += isinstance(before, str) != isinstance(after, str)
     assert moved >= 2  # nodes moved between a job and the spares
+
+
+@pytest.mark.parametrize("mode", ["gpu_off_bus", "host"])
+def test_in_a_random_world_a_fault_without_a_precursor_leaves_no_trace_before_it(mode):
+    world = World("random", seed=5, n_pods=TOPO.n_leaves, knobs={"job_epoch_h": 4})
+    ep = _episode(mode, node=1, component=2, lead_h=0.0, fail_h=8.0)
+    base, sim = _simulate([], world=world), _simulate([ep], world=world)
+    for table in ("gpu", "nvlink", "rdma_port", "netdev", "host_net"):
+        before = [t.filter(pc.less(t.column("ts").cast(pa.int64()), ep.end_ns)) for t in (base[table], sim[table])]
+        assert before[0].equals(before[1]), table
+    after = [t.filter(pc.greater(t.column("ts").cast(pa.int64()), ep.end_ns + HOUR)) for t in (base["gpu"], sim["gpu"])]
+    assert not after[0].equals(after[1])
