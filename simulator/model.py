@@ -415,7 +415,7 @@ class ClusterModel:
         act = np.broadcast_to(0.90 + 0.06 * u1, (len(jobs), len(ts))).copy()
         cong = np.broadcast_to(np.round(np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * 16.0) / 16.0, act.shape).copy()
         idle = np.broadcast_to(_col(jobs < 0), act.shape)
-        if self.world.random:
+        if self.world.varied:
             jk = {k: _col(v[slot]) for k, v in self.job_knobs.items()}
             # Hour by hour (a scheduler's pace): steady within an hour, so the counters stay cheap to store.
             hour = (ts // (3600 * NS)) % 24
@@ -473,7 +473,7 @@ class ClusterModel:
         # 2. The fault schedule's effects (each from its own stream).
         for ep in self._relevant(nodes, int(ts[0] - dt.max() * NS), int(ts[-1])):
             self._apply_episode(blk, ep)
-        if self.world.random:
+        if self.world.varied:
             self._collection(blk)
 
         # 3. Traffic, counters and analog values.
@@ -498,7 +498,7 @@ class ClusterModel:
         step_s = float(dt.mean())
         for name, (kind, per_day, (lo, hi), minutes, companions) in BENIGN_BURSTS.items():
             C = self.topo.gpus_per_node if kind == "gpu" else self.topo.hcas_per_node
-            if self.world.random:
+            if self.world.varied:
                 scale = self.burst_scale[nodes]
                 count = rng.poisson(per_day * self.difficulty * scale.sum() * C * span_days)
                 if count == 0:

@@ -173,6 +173,11 @@ class World:
     def random(self) -> bool:
         return self.kind == "random"
 
+    @property
+    def varied(self) -> bool:
+        """Anything but the clean world as it always was: a random world, or a clean one with knobs set."""
+        return self.random or bool(self.overrides)
+
     def _draw_pod(self, pod: int) -> dict:
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0x3D0, pod]))
         out = {}

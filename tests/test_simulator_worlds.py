@@ -82,6 +82,9 @@ def test_a_knob_set_in_a_scenario_holds_in_every_pod_and_leaves_the_others(tmp_p
     free = World("random", seed=2, n_pods=4)
     assert set(world.values["gpus_per_node"]) == {4} and set(world.values["site_temp_amp_c"]) == {5.0}
     assert np.array_equal(world.values["chronic_scale"], free.values["chronic_scale"])
+    lossy = World("clean", seed=2, n_pods=TOPO.n_leaves, knobs={"missing_share": 0.5})
+    rows = _simulate([], hours=2.0, world=lossy)["gpu"].num_rows
+    assert 0.4 < rows / (4 * 8 * 120) < 0.6  # a knob set in the clean world takes effect there too
     with pytest.raises(WorldError, match="gpus_per_nod"):
         World("random", knobs={"gpus_per_nod": 4})
     with pytest.raises(WorldError, match="missing_share"):
