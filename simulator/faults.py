@@ -5,7 +5,9 @@ Rates come from Meta's Llama 3 pre-training run (The Llama 3 Herd of Models, 202
 cause, about 3.8 per 1,000 node-days. Each root-cause category maps to one or more failure *modes*
 (the physics in foreshock.simulator.model); a mode either has a precursor (a degradation that starts a
 lead time before the failure) or has none. Lead times, repair times and the shares of each mode inside a
-category are modelling assumptions, written down in docs/simulator.md.
+category are modelling assumptions, written down in docs/simulator.md; a random world
+(foreshock.simulator.scenarios) widens leads, takes repair times from the real InfiniteHBD trace and gives
+each precursor episode a shape and a signature.
 
 The schedule is drawn up front from the seed, as a list of `Episode`s: failures (each one incident) and
 degrade-then-recover episodes (hard negatives: the same precursor, no failure). Telemetry generation

@@ -14,6 +14,10 @@ chronic rates (a lognormal spread, so a few healthy devices are noisy all their 
 13/31/43. What a failing one shows: the precursor of its mode (foreshock.simulator.faults), then the
 fatal signature, then it is drained for repair (no rows) and comes back rebooted.
 
+The world (foreshock.simulator.scenarios) sets the knobs the physics reads: node types, chronic rates,
+load, room temperature, jobs that move, collection noise; the clean world is the model as described in
+docs/simulator.md, a random world draws the knobs per pod.
+
 Random streams: the benign telemetry of a block is drawn from a stream keyed by (seed, block, time) whose
 draws never depend on the fault schedule, and each episode's effects come from the episode's own stream,
 so adding or removing an episode changes nothing but that episode's own signals.
@@ -200,6 +204,7 @@ def job_runs(topo: Topology, world: World, seed: int, nodes: np.ndarray, ts: np.
 
 
 def job_name(run: int, n_slots: int, churn: bool) -> str | None:
+    """The inventory's job label of a run (None: a spare): job-003, or job-003-r40917 where jobs change."""
     if run < 0:
         return None
     return f"job-{run % n_slots:03d}-r{run // n_slots}" if churn else f"job-{run:03d}"
@@ -295,11 +300,11 @@ class ClusterModel:
             self.chronic["gpu"]["ecc_corrected_volatile"] * 86400.0 * age_days * 0.2)
         self.state["gpu"]["remapped_rows_correctable"] += init.poisson(0.002 * age_days)
         if self.world.random:
-            # Counters since the last driver load or PMA clear: 32-bit hw_counters anywhere in their range
-            # (they wrap during the run), a tenth of the narrow PMA error counters already high or stuck.
+            # Counters since the last driver load or PMA clear: the busy 32-bit hw_counters anywhere in their
+            # range (they wrap during the run), a tenth of the narrow PMA error counters already high or stuck.
             hist = np.random.default_rng(np.random.SeedSequence([self.seed, 3]))
-            for name in MLX5_PRESENT + MLX5_ROCE_ONLY:
-                self.state["hca"][name] += hist.integers(0, 1 << 32, (N, H)) if name.startswith("rx_") else 0
+            for name in ("rx_write_requests", "rx_read_requests"):
+                self.state["hca"][name] += hist.integers(0, 1 << 32, (N, H))
             for name in sorted(PMA_ERROR_COUNTERS):
                 top = (1 << sch.IB_PORT_COUNTERS[name]) - 1
                 self.state["hca"][name] += hist.integers(0, top + 1, (N, H)) * (hist.random((N, H)) < 0.1)
