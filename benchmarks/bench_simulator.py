@@ -142,6 +142,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--days", type=float, default=2.0)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--full", action="store_true", help="run the full 512-node, 30-day target")
+    parser.add_argument("--world", choices=["clean", "random"], default="clean",
+                        help="the simulated world (docs/simulator.md); random adds node types and collection noise")
     parser.add_argument("--quality", action="store_true",
                         help="also check a naive threshold against a learned model on simulated data (about a minute)")
     args = parser.parse_args(argv)
@@ -153,7 +155,8 @@ def main(argv: list[str]) -> int:
 
     out = tempfile.mkdtemp(prefix="bench-sim-")
     try:
-        settings = SimSettings(topology=Topology(nodes=args.nodes), days=args.days, interval_s=60.0, seed=1)
+        settings = SimSettings(topology=Topology(nodes=args.nodes), days=args.days, interval_s=60.0, seed=1,
+                               world=args.world)
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         ch0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -169,7 +172,7 @@ def main(argv: list[str]) -> int:
     node_days = args.nodes * args.days
     rows = sum(summary.rows.values())
     scale = TARGET_NODES * TARGET_DAYS / node_days
-    print(f"run: {args.nodes} nodes x {args.days:g} days at 60 s = {node_days:g} node-days, "
+    print(f"run: {args.nodes} nodes x {args.days:g} days at 60 s, {args.world} world = {node_days:g} node-days, "
           f"{rows:,} rows, {summary.files_written:,} files, workers={args.workers or os.cpu_count()}")
     print(f"wall {wall:.1f} s ({node_days / wall:.1f} node-days/s, {rows / wall / 1e6:.2f} M rows/s); "
           f"CPU {cpu:.1f} s in all processes ({cpu / node_days * 1e3:.1f} ms per node-day); "

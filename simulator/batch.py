@@ -25,7 +25,8 @@ import pyarrow.compute as pc
 from foreshock import schema as sch
 from foreshock.dataset import DatasetWriter
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, FaultSettings, schedule
-from foreshock.simulator.model import ClusterModel
+from foreshock.simulator.model import ClusterModel, job_name, job_runs
+from foreshock.simulator.scenarios import World
 from foreshock.simulator.topology import Topology
 
 DEFAULT_START = "2026-01-05T00:00:00Z"
@@ -50,6 +51,8 @@ class SimSettings:
     start_ns: int = parse_start(DEFAULT_START)
     faults: FaultSettings = field(default_factory=FaultSettings)
     block_nodes: int = 32
+    world: str = "clean"                          # scenarios.WORLDS
+    knobs: dict = field(default_factory=dict)     # single knobs set by a scenario file
 
     def __post_init__(self):
         if not self.days > 0:
@@ -62,6 +65,9 @@ class SimSettings:
     @property
     def end_ns(self) -> int:
         return self.start_ns + int(round(self.days * DAY))
+
+    def make_world(self) -> World:
+        return World(self.world, seed=self.seed, n_pods=self.topology.n_leaves, knobs=self.knobs)
 
 
 @dataclass
@@ -103,6 +109,39 @@ def parquet_options() -> dict[str, dict]:
     return out
 
 
+def describe(ep: Episode) -> str:
+    """The incident's description: the mode's, or in a random world 'mode: signature / shape[ / faint]'
+    (docs/simulator.md), so evaluation can group by signature and shape."""
+    if "signature" not in ep.extra:
+        return MODES[ep.mode].description
+    faint = " / faint" if ep.extra.get("faint") else ""
+    return f"{ep.mode}: {ep.extra['signature']} / {ep.extra['shape']}{faint}"
+
+
+def inventory(topo: Topology, world: World, seed: int, start_ns: int, end_ns: int) -> pa.Table:
+    """The topology's inventory with each node's type (GPU and HCA counts) from the world; where jobs
+    change (the world's job_epoch_h), a row per node at the start and at every change, naming its job."""
+    types = ClusterModel.node_type_arrays(topo, world)
+    epoch_h = float(world.scalar("job_epoch_h"))
+    times = [start_ns]
+    if epoch_h > 0:
+        epoch_ns = int(epoch_h * 3600 * NS)
+        times += list(range((start_ns // epoch_ns + 1) * epoch_ns, end_ns, epoch_ns))
+    n_slots = max(topo.n_jobs, 1)
+    parts = []
+    for t in times:
+        table = topo.inventory(t)
+        columns = {"gpus": pa.array(types["gpus"].astype(np.int16)), "hcas": pa.array(types["hcas"].astype(np.int16))}
+        if epoch_h > 0:
+            runs = job_runs(topo, world, seed, np.arange(topo.nodes), np.array([t], dtype=np.int64))[:, 0]
+            columns["job"] = pa.array([job_name(int(r), n_slots, True) for r in runs], sch.STR)
+        for name, values in columns.items():
+            i = table.schema.get_field_index(name)
+            table = table.set_column(i, table.schema.field(i), values)
+        parts.append(table)
+    return pa.concat_tables(parts)
+
+
 def incidents_table(topo: Topology, episodes: list[Episode], start_ns: int, end_ns: int) -> pa.Table:
     rows = []
     for ep in episodes:
@@ -122,7 +161,7 @@ def incidents_table(topo: Topology, episodes: list[Episode], start_ns: int, end_
         rows.append({
             "ts": ep.end_ns, "node": ep.scope_name or nodes[0], "incident_id": ep.episode_id, "scope": scope,
             "affected_nodes": nodes, "category": ep.category, "component": component,
-            "description": mode.description, "has_precursor": mode.precursor,
+            "description": describe(ep), "has_precursor": mode.precursor,
             "precursor_start": ep.start_ns if mode.precursor else None, "repaired_at": ep.repair_ns,
         })
     return sch.to_table("incidents", rows)
@@ -162,7 +201,7 @@ def _simulate_blocks(settings: SimSettings, episodes: list[Episode], out: str, b
     block, so how blocks are shared among workers does not change the data)."""
     model = ClusterModel(settings.topology, seed=settings.seed, episodes=episodes,
                          difficulty=settings.faults.difficulty, start_ns=settings.start_ns,
-                         interval_s=settings.interval_s)
+                         interval_s=settings.interval_s, world=settings.make_world())
     writer = DatasetWriter(out, fsync=False, max_buffer_rows=1 << 40, **writer_options)
     if barrier is not None:
         # A writer clears leftover temporary files when it opens: every worker opens its writer before
@@ -193,14 +232,15 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
     t_start = time.perf_counter()
     topo = settings.topology
     start, end = settings.start_ns, settings.end_ns
+    world = settings.make_world()
     if episodes is None:
-        episodes = schedule(topo, start, end, settings.seed, settings.faults)
+        episodes = schedule(topo, start, end, settings.seed, settings.faults, world)
     options = {"parquet_options": parquet_options(), **(writer_options or {})}
     n_blocks = len(_blocks(settings))
     workers = min(workers or (os.cpu_count() or 1), n_blocks)
     Path(out).mkdir(parents=True, exist_ok=True)
     writer = DatasetWriter(out, fsync=False, **options)
-    writer.write_table("inventory", topo.inventory(start))
+    writer.write_table("inventory", inventory(topo, world, settings.seed, start, end))
     rows = collections.Counter()
     bytes_written = files_written = 0
     if workers <= 1:

@@ -1,7 +1,8 @@
 """`foreshock simulate`: write a simulated cluster's telemetry and incident log as a schema-v1 dataset.
 
 Settings resolve through foreshock.config ([simulate] in the TOML file < FORESHOCK_SIMULATE_* < flags);
-`--scenario FILE` is a TOML file whose [simulate] table is read the same way (it wins over --config).
+`--scenario FILE` is a TOML file whose [simulate] table is read the same way (it wins over --config);
+its [simulate.knobs] table sets single knobs of the scenario catalogue (simulator/scenarios.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ DEFAULTS = {
     "gpus_per_node": 8, "hcas_per_node": 8, "nodes_per_leaf": 16, "leaves_per_spine": 8, "sites": 1,
     "nvlink_domain_nodes": 0, "job_nodes": 32, "spare_fraction": 0.05, "link_layer": "InfiniBand",
     "rate_scale": 1.0, "difficulty": 1.0, "recovery_ratio": 1.0, "lead_scale": 1.0, "block_nodes": 32, "workers": 0,
+    "world": "clean",
 }
 
 
@@ -41,7 +43,11 @@ def register(subparsers) -> None:
     p.add_argument("--lead-scale", type=float, help="multiplies precursor lead times (default 1)")
     p.add_argument("--block-nodes", type=int, help="nodes generated together (memory vs speed, default 32)")
     p.add_argument("--workers", type=int, help="worker processes (default 0: one per CPU); the data do not depend on it")
-    p.add_argument("--scenario", metavar="FILE", help="TOML scenario file with a [simulate] table")
+    p.add_argument("--world", choices=["clean", "random"],
+                   help="clean (default): one tidy world; random: every knob of the scenario catalogue drawn per "
+                        "pod (leaf) from the seed, so one dataset holds many worlds")
+    p.add_argument("--scenario", metavar="FILE", help="TOML scenario file with a [simulate] table "
+                   "(and [simulate.knobs] for single knobs)")
     p.set_defaults(run=run)
 
 
@@ -54,13 +60,20 @@ def settings_from(args, file_data) -> dict:
         if "simulate" not in scenario:
             raise ConfigError(f"scenario file {args.scenario} has no [simulate] table")
         data = {**data, "simulate": {**data.get("simulate", {}), **scenario["simulate"]}}
+    section = dict(data.get("simulate", {}))
+    knobs = section.pop("knobs", {})
+    if not isinstance(knobs, dict):
+        raise ConfigError("[simulate] knobs must be a table ([simulate.knobs])")
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
-    return resolve("simulate", DEFAULTS, file_data=data, flags=flags)
+    cfg = resolve("simulate", DEFAULTS, file_data={**data, "simulate": section}, flags=flags)
+    cfg["knobs"] = knobs
+    return cfg
 
 
 def build(cfg: dict):
     from foreshock.simulator.batch import SimSettings, parse_start
     from foreshock.simulator.faults import FaultSettings
+    from foreshock.simulator.scenarios import World
     from foreshock.simulator.topology import Topology
 
     topo = Topology(nodes=cfg["nodes"], gpus_per_node=cfg["gpus_per_node"], hcas_per_node=cfg["hcas_per_node"],
@@ -71,8 +84,11 @@ def build(cfg: dict):
                            recovery_ratio=cfg["recovery_ratio"], lead_scale=cfg["lead_scale"])
     if cfg["rate_scale"] < 0 or cfg["difficulty"] <= 0 or cfg["recovery_ratio"] < 0 or cfg["lead_scale"] <= 0:
         raise ValueError("rate_scale and recovery_ratio must be >= 0, difficulty and lead_scale > 0")
-    return SimSettings(topology=topo, days=cfg["days"], interval_s=cfg["interval"], seed=cfg["seed"],
-                       start_ns=parse_start(cfg["start"]), faults=faults, block_nodes=cfg["block_nodes"])
+    settings = SimSettings(topology=topo, days=cfg["days"], interval_s=cfg["interval"], seed=cfg["seed"],
+                           start_ns=parse_start(cfg["start"]), faults=faults, block_nodes=cfg["block_nodes"],
+                           world=cfg["world"], knobs=dict(cfg.get("knobs", {})))
+    World(settings.world, seed=settings.seed, n_pods=topo.n_leaves, knobs=settings.knobs)  # checks the knobs
+    return settings
 
 
 def run(args, file_data) -> int:
@@ -95,7 +111,8 @@ def run(args, file_data) -> int:
         return 2
     topo = settings.topology
     print(f"simulating {topo.nodes} nodes x {topo.gpus_per_node} GPUs x {topo.hcas_per_node} HCAs, "
-          f"{settings.days:g} days at {settings.interval_s:g} s, seed {settings.seed} -> {cfg['out']}", flush=True)
+          f"{settings.days:g} days at {settings.interval_s:g} s, seed {settings.seed}, {settings.world} world "
+          f"-> {cfg['out']}", flush=True)
 
     summary = batch.run(settings, out, progress=batch.print_progress if settings.days >= 2 else None,
                         workers=cfg["workers"])

@@ -5,7 +5,9 @@ Rates come from Meta's Llama 3 pre-training run (The Llama 3 Herd of Models, 202
 cause, about 3.8 per 1,000 node-days. Each root-cause category maps to one or more failure *modes*
 (the physics in foreshock.simulator.model); a mode either has a precursor (a degradation that starts a
 lead time before the failure) or has none. Lead times, repair times and the shares of each mode inside a
-category are modelling assumptions, written down in docs/simulator.md.
+category are modelling assumptions, written down in docs/simulator.md; a random world
+(foreshock.simulator.scenarios) widens leads, takes repair times from the real InfiniteHBD trace and gives
+each precursor episode a shape and a signature.
 
 The schedule is drawn up front from the seed, as a list of `Episode`s: failures (each one incident) and
 degrade-then-recover episodes (hard negatives: the same precursor, no failure). Telemetry generation
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from foreshock.simulator.scenarios import SIGNATURES, World
 from foreshock.simulator.topology import Topology
 
 NS = 1_000_000_000
@@ -93,6 +96,9 @@ CATEGORIES: dict[str, tuple[tuple[tuple[str, float], ...], float]] = {
 }
 
 
+PRECURSOR_MODES = frozenset(m.name for m in MODES.values() if m.precursor)
+
+
 def category_rates(rate_scale: float = 1.0) -> dict[str, float]:
     """Failures per node-day by category."""
     return {c: n / LLAMA3_NODE_DAYS * rate_scale for c, n in LLAMA3_COUNTS.items()}
@@ -140,18 +146,62 @@ class FaultSettings:
     time_compression: float = 1.0  # live mode: rates x c, durations / c
 
 
-def _lognormal_ns(rng: np.random.Generator, median_h: float, sigma: float, compression: float) -> int:
-    return int(max(600.0, median_h * 3600.0 * float(np.exp(sigma * rng.standard_normal()))) / compression * NS)
+def _lognormal_ns(rng: np.random.Generator, median_h: float, sigma: float, compression: float,
+                  floor_s: float = 600.0, cap_s: float = float("inf")) -> int:
+    return int(min(cap_s, max(floor_s, median_h * 3600.0 * float(np.exp(sigma * rng.standard_normal()))))
+               / compression * NS)
 
 
-def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: FaultSettings = FaultSettings()
-             ) -> list[Episode]:
+# Where the knobs of a world widen the clean world's processes (scenarios.py: lead_sigma, repair_median_h).
+WIDE_LEAD_FLOOR_S, WIDE_LEAD_CAP_S = 180.0, 36 * 3600.0
+REPAIR_CAP_S = 60 * 86400.0
+
+
+def _lead_ns(rng, mode: Mode, settings: "FaultSettings", d: float, world: World, pod: int) -> int:
+    sigma = float(world.pod("lead_sigma", pod))
+    if sigma > 0:
+        return _lognormal_ns(rng, mode.lead_median_h * settings.lead_scale / d, sigma, settings.time_compression,
+                             WIDE_LEAD_FLOOR_S, WIDE_LEAD_CAP_S)
+    return _lognormal_ns(rng, mode.lead_median_h * settings.lead_scale / d, mode.lead_sigma, settings.time_compression)
+
+
+def _repair_ns(rng, repair_h: float, settings: "FaultSettings", world: World, pod: int) -> int:
+    median = float(world.pod("repair_median_h", pod))
+    sigma = float(world.pod("repair_sigma", pod))
+    if median > 0:
+        return _lognormal_ns(rng, median, sigma, settings.time_compression, cap_s=REPAIR_CAP_S)
+    return _lognormal_ns(rng, repair_h, sigma, settings.time_compression)
+
+
+def component_count(topo: Topology, world: World, kind: str, pod: int) -> int:
+    """GPUs or HCAs of a node in the pod: the topology's, or fewer where the world gives the pod another
+    node type (the knob's 0 means the topology's)."""
+    top = topo.gpus_per_node if kind == "gpu" else topo.hcas_per_node
+    v = int(world.pod("gpus_per_node" if kind == "gpu" else "hcas_per_node", pod))
+    return top if v <= 0 else min(v, top)
+
+
+def _annotate(ep: "Episode", world: World, pod: int, lookalike: bool = False) -> None:
+    """A random world's episode: its shape, signature and faintness, from the episode's own stream."""
+    if not world.random or ep.mode not in PRECURSOR_MODES:
+        return
+    draws = world.episode_draws(ep.mode, ep.seed, pod, (ep.end_ns - ep.start_ns) / NS, lookalike)
+    ep.extra.update(draws)
+    if draws["faint"] and ep.fails:
+        ep.peak = draws["faint_factor"]
+
+
+def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: FaultSettings = FaultSettings(),
+             world: World | None = None) -> list[Episode]:
     """Draw every failure and recovery episode of [start_ns, end_ns) for the cluster, from the seed alone.
 
     Failures form a Poisson process per category at rate x nodes; a failure that would land on a node
     that is already failed-and-in-repair is dropped (a node in repair cannot fail), which lowers the
     realised rate by the share of node-time in repair (well under 1% at the default rates).
+    A random `world` (scenarios.py) widens leads and repairs per pod and gives each precursor episode a
+    shape and a signature from the episode's own stream; the schedule's stream draws the same numbers.
     """
+    world = world if world is not None else World("clean", seed=seed, n_pods=topo.n_leaves)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
     comp = settings.time_compression
     days = (end_ns - start_ns) / DAY * comp
@@ -172,12 +222,14 @@ def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: Fa
             mode = MODES[names[rng.choice(len(names), p=shares)]]
             fail = start_ns + int(rng.uniform(0, end_ns - start_ns))
             node = int(rng.integers(topo.nodes))
-            lead = (_lognormal_ns(rng, mode.lead_median_h * settings.lead_scale / d, mode.lead_sigma, comp)
-                    if mode.precursor else 0)
-            repair = _lognormal_ns(rng, repair_h, 0.7, comp)
+            pod = int(leaf_of[node])
+            lead = _lead_ns(rng, mode, settings, d, world, pod) if mode.precursor else 0
+            repair = _repair_ns(rng, repair_h, settings, world, pod)
             variant = int(rng.integers(1 << 30))
             ep_seed = int(rng.integers(1 << 62))
             comp_idx = int(rng.integers(topo.gpus_per_node if mode.component == "gpu" else topo.hcas_per_node))
+            if mode.component in ("gpu", "hca"):
+                comp_idx %= component_count(topo, world, mode.component, pod)
             if mode.component == "switch":
                 leaf = int(leaf_of[node])
                 nodes, scope = tuple(int(n) for n in topo.nodes_under_leaf(leaf)), topo.leaf_name(leaf)
@@ -186,28 +238,42 @@ def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: Fa
                 nodes, scope = tuple(int(n) for n in topo.nodes_in_site(site)), topo.site_name(site)
             else:
                 nodes, scope = (node,), ""
-            episodes.append(Episode(f"{category}-{k:05d}-s{seed}", mode.name, category, nodes,
-                                    comp_idx if mode.component in ("gpu", "hca") else 0,
-                                    max(start_ns - 30 * DAY, fail - lead), fail, True, fail + repair,
-                                    1.0, scope, variant, ep_seed))
+            ep = Episode(f"{category}-{k:05d}-s{seed}", mode.name, category, nodes,
+                         comp_idx if mode.component in ("gpu", "hca") else 0,
+                         max(start_ns - 30 * DAY, fail - lead), fail, True, fail + repair,
+                         1.0, scope, variant, ep_seed)
+            _annotate(ep, world, pod)
+            episodes.append(ep)
     episodes = _drop_overlaps(sorted(episodes, key=lambda e: (e.end_ns, e.episode_id)))
 
     # Degrade-then-recover: the same precursor processes at a random peak, fading out, no failure.
     precursor_failures = [e for e in episodes if e.has_precursor]
-    n_recover = rng.poisson(len(precursor_failures) * settings.recovery_ratio * d) if precursor_failures else 0
+    ratio = settings.recovery_ratio * float(world.scalar("lookalike_scale"))
+    n_recover = rng.poisson(len(precursor_failures) * ratio * d) if precursor_failures else 0
+    # In a random world every precursor family has look-alikes, whatever failed; in the clean world they
+    # follow the failures' mix.
+    lookalike_modes = [m for m in SIGNATURES if MODES[m].component in ("gpu", "hca", "node")]
     for k in range(n_recover):
-        like = precursor_failures[int(rng.integers(len(precursor_failures)))]
-        mode = MODES[like.mode]
-        if mode.component in ("switch", "site"):
-            mode = MODES["ib_cable"]  # a wide fault that heals is rare; use a port that heals instead
+        if world.random:
+            mode = MODES[lookalike_modes[int(rng.integers(len(lookalike_modes)))]]
+        else:
+            like = precursor_failures[int(rng.integers(len(precursor_failures)))]
+            mode = MODES[like.mode]
+            if mode.component in ("switch", "site"):
+                mode = MODES["ib_cable"]  # a wide fault that heals is rare; use a port that heals instead
         node = int(rng.integers(topo.nodes))
-        dur = _lognormal_ns(rng, mode.lead_median_h * settings.lead_scale / d, mode.lead_sigma, comp)
+        pod = int(leaf_of[node])
+        dur = _lead_ns(rng, mode, settings, d, world, pod)
         begin = start_ns + int(rng.uniform(-dur, end_ns - start_ns))
         comp_idx = int(rng.integers(topo.gpus_per_node if mode.component == "gpu" else topo.hcas_per_node))
-        episodes.append(Episode(f"recovery-{k:05d}-s{seed}", mode.name, None, (node,),
-                                comp_idx if mode.component in ("gpu", "hca") else 0,
-                                begin, begin + dur, False, 0, float(rng.uniform(0.3, 0.9)), "",
-                                int(rng.integers(1 << 30)), int(rng.integers(1 << 62))))
+        if mode.component in ("gpu", "hca"):
+            comp_idx %= component_count(topo, world, mode.component, pod)
+        ep = Episode(f"recovery-{k:05d}-s{seed}", mode.name, None, (node,),
+                     comp_idx if mode.component in ("gpu", "hca") else 0,
+                     begin, begin + dur, False, 0, float(rng.uniform(0.3, 0.9)), "",
+                     int(rng.integers(1 << 30)), int(rng.integers(1 << 62)))
+        _annotate(ep, world, pod, lookalike=True)
+        episodes.append(ep)
     return sorted(episodes, key=lambda e: (e.start_ns, e.episode_id))
 
 
@@ -243,5 +309,5 @@ def injected(topo: Topology, node: int, mode: str, now_ns: int, lead_ns: int, co
                    injected=True)
 
 
-__all__ = ["Episode", "FaultSettings", "MODES", "CATEGORIES", "LLAMA3_COUNTS", "category_rates", "schedule",
+__all__ = ["Episode", "FaultSettings", "component_count", "MODES", "CATEGORIES", "LLAMA3_COUNTS", "category_rates", "schedule",
            "injected"]

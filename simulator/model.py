@@ -14,6 +14,10 @@ chronic rates (a lognormal spread, so a few healthy devices are noisy all their 
 13/31/43. What a failing one shows: the precursor of its mode (foreshock.simulator.faults), then the
 fatal signature, then it is drained for repair (no rows) and comes back rebooted.
 
+The world (foreshock.simulator.scenarios) sets the knobs the physics reads: node types, chronic rates,
+load, room temperature, jobs that move, collection noise; the clean world is the model as described in
+docs/simulator.md, a random world draws the knobs per pod.
+
 Random streams: the benign telemetry of a block is drawn from a stream keyed by (seed, block, time) whose
 draws never depend on the fault schedule, and each episode's effects come from the episode's own stream,
 so adding or removing an episode changes nothing but that episode's own signals.
@@ -28,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 
 from foreshock import schema as sch
-from foreshock.simulator.faults import MODES, NS, Episode
+from foreshock.simulator.faults import DAY, MODES, NS, Episode, component_count
+from foreshock.simulator.scenarios import World, shape_intensity, shape_mean
 from foreshock.simulator.topology import Topology
 
 NVLINKS_PER_GPU = 18
@@ -147,6 +152,9 @@ XID_TEXT = {
 XID_SEVERITY = {13: "application", 31: "application", 43: "application", 45: "application", 94: "application",
                 63: "precursor", 92: "precursor"}
 PROBE_PEERS_PER_SITE = 1
+LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
+PMA_CLEAR = "pma_clear"   # a reset of the narrow IB PMA error counters only (a fabric manager's clear)
+PMA_ERROR_COUNTERS = frozenset(n for n, w in sch.IB_PORT_COUNTERS.items() if w < 32)
 
 
 def xid_severity(xid: int) -> str:
@@ -162,6 +170,44 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def _col(a: np.ndarray) -> np.ndarray:
+    """A per-node array (B,) as a column against time, or a per-node-and-time one (B, T) as it is."""
+    return a[:, None] if a.ndim == 1 else a
+
+
+def job_runs(topo: Topology, world: World, seed: int, nodes: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """The job run each node is in: (B,) job indices of the topology (-1 idle) where jobs never change,
+    or (B, T) run ids where the world ends all jobs every `job_epoch_h` hours and starts new ones on the
+    site's nodes rotated by a random shift, so nodes move between jobs and the spares. A run id is
+    slot + n_slots * epoch, so every run is a new job (job_name)."""
+    static = topo.job_of
+    epoch_h = float(world.scalar("job_epoch_h"))
+    if epoch_h <= 0:
+        return static[nodes]
+    n_slots = max(topo.n_jobs, 1)
+    site_of = topo.site_of
+    starts = np.array([int(np.flatnonzero(site_of == s)[0]) for s in range(topo.sites)])
+    sizes = np.bincount(site_of, minlength=topo.sites)
+    site = site_of[nodes]
+    epoch = ts // int(epoch_h * 3600 * NS)
+    with np.errstate(over="ignore"):
+        u = _splitmix((site.astype(np.uint64)[:, None] * np.uint64(0x2545F491)) ^ epoch.astype(np.uint64)[None, :]
+                      ^ np.uint64(int(_key(seed, "job-epoch"))))
+    size = sizes[site][:, None]
+    shift = (u * size).astype(np.int64)
+    pos = (nodes - starts[site])[:, None]
+    src = starts[site][:, None] + (pos + shift) % size
+    slot = static[src]
+    return np.where(slot >= 0, slot + n_slots * epoch[None, :], -1)
+
+
+def job_name(run: int, n_slots: int, churn: bool) -> str | None:
+    """The inventory's job label of a run (None: a spare): job-003, or job-003-r40917 where jobs change."""
+    if run < 0:
+        return None
+    return f"job-{run % n_slots:03d}-r{run // n_slots}" if churn else f"job-{run:03d}"
 
 
 def _key(*parts: int) -> np.uint64:
@@ -182,6 +228,7 @@ class Block:
     gpu_tp: np.ndarray             # (B, G, T)
     port_tp: np.ndarray            # (B, H, T)
     temp_add: np.ndarray           # (B, G, T) degC
+    hbm_add: np.ndarray            # (B, G, T) degC on the HBM only
     clock_bits: np.ndarray         # (B, G, T) uint64 extra clock-event reasons
     links_down: np.ndarray         # (B, G, T) int16
     pcie_width: np.ndarray         # (B, G, T) int8
@@ -194,15 +241,20 @@ class Block:
     tcp_retrans_ratio: np.ndarray  # (B, T) extra retransmitted share of OutSegs
     remap_failure: np.ndarray      # (B, G, T) bool
     events: list
-    resets: list                   # (b, t index, "reboot" | gpu index replaced)
+    resets: list                   # (b, t index, None: a reboot | gpu index replaced | PMA_CLEAR)
+    row_ts: np.ndarray | None = None  # (B, T) the collector's sample times, where they are jittered
+    jobs: np.ndarray | None = None    # (B,) or (B, T) job runs (job_runs)
 
 
 class ClusterModel:
     """State and physics of a simulated cluster. generate() advances the nodes it is given."""
 
     def __init__(self, topo: Topology, *, seed: int, episodes: list[Episode] = (), difficulty: float = 1.0,
-                 start_ns: int = 0, interval_s: float = 60.0, time_compression: float = 1.0):
+                 start_ns: int = 0, interval_s: float = 60.0, time_compression: float = 1.0,
+                 world: World | None = None):
         self.topo = topo
+        self.world = world if world is not None else World("clean", seed=seed, n_pods=topo.n_leaves)
+        self._node_types(topo)
         self.drain_ns = int(DRAIN_NS / time_compression)
         self.restart_ns = int(RESTART_NS / time_compression)
         self._by_job: dict[int, list[Episode]] = {}
@@ -217,16 +269,22 @@ class ClusterModel:
         N, G, H = topo.nodes, topo.gpus_per_node, topo.hcas_per_node
         init = np.random.default_rng(np.random.SeedSequence([self.seed, 1]))
         d = self.difficulty
+        pod = topo.leaf_of
+        s_add = self.world.per_node("chronic_sigma_add", pod).astype(float)[:, None]
+        s_mul = self.world.per_node("chronic_scale", pod).astype(float)[:, None]
         self.chronic = {
-            "gpu": {k: med * d / 86400.0 * np.exp(sig * init.standard_normal((N, G))) for k, (med, sig) in BENIGN_GPU.items()},
-            "hca": {k: med * d / 86400.0 * np.exp(sig * init.standard_normal((N, H))) for k, (med, sig) in BENIGN_HCA.items()},
+            "gpu": {k: med * d / 86400.0 * np.exp((sig + s_add) * init.standard_normal((N, G))) * s_mul
+                    for k, (med, sig) in BENIGN_GPU.items()},
+            "hca": {k: med * d / 86400.0 * np.exp((sig + s_add) * init.standard_normal((N, H))) * s_mul
+                    for k, (med, sig) in BENIGN_HCA.items()},
             "node": {k: med / 86400.0 * np.exp(sig * init.standard_normal((N, 1))) for k, (med, sig) in BENIGN_NODE.items()},
         }
+        m_mul = self.world.per_node("marginal_scale", pod).astype(float)[:, None]
         for kind in ("gpu", "hca"):
             for name, rates in self.chronic[kind].items():
                 if name in MARGINAL:
                     share, median = MARGINAL[name]
-                    marginal = init.random(rates.shape) < share * d
+                    marginal = init.random(rates.shape) < share * d * m_mul
                     rates[marginal] = median * np.exp(0.8 * init.standard_normal(int(marginal.sum())))
         self.gpu_temp_offset = init.normal(0.0, 2.5, (N, G))
         self.gpu_power_offset = init.normal(0.0, 12.0, (N, G))
@@ -241,6 +299,15 @@ class ClusterModel:
         self.state["gpu"]["ecc_corrected_aggregate"] += init.poisson(
             self.chronic["gpu"]["ecc_corrected_volatile"] * 86400.0 * age_days * 0.2)
         self.state["gpu"]["remapped_rows_correctable"] += init.poisson(0.002 * age_days)
+        if self.world.random:
+            # Counters since the last driver load or PMA clear: the busy 32-bit hw_counters anywhere in their
+            # range (they wrap during the run), a tenth of the narrow PMA error counters already high or stuck.
+            hist = np.random.default_rng(np.random.SeedSequence([self.seed, 3]))
+            for name in ("rx_write_requests", "rx_read_requests"):
+                self.state["hca"][name] += hist.integers(0, 1 << 32, (N, H))
+            for name in sorted(PMA_ERROR_COUNTERS):
+                top = (1 << sch.IB_PORT_COUNTERS[name]) - 1
+                self.state["hca"][name] += hist.integers(0, top + 1, (N, H)) * (hist.random((N, H)) < 0.1)
         self.state["node"]["carrier_changes"] += 2
         self.state["node"]["carrier_up_count"] += 1
         self.state["node"]["carrier_down_count"] += 1
@@ -251,14 +318,56 @@ class ClusterModel:
         self.ce_hot = np.zeros((N, G), dtype=bool)
         self.last_ts = np.full(N, start_ns - int(interval_s * NS), dtype=np.int64)
 
+    @staticmethod
+    def node_type_arrays(topo: Topology, world: World) -> dict[str, np.ndarray]:
+        """Per node: GPUs and HCAs present (the physics runs on the topology's, absent ones are dropped)."""
+        pods = range(topo.n_leaves)
+        return {"gpus": np.array([component_count(topo, world, "gpu", p) for p in pods])[topo.leaf_of],
+                "hcas": np.array([component_count(topo, world, "hca", p) for p in pods])[topo.leaf_of]}
+
+    def _node_types(self, topo: Topology) -> None:
+        """Per node: the world's node type (components present, NVLink links, PCIe generation) and the
+        per-pod nuisance knobs the physics reads each step."""
+        w, pod = self.world, topo.leaf_of
+        types = self.node_type_arrays(topo, w)
+        self.n_gpus, self.n_hcas = types["gpus"], types["hcas"]
+        self.short_nodes = bool((self.n_gpus < topo.gpus_per_node).any() or (self.n_hcas < topo.hcas_per_node).any())
+        links = w.per_node("nvlinks_per_gpu", pod).astype(np.int16)
+        self.nvlinks = np.where(links > 0, links, NVLINKS_PER_GPU).astype(np.int16)
+        gen = w.per_node("pcie_gen", pod).astype(np.int8)
+        self.pcie_gen = np.where(gen > 0, gen, PCIE_GEN).astype(np.int8)
+        self.idle_downtrain = w.per_node("idle_pcie_downtrain", pod).astype(bool)
+        self.site_temp_amp = w.per_node("site_temp_amp_c", pod).astype(float)
+        self.burst_scale = w.per_node("burst_scale", pod).astype(float)
+        jobs = topo.job_of
+        first = {int(j): i for i, j in reversed(list(enumerate(jobs))) if j >= 0}
+        job_pod = np.array([pod[first[j]] for j in range(max(topo.n_jobs, 1))]) if first else np.zeros(1, int)
+        self.job_knobs = {k: w.per_node(k, job_pod).astype(float) for k in ("load_spread", "load_diurnal", "job_gap_share")}
+
     # -- the schedule ----------------------------------------------------------------------------
     def add_episode(self, ep: Episode) -> None:
         self.episodes.append(ep)
-        for n in ep.nodes:
+        for n in self._touched_nodes(ep):
             self._by_node.setdefault(int(n), []).append(ep)
         if ep.fails:
-            for j in {int(self.topo.job_of[n]) for n in ep.nodes} - {-1}:
-                self._by_job.setdefault(j, []).append(ep)
+            at_fail = self.jobs_at(np.asarray(ep.nodes, dtype=np.int64), np.array([ep.end_ns], dtype=np.int64))
+            for j in set(at_fail.reshape(-1).tolist()) - {-1}:
+                self._by_job.setdefault(int(j), []).append(ep)
+
+    def jobs_at(self, nodes: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        return job_runs(self.topo, self.world, self.seed, nodes, ts)
+
+    def _touched_nodes(self, ep: Episode):
+        """The nodes whose telemetry the episode changes: its own, and for a job-wide slowdown every node
+        that shares a job with the culprit while it lasts (with jobs that move: any node of its site)."""
+        if ep.extra.get("signature") == "job_slow":
+            if float(self.world.scalar("job_epoch_h")) > 0:
+                site = self.topo.site_of[ep.nodes[0]]
+                return np.flatnonzero(self.topo.site_of == site).tolist()
+            job = int(self.topo.job_of[ep.nodes[0]])
+            if job >= 0:
+                return sorted(set(ep.nodes) | set(np.flatnonzero(self.topo.job_of == job).tolist()))
+        return ep.nodes
 
     def detach(self, node: int, since_ns: int) -> None:
         """The job's work has moved off the node (an evacuation): a failure of it from then on stalls
@@ -271,10 +380,10 @@ class ClusterModel:
     def _job_stalls(self, jobs: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """(B, T): the node's job is down after a failure of one of its nodes, until it restarts."""
         stall = np.zeros((len(jobs), len(ts)), bool)
-        for j in set(jobs.tolist()) - {-1}:
+        for j in set(np.unique(jobs).tolist()) - {-1}:
             for ep in self._by_job.get(j, ()):
                 if ep.end_ns <= ts[-1] and ep.end_ns + self.restart_ns > ts[0] and self._stalls_job(ep):
-                    stall[jobs == j] |= (ts >= ep.end_ns) & (ts < ep.end_ns + self.restart_ns)
+                    stall |= (_col(jobs) == j) & ((ts >= ep.end_ns) & (ts < ep.end_ns + self.restart_ns))[None, :]
         return stall
 
     def _relevant(self, nodes: np.ndarray, t0: int, t1: int) -> list[Episode]:
@@ -295,20 +404,37 @@ class ClusterModel:
         between them. Checkpoints (asynchronous, every 90 min) dip the GPUs a little and burst the
         front-end network, not the training fabric. Congestion comes in one-minute bursts."""
         base = int(_key(self.seed, "job"))
-        j = (jobs.astype(np.int64) + 1).astype(np.uint64)[:, None]
+        j = _col((jobs.astype(np.int64) + 1).astype(np.uint64))
+        slot = np.maximum(jobs, 0) % max(self.topo.n_jobs, 1)
         with np.errstate(over="ignore"):
             seg = (ts // (6 * 3600 * NS)).astype(np.uint64)[None, :]
             minute = (ts // (60 * NS)).astype(np.uint64)[None, :]
             u1 = _splitmix((j * np.uint64(0x100000001B3)) ^ (seg * np.uint64(0x9E37)) ^ np.uint64(base))
             u2 = _splitmix((j * np.uint64(0x100000001B3)) ^ (minute * np.uint64(0x85EB)) ^ np.uint64((base + 7) % (1 << 64)))
-        phase = self.job_phase[np.maximum(jobs, 0)][:, None]
+        if jobs.ndim == 1:
+            phase = self.job_phase[np.maximum(jobs, 0)][:, None]
+        else:  # every run of a job slot is a new job, with its own checkpoint phase
+            with np.errstate(over="ignore"):
+                phase = _splitmix(j * np.uint64(0xD1B54A32D192ED03) ^ np.uint64((base + 29) % (1 << 64)))
         in_ckpt = ((ts[None, :] / NS / CKPT_PERIOD_S + phase) % 1.0) < (CKPT_S / CKPT_PERIOD_S)
         act = np.broadcast_to(0.90 + 0.06 * u1, (len(jobs), len(ts))).copy()
-        cong = np.round(np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * 16.0) / 16.0
-        idle = jobs < 0
+        cong = np.broadcast_to(np.round(np.clip((u2 - 0.55) * 2.2, 0.0, 1.0) ** 2 * 16.0) / 16.0, act.shape).copy()
+        idle = np.broadcast_to(_col(jobs < 0), act.shape)
+        if self.world.varied:
+            jk = {k: _col(v[slot]) for k, v in self.job_knobs.items()}
+            # Hour by hour (a scheduler's pace): steady within an hour, so the counters stay cheap to store.
+            hour = (ts // (3600 * NS)) % 24
+            night = 0.5 * (1.0 + np.cos(2 * np.pi * (hour - 3.0) / 24.0))[None, :]  # 1 at 03:00 UTC
+            act = (0.96 - jk["load_spread"] * (1.0 - u1)) * (1.0 - jk["load_diurnal"] * night)
+            with np.errstate(over="ignore"):
+                u3 = _splitmix((j * np.uint64(0x100000001B3)) ^ (seg * np.uint64(0xC2B2)) ^ np.uint64((base + 13) % (1 << 64)))
+            gap = u3 < jk["job_gap_share"]
+            act = np.where(gap, 0.01, act)
+            cong = np.where(gap, 0.0, cong)
+            in_ckpt = in_ckpt & ~gap
         act[idle] = 0.01
         cong[idle] = 0.0
-        in_ckpt &= ~idle[:, None]
+        in_ckpt &= ~idle
         return act, cong, in_ckpt
 
     # -- one call --------------------------------------------------------------------------------
@@ -327,14 +453,15 @@ class ClusterModel:
         blk = Block(
             nodes=nodes, ts=ts, prev0=prev.copy(), dt=dt, deltas={},
             node_tp=np.ones((B, T)), gpu_tp=np.ones((B, G, T)), port_tp=np.ones((B, H, T)),
-            temp_add=np.zeros((B, G, T)), clock_bits=np.zeros((B, G, T), dtype=np.uint64),
+            temp_add=np.zeros((B, G, T)), hbm_add=np.zeros((B, G, T)), clock_bits=np.zeros((B, G, T), dtype=np.uint64),
             links_down=np.zeros((B, G, T), dtype=np.int16), pcie_width=np.full((B, G, T), PCIE_WIDTH, np.int8),
             gpu_lost=np.zeros((B, G, T), bool), port_down=np.zeros((B, H, T), bool), hang=np.zeros((B, T), bool),
             in_service=np.ones((B, T), bool), probe_rtt_add=np.zeros((B, T)), probe_loss=np.zeros((B, T)),
             tcp_retrans_ratio=np.zeros((B, T)), remap_failure=np.zeros((B, G, T), bool), events=[], resets=[],
         )
         # 1. Every draw of the benign stream, with parameters the fault schedule cannot change.
-        jobs = topo.job_of[nodes]
+        jobs = self.jobs_at(nodes, ts)
+        blk.jobs = jobs
         act, cong, ckpt = self._activity(jobs, ts)
         z_gpu = rng.standard_normal((4, B, G, T)).astype(np.float32)
         z_hca = rng.standard_normal((2, B, H, T)).astype(np.float32)
@@ -351,6 +478,8 @@ class ClusterModel:
         # 2. The fault schedule's effects (each from its own stream).
         for ep in self._relevant(nodes, int(ts[0] - dt.max() * NS), int(ts[-1])):
             self._apply_episode(blk, ep)
+        if self.world.varied:
+            self._collection(blk)
 
         # 3. Traffic, counters and analog values.
         stall = self._job_stalls(jobs, ts)
@@ -374,10 +503,17 @@ class ClusterModel:
         step_s = float(dt.mean())
         for name, (kind, per_day, (lo, hi), minutes, companions) in BENIGN_BURSTS.items():
             C = self.topo.gpus_per_node if kind == "gpu" else self.topo.hcas_per_node
-            count = rng.poisson(per_day * self.difficulty * B * C * span_days)
-            if count == 0:
-                continue
-            b = rng.integers(B, size=count)
+            if self.world.varied:
+                scale = self.burst_scale[nodes]
+                count = rng.poisson(per_day * self.difficulty * scale.sum() * C * span_days)
+                if count == 0:
+                    continue
+                b = rng.choice(B, size=count, p=scale / scale.sum())
+            else:
+                count = rng.poisson(per_day * self.difficulty * B * C * span_days)
+                if count == 0:
+                    continue
+                b = rng.integers(B, size=count)
             c = rng.integers(C, size=count)
             length = np.maximum(1, np.round(minutes * 60.0 / step_s * np.exp(0.7 * rng.standard_normal(count)))).astype(int)
             length = np.minimum(length, T)
@@ -389,6 +525,38 @@ class ClusterModel:
                     sl = slice(start[k], start[k] + length[k])
                     arr[b[k], c[k], sl] += rng.poisson(rate[k] * share * dt[b[k], sl])
         return out
+
+    def _collection(self, blk: Block) -> None:
+        """The random world's collection noise on a block: late samples (jittered ts), lost samples,
+        collector outages, driver reloads (every volatile counter restarts from 0) and PMA clears. Each comes
+        from a hash or a stream keyed by (seed, node, time), never from the block's benign stream."""
+        w, topo = self.world, self.topo
+        nodes, ts = blk.nodes, blk.ts
+        pods = topo.leaf_of[nodes]
+        node_key = nodes.astype(np.uint64)[:, None] * np.uint64(0x9E3779B1)
+        key = node_key ^ (ts // NS).astype(np.uint64)[None, :]
+        salt = int(_key(self.seed, "collect"))
+        with np.errstate(over="ignore"):
+            u_phase = _splitmix(node_key ^ (ts // DAY).astype(np.uint64)[None, :] ^ np.uint64(salt))
+            u_late = _splitmix(key ^ np.uint64(salt))
+            u_miss = _splitmix(key ^ np.uint64((salt * 3 + 1) % (1 << 64)))
+        # A collector's phase against the minute (set per node and day: a restart moves it), plus now and
+        # then a late sample. Per-sample jitter on every row would cost 4 bytes a row on disk.
+        jitter_s = np.minimum(w.per_node("ts_jitter_s", pods).astype(float), 0.2 * self.interval_s)[:, None]
+        late = np.where(u_late < LATE_SAMPLE_SHARE, u_late / LATE_SAMPLE_SHARE, 0.0)
+        blk.row_ts = ts[None, :] + ((u_phase + late) * jitter_s * NS).astype(np.int64)
+        collected = u_miss >= w.per_node("missing_share", pods).astype(float)[:, None]
+        first_day, last_day = int(ts[0] // DAY) - 1, int(ts[-1] // DAY)
+        for r, (n, p) in enumerate(zip(nodes.tolist(), pods.tolist())):
+            for day in range(first_day, last_day + 1):
+                outages, reloads, clears = w.collection_events(n, p, day)
+                for a, b in outages:
+                    collected[r] &= ~((ts >= a) & (ts < b))
+                for t_ns, what in [(t, None) for t in reloads] + [(t, PMA_CLEAR) for t in clears]:
+                    after = np.flatnonzero(ts >= t_ns)
+                    if after.size and (after[0] > 0 or blk.prev0[r] < t_ns):
+                        blk.resets.append((r, int(after[0]), what))
+        blk.in_service &= collected
 
     def _draw_app_xids(self, rng, nodes, ts):
         span_days = max((ts[-1] - self.last_ts[nodes].min()) / NS / 86400.0, 1e-9)
@@ -402,31 +570,42 @@ class ClusterModel:
     # -- the failure modes -------------------------------------------------------------------------
     def _apply_episode(self, blk: Block, ep: Episode) -> None:
         ts = blk.ts
+        mode = MODES[ep.mode]
+        span = max(ep.end_ns - ep.start_ns, 1)
+        x = np.clip((ts - ep.start_ns) / span, 0.0, 1.0)
+        active = (ts >= ep.start_ns) & (ts < ep.end_ns)
+        shape, params = ep.extra.get("shape", "ramp"), ep.extra.get("shape_params", ())
+        signature = ep.extra.get("signature", "")
+        if ep.fails:
+            rise = x ** 2 if shape == "ramp" else shape_intensity(shape, x, params)
+            inten = np.where(active, rise, 0.0) * ep.peak / np.sqrt(self.difficulty)
+        else:
+            x_rise = np.minimum(x / 0.7, 1.0)
+            rise = x_rise ** 2 if shape == "ramp" else shape_intensity(shape, x_rise, params)
+            fall = np.clip((1.0 - x) / 0.3, 0.0, 1.0)
+            inten = np.where(active, rise * np.where(x > 0.7, fall, 1.0), 0.0) * ep.peak
+        if signature == "job_slow":
+            # A synchronous job runs at its slowest rank's pace: every node of the job slows together.
+            culprit = _col(self.jobs_at(np.asarray(ep.nodes[:1], dtype=np.int64), ts))
+            peers = (_col(blk.jobs) == culprit) & (culprit >= 0)
+            blk.node_tp *= np.where(peers, 1.0 - 0.3 * inten[None, :], 1.0)
         local = {int(n): i for i, n in enumerate(blk.nodes)}
         rows = [local[n] for n in ep.nodes if n in local]
         if not rows:
             return
         rows = np.array(rows)
         erng = np.random.default_rng(np.random.SeedSequence([ep.seed & ((1 << 63) - 1), int(ts[0]), int(rows[0])]))
-        mode = MODES[ep.mode]
-        span = max(ep.end_ns - ep.start_ns, 1)
-        x = np.clip((ts - ep.start_ns) / span, 0.0, 1.0)
-        active = (ts >= ep.start_ns) & (ts < ep.end_ns)
-        if ep.fails:
-            inten = np.where(active, x ** 2, 0.0) * ep.peak / np.sqrt(self.difficulty)
-        else:
-            rise = np.minimum(x / 0.7, 1.0) ** 2
-            fall = np.clip((1.0 - x) / 0.3, 0.0, 1.0)
-            inten = np.where(active, rise * np.where(x > 0.7, fall, 1.0), 0.0) * ep.peak
         failed = (ts >= ep.end_ns) & (ts < ep.repair_ns) if ep.fails else np.zeros(len(ts), bool)
         c = ep.component
         dt = blk.dt[rows]  # (R, T)
 
         span_s = span / NS
 
+        mean = shape_mean(shape, params)
+
         def over(total: float) -> float:
             """A rate that gives about `total` events over the whole precursor (the integral of x^2 is 1/3)."""
-            return 3.0 * total / span_s
+            return 3.0 * total / span_s if shape == "ramp" else total / (mean * span_s)
 
         def add(counter: str, rate_per_s: float, comps=None, inten_=None):
             i = inten if inten_ is None else inten_
@@ -442,7 +621,37 @@ class ClusterModel:
                 arr[rows, k, :] += erng.poisson(lam)
 
         m = ep.mode
-        if m in ("hbm", "sram"):
+        if signature == "remaps+temp":      # rows remapped, the HBM warming, little corrected ECC
+            add("ecc_corrected_volatile", 0.02)
+            add("remapped_rows_correctable", over(6.0))
+            blk.hbm_add[rows, c, :] += ep.extra["hbm_temp_c"] * inten
+        elif signature == "ecc_step":       # corrected ECC steps to a constant rate (shape: step)
+            add("ecc_corrected_volatile", 1.0)
+            add("remapped_rows_correctable", over(1.0))
+        elif signature == "single_remap":   # a look-alike: one row remapped half-way, nothing after
+            half = np.flatnonzero(ts >= ep.start_ns + span // 2)
+            if half.size and (half[0] > 0 or blk.prev0[rows[0]] < ep.start_ns + span // 2):
+                arr = blk.deltas.setdefault("remapped_rows_correctable",
+                                            np.zeros((len(blk.nodes), self.topo.gpus_per_node, len(ts)), np.int64))
+                arr[rows, c, half[0]] += 1
+        elif signature == "x8":             # the link trains down to x8 early, few replays
+            add("pcie_replay_counter", 0.05)
+            blk.pcie_width[rows, c, :] = np.where(active & (x > 0.1), 8, blk.pcie_width[rows, c, :])
+        elif signature == "replay_bursts":  # replays in bursts with quiet gaps (shape: bursts)
+            add("pcie_replay_counter", 2.0)
+        elif signature == "recoveries":     # link error recoveries and flaps, few symbol errors
+            add("symbol_error", 0.3)
+            add("port_rcv_errors", 0.05)
+            add("link_error_recovery", over(40.0))
+            add("local_link_integrity_errors", over(6.0))
+            add("local_ack_timeout_err", 0.3)
+            add("out_of_sequence", 3.0)
+            add("link_downed", over(6.0))
+            blk.port_tp[rows, c, :] *= 1.0 - 0.2 * inten
+        elif signature == "job_slow":       # the culprit keeps pace with its job, but runs hot and slow-clocked
+            blk.clock_bits[rows, :, :] |= np.where(inten > 0.3, np.uint64(0x8), np.uint64(0))[None, None, :]
+            blk.temp_add[rows, :, :] += 8.0 * inten[None, None, :]
+        elif m in ("hbm", "sram"):
             add("ecc_corrected_volatile", 1.0 if m == "hbm" else 0.25)
             if m == "hbm":
                 add("remapped_rows_correctable", over(4.0))
@@ -623,7 +832,7 @@ class ClusterModel:
         of the period) averages exactly to 1 and only second-scale sampling (live mode) sees the bursts.
         Integer milliseconds keep the average exact."""
         periods = np.array(STEP_PERIODS_MS, dtype=np.int64)
-        period = periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)][:, None]  # (B, 1)
+        period = _col(periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)])  # (B, 1) or (B, T)
         burst = period // 2
 
         def comm_ms(t_ms):  # burst milliseconds from the epoch to t
@@ -633,15 +842,19 @@ class ClusterModel:
         t0 = np.concatenate([blk.prev0[:, None] // 1_000_000, t1[:, :-1]], axis=1)
         span = np.maximum(t1 - t0, 1)
         factor = (comm_ms(t1) - comm_ms(t0)) * period / (span * burst)
-        return np.where((jobs < 0)[:, None], 1.0, factor)
+        return np.where(_col(jobs < 0), 1.0, factor)
 
     def _traffic(self, blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node):
         d, dt = blk.deltas, blk.dt
         B, T = dt.shape
-        a = (act * tp * self._step_rhythm(self.topo.job_of[blk.nodes], blk))[:, None, :]
+        a = (act * tp * self._step_rhythm(blk.jobs, blk))[:, None, :]
         gpu_live = ~blk.gpu_lost
         # Volumes follow the job's step rate; the per-device jitter is small control traffic.
-        nvl = (NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :]).astype(np.int64)
+        nvl = NVLINK_KIB_PER_S * a * blk.gpu_tp * dt[:, None, :]
+        links = self.nvlinks[blk.nodes]
+        if (links != NVLINKS_PER_GPU).any():  # fewer links carry proportionally less
+            nvl = nvl * (links / NVLINKS_PER_GPU)[:, None, None]
+        nvl = nvl.astype(np.int64)
         d["tx_kib"] = (nvl + (np.abs(z_gpu[2]) * 30).astype(np.int64)) * gpu_live
         d["rx_kib"] = (nvl + (np.abs(z_gpu[3]) * 30).astype(np.int64)) * gpu_live
         live = ~blk.port_down
@@ -696,6 +909,11 @@ class ClusterModel:
                 delta = np.broadcast_to(delta, st.shape + (len(blk.ts),))
                 cum = st[:, :, None] + np.cumsum(delta, axis=2)
             for r, t, replaced in blk.resets:
+                if replaced == PMA_CLEAR:
+                    if kind == "hca" and name in PMA_ERROR_COUNTERS:
+                        base = cum[r, :, t - 1] if t > 0 else st[r, :]
+                        cum[r, :, t:] -= base[:, None]
+                    continue
                 if kind == "gpu" and name in GPU_LIFETIME:
                     if replaced is None:
                         continue
@@ -716,7 +934,8 @@ class ClusterModel:
         # aggregate ECC moves with volatile
         d["ecc_corrected_aggregate"] = d.get("ecc_corrected_volatile", 0)
         blk.resets.sort(key=lambda x: x[1])
-        for r, t, replaced in blk.resets:
+        reboots = [x for x in blk.resets if x[2] != PMA_CLEAR]
+        for r, t, replaced in reboots:
             # replacement GPUs get new identities; reboots clear pending remaps and volatile flags
             if replaced is not None:
                 self.generation[nodes[r], replaced] += 1
@@ -733,7 +952,11 @@ class ClusterModel:
         power = IDLE_W + (TDP_W - IDLE_W - 30.0) * a + self.gpu_power_offset[nodes][:, :, None] * (a > 0.1) + 6.0 * z_gpu[1]
         power = np.where(hang, IDLE_W + 150.0, power)
         temp = 31.0 + 40.0 * a + self.gpu_temp_offset[nodes][:, :, None] + 0.6 * z_gpu[0] + blk.temp_add
-        hbm_t = temp + 4.0 + 0.4 * z_gpu[1] + 0.3 * blk.temp_add
+        amp = self.site_temp_amp[nodes]
+        if amp.any():  # the room follows the day: warmest at 15:00 UTC
+            hour = (ts / NS / 3600.0) % 24.0
+            temp = temp + (amp[:, None] * np.sin(2 * np.pi * (hour - 9.0) / 24.0)[None, :])[:, None, :]
+        hbm_t = temp + 4.0 + 0.4 * z_gpu[1] + 0.3 * blk.temp_add + blk.hbm_add
         bits = np.where(a < 0.05, np.uint64(0x1), np.uint64(0)) | blk.clock_bits
         bits = bits | np.where(power > TDP_W - 15, np.uint64(0x4), np.uint64(0))
         bits = bits | np.where(temp > 87.0, np.uint64(0x20), np.uint64(0)) | np.where(temp > 92.0, np.uint64(0x40), np.uint64(0))
@@ -742,7 +965,7 @@ class ClusterModel:
         power = np.round(np.maximum(power, 40.0))
         lost = blk.gpu_lost
         energy = self.energy[nodes][:, :, None] + np.cumsum(np.where(lost, 0.0, power) * dt[:, None, :], axis=2)
-        for r, t, _ in blk.resets:
+        for r, t, _ in reboots:
             base = energy[r, :, t - 1] if t > 0 else self.energy[nodes[r]]
             energy[r, :, t:] -= base[:, None]
         self.energy[nodes] = energy[:, :, -1]
@@ -753,7 +976,7 @@ class ClusterModel:
         dremap = np.broadcast_to(d.get("remapped_rows_correctable", 0), (B, G, T))
         pending = np.logical_or.accumulate(np.concatenate(
             [self.remap_pending[nodes][:, :, None], dremap > 0], axis=2), axis=2)[:, :, 1:]
-        for r, t, _ in blk.resets:
+        for r, t, _ in reboots:
             pending[r, :, t:] = np.logical_or.accumulate(dremap[r, :, t:] > 0, axis=1)
         self.remap_pending[nodes] = pending[:, :, -1]
         for r, g, t in zip(*np.nonzero(dremap > 0)):
@@ -773,6 +996,15 @@ class ClusterModel:
 
         out = {}
         keep_gpu = np.broadcast_to(blk.in_service[:, None, :], (B, G, T))
+        keep_hca = np.broadcast_to(blk.in_service[:, None, :], (B, H, T))
+        if self.short_nodes:  # a smaller node type: the absent components' rows are dropped
+            keep_gpu = keep_gpu & (np.arange(G)[None, :] < self.n_gpus[nodes][:, None])[:, :, None]
+            keep_hca = keep_hca & (np.arange(H)[None, :] < self.n_hcas[nodes][:, None])[:, :, None]
+        row_ts = ts if blk.row_ts is None else blk.row_ts
+        gen_max = np.broadcast_to(self.pcie_gen[nodes][:, None, None], (B, G, T))
+        idle_gen = self.idle_downtrain[nodes][:, None, None] & (a < 0.05)
+        pcie_gen = np.where(idle_gen, np.int8(1), gen_max).astype(np.int8) if idle_gen.any() else gen_max
+        nvlinks = self.nvlinks[nodes][:, None, None]
         gcols = {
             "gpu": np.broadcast_to(np.arange(G, dtype=np.int16)[None, :, None], (B, G, T)),
             "uuid": self._uuids(nodes),
@@ -794,14 +1026,14 @@ class ClusterModel:
             "remapped_rows_pending": (pending, lost),
             "remapped_rows_failure": (failure, lost),
             "pcie_replay_counter": (gpu_c["pcie_replay_counter"], lost),
-            "pcie_link_gen": (np.full((B, G, T), PCIE_GEN, np.int8), lost),
-            "pcie_link_gen_max": (np.full((B, G, T), PCIE_GEN, np.int8), lost),
+            "pcie_link_gen": (pcie_gen, lost),
+            "pcie_link_gen_max": (gen_max, lost),
             "pcie_link_width": (blk.pcie_width, lost),
             "pcie_link_width_max": (np.full((B, G, T), PCIE_WIDTH, np.int8), lost),
             "gpu_lost": lost,
         }
-        out["gpu"] = self._table("gpu", nodes, ts, G, gcols, keep_gpu)
-        links_up = np.maximum(NVLINKS_PER_GPU - blk.links_down, 0).astype(np.int16)
+        out["gpu"] = self._table("gpu", nodes, row_ts, G, gcols, keep_gpu)
+        links_up = np.maximum(nvlinks - blk.links_down, 0).astype(np.int16)
         ncols = {
             "gpu": gcols["gpu"],
             "replay_errors": (gpu_c["replay_errors"], lost),
@@ -811,11 +1043,10 @@ class ClusterModel:
             "tx_kib": (gpu_c["tx_kib"], lost),
             "rx_kib": (gpu_c["rx_kib"], lost),
             "links_up": (links_up, lost),
-            "links_total": (np.full((B, G, T), NVLINKS_PER_GPU, np.int16), lost),
+            "links_total": (np.broadcast_to(nvlinks, (B, G, T)).astype(np.int16), lost),
         }
-        out["nvlink"] = self._table("nvlink", nodes, ts, G, ncols, keep_gpu)
+        out["nvlink"] = self._table("nvlink", nodes, row_ts, G, ncols, keep_gpu)
 
-        keep_hca = np.broadcast_to(blk.in_service[:, None, :], (B, H, T))
         down = blk.port_down
         rcols = {
             "device": pa.array([topo.hca_device(h) for h in range(H)], sch.STR),
@@ -834,7 +1065,7 @@ class ClusterModel:
             rcols[name] = v
         for name in MLX5_PRESENT + (MLX5_ROCE_ONLY if topo.link_layer == "Ethernet" else ()):
             rcols[name] = np.full((B, H, T), 10, np.int64) if name == "lifespan" else hca_c[name] & 0xFFFFFFFF
-        out["rdma_port"] = self._table("rdma_port", nodes, ts, H, rcols, keep_hca)
+        out["rdma_port"] = self._table("rdma_port", nodes, row_ts, H, rcols, keep_hca)
 
         keep_node = blk.in_service[:, None, :]
         one = (B, 1, T)
@@ -847,18 +1078,33 @@ class ClusterModel:
         }
         for name in NETDEV_COUNTERS:
             ecols[name] = node_c[name]
-        out["netdev"] = self._table("netdev", nodes, ts, 1, ecols, keep_node)
+        out["netdev"] = self._table("netdev", nodes, row_ts, 1, ecols, keep_node)
         hcols = {name: node_c[name] for name in HOST_COUNTERS}
         hcols["Tcp_CurrEstab"] = (40 + 3 * np.abs(z_node[2])).astype(np.int64)[:, None, :]
-        out["host_net"] = self._table("host_net", nodes, ts, 1, hcols, keep_node)
+        out["host_net"] = self._table("host_net", nodes, row_ts, 1, hcols, keep_node)
 
         if topo.sites > 1:
-            out["path_probe"] = self._probes(blk, z_node)
-        out["events"] = sch.to_table("events", sorted(blk.events, key=lambda e: (e["node"], e["ts"]))) \
-            if blk.events else sch.schema("events").empty_table()
+            out["path_probe"] = self._probes(blk, z_node, row_ts)
+        events = self._present(blk.events) if self.short_nodes else blk.events
+        out["events"] = sch.to_table("events", sorted(events, key=lambda e: (e["node"], e["ts"]))) \
+            if events else sch.schema("events").empty_table()
         return out
 
-    def _probes(self, blk, z_node):
+    def _present(self, events: list) -> list:
+        """The events of components the node type has (the physics runs on the largest type)."""
+        index = {name: i for i, name in enumerate(self.topo.names)}
+        out = []
+        for e in events:
+            n = index[e["node"]]
+            if e.get("gpu") is not None and e["gpu"] >= self.n_gpus[n]:
+                continue
+            dev = e.get("device")
+            if dev and dev.startswith("mlx5_") and int(dev[5:]) >= self.n_hcas[n]:
+                continue
+            out.append(e)
+        return out
+
+    def _probes(self, blk, z_node, row_ts):
         topo = self.topo
         nodes, ts = blk.nodes, blk.ts
         B, T = len(nodes), len(ts)
@@ -875,7 +1121,8 @@ class ClusterModel:
         keep = np.broadcast_to(blk.in_service[:, None, :], (B, P, T)).reshape(-1)
         recv3 = np.broadcast_to(recv[:, None, :], (B, P, T)).reshape(-1)
         cols = {
-            "ts": pa.array(np.broadcast_to(ts, (B, P, T)).reshape(-1)).cast(sch.TS),
+            "ts": pa.array(np.broadcast_to(row_ts if row_ts.ndim == 1 else row_ts[:, None, :], (B, P, T))
+                           .reshape(-1)).cast(sch.TS),
             "node": pa.array(np.repeat(np.array(topo.names, dtype=object)[nodes], P * T), sch.STR),
             "peer": pa.array(np.repeat(peer_names[peer_idx].reshape(-1), T), sch.STR),
             "peer_site": pa.array(np.repeat(np.array([topo.site_name(s) for s in range(topo.sites)],
@@ -895,17 +1142,24 @@ class ClusterModel:
 
     def _table(self, table: str, nodes, ts, C: int, cols: dict, keep) -> pa.Table:
         """Rows ordered (node, component, time): one node's rows are contiguous, and within a
-        component the counters run in time order, which is what delta encoding compresses best."""
-        B, T = len(nodes), len(ts)
-        n = B * C * T
+        component the counters run in time order, which is what delta encoding compresses best.
+        Rows not kept are dropped from the numpy arrays, before any string is made."""
+        B, T = len(nodes), ts.shape[-1]
+        sel = None if keep.all() else np.ascontiguousarray(_flat(keep, (B, C, T)))
+        n = B * C * T if sel is None else int(sel.sum())
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return a if sel is None else a[sel]
+
         schema = sch.schema(table)
         arrays = []
         for field in schema:
             name = field.name
             if name == "ts":
-                arrays.append(pa.array(np.broadcast_to(ts, (B, C, T)).reshape(-1)).cast(sch.TS))
+                ts3 = ts if ts.ndim == 1 else ts[:, None, :]  # (T,) or per node (B, T) when jittered
+                arrays.append(pa.array(pick(np.broadcast_to(ts3, (B, C, T)).reshape(-1))).cast(sch.TS))
             elif name == "node":
-                idx = np.repeat(np.arange(B, dtype=np.int32), C * T)
+                idx = pick(np.repeat(np.arange(B, dtype=np.int32), C * T))
                 dic = pa.array([self.topo.names[int(x)] for x in nodes], sch.STR)
                 arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), dic).cast(sch.STR))
             elif name not in cols:
@@ -913,12 +1167,12 @@ class ClusterModel:
             else:
                 v = cols[name]
                 if isinstance(v, pa.Array):  # one value per component
-                    idx = np.tile(np.repeat(np.arange(C, dtype=np.int32), T), B)
+                    idx = pick(np.tile(np.repeat(np.arange(C, dtype=np.int32), T), B))
                     arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), v).cast(field.type))
                     continue
                 if isinstance(v, list):      # one value per (node, component)
                     flat = pa.array([x for row in v for x in row], sch.STR)
-                    idx = np.repeat(np.arange(B * C, dtype=np.int32), T)
+                    idx = pick(np.repeat(np.arange(B * C, dtype=np.int32), T))
                     arrays.append(pa.DictionaryArray.from_arrays(pa.array(idx), flat).cast(field.type))
                     continue
                 mask = None
@@ -927,8 +1181,10 @@ class ClusterModel:
                     if not mask.any():
                         mask = None
                     else:
-                        mask = _flat(mask, (B, C, T))
-                v = _flat(v, (B, C, T))
+                        mask = pick(_flat(mask, (B, C, T)))
+                        if not mask.any():
+                            mask = None
+                v = pick(_flat(v, (B, C, T)))
                 np_type = np.dtype(field.type.to_pandas_dtype())
                 if v.dtype != np_type:
                     if v.dtype.kind in "iu" and np_type.kind in "iu" and v.dtype.itemsize == np_type.itemsize \
@@ -937,10 +1193,7 @@ class ClusterModel:
                     else:
                         v = v.astype(np_type)
                 arrays.append(pa.array(v, type=field.type, mask=mask))
-        data = pa.Table.from_arrays(arrays, schema=schema)
-        if keep.all():
-            return data
-        return data.filter(pa.array(_flat(keep, (B, C, T))))
+        return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _flat(v: np.ndarray, shape: tuple) -> np.ndarray:
