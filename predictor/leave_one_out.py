@@ -73,6 +73,13 @@ def _held_out_figures(entry: dict, kind: str, name: str) -> dict:
     return out
 
 
+def _training_summary(manifest: dict) -> dict:
+    """What a training run learned from: rows, positives by family, rows by node type, what it left out."""
+    tr = manifest["training"]
+    return {"held_out": tr.get("held_out"), **{k: tr.get(k) for k in (
+        "train_rows_sampled", "train_positive_rows", "train_positive_rows_by_family", "train_rows_sampled_by_node_type")}}
+
+
 def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = None, max_iter: int = 150,
                   seed: int = 0, prior_scale: float = 1.0, label_gap_hours: float = 12.0,
                   log: Callable[[str], None] = lambda line: None, work_dir=None) -> dict:
@@ -126,7 +133,7 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
         everything[str(b)] = ev.at_budget(scored.nodes, EVERYTHING, th, scored.incidents, scored.types, horizon_s, b)
     held_out = {}
     for run in names:
-        entry: dict = {"training": (manifests[run]["training"]["held_out"] if run in manifests else None)}
+        entry: dict = {"training": _training_summary(manifests[run]) if run in manifests else None}
         if run in errors:
             entry["error"] = errors[run]
         without, with_all = {}, {}
@@ -144,9 +151,7 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
         "budgets": [str(b) for b in ev.AT_BUDGETS], "budget_unit": "false evacuations per 1,000 node-days",
         "horizon_minutes": horizon_s / 60, "nodes": len(scored.nodes), "node_types": scored.type_counts(),
         "held_out": held_out, "everything": everything,
-        "everything_training": {k: full["training"][k] for k in ("nodes", "train_rows_sampled", "train_positive_rows",
-                                                                 "train_positive_rows_by_family",
-                                                                 "train_rows_sampled_by_node_type")},
+        "everything_training": _training_summary(full),
         "overlap": ev.overlap(full["training"], scored.identity),
         "definitions": {
             "held_out_model": f"trained on {train_dir} without the {kind}'s steps (see docs/predictor.md), "
