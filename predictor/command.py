@@ -182,6 +182,12 @@ def run_evaluate(args, file_data) -> int:
     for b, per in rep["at_budgets"].items():
         for name, m in per.items():
             print(f"  budget {float(b):g} {name:10} {_figures(m)}")
+    at = rep["at_budgets"].get(str(float(rep["budget"])), {}).get("model")
+    if at and at.get("threshold") is not None:
+        print(f"model at budget {rep['budget']:g}, recall per family: " + ", ".join(
+            f"{name} {f['detected']}/{f['incidents']}" for name, f in at["per_family"].items()))
+        print(f"model at budget {rep['budget']:g}, false evacuations / 1,000 node-days per node type: " + ", ".join(
+            f"{name} {t['false_evacuations_per_1000_node_days']:.2f}" for name, t in at["per_node_type"].items()))
     warning = evaluate.overlap_warning(rep["overlap"])
     if warning:
         _err(warning)
