@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 from foreshock import config
-from foreshock.predictor.groups import KINDS as LEAVE_ONE_OUT_KINDS
 
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
@@ -54,8 +53,8 @@ def register(subparsers) -> None:
     e.add_argument("--json", help="write the report as JSON here")
     e.add_argument("--html", help="write the report as HTML (with plots) here")
     e.add_argument("--budget", type=float, help="false evacuations per 1,000 node-days (default: the model's)")
-    e.add_argument("--leave-one-out", dest="leave_one_out", choices=LEAVE_ONE_OUT_KINDS,
-                   help="train on --train-data without each family / signature / node type, evaluate on --data")
+    e.add_argument("--leave-one-out", dest="leave_one_out", metavar="KIND",
+                   help="family, signature or node_type: train on --train-data without each one, evaluate on --data")
     e.add_argument("--train-data", dest="train_data", help="the dataset leave-one-out trains on")
     e.add_argument("--only", help="leave-one-out: hold out only these (comma-separated; each is a training run)")
     e.add_argument("--max-iter", type=int, dest="max_iter", help="leave-one-out: boosting iterations of each "
@@ -155,8 +154,8 @@ def run_evaluate(args, file_data) -> int:
             return 2
     if cfg["leave_one_out"]:
         return _run_leave_one_out(cfg)
-    if cfg["train_data"] or cfg["only"]:
-        print("foreshock evaluate: --train-data and --only go with --leave-one-out", file=sys.stderr)
+    if cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]:
+        print("foreshock evaluate: --train-data, --only and --max-iter go with --leave-one-out", file=sys.stderr)
         return 2
     try:
         with _Progress() as progress:
@@ -202,11 +201,11 @@ def _write(cfg: dict, rep: dict, to_html) -> None:
 
 
 def _run_leave_one_out(cfg: dict) -> int:
-    from foreshock.predictor import evaluate, leave_one_out, report
+    from foreshock.predictor import evaluate, groups, leave_one_out, report
 
     kind = cfg["leave_one_out"]
-    if kind not in LEAVE_ONE_OUT_KINDS:
-        print(f"foreshock evaluate: --leave-one-out {kind!r}: one of {', '.join(LEAVE_ONE_OUT_KINDS)}", file=sys.stderr)
+    if kind not in groups.KINDS:
+        print(f"foreshock evaluate: --leave-one-out {kind!r}: one of {', '.join(groups.KINDS)}", file=sys.stderr)
         return 2
     if not cfg["train_data"]:
         print("foreshock evaluate: --leave-one-out needs --train-data TRAIN_DIR (the data it trains on)", file=sys.stderr)

@@ -4,10 +4,10 @@ warning, and leave-one-out training (a family's or a node type's steps left out 
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -39,15 +39,8 @@ def _make_half_small(root) -> None:
         for col in ("gpus", "hcas"):
             i = t.schema.get_field_index(col)
             vals = np.where(small, 4, t.column(col).to_numpy(zero_copy_only=False))
-            t = t.set_column(i, t.schema.field(i), pa_array(vals, t.schema.field(i).type))
+            t = t.set_column(i, t.schema.field(i), pa.array(vals, type=t.schema.field(i).type))
         pq.write_table(t, path)
-    offline._HASHES.clear()
-
-
-def pa_array(values, type_):
-    import pyarrow as pa
-
-    return pa.array(values, type=type_)
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +210,6 @@ def test_leave_one_out_refuses_a_group_the_training_data_lacks(train_data, later
     assert rc == 1 and "no_such_family" in capsys.readouterr().err
     assert cli.main(["evaluate", "--leave-one-out", "family", "--data", str(later_data)]) == 2
     assert "--train-data" in capsys.readouterr().err
+    assert cli.main(["evaluate", "--leave-one-out", "families", "--train-data", str(train_data),
+                     "--data", str(later_data)]) == 2
+    assert "one of family, signature, node_type" in capsys.readouterr().err
