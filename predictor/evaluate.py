@@ -241,7 +241,9 @@ def by_group(res: dict, incidents: lb.Incidents, types: dict[str, str]) -> dict:
     pre = frame[frame["has_precursor"].astype(bool)]
     out = {f"per_{kind}": {str(name): _recall(part["incident_id"], lead) for name, part in pre.groupby(column)}
            for kind, column in groups.INCIDENT_GROUPS.items()}
-    type_of = lambda node: types.get(node, groups.UNKNOWN_TYPE)  # noqa: E731
+    def type_of(node: str) -> str:
+        return types.get(node, groups.UNKNOWN_TYPE)
+
     pre_type = pre["node"].map(type_of)
     per_type = {}
     for t in sorted({type_of(n) for n in res["by_node"]} | set(pre_type)):
