@@ -2,10 +2,13 @@
 
     foreshock train --data DIR --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
+    foreshock evaluate --leave-one-out family|signature|node_type --train-data TRAIN_DIR --data DIR
+                       [--only NAME[,NAME]] [--max-iter N] [--json FILE] [--html FILE]
 
 Settings come from the [train] / [evaluate] tables of the config file, FORESHOCK_TRAIN_* /
 FORESHOCK_EVALUATE_* environment variables, then flags (foreshock/config.py). Long steps show rich
-progress bars on a terminal.
+progress bars on a terminal; leave-one-out prints a line per training run on stderr, terminal or not.
+When the evaluated data overlaps the model's training data (evaluate.overlap), a warning goes to stderr.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000}
-EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0}
+EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
+                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"]}
 
 
 def register(subparsers) -> None:
@@ -49,6 +53,12 @@ def register(subparsers) -> None:
     e.add_argument("--json", help="write the report as JSON here")
     e.add_argument("--html", help="write the report as HTML (with plots) here")
     e.add_argument("--budget", type=float, help="false evacuations per 1,000 node-days (default: the model's)")
+    e.add_argument("--leave-one-out", dest="leave_one_out", metavar="KIND",
+                   help="family, signature or node_type: train on --train-data without each one, evaluate on --data")
+    e.add_argument("--train-data", dest="train_data", help="the dataset leave-one-out trains on")
+    e.add_argument("--only", help="leave-one-out: hold out only these (comma-separated; each is a training run)")
+    e.add_argument("--max-iter", type=int, dest="max_iter", help="leave-one-out: boosting iterations of each "
+                   f"training run (default {TRAIN_DEFAULTS['max_iter']}, as foreshock train)")
     e.set_defaults(run=run_evaluate)
 
 
@@ -120,6 +130,17 @@ def _pct(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f}%"
 
 
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _figures(m: dict) -> str:
+    if m.get("threshold") is None:
+        return m.get("missing", "no threshold")
+    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}, lead {m['median_lead_minutes']:6.1f} min, "
+            f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}")
+
+
 def run_evaluate(args, file_data) -> int:
     from foreshock.predictor import evaluate, registry, report
 
@@ -127,8 +148,14 @@ def run_evaluate(args, file_data) -> int:
     if not cfg["data"]:
         print("foreshock evaluate: --data DIR is required", file=sys.stderr)
         return 2
-    if not Path(cfg["data"]).is_dir():
-        print(f"foreshock evaluate: dataset directory {cfg['data']} does not exist", file=sys.stderr)
+    for key in ("data", "train_data"):
+        if cfg[key] and not Path(cfg[key]).is_dir():
+            print(f"foreshock evaluate: dataset directory {cfg[key]} does not exist", file=sys.stderr)
+            return 2
+    if cfg["leave_one_out"]:
+        return _run_leave_one_out(cfg)
+    if cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]:
+        print("foreshock evaluate: --train-data, --only and --max-iter go with --leave-one-out", file=sys.stderr)
         return 2
     try:
         with _Progress() as progress:
@@ -140,10 +167,7 @@ def run_evaluate(args, file_data) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 1
-    if cfg["json"]:
-        Path(cfg["json"]).write_text(json.dumps(rep, indent=2, sort_keys=True, default=float) + "\n")
-    if cfg["html"]:
-        Path(cfg["html"]).write_text(report.to_html(rep))
+    _write(cfg, rep, report.to_html)
     print(f"{rep['nodes']} nodes, {rep['node_days']:.1f} node-days, {rep['model']['incidents']} incidents "
           f"({rep['model']['incidents_precursor']} with precursors); budget {rep['budget']} false evacuations/1,000 node-days")
     print(f"{'':10} {'PR-AUC':>7} {'ROC-AUC':>7} {'Brier':>8} {'recall(p)':>9} {'recall(all)':>11} {'lead':>6} {'FE/1k':>6}")
@@ -153,4 +177,62 @@ def run_evaluate(args, file_data) -> int:
             continue
         print(f"{name:10} {m['pr_auc']:7.3f} {m['roc_auc']:7.3f} {m['brier']:8.5f} {_pct(m['incident_recall_precursor']):>9} "
               f"{_pct(m['incident_recall_all']):>11} {m['median_lead_minutes']:6.1f} {m['false_evacuations_per_1000_node_days']:6.2f}")
+    print("at the manifest's thresholds for budgets " + ", ".join(f"{b:g}" for b in evaluate.AT_BUDGETS) + ":")
+    for b, per in rep["at_budgets"].items():
+        for name, m in per.items():
+            print(f"  budget {float(b):g} {name:10} {_figures(m)}")
+    at = rep["at_budgets"].get(str(float(rep["budget"])), {}).get("model")
+    if at and at.get("threshold") is not None:
+        print(f"model at budget {rep['budget']:g}, recall per family: " + ", ".join(
+            f"{name} {f['detected']}/{f['incidents']}" for name, f in at["per_family"].items()))
+        print(f"model at budget {rep['budget']:g}, false evacuations / 1,000 node-days per node type: " + ", ".join(
+            f"{name} {t['false_evacuations_per_1000_node_days']:.2f}" for name, t in at["per_node_type"].items()))
+    warning = evaluate.overlap_warning(rep["overlap"])
+    if warning:
+        _err(warning)
+    return 0
+
+
+def _write(cfg: dict, rep: dict, to_html) -> None:
+    if cfg["json"]:
+        Path(cfg["json"]).write_text(json.dumps(rep, indent=2, sort_keys=True, default=float) + "\n")
+    if cfg["html"]:
+        Path(cfg["html"]).write_text(to_html(rep))
+
+
+def _run_leave_one_out(cfg: dict) -> int:
+    from foreshock.predictor import evaluate, groups, leave_one_out, report
+
+    kind = cfg["leave_one_out"]
+    if kind not in groups.KINDS:
+        print(f"foreshock evaluate: --leave-one-out {kind!r}: one of {', '.join(groups.KINDS)}", file=sys.stderr)
+        return 2
+    if not cfg["train_data"]:
+        print("foreshock evaluate: --leave-one-out needs --train-data TRAIN_DIR (the data it trains on)", file=sys.stderr)
+        return 2
+    if cfg["model"]:
+        print("foreshock evaluate: --leave-one-out trains its own models: drop --model", file=sys.stderr)
+        return 2
+    if cfg["max_iter"] < 1:
+        print(f"foreshock evaluate: --max-iter {cfg['max_iter']}: must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        rep = leave_one_out.leave_one_out(cfg["train_data"], cfg["data"], kind, only=cfg["only"] or None,
+                                          max_iter=cfg["max_iter"], log=_err)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"foreshock evaluate: {exc}", file=sys.stderr)
+        return 1
+    _write(cfg, rep, report.leave_one_out_html)
+    print(f"leave one {kind} out: trained on {rep['train_data']}, evaluated on {rep['data']} ({rep['nodes']} nodes)")
+    for name, entry in rep["held_out"].items():
+        print(f"{name}:")
+        if "error" in entry:
+            print(f"  not trained without it: {entry['error']}")
+        for label, key in (("without it", "held_out_model"), ("on everything", "model_trained_on_everything")):
+            for b, m in entry[key].items():
+                n = f", {m['incidents_precursor']} incidents" if m.get("threshold") is not None else ""
+                print(f"  {label:14} budget {float(b):g}: {_figures(m)}{n}")
+    warning = evaluate.overlap_warning(rep["overlap"])
+    if warning:
+        _err(warning)
     return 0

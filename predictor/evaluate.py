@@ -17,22 +17,47 @@ by the model and both baselines) and the incidents table (labels.py). Definition
 * Incidents of categories without precursors are reported apart (`incident_recall_all` includes them,
   `incident_recall_precursor` does not) and are never credited as lead time.
 * Thresholds come from the model's manifest (chosen on the training run's validation slice), never
-  from the data being evaluated.
+  from the data being evaluated. `at_budgets` reports each predictor at the thresholds the manifest
+  lists for AT_BUDGETS (1, 2 and 5), overall and per family, signature and node type (groups.py); a
+  budget the manifest lists no threshold for is said so, never filled in.
+* The evaluated data *overlaps* the training data when it has OVERLAP_RULE (the manifest's
+  `training` section: data hash, node names' hash, first and last step): figures on it are not
+  evidence of how the model does on new data, and the report says so (`overlap`).
 """
 
 from __future__ import annotations
 
+import collections
+import datetime as dt
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 from sklearn.metrics import average_precision_score, brier_score_loss, precision_recall_curve, roc_auc_score
 
+from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
+from foreshock.predictor import offline, registry
 from foreshock.predictor.offline import STEP_NS
 
 COOLDOWN_STEPS = 10
 JUSTIFIED_HOURS = 24.0
 MODEL_NAMES = ("model", "rule", "logistic")
+# budgets (false evacuations per 1,000 node-days) reported at the manifest's own thresholds (`at_budgets`)
+AT_BUDGETS = (1.0, 2.0, 5.0)
+AT_BUDGET_KEYS = ("threshold", "incidents_precursor", "incident_recall_precursor", "median_lead_minutes",
+                  "false_evacuations", "node_days", "false_evacuations_per_1000_node_days")
+OVERLAP_RULE = ("the same data hash, or an evaluated time range that intersects the training time range "
+                "on the same node names")
+DEFINITIONS = {
+    "incident_recall_precursor": "share of incidents of categories with precursors with an alert in the horizon before them",
+    "incident_recall_all": "the same over all incidents, including categories without precursors (not creditable)",
+    "median_lead_minutes": "median time from the start of the alert episode to the incident, over detected precursor-category incidents",
+    "false_evacuations_per_1000_node_days": f"alert episodes (steps within {COOLDOWN_STEPS} min merged) after which the node does not fail: no incident of the node within the horizon of the episode's last step or within {JUSTIFIED_HOURS:g} h of its start",
+    "false_evacuations_strict_per_1000_node_days": "the same, justified by an incident within the horizon of the episode's last step only",
+    "at_budgets": "each predictor at the threshold its manifest lists for the budget (none listed: not evaluated), overall, per family (incident category), per signature (category and the failure mode its description names before ':') and per node type (GPU and HCA counts from the inventory); per-group recall counts precursor incidents only",
+    "overlap": "the evaluated data overlaps the training data when it has " + OVERLAP_RULE,
+}
 RELIABILITY_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0000001)
 
 
@@ -71,8 +96,10 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
     false_evac = strict_false = 0
     episodes = 0
     node_steps = 0
+    by_node: dict[str, tuple[int, int]] = {}     # node -> (false evacuations, evaluated steps)
     for ns in nodes:
         node_steps += int(ns.usable.sum())
+        node_false = 0
         inc = incidents.of_node(ns.node)
         inc_ts = np.sort(inc["ts"].to_numpy(np.int64)) if len(inc) else np.zeros(0, np.int64)
         alert = np.flatnonzero((ns.scores[name] >= threshold) & ns.usable)
@@ -86,8 +113,10 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
             follows = k < len(inc_ts)
             strict = follows & (nxt <= e[ends] + h)
             true = strict | (follows & (nxt <= e[starts] + justified))
-            false_evac += int((~true).sum())
+            node_false = int((~true).sum())
+            false_evac += node_false
             strict_false += int((~strict).sum())
+        by_node[ns.node] = (node_false, int(ns.usable.sum()))
         if len(alert) == 0:
             continue
         ae = e[alert]
@@ -98,7 +127,7 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
                 minutes = (ts - e[starts[ep]]) / 60e9
                 lead[iid] = max(lead.get(iid, 0.0), minutes)
     node_days = node_steps * STEP_NS / 86_400e9
-    return {"threshold": float(threshold), "lead_minutes": lead, "false_evacuations": false_evac,
+    return {"threshold": float(threshold), "lead_minutes": lead, "by_node": by_node, "false_evacuations": false_evac,
             "false_evacuations_strict": strict_false, "evacuations": episodes, "node_days": node_days,
             "false_evacuations_per_1000_node_days": 1000.0 * false_evac / node_days if node_days else float("nan"),
             "false_evacuations_strict_per_1000_node_days":
@@ -196,14 +225,139 @@ def evaluate_all(nodes: list[NodeScores], incidents: lb.Incidents, thresholds: d
     return report
 
 
+def _recall(incident_ids, lead: dict) -> dict:
+    ids = list(dict.fromkeys(incident_ids))
+    got = [lead[i] for i in ids if i in lead]
+    return {"incidents": len(ids), "detected": len(got), "recall": len(got) / len(ids) if ids else float("nan"),
+            "median_lead_minutes": float(np.median(got)) if got else float("nan")}
+
+
+def by_group(res: dict, incidents: lb.Incidents, types: dict[str, str]) -> dict:
+    """Recall of precursor incidents and their median lead per family, signature and node type (the
+    incidents that affect a node of the type); per node type also false evacuations per 1,000 of its
+    node-days. `res` is at_threshold's."""
+    lead = res["lead_minutes"]
+    frame = incidents.frame
+    pre = frame[frame["has_precursor"].astype(bool)]
+    out = {f"per_{kind}": {str(name): _recall(part["incident_id"], lead) for name, part in pre.groupby(column)}
+           for kind, column in groups.INCIDENT_GROUPS.items()}
+    def type_of(node: str) -> str:
+        return types.get(node, groups.UNKNOWN_TYPE)
+
+    pre_type = pre["node"].map(type_of)
+    per_type = {}
+    for t in sorted({type_of(n) for n in res["by_node"]} | set(pre_type)):
+        counts = [c for n, c in res["by_node"].items() if type_of(n) == t]
+        false = sum(c[0] for c in counts)
+        node_days = sum(c[1] for c in counts) * STEP_NS / 86_400e9
+        per_type[t] = {**_recall(pre.loc[pre_type == t, "incident_id"], lead), "nodes": len(counts),
+                       "node_days": node_days, "false_evacuations": false,
+                       "false_evacuations_per_1000_node_days": 1000.0 * false / node_days if node_days else float("nan")}
+    out["per_node_type"] = per_type
+    return out
+
+
+def at_budget(nodes: list[NodeScores], name: str, threshold: float | None, incidents: lb.Incidents,
+              types: dict[str, str], horizon_s: int, budget: float) -> dict:
+    """One predictor at one manifest threshold: AT_BUDGET_KEYS overall, then by_group. No threshold
+    (the manifest has none for the budget): said so, and nothing is evaluated."""
+    if threshold is None:
+        return {"threshold": None, "missing": f"the manifest lists no threshold of this predictor for budget {budget:g}: "
+                                              "not evaluated (no threshold is made up)"}
+    res = at_threshold(nodes, name, threshold, incidents, horizon_s)
+    s = summarise(res, incidents)
+    return {**{k: s[k] for k in AT_BUDGET_KEYS}, **by_group(res, incidents, types)}
+
+
+def at_budgets(nodes, incidents, manifest: dict, names, types, horizon_s: int) -> dict:
+    """{budget: {predictor: at_budget}} at the manifest's own thresholds for AT_BUDGETS."""
+    return {str(b): {name: at_budget(nodes, name, registry.manifest_threshold(manifest, b, name), incidents, types,
+                                     horizon_s, b) for name in names}
+            for b in AT_BUDGETS}
+
+
+def iso_time(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def node_names_sha256(nodes) -> str:
+    return hashlib.sha256("\n".join(sorted(nodes)).encode()).hexdigest()
+
+
+def data_identity(data_dir, nodes: list[str], first_step: int, last_step: int) -> dict:
+    """What the overlap rule compares, for training (the manifest's `training`) and evaluated data alike."""
+    return {"data": str(data_dir), "data_hash": offline.dataset_hash(data_dir), "nodes": len(nodes),
+            "node_names_sha256": node_names_sha256(nodes), "first_step_end": iso_time((first_step + 1) * STEP_NS),
+            "last_step_end": iso_time((last_step + 1) * STEP_NS)}
+
+
+def overlap(training: dict, evaluated: dict) -> dict:
+    """Does the evaluated data overlap the training data (OVERLAP_RULE)? `training`: a manifest's
+    `training` section (older manifests lack the node names: then only the hashes are compared)."""
+    same_hash = bool(training.get("data_hash")) and training.get("data_hash") == evaluated["data_hash"]
+    names = training.get("node_names_sha256")
+    same_names = None if names is None else names == evaluated["node_names_sha256"]
+    try:
+        t0, t1, e0, e1 = (dt.datetime.fromisoformat(d[k]) for d in (training, evaluated)
+                          for k in ("first_step_end", "last_step_end"))
+        intersect = bool(e0 <= t1 and t0 <= e1)
+    except (KeyError, TypeError, ValueError):
+        intersect = None
+    reasons = []
+    if same_hash:
+        reasons.append(f"the same data hash {evaluated['data_hash'][:12]}")
+    if intersect and same_names:
+        reasons.append(f"steps {evaluated['first_step_end']} to {evaluated['last_step_end']} against training's "
+                       f"{training['first_step_end']} to {training['last_step_end']}, on the same "
+                       f"{evaluated['nodes']} node names")
+    out = {"overlaps": bool(reasons), "reason": "; ".join(reasons), "same_data_hash": same_hash,
+           "time_ranges_intersect": intersect, "same_node_names": same_names, "rule": OVERLAP_RULE,
+           "training": {k: training.get(k) for k in evaluated}, "evaluated": evaluated}
+    if same_names is None:
+        out["note"] = ("the model's manifest does not record its training node names (trained before they were "
+                       "recorded): only the data hashes were compared")
+    return out
+
+
+def overlap_warning(ov: dict | None) -> str | None:
+    """The words the command prints on stderr and the HTML report shows in a banner, or None."""
+    if not ov or not ov.get("overlaps"):
+        return None
+    return (f"WARNING: the evaluated data overlaps the model's training data ({ov['reason']}): "
+            "these figures are not evidence of how the model does on new data")
+
+
+@dataclass
+class ScoredData:
+    nodes: list[NodeScores]
+    incidents: lb.Incidents
+    types: dict[str, str]      # node -> type (groups.node_types)
+    identity: dict             # data_identity
+
+    def type_counts(self) -> dict[str, int]:
+        return dict(collections.Counter(self.types.get(ns.node, groups.UNKNOWN_TYPE) for ns in self.nodes))
+
+
+def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> ScoredData:
+    """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores)."""
+    from foreshock import dataset as ds
+
+    incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
+    nodes = []
+    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
+        for nf in fb:
+            nodes.append(score_node(nf, incidents, predictors, horizon_s))
+        first, last = fb.step_range
+        names = fb.nodes
+    types = groups.node_types(ds.read_table(data_dir, "inventory"), names)
+    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last))
+
+
 def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None) -> dict:
     """Score every step of a dataset with the model and both baselines; the report (JSON-able dict).
 
     Thresholds: the manifest's, for `budget` (default: the budget the model was trained for).
     """
-    from foreshock import dataset as ds
-    from foreshock.predictor import offline, registry
-
     model = registry.load_model(model_dir)
     man = model.manifest
     budget = float(man.get("budget", 2.0)) if budget is None else float(budget)
@@ -218,11 +372,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         if est is not None and name in thresholds:
             predictors[name] = (lambda e: (lambda X: e.predict_proba(X)[:, 1]))(est)
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
-    incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
-    nodes = []
-    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
-        for nf in fb:
-            nodes.append(score_node(nf, incidents, predictors, horizon_s))
+    scored = score_dataset(data_dir, predictors, horizon_s, progress)
+    nodes, incidents = scored.nodes, scored.incidents
     report = evaluate_all(nodes, incidents, thresholds, horizon_s)
     out = {name: report[name] for name in MODEL_NAMES if name in report}
     # the same scores at the manifest's thresholds for other budgets (no re-scoring)
@@ -238,20 +389,18 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
                                             "false_evacuations_strict_per_1000_node_days")}
         by_budget[str(b)] = row
     out["by_budget"] = by_budget
+    out["at_budgets"] = at_budgets(nodes, incidents, man, [n for n in MODEL_NAMES if n in predictors],
+                                   scored.types, horizon_s)
+    out["node_types"] = scored.type_counts()
+    out["overlap"] = overlap(man.get("training") or {}, scored.identity)
     out["budget"] = budget
     out["budget_unit"] = "false evacuations per 1,000 node-days"
     out["horizon_minutes"] = horizon_s / 60
     out["model_version"] = model.version
     out["data"] = str(data_dir)
-    out["data_hash"] = offline.dataset_hash(data_dir)
+    out["data_hash"] = scored.identity["data_hash"]
     out["nodes"] = len(nodes)
     out["node_days"] = out["model"]["node_days"]
     out["thresholds_from"] = "the model manifest (chosen on the training run's validation slice)"
-    out["definitions"] = {
-        "incident_recall_precursor": "share of incidents of categories with precursors with an alert in the horizon before them",
-        "incident_recall_all": "the same over all incidents, including categories without precursors (not creditable)",
-        "median_lead_minutes": "median time from the start of the alert episode to the incident, over detected precursor-category incidents",
-        "false_evacuations_per_1000_node_days": f"alert episodes (steps within {COOLDOWN_STEPS} min merged) after which the node does not fail: no incident of the node within the horizon of the episode's last step or within {JUSTIFIED_HOURS:g} h of its start",
-        "false_evacuations_strict_per_1000_node_days": "the same, justified by an incident within the horizon of the episode's last step only",
-    }
+    out["definitions"] = DEFINITIONS
     return out

@@ -1,8 +1,9 @@
 """Labels from the incidents table: does a node fail within the horizon after a step?
 
 Reads schema-v1 `incidents` rows (foreshock/schema.py): node, ts, scope (node | switch | site) with
-`affected_nodes` (the blast radius), category, has_precursor, repaired_at. `precursor_start` is never
-read here or anywhere features are built: it is ground truth for the simulator's own tests only.
+`affected_nodes` (the blast radius), category, description (for the signature, groups.py),
+has_precursor, repaired_at. `precursor_start` is never read here or anywhere features are built: it
+is ground truth for the simulator's own tests only.
 
 A step (features as of its end, e) is positive when an incident affecting the node happens in
 (e, e + horizon]. Steps from an incident until the node is back (repaired_at; 6 hours when unknown)
@@ -12,10 +13,13 @@ are excluded: a failed node's telemetry says nothing about failing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+
+from foreshock.predictor.groups import signature
 
 DEFAULT_HORIZON_S = 30 * 60
 DEFAULT_DOWN_S = 6 * 3600
@@ -28,12 +32,12 @@ NO_PRECURSOR_CATEGORIES = {"software_bug", "host_maintenance", "silent_data_corr
 
 @dataclass
 class Incidents:
-    frame: pd.DataFrame   # one row per (incident, affected node): incident_id, node, ts, end, category, has_precursor
+    frame: pd.DataFrame   # one row per (incident, affected node): incident_id, node, ts, end, category, has_precursor, scope, signature
     by_incident: pd.DataFrame  # one row per incident
 
     @classmethod
     def from_table(cls, table: pa.Table | None) -> "Incidents":
-        cols = ["incident_id", "node", "ts", "end", "category", "has_precursor", "scope"]
+        cols = ["incident_id", "node", "ts", "end", "category", "has_precursor", "scope", "signature"]
         if table is None or table.num_rows == 0:
             empty = pd.DataFrame(columns=cols)
             return cls(empty, empty)
@@ -48,14 +52,21 @@ class Incidents:
             if hp is None or pd.isna(hp):
                 hp = r.category not in NO_PRECURSOR_CATEGORIES
             iid = r.incident_id or f"{r.node}-{ts}"
+            sig = signature(r.category, r.description)
             for node in affected:
-                rows.append((iid, node, ts, max(end, ts), r.category, bool(hp), r.scope or "node"))
+                rows.append((iid, node, ts, max(end, ts), r.category, bool(hp), r.scope or "node", sig))
         frame = pd.DataFrame(rows, columns=cols)
         by_incident = frame.drop_duplicates("incident_id").drop(columns=["node"]).reset_index(drop=True)
         return cls(frame, by_incident)
 
+    @cached_property
+    def _by_node(self) -> dict[str, pd.DataFrame]:
+        return {node: part for node, part in self.frame.groupby("node", sort=False)}
+
     def of_node(self, node: str) -> pd.DataFrame:
-        return self.frame[self.frame["node"] == node]
+        # evaluation asks once per node and threshold: one groupby, not a scan of the frame each time
+        got = self._by_node.get(node)
+        return got if got is not None else self.frame.iloc[:0]
 
 
 def node_labels(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int = DEFAULT_HORIZON_S):

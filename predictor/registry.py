@@ -392,6 +392,18 @@ def threshold_for_budget(manifest: dict, budget: float, model: str = "model") ->
     return float(best if best is not None else curve[-1][0])
 
 
+def manifest_threshold(manifest: dict, budget: float, model: str = "model") -> float | None:
+    """The threshold the manifest lists for exactly this budget (`thresholds`, `baseline_thresholds`), or None."""
+    table = manifest.get("thresholds") if model == "model" else (manifest.get("baseline_thresholds") or {}).get(model)
+    for key, value in (table or {}).items():
+        try:
+            if float(key) == float(budget):
+                return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
 def save_model(model_dir: str | os.PathLike, estimator, manifest: dict, *,
                baselines: dict[str, Any] | None = None) -> Path:
     """Write the estimator (skops), baselines, and the manifest with the files' sha256."""

@@ -13,6 +13,11 @@ base rate (its negatives are subsampled too, weighted by 1/rate), so probabiliti
 Training leaves out the negatives of the `label_gap_hours` before an incident of their node (outside
 the horizon): a precursor building for hours already shows there, and calling those steps healthy
 would teach the model that early signs are benign (labels.before_horizon).
+
+`holdout` (groups.HoldOut, for leave-one-out evaluation, leave_one_out.py) leaves its steps out of the
+whole run: neither positive nor negative, in neither the fit, the calibration nor the thresholds'
+validation slice. The manifest's `training` section counts what it left out, and the sampled training
+rows by node type and the positive ones by incident family, so what a run learned from can be checked.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from foreshock import dataset as ds
 from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
+from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import model as mdl
 from foreshock.predictor import offline, registry
@@ -54,12 +60,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.04,
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
-          command: str | None = None) -> dict:
+          command: str | None = None, holdout: groups.HoldOut | None = None) -> dict:
     t_start = time.perf_counter()
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     rng = np.random.default_rng(seed)
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     h_ns = horizon_s * 1_000_000_000
+    types = groups.node_types(ds.read_table(data_dir, "inventory"))
+    rows_by_type: dict[str, int] = {}
+    positives_by_family: dict[str, int] = {}
+    held_steps = held_positive = 0
     with offline.FeatureBuilder(data_dir, progress=progress) as fb:
         fb.pass1()
         first, last = fb.step_range
@@ -72,6 +82,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             y, excluded = lb.node_labels(nf.step_end_ns, node_inc, horizon_s)
             usable = nf.present & ~excluded
             e = nf.step_end_ns
+            if holdout is not None:
+                held = usable & holdout.mask(nf.node, e)
+                held_steps += int(held.sum())
+                held_positive += int((held & (y == 1)).sum())
+                usable &= ~held
             # only negatives: a step in the gap of one incident can be in the horizon of another
             early = lb.before_horizon(e, node_inc, horizon_s, label_gap_hours * 3600.0) & (y == 0)
             tr = usable & (e < boundary - h_ns)
@@ -86,6 +101,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             keep = tr & ((y == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
             train_X.append(X[keep])
             train_y.append(y[keep])
+            node_type = types.get(nf.node, groups.UNKNOWN_TYPE)
+            rows_by_type[node_type] = rows_by_type.get(node_type, 0) + int(keep.sum())
+            for ts, category in zip(node_inc["ts"].to_numpy(np.int64), node_inc["category"]):
+                in_horizon = keep & (y == 1) & (e >= ts - h_ns) & (e < ts)
+                positives_by_family[category] = positives_by_family.get(category, 0) + int(in_horizon.sum())
             quiet = tr & (y == 0) & ~hard & (r < 0.002)
             healthy.append(X[quiet])
             # calibration sample of the validation slice, weighted back to its true base rate
@@ -181,11 +201,14 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                       "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
                                                              if isinstance(v, (int, float, str, bool, type(None)))}},
         "training": {
-            "data": str(data_dir), "data_hash": offline.dataset_hash(data_dir),
-            "nodes": len(fb.nodes), "first_step_end": _iso((first + 1) * offline.STEP_NS),
-            "last_step_end": _iso((last + 1) * offline.STEP_NS), "validation_from": _iso(boundary),
+            **ev.data_identity(data_dir, fb.nodes, first, last), "validation_from": ev.iso_time(boundary),
             "train_steps": n_train_steps, "validation_steps": n_val_steps,
             "train_rows_sampled": int(len(ytr)), "train_positive_rows": int(ytr.sum()),
+            # before the max_negatives cap; positive rows in the horizon of an incident, by its category
+            "train_rows_sampled_by_node_type": rows_by_type, "train_positive_rows_by_family": positives_by_family,
+            "held_out": None if holdout is None else {
+                "kind": holdout.kind, "name": holdout.name, "nodes": len(holdout.windows),
+                "steps_left_out": held_steps, "positive_steps_left_out": held_positive},
             "sampling": {"neg_rate": neg_rate * neg_kept_share, "hard_neg_rate": hard_neg_rate * neg_kept_share,
                          "cal_neg_rate": cal_neg_rate, "max_negatives": max_negatives,
                          "label_gap_hours": label_gap_hours, "train_steps_left_out_before_incidents": n_early,
@@ -212,6 +235,3 @@ def _incidents_within(incidents: lb.Incidents, lo_ns: int, hi_ns: int) -> lb.Inc
     by = incidents.by_incident[incidents.by_incident["incident_id"].isin(set(frame["incident_id"]))]
     return lb.Incidents(frame, by.reset_index(drop=True))
 
-
-def _iso(ns: int) -> str:
-    return dt.datetime.fromtimestamp(ns / 1e9, dt.timezone.utc).isoformat(timespec="seconds")
