@@ -175,7 +175,7 @@ class ControlPlane:
             if not (s.tokens or s.tls_client_ca):
                 raise SettingsError("no credentials: give tokens or a client CA (mutual TLS), "
                                     "or every call would be refused")
-        if s.score_interval <= 0 or s.score_interval > 60:
+        if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
             raise SettingsError(f"score_interval {s.score_interval} must be in (0, 60] seconds")
         if not 0 <= s.close_hold_seconds <= CloseHold.MAX_SECONDS:
             raise SettingsError(f"close_hold_seconds {s.close_hold_seconds} must be in "
