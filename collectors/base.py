@@ -7,8 +7,10 @@ sweep. It keeps three outcomes apart, the way node_exporter's collectors do:
   source says so once in the log and yields nothing; this is not an error.
 * a value unsupported: one file or field the part does not have, or that reads "N/A (no PMA)" or
   EINVAL. The column is null, never 0.
-* a real error: something that should have worked did not. It is logged with the path, counted in
-  `errors`, and the sweep goes on.
+* a real error: something that should have worked did not (garbage, an empty counter file, a
+  directory or a symlink loop where a file should be, permission denied on a readable attribute). It
+  is counted in `errors` and logged with the path, at most once a minute per path (with the count of
+  repeats), and the sweep goes on: one unreadable entry never costs the others.
 
 sysfs regenerates an attribute's text on every read at offset 0, so a source opens each file once and
 re-reads it with os.pread(fd, 4096, 0): one system call per value, no open/close, no Python file object.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
+import time
 from collections.abc import Iterable
 
 import pyarrow as pa
@@ -89,11 +93,16 @@ class Source:
     name = "source"
     tables: tuple[str, ...] = ()
 
+    # The same path's error is logged at most once per this many seconds: a persistent fault on a
+    # 1 s sweep must not flood the journal.
+    ERROR_LOG_SECONDS = 60.0
+
     def __init__(self, node: str):
         self.node = node
         self.errors = 0
         self.absent = False
         self._said: set[str] = set()
+        self._error_logged: dict[str, tuple[float, int]] = {}  # path -> (last logged, repeats since)
 
     # -- outcomes ----------------------------------------------------------------------------------
     def say_once(self, key: str, message: str, *args) -> None:
@@ -108,7 +117,15 @@ class Source:
 
     def error(self, path: object, exc: BaseException | str) -> None:
         self.errors += 1
-        log.warning("%s: error reading %s: %s", self.name, path, exc)
+        key = str(path)
+        now = time.monotonic()
+        last, repeats = self._error_logged.get(key, (None, 0))
+        if last is not None and now - last < self.ERROR_LOG_SECONDS:
+            self._error_logged[key] = (last, repeats + 1)
+            return
+        self._error_logged[key] = (now, 0)
+        more = f" ({repeats} more since the last report)" if repeats else ""
+        log.warning("%s: error reading %s: %s%s", self.name, path, exc, more)
 
     # -- the sweep ---------------------------------------------------------------------------------
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
@@ -155,7 +172,7 @@ class AttrFiles:
                     exhausted = True
                     self.transient.add(i)
                     self._release_reserve(i)
-                elif exc.errno not in UNSUPPORTED_ERRNOS and exc.errno not in (errno.EACCES, errno.ENOENT):
+                elif exc.errno not in UNSUPPORTED_ERRNOS and exc.errno != errno.ENOENT and not write_only(p, exc):
                     self.open_errors.append((p, exc))
 
     RESERVE = 16
@@ -232,22 +249,60 @@ def link_events(node: str, ts_ns: int, previous: dict, current: dict, describe) 
     return rows
 
 
+def write_only(path: str, exc: OSError) -> bool:
+    """EACCES on an attribute that is write-only by its mode (sysfs's 0200 attributes): no value to
+    read, not an error. EACCES on any other file (a readable attribute, a chmod 000) is one."""
+    if exc.errno != errno.EACCES:
+        return False
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not mode & 0o444 and bool(mode & 0o222)
+
+
 def read_text(path: str) -> str | None:
     """One-shot read of a small file (used at scan time, not in the hot path); None if unsupported."""
     try:
         with open(path, "rb") as fh:
             return fh.read(READ_SIZE).decode("utf-8", "replace")
     except OSError as exc:
-        if exc.errno in UNSUPPORTED_ERRNOS or exc.errno == errno.EACCES:
+        if exc.errno in UNSUPPORTED_ERRNOS or write_only(path, exc):
             return None
         raise
 
 
-def listdir(path: str) -> list[str]:
-    """Sorted entries of a directory; [] when it does not exist."""
+def listdir(path: str, on_error=None) -> list[str]:
+    """Sorted entries of a directory; [] when it does not exist. Any other failure (permission denied,
+    a symlink loop, a file where the directory should be) is `on_error(path, exc)` and [] when
+    on_error is given, else raised."""
     try:
         return sorted(os.listdir(path))
     except FileNotFoundError:
         return []
-    except NotADirectoryError:
+    except NotADirectoryError as exc:
+        if on_error is None:
+            return []
+        on_error(path, exc)
         return []
+    except OSError as exc:
+        if on_error is None:
+            raise
+        on_error(path, exc)
+        return []
+
+
+def regular_file(path: str, on_error) -> bool:
+    """Whether `path` is a file to read: a missing one is not (unsupported); a directory, a symlink
+    loop or a stat that fails is `on_error(path, exc)` and not."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        on_error(path, exc)
+        return False
+    if stat.S_ISDIR(mode):
+        on_error(path, "a directory where a file should be")
+        return False
+    return True
