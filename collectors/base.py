@@ -22,10 +22,11 @@ import errno
 import logging
 import os
 import stat
-import time
 from collections.abc import Iterable
 
 import pyarrow as pa
+
+from foreshock.ratelimit import LogLimiter
 
 log = logging.getLogger("foreshock.collectors")
 
@@ -93,16 +94,13 @@ class Source:
     name = "source"
     tables: tuple[str, ...] = ()
 
-    # The same path's error is logged at most once per this many seconds: a persistent fault on a
-    # 1 s sweep must not flood the journal.
-    ERROR_LOG_SECONDS = 60.0
-
     def __init__(self, node: str):
         self.node = node
         self.errors = 0
         self.absent = False
         self._said: set[str] = set()
-        self._error_logged: dict[str, tuple[float, int]] = {}  # path -> (last logged, repeats since)
+        # A persistent fault read on every 1 s sweep must not flood the journal: a path a minute.
+        self._error_log = LogLimiter(log)
 
     # -- outcomes ----------------------------------------------------------------------------------
     def say_once(self, key: str, message: str, *args) -> None:
@@ -117,15 +115,7 @@ class Source:
 
     def error(self, path: object, exc: BaseException | str) -> None:
         self.errors += 1
-        key = str(path)
-        now = time.monotonic()
-        last, repeats = self._error_logged.get(key, (None, 0))
-        if last is not None and now - last < self.ERROR_LOG_SECONDS:
-            self._error_logged[key] = (last, repeats + 1)
-            return
-        self._error_logged[key] = (now, 0)
-        more = f" ({repeats} more since the last report)" if repeats else ""
-        log.warning("%s: error reading %s: %s%s", self.name, path, exc, more)
+        self._error_log.warning(str(path), "%s: error reading %s: %s", self.name, path, exc)
 
     # -- the sweep ---------------------------------------------------------------------------------
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:

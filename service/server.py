@@ -38,7 +38,7 @@ from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.scoring import (
     ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
-from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer
+from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
 from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
@@ -254,7 +254,9 @@ class ControlPlane:
             # behind holds back its collectors (flow control) instead of buffering gigabytes for them.
             ("grpc.http2.bdp_probe", 0),
         ]
-        server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator)], options=options)
+        # Credentials are checked before the request's bytes are looked at: the decode check runs inside.
+        server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator), UndecodableRequests()],
+                                 options=options)
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(self), server)
         risk_pb2_grpc.add_RiskServicer_to_server(RiskServicer(self), server)
         jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
