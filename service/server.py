@@ -222,10 +222,15 @@ class ControlPlane:
 
     def _save_sequences(self, now_ns: int) -> None:
         self._last_sequence_save = time.monotonic()
+        taken = self.ingest.taken_sequences()
         try:
-            store_mod.save_sequences(self.store, self.ingest.taken_sequences(), now_ns)
+            refused = store_mod.save_sequences(self.store, taken, now_ns)
         except Exception:
             log.exception("saving the telemetry sequences")
+            return
+        for collector in refused:
+            log.warning("collector %s: sequence %s is no uint64, not saved (the other collectors' are)",
+                        collector, taken[collector])
 
     def _log_change(self, event: str, d, detail: str) -> None:
         if event == "issued":

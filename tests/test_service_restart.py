@@ -120,3 +120,39 @@ def test_serve_refuses_unsafe_settings(tmp_path):
                           "--model", str(tmp_path / "missing"), "--state", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "missing" in out.stderr
+
+
+# -- telemetry sequences across a restart ------------------------------------------------------------
+def test_every_uint64_sequence_survives_a_restart_and_one_bad_stream_fails_alone(tmp_path):
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, build_server
+    top = (1 << 64) - 1
+    sequences = {"c-top": top, "c-half": 1 << 63, "c-below": (1 << 63) - 1, "c-small": 7}
+    plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
+    plane.ingest._taken = {**sequences, "c-impossible": 1 << 64}  # no uint64: refused alone
+    plane._save_sequences(time.time_ns())
+    plane.ingest._taken = {"c-half": 5}                            # never lowered
+    plane.stop(0)
+    again = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
+    try:
+        assert {c: again.ingest._last_sequence.get(c) for c in sequences} == sequences
+        assert "c-impossible" not in again.ingest._last_sequence
+    finally:
+        again.stop(0)
+
+
+def test_a_version_1_state_keeps_its_sequences(tmp_path):
+    import sqlite3
+
+    from foreshock.service import store
+    db = sqlite3.connect(tmp_path / "state.sqlite3")
+    db.executescript("CREATE TABLE telemetry_sequences(collector_id TEXT PRIMARY KEY, sequence INTEGER NOT NULL, "
+                     "updated_at_ns INTEGER NOT NULL); INSERT INTO telemetry_sequences VALUES('c-a', 41, 1), "
+                     "('c-b', 0, 1); PRAGMA user_version=1;")
+    db.close()
+    s = store.StateStore(tmp_path / "state.sqlite3")
+    assert store.load_sequences(s) == {"c-a": 41, "c-b": 0}
+    store.save_sequences(s, {"c-a": 40, "c-b": 1 << 63}, now_ns=2)
+    assert store.load_sequences(s) == {"c-a": 41, "c-b": 1 << 63}
+    s.close()
+    assert store.load_sequences(store.StateStore(tmp_path / "state.sqlite3")) == {"c-a": 41, "c-b": 1 << 63}
