@@ -169,6 +169,9 @@ class ControlPlane:
                                     "(127.0.0.1, ::1, localhost); give --tls-cert/--tls-key")
             if s.tls_cert or s.tls_client_ca:
                 raise SettingsError("insecure mode and TLS settings are exclusive")
+            if s.metrics_listen and not is_loopback(s.metrics_listen):
+                raise SettingsError(f"metrics_listen {s.metrics_listen!r}: insecure mode is for loopback addresses "
+                                    "only, and an empty host binds every interface; give 127.0.0.1:PORT")
         else:
             if not (s.tls_cert and s.tls_key):
                 raise SettingsError("TLS needs tls_cert and tls_key (or run insecure on loopback for a demo)")
