@@ -46,3 +46,13 @@ def test_a_failed_run_leaves_no_temporary_directory(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         bench_service.run_once(4, 1.0, fatal_victims=0, ramp_victims=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_fault_and_fuzz_loops_find_nothing_wrong():
+    """A few rounds of benchmarks/bench_faults.py's loops, so that they keep running (the full counts
+    and their figures: docs/operations.md)."""
+    from benchmarks import bench_faults
+    sysfs = bench_faults.fuzz_sysfs(16, seed=1)
+    assert sum(sysfs["tried"].values()) == 16 and sysfs["wrong"] == {}
+    grpc_ = bench_faults.fuzz_grpc(2, seed=1)
+    assert grpc_["sent"] == 26 and grpc_["unknown"] == 0 and grpc_["tracebacks"] == 0
