@@ -1,6 +1,6 @@
 """Fault injection and fuzzing, bounded and on loopback only: `python -m benchmarks faults [--quick]`.
 
-Two loops, each printing what it tried and what went wrong (every "wrong" count should be 0):
+Three loops, each printing what it tried and what went wrong (every "wrong" count should be 0):
 
 1. sysfs: the `rdma` source over a copy of ../shared/fixtures/procfs, one mutation at a time of one
    entry of one port: a directory or a symlink loop where a file should be, an empty or whitespace-only
@@ -8,7 +8,11 @@ Two loops, each printing what it tried and what went wrong (every "wrong" count 
    os.listdir refuse that one path: chmod cannot refuse root), and "N/A (no PMA)" (unsupported: null
    and no error). Wrong: a sweep that raised, a port of another device missing, an entry that went
    null without a warning naming its path, an error where the value is only unsupported.
-2. gRPC: a real control plane (insecure, 127.0.0.1, no model) and, on every method of Telemetry, Risk,
+2. collector kills: `foreshock collect` (simulated source, 20 sweeps a second, the default 300 s
+   rotation) killed with SIGKILL after a random number of sweeps, restarted on the same dataset, again
+   and again; then one `--once` run. Wrong: a sweep its metrics had counted that is not in the dataset,
+   a sweep written twice, a file that does not read.
+3. gRPC: a real control plane (insecure, 127.0.0.1, no model) and, on every method of Telemetry, Risk,
    Jobs and health, random byte strings and valid requests with bytes flipped, sent raw. Wrong: any
    UNKNOWN status (an exception escaped a handler), and any traceback in the log. Printed too: the
    statuses seen and how many log lines the flood made.
@@ -155,6 +159,59 @@ def fuzz_sysfs(mutations: int, seed: int = 0) -> dict:
     return {"tried": dict(tried), "wrong": dict(wrong)}
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sweeps_counted(port: int) -> int:
+    import urllib.request
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return 0
+    for line in body.splitlines():
+        if line.startswith("foreshock_collector_sweeps_total "):
+            return int(float(line.split()[1]))
+    return 0
+
+
+def kill_collector(kills: int, seed: int = 0) -> dict:
+    import subprocess
+
+    from foreshock.dataset import read_table
+
+    rng = random.Random(seed)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-faults-kill-"))
+    out = tmp / "ds"
+    common = ["--sources", "simulated", "--node", "k", "--out", str(out), "--sim-gpus", "2", "--sim-hcas", "1"]
+    counted = 0
+    try:
+        for _ in range(kills):
+            port = _free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "foreshock", "collect", *common, "--interval", "0.05",
+                                     "--metrics-listen", f"127.0.0.1:{port}"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            want, seen, deadline = rng.randrange(3, 40), 0, time.monotonic() + 120
+            while seen < want and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                seen = _sweeps_counted(port)
+            proc.kill()
+            proc.wait()
+            counted += seen
+        subprocess.run([sys.executable, "-m", "foreshock", "collect", "--once", *common], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        counted += 1
+        ts = read_table(out, "gpu").column("ts").to_pylist()
+        sweeps = len(set(ts))
+        return {"kills": kills, "sweeps_counted": counted, "sweeps_in_dataset": sweeps,
+                "lost": max(0, counted - sweeps), "written_twice": len(ts) - 2 * sweeps}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _flip(rng: random.Random, raw: bytes) -> bytes:
     b = bytearray(raw or b"\x00")
     for _ in range(rng.randrange(1, 4)):
@@ -221,20 +278,26 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="bench faults")
     ap.add_argument("--mutations", type=int, default=600, help="sysfs mutations (600)")
     ap.add_argument("--per-method", type=int, default=64, help="fuzzed requests per gRPC method (64)")
-    ap.add_argument("--quick", action="store_true", help="80 mutations, 8 requests a method")
+    ap.add_argument("--kills", type=int, default=20, help="collector kills (20)")
+    ap.add_argument("--quick", action="store_true", help="80 mutations, 3 kills, 8 requests a method")
     args = ap.parse_args(argv)
     if args.quick:
-        args.mutations, args.per_method = 80, 8
+        args.mutations, args.kills, args.per_method = 80, 3, 8
     t0 = time.monotonic()
     s = fuzz_sysfs(args.mutations)
     print(f"sysfs: {sum(s['tried'].values())} mutations of the rdma source's entries ({s['tried']}) in "
           f"{time.monotonic() - t0:.1f} s; wrong: {s['wrong'] or 'none'}")
     t0 = time.monotonic()
+    k = kill_collector(args.kills)
+    print(f"collector: {k['kills']} kill -9 with the interval open, {k['sweeps_counted']} sweeps counted, "
+          f"{k['sweeps_in_dataset']} in the dataset, {k['lost']} lost, {k['written_twice']} rows written twice, "
+          f"in {time.monotonic() - t0:.1f} s")
+    t0 = time.monotonic()
     g = fuzz_grpc(args.per_method)
     print(f"gRPC: {g['sent']} fuzzed requests over every method in {time.monotonic() - t0:.1f} s; statuses "
           f"{g['statuses']}; UNKNOWN {g['unknown']}, tracebacks logged {g['tracebacks']}, log lines "
           f"{g['log_lines']}; load average {os.getloadavg()[0]:.2f}")
-    return 1 if s["wrong"] or g["unknown"] or g["tracebacks"] else 0
+    return 1 if s["wrong"] or k["lost"] or k["written_twice"] or g["unknown"] or g["tracebacks"] else 0
 
 
 if __name__ == "__main__":
