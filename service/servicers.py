@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 WATCH_QUEUE = 256          # directives buffered per watcher before it is resynchronised from the store
 FINAL_ACK_SECONDS = 3.0    # at a stream's end, how long it waits for its last batches' value checks
+# A batch with events is acknowledged once the policy has acted on it (its directives committed), so
+# that a collector never forgets a fatal event the service could still lose; a round that fails or
+# never comes must not stall the stream, so after this long it is acknowledged anyway.
+ACTED_ACK_SECONDS = 10.0
 RISK_WATCH_QUEUE = 64      # scoring rounds buffered per risk watcher; older rounds are dropped
 
 
@@ -369,13 +373,27 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
         Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
+        loop = asyncio.get_running_loop()
         try:
             while (batch := await context.read()) is not grpc.aio.EOF:
-                if hold.held and not _urgent(batch):
+                urgent = _urgent(batch)
+                if hold.held and not urgent:
                     await hold.wait()   # a complete step is closing; events never wait (steps.CloseHold)
+                done = on_acted = None
+                if urgent:
+                    done = loop.create_future()
+
+                    def on_acted(done=done):   # from the scoring thread
+                        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
                                        [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
-                                        for t in batch.tables], batch.watermark_ns)
+                                        for t in batch.tables], batch.watermark_ns, on_acted)
+                if result.acting:
+                    try:
+                        await asyncio.wait_for(done, ACTED_ACK_SECONDS)
+                    except asyncio.TimeoutError:
+                        log.warning("batch %d of %s: no scoring round acted on its events in %.0f s; "
+                                    "acknowledged anyway", batch.sequence, batch.node, ACTED_ACK_SECONDS)
                 if result.delay_seconds:
                     await asyncio.sleep(result.delay_seconds)  # backpressure: hold the ack while overloaded
                 last = result.acked_sequence
