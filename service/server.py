@@ -128,6 +128,10 @@ class ControlPlane:
             self.nodes.set_topology(node, topo)
         self.decisions = DecisionLog(self.state_dir / "decisions", flush_seconds=s.decision_flush_seconds,
                                      model_version=self.scorer.model_version, fsync=s.fsync)
+        recovered = self.decisions.catch_up(self.store.directives())
+        if recovered:
+            log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
+                        "period); written from the state", recovered)
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
         if s.scoring_process and isinstance(self.scorer, PredictorScorer):
             worker = ScoringWorker(self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,

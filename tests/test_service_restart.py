@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from foreshock import schema as sch
+from foreshock.service.decisions import read_decisions
 from foreshock.v1 import jobs_pb2 as pb
 from foreshock.v1 import jobs_pb2_grpc, telemetry_pb2 as tpb, telemetry_pb2_grpc
 
@@ -213,3 +214,31 @@ def test_kill_at_the_ack_of_a_fatal_event_loses_no_directive(tmp_path):
                 assert [d.from_node for d in listed.directives] == ["n1"], f"kill {k}: the directive was lost"
         finally:
             b.kill()
+        # The decision log buffers 5 s: what the kill took from it, the restart wrote from the state, once.
+        log = read_decisions(state / "decisions").to_pylist()
+        issued = [r for r in log if r["directive_id"] == listed.directives[0].directive_id]
+        assert len(issued) == 1, issued
+
+
+def test_directives_a_kill_took_from_the_decision_log_buffer_are_written_from_the_state(tmp_path):
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, build_server
+    settings = dict(scorer=NullScorer(), decision_flush_seconds=3600.0)
+    plane = build_server(Settings.insecure_loopback(tmp_path, **settings))
+    plane.jobs.register("j", [(0, "n1", [0])], ["s0"], 0, 0, 1)
+    plane.jobs.register("k", [(0, "n2", [0])], ["s1"], 0, 0, 1)
+    (d,) = plane.policy.drain("n1", "disk", time.time_ns())
+    plane.decisions.flush()
+    (e,) = plane.policy.drain("n2", "fan", time.time_ns())     # buffered only ...
+    plane.decisions._rows.clear()                               # ... and lost, as a kill -9 loses it
+    plane.stop(0)
+    again = build_server(Settings.insecure_loopback(tmp_path, **settings))
+    again.stop(0)
+    rows = read_decisions(tmp_path / "decisions").to_pylist()
+    assert [r["kind"] for r in rows if r["directive_id"] == d.directive_id] == ["evacuate"]
+    (row,) = [r for r in rows if r["directive_id"] == e.directive_id]
+    assert (row["kind"], row["node"], row["job"], row["to_node"]) == ("evacuate", "n2", "k", "s1")
+    assert '"recovered": true' in row["details"] and row["ts"].value == e.issued_at_ns
+    third = build_server(Settings.insecure_loopback(tmp_path, **settings))
+    third.stop(0)
+    assert len(read_decisions(tmp_path / "decisions")) == len(rows)   # caught up once
