@@ -1,6 +1,6 @@
 """Fault injection and fuzzing, bounded and on loopback only: `python -m benchmarks faults [--quick]`.
 
-Three loops, each printing what it tried and what went wrong (every "wrong" count should be 0):
+Four loops, each printing what it tried and what went wrong (every "wrong" count should be 0):
 
 1. sysfs: the `rdma` source over a copy of ../shared/fixtures/procfs, one mutation at a time of one
    entry of one port: a directory or a symlink loop where a file should be, an empty or whitespace-only
@@ -12,7 +12,11 @@ Three loops, each printing what it tried and what went wrong (every "wrong" coun
    rotation) killed with SIGKILL after a random number of sweeps, restarted on the same dataset, again
    and again; then one `--once` run. Wrong: a sweep its metrics had counted that is not in the dataset,
    a sweep written twice, a file that does not read.
-3. gRPC: a real control plane (insecure, 127.0.0.1, no model) and, on every method of Telemetry, Risk,
+3. service kills: `foreshock serve` (no model) killed with SIGKILL the instant it acknowledges a sweep
+   that carries an Xid 79 of a node with a job, then restarted on the same state, which is killed at
+   the next node's ack, and so on. Wrong: a directive missing after the restart, or its decision-log
+   row missing or written twice.
+4. gRPC: a real control plane (insecure, 127.0.0.1, no model) and, on every method of Telemetry, Risk,
    Jobs and health, random byte strings and valid requests with bytes flipped, sent raw. Wrong: any
    UNKNOWN status (an exception escaped a handler), and any traceback in the log. Printed too: the
    statuses seen and how many log lines the flood made.
@@ -212,6 +216,73 @@ def kill_collector(kills: int, seed: int = 0) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _start_serve(state: Path):
+    import subprocess
+    proc = subprocess.Popen([sys.executable, "-m", "foreshock", "serve", "--insecure", "--listen", "127.0.0.1:0",
+                             "--metrics-listen", "", "--no-model", "--state", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"foreshock serve did not start: {line!r}")
+    return proc, line.split("listening on ")[1].split(" ")[0].rstrip(",")
+
+
+def _fatal_batch(node: str):
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from foreshock import schema as sch
+    from foreshock.v1 import telemetry_pb2 as tpb
+    ev = sch.to_table("events", [{"ts": dt.datetime.now(dt.timezone.utc), "node": node, "kind": "xid",
+                                  "source": "kmsg", "severity": "fatal", "xid": 79, "gpu": 0, "message": "Xid 79"}])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ev.schema) as w:
+        w.write_table(ev)
+    return tpb.SweepBatch(node=node, collector_id=f"c-{node}", sequence=1, tables=[
+        tpb.TableRows(table="events", schema_version=1, arrow_ipc=sink.getvalue().to_pybytes())])
+
+
+def kill_service(kills: int) -> dict:
+    import grpc
+
+    from foreshock.service.decisions import read_decisions
+    from foreshock.v1 import jobs_pb2 as pb
+    from foreshock.v1 import jobs_pb2_grpc, telemetry_pb2_grpc
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-faults-serve-"))
+    state = tmp / "state"
+    lost_directives = bad_log_rows = 0
+    proc = None
+    try:
+        for k in range(kills + 1):
+            proc, address = _start_serve(state)
+            with grpc.insecure_channel(address) as ch:
+                jobs = jobs_pb2_grpc.JobsStub(ch)
+                if k:   # the last kill's directive, after the restart
+                    listed = jobs.ListDirectives(pb.ListDirectivesRequest(job_id=f"j{k - 1}"), timeout=10).directives
+                    if [d.from_node for d in listed] != [f"n{k - 1}"]:
+                        lost_directives += 1
+                    else:
+                        rows = read_decisions(state / "decisions").column("directive_id").to_pylist()
+                        bad_log_rows += rows.count(listed[0].directive_id) != 1
+                if k == kills:
+                    break
+                jobs.RegisterJob(pb.RegisterJobRequest(job_id=f"j{k}", ranks=[pb.RankPlacement(rank=0, node=f"n{k}")],
+                                                       spare_nodes=[f"s{k}"], current_step=1), timeout=10)
+                stream = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([_fatal_batch(f"n{k}")]), timeout=10)
+                next(stream)
+                proc.kill()   # at the ack
+                proc.wait()
+        return {"kills": kills, "lost_directives": lost_directives, "bad_log_rows": bad_log_rows}
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _flip(rng: random.Random, raw: bytes) -> bytes:
     b = bytearray(raw or b"\x00")
     for _ in range(rng.randrange(1, 4)):
@@ -279,10 +350,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--mutations", type=int, default=600, help="sysfs mutations (600)")
     ap.add_argument("--per-method", type=int, default=64, help="fuzzed requests per gRPC method (64)")
     ap.add_argument("--kills", type=int, default=20, help="collector kills (20)")
-    ap.add_argument("--quick", action="store_true", help="80 mutations, 3 kills, 8 requests a method")
+    ap.add_argument("--service-kills", type=int, default=12, help="service kills at the ack of an Xid 79 (12)")
+    ap.add_argument("--quick", action="store_true", help="80 mutations, 3 + 2 kills, 8 requests a method")
     args = ap.parse_args(argv)
     if args.quick:
-        args.mutations, args.kills, args.per_method = 80, 3, 8
+        args.mutations, args.kills, args.service_kills, args.per_method = 80, 3, 2, 8
     t0 = time.monotonic()
     s = fuzz_sysfs(args.mutations)
     print(f"sysfs: {sum(s['tried'].values())} mutations of the rdma source's entries ({s['tried']}) in "
@@ -293,11 +365,18 @@ def main(argv: list[str]) -> int:
           f"{k['sweeps_in_dataset']} in the dataset, {k['lost']} lost, {k['written_twice']} rows written twice, "
           f"in {time.monotonic() - t0:.1f} s")
     t0 = time.monotonic()
+    v = kill_service(args.service_kills)
+    print(f"service: {v['kills']} kill -9 at the ack of an Xid 79, each restarted: {v['lost_directives']} "
+          f"directives lost, {v['bad_log_rows']} missing or doubled in the decision log, in "
+          f"{time.monotonic() - t0:.1f} s")
+    t0 = time.monotonic()
     g = fuzz_grpc(args.per_method)
     print(f"gRPC: {g['sent']} fuzzed requests over every method in {time.monotonic() - t0:.1f} s; statuses "
           f"{g['statuses']}; UNKNOWN {g['unknown']}, tracebacks logged {g['tracebacks']}, log lines "
           f"{g['log_lines']}; load average {os.getloadavg()[0]:.2f}")
-    return 1 if s["wrong"] or k["lost"] or k["written_twice"] or g["unknown"] or g["tracebacks"] else 0
+    wrong = (s["wrong"] or k["lost"] or k["written_twice"] or v["lost_directives"] or v["bad_log_rows"]
+             or g["unknown"] or g["tracebacks"])
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
