@@ -13,9 +13,9 @@ an append-only Arrow IPC stream written at once (a kill loses nothing appended) 
 every JOURNAL_SYNC_SECONDS (a power cut loses at most that); it is removed when its interval's files
 are written. A writer that starts replays the journals no live writer holds (flock) into Parquet, under
 the names the interrupted writer would have used, so a crash between writing and removing a journal
-writes no row twice. The buffer is bounded (`max_buffer_rows`): reaching it closes the interval early. The spool is bounded
-too: when the dataset outgrows `max_bytes`, or the disk's free space drops under `min_free_bytes`, the
-oldest closed files are deleted and counted; writing never blocks sampling.
+writes no row twice. The buffer is bounded (`max_buffer_rows`): reaching it closes the interval early.
+The spool is bounded too: when the dataset outgrows `max_bytes`, or the disk's free space drops under
+`min_free_bytes`, the oldest closed files are deleted and counted; writing never blocks sampling.
 
 `node` stays a column inside each file as well as a path component, so a single file is self-describing;
 the reader here prunes by path and reads the in-file columns.

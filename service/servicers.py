@@ -3,8 +3,8 @@
 Nothing here decides anything: validation lives in jobs.py / ingest.py, decisions in policy.py,
 state in store.py. A request that is no valid protobuf of its method's type gets INVALID_ARGUMENT
 (UndecodableRequests, on every method, ours and the health and reflection services), logged at most
-once a minute per method and peer. Slow domain calls (SQLite commits) run in a worker thread so the event loop keeps
-serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
+once a minute per method and peer address. Slow domain calls (SQLite commits) run in a worker thread
+so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
 (proto/foreshock/v1/*.proto).
 """
 
@@ -20,7 +20,6 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from foreshock.ratelimit import LogLimiter
-
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
@@ -65,7 +64,9 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
         self._log = LogLimiter(log)
 
     async def _refuse(self, context, method: str, err: Undecodable):
-        self._log.warning((method, context.peer()), "%s from %s: undecodable request (%s)", method, context.peer(), err)
+        peer = context.peer()
+        # by address, not by port: a client that reconnects for every message is still one peer
+        self._log.warning((method, peer.rpartition(":")[0]), "%s from %s: undecodable request (%s)", method, peer, err)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message "
                                                               f"of its type ({err})")
 
