@@ -404,6 +404,24 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 rejections.clear()
             return out
 
+        # Acks go out from this loop and, for a batch with events, from a task that waits for its round:
+        # one writer at a time, and what is acknowledged is decided under the lock, so acks never go back.
+        write_lock = asyncio.Lock()
+        waiters: set = set()
+
+        async def send_acks():
+            async with write_lock:
+                upto = ackable()
+                if upto is not None:
+                    await context.write(ack(upto, credits))
+
+        async def when_acted(done):
+            try:
+                await asyncio.wait_for(asyncio.shield(done), ACTED_ACK_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+            await send_acks()
+
         try:
             while (batch := await context.read()) is not grpc.aio.EOF:
                 urgent = _urgent(batch)
@@ -423,18 +441,13 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 last, credits = result.acked_sequence, result.credits
                 rejections += result.rejections
                 owed.append((last, done if result.acting else None, time.monotonic()))
-                upto = ackable()
-                if upto is not None:
-                    await context.write(ack(upto, credits))
-            for _sequence, done, read_at in owed:   # half-closed: the last event batches' rounds, bounded
-                if done is not None:
-                    try:
-                        await asyncio.wait_for(done, max(0.0, read_at + ACTED_ACK_SECONDS - time.monotonic()))
-                    except asyncio.TimeoutError:
-                        pass
-            if owed:
-                owed.clear()
-                await context.write(ack(last, credits))
+                if result.acting:
+                    waiter = asyncio.ensure_future(when_acted(done))
+                    waiters.add(waiter)
+                    waiter.add_done_callback(waiters.discard)
+                await send_acks()
+            if waiters:   # half-closed: the last event batches' rounds (each bounded), then their acks
+                await asyncio.gather(*waiters, return_exceptions=True)
             # The collector half-closed: its last batches' value checks may still be due. Wait for them
             # (a bounded time; a round is woken for it) and send what they found in a last ack.
             if session.unchecked() > 0:
@@ -448,4 +461,6 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                                         rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason,
                                                         detail=r.detail) for r in final]))
         finally:
+            for waiter in list(waiters):
+                waiter.cancel()
             ingest.close_session(session)
