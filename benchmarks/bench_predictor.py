@@ -295,7 +295,8 @@ def main(argv: list[str]) -> int:
         print(f"model: {model.path} ({model.version})")
     except registry.ModelError as exc:
         print(f"no usable model ({exc}); using a tiny random one")
-        model = registry.load_model(synthetic.tiny_model_dir(Path(tempfile.mkdtemp()) / "m"))
+        tiny = tempfile.TemporaryDirectory(prefix="bench-tiny-model-")   # removed when main returns
+        model = registry.load_model(synthetic.tiny_model_dir(Path(tiny.name) / "m"))
     if args.drains_only:
         bench_drains(args.drain_nodes, model)
         return 0

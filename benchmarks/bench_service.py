@@ -20,7 +20,9 @@ the service's CPU (share of one core) and memory (RSS, peak), ack round trips, a
   carries one, as the collectors send it); to the directive at the client from the arrival of the
   step's last sample (any node's: from then on the step is complete), from the crossing node's own last
   sample of the step, and from the step's end.
-`--probe` repeats a shorter run at larger node counts to see how far one instance goes.
+`--probe` repeats a shorter run at larger node counts to see how far one instance goes. Each run works
+in a temporary directory that it removes, whatever happens; the service gets as long as it needs to
+start (it writes `port.json` once it serves) for as long as it is alive, up to SERVICE_START_SECONDS.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -44,6 +47,9 @@ import numpy as np
 S = 1_000_000_000
 GRACE = 0.25
 GENERATOR_NICE = int(os.environ.get("BENCH_GENERATOR_NICE", "0"))
+# Training the model and starting the scoring worker took over 30 s on a busy 2-core machine: the wait
+# ends when the service writes its port file or exits, this is only the bound for a hung one.
+SERVICE_START_SECONDS = 600.0
 
 
 # -- the service process -----------------------------------------------------------------------------
@@ -82,7 +88,9 @@ def serve(state: str, model: str, port_file: str) -> int:
     tune_threads()
     if os.environ.get("BENCH_SERVICE_SWITCH"):
         sys.setswitchinterval(float(os.environ["BENCH_SERVICE_SWITCH"]))
-    Path(port_file).write_text(json.dumps({"port": port, "metrics": plane.metrics_port}))
+    partial = Path(port_file).with_suffix(".partial")
+    partial.write_text(json.dumps({"port": port, "metrics": plane.metrics_port}))
+    os.replace(partial, port_file)   # whole or absent: the reader never parses half of it
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     profile = os.environ.get("BENCH_SERVICE_PROFILE")
@@ -385,23 +393,44 @@ def _metric(port: int, name: str, labels: str = "") -> float:
     return float("nan")
 
 
+def wait_for_port_file(server: subprocess.Popen, port_file: Path, log: Path,
+                       timeout: float = SERVICE_START_SECONDS) -> dict:
+    """The service's ports, once it has written them; an error with its exit status and the end of its
+    log if it exits first, or if it is still silent after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if server.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"the service exited with status {server.returncode} before serving:\n{tail}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the service wrote no {port_file.name} in {timeout:.0f} s")
+        time.sleep(0.1)
+    return json.loads(port_file.read_text())
+
+
 def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: int) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    try:
+        return _run_in(tmp, n_nodes, seconds, fatal_victims=fatal_victims, ramp_victims=ramp_victims)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: int) -> dict:
     import grpc
 
     from foreshock.v1 import jobs_pb2 as pb
     from foreshock.v1 import jobs_pb2_grpc
-    tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
     model = train_model(tmp / "model")
     port_file = tmp / "port.json"
     py = sys.executable
-    server = subprocess.Popen([py, "-m", "benchmarks.bench_service", "--serve", str(tmp / "state"), str(model),
-                               str(port_file)], stderr=subprocess.DEVNULL)
+    server_log = tmp / "serve.log"
+    gens: list[subprocess.Popen] = []
+    with open(server_log, "wb") as log_fh:
+        server = subprocess.Popen([py, "-m", "benchmarks.bench_service", "--serve", str(tmp / "state"), str(model),
+                                   str(port_file)], stderr=log_fh)
     try:
-        for _ in range(300):
-            if port_file.exists() and port_file.read_text():
-                break
-            time.sleep(0.1)
-        ports = json.loads(port_file.read_text())
+        ports = wait_for_port_file(server, port_file, server_log)
         address = f"127.0.0.1:{ports['port']}"
         nodes = [f"node-{i:05d}" for i in range(n_nodes)]
         # Victims host one rank each of their own job (so the per-job concurrency limit never holds a
@@ -482,11 +511,16 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
             stream.cancel()
         ch.close()
     finally:
+        for g in gens:   # still running only when the run failed
+            if g.poll() is None:
+                g.kill()
+                g.wait()
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
     sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items() if v is not None}
     fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
     step_last = {}

@@ -7,8 +7,10 @@ sweep. It keeps three outcomes apart, the way node_exporter's collectors do:
   source says so once in the log and yields nothing; this is not an error.
 * a value unsupported: one file or field the part does not have, or that reads "N/A (no PMA)" or
   EINVAL. The column is null, never 0.
-* a real error: something that should have worked did not. It is logged with the path, counted in
-  `errors`, and the sweep goes on.
+* a real error: something that should have worked did not (garbage, an empty counter file, a
+  directory or a symlink loop where a file should be, permission denied on a readable attribute). It
+  is counted in `errors` and logged with the path, at most once a minute per path (with the count of
+  repeats), and the sweep goes on: one unreadable entry never costs the others.
 
 sysfs regenerates an attribute's text on every read at offset 0, so a source opens each file once and
 re-reads it with os.pread(fd, 4096, 0): one system call per value, no open/close, no Python file object.
@@ -19,9 +21,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Iterable
 
 import pyarrow as pa
+
+from foreshock.ratelimit import LogLimiter
 
 log = logging.getLogger("foreshock.collectors")
 
@@ -94,6 +99,8 @@ class Source:
         self.errors = 0
         self.absent = False
         self._said: set[str] = set()
+        # A persistent fault read on every 1 s sweep must not flood the journal: a path a minute.
+        self._error_log = LogLimiter(log)
 
     # -- outcomes ----------------------------------------------------------------------------------
     def say_once(self, key: str, message: str, *args) -> None:
@@ -108,7 +115,7 @@ class Source:
 
     def error(self, path: object, exc: BaseException | str) -> None:
         self.errors += 1
-        log.warning("%s: error reading %s: %s", self.name, path, exc)
+        self._error_log.warning(str(path), "%s: error reading %s: %s", self.name, path, exc)
 
     # -- the sweep ---------------------------------------------------------------------------------
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
@@ -155,7 +162,7 @@ class AttrFiles:
                     exhausted = True
                     self.transient.add(i)
                     self._release_reserve(i)
-                elif exc.errno not in UNSUPPORTED_ERRNOS and exc.errno not in (errno.EACCES, errno.ENOENT):
+                elif exc.errno not in UNSUPPORTED_ERRNOS and exc.errno != errno.ENOENT and not write_only(p, exc):
                     self.open_errors.append((p, exc))
 
     RESERVE = 16
@@ -232,22 +239,60 @@ def link_events(node: str, ts_ns: int, previous: dict, current: dict, describe) 
     return rows
 
 
+def write_only(path: str, exc: OSError) -> bool:
+    """EACCES on an attribute that is write-only by its mode (sysfs's 0200 attributes): no value to
+    read, not an error. EACCES on any other file (a readable attribute, a chmod 000) is one."""
+    if exc.errno != errno.EACCES:
+        return False
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not mode & 0o444 and bool(mode & 0o222)
+
+
 def read_text(path: str) -> str | None:
     """One-shot read of a small file (used at scan time, not in the hot path); None if unsupported."""
     try:
         with open(path, "rb") as fh:
             return fh.read(READ_SIZE).decode("utf-8", "replace")
     except OSError as exc:
-        if exc.errno in UNSUPPORTED_ERRNOS or exc.errno == errno.EACCES:
+        if exc.errno in UNSUPPORTED_ERRNOS or write_only(path, exc):
             return None
         raise
 
 
-def listdir(path: str) -> list[str]:
-    """Sorted entries of a directory; [] when it does not exist."""
+def listdir(path: str, on_error=None) -> list[str]:
+    """Sorted entries of a directory; [] when it does not exist. Any other failure (permission denied,
+    a symlink loop, a file where the directory should be) is `on_error(path, exc)` and [] when
+    on_error is given, else raised."""
     try:
         return sorted(os.listdir(path))
     except FileNotFoundError:
         return []
-    except NotADirectoryError:
+    except NotADirectoryError as exc:
+        if on_error is None:
+            return []
+        on_error(path, exc)
         return []
+    except OSError as exc:
+        if on_error is None:
+            raise
+        on_error(path, exc)
+        return []
+
+
+def regular_file(path: str, on_error) -> bool:
+    """Whether `path` is a file to read: a missing one is not (unsupported); a directory, a symlink
+    loop or a stat that fails is `on_error(path, exc)` and not."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        on_error(path, exc)
+        return False
+    if stat.S_ISDIR(mode):
+        on_error(path, "a directory where a file should be")
+        return False
+    return True

@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from foreshock import config
+
 log = logging.getLogger("foreshock.collectors")
 
 DEFAULTS = {
@@ -44,6 +46,16 @@ DEFAULTS = {
     "sim_hcas": 8,
     "seed": 0,
     "fsync": True,
+}
+CHECKS = {
+    "interval": config.above(0),
+    "rotate_seconds": config.above(0),
+    "spool_max_bytes": config.at_least(0),     # 0: no bound
+    "min_free_bytes": config.at_least(0),
+    "max_buffer_rows": config.at_least(1),
+    "sim_gpus": config.at_least(0),
+    "sim_hcas": config.at_least(0),
+    "seed": config.at_least(0),
 }
 
 
@@ -77,9 +89,8 @@ def register(subparsers) -> None:
 
 
 def _settings(args, file_data) -> dict:
-    from foreshock.config import resolve
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
-    return resolve("collect", DEFAULTS, file_data=file_data, flags=flags)
+    return config.resolve("collect", DEFAULTS, file_data=file_data, flags=flags, checks=CHECKS)
 
 
 def _tls(cfg: dict):
@@ -150,9 +161,6 @@ def summarize(tables: dict) -> str:
 def run(args, file_data) -> int:
     from .registry import UnknownSource
     cfg = _settings(args, file_data)
-    if cfg["interval"] <= 0:
-        print(f"foreshock collect: --interval must be > 0, got {cfg['interval']}", file=sys.stderr)
-        return 2
     try:
         collector = build_collector(cfg, once=args.once)
     except (UnknownSource, ValueError, OSError) as exc:

@@ -6,8 +6,10 @@ Linux kernel; the same files prometheus/procfs's sysfs.InfiniBandClass and node_
 normalised here: `port_xmit_data`/`port_rcv_data` count 4-byte words and become `port_xmit_bytes`/
 `port_rcv_bytes`; `rate` "400 Gb/sec (4X NDR)" becomes 400.0. A file that reads "N/A (no PMA)" or fails
 with EINVAL is null (unsupported); files the schema does not name go to `extra_counters` under their
-sysfs names. Files are held open and re-read with pread; the tree is re-scanned every `rescan_seconds`
-and after a read says the device went away.
+sysfs names. An entry that cannot be read (permission denied, a symlink loop, a directory where a file
+should be, an empty file) is an error for that entry alone, named by its path (collectors/base.py).
+Files are held open and re-read with pread; the tree is re-scanned every `rescan_seconds` and after a
+read says the device went away.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import pyarrow as pa
 from foreshock import schema as sch
 
 from .base import (GONE_ERRNOS, READ_SIZE, UNSUPPORTED_ERRNOS, AttrFiles, ParseError, Source, link_events, listdir,
-                   parse_uint, read_text)
+                   parse_uint, read_text, regular_file)
+
+EMPTY = "empty file: no value where the kernel always writes one"
 
 RDMA_SCHEMA = sch.schema("rdma_port")
 _EXTRA_TYPE = RDMA_SCHEMA.field("extra_counters").type
@@ -115,29 +119,33 @@ class RdmaSource(Source):
         ports: list[_Port] = []
         paths: list[str] = []
         entries: list[tuple[int, int, int | str, int]] = []  # (port index, kind, column/name, mult)
-        for device in listdir(self.root):
+        error = self.error
+        for device in listdir(self.root, error):
             pdir = os.path.join(self.root, device, "ports")
-            for pname in listdir(pdir):
+            for pname in listdir(pdir, error):
                 if not pname.isdigit():
                     continue
                 base = os.path.join(pdir, pname)
+                ll_path = os.path.join(base, "link_layer")
                 try:
-                    ll = read_text(os.path.join(base, "link_layer"))
+                    ll = read_text(ll_path)
                 except FileNotFoundError:  # older kernels have no link_layer: unsupported
                     ll = None
                 except OSError as exc:
-                    self.error(os.path.join(base, "link_layer"), exc)
+                    error(ll_path, exc)
                     ll = None
+                if ll is not None and not ll.strip():
+                    error(ll_path, EMPTY)
                 pi = len(ports)
                 ports.append(_Port(device, int(pname), ll.strip() if ll else None))
                 for fname, kind in (("state", KIND_STATE), ("phys_state", KIND_PHYS), ("rate", KIND_RATE)):
-                    if os.path.exists(os.path.join(base, fname)):
+                    if regular_file(os.path.join(base, fname), error):
                         paths.append(os.path.join(base, fname))
                         entries.append((pi, kind, 0, 1))
                 for sub in ("counters", "hw_counters"):
-                    for fname in listdir(os.path.join(base, sub)):
+                    for fname in listdir(os.path.join(base, sub), error):
                         path = os.path.join(base, sub, fname)
-                        if not os.path.isfile(path):
+                        if not regular_file(path, error):
                             continue
                         paths.append(path)
                         col = _FILE_COLUMN.get(fname)
@@ -200,6 +208,16 @@ class RdmaSource(Source):
         if exc.errno in GONE_ERRNOS:
             self._need_rescan = True
 
+    def _parse_counter(self, slot: int, i: int, data: bytes, values: list) -> None:
+        """A counter that int() refused: "N/A (no PMA)" is null; empty text and garbage are errors."""
+        if not data.strip():
+            self.error(self._files.paths[i], EMPTY)
+            return
+        try:
+            values[slot] = parse_uint(data)
+        except ParseError as exc:
+            self.error(self._files.paths[i], exc)
+
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
         if self._need_rescan or self._clock() - self._scanned_at >= self.rescan_seconds:
             self._scan()
@@ -217,18 +235,14 @@ class RdmaSource(Source):
                 data = pread(fd, READ_SIZE, 0)
                 values[slot] = int(data)
             except ValueError:
-                try:
-                    values[slot] = parse_uint(data)  # "N/A (no PMA)" -> null
-                except ParseError as exc:
-                    self.error(paths[i], exc)
+                self._parse_counter(slot, i, data, values)
             except OSError as exc:
                 self._read_failed(i, exc)
         for slot, i in self._transient:
             try:
                 data = self._files.read(i)
-                values[slot] = parse_uint(data) if data is not None else None
-            except ParseError as exc:
-                self.error(paths[i], exc)
+                if data is not None:
+                    self._parse_counter(slot, i, data, values)
             except OSError as exc:
                 self._read_failed(i, exc)
         for slot in self._word_slots:  # 4-byte words -> bytes
@@ -255,6 +269,9 @@ class RdmaSource(Source):
                 self._read_failed(i, exc)
                 continue
             if data is None:
+                continue
+            if not data.strip():
+                self.error(paths[i], EMPTY)
                 continue
             try:
                 if kind == KIND_EXTRA:

@@ -2,7 +2,8 @@
 
 Each module in COMMAND_MODULES has `register(subparsers)`, which adds its subcommands with
 `set_defaults(run=...)`; `run(args, config_file)` returns the exit status. Modules keep their
-top-level imports light so that `foreshock --help` stays fast.
+top-level imports light so that `foreshock --help` stays fast. A subcommand's name is also the name of
+its `[section]` in the config file and of its FORESHOCK_<SECTION>_* variables (foreshock/config.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import sys
 
 from foreshock import __version__
-from foreshock.config import ConfigError, load_file
+from foreshock.config import ConfigError, check_environment, check_file, load_file
 
 COMMAND_MODULES = (
     "foreshock.collectors.command",
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    parser.set_defaults(commands=tuple(sub.choices))
     return parser
 
 
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         file_data = load_file(args.config)
+        check_file(file_data, args.commands)
+        check_environment(args.commands)
         return int(args.run(args, file_data) or 0)
     except ConfigError as exc:
         print(f"foreshock {args.command}: configuration error: {exc}", file=sys.stderr)

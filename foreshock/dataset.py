@@ -5,12 +5,17 @@ Layout (docs/schema.md):
     ROOT/table=<table>/date=<YYYY-MM-DD>/node=<node>/part-<first ts ns>-<writer id>-<n>.parquet
 
 Files are zstd-compressed and written atomically: each is written under a dot-name that readers skip
-(pyarrow, DuckDB and Spark ignore names starting with '.' or '_'), flushed to disk, then renamed, so a
-reader or a crash never sees a half-written file. Rows are buffered per table for one *interval*
-(`rotate_seconds`, a few minutes) and written when it closes; a crash loses at most the open interval.
-The buffer is bounded (`max_buffer_rows`): reaching it closes the interval early. The spool is bounded
-too: when the dataset outgrows `max_bytes`, or the disk's free space drops under `min_free_bytes`, the
-oldest closed files are deleted and counted; writing never blocks sampling.
+(pyarrow, DuckDB and Spark ignore names starting with '.' or '_'), flushed to disk, renamed, and the
+directory synced, so a reader, a crash or a power cut never sees a half-written file. Rows are buffered
+per table for one *interval* (`rotate_seconds`, a few minutes) and written when it closes. Meanwhile
+each appended batch also goes to the table's journal, `ROOT/.journal/<table>-<writer id>-<n>.arrows`,
+an append-only Arrow IPC stream written at once (a kill loses nothing appended) and synced at most
+every JOURNAL_SYNC_SECONDS (a power cut loses at most that); it is removed when its interval's files
+are written. A writer that starts replays the journals no live writer holds (flock) into Parquet, under
+the names the interrupted writer would have used, so a crash between writing and removing a journal
+writes no row twice. The buffer is bounded (`max_buffer_rows`): reaching it closes the interval early.
+The spool is bounded too: when the dataset outgrows `max_bytes`, or the disk's free space drops under
+`min_free_bytes`, the oldest closed files are deleted and counted; writing never blocks sampling.
 
 `node` stays a column inside each file as well as a path component, so a single file is self-describing;
 the reader here prunes by path and reads the in-file columns.
@@ -19,6 +24,7 @@ the reader here prunes by path and reads the in-file columns.
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import os
 import threading
@@ -40,6 +46,8 @@ from foreshock import schema as sch
 log = logging.getLogger(__name__)
 
 COMPRESSION = "zstd"
+JOURNAL_DIR = ".journal"
+JOURNAL_SYNC_SECONDS = 1.0
 
 
 def _quote(value: str) -> str:
@@ -58,6 +66,66 @@ class WriterStats:
     files_dropped: int = 0
     bytes_dropped: int = 0
     write_errors: int = 0
+    rows_recovered: int = 0      # rows replayed from the journals of an interrupted writer
+
+
+class _Journal:
+    """One table's open interval as an append-only Arrow IPC stream file, held under flock."""
+
+    def __init__(self, path: Path, schema: pa.Schema, fsync: bool):
+        self.path = path
+        self.fh = open(path, "xb")   # holds the lock, and syncs
+        fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Arrow's own buffered file: a batch is one write() at flush, not a Python call per buffer
+        self.sink = pa.BufferedOutputStream(pa.OSFile(str(path), "wb"), 1 << 16)
+        self.writer = pa.ipc.new_stream(self.sink, schema)
+        self.sink.flush()
+        self._fsync = fsync
+        self._synced_at = 0.0
+        if fsync:
+            _fsync_dir(path.parent)
+
+    def append(self, data: pa.Table) -> None:
+        self.writer.write_table(data)
+        self.sink.flush()  # into the page cache: a killed process loses nothing written
+        if self._fsync and time.monotonic() - self._synced_at >= JOURNAL_SYNC_SECONDS:
+            os.fsync(self.fh.fileno())
+            self._synced_at = time.monotonic()
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.writer.close()
+            self.sink.close()
+            self.fh.close()
+
+    def discard(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_journal(fh) -> pa.Table | None:
+    """The whole batches of a journal; a torn last batch (a kill mid-write) is left out."""
+    try:
+        reader = pa.ipc.open_stream(fh)
+    except (pa.ArrowInvalid, OSError):
+        return None   # not even the schema was written
+    batches = []
+    while True:
+        try:
+            batches.append(reader.read_next_batch())
+        except StopIteration:
+            break
+        except (pa.ArrowInvalid, OSError):
+            break
+    return pa.Table.from_batches(batches, reader.schema) if batches else None
 
 
 class DatasetWriter:
@@ -77,6 +145,7 @@ class DatasetWriter:
         fsync: bool = True,
         clock=time.time,
         parquet_options: dict[str, dict] | None = None,
+        journal: bool = True,
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -99,7 +168,12 @@ class DatasetWriter:
         self.stats = WriterStats()
         self._closed_files: collections.deque[tuple[Path, int]] = collections.deque()
         self._spool_bytes = 0
+        self.journal = journal
+        self._journals: dict[str, _Journal] = {}
+        self._journal_seq = 0
         self._scan_existing()
+        if journal:
+            self._replay_journals()
 
     # -- appending -------------------------------------------------------------------------------
     def append_rows(self, table: str, rows: list[dict]) -> None:
@@ -107,7 +181,13 @@ class DatasetWriter:
         if not rows:
             return
         sch.schema(table)  # an unknown table is refused now, not at flush time
+        try:
+            data = sch.to_table(table, rows) if self.journal else None
+        except (sch.SchemaError, pa.ArrowException, TypeError, ValueError):
+            data = None  # refused (and counted) when the interval is written, as without a journal
         with self._lock:
+            if data is not None:
+                self._journal_append(table, data)
             self._rows[table].extend(rows)
             self._buffered[table] += len(rows)
             over = self._buffered[table] >= self.max_buffer_rows
@@ -120,11 +200,28 @@ class DatasetWriter:
             return
         data = sch.conform(table, data)
         with self._lock:
+            if self.journal:
+                self._journal_append(table, data)
             self._tables[table].append(data)
             self._buffered[table] += data.num_rows
             over = self._buffered[table] >= self.max_buffer_rows
         if over:
             self.flush(tables=[table])
+
+    def _journal_append(self, table: str, data: pa.Table) -> None:
+        """Under self._lock. A journal that cannot be written costs its durability, never the rows."""
+        try:
+            j = self._journals.get(table)
+            if j is None:
+                directory = self.root / JOURNAL_DIR
+                directory.mkdir(exist_ok=True)
+                self._journal_seq += 1
+                j = self._journals[table] = _Journal(
+                    directory / f"{table}-{self._id}-{self._journal_seq:06d}.arrows", sch.schema(table), self.fsync)
+            j.append(data)
+        except (OSError, pa.ArrowException) as exc:
+            self.stats.write_errors += 1
+            log.error("journal of table %s under %s: %s", table, self.root, exc)
 
     def buffered_rows(self) -> int:
         with self._lock:
@@ -146,52 +243,98 @@ class DatasetWriter:
             for name in names:
                 rows, parts = self._rows.pop(name, []), self._tables.pop(name, [])
                 self._buffered.pop(name, None)
+                journal = self._journals.pop(name, None)
                 if rows or parts:
-                    pending.append((name, rows, parts))
+                    pending.append((name, rows, parts, journal))
+                elif journal is not None:
+                    journal.discard()
             if tables is None:
                 self._opened_at = self._clock()
         written: list[Path] = []
-        for name, rows, parts in pending:
+        for name, rows, parts, journal in pending:
             try:
                 if rows:
                     parts = [*parts, sch.to_table(name, rows)]
                 # One chunk per column: Parquet writes a table of many small chunks (one per sweep)
                 # several times slower than the same rows combined.
                 data = pa.concat_tables(parts).combine_chunks() if len(parts) > 1 else parts[0]
-                written += self.write_table(name, data)
+                written += self.write_table(name, data, token=_journal_token(journal.path) if journal else None)
             except (sch.SchemaError, OSError, pa.ArrowException) as exc:
-                # The rows of this table in this interval are lost; the error names the table and
-                # is counted, and every other table is still written.
+                # The rows of this table in this interval are lost here; the error names the table and
+                # is counted, and every other table is still written. Their journal is kept: the next
+                # writer to start on this root tries them again.
                 self.stats.write_errors += 1
                 log.error("writing table %s under %s failed: %s", name, self.root, exc)
+                if journal is not None:
+                    journal.close()
+                continue
+            if journal is not None:
+                journal.discard()
         self._enforce_spool()
         return written
 
     def close(self) -> None:
         self.flush()
 
+    # -- the journals of an interrupted writer ---------------------------------------------------
+    def _replay_journals(self) -> None:
+        directory = self.root / JOURNAL_DIR
+        for path in sorted(directory.glob("*.arrows")):
+            table = path.name.split("-", 1)[0]
+            try:
+                fh = open(path, "rb")
+            except OSError:
+                continue
+            with fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live writer's open interval
+                try:
+                    data = _read_journal(fh)
+                    if data is not None:
+                        # Partitions the interrupted writer had already renamed into place are skipped.
+                        before = self.stats.rows_written[table]
+                        self.write_table(table, data, token=_journal_token(path), skip_existing=True)
+                        recovered = self.stats.rows_written[table] - before
+                        self.stats.rows_recovered += recovered
+                        log.info("replayed %d %s rows from the journal %s", recovered, table, path)
+                except (sch.SchemaError, OSError, pa.ArrowException) as exc:
+                    self.stats.write_errors += 1
+                    log.error("journal %s cannot be replayed, removing it: %s", path, exc)
+            path.unlink(missing_ok=True)
+
     # -- writing ---------------------------------------------------------------------------------
-    def write_table(self, table: str, data: pa.Table) -> list[Path]:
-        """Write a conformed table now, one file per (date, node) partition it spans."""
+    def write_table(self, table: str, data: pa.Table, *, token: str | None = None,
+                    skip_existing: bool = False) -> list[Path]:
+        """Write a conformed table now, one file per (date, node) partition it spans. `token` names
+        the files after a journal (deterministically, so that a replay finds what was written)."""
         if data.num_rows == 0:
             return []
         data = sch.conform(table, data)
         out = []
         for (date, node), part in _split_partitions(data):
-            out.append(self._write_file(table, date, node, part))
-        self.stats.rows_written[table] += data.num_rows
+            path = self._write_file(table, date, node, part, token, skip_existing)
+            if path is not None:
+                out.append(path)
+                self.stats.rows_written[table] += part.num_rows
         return out
 
-    def _write_file(self, table: str, date: str, node: str, part: pa.Table) -> Path:
+    def _write_file(self, table: str, date: str, node: str, part: pa.Table, token: str | None = None,
+                    skip_existing: bool = False) -> Path | None:
         directory = partition_dir(self.root, table, date, node)
+        created = not directory.exists()
         directory.mkdir(parents=True, exist_ok=True)
         first_ts = pc.min(part.column("ts")).value
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
-        name = f"part-{first_ts:019d}-{self._id}-{seq:06d}.parquet"
+        if token is None:
+            with self._lock:
+                self._seq += 1
+                token = f"{self._id}-{self._seq:06d}"
+        name = f"part-{first_ts:019d}-{token}.parquet"
         tmp = directory / f".{name}.tmp"
         final = directory / name
+        if skip_existing and final.exists():
+            return None
         options = {"compression": COMPRESSION, "use_dictionary": True, "write_statistics": True,
                    **self.parquet_options.get("*", {}), **self.parquet_options.get(table, {})}
         pq.write_table(part, tmp, **options)
@@ -202,6 +345,11 @@ class DatasetWriter:
             finally:
                 os.close(fd)
         os.replace(tmp, final)
+        if self.fsync:  # the rename itself, and a new partition's entries up to the root
+            for d in [directory, *(directory.parents if created else ())]:
+                _fsync_dir(d)
+                if d == self.root:
+                    break
         size = final.stat().st_size
         self.stats.files_written += 1
         self.stats.bytes_written += size
@@ -257,6 +405,11 @@ class DatasetWriter:
     @property
     def spool_bytes(self) -> int:
         return self._spool_bytes
+
+
+def _journal_token(path: Path) -> str:
+    """`gpu-<writer id>-<n>.arrows` -> `j<writer id>-<n>`: the names of that interval's files."""
+    return "j" + path.stem.split("-", 1)[1]
 
 
 def _split_partitions(data: pa.Table) -> Iterator[tuple[tuple[str, str], pa.Table]]:

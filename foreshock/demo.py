@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foreshock.config import resolve
+from foreshock import config
 
 log = logging.getLogger("foreshock.demo")
 
@@ -58,6 +58,18 @@ DEFAULTS: dict[str, Any] = {
     # The operating point: the manifest's threshold for this many false evacuations per 1,000 node-days.
     # The shipped model's held-out month at budget 2: 76 % of precursor incidents caught (models/default/evaluation.json).
     "budget": 2.0,
+}
+CHECKS = {
+    "nodes": config.Check(lambda n: n >= 40, "must be >= 40 (4 leaf switches of ranks, a spare, a bystander)"),
+    "seed": config.at_least(0),
+    "time_scale": config.above(0),
+    "interval": config.above(0),
+    **{key: config.at_least(0) for key in ("precursor_at_minutes", "precursor_lead_minutes", "benign_at_minutes",
+                                            "benign_minutes", "abrupt_at_minutes", "step_sleep_seconds")},
+    "steps": config.at_least(1),
+    "params": config.at_least(1),
+    "time_limit_seconds": config.above(0),
+    "budget": config.above(0),
 }
 
 JOB_ID = "demo-llm"
@@ -609,10 +621,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace, file_data) -> int:
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
-    cfg = resolve("demo", DEFAULTS, file_data=file_data, flags=flags)
-    if cfg["nodes"] < 40:
-        print("foreshock demo: --nodes must be at least 40 (4 leaf switches of ranks, a spare, a bystander)")
-        return 2
+    cfg = config.resolve("demo", DEFAULTS, file_data=file_data, flags=flags, checks=CHECKS)
     os.environ.setdefault("MPLBACKEND", "Agg")
     if cfg["live"] and logging.getLogger().level == logging.INFO:
         logging.getLogger().setLevel(logging.WARNING)  # INFO lines would tear through the live view

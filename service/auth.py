@@ -1,10 +1,12 @@
 """Who may call what: per-role credentials (bearer tokens, client-certificate CNs) and the TLS set-up.
 
 Roles (least privilege, docs/service.md):
-- `collector`: Telemetry.StreamSweeps only; a collector credential with a subject may only report for
-  that node.
-- `job`: the Jobs calls of its own job (subject = job id; `*` for a scheduler acting for every job):
+- `collector`: Telemetry.StreamSweeps only, for the node named by its subject (`collector:node-17`), or
+  for every node with the explicit wildcard `collector:*`.
+- `job`: the Jobs calls of its own job (subject = job id; `job:*` for a scheduler acting for every job):
   register, report steps, deregister, watch and acknowledge its directives, list them.
+  These two roles need a subject: a bare `collector` or `job` is refused where it is read (token file,
+  certificate CN), never taken as the wildcard, so a forgotten subject cannot grant every node or job.
 - `operator`: everything in Risk and Jobs, including CancelDirective, DrainNode and listing every job.
 Health checking and server reflection are open (probes and grpcurl need no secret; they reveal no data).
 
@@ -26,11 +28,14 @@ from pathlib import Path
 
 import grpc
 
+from foreshock.ratelimit import LogLimiter
 from foreshock.service.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 ROLES = ("collector", "job", "operator")
+SCOPED_ROLES = frozenset({"collector", "job"})   # act for the node / job of their subject only
+WILDCARD = "*"                                   # the subject that acts for every node / job
 PACKAGE = "/foreshock.v1."
 
 # Method -> roles that may call it. Methods outside foreshock.v1 (health, reflection) are open.
@@ -55,8 +60,13 @@ class Principal:
     """An authenticated caller: the roles it holds and what it acts for (a node, a job, a person)."""
 
     roles: frozenset[str]
-    subject: str = ""          # "" or "*": not restricted to one node / job
+    subject: str = ""          # the node, job or person; WILDCARD: every node / job (SCOPED_ROLES)
     via: str = "token"         # token | certificate | insecure-loopback
+
+    def __post_init__(self):
+        if self.roles & SCOPED_ROLES and not self.subject:
+            raise InvalidArgument(f"role {'/'.join(sorted(self.roles & SCOPED_ROLES))} needs a subject: "
+                                  f"role:<node or job>, or role:{WILDCARD} for every one")
 
     def may(self, method: str) -> bool:
         allowed = PERMISSIONS.get(method)
@@ -65,17 +75,17 @@ class Principal:
     def may_act_for_job(self, job_id: str) -> bool:
         if "operator" in self.roles:
             return True
-        return "job" in self.roles and self.subject in ("", "*", job_id)
+        return "job" in self.roles and self.subject in (WILDCARD, job_id)
 
     def may_report_node(self, node: str) -> bool:
-        return "collector" in self.roles and self.subject in ("", "*", node)
+        return "collector" in self.roles and self.subject in (WILDCARD, node)
 
     @property
     def is_operator(self) -> bool:
         return "operator" in self.roles
 
 
-INSECURE = Principal(frozenset(ROLES), "", "insecure-loopback")
+INSECURE = Principal(frozenset(ROLES), WILDCARD, "insecure-loopback")
 
 
 def parse_identity(spec: str) -> Principal:
@@ -83,7 +93,10 @@ def parse_identity(spec: str) -> Principal:
     role, _, subject = spec.strip().partition(":")
     if role not in ROLES:
         raise InvalidArgument(f"credential {spec!r}: role {role!r} is not one of {', '.join(ROLES)}")
-    return Principal(frozenset({role}), subject)
+    try:
+        return Principal(frozenset({role}), subject)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"credential {spec!r}: {exc}") from None
 
 
 def _digest(token: str) -> bytes:
@@ -123,6 +136,7 @@ class Authenticator:
         self._tokens = {_digest(t): p for t, p in (tokens or {}).items()}
         self.insecure = insecure
         self.trust_client_cn = trust_client_cn
+        self._refused_cn = LogLimiter(log)
 
     def principal(self, context) -> Principal | None:
         for key, value in context.invocation_metadata() or ():
@@ -144,7 +158,8 @@ class Authenticator:
                 try:
                     p = parse_identity(cn)
                     return Principal(p.roles, p.subject, "certificate")
-                except InvalidArgument:
+                except InvalidArgument as exc:
+                    self._refused_cn.warning(cn, "client certificate refused: %s", exc)
                     return None
         if self.insecure:
             return INSECURE

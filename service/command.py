@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 
+from foreshock import config
+
 log = logging.getLogger(__name__)
 
 DEFAULTS = {
@@ -36,6 +38,16 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+}
+# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them.
+CHECKS = {
+    "threshold": config.between(0, 1),
+    "budget": config.at_least(0),
+    "score_interval": config.above(0),
+    "cooldown_seconds": config.at_least(0),
+    "max_concurrent": config.at_least(1),
+    "sustain_seconds": config.at_least(0),
+    "grace": config.at_least(0),
 }
 
 
@@ -102,12 +114,11 @@ def settings_from(cfg: dict):
 
 
 def run(args, file_data) -> int:
-    from foreshock.config import resolve
     from foreshock.service.scoring import ModelError
     from foreshock.service.server import SettingsError, build_server, tune_gc, tune_malloc, tune_threads
 
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
-    cfg = resolve("serve", DEFAULTS, file_data=file_data, flags=flags)
+    cfg = config.resolve("serve", DEFAULTS, file_data=file_data, flags=flags, checks=CHECKS)
     try:
         plane = build_server(settings_from(cfg))
     except (SettingsError, ModelError) as exc:

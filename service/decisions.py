@@ -3,7 +3,9 @@
 Layout: `STATE/decisions/date=YYYY-MM-DD/part-<first ts ns>-<writer>-<n>.parquet`, zstd. Files are
 only ever added (written under a dot-name, fsynced, renamed), never rewritten, so the log is
 append-only and a crash never leaves half a file. Rows are buffered (bounded) and written every
-`flush_seconds` and on close.
+`flush_seconds` and on close. What a kill takes from the buffer, the service's state still holds (every
+directive is committed to SQLite before anyone hears of it): at start, `catch_up` writes the issue of
+each directive the state has and the log lacks, marked `"recovered": true` in `details`.
 
 Kinds: alarm, cleared, evacuate, shrink, checkpoint_exit, cooldown, deferred_max_concurrent,
 fabric_incident, fabric_incident_cleared, held_fabric_incident, drain, ack (accepted, completed, ...),
@@ -27,6 +29,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from foreshock import schema as sch
+from foreshock.service.store import DirectiveKind
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,26 @@ class DecisionLog:
 
     def close(self) -> None:
         self.flush()
+
+    def catch_up(self, directives) -> int:
+        """Log the issue of every directive (store.Directive) the log has no issue row of; returns how
+        many. The row carries the directive's own time, reason and placement, and its state now."""
+        issued = {kind.name.lower() for kind in DirectiveKind}
+        files = sorted(str(p) for p in self.root.rglob("part-*.parquet"))
+        logged: set[str] = set()
+        if files:
+            t = pads.dataset(files, schema=DECISION_SCHEMA, format="parquet").to_table(columns=["kind", "directive_id"])
+            logged = {i for k, i in zip(t.column("kind").to_pylist(), t.column("directive_id").to_pylist())
+                      if k in issued and i}
+        missing = [d for d in directives if d.directive_id not in logged]
+        for d in missing:
+            self.record(d.kind.name.lower(), ts_ns=d.issued_at_ns, node=d.from_node, job=d.job_id,
+                        directive_id=d.directive_id, risk=d.risk, reason=d.reason, to_node=d.to_node,
+                        at_step=d.at_step, ranks=list(d.ranks), signals=[sig.name for sig in d.signals][:5],
+                        recovered=True, state=d.state.name.lower(), origin=d.origin)
+        if missing:
+            self.flush()
+        return len(missing)
 
 
 def read_decisions(root: str | Path) -> pa.Table:

@@ -61,6 +61,11 @@ class PolicySettings:
     def __post_init__(self):
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"policy threshold {self.threshold} must be in (0, 1]")
+        if self.default_max_concurrent < 1:  # 0 or less would never let a directive out, not even for Xid 79
+            raise ValueError(f"policy default_max_concurrent {self.default_max_concurrent} must be >= 1")
+        for name in ("sustain_seconds", "cooldown_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"policy {name} {getattr(self, name)} must be >= 0")
         if self.clear_below is None:
             self.clear_below = 0.8 * self.threshold
         if not 0.0 <= self.clear_below <= self.threshold:

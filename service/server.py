@@ -38,7 +38,7 @@ from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.scoring import (
     ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
-from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer
+from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
 from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
@@ -135,6 +135,10 @@ class ControlPlane:
             self.nodes.set_topology(node, topo)
         self.decisions = DecisionLog(self.state_dir / "decisions", flush_seconds=s.decision_flush_seconds,
                                      model_version=self.scorer.model_version, fsync=s.fsync)
+        recovered = self.decisions.catch_up(self.store.directives())
+        if recovered:
+            log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
+                        "period); written from the state", recovered)
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
         if s.scoring_process and isinstance(self.scorer, PredictorScorer):
             worker = ScoringWorker(self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
@@ -203,13 +207,16 @@ class ControlPlane:
                                     "(127.0.0.1, ::1, localhost); give --tls-cert/--tls-key")
             if s.tls_cert or s.tls_client_ca:
                 raise SettingsError("insecure mode and TLS settings are exclusive")
+            if s.metrics_listen and not is_loopback(s.metrics_listen):
+                raise SettingsError(f"metrics_listen {s.metrics_listen!r}: insecure mode is for loopback addresses "
+                                    "only, and an empty host binds every interface; give 127.0.0.1:PORT")
         else:
             if not (s.tls_cert and s.tls_key):
                 raise SettingsError("TLS needs tls_cert and tls_key (or run insecure on loopback for a demo)")
             if not (s.tokens or s.tls_client_ca):
                 raise SettingsError("no credentials: give tokens or a client CA (mutual TLS), "
                                     "or every call would be refused")
-        if s.score_interval <= 0 or s.score_interval > 60:
+        if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
             raise SettingsError(f"score_interval {s.score_interval} must be in (0, 60] seconds")
         if not 0 <= s.close_hold_seconds <= CloseHold.MAX_SECONDS:
             raise SettingsError(f"close_hold_seconds {s.close_hold_seconds} must be in "
@@ -256,10 +263,15 @@ class ControlPlane:
 
     def _save_sequences(self, now_ns: int) -> None:
         self._last_sequence_save = time.monotonic()
+        taken = self.ingest.taken_sequences()
         try:
-            store_mod.save_sequences(self.store, self.ingest.taken_sequences(), now_ns)
+            refused = store_mod.save_sequences(self.store, taken, now_ns)
         except Exception:
             log.exception("saving the telemetry sequences")
+            return
+        for collector in refused:
+            log.warning("collector %s: sequence %s is no uint64, not saved (the other collectors' are)",
+                        collector, taken[collector])
 
     def _log_change(self, event: str, d, detail: str) -> None:
         if event == "issued":
@@ -288,7 +300,9 @@ class ControlPlane:
             # behind holds back its collectors (flow control) instead of buffering gigabytes for them.
             ("grpc.http2.bdp_probe", 0),
         ]
-        server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator)], options=options)
+        # Credentials are checked before the request's bytes are looked at: the decode check runs inside.
+        server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator), UndecodableRequests()],
+                                 options=options)
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(self), server)
         risk_pb2_grpc.add_RiskServicer_to_server(RiskServicer(self), server)
         jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)

@@ -1,14 +1,17 @@
 """The gRPC servicers (asyncio): translate protobuf to domain calls and domain errors to gRPC statuses.
 
 Nothing here decides anything: validation lives in jobs.py / ingest.py, decisions in policy.py,
-state in store.py. Slow domain calls (SQLite commits) run in a worker thread so the event loop keeps
-serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
+state in store.py. A request that is no valid protobuf of its method's type gets INVALID_ARGUMENT
+(UndecodableRequests, on every method, ours and the health and reflection services), logged at most
+once a minute per method and peer address. Slow domain calls (SQLite commits) run in a worker thread
+so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
 (proto/foreshock/v1/*.proto).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -16,6 +19,7 @@ import time
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from foreshock.ratelimit import LogLimiter
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
@@ -28,6 +32,91 @@ log = logging.getLogger(__name__)
 WATCH_QUEUE = 256          # directives buffered per watcher before it is resynchronised from the store
 FINAL_ACK_SECONDS = 3.0    # at a stream's end, how long it waits for its last batches' value checks
 RISK_WATCH_QUEUE = 64      # scoring rounds buffered per risk watcher; older rounds are dropped
+
+
+class Undecodable(Exception):
+    """A request's bytes that its method's message type does not parse."""
+
+
+def _decoder(deserializer, *, raise_it: bool):
+    """The method's deserializer, with a failure turned into an Undecodable: returned (a unary request,
+    which gRPC decodes before any handler code runs) or raised (a streamed one, read by the handler)."""
+    def decode(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a parser raises on garbage
+            err = Undecodable(f"{len(raw)} bytes: {type(exc).__name__}: {str(exc)[:120]}")
+            if raise_it:
+                raise err from None
+            return err
+    return decode
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT with a one-line message for an undecodable request, instead of gRPC's UNKNOWN
+    and a traceback in the log for every such message."""
+
+    def __init__(self):
+        self._log = LogLimiter(log)
+
+    async def _refuse(self, context, method: str, err: Undecodable):
+        peer = context.peer()
+        # by address, not by port: a client that reconnects for every message is still one peer
+        self._log.warning((method, peer.rpartition(":")[0]), "%s from %s: undecodable request (%s)", method, peer, err)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message "
+                                                              f"of its type ({err})")
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        refuse = self._refuse
+        serialize = handler.response_serializer
+        if handler.unary_unary or handler.unary_stream:
+            decode = _decoder(handler.request_deserializer, raise_it=False)
+            if handler.unary_unary:
+                inner = handler.unary_unary
+
+                async def unary_unary(request, context):
+                    if request.__class__ is Undecodable:
+                        await refuse(context, method, request)
+                    return await inner(request, context)
+                return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if request.__class__ is Undecodable:
+                    await refuse(context, method, request)
+                async for item in inner_us(request, context):
+                    yield item
+            return grpc.unary_stream_rpc_method_handler(unary_stream, decode, serialize)
+        decode = _decoder(handler.request_deserializer, raise_it=True)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                try:
+                    return await inner_su(request_iterator, context)
+                except Undecodable as err:
+                    await refuse(context, method, err)
+            return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
+        inner_ss = handler.stream_stream
+        if inspect.iscoroutinefunction(inner_ss):  # context.read()/write() (StreamSweeps): no generator layer
+            async def stream_stream_rw(request_iterator, context):
+                try:
+                    await inner_ss(request_iterator, context)
+                except Undecodable as err:
+                    await refuse(context, method, err)
+            return grpc.stream_stream_rpc_method_handler(stream_stream_rw, decode, serialize)
+
+        async def stream_stream(request_iterator, context):
+            try:
+                async for item in inner_ss(request_iterator, context):
+                    yield item
+            except Undecodable as err:
+                await refuse(context, method, err)
+        return grpc.stream_stream_rpc_method_handler(stream_stream, decode, serialize)
 
 
 def _ts(ns: int) -> Timestamp:

@@ -13,7 +13,10 @@ Tables (created on open, versioned by `PRAGMA user_version`):
 - acks(directive_id, rank, phase, reason, phase_seconds, at_ns): every acknowledgement, kept.
 - telemetry_sequences(collector_id, sequence, updated_at_ns): the last telemetry batch of each collector
   that was taken (checked and scored), so a batch re-sent after a restart is not taken twice; written
-  once a second in one transaction, rows of collectors silent for a week pruned.
+  once a second in one transaction, rows of collectors silent for a week pruned. The proto's sequence
+  is a uint64 and SQLite's INTEGER a signed 64-bit one, so `sequence` holds the sequence minus 2^63
+  (SEQUENCE_OFFSET): every uint64 fits, and the order, which the save's max() relies on, is kept.
+  Schema version 2 introduced that offset; a version-1 database is moved to it on open.
 
 The enums mirror proto/foreshock/v1/jobs.proto by number (a test checks), so the store never needs the
 generated stubs.
@@ -34,7 +37,9 @@ from pathlib import Path
 
 from foreshock.service.errors import FailedPrecondition, NotFound
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SEQUENCE_OFFSET = 1 << 63   # stored = sequence - SEQUENCE_OFFSET: uint64 onto SQLite's signed 64 bits
+SEQUENCE_MAX = (1 << 64) - 1
 
 
 class DirectiveKind(enum.IntEnum):
@@ -186,16 +191,19 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             raise FailedPrecondition(f"state database {self.path} has schema version {version}; "
                                      f"this build reads version {SCHEMA_VERSION}")
         self._db.executescript(_DDL)
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         # The policy reads every job and active directive each scoring round (ten a second) while writes
         # are a few an hour: those two reads are cached until the next transaction (rows are frozen).
         self._writes = 0
         self._cache: dict[str, tuple[int, list]] = {}
         self._depth = 0              # transactions inside a batch() are savepoints of it
+        with self._tx() as db:
+            if version == 1:  # sequences stored as they were (all below 2^63 then): move them by the offset
+                db.execute("UPDATE telemetry_sequences SET sequence = sequence - ? - 1", (SEQUENCE_OFFSET - 1,))
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def close(self) -> None:
         with self._lock:
@@ -471,20 +479,27 @@ class StateStore:
 
 
 def save_sequences(store: StateStore, sequences: dict[str, int], now_ns: int,
-                   keep_ns: int = 7 * 86_400 * 1_000_000_000) -> None:
-    """Record each collector's last taken telemetry sequence (never lowers one)."""
-    if not sequences:
-        return
-    with store._tx() as db:
-        db.executemany("INSERT INTO telemetry_sequences VALUES(?,?,?) ON CONFLICT(collector_id) DO UPDATE SET "
-                       "sequence=max(sequence, excluded.sequence), updated_at_ns=excluded.updated_at_ns",
-                       [(c, int(q), now_ns) for c, q in sequences.items()])
-        db.execute("DELETE FROM telemetry_sequences WHERE updated_at_ns < ?", (now_ns - keep_ns,))
+                   keep_ns: int = 7 * 86_400 * 1_000_000_000) -> list[str]:
+    """Record each collector's last taken telemetry sequence (never lowers one). A sequence that is no
+    uint64 is left out and its collector returned, so that one stream can never fail the others' save."""
+    rows, refused = [], []
+    for collector, sequence in sequences.items():
+        if 0 <= sequence <= SEQUENCE_MAX:
+            rows.append((collector, int(sequence) - SEQUENCE_OFFSET, now_ns))
+        else:
+            refused.append(collector)
+    if rows:
+        with store._tx() as db:
+            db.executemany("INSERT INTO telemetry_sequences VALUES(?,?,?) ON CONFLICT(collector_id) DO UPDATE SET "
+                           "sequence=max(sequence, excluded.sequence), updated_at_ns=excluded.updated_at_ns", rows)
+            db.execute("DELETE FROM telemetry_sequences WHERE updated_at_ns < ?", (now_ns - keep_ns,))
+    return refused
 
 
 def load_sequences(store: StateStore) -> dict[str, int]:
     with store._lock:
-        return dict(store._db.execute("SELECT collector_id, sequence FROM telemetry_sequences").fetchall())
+        rows = store._db.execute("SELECT collector_id, sequence FROM telemetry_sequences").fetchall()
+    return {collector: stored + SEQUENCE_OFFSET for collector, stored in rows}
 
 
 def counts(store: StateStore) -> dict[tuple[int, int], int]:

@@ -149,6 +149,34 @@ def test_sigterm_flushes_everything(procfs_fixture, tmp_path):
     assert not list(out.rglob(".*.tmp")) and "flushing" in err
 
 
+def test_sigkill_loses_no_sweep_the_metrics_counted(procfs_fixture, tmp_path):
+    """kill -9 with the default-length interval open: the next start replays the journal, so every sweep
+    counted before the kill is in the dataset (issue 23: 300 s of sweeps were lost)."""
+    out = tmp_path / "ds"
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "foreshock", "collect", "--sources", "simulated", "--interval", "0.05",
+         "--rotate-seconds", "300", "--metrics-listen", f"127.0.0.1:{port}", "--node", "kill", "--out", str(out),
+         "--sim-gpus", "2", "--sim-hcas", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, seen = time.time() + 60, 0
+        while time.time() < deadline and seen < 5:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+            seen = _sweeps_done(port)
+        assert seen >= 5
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not list(out.rglob("*.parquet"))
+    rc = subprocess.run([sys.executable, "-m", "foreshock", "collect", "--once", "--sources", "simulated",
+                         "--node", "kill", "--out", str(out), "--sim-gpus", "2", "--sim-hcas", "1"],
+                        capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr
+    gpu = read_table(out, "gpu")
+    assert gpu.num_rows // 2 >= seen + 1   # every sweep the killed collector counted, and the --once one
+
+
 def test_spool_drops_the_oldest_files_and_sampling_goes_on(tmp_path):
     writer = DatasetWriter(tmp_path, rotate_seconds=0, max_bytes=200_000, fsync=False)
     col = Collector("s", [SimulatedSource("s", gpus=8, hcas=8)], writer)

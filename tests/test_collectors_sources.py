@@ -91,6 +91,68 @@ def test_rdma_garbage_is_an_error_with_the_path_and_the_sweep_goes_on(sys_copy, 
     assert len(rows) == 4
 
 
+def _rdma_rows(src, caplog):
+    with caplog.at_level(logging.WARNING, "foreshock.collectors"):
+        return {(r["device"], r["port"]): r for r in _rows(src, "rdma_port")}
+
+
+def test_rdma_unreadable_entries_are_errors_with_their_paths_and_the_rest_is_read(sys_copy, caplog):
+    counters = sys_copy / "class/infiniband/mlx4_0/ports/1/counters"
+    (counters / "symbol_error").unlink()
+    (counters / "symbol_error").mkdir()                       # a directory where a file should be
+    (counters / "link_downed").unlink()
+    (counters / "link_downed").symlink_to("link_downed")      # a symlink loop (ELOOP)
+    (counters / "port_xmit_wait").write_text(" \n")            # whitespace only
+    state = sys_copy / "class/infiniband/mlx4_0/ports/2/state"
+    state.write_text("")
+    src = RdmaSource("fx", sysfs=str(sys_copy))
+    rows = _rdma_rows(src, caplog)
+    assert len(rows) == 4 and src.errors == 4
+    for path in (counters / "symbol_error", counters / "link_downed", counters / "port_xmit_wait", state):
+        assert str(path) in caplog.text
+    port = rows[("mlx4_0", 1)]
+    assert port["symbol_error"] is None and port["link_downed"] is None and port["port_xmit_wait"] is None
+    assert port["port_rcv_errors"] is not None and rows[("mlx4_0", 2)]["state"] is None
+    assert rows[("mlx4_0", 2)]["port_xmit_wait"] == 3846
+
+
+def test_rdma_permission_denied_costs_one_device_not_the_source(sys_copy, caplog, monkeypatch):
+    """chmod 000 cannot refuse root (the tests' user), so os.listdir and os.open refuse one path each."""
+    denied_dir = str(sys_copy / "class/infiniband/mlx4_0/ports")
+    denied_file = str(sys_copy / "class/infiniband/mlx5_0/ports/1/counters/symbol_error")
+    real_listdir, real_open = os.listdir, os.open
+
+    def listdir(path):
+        if str(path) == denied_dir:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
+
+    def open_(path, *args, **kwargs):
+        if str(path) == denied_file:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    monkeypatch.setattr(os, "open", open_)
+    src = RdmaSource("fx", sysfs=str(sys_copy))
+    rows = _rdma_rows(src, caplog)
+    assert sorted(rows) == [("hfi1_0", 1), ("mlx5_0", 1)]
+    assert rows[("mlx5_0", 1)]["symbol_error"] is None and rows[("hfi1_0", 1)]["symbol_error"] is not None
+    assert src.errors == 2 and denied_dir in caplog.text and denied_file in caplog.text
+    src.close()
+
+
+def test_a_repeated_error_is_counted_every_time_and_logged_once_a_minute(sys_copy, caplog):
+    f = sys_copy / "class/infiniband/mlx4_0/ports/1/counters/link_downed"
+    f.write_text("banana\n")
+    src = RdmaSource("fx", sysfs=str(sys_copy))
+    with caplog.at_level(logging.WARNING, "foreshock.collectors"):
+        for k in range(5):
+            src.sweep(TS + k)
+    assert src.errors == 5 and caplog.text.count(str(f)) == 1
+    src.close()
+
+
 def test_rdma_absent_is_said_once_and_yields_nothing(tmp_path, caplog):
     src = RdmaSource("fx", sysfs=str(tmp_path))
     with caplog.at_level(logging.INFO, "foreshock.collectors"):

@@ -44,7 +44,7 @@ def settings(section: str, file_data: dict) -> dict:
     try:
         if hasattr(module, "_settings"):
             return module._settings(args, file_data)
-        return resolve(section, module.DEFAULTS, file_data=file_data)
+        return resolve(section, module.DEFAULTS, file_data=file_data, checks=getattr(module, "CHECKS", None))
     finally:
         os.environ.update(saved)
 

@@ -87,6 +87,89 @@ def test_config_errors_name_the_key(file_data, env, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("nan"), float("inf")])
+def test_config_refuses_non_finite_floats_from_every_origin(value):
+    for file_data, env in (({"collect": {"interval": value}}, {}), ({}, {"FORESHOCK_COLLECT_INTERVAL": str(value)})):
+        with pytest.raises(config.ConfigError, match="interval.*finite"):
+            config.resolve("collect", DEFAULTS, file_data=file_data, env=env)
+
+
+def test_config_checks_name_the_key_its_origin_and_the_range():
+    checks = {"interval": config.above(0), "port": config.between(1, 65535)}
+    assert config.resolve("collect", DEFAULTS, env={}, checks=checks)["port"] == 9400
+    with pytest.raises(config.ConfigError, match=r"interval from environment variable FORESHOCK_COLLECT_INTERVAL: "
+                                                 r"must be > 0, got -1\.0"):
+        config.resolve("collect", DEFAULTS, env={"FORESHOCK_COLLECT_INTERVAL": "-1"}, checks=checks)
+    with pytest.raises(config.ConfigError, match=r"port from flag --port: must be in \[1, 65535\], got 0"):
+        config.resolve("collect", DEFAULTS, env={}, flags={"port": 0}, checks=checks)
+    with pytest.raises(config.ConfigError, match="port from the config file"):
+        config.resolve("collect", DEFAULTS, file_data={"collect": {"port": 70000}}, env={}, checks=checks)
+
+
+def test_config_refuses_unknown_sections_and_variables():
+    commands = ("collect", "serve")
+    config.check_file({"collect": {}, "serve": {}}, commands)
+    with pytest.raises(config.ConfigError, match=r"\[colect\].*unknown section"):
+        config.check_file({"colect": {"interval": 5}}, commands)
+    config.check_environment(commands, {"FORESHOCK_COLLECT_INTERVAL": "5", "FORESHOCK_CONFIG": "f.toml",
+                                        "FORESHOCK_STORE": "h:1", "FORESHOCK_SERVICE": "h:2", "PATH": "/bin"})
+    with pytest.raises(config.ConfigError, match="FORESHOCK_COLECT_INTERVAL"):
+        config.check_environment(commands, {"FORESHOCK_COLECT_INTERVAL": "5"})
+    with pytest.raises(config.ConfigError, match="FORESHOCK_COLLECT_INTERVL"):
+        config.resolve("collect", DEFAULTS, env={"FORESHOCK_COLLECT_INTERVL": "5"})
+
+
+def test_every_foreshock_variable_the_code_reads_is_declared():
+    """OTHER_VARIABLES is the one list of FORESHOCK_* names that are no command's settings: each name the
+    code reads is a command's setting or in it, so check_environment never refuses one the project sets."""
+    import re
+    commands = ("collect", "simulate", "train", "evaluate", "serve", "goodput", "demo")
+    names = set()
+    for folder in ("foreshock", "collectors", "service", "migrator", "predictor", "simulator", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            names |= set(re.findall(r"[\"'](FORESHOCK_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
+    assert "FORESHOCK_STORE" in names and "FORESHOCK_PREDICT_THREADS" in names
+    config.check_environment(commands, dict.fromkeys(names, ""))
+
+
+def test_cli_refuses_bad_config_before_doing_anything(tmp_path, monkeypatch, capsys):
+    from foreshock import cli
+    out = tmp_path / "out"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FORESHOCK_")}
+    for env, toml, needle in (
+            ({"FORESHOCK_COLLECT_INTERVAL": "nan"}, "", "FORESHOCK_COLLECT_INTERVAL"),
+            ({"FORESHOCK_COLLECT_ROTATE_SECONDS": "-5"}, "", "rotate_seconds"),
+            ({}, "[collect]\nspool_max_bytes = -1\n", "spool_max_bytes"),
+            ({}, "[collect]\nmax_buffer_rows = 0\n", "max_buffer_rows"),
+            ({}, "[colect]\ninterval = 5\n", "[colect]"),
+            ({"FORESHOCK_COLLECTOR_INTERVAL": "5"}, "", "FORESHOCK_COLLECTOR_INTERVAL")):
+        monkeypatch.setattr(os, "environ", {**base, **env})
+        cfg = tmp_path / "f.toml"
+        cfg.write_text(toml)
+        rc = cli.main(["--config", str(cfg), "collect", "--once", "--sources", "kmsg", "--kmsg", str(cfg),
+                       "--out", str(out)])
+        assert rc == 2 and needle in capsys.readouterr().err
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("key, value", [("max_concurrent", "0"), ("max_concurrent", "-1"),
+                                        ("score_interval", "nan"), ("score_interval", "0"),
+                                        ("cooldown_seconds", "-1"), ("threshold", "1.5"), ("grace", "-1")])
+def test_serve_settings_are_range_checked(key, value):
+    from foreshock.service import command
+    with pytest.raises(config.ConfigError, match=key):
+        config.resolve("serve", command.DEFAULTS, env={f"FORESHOCK_SERVE_{key.upper()}": value},
+                       checks=command.CHECKS)
+
+
+@pytest.mark.parametrize("field, value", [("default_max_concurrent", 0), ("default_max_concurrent", -1),
+                                          ("cooldown_seconds", -1.0), ("sustain_seconds", float("nan"))])
+def test_policy_settings_refuse_values_that_would_never_or_always_act(field, value):
+    from foreshock.service.policy import PolicySettings
+    with pytest.raises(ValueError, match=field):
+        PolicySettings(**{field: value})
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("interval = = 1")
@@ -185,6 +268,69 @@ def test_spool_drops_oldest_closed_files_and_counts(tmp_path):
     # A new writer over the same spool sees what is there and keeps the bound.
     w2 = dataset.DatasetWriter(tmp_path, fsync=False, max_bytes=40_000)
     assert w2.spool_bytes == sum(p.stat().st_size for p in remaining)
+
+
+_KILLED_WRITER = """
+import datetime as dt, os, signal, sys
+from foreshock import dataset
+w = dataset.DatasetWriter(sys.argv[1], rotate_seconds=300, fsync=True)
+for k in range(int(sys.argv[2])):
+    w.append_rows("gpu", [{"ts": dt.datetime.fromtimestamp(1_700_000_000 + k, dt.timezone.utc), "node": "n",
+                           "gpu": g, "gpu_lost": False, "ecc_corrected_volatile": k} for g in range(8)])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_writer_loses_nothing_it_appended(tmp_path):
+    """kill -9 with the whole interval open (rotate_seconds 300): the next writer replays the journal."""
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path), "25"], timeout=120)
+    assert proc.returncode == -9
+    assert dataset.partition_files(tmp_path, "gpu") == []   # nothing had been written as Parquet
+    w = dataset.DatasetWriter(tmp_path, fsync=False)
+    assert w.stats.rows_recovered == 200
+    back = dataset.read_table(tmp_path, "gpu")
+    assert back.num_rows == 200 and sorted(set(back.column("ecc_corrected_volatile").to_pylist())) == list(range(25))
+    assert list((tmp_path / dataset.JOURNAL_DIR).iterdir()) == []
+    assert dataset.DatasetWriter(tmp_path, fsync=False).stats.rows_recovered == 0   # replayed once
+
+
+def test_a_torn_journal_keeps_its_whole_batches(tmp_path):
+    w = dataset.DatasetWriter(tmp_path, fsync=False)
+    for i in range(3):
+        w.append_rows("gpu", _gpu_rows("n", 1_700_000_000 + 10 * i, 4))
+    (journal,) = (tmp_path / dataset.JOURNAL_DIR).iterdir()
+    torn = journal.read_bytes() + b"\xff\xff\xff\xff\x00\x01"   # a kill in the middle of the next batch
+    w._journals["gpu"].close()                                           # the process is gone
+    journal.write_bytes(torn)
+    again = dataset.DatasetWriter(tmp_path, fsync=False)
+    assert again.stats.rows_recovered == 12 and dataset.read_table(tmp_path, "gpu").num_rows == 12
+
+
+def test_a_crash_after_writing_before_removing_the_journal_writes_nothing_twice(tmp_path):
+    w = dataset.DatasetWriter(tmp_path, fsync=False)
+    midnight = dt.datetime(2026, 12, 2, tzinfo=dt.timezone.utc).timestamp()
+    w.append_rows("gpu", _gpu_rows("a", midnight - 3, 6) + _gpu_rows("b", midnight, 2))  # three partitions
+    (journal,) = (tmp_path / dataset.JOURNAL_DIR).iterdir()
+    kept = journal.read_bytes()
+    files = w.flush()
+    assert len(files) == 3 and not journal.exists()
+    missing = pq.read_metadata(files[1]).num_rows
+    files[1].unlink()                    # the crash: one partition not yet renamed, the journal still there
+    journal.write_bytes(kept)
+    again = dataset.DatasetWriter(tmp_path, fsync=False)
+    assert again.stats.rows_recovered == missing
+    assert sorted(p.name for p in dataset.partition_files(tmp_path, "gpu")) == sorted(p.name for p in files)
+    assert dataset.read_table(tmp_path, "gpu").num_rows == 8
+
+
+def test_a_live_writers_journal_is_not_replayed_by_another(tmp_path):
+    w1 = dataset.DatasetWriter(tmp_path, fsync=False)
+    w1.append_rows("gpu", _gpu_rows("n", 1_700_000_000, 5))
+    w2 = dataset.DatasetWriter(tmp_path, fsync=False)
+    assert w2.stats.rows_recovered == 0 and dataset.partition_files(tmp_path, "gpu") == []
+    w1.flush()
+    assert dataset.read_table(tmp_path, "gpu").num_rows == 5
+    assert list((tmp_path / dataset.JOURNAL_DIR).iterdir()) == []
 
 
 def test_leftover_temp_files_are_removed_on_start(tmp_path):

@@ -44,7 +44,8 @@ def pki(tmp_path_factory) -> Path:
     (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for name, cn, ext in (("server", "localhost", "server.ext"), ("job", "job:llama", "client.ext"),
-                          ("collector", "collector:n1", "client.ext"), ("operator", "operator:alice", "client.ext")):
+                          ("collector", "collector:n1", "client.ext"), ("operator", "operator:alice", "client.ext"),
+                          ("bare-job", "job", "client.ext")):
         _openssl("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.pem", "-days", "2", "-extfile", ext, cwd=d)
@@ -155,6 +156,8 @@ def test_mutual_tls_maps_the_client_certificate_cn_to_a_role(pki, tmp_path):
             assert _register(jobs, "other", None) == grpc.StatusCode.PERMISSION_DENIED
         with grpc.secure_channel(plane.address, _creds(pki, "operator")) as ch:
             assert _code(jobs_pb2_grpc.JobsStub(ch).DrainNode, pb.DrainNodeRequest(node="n1")) == grpc.StatusCode.OK
+        with grpc.secure_channel(plane.address, _creds(pki, "bare-job")) as ch:  # CN `job`: no subject, no wildcard
+            assert _register(jobs_pb2_grpc.JobsStub(ch), "llama", None) == grpc.StatusCode.UNAUTHENTICATED
         with grpc.secure_channel(plane.address, _creds(pki)) as ch:   # no client certificate: no handshake
             assert _register(jobs_pb2_grpc.JobsStub(ch), "llama", None) == grpc.StatusCode.UNAVAILABLE
         # The real uplink over mutual TLS with the collector's certificate.
@@ -187,3 +190,27 @@ def test_token_file_and_identities(tmp_path):
         f.write_text(text)
         with pytest.raises(InvalidArgument, match=needle):
             load_token_file(f)
+
+
+def test_a_scoped_role_needs_a_subject_and_only_the_explicit_wildcard_acts_for_all(tmp_path):
+    for spec in ("job", "collector", "job:", "collector: "):
+        with pytest.raises(InvalidArgument, match=r"needs a subject.*:\*"):
+            parse_identity(spec)
+    f = tmp_path / "tokens"
+    f.write_text("operator ops-0123456789abcdef\njob job-0123456789abcdef0\n")
+    with pytest.raises(InvalidArgument, match="line 2.*needs a subject"):
+        load_token_file(f)
+    scheduler, one = parse_identity("job:*"), parse_identity("job:llama")
+    assert scheduler.may_act_for_job("llama") and scheduler.may_act_for_job("other")
+    assert one.may_act_for_job("llama") and not one.may_act_for_job("other")
+    fleet, node = parse_identity("collector:*"), parse_identity("collector:n1")
+    assert fleet.may_report_node("n9") and node.may_report_node("n1") and not node.may_report_node("n9")
+    assert parse_identity("operator").may_act_for_job("anything")
+
+
+@pytest.mark.parametrize("metrics_listen", [":0", "0.0.0.0:0", "[::]:0", "10.0.0.1:9464"])
+def test_insecure_mode_refuses_metrics_on_other_than_loopback(tmp_path, metrics_listen):
+    from foreshock.service.server import SettingsError
+    with pytest.raises(SettingsError, match="metrics_listen.*loopback"):
+        build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer(), metrics_listen=metrics_listen))
+    assert not (tmp_path / "state.sqlite3").exists()   # refused before anything was opened

@@ -1,0 +1,58 @@
+"""The benchmarks' own harness: the service benchmark waits for its service as long as it lives (not a
+fixed 30 s), says why when it dies first, and leaves no temporary directory behind, whatever happens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from benchmarks import bench_service
+
+
+def _process(code: str, *args: str, stderr=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stderr=stderr)
+
+
+def test_the_wait_ends_when_the_service_writes_its_ports(tmp_path):
+    port_file = tmp_path / "port.json"
+    server = _process("import pathlib, sys, time; time.sleep(0.3); "
+                      "pathlib.Path(sys.argv[1]).write_text('{\"port\": 7, \"metrics\": 9}'); time.sleep(60)",
+                      str(port_file))
+    try:
+        assert bench_service.wait_for_port_file(server, port_file, tmp_path / "serve.log") == {"port": 7, "metrics": 9}
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_service_that_dies_before_serving_is_an_error_with_its_status_and_log(tmp_path):
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as fh:
+        server = _process("import sys; print('cannot load the model', file=sys.stderr); sys.exit(3)", stderr=fh)
+    with pytest.raises(RuntimeError, match=r"status 3(.|\n)*cannot load the model"):
+        bench_service.wait_for_port_file(server, tmp_path / "port.json", log)
+
+
+def test_a_failed_run_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_model(out):
+        (out.parent / "half-written").write_text("x")
+        raise OSError("disk full")
+    monkeypatch.setattr(bench_service, "train_model", no_model)
+    with pytest.raises(OSError, match="disk full"):
+        bench_service.run_once(4, 1.0, fatal_victims=0, ramp_victims=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_fault_and_fuzz_loops_find_nothing_wrong():
+    """A few rounds of benchmarks/bench_faults.py's loops, so that they keep running (the full counts
+    and their figures: docs/operations.md)."""
+    from benchmarks import bench_faults
+    sysfs = bench_faults.fuzz_sysfs(16, seed=1)
+    assert sum(sysfs["tried"].values()) == 16 and sysfs["wrong"] == {}
+    grpc_ = bench_faults.fuzz_grpc(2, seed=1)
+    assert grpc_["sent"] == 26 and grpc_["unknown"] == 0 and grpc_["tracebacks"] == 0
