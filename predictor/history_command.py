@@ -74,7 +74,7 @@ def run_import(args, file_data) -> int:
     except history.HistoryError as exc:
         print(f"foreshock history import: {exc}", file=sys.stderr)
         return 1
-    writer = dataset.DatasetWriter(out, fsync=False)
+    writer = dataset.DatasetWriter(out, fsync=False, journal=False)
     day0 = history.INFINITEHBD_DAY0
     writer.write_table("incidents", schema.to_table("incidents", rows))
     writer.write_table("inventory", schema.to_table("inventory", [{"ts": day0, "node": n} for n in nodes]))

@@ -202,7 +202,8 @@ def _simulate_blocks(settings: SimSettings, episodes: list[Episode], out: str, b
     model = ClusterModel(settings.topology, seed=settings.seed, episodes=episodes,
                          difficulty=settings.faults.difficulty, start_ns=settings.start_ns,
                          interval_s=settings.interval_s, world=settings.make_world())
-    writer = DatasetWriter(out, fsync=False, max_buffer_rows=1 << 40, **writer_options)
+    # no crash journal: a simulation that dies is run again, and journaling would double its writes
+    writer = DatasetWriter(out, fsync=False, max_buffer_rows=1 << 40, journal=False, **writer_options)
     if barrier is not None:
         # A writer clears leftover temporary files when it opens: every worker opens its writer before
         # any of them starts writing, so none clears another's file in flight.
@@ -239,7 +240,7 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
     n_blocks = len(_blocks(settings))
     workers = min(workers or (os.cpu_count() or 1), n_blocks)
     Path(out).mkdir(parents=True, exist_ok=True)
-    writer = DatasetWriter(out, fsync=False, **options)
+    writer = DatasetWriter(out, fsync=False, journal=False, **options)
     writer.write_table("inventory", inventory(topo, world, settings.seed, start, end))
     rows = collections.Counter()
     bytes_written = files_written = 0
