@@ -202,7 +202,7 @@ def _assert_same(a, b, path="state"):
 
 def test_state_round_trips_through_a_real_gloo_pair():
     import torch.distributed as dist
-    from foreshock.migrator.transfer import message_plan, recv_state, send_state, tensor_specs, encode
+    from foreshock.migrator.transfer import digest, encode, message_plan, recv_state, send_state, tensor_specs
     state = _training_state()
     skeleton, tensors = encode(state)
     plan = message_plan(tensor_specs(skeleton))
@@ -216,7 +216,7 @@ def test_state_round_trips_through_a_real_gloo_pair():
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
             pg = dist.ProcessGroupGloo(dist.PrefixStore("t/", client), rank, 2, timedelta(seconds=30))
             if rank == 0:
-                got["bytes"] = send_state(pg, state, 1, 0)
+                got["bytes"], got["digest"] = send_state(pg, state, 1, 0)
             else:
                 got["state"] = recv_state(pg, 0, 0)
         except Exception as exc:  # noqa: BLE001
@@ -230,6 +230,12 @@ def test_state_round_trips_through_a_real_gloo_pair():
     assert not errors, errors
     _assert_same(state, got["state"])
     assert got["bytes"] > 24_000_000
+    # the digest the sender reports is the receiver's digest of what it got, and a one-bit change shows
+    assert got["digest"] == digest(got["state"]) == digest(state)
+    flipped = got["state"]["model"][next(iter(got["state"]["model"]))]
+    flipped.view(torch.uint8)[0] ^= 1
+    assert digest(got["state"]) != got["digest"]
+    flipped.view(torch.uint8)[0] ^= 1
     # and the received optimizer state loads into a fresh optimizer and steps identically
     from foreshock.migrator.example import build
     m1, o1, _ = build(3000, seed=1)
