@@ -526,14 +526,16 @@ class Migrator:
         self.seam.abandon()        # the survivors' pending operations on this world fail at once
         hk = f"{self._p}heal/g{gen}/"
         self._store.set(f"{hk}alive/{self.rank}", json.dumps({"step": self.step, "node": self.config.node}))
-        deadline = t0 + self.config.transfer_timeout_s
+        # a survivor blocked on the dead rank reports only when its own operation times out (the
+        # group's timeout, transfer_timeout_s for the worlds the migrator makes): wait that long again
+        deadline = t0 + 2 * self.config.transfer_timeout_s
         stale_after = 10 * self.config.spare_heartbeat_s + 1.0
         reported: set[int] = set()
         dead: set[int] = set()
         while len(reported) + len(dead) < w and not self._store.check([f"{hk}plan"]):
             if time.monotonic() > deadline:
                 return self._leave_unhealed(f"could not tell the dead ranks from the slow ones within "
-                                            f"{self.config.transfer_timeout_s}s", phases)
+                                            f"{2 * self.config.transfer_timeout_s}s", phases)
             time.sleep(0.05)
             reported = {r for r in range(w) if self._store.check([f"{hk}alive/{r}"])}
             dead = set()
@@ -564,6 +566,10 @@ class Migrator:
             path = ""
             if plan.get("checkpoint"):
                 path = self._save_checkpoint(plan["coordinator"] == self.rank)
+            if plan["coordinator"] == self.rank:
+                # the job ends here: the spares have nothing to wait for
+                self._store.set(f"{self._p}released", "1")
+                self._release_spares()
             change = WorldChange("checkpoint_exit", "", leave=True, rank=self.rank, world_size=w,
                                  generation=gen, checkpoint=path, reason=plan["reason"], phases=phases)
             self.close(finished=False)

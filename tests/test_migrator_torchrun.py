@@ -1,0 +1,97 @@
+"""Drop-in integration under a real torchrun: an ordinary DDP script (foreshock.migrator.torchrun_example)
+that makes its own process group and DDP wrapper, launched with `torchrun --standalone` (c10d
+rendezvous on a dynamic port), and a warm spare started beside it from the two values rank 0 logs.
+An evacuation directive published in torchrun's own store moves rank 1 to the spare mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+STEPS = 30
+RANKS = 3
+
+
+def _wait_for(pattern, path: Path, proc, timeout: float):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
+        if m:
+            return m
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} in torchrun's output:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+def test_a_torchrun_ddp_script_adopts_its_group_and_hands_a_rank_to_a_spare(tmp_path):
+    import torch.distributed as dist
+    from foreshock.migrator import Directive, DirectiveKind, publish_directive
+    out = tmp_path / "records"
+    out.mkdir()
+    env = {**os.environ, "FORESHOCK_EXAMPLE_OUT": str(out), "FORESHOCK_EXAMPLE_STEPS": str(STEPS),
+           "FORESHOCK_EXAMPLE_STEP_SLEEP": "0.6",
+           "FORESHOCK_SPARE_NODES": "spare-node", "FORESHOCK_TRANSFER_TIMEOUT_S": "30",
+           "FORESHOCK_SPARE_HEARTBEAT_S": "0.2", "FORESHOCK_STANDBY_POLL_S": "5", "OMP_NUM_THREADS": "1"}
+    env.pop("FORESHOCK_STORE", None)
+    env.pop("FORESHOCK_JOB_ID", None)
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as logf:
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc-per-node={RANKS}", "-m", "foreshock.migrator.torchrun_example"],
+                               env=env, stdout=logf, stderr=subprocess.STDOUT)
+    spare = None
+    try:
+        m = _wait_for(r"FORESHOCK_JOB_ID=(\S+) FORESHOCK_STORE=(\S+)", log, job, timeout=90)
+        job_id, store_addr = m.group(1), m.group(2)
+        spare = subprocess.Popen([sys.executable, "-m", "foreshock.migrator.torchrun_example"],
+                                 env={**env, "FORESHOCK_ROLE": "spare", "FORESHOCK_JOB_ID": job_id,
+                                      "FORESHOCK_STORE": store_addr, "FORESHOCK_NODE": "spare-node"},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        host, port = store_addr.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+        # the spare is in standby once it has a heartbeat slot
+        end = time.monotonic() + 60
+        while not store.check([f"foreshock/{job_id}/standby/spare-node/0/beat"]):
+            assert time.monotonic() < end, "the spare never reached standby"
+            time.sleep(0.1)
+        publish_directive(store, job_id, Directive("move-1", DirectiveKind.EVACUATE, (1,), "", "spare-node",
+                                                   at_step=0, reason="test: torchrun"))
+        assert job.wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert spare.wait(timeout=60) == 0
+    finally:
+        for p in (job, spare):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    records = [json.loads(f.read_text()) for f in out.glob("*.json")]
+    assert len(records) == RANKS + 1
+    (spare_rec,) = [r for r in records if r["pid"] == spare.pid]
+    (leaving,) = [r for r in records if r["exit"] == "evacuated"]
+    staying = [r for r in records if r["exit"] == "finished" and r["pid"] != spare.pid]
+    assert len(staying) == RANKS - 1
+    # staying ranks: one process each ran every step, in one rank
+    for r in staying:
+        assert sorted(map(int, r["losses"])) == list(range(STEPS))
+        assert len(set(r["ranks"].values())) == 1 and r["joined"] == 0
+    # the spare continued rank 1's stream exactly where the leaving process stopped
+    k = spare_rec["joined"]
+    assert 0 < k < STEPS
+    assert sorted(map(int, leaving["losses"])) == list(range(k))
+    assert sorted(map(int, spare_rec["losses"])) == list(range(k, STEPS))
+    assert set(spare_rec["ranks"].values()) == set(leaving["ranks"].values()) == {1}
+    # every finishing process holds the same parameters
+    assert len({r["hash"] for r in staying + [spare_rec]}) == 1
