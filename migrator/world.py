@@ -493,7 +493,8 @@ class Migrator:
                                    generation=self.generation, reason=reason, phases=phases)
             if coordinator:
                 self._ack(d, AckPhase.STATE_TRANSFERRED, phase_seconds=phases.get("transfer", 0.0),
-                          reason=f"{plan.get('bytes', 0)} bytes to {[s['node'] for s in plan['spares']]}")
+                          reason=f"{plan.get('bytes', 0)} bytes to {[s['node'] for s in plan['spares']]}: "
+                                 + ", ".join(f"{n} from {src}" for src, n in plan.get("bytes_from", {}).items()))
         leaving = self.rank in plan["leaving"]
         if leaving:
             self._ddp = None

@@ -1,0 +1,138 @@
+"""FSDP2 proof: real gloo jobs on CPU, 4 ranks + 1 warm spare, the example MLP sharded with fully_shard
+(each Linear its own unit, plus the root), Adam + StepLR, data a pure function of (seed, step, rank).
+
+Two jobs run side by side with the same seed: `moved` gets an evacuation of rank 1 mid-run (the leaving
+rank sends its own parameter and optimizer shards, RNG and data position to the spare), `undisturbed`
+gets nothing. The script makes its own group (env://, as under torchrun) and the migrator adopts it.
+In-process tests cover the layouts the migrator refuses.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from foreshock.migrator import Directive, DirectiveKind, publish_directive  # noqa: E402
+from foreshock.migrator import example  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+STEPS = 24
+NODES = ["f0", "f1", "f2", "f3"]
+SPARE = "f4"
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def fsdp_jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("migrator-fsdp")
+    jobs = {name: example.launch(name, NODES, [SPARE], steps=STEPS, out_dir=tmp / name, seed=SEED,
+                                 params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp")
+            for name in ("moved", "undisturbed")}
+    try:
+        moved = jobs["moved"]
+        moved.wait_progress(6, timeout=90)
+        publish_directive(moved.store, "moved", Directive("fsdp-1", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
+                                                          at_step=moved.progress() + 2, reason="test: fsdp"))
+        codes = {name: job.wait(timeout=150) for name, job in jobs.items()}
+        acks = {k: moved.store.get(f"foreshock/moved/directives/ack/fsdp-1/{k}").decode()
+                for k in ("accepted", "state_transferred", "completed")}
+        yield {"codes": codes, "results": {n: {r["name"]: r for r in j.results()} for n, j in jobs.items()},
+               "procs": moved.processes, "acks": acks}
+    finally:
+        for job in jobs.values():
+            job.wait(timeout=1)
+
+
+def _steps(rec):
+    return sorted(int(s) for s in rec["losses"])
+
+
+def test_fsdp_spare_takes_the_leaving_ranks_shards_no_step_lost_or_repeated(fsdp_jobs):
+    assert all(c == 0 for codes in fsdp_jobs["codes"].values() for c in codes.values()), fsdp_jobs["codes"]
+    res, procs = fsdp_jobs["results"]["moved"], fsdp_jobs["procs"]
+    for r in (0, 2, 3):
+        rec = res[f"rank{r}"]
+        assert rec["pid"] == procs[f"rank{r}"].pid and rec["exit"] == "finished"
+        assert _steps(rec) == list(range(STEPS)) and set(rec["ranks"].values()) == {r}
+        assert [c["kind"] for c in rec["changes"]] == ["evacuate"]
+    leaving, spare = res["rank1"], res[f"spare-{SPARE}"]
+    k = spare["joined_at_step"]
+    assert 6 < k < STEPS and leaving["exit"] == "evacuate"
+    assert _steps(leaving) == list(range(k)) and _steps(spare) == list(range(k, STEPS))
+    assert set(spare["ranks"].values()) == {1}
+    # the spare holds exactly the shards rank 1 held when it left
+    assert spare["hashes"][str(k)] == leaving["hashes"][str(k)]
+
+
+def test_fsdp_loss_and_every_shard_bit_identical_to_the_undisturbed_run(fsdp_jobs):
+    moved, ref = fsdp_jobs["results"]["moved"], fsdp_jobs["results"]["undisturbed"]
+
+    def curve(recs):
+        out = {}
+        for rec in recs.values():
+            for s, loss in rec["losses"].items():
+                key = (rec["ranks"][s], int(s))
+                assert key not in out, f"step {key} ran twice"
+                out[key] = loss
+        return out
+
+    got, want = curve(moved), curve(ref)
+    assert set(got) == set(want) == {(r, s) for r in range(4) for s in range(STEPS)}
+    assert got == want                      # exact: bit-identical float losses on every rank and step
+    assert want[(0, STEPS - 1)] != want[(0, 0)]
+    # every rank's final shards (rank 1's now in the spare) equal the undisturbed run's, bit for bit
+    final = {rec["ranks"][str(STEPS - 1)]: rec["hashes"][str(STEPS)] for rec in moved.values()
+             if rec["exit"] == "finished"}
+    ref_final = {rec["ranks"][str(STEPS - 1)]: rec["hashes"][str(STEPS)] for rec in ref.values()
+                 if rec["exit"] == "finished"}
+    assert final == ref_final and len(final) == 4
+    assert len(set(final.values())) == 4    # shards: each rank holds different rows
+
+
+def test_fsdp_switch_acknowledged_with_bytes_from_the_leaving_rank(fsdp_jobs):
+    import json
+    transferred = json.loads(fsdp_jobs["acks"]["state_transferred"])
+    # the shards came from rank 1 itself; the replica-less coordinator sent only the small shared part
+    assert "from rank 1 (own shards and state)" in transferred["reason"]
+    assert json.loads(fsdp_jobs["acks"]["completed"])["phase"] == "completed"
+    res = fsdp_jobs["results"]["moved"]
+    assert all(rec["final"]["agreements"]["separate"] == STEPS - (rec.get("joined_at_step") or 0)
+               for rec in res.values() if rec.get("final"))
+
+
+def _one_rank_world():
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return store
+
+
+def test_an_hsdp_mesh_and_a_sharded_model_without_reshard_are_refused():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from foreshock.migrator import Migrator, MigratorConfig
+    from foreshock.migrator.sharded import UnsupportedMeshError, check_layout
+    store = _one_rank_world()
+    try:
+        cfg = MigratorConfig.from_env({}, job_id="hsdp", rank=0, world_size=1, node="n0",
+                                      store=f"127.0.0.1:{store.port}")
+        flat = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        check_layout(flat)                         # FSDP2 on a 1-D mesh: understood
+        with pytest.raises(ValueError, match="pass reshard="):
+            Migrator(cfg, model=flat, store=store)
+        hsdp = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1),
+                                                                         mesh_dim_names=("replicate", "shard")))
+        with pytest.raises(UnsupportedMeshError, match=r"weight .* 2-D mesh"):
+            check_layout(hsdp)
+        mig = Migrator(cfg, model=hsdp, optimizer=torch.optim.Adam(hsdp.parameters()), store=store,
+                       reshard=lambda mesh: hsdp)
+        with pytest.raises(UnsupportedMeshError, match="1-D mesh"):
+            mig.start()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
