@@ -50,7 +50,8 @@ class MigratorConfig:
 
     def __post_init__(self) -> None:
         if not self.job_id:
-            raise MigratorConfigError("job_id (FORESHOCK_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID) is required")
+            raise MigratorConfigError("job_id (FORESHOCK_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID) "
+                                      "is required")
         if self.role not in ROLES:
             raise MigratorConfigError(f"role (FORESHOCK_ROLE) must be one of {ROLES}, got {self.role!r}")
         if self.fallback not in FALLBACKS:

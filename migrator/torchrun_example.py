@@ -51,7 +51,7 @@ def main() -> None:
     steps = int(os.environ.get("FORESHOCK_EXAMPLE_STEPS", "200"))
     pause = float(os.environ.get("FORESHOCK_EXAMPLE_STEP_SLEEP", "0.02"))
     torch.set_num_threads(1)
-    init_process_group("gloo")                                                # foreshock: was dist.
+    init_process_group("gloo")                                                # foreshock: was dist.init_process_group
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     model = DistributedDataParallel(net) if dist.is_initialized() else net   # foreshock: a spare has no group yet
@@ -59,25 +59,28 @@ def main() -> None:
     position = DataPosition()
     mig = Migrator(model=model, optimizer=optimizer, per_rank={"data": position})   # foreshock
     record = {"pid": os.getpid(), "losses": {}, "ranks": {}, "joined": None, "exit": "released"}
-    if mig.start():                                                          # foreshock: a spare waits here
-        record["joined"] = mig.step
-        record["exit"] = "finished"
-        while position.next_step < steps:                                    # foreshock: was for step in range(steps)
-            step = position.next_step
-            x, y = batch(step, dist.get_rank())
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(mig.model(x), y)             # foreshock: was model(x)
-            loss.backward()
-            optimizer.step()
-            position.next_step += 1
-            record["losses"][step], record["ranks"][step] = loss.item(), dist.get_rank()
-            if mig.end_step().leave:                                         # foreshock
-                record["exit"] = "evacuated"
-                break
-            time.sleep(pause)
-        record["hash"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                                 for p in net.parameters())).hexdigest()
-    mig.close(finished=record["exit"] == "finished")                         # foreshock: was dist.destroy_process_group()
+    if not mig.start():                                                      # foreshock: a spare waits here
+        return _write(record)
+    record.update(joined=mig.step, exit="finished")
+    while position.next_step < steps:                                        # foreshock: was for step in range(steps)
+        step = position.next_step
+        x, y = batch(step, dist.get_rank())
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(mig.model(x), y)                 # foreshock: was model(x)
+        loss.backward()
+        optimizer.step()
+        position.next_step += 1
+        record["losses"][step], record["ranks"][step] = loss.item(), dist.get_rank()
+        if mig.end_step().leave:                                             # foreshock
+            record["exit"] = "evacuated"
+            break
+        time.sleep(pause)
+    record["hash"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+    mig.close(finished=record["exit"] == "finished")                         # foreshock: was destroy_process_group()
+    _write(record)
+
+
+def _write(record: dict) -> None:
     out = os.environ.get("FORESHOCK_EXAMPLE_OUT")
     if out:
         with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
