@@ -183,7 +183,8 @@ class Migrator:
         if self._client is not None:
             self._client.watch(self.rank)
         if self.is_lead:
-            log.warning("job %s: spares join with FORESHOCK_ROLE=spare FORESHOCK_JOB_ID=%s "
+            # under torchrun (--standalone) these two values are chosen at start: say them where people look
+            (log.warning if self.adopted else log.info)("job %s: spares join with FORESHOCK_ROLE=spare FORESHOCK_JOB_ID=%s "
                         "FORESHOCK_STORE=%s FORESHOCK_NODE=<their node>", self.config.job_id,
                         self.config.job_id, self.config.store)
         t3 = time.monotonic()
@@ -742,7 +743,8 @@ class Migrator:
                 for r in leaving:
                     k = f"{xkey}bytes/{r}"
                     if self._store.check([k]):
-                        plan["bytes_from"][f"rank {r} (own shards and state)"] = int(self._store.get(k))
+                        own = "own shards and state" if self.reshard is not None else "own rank-local state"
+                        plan["bytes_from"][f"rank {r} ({own})"] = int(self._store.get(k))
                 plan["bytes"] = sum(plan["bytes_from"].values())
             except Exception as exc:  # noqa: BLE001
                 outcome = f"abort: {exc}".replace("\n", " ")[:500]

@@ -136,3 +136,45 @@ def test_an_hsdp_mesh_and_a_sharded_model_without_reshard_are_refused():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_backend_seam_forms_abandons_and_forms_again_a_gloo_world():
+    import torch.distributed as dist
+    from foreshock.migrator.backends import backend_seam
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        backend_seam("mpi")
+    seam = backend_seam("gloo")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    try:
+        for gen in range(2):                 # a new world on a fresh prefix after abandoning the last
+            seam.init_world(dist.PrefixStore(f"g{gen}/", store), 0, 1, timedelta(seconds=30))
+            assert seam.mesh(1).device_type == "cpu"
+            t = torch.ones(3)
+            dist.all_reduce(t)
+            assert t.tolist() == [1.0, 1.0, 1.0]
+            seam.abandon()
+            assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="the NCCL path needs a CUDA device")
+def test_the_nccl_seam_binds_the_device_aborts_and_forms_again():
+    import torch.distributed as dist
+    from foreshock.migrator.backends import backend_seam
+    seam = backend_seam("nccl")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    try:
+        for gen in range(2):
+            seam.init_world(dist.PrefixStore(f"g{gen}/", store), 0, 1, timedelta(seconds=60))
+            t = torch.ones(3, device=seam.device())
+            dist.all_reduce(t)
+            assert t.cpu().tolist() == [1.0, 1.0, 1.0]
+            assert seam.mesh(1).device_type == "cuda"
+            seam.abandon()                   # ncclCommAbort, then the group is gone
+            assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
