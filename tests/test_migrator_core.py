@@ -60,6 +60,12 @@ def test_config_from_env_with_torchrun_fallbacks():
     # FORESHOCK_* wins over torchrun's, an argument wins over both
     c = MigratorConfig.from_env({**env, "FORESHOCK_RANK": "1"}, world_size=8)
     assert (c.rank, c.world_size) == (1, 8)
+    # under torchrun alone: the job id is its run id (--rdzv-id), the store its rendezvous store
+    torchrun = {"TORCHELASTIC_RUN_ID": "run-42", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                "MASTER_PORT": "29400"}
+    c = MigratorConfig.from_env(torchrun)
+    assert (c.job_id, c.store) == ("run-42", "h:29400")
+    assert MigratorConfig.from_env({**torchrun, "FORESHOCK_JOB_ID": "mine"}).job_id == "mine"
 
 
 @pytest.mark.parametrize("env, names", [

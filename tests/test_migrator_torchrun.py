@@ -95,3 +95,43 @@ def test_a_torchrun_ddp_script_adopts_its_group_and_hands_a_rank_to_a_spare(tmp_
     assert set(spare_rec["ranks"].values()) == set(leaving["ranks"].values()) == {1}
     # every finishing process holds the same parameters
     assert len({r["hash"] for r in staying + [spare_rec]}) == 1
+
+
+def test_a_group_and_ddp_made_by_the_script_are_adopted_and_a_spare_skips_init(tmp_path, monkeypatch):
+    """In this process: a one-rank world the script made itself, its own DDP wrapper, a directive."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from foreshock.migrator import (Directive, DirectiveKind, LocalDirectiveSource, Migrator, MigratorConfig,
+                                    init_process_group)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("FORESHOCK_ROLE", "spare")
+    init_process_group("gloo", store=store, rank=0, world_size=1)
+    assert not dist.is_initialized()             # a spare joins a world only when it takes a rank
+    monkeypatch.setenv("FORESHOCK_ROLE", "rank")
+    init_process_group("gloo", store=dist.PrefixStore("script/", store), rank=0, world_size=1)
+    try:
+        assert dist.is_initialized()
+        net = torch.nn.Linear(4, 2)
+        ddp = DistributedDataParallel(net, bucket_cap_mb=1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        source = LocalDirectiveSource()
+        cfg = MigratorConfig.from_env({}, job_id="adopt", rank=0, world_size=1, node="n0",
+                                      store=f"127.0.0.1:{store.port}", checkpoint_dir=str(tmp_path))
+        mig = Migrator(cfg, model=ddp, optimizer=opt, source=source, store=store)
+        assert mig.start() and mig.adopted and mig.model is ddp and mig.module is net
+        assert mig.ddp_kwargs["bucket_cap_mb"] == 1
+        source.push(Directive("ck", DirectiveKind.CHECKPOINT_EXIT, (0,), "n0", "", at_step=3, reason="test"))
+        while True:
+            with mig.guard():
+                opt.zero_grad()
+                mig.model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                mig.end_step()
+            if mig.last_change.leave:
+                break
+        # the agreement rode in the script's own DDP all-reduce, and the adopted world acted on it
+        assert mig.step == 3 and mig.agreement_counts == {"piggybacked": 3, "separate": 0}
+        assert mig.last_change.kind == "checkpoint_exit" and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
