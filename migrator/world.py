@@ -755,6 +755,7 @@ class Migrator:
                 i = leaving.index(self.rank)
                 pg = self._transfer_group(did, gen, 1 + i, size)
                 sp = next(s for s in plan["spares"] if s["replaces"] == self.rank)
+                _fault_point("leaving_dies_in_transfer")
                 sent, dg = send_state(pg, self.local_state(), sp["transfer_rank"], LOCAL_TAG)
                 self._store.set(f"{xkey}digest/{1 + i}/{sp['transfer_rank']}/local", dg)
                 self._store.set(f"{xkey}bytes/{self.rank}", str(sent))
@@ -991,12 +992,18 @@ def init_process_group(*args, **kwargs) -> None:
     dist.init_process_group(*args, **kwargs)
 
 
-def _transfer_fault_hook(message: int, total: int) -> None:
-    """Fault injection for the proof tests and the demo: FORESHOCK_MIGRATOR_FAULT=spare_dies_in_transfer
-    makes a spare kill itself (SIGKILL, no clean-up) after the first message of the state arrives."""
-    if os.environ.get("FORESHOCK_MIGRATOR_FAULT") == "spare_dies_in_transfer":
+def _fault_point(name: str) -> None:
+    """Fault injection for the proof tests and the demo: FORESHOCK_MIGRATOR_FAULT=<name> makes this
+    process kill itself here (SIGKILL, no clean-up). spare_dies_in_transfer: a spare, after the first
+    message of the state arrives; leaving_dies_in_transfer: a leaving rank, in the transfer group,
+    before it sends its own state."""
+    if os.environ.get("FORESHOCK_MIGRATOR_FAULT") == name:
         import signal
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _transfer_fault_hook(message: int, total: int) -> None:
+    _fault_point("spare_dies_in_transfer")
 
 
 def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they are strings here

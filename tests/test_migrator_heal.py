@@ -5,7 +5,10 @@ jobs on CPU, 4 ranks + 1 warm spare each, run side by side.
   store, a healthy replica hands the full state to the spare, and the failed step runs again in the
   new world: no restart, every step once per rank, all replicas equal at the end;
 - `fsdp`: the dead rank's shards exist nowhere else, so every survivor ends with checkpoint_exit
-  (exit status 3) and says why, within the deadline, instead of hanging in a collective.
+  (exit status 3) and says why, within the deadline, instead of hanging in a collective;
+- `leaving`: an evacuation of rank 1 whose leaving rank dies in the transfer group before it sends its
+  own state: the switch is aborted, the old world goes on, its next collective fails, and the
+  survivors heal from a replica with the same spare.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from foreshock.migrator import example  # noqa: E402
+from foreshock.migrator import Directive, DirectiveKind, example, publish_directive  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -31,7 +34,14 @@ def killed_jobs(tmp_path_factory):
     jobs = {mode: example.launch(f"heal-{mode}", NODES, [SPARE], steps=STEPS, out_dir=tmp / mode, seed=3,
                                  step_sleep_s=0.02, transfer_timeout_s=10.0, mode=mode, env=fault)
             for mode in ("ddp", "fsdp")}
+    jobs["leaving"] = example.launch("heal-leaving", NODES, [SPARE], steps=STEPS, out_dir=tmp / "leaving", seed=3,
+                                     step_sleep_s=0.02, transfer_timeout_s=10.0,
+                                     env={"FORESHOCK_MIGRATOR_FAULT": "leaving_dies_in_transfer"})
     try:
+        jobs["leaving"].wait_progress(6, timeout=90)
+        publish_directive(jobs["leaving"].store, "heal-leaving",
+                          Directive("lv", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
+                                    at_step=jobs["leaving"].progress() + 2, reason="test: leaving dies"))
         # bounded: a hang would show as processes killed here (exit -9 on a survivor)
         codes = {mode: job.wait(timeout=150) for mode, job in jobs.items()}
         yield {"codes": codes, "results": {m: {r["name"]: r for r in j.results()} for m, j in jobs.items()},
@@ -79,3 +89,19 @@ def test_fsdp_without_a_replica_takes_the_checkpoint_exit_path_and_says_so(kille
         assert change["leave"] and change["checkpoint"] == ""
         assert "their FSDP shards have no replica" in change["reason"], change["reason"]
     assert res[f"spare-{SPARE}"]["exit"] == "released"
+
+
+def test_a_leaving_rank_that_dies_in_the_transfer_aborts_the_switch_then_the_replica_heals(killed_jobs):
+    codes = killed_jobs["codes"]["leaving"]
+    assert codes["rank1"] == -9 and all(codes[n] == 0 for n in ("rank0", "rank2", "rank3", f"spare-{SPARE}")), codes
+    res = killed_jobs["results"]["leaving"]
+    for r in (0, 2, 3):
+        rec = res[f"rank{r}"]
+        assert _steps(rec) == list(range(STEPS)) and set(rec["ranks"].values()) == {r}
+        assert [c["kind"] for c in rec["changes"]] == ["failed", "heal"], rec["changes"]
+        assert "refused the state" in rec["changes"][0]["reason"]
+    spare = res[f"spare-{SPARE}"]
+    k = spare["joined_at_step"]
+    assert k == res["rank0"]["changes"][1]["step"] and _steps(spare) == list(range(k, STEPS))
+    assert set(spare["ranks"].values()) == {1}
+    assert len({rec["hashes"][str(STEPS)] for rec in res.values()}) == 1
