@@ -100,11 +100,11 @@ def apply_local(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
         for k, v in per.items():
             if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and tuple(v.shape) == local_shape \
                     and v.dim() > 0:
-                # a per-element moment (Adam's exp_avg): a DTensor laid out like its parameter
-                v = DTensor.from_local(v.to(_local(p).device).clone(), p.device_mesh, p.placements,
+                # a per-element moment (Adam's exp_avg): a DTensor laid out like its parameter. The
+                # tensor is taken as it is (the old world's local tensor, or a view of the receive
+                # buffer): nothing else holds it, so the optimizer may update it in place
+                v = DTensor.from_local(v.to(_local(p).device), p.device_mesh, p.placements,
                                        shape=p.shape, stride=p.stride(), run_check=False)
-            elif isinstance(v, torch.Tensor):
-                v = v.clone()
             entry[k] = v
         new_state[p] = entry
     optimizer.state = new_state
