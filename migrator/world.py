@@ -1,7 +1,8 @@
 """The PyTorch side of the migrator: one training world per generation, and the switch between them.
 
 Every process of the job (ranks and warm spares) runs the same script and builds a Migrator around its
-model, optimizer and scheduler. Generation g's default process group is built on
+model, optimizer and scheduler. Generation 0 is the group the script made (torchrun's env://), adopted
+with its DDP wrapper, or one the migrator makes; generation g > 0's default process group is built on
 PrefixStore("<job>/world/g<g>") of the job's TCPStore; each switch uses a fresh prefix, because a reused
 one hands out stale addresses and hangs. At each step boundary `end_step()` reads the agreement (three
 extra elements in the first gradient bucket's all-reduce, via a DDP communication hook; a separate tiny
@@ -13,16 +14,23 @@ all-reduce when no backward ran), and on an agreed directive whose step has come
 2. transfer (evacuate only): the coordinator, the leaving ranks and the spares form a short-lived gloo
    group on a fresh prefix; the coordinator sends the replicated state (model, optimizer, scheduler,
    registered replicated objects, step, generation, directives done), each leaving rank, still alive,
-   sends its own rank-local state (RNG states, per-rank objects such as the data position) to the
-   spare that replaces it; each spare confirms in the store;
+   sends its own rank-local state (RNG states, per-rank objects such as the data position; with FSDP2
+   its parameter and optimizer shards, foreshock.migrator.sharded) to the spare that replaces it; each
+   spare checks the senders' digests against what it loaded and confirms in the store;
 3. commit or abort: the coordinator publishes the outcome. On commit the leaving ranks return
    `leave=True`, everyone else destroys the old group, joins generation g+1, and re-wraps the model in
-   DistributedDataParallel (which holds its process group). On abort (a spare died, a timeout) nothing
-   of the old world was touched: training goes on in it and the directive is reported failed.
+   DistributedDataParallel (which holds its process group) or, with FSDP2, rebuilds it on the new mesh
+   with its own shards. On abort (a spare died, a timeout) nothing of the old world was touched:
+   training goes on in it and the directive is reported failed.
+
+A rank that dies unannounced breaks a collective inside a step; `guard()` around the step turns that
+into a heal (_heal): the survivors tell the dead from the slow through the store (reports and
+heartbeats), and the first to know plans: a replica hands the state to a spare (DDP), or, with no
+replica (FSDP2) or no consistent step, every survivor leaves with checkpoint_exit.
 
 Upstream torch 2.13 cannot reconfigure a process group (and gloo cannot shrink one), so a new world is
-always destroy + init on a new prefix store, as torchft does; NCCL follows the same path with
-backend="nccl" (the state transfer group stays gloo on CPU tensors).
+always destroy + init on a new prefix store, as torchft does; what NCCL does differently is in
+foreshock.migrator.backends (the state transfer group stays gloo on CPU tensors).
 """
 
 from __future__ import annotations
@@ -166,11 +174,11 @@ class Migrator:
             self._init_world(self.generation, self.rank, self.world_size)
         if self.reshard is not None:
             from foreshock.migrator import sharded
-            if sharded.is_sharded(self.module):
-                sharded.check_layout(self.module)
-            else:
-                self.module = self.reshard(self.seam.mesh(self.world_size))
-                sharded.check_layout(self.module)
+            if not sharded.is_sharded(self.module):
+                raise sharded.UnsupportedMeshError(
+                    "model: with reshard= a rank's model must be sharded already (fully_shard on the job's "
+                    "mesh, after the script's init_process_group), with its optimizer built on it")
+            sharded.check_layout(self.module)
         t2 = time.monotonic()
         self._store.set(f"{self._p}node/g0/{self.rank}", self.config.node)
         nodes = self._store.multi_get([f"{self._p}node/g0/{r}" for r in range(self.world_size)])
@@ -184,9 +192,9 @@ class Migrator:
             self._client.watch(self.rank)
         if self.is_lead:
             # under torchrun (--standalone) these two values are chosen at start: say them where people look
-            (log.warning if self.adopted else log.info)("job %s: spares join with FORESHOCK_ROLE=spare FORESHOCK_JOB_ID=%s "
-                        "FORESHOCK_STORE=%s FORESHOCK_NODE=<their node>", self.config.job_id,
-                        self.config.job_id, self.config.store)
+            say = log.warning if self.adopted else log.info
+            say("job %s: spares join with FORESHOCK_ROLE=spare FORESHOCK_JOB_ID=%s FORESHOCK_STORE=%s "
+                "FORESHOCK_NODE=<their node>", self.config.job_id, self.config.job_id, self.config.store)
         t3 = time.monotonic()
         self._start_heartbeat(f"{self._p}alive/g{self.generation}/{self.rank}")
         if self._adopted_ddp is not None:
