@@ -6,7 +6,7 @@ back to torchrun's TORCHELASTIC_RUN_ID, the --rdzv-id), FORESHOCK_RANK (falls ba
 FORESHOCK_WORLD_SIZE (falls back to WORLD_SIZE), FORESHOCK_NODE (the node this process runs on; falls
 back to the host name), FORESHOCK_ROLE (`rank` or `spare`), FORESHOCK_TOKEN (the job's bearer
 credential), FORESHOCK_STORE (host:port of the job's rendezvous store; falls back to
-MASTER_ADDR:MASTER_PORT, which under torchrun's c10d rendezvous is its store), FORESHOCK_SPARE_NODES
+MASTER_ADDR:MASTER_PORT, under torchrun a store of rank 0's agent on a port chosen at start), FORESHOCK_SPARE_NODES
 (comma-separated) and FORESHOCK_FALLBACK (`shrink` or `checkpoint_exit`). An argument given explicitly
 wins over the environment. A bad value raises MigratorConfigError naming the variable; this happens before training
 starts, never inside the loop.

@@ -5,8 +5,9 @@ DistributedDataParallel wrapper); docs/migrator.md counts what the marked lines 
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 -m foreshock.migrator.torchrun_example
 
-and a warm spare beside it, with the two values rank 0 logs at start (the store is torchrun's own
-rendezvous store, MASTER_ADDR:MASTER_PORT; the job id is torchrun's run id):
+and a warm spare beside it, with the two values rank 0 logs at start (the store torchrun gives its
+workers, MASTER_ADDR:MASTER_PORT, on a port chosen at start; the job id is torchrun's run id;
+docs/migrator.md gives fixed commands with a c10d rendezvous endpoint):
 
     FORESHOCK_ROLE=spare FORESHOCK_JOB_ID=<run id> FORESHOCK_STORE=<host:port> FORESHOCK_NODE=<node> \\
         python -m foreshock.migrator.torchrun_example

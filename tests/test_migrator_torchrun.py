@@ -1,7 +1,8 @@
 """Drop-in integration under a real torchrun: an ordinary DDP script (foreshock.migrator.torchrun_example)
-that makes its own process group and DDP wrapper, launched with `torchrun --standalone` (c10d
-rendezvous on a dynamic port), and a warm spare started beside it from the two values rank 0 logs.
-An evacuation directive published in torchrun's own store moves rank 1 to the spare mid-run.
+that makes its own process group and DDP wrapper, launched as docs/migrator.md says (c10d rendezvous
+on an endpoint, FORESHOCK_STORE set to it, the run id as the job id), and a warm spare started beside
+it with the documented command. An evacuation directive published in that store moves rank 1 to the
+spare mid-run. In-process: a group and a DDP wrapper the script made are adopted.
 """
 
 from __future__ import annotations
@@ -38,43 +39,47 @@ def _wait_for(pattern, path: Path, proc, timeout: float):
 
 
 def test_a_torchrun_ddp_script_adopts_its_group_and_hands_a_rank_to_a_spare(tmp_path):
+    import socket
     import torch.distributed as dist
     from foreshock.migrator import Directive, DirectiveKind, publish_directive
     out = tmp_path / "records"
     out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
     env = {**os.environ, "FORESHOCK_EXAMPLE_OUT": str(out), "FORESHOCK_EXAMPLE_STEPS": str(STEPS),
-           "FORESHOCK_EXAMPLE_STEP_SLEEP": "0.6",
+           "FORESHOCK_EXAMPLE_STEP_SLEEP": "0.4", "FORESHOCK_STORE": endpoint,
            "FORESHOCK_SPARE_NODES": "spare-node", "FORESHOCK_TRANSFER_TIMEOUT_S": "30",
            "FORESHOCK_SPARE_HEARTBEAT_S": "0.2", "FORESHOCK_STANDBY_POLL_S": "5", "OMP_NUM_THREADS": "1"}
-    env.pop("FORESHOCK_STORE", None)
     env.pop("FORESHOCK_JOB_ID", None)
     log = tmp_path / "torchrun.log"
     with open(log, "w") as logf:
-        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc-per-node={RANKS}", "-m", "foreshock.migrator.torchrun_example"],
+        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                                f"--nproc-per-node={RANKS}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                                "--rdzv-id=tr-job", "-m", "foreshock.migrator.torchrun_example"],
                                env=env, stdout=logf, stderr=subprocess.STDOUT)
-    spare = None
+    # the spare, with the documented command, at the same time as the job
+    spare = subprocess.Popen([sys.executable, "-m", "foreshock.migrator.torchrun_example"],
+                             env={**env, "FORESHOCK_ROLE": "spare", "FORESHOCK_JOB_ID": "tr-job",
+                                  "FORESHOCK_NODE": "spare-node"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        m = _wait_for(r"FORESHOCK_JOB_ID=(\S+) FORESHOCK_STORE=(\S+)", log, job, timeout=90)
-        job_id, store_addr = m.group(1), m.group(2)
-        spare = subprocess.Popen([sys.executable, "-m", "foreshock.migrator.torchrun_example"],
-                                 env={**env, "FORESHOCK_ROLE": "spare", "FORESHOCK_JOB_ID": job_id,
-                                      "FORESHOCK_STORE": store_addr, "FORESHOCK_NODE": "spare-node"},
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        host, port = store_addr.rsplit(":", 1)
+        # rank 0 says how spares join; the values are the documented ones
+        _wait_for(rf"FORESHOCK_JOB_ID=tr-job FORESHOCK_STORE={re.escape(endpoint)}", log, job, timeout=90)
+        host, port = endpoint.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
         # the spare is in standby once it has a heartbeat slot
         end = time.monotonic() + 60
-        while not store.check([f"foreshock/{job_id}/standby/spare-node/0/beat"]):
+        while not store.check(["foreshock/tr-job/standby/spare-node/0/beat"]):
             assert time.monotonic() < end, "the spare never reached standby"
             time.sleep(0.1)
-        publish_directive(store, job_id, Directive("move-1", DirectiveKind.EVACUATE, (1,), "", "spare-node",
-                                                   at_step=0, reason="test: torchrun"))
+        publish_directive(store, "tr-job", Directive("move-1", DirectiveKind.EVACUATE, (1,), "", "spare-node",
+                                                     at_step=0, reason="test: torchrun"))
         assert job.wait(timeout=120) == 0, log.read_text()[-3000:]
         assert spare.wait(timeout=60) == 0
     finally:
         for p in (job, spare):
-            if p is not None and p.poll() is None:
+            if p.poll() is None:
                 p.kill()
                 p.wait()
     records = [json.loads(f.read_text()) for f in out.glob("*.json")]
