@@ -257,7 +257,7 @@ class Migrator:
         try:
             yield self
         except Exception as exc:  # noqa: BLE001 - only a failed collective is absorbed below
-            if not _is_collective_failure(exc) or self.config.role != "rank" or self.rank < 0:
+            if not _is_collective_failure(exc) or self.rank < 0:     # (a spare that took a rank heals too)
                 raise
             log.warning("rank %d: a collective failed at step %d (%s); healing", self.rank, self.step,
                         str(exc).splitlines()[0][:200])
