@@ -8,7 +8,8 @@ state crosses the network the same way whatever the training backend. What diffe
 - forming a world: NCCL needs the process's CUDA device (`LOCAL_RANK`, as torchrun sets it) before the
   communicator is created, and binds the group to it (`device_id`), so the communicator is created
   eagerly inside the switch's pause rather than lazily inside the first new-world step;
-- the mesh for FSDP2: a DeviceMesh of device type "cuda" or "cpu";
+- the mesh for FSDP2: a DeviceMesh of device type "cuda" or "cpu", and the device of the agreement's
+  own small all-reduce (NCCL reduces CUDA tensors only);
 - abandoning a world whose peer died: a gloo group fails its pending operations when a peer's socket
   closes, so destroying it is enough; an NCCL communicator may have kernels waiting on the dead peer
   forever, so it is aborted (ncclCommAbort, `_abort_process_group`) before it is destroyed.
@@ -43,6 +44,12 @@ class BackendSeam:
         index = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
+
+    def collective_device(self) -> torch.device:
+        """Where a tensor for a collective of this backend must live (NCCL: the current CUDA device)."""
+        if self.name != "nccl":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
     def init_world(self, store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
         kwargs = {"device_id": self.device()} if self.name == "nccl" else {}

@@ -223,7 +223,7 @@ class Migrator:
         if summed is None:
             self._drain()
             ctrl, cand = self.book.control(self.step)
-            t = torch.tensor(ctrl, dtype=torch.float64)
+            t = torch.tensor(ctrl, dtype=torch.float64, device=self.seam.collective_device())
             dist.all_reduce(t)
             summed = t.tolist()
             self.agreement_counts["separate"] += 1
@@ -1024,7 +1024,7 @@ def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they a
         fut = dist.all_reduce(buf, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0].div_(world))
     ctrl, cand = mig._control_for_hook()
-    ext = torch.cat([buf, torch.tensor(ctrl, dtype=buf.dtype)])
+    ext = torch.cat([buf, torch.tensor(ctrl, dtype=buf.dtype, device=buf.device)])
     n = buf.numel()
     fut = dist.all_reduce(ext, async_op=True).get_future()
 
