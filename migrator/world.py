@@ -679,6 +679,11 @@ class Migrator:
             else:
                 base["spares"] = [{**s, "replaces": r, "transfer_rank": 1 + len(leaving) + j}
                                   for j, (s, r) in enumerate(zip(spares, leaving))]
+        if kind == "shrink" and self.reshard is not None:
+            # shards are laid out for w ranks; with every rank alive a checkpoint is complete
+            kind = "checkpoint_exit"
+            base["reason"] = (f"{base['reason']}; a sharded job cannot shrink (its shards are laid out "
+                              f"for {w} ranks): checkpoint and exit")
         if kind == "shrink" and len(leaving) >= w:
             return {**base, "kind": "rejected", "reason": "shrink would leave no rank"}
         base["kind"] = kind

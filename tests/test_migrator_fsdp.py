@@ -32,7 +32,15 @@ def fsdp_jobs(tmp_path_factory):
     jobs = {name: example.launch(name, NODES, [SPARE], steps=STEPS, out_dir=tmp / name, seed=SEED,
                                  params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp")
             for name in ("moved", "undisturbed")}
+    # no spare and fallback shrink: a sharded job cannot shrink, so it checkpoints and exits
+    jobs["no-spare"] = example.launch("no-spare", NODES, [], steps=STEPS, out_dir=tmp / "no-spare", seed=SEED,
+                                      params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp",
+                                      fallback="shrink", registered_spares=[SPARE])
     try:
+        jobs["no-spare"].wait_progress(4, timeout=90)
+        publish_directive(jobs["no-spare"].store, "no-spare",
+                          Directive("ns-1", DirectiveKind.EVACUATE, (2,), NODES[2], SPARE,
+                                    at_step=jobs["no-spare"].progress() + 2, reason="test: no spare"))
         moved = jobs["moved"]
         moved.wait_progress(6, timeout=90)
         publish_directive(moved.store, "moved", Directive("fsdp-1", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
@@ -52,7 +60,8 @@ def _steps(rec):
 
 
 def test_fsdp_spare_takes_the_leaving_ranks_shards_no_step_lost_or_repeated(fsdp_jobs):
-    assert all(c == 0 for codes in fsdp_jobs["codes"].values() for c in codes.values()), fsdp_jobs["codes"]
+    assert all(c == 0 for job in ("moved", "undisturbed") for c in fsdp_jobs["codes"][job].values()), \
+        fsdp_jobs["codes"]
     res, procs = fsdp_jobs["results"]["moved"], fsdp_jobs["procs"]
     for r in (0, 2, 3):
         rec = res[f"rank{r}"]
@@ -102,6 +111,22 @@ def test_fsdp_switch_acknowledged_with_bytes_from_the_leaving_rank(fsdp_jobs):
     res = fsdp_jobs["results"]["moved"]
     assert all(rec["final"]["agreements"]["separate"] == STEPS - (rec.get("joined_at_step") or 0)
                for rec in res.values() if rec.get("final"))
+
+
+def test_fsdp_without_a_spare_does_not_shrink_but_checkpoints_every_shard(fsdp_jobs):
+    from foreshock.migrator.transfer import load_checkpoint
+    codes = fsdp_jobs["codes"]["no-spare"]
+    assert all(c == 3 for c in codes.values()) and len(codes) == 4, codes
+    res = fsdp_jobs["results"]["no-spare"]
+    (path,) = {rec["changes"][0]["checkpoint"] for rec in res.values()}
+    for r in range(4):
+        change = res[f"rank{r}"]["changes"][0]
+        assert change["kind"] == "checkpoint_exit" and "cannot shrink" in change["reason"]
+        local = load_checkpoint(f"{path}.rank{r}")
+        shards = local["shards"]["model"]
+        assert set(shards) == {"0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+        assert set(local["shards"]["optimizer"]["state"]) == set(shards)   # Adam's moments, per shard
+    assert load_checkpoint(path)["model"] is None         # no rank holds the whole model
 
 
 def _one_rank_world():
