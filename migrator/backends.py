@@ -56,11 +56,11 @@ class BackendSeam:
         dist.init_process_group(self.name, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 **kwargs)
 
-    def mesh(self, world_size: int):
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
         from torch.distributed.device_mesh import init_device_mesh
         if self.name == "nccl":
             self.device()
-        return init_device_mesh(self.device_type, (world_size,))
+        return init_device_mesh(self.device_type, tuple(shape), mesh_dim_names=names)
 
     def abandon(self) -> None:
         """Leave the current default group, which may be broken (a peer died mid-collective)."""

@@ -140,17 +140,21 @@ def run_worker(spec: dict) -> int:
     model, optimizer, scheduler = build(params, seed)
     mode = spec.get("mode", "ddp")     # ddp: the migrator makes the group; adopt / fsdp: the script does
     reshard = None
-    if mode in ("adopt", "fsdp"):
+    if mode in ("adopt", "fsdp", "hsdp"):
         import torch.distributed as dist
         from foreshock.migrator import init_process_group
         from datetime import timedelta
         # the script's own group, env:// as under torchrun (a no-op on a spare)
         init_process_group("gloo", timeout=timedelta(seconds=config.transfer_timeout_s))
-        if mode == "fsdp":
+        if mode in ("fsdp", "hsdp"):
             from torch.distributed.device_mesh import init_device_mesh
             reshard = functools.partial(shard, params)
             if config.role == "rank":
-                model = shard(params, init_device_mesh("cpu", (dist.get_world_size(),)), seed=seed)
+                world = dist.get_world_size()
+                # hsdp: two replicas of a shard group of world / 2 ranks
+                mesh = (init_device_mesh("cpu", (world,)) if mode == "fsdp" else
+                        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+                model = shard(params, mesh, seed=seed)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=25, gamma=0.9)
         elif config.role == "rank":
@@ -169,7 +173,7 @@ def run_worker(spec: dict) -> int:
         optimizer.zero_grad(set_to_none=True)
 
     mig = Migrator(config, model=model, optimizer=optimizer, scheduler=scheduler,
-                   per_rank={"data": position}, warmup=None if mode == "fsdp" else warmup, reshard=reshard)
+                   per_rank={"data": position}, warmup=None if reshard else warmup, reshard=reshard)
     name = f"rank{config.rank}" if config.role == "rank" else f"spare-{config.node}"
     record: dict[str, Any] = {"pid": os.getpid(), "role": config.role, "node": config.node, "name": name,
                               "losses": {}, "walls": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
@@ -337,8 +341,9 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
            registered_spares: list[str] | None = None, mode: str = "ddp") -> Job:
     """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`
     (`registered_spares`: the spare nodes told to the service, by default `spares`). `mode`: "ddp" (the
-    migrator makes the group and wraps DDP), "adopt" (the script makes both, env:// as under torchrun)
-    or "fsdp" (the script makes the group and shards the model with FSDP2)."""
+    migrator makes the group and wraps DDP), "adopt" (the script makes both, env:// as under torchrun),
+    "fsdp" (the script makes the group and shards the model with FSDP2) or "hsdp" (FSDP2 on a 2-D
+    mesh: two replicas of a shard group of half the ranks)."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)

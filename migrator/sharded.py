@@ -33,18 +33,36 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def check_layout(module: torch.nn.Module) -> None:
-    """Refuse a layout the migrator does not understand: only a 1-D mesh sharded on dim 0 (FSDP2);
-    HSDP's 2-D mesh and tensor parallelism's other placements raise UnsupportedMeshError."""
-    from torch.distributed.tensor import DTensor, Shard
+def check_layout(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """The module's mesh (shape, dimension names), if the migrator understands its layout: FSDP2 on a
+    1-D mesh (Shard(0)) or HSDP on a 2-D mesh (Replicate(), Shard(0)), every parameter on the same
+    mesh. Anything else (tensor parallelism's placements, a mixed layout) raises UnsupportedMeshError."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    known = {1: (Shard(0),), 2: (Replicate(), Shard(0))}
+    spec = None
     for name, p in module.named_parameters():
         if not isinstance(p, DTensor):
             raise UnsupportedMeshError(f"parameter {name} is not sharded (a plain tensor beside "
                                        "DTensors): a mixed layout cannot be moved rank by rank")
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        if known.get(p.device_mesh.ndim) != tuple(p.placements):
             raise UnsupportedMeshError(
                 f"parameter {name} is laid out as {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh "
-                f"{tuple(p.device_mesh.shape)}; the migrator moves FSDP2 shards on a 1-D mesh (Shard(0)) only")
+                f"{tuple(p.device_mesh.shape)}; the migrator moves FSDP2 shards on a 1-D mesh (Shard(0)) "
+                "and HSDP's on a 2-D mesh (Replicate(), Shard(0)) only")
+        this = (tuple(p.device_mesh.shape), p.device_mesh.mesh_dim_names)
+        if spec is not None and this != spec:
+            raise UnsupportedMeshError(f"parameter {name} is on mesh {this}, others on {spec}")
+        spec = this
+    return spec
+
+
+def replicas(shape: tuple[int, ...], rank: int) -> list[int]:
+    """The other ranks that hold the same shards as `rank` (HSDP: the same column of the row-major
+    (replicate, shard) mesh that init_device_mesh lays out); none for FSDP2's 1-D mesh."""
+    if len(shape) != 2:
+        return []
+    groups, width = shape
+    return [g * width + rank % width for g in range(groups) if g * width + rank % width != rank]
 
 
 def _local(t: Any) -> Any:

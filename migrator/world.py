@@ -61,6 +61,7 @@ from foreshock.migrator.transfer import digest, load_checkpoint, recv_state, sav
 log = logging.getLogger("foreshock.migrator")
 
 LOCAL_TAG = 1 << 20
+HEAL_TIMEOUTS = 4       # a heal waits this many group timeouts for every survivor to report
 
 
 @dataclasses.dataclass
@@ -139,6 +140,7 @@ class Migrator:
         self._closed = False
         self._spare_nodes_seen: set[str] = set()
         self.adopted = False          # generation 0 is the group the script made itself
+        self.mesh_spec = None         # sharded: (mesh shape, dimension names), the same in every world
         self.last_change = WorldChange()
         self._healthy = True          # False once a collective of this world failed
 
@@ -178,7 +180,7 @@ class Migrator:
                 raise sharded.UnsupportedMeshError(
                     "model: with reshard= a rank's model must be sharded already (fully_shard on the job's "
                     "mesh, after the script's init_process_group), with its optimizer built on it")
-            sharded.check_layout(self.module)
+            self.mesh_spec = sharded.check_layout(self.module)
         t2 = time.monotonic()
         self._store.set(f"{self._p}node/g0/{self.rank}", self.config.node)
         nodes = self._store.multi_get([f"{self._p}node/g0/{r}" for r in range(self.world_size)])
@@ -309,7 +311,10 @@ class Migrator:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "objects": {k: v.state_dict() for k, v in self.replicated.items()},
             "migrator": {"step": self.step, "generation": self.generation,
-                         "done": sorted(self.book.done), "placement": {str(k): v for k, v in self.placement.items()}},
+                         "done": sorted(self.book.done), "placement": {str(k): v for k, v in self.placement.items()},
+                         "mesh": None if self.mesh_spec is None else
+                         {"shape": list(self.mesh_spec[0]),
+                          "names": None if self.mesh_spec[1] is None else list(self.mesh_spec[1])}},
         }
 
     def local_state(self) -> dict:
@@ -346,6 +351,9 @@ class Migrator:
         self.generation = int(m["generation"])
         self.book = DirectiveBook(done=m["done"])
         self.placement = {int(k): v for k, v in m["placement"].items()}
+        if m.get("mesh") is not None:
+            names = m["mesh"]["names"]
+            self.mesh_spec = (tuple(m["mesh"]["shape"]), None if names is None else tuple(names))
 
     def _load_local(self, state: dict) -> None:
         # after an unannounced death only a survivor's per-rank objects come: the RNG stays this process's
@@ -523,6 +531,16 @@ class Migrator:
         return WorldChange(plan["kind"], did, rank=self.rank, world_size=self.world_size,
                            generation=self.generation, reason=plan["reason"], phases=phases)
 
+    def _handover_state(self) -> dict:
+        """What a replica gives the spare that takes a dead rank's place: its per-rank objects (the
+        dead rank's are gone; right for positions derived from the step) and, sharded, its shards,
+        which are the dead rank's (HSDP replicas hold the same). Not its RNG: the spare keeps its own."""
+        state = {"objects": {k: v.state_dict() for k, v in self.per_rank.items()}}
+        if self.reshard is not None:
+            from foreshock.migrator import sharded
+            state["shards"] = sharded.local_state(self.module, self.optimizer)
+        return state
+
     def _heal(self) -> WorldChange:
         """After a failed collective: find the dead ranks through the store (a survivor reports in, a
         rank whose heartbeat is stale is dead), let the first survivor that knows plan, and follow it."""
@@ -537,15 +555,16 @@ class Migrator:
         hk = f"{self._p}heal/g{gen}/"
         self._store.set(f"{hk}alive/{self.rank}", json.dumps({"step": self.step, "node": self.config.node}))
         # a survivor blocked on the dead rank reports only when its own operation times out (the
-        # group's timeout, transfer_timeout_s for the worlds the migrator makes): wait that long again
-        deadline = t0 + 2 * self.config.transfer_timeout_s
+        # group's timeout, transfer_timeout_s for the worlds the migrator makes; gloo cannot wake it
+        # sooner, abort() included), and under HSDP it may sit in two collectives of sub-groups
+        deadline = t0 + HEAL_TIMEOUTS * self.config.transfer_timeout_s
         stale_after = 10 * self.config.spare_heartbeat_s + 1.0
         reported: set[int] = set()
         dead: set[int] = set()
         while len(reported) + len(dead) < w and not self._store.check([f"{hk}plan"]):
             if time.monotonic() > deadline:
                 return self._leave_unhealed(f"could not tell the dead ranks from the slow ones within "
-                                            f"{2 * self.config.transfer_timeout_s}s", phases)
+                                            f"{HEAL_TIMEOUTS * self.config.transfer_timeout_s}s", phases)
             time.sleep(0.05)
             reported = {r for r in range(w) if self._store.check([f"{hk}alive/{r}"])}
             dead = set()
@@ -607,31 +626,47 @@ class Migrator:
             return {**base, "kind": "checkpoint_exit", "checkpoint": False,
                     "reason": f"{what}; the survivors stopped at different steps {steps}: no consistent "
                               "state to go on from; restart from the job's last checkpoint"}
-        if self.reshard is not None:
-            return {**base, "kind": "checkpoint_exit", "checkpoint": False,
-                    "reason": f"{what}; their FSDP shards have no replica (and the survivors cannot write a "
-                              "complete checkpoint): restart from the job's last checkpoint"}
         lost = sorted(dead)
+        if self.reshard is not None:
+            # a dead rank's shards survive only in its HSDP replicas (FSDP2's 1-D mesh has none)
+            from foreshock.migrator import sharded
+            sources = {}
+            for r in lost:
+                alive = [x for x in sharded.replicas(self.mesh_spec[0], r) if x in survivors]
+                if not alive:
+                    return {**base, "kind": "checkpoint_exit", "checkpoint": False,
+                            "reason": f"{what}; their FSDP shards have no replica (and the survivors cannot "
+                                      "write a complete checkpoint): restart from the job's last checkpoint"}
+                sources[r] = alive[0]
+        else:
+            sources = {r: self.rank for r in lost}
         spares = self._claim_spares("", len(lost)) if lost else []
-        if spares is None and self.config.fallback == "checkpoint_exit":
-            return {**base, "kind": "checkpoint_exit", "checkpoint": True,
-                    "reason": f"{what}; no spare in standby: checkpoint (from a healthy replica) and exit"}
+        if spares is None and (self.config.fallback == "checkpoint_exit" or self.reshard is not None):
+            return {**base, "kind": "checkpoint_exit", "checkpoint": self.reshard is None,
+                    "reason": f"{what}; no spare in standby: " + (
+                        "a sharded job cannot shrink; restart from the job's last checkpoint"
+                        if self.reshard is not None else "checkpoint (from a healthy replica) and exit")}
         if spares is None:
             stay = sorted(survivors)
             return {**base, "kind": "shrink", "world": len(stay),
                     "rank_map": {str(r): i for i, r in enumerate(stay)},
                     "placement": {str(i): self.placement[r] for i, r in enumerate(stay)},
                     "reason": f"{what}; no spare in standby: the survivors go on as a world of {len(stay)}"}
-        base["spares"] = [{**s, "replaces": r, "transfer_rank": 1 + j, "local_src": 0}
+        senders = sorted({src for src in sources.values() if src != self.rank})
+        transfer_rank = {self.rank: 0, **{src: 1 + i for i, src in enumerate(senders)}}
+        base["sources"] = senders
+        base["spares"] = [{**s, "replaces": r, "transfer_rank": 1 + len(senders) + j,
+                           "local_src": transfer_rank[sources[r]]}
                           for j, (s, r) in enumerate(zip(spares, lost))]
-        base["group_size"] = 1 + len(spares)
+        base["group_size"] = 1 + len(senders) + len(spares)
         placement = dict(self.placement)
         placement.update({s["replaces"]: s["node"] for s in base["spares"]})
+        handover = ", ".join(f"rank {sources[s['replaces']]} -> {s['node']}" for s in base["spares"])
         return {**base, "kind": "heal", "world": self.world_size,
                 "rank_map": {str(r): r for r in survivors},
                 "placement": {str(r): placement[r] for r in range(self.world_size)},
-                "reason": f"{what}; rank {self.rank} (a healthy replica) hands the state to "
-                          f"{[s['node'] for s in base['spares']]}; step {self.step} (0-based) runs again"}
+                "reason": f"{what}; healthy replicas hand the state over ({handover}); step {self.step} "
+                          "(0-based) runs again"}
 
     def _leave_unhealed(self, reason: str, phases: dict) -> WorldChange:
         log.error("rank %d leaves the job: %s", self.rank, reason)
@@ -746,14 +781,12 @@ class Migrator:
                     total += sent
                     self._store.set(f"{xkey}digest/0/{sp['transfer_rank']}", dg)
                     if sp.get("local_src") == 0:
-                        # a dead rank's own state is gone: the spare takes this rank's per-rank objects
-                        sent, dg = send_state(pg, {"objects": self.local_state()["objects"]},
-                                              sp["transfer_rank"], LOCAL_TAG)
+                        sent, dg = send_state(pg, self._handover_state(), sp["transfer_rank"], LOCAL_TAG)
                         total += sent
                         self._store.set(f"{xkey}digest/0/{sp['transfer_rank']}/local", dg)
                 plan["bytes_from"] = {f"rank {self.rank} (replicated)": total}
                 self._await_spares(plan)
-                for r in leaving:
+                for r in leaving + plan.get("sources", []):
                     k = f"{xkey}bytes/{r}"
                     if self._store.check([k]):
                         own = "own shards and state" if self.reshard is not None else "own rank-local state"
@@ -774,6 +807,18 @@ class Migrator:
                 self._store.set(f"{xkey}bytes/{self.rank}", str(sent))
             except Exception as exc:  # noqa: BLE001
                 log.warning("sending local state for %s failed: %r", did, exc)
+        elif self.rank in plan.get("sources", []):
+            # a heal's replica of a dead rank's shards (HSDP) sends them to the spare taking its place
+            try:
+                me = 1 + plan["sources"].index(self.rank)
+                pg = self._transfer_group(did, gen, me, size)
+                for sp in plan["spares"]:
+                    if sp["local_src"] == me:
+                        sent, dg = send_state(pg, self._handover_state(), sp["transfer_rank"], LOCAL_TAG)
+                        self._store.set(f"{xkey}digest/{me}/{sp['transfer_rank']}/local", dg)
+                        self._store.set(f"{xkey}bytes/{self.rank}", str(sent))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sending a replica's state for %s failed: %r", did, exc)
         try:
             outcome = self._store.get(okey).decode()
         except Exception as exc:  # noqa: BLE001
@@ -827,7 +872,7 @@ class Migrator:
             from foreshock.migrator import sharded
             devices = [torch.cuda.current_device()] if self.seam.device_type == "cuda" else []
             with torch.random.fork_rng(devices=devices):      # building the module must not move the RNG
-                self.module = self.reshard(self.seam.mesh(self.world_size))
+                self.module = self.reshard(self.seam.mesh(*self.mesh_spec))
             sharded.check_layout(self.module)
             sharded.apply_local(self.module, self.optimizer, shards)
         self._wrap(sync=False)

@@ -3,8 +3,9 @@
 
 Two jobs run side by side with the same seed: `moved` gets an evacuation of rank 1 mid-run (the leaving
 rank sends its own parameter and optimizer shards, RNG and data position to the spare), `undisturbed`
-gets nothing. The script makes its own group (env://, as under torchrun) and the migrator adopts it.
-In-process tests cover the layouts the migrator refuses.
+gets nothing; `hsdp` (a 2 x 2 mesh) moves rank 1 too; `no-spare` has no spare. The script makes its
+own group (env://, as under torchrun) and the migrator adopts it. In-process tests cover the layouts
+the migrator refuses, the backend seam and a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ def fsdp_jobs(tmp_path_factory):
     jobs["no-spare"] = example.launch("no-spare", NODES, [], steps=STEPS, out_dir=tmp / "no-spare", seed=SEED,
                                       params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp",
                                       fallback="shrink", registered_spares=[SPARE])
+    # HSDP: two replicas of a 2-rank shard group; rank 1 (shard 1 of replica 0) moves
+    jobs["hsdp"] = example.launch("hsdp", NODES, [SPARE], steps=STEPS, out_dir=tmp / "hsdp", seed=SEED,
+                                  params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="hsdp")
     try:
+        jobs["hsdp"].wait_progress(4, timeout=90)
+        publish_directive(jobs["hsdp"].store, "hsdp", Directive("hs-1", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
+                                                                at_step=jobs["hsdp"].progress() + 2,
+                                                                reason="test: hsdp"))
         jobs["no-spare"].wait_progress(4, timeout=90)
         publish_directive(jobs["no-spare"].store, "no-spare",
                           Directive("ns-1", DirectiveKind.EVACUATE, (2,), NODES[2], SPARE,
@@ -113,6 +121,22 @@ def test_fsdp_switch_acknowledged_with_bytes_from_the_leaving_rank(fsdp_jobs):
                for rec in res.values() if rec.get("final"))
 
 
+def test_hsdp_spare_takes_the_leaving_ranks_shards_and_agrees_with_their_replica(fsdp_jobs):
+    codes = fsdp_jobs["codes"]["hsdp"]
+    assert all(c == 0 for c in codes.values()), codes
+    res = fsdp_jobs["results"]["hsdp"]
+    spare, leaving = res[f"spare-{SPARE}"], res["rank1"]
+    k = spare["joined_at_step"]
+    assert _steps(leaving) == list(range(k)) and _steps(spare) == list(range(k, STEPS)) and 4 < k < STEPS
+    for r in (0, 2, 3):
+        assert _steps(res[f"rank{r}"]) == list(range(STEPS))
+    final = {rec["ranks"][str(STEPS - 1)]: rec["hashes"][str(STEPS)] for rec in res.values()
+             if rec["exit"] == "finished"}
+    # mesh (replicate, shard) = [[0, 1], [2, 3]]: rank 1's shards, now in the spare, still equal
+    # those of its replica, rank 3, bit for bit, after the steps of the new world
+    assert final[1] == final[3] and final[0] == final[2] and final[0] != final[1]
+
+
 def test_fsdp_without_a_spare_does_not_shrink_but_checkpoints_every_shard(fsdp_jobs):
     from foreshock.migrator.transfer import load_checkpoint
     codes = fsdp_jobs["codes"]["no-spare"]
@@ -136,7 +160,7 @@ def _one_rank_world():
     return store
 
 
-def test_an_hsdp_mesh_and_a_sharded_model_without_reshard_are_refused():
+def test_a_layout_other_than_fsdp2_or_hsdp_and_a_sharded_model_without_reshard_are_refused():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -152,10 +176,14 @@ def test_an_hsdp_mesh_and_a_sharded_model_without_reshard_are_refused():
             Migrator(cfg, model=flat, store=store)
         hsdp = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1),
                                                                          mesh_dim_names=("replicate", "shard")))
-        with pytest.raises(UnsupportedMeshError, match=r"weight .* 2-D mesh"):
-            check_layout(hsdp)
-        mig = Migrator(cfg, model=hsdp, optimizer=torch.optim.Adam(hsdp.parameters()), store=store,
-                       reshard=lambda mesh: hsdp)
+        assert check_layout(hsdp) == ((1, 1), ("replicate", "shard"))      # HSDP: understood
+        from torch.distributed.tensor import Shard
+        by_columns = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)),
+                                 shard_placement_fn=lambda p: Shard(p.dim() - 1))
+        with pytest.raises(UnsupportedMeshError, match=r"weight .*Shard\(dim=1\)"):
+            check_layout(by_columns)
+        mig = Migrator(cfg, model=by_columns, optimizer=torch.optim.Adam(by_columns.parameters()), store=store,
+                       reshard=lambda mesh: by_columns)
         with pytest.raises(UnsupportedMeshError, match="1-D mesh"):
             mig.start()
     finally:
@@ -173,7 +201,7 @@ def test_the_backend_seam_forms_abandons_and_forms_again_a_gloo_world():
     try:
         for gen in range(2):                 # a new world on a fresh prefix after abandoning the last
             seam.init_world(dist.PrefixStore(f"g{gen}/", store), 0, 1, timedelta(seconds=30))
-            assert seam.mesh(1).device_type == "cpu"
+            assert seam.mesh((1,)).device_type == "cpu"
             t = torch.ones(3)
             dist.all_reduce(t)
             assert t.tolist() == [1.0, 1.0, 1.0]
@@ -197,7 +225,7 @@ def test_the_nccl_seam_binds_the_device_aborts_and_forms_again():
             t = torch.ones(3, device=seam.device())
             dist.all_reduce(t)
             assert t.cpu().tolist() == [1.0, 1.0, 1.0]
-            assert seam.mesh(1).device_type == "cuda"
+            assert seam.mesh((1,)).device_type == "cuda"
             seam.abandon()                   # ncclCommAbort, then the group is gone
             assert not dist.is_initialized()
     finally:
