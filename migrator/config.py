@@ -1,13 +1,14 @@
 """Configuration of the in-job migrator: arguments, else FORESHOCK_* environment variables, else torchrun's.
 
 The launcher passes the job's identity the way torchrun passes its own (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT): FORESHOCK_SERVICE (host:port of the control plane's Jobs API), FORESHOCK_JOB_ID,
-FORESHOCK_RANK (falls back to RANK), FORESHOCK_WORLD_SIZE (falls back to WORLD_SIZE), FORESHOCK_NODE
-(the node this process runs on; falls back to the host name), FORESHOCK_ROLE (`rank` or `spare`),
-FORESHOCK_TOKEN (the job's bearer credential), FORESHOCK_STORE (host:port of the job's rendezvous
-store; falls back to MASTER_ADDR:MASTER_PORT), FORESHOCK_SPARE_NODES (comma-separated) and
-FORESHOCK_FALLBACK (`shrink` or `checkpoint_exit`). An argument given explicitly wins over the
-environment. A bad value raises MigratorConfigError naming the variable; this happens before training
+MASTER_PORT): FORESHOCK_SERVICE (host:port of the control plane's Jobs API), FORESHOCK_JOB_ID (falls
+back to torchrun's TORCHELASTIC_RUN_ID, the --rdzv-id), FORESHOCK_RANK (falls back to RANK),
+FORESHOCK_WORLD_SIZE (falls back to WORLD_SIZE), FORESHOCK_NODE (the node this process runs on; falls
+back to the host name), FORESHOCK_ROLE (`rank` or `spare`), FORESHOCK_TOKEN (the job's bearer
+credential), FORESHOCK_STORE (host:port of the job's rendezvous store; falls back to
+MASTER_ADDR:MASTER_PORT, under torchrun a store of rank 0's agent on a port chosen at start), FORESHOCK_SPARE_NODES
+(comma-separated) and FORESHOCK_FALLBACK (`shrink` or `checkpoint_exit`). An argument given explicitly
+wins over the environment. A bad value raises MigratorConfigError naming the variable; this happens before training
 starts, never inside the loop.
 """
 
@@ -49,7 +50,8 @@ class MigratorConfig:
 
     def __post_init__(self) -> None:
         if not self.job_id:
-            raise MigratorConfigError("job_id (FORESHOCK_JOB_ID) is required")
+            raise MigratorConfigError("job_id (FORESHOCK_JOB_ID, else torchrun's TORCHELASTIC_RUN_ID) "
+                                      "is required")
         if self.role not in ROLES:
             raise MigratorConfigError(f"role (FORESHOCK_ROLE) must be one of {ROLES}, got {self.role!r}")
         if self.fallback not in FALLBACKS:
@@ -112,7 +114,7 @@ class MigratorConfig:
             host_store = host_store.strip().lower() in ("1", "true", "yes", "on")
         role = pick("role", "FORESHOCK_ROLE", default="rank")[0]
         return cls(
-            job_id=pick("job_id", "FORESHOCK_JOB_ID", default="")[0],
+            job_id=pick("job_id", "FORESHOCK_JOB_ID", "TORCHELASTIC_RUN_ID", default="")[0],
             node=pick("node", "FORESHOCK_NODE", default=socket.gethostname())[0],
             store=store or "",
             role=role,

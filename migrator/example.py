@@ -20,6 +20,7 @@ foreshock.migrator.config), so the same `run_worker` also works under a real lau
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -59,11 +60,38 @@ def build(params: int, seed: int, inputs: int = 32, outputs: int = 8, lr: float 
     import torch
     torch.manual_seed(seed)
     h = hidden_for(params, inputs, outputs)
-    model = torch.nn.Sequential(torch.nn.Linear(inputs, h), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, outputs))
+    model = _mlp(h, inputs, outputs)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=25, gamma=0.9)
     return model, optimizer, scheduler
+
+
+def _mlp(h: int, inputs: int, outputs: int):
+    import torch
+    return torch.nn.Sequential(torch.nn.Linear(inputs, h), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                               torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, outputs))
+
+
+def shard(params: int, mesh, seed: int | None = None, inputs: int = 32, outputs: int = 8):
+    """The same MLP with FSDP2: each Linear is its own unit, the root holds the rest. With a seed the
+    values are the seed's (every rank builds the full model, then keeps its shard); without one it is
+    built on the meta device and only allocated (the migrator's `reshard`: every value is overwritten)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    h = hidden_for(params, inputs, outputs)
+    if seed is not None:
+        torch.manual_seed(seed)
+        model = _mlp(h, inputs, outputs)
+    else:
+        with torch.device("meta"):
+            model = _mlp(h, inputs, outputs)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if seed is None:
+        model.to_empty(device=mesh.device_type)
+    return model
 
 
 def batch(seed: int, step: int, rank: int, size: int = 16, inputs: int = 32, outputs: int = 8):
@@ -75,10 +103,24 @@ def batch(seed: int, step: int, rank: int, size: int = 16, inputs: int = 32, out
 
 
 def param_hash(model) -> str:
+    """SHA-256 of the parameters this process holds (its shards, for FSDP2)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        t = p.detach()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(t.contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _fault(config, step: int) -> None:
+    """FORESHOCK_MIGRATOR_FAULT=rank_dies_at_step:R:N: rank R SIGKILLs itself during step N's forward
+    pass (the prediction missed: no directive, no goodbye). For the proof tests only."""
+    fault = os.environ.get("FORESHOCK_MIGRATOR_FAULT", "")
+    if fault.startswith("rank_dies_at_step:") and config.role == "rank":
+        _, rank, at = fault.split(":")
+        if int(rank) == config.rank and step == int(at):
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_worker(spec: dict) -> int:
@@ -94,7 +136,29 @@ def run_worker(spec: dict) -> int:
     log.info("worker up: %.2fs CPU since fork", time.process_time())
     config = MigratorConfig.from_env()
     seed, steps = int(spec.get("seed", 0)), int(spec["steps"])
-    model, optimizer, scheduler = build(int(spec.get("params", 2000)), seed)
+    params = int(spec.get("params", 2000))
+    model, optimizer, scheduler = build(params, seed)
+    mode = spec.get("mode", "ddp")     # ddp: the migrator makes the group; adopt / fsdp: the script does
+    reshard = None
+    if mode in ("adopt", "fsdp", "hsdp"):
+        import torch.distributed as dist
+        from foreshock.migrator import init_process_group
+        from datetime import timedelta
+        # the script's own group, env:// as under torchrun (a no-op on a spare)
+        init_process_group("gloo", timeout=timedelta(seconds=config.transfer_timeout_s))
+        if mode in ("fsdp", "hsdp"):
+            from torch.distributed.device_mesh import init_device_mesh
+            reshard = functools.partial(shard, params)
+            if config.role == "rank":
+                world = dist.get_world_size()
+                # hsdp: two replicas of a shard group of world / 2 ranks
+                mesh = (init_device_mesh("cpu", (world,)) if mode == "fsdp" else
+                        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+                model = shard(params, mesh, seed=seed)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=25, gamma=0.9)
+        elif config.role == "rank":
+            model = torch.nn.parallel.DistributedDataParallel(model)
     position = DataPosition()
     # rank-local RNG (dropout masks differ per rank); a spare inherits its predecessor's
     torch.manual_seed(seed + 7919 * max(config.rank, 0) + 1)
@@ -109,7 +173,7 @@ def run_worker(spec: dict) -> int:
         optimizer.zero_grad(set_to_none=True)
 
     mig = Migrator(config, model=model, optimizer=optimizer, scheduler=scheduler,
-                   per_rank={"data": position}, warmup=warmup)
+                   per_rank={"data": position}, warmup=None if reshard else warmup, reshard=reshard)
     name = f"rank{config.rank}" if config.role == "rank" else f"spare-{config.node}"
     record: dict[str, Any] = {"pid": os.getpid(), "role": config.role, "node": config.node, "name": name,
                               "losses": {}, "walls": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
@@ -124,24 +188,29 @@ def run_worker(spec: dict) -> int:
         record["joined_at_step"] = mig.step
         if config.role == "spare":
             record["joined_wall"] = time.time()
-            record["hashes"][str(mig.step)] = param_hash(model)
+            record["hashes"][str(mig.step)] = param_hash(mig.module)
         sleep = float(spec.get("step_sleep_s", 0.0))
         pending_first = record if config.role == "spare" else None
         while mig.step < steps:
             if position.next_step != mig.step:
                 raise RuntimeError(f"data position {position.next_step} != step {mig.step}")
-            x, y = batch(seed, mig.step, mig.rank, batch_size)
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(mig.model(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            position.next_step += 1
-            position.samples_seen += x.shape[0]
-            record["losses"][str(mig.step)] = loss.item()
-            record["ranks"][str(mig.step)] = mig.rank
-            record["walls"][str(mig.step)] = time.time()
-            change = mig.end_step()
+            step, rank = mig.step, mig.rank
+            with mig.guard():
+                x, y = batch(seed, step, mig.rank, batch_size)
+                optimizer.zero_grad(set_to_none=True)
+                _fault(config, step)
+                loss = loss_fn(mig.model(x), y)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                position.next_step += 1
+                position.samples_seen += x.shape[0]
+                mig.end_step()
+            change = mig.last_change
+            if mig.step > step:      # the step completed (a healed one runs again)
+                record["losses"][str(step)] = loss.item()
+                record["ranks"][str(step)] = rank
+                record["walls"][str(step)] = time.time()
             if pending_first is not None:
                 pending_first["first_step_done_wall"] = time.time()
                 pending_first = None
@@ -153,7 +222,7 @@ def run_worker(spec: dict) -> int:
                                           "pause_s": mig.last_pause_s, "checkpoint": change.checkpoint})
                 record["changes"][-1]["done_wall"] = time.time()
                 pending_first = record["changes"][-1]
-                record["hashes"][str(mig.step)] = param_hash(model)
+                record["hashes"][str(mig.step)] = param_hash(mig.module)
                 if change.leave:
                     record["exit"] = change.kind
                     # 3: the launcher restarts the job from the checkpoint without the failing node
@@ -166,7 +235,7 @@ def run_worker(spec: dict) -> int:
                 steps = min(steps, int(mig._store.get(stop_key)))
             if sleep:
                 time.sleep(sleep)
-        record["hashes"][str(mig.step)] = param_hash(model)
+        record["hashes"][str(mig.step)] = param_hash(mig.module)
         record["exit"] = "finished"
         record["final"] = {"rank": mig.rank, "world": mig.world_size, "generation": mig.generation,
                            "redelivered": mig.book.redelivered, "agreements": mig.agreement_counts,
@@ -269,9 +338,12 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
            fallback: str = "shrink", env: dict[str, str] | None = None,
            spare_env: dict[str, str] | None = None, transfer_timeout_s: float = 30.0,
            log_level: str = "WARNING", batch_size: int = 16,
-           registered_spares: list[str] | None = None) -> Job:
+           registered_spares: list[str] | None = None, mode: str = "ddp") -> Job:
     """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`
-    (`registered_spares`: the spare nodes told to the service, by default `spares`)."""
+    (`registered_spares`: the spare nodes told to the service, by default `spares`). `mode`: "ddp" (the
+    migrator makes the group and wraps DDP), "adopt" (the script makes both, env:// as under torchrun),
+    "fsdp" (the script makes the group and shards the model with FSDP2) or "hsdp" (FSDP2 on a 2-D
+    mesh: two replicas of a shard group of half the ranks)."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)
@@ -286,7 +358,8 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
               "FORESHOCK_REPORT_INTERVAL_S": "0.1", "FORESHOCK_SPARE_HEARTBEAT_S": "0.2",
               "FORESHOCK_STANDBY_POLL_S": "10", **(env or {})}
     base = {"steps": steps, "out_dir": str(out), "params": params, "seed": seed,
-            "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size}
+            "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size,
+            "mode": mode}
     ctx = _context()
     procs = {}
     for i, node in enumerate(spares):
@@ -295,7 +368,10 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
         key = f"spare-{node}" if spares.count(node) == 1 else f"spare-{node}-{i}"
         procs[key] = ctx.Process(target=_worker_entry, args=({**base, "env": e},), name=f"{job_id}-{key}")
     for rank, node in enumerate(nodes):
-        e = {**common, "FORESHOCK_ROLE": "rank", "FORESHOCK_NODE": node, "FORESHOCK_RANK": str(rank)}
+        e = {**common, "FORESHOCK_ROLE": "rank", "FORESHOCK_NODE": node, "FORESHOCK_RANK": str(rank),
+             # what torchrun gives its workers, for the modes where the script makes the group (env://)
+             "RANK": str(rank), "WORLD_SIZE": str(len(nodes)), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         procs[f"rank{rank}"] = ctx.Process(target=_worker_entry, args=({**base, "env": e},),
                                            name=f"{job_id}-rank{rank}")
     for p in procs.values():

@@ -6,6 +6,8 @@ lists, tuples, numbers, strings, None and tensors) is split into a JSON skeleton
 bytes: each is viewed as uint8, small ones are packed into buckets of up to BUCKET_BYTES (16-byte
 aligned, so the receiver views them back without a copy), large ones go alone. Both sides derive the
 same message plan from the skeleton, so only the skeleton's length and bytes precede the data.
+`digest(state)` is a CRC-32 over the skeleton and every tensor's bytes: the sender's digest of what it
+sent and the receiver's digest of what it loaded must agree before the new world takes a step.
 torch is imported by this module; foreshock.migrator imports it lazily.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -143,8 +146,23 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def send_state(pg, state: Any, dst: int, tag_base: int = 0) -> int:
-    """Send a state to rank `dst` of `pg`; returns the bytes sent. Raises on a broken peer."""
+def _digest(header: bytes, tensors: list[torch.Tensor]) -> str:
+    crc = zlib.crc32(header)
+    for t in tensors:
+        if t.numel():
+            crc = zlib.crc32(_as_bytes(t).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def digest(state: Any) -> str:
+    """CRC-32 of a state's encoding (skeleton and tensor bytes); equal states give equal digests."""
+    skeleton, tensors = encode(state)
+    return _digest(json.dumps(skeleton, separators=(",", ":")).encode(), tensors)
+
+
+def send_state(pg, state: Any, dst: int, tag_base: int = 0) -> tuple[int, str]:
+    """Send a state to rank `dst` of `pg`; returns the bytes sent and the digest of what was sent.
+    Raises on a broken peer."""
     skeleton, tensors = encode(state)
     header = json.dumps(skeleton, separators=(",", ":")).encode()
     header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -164,7 +182,7 @@ def send_state(pg, state: Any, dst: int, tag_base: int = 0) -> int:
         total += buf.numel()
     for w in works:
         w.wait()
-    return total
+    return total, _digest(header, tensors)
 
 
 def recv_state(pg, src: int, tag_base: int = 0, on_message=None) -> Any:

@@ -1,7 +1,8 @@
 """The PyTorch side of the migrator: one training world per generation, and the switch between them.
 
 Every process of the job (ranks and warm spares) runs the same script and builds a Migrator around its
-model, optimizer and scheduler. Generation g's default process group is built on
+model, optimizer and scheduler. Generation 0 is the group the script made (torchrun's env://), adopted
+with its DDP wrapper, or one the migrator makes; generation g > 0's default process group is built on
 PrefixStore("<job>/world/g<g>") of the job's TCPStore; each switch uses a fresh prefix, because a reused
 one hands out stale addresses and hangs. At each step boundary `end_step()` reads the agreement (three
 extra elements in the first gradient bucket's all-reduce, via a DDP communication hook; a separate tiny
@@ -13,20 +14,28 @@ all-reduce when no backward ran), and on an agreed directive whose step has come
 2. transfer (evacuate only): the coordinator, the leaving ranks and the spares form a short-lived gloo
    group on a fresh prefix; the coordinator sends the replicated state (model, optimizer, scheduler,
    registered replicated objects, step, generation, directives done), each leaving rank, still alive,
-   sends its own rank-local state (RNG states, per-rank objects such as the data position) to the
-   spare that replaces it; each spare confirms in the store;
+   sends its own rank-local state (RNG states, per-rank objects such as the data position; with FSDP2
+   its parameter and optimizer shards, foreshock.migrator.sharded) to the spare that replaces it; each
+   spare checks the senders' digests against what it loaded and confirms in the store;
 3. commit or abort: the coordinator publishes the outcome. On commit the leaving ranks return
    `leave=True`, everyone else destroys the old group, joins generation g+1, and re-wraps the model in
-   DistributedDataParallel (which holds its process group). On abort (a spare died, a timeout) nothing
-   of the old world was touched: training goes on in it and the directive is reported failed.
+   DistributedDataParallel (which holds its process group) or, with FSDP2, rebuilds it on the new mesh
+   with its own shards. On abort (a spare died, a timeout) nothing of the old world was touched:
+   training goes on in it and the directive is reported failed.
+
+A rank that dies unannounced breaks a collective inside a step; `guard()` around the step turns that
+into a heal (_heal): the survivors tell the dead from the slow through the store (reports and
+heartbeats), and the first to know plans: a replica hands the state to a spare (DDP), or, with no
+replica (FSDP2) or no consistent step, every survivor leaves with checkpoint_exit.
 
 Upstream torch 2.13 cannot reconfigure a process group (and gloo cannot shrink one), so a new world is
-always destroy + init on a new prefix store, as torchft does; NCCL follows the same path with
-backend="nccl" (the state transfer group stays gloo on CPU tensors).
+always destroy + init on a new prefix store, as torchft does; what NCCL does differently is in
+foreshock.migrator.backends (the state transfer group stays gloo on CPU tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -35,6 +44,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +52,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from foreshock.migrator.backends import backend_seam
 from foreshock.migrator.config import MigratorConfig
 from foreshock.migrator.directives import (MAX_EXACT_WORLD, Ack, AckPhase, Directive, DirectiveBook,
                                            DirectiveKind, DirectiveSource)
-from foreshock.migrator.transfer import load_checkpoint, recv_state, save_checkpoint, send_state
+from foreshock.migrator.transfer import digest, load_checkpoint, recv_state, save_checkpoint, send_state
 
 log = logging.getLogger("foreshock.migrator")
 
 LOCAL_TAG = 1 << 20
+HEAL_TIMEOUTS = 4       # a heal waits this many group timeouts for every survivor to report
 
 
 @dataclasses.dataclass
@@ -79,16 +91,28 @@ class Migrator:
     def __init__(self, config: MigratorConfig | None = None, *, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                  replicated: dict[str, Any] | None = None, per_rank: dict[str, Any] | None = None,
-                 source: DirectiveSource | None = None, backend: str = "gloo", wrap_ddp: bool = True,
-                 ddp_kwargs: dict | None = None, store: Any = None, warmup=None) -> None:
+                 source: DirectiveSource | None = None, backend: str | None = None, wrap_ddp: bool = True,
+                 ddp_kwargs: dict | None = None, store: Any = None, warmup=None,
+                 reshard: Callable[[Any], torch.nn.Module] | None = None) -> None:
         self.config = config or MigratorConfig.from_env()
+        if isinstance(model, DistributedDataParallel):
+            # the script wrapped it already: adopt that wrapper (its options are kept for later worlds)
+            self._adopted_ddp = model
+            model = model.module
+        else:
+            self._adopted_ddp = None
+        self.reshard = reshard        # FSDP2: mesh -> the module, fully_shard applied on that mesh
+        if reshard is None and _has_dtensor_params(model):
+            raise ValueError("model: its parameters are DTensors (FSDP2); pass reshard=<mesh -> sharded "
+                             "module> so the migrator can rebuild it in a new world")
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.replicated = dict(replicated or {})
         self.per_rank = dict(per_rank or {})
-        self.backend = backend
-        self.wrap_ddp = wrap_ddp
+        self.backend = backend or ("nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo")
+        self.seam = backend_seam(self.backend)
+        self.wrap_ddp = wrap_ddp and reshard is None
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.warmup = warmup          # spare only: run one throw-away step in standby (kernels, allocator)
         self.rank = self.config.rank if self.config.role == "rank" else -1
@@ -115,6 +139,10 @@ class Migrator:
         self._heartbeat: threading.Thread | None = None
         self._closed = False
         self._spare_nodes_seen: set[str] = set()
+        self.adopted = False          # generation 0 is the group the script made itself
+        self.mesh_spec = None         # sharded: (mesh shape, dimension names), the same in every world
+        self.last_change = WorldChange()
+        self._healthy = True          # False once a collective of this world failed
 
     # --- public surface ----------------------------------------------------------------------
     @property
@@ -132,9 +160,27 @@ class Migrator:
         t0 = time.monotonic()
         self._connect_store()
         if self.config.role == "spare":
+            if dist.is_initialized():
+                raise RuntimeError("a spare (FORESHOCK_ROLE=spare) must not join the job's process group "
+                                   "before start(): call foreshock.migrator.init_process_group, which "
+                                   "skips it on a spare")
             return self._standby()
         t1 = time.monotonic()
-        self._init_world(self.generation, self.rank, self.world_size)
+        if dist.is_initialized():
+            # the script made the group (torchrun's env://, c10d rendezvous): it is generation 0
+            self.adopted = True
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.backend = dist.get_backend()
+            self.seam = backend_seam(self.backend)
+        else:
+            self._init_world(self.generation, self.rank, self.world_size)
+        if self.reshard is not None:
+            from foreshock.migrator import sharded
+            if not sharded.is_sharded(self.module):
+                raise sharded.UnsupportedMeshError(
+                    "model: with reshard= a rank's model must be sharded already (fully_shard on the job's "
+                    "mesh, after the script's init_process_group), with its optimizer built on it")
+            self.mesh_spec = sharded.check_layout(self.module)
         t2 = time.monotonic()
         self._store.set(f"{self._p}node/g0/{self.rank}", self.config.node)
         nodes = self._store.multi_get([f"{self._p}node/g0/{r}" for r in range(self.world_size)])
@@ -146,8 +192,19 @@ class Migrator:
         dist.barrier()      # the job is registered before any rank watches its directives
         if self._client is not None:
             self._client.watch(self.rank)
+        if self.is_lead:
+            # under torchrun (--standalone) these two values are chosen at start: say them where people look
+            say = log.warning if self.adopted else log.info
+            say("job %s: spares join with FORESHOCK_ROLE=spare FORESHOCK_JOB_ID=%s FORESHOCK_STORE=%s "
+                "FORESHOCK_NODE=<their node>", self.config.job_id, self.config.job_id, self.config.store)
         t3 = time.monotonic()
-        self._wrap()
+        self._start_heartbeat(f"{self._p}alive/g{self.generation}/{self.rank}")
+        if self._adopted_ddp is not None:
+            self._ddp = self._adopted_ddp
+            self.ddp_kwargs = {**_ddp_options(self._ddp), **self.ddp_kwargs}
+            self._ddp.register_comm_hook(self, _agreement_hook)
+        else:
+            self._wrap()
         self._step_t = time.monotonic()
         log.info("rank %d of job %s joined generation 0: store %.3fs, group %.3fs, registration %.3fs, "
                  "DDP %.3fs", self.rank, self.config.job_id, t1 - t0, t2 - t1, t3 - t2, self._step_t - t3)
@@ -168,7 +225,7 @@ class Migrator:
         if summed is None:
             self._drain()
             ctrl, cand = self.book.control(self.step)
-            t = torch.tensor(ctrl, dtype=torch.float64)
+            t = torch.tensor(ctrl, dtype=torch.float64, device=self.seam.collective_device())
             dist.all_reduce(t)
             summed = t.tolist()
             self.agreement_counts["separate"] += 1
@@ -187,7 +244,27 @@ class Migrator:
             self.history.append(change)
         self._drain()
         self._step_t = time.monotonic()
+        self.last_change = change
         return change
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Wrap one training step (forward, backward, optimizer step, end_step). If a collective of the
+        step fails because a rank died unannounced, the failure is absorbed: the survivors find the
+        dead ranks, a healthy replica hands the full state to warm spares (DDP), and the world is
+        re-formed; `last_change` says what happened and the loop runs the same step again (the
+        failed step counted nowhere). Sharded state without a replica cannot be healed: every
+        survivor gets a checkpoint_exit change with leave=True. Other exceptions pass through."""
+        self.last_change = WorldChange(rank=self.rank, world_size=self.world_size, generation=self.generation)
+        try:
+            yield self
+        except Exception as exc:  # noqa: BLE001 - only a failed collective is absorbed below
+            if not _is_collective_failure(exc) or self.rank < 0:     # (a spare that took a rank heals too)
+                raise
+            log.warning("rank %d: a collective failed at step %d (%s); healing", self.rank, self.step,
+                        str(exc).splitlines()[0][:200])
+            self.last_change = self._heal()
+            self.history.append(self.last_change)
 
     def close(self, *, finished: bool = True) -> None:
         """Leave the job. `finished`: training is over (the lead deregisters and releases the spares)."""
@@ -226,18 +303,28 @@ class Migrator:
 
     # --- state ------------------------------------------------------------------------------
     def replicated_state(self) -> dict:
+        """The state every rank holds the same copy of (sharded: everything but the model and optimizer)."""
+        sharded = self.reshard is not None
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "model": None if sharded else self.module.state_dict(),
+            "optimizer": None if sharded or self.optimizer is None else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "objects": {k: v.state_dict() for k, v in self.replicated.items()},
             "migrator": {"step": self.step, "generation": self.generation,
-                         "done": sorted(self.book.done), "placement": {str(k): v for k, v in self.placement.items()}},
+                         "done": sorted(self.book.done), "placement": {str(k): v for k, v in self.placement.items()},
+                         "mesh": None if self.mesh_spec is None else
+                         {"shape": list(self.mesh_spec[0]),
+                          "names": None if self.mesh_spec[1] is None else list(self.mesh_spec[1])}},
         }
 
     def local_state(self) -> dict:
+        """The state only this rank has: RNG, per_rank objects, and (sharded) its parameter and
+        optimizer shards."""
         state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                  "objects": {k: v.state_dict() for k, v in self.per_rank.items()}}
+        if self.reshard is not None:
+            from foreshock.migrator import sharded
+            state["shards"] = sharded.local_state(self.module, self.optimizer)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         try:
@@ -250,7 +337,8 @@ class Migrator:
         return state
 
     def _load_replicated(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
+        if state["model"] is not None:
+            self.module.load_state_dict(state["model"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
@@ -263,10 +351,16 @@ class Migrator:
         self.generation = int(m["generation"])
         self.book = DirectiveBook(done=m["done"])
         self.placement = {int(k): v for k, v in m["placement"].items()}
+        if m.get("mesh") is not None:
+            names = m["mesh"]["names"]
+            self.mesh_spec = (tuple(m["mesh"]["shape"]), None if names is None else tuple(names))
 
     def _load_local(self, state: dict) -> None:
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
+        # after an unannounced death only a survivor's per-rank objects come: the RNG stays this process's
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        if "python_rng" in state:
+            random.setstate(state["python_rng"])
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         if "numpy_rng" in state:
@@ -277,6 +371,9 @@ class Migrator:
         for k, v in state["objects"].items():
             if k in self.per_rank:
                 self.per_rank[k].load_state_dict(v)
+        if "shards" in state:
+            from foreshock.migrator import sharded
+            sharded.apply_local(self.module, self.optimizer, state["shards"])
 
     # --- plumbing -------------------------------------------------------------------------
     def _connect_store(self) -> None:
@@ -325,8 +422,7 @@ class Migrator:
 
     def _init_world(self, generation: int, rank: int, world_size: int) -> None:
         prefix = dist.PrefixStore(f"{self._p}world/g{generation}/", self._store)
-        dist.init_process_group(self.backend, store=prefix, rank=rank, world_size=world_size,
-                                timeout=_td(self.config.transfer_timeout_s))
+        self.seam.init_world(prefix, rank, world_size, _td(self.config.transfer_timeout_s))
 
     def _wrap(self, sync: bool = True) -> None:
         if not self.wrap_ddp:
@@ -414,7 +510,8 @@ class Migrator:
                                    generation=self.generation, reason=reason, phases=phases)
             if coordinator:
                 self._ack(d, AckPhase.STATE_TRANSFERRED, phase_seconds=phases.get("transfer", 0.0),
-                          reason=f"{plan.get('bytes', 0)} bytes to {[s['node'] for s in plan['spares']]}")
+                          reason=f"{plan.get('bytes', 0)} bytes to {[s['node'] for s in plan['spares']]}: "
+                                 + ", ".join(f"{n} from {src}" for src, n in plan.get("bytes_from", {}).items()))
         leaving = self.rank in plan["leaving"]
         if leaving:
             self._ddp = None
@@ -433,6 +530,159 @@ class Migrator:
             self._completing = (d, t0 - phases["agreement"], dict(phases), plan["kind"])
         return WorldChange(plan["kind"], did, rank=self.rank, world_size=self.world_size,
                            generation=self.generation, reason=plan["reason"], phases=phases)
+
+    def _handover_state(self) -> dict:
+        """What a replica gives the spare that takes a dead rank's place: its per-rank objects (the
+        dead rank's are gone; right for positions derived from the step) and, sharded, its shards,
+        which are the dead rank's (HSDP replicas hold the same). Not its RNG: the spare keeps its own."""
+        state = {"objects": {k: v.state_dict() for k, v in self.per_rank.items()}}
+        if self.reshard is not None:
+            from foreshock.migrator import sharded
+            state["shards"] = sharded.local_state(self.module, self.optimizer)
+        return state
+
+    def _heal(self) -> WorldChange:
+        """After a failed collective: find the dead ranks through the store (a survivor reports in, a
+        rank whose heartbeat is stale is dead), let the first survivor that knows plan, and follow it."""
+        t0 = time.monotonic()
+        phases: dict[str, float] = {}
+        gen, w = self.generation, self.world_size
+        self._healthy = False
+        self._ddp = None
+        for p in self.module.parameters():
+            p.grad = None          # the failed step's partial gradients
+        self.seam.abandon()        # the survivors' pending operations on this world fail at once
+        hk = f"{self._p}heal/g{gen}/"
+        self._store.set(f"{hk}alive/{self.rank}", json.dumps({"step": self.step, "node": self.config.node}))
+        # a survivor blocked on the dead rank reports only when its own operation times out (the
+        # group's timeout, transfer_timeout_s for the worlds the migrator makes; gloo cannot wake it
+        # sooner, abort() included), and under HSDP it may sit in two collectives of sub-groups
+        deadline = t0 + HEAL_TIMEOUTS * self.config.transfer_timeout_s
+        stale_after = 10 * self.config.spare_heartbeat_s + 1.0
+        reported: set[int] = set()
+        dead: set[int] = set()
+        while len(reported) + len(dead) < w and not self._store.check([f"{hk}plan"]):
+            if time.monotonic() > deadline:
+                return self._leave_unhealed(f"could not tell the dead ranks from the slow ones within "
+                                            f"{HEAL_TIMEOUTS * self.config.transfer_timeout_s}s", phases)
+            time.sleep(0.05)
+            reported = {r for r in range(w) if self._store.check([f"{hk}alive/{r}"])}
+            dead = set()
+            for r in set(range(w)) - reported:
+                beat = f"{self._p}alive/g{gen}/{r}"
+                if not self._store.check([beat]) or time.time() - float(self._store.get(beat)) > stale_after:
+                    dead.add(r)
+        phases["detect"] = time.monotonic() - t0
+        if self._store.add(f"{hk}claim", 1) == 1:
+            try:
+                plan = self._heal_plan(gen, reported, dead)
+            except Exception as exc:  # noqa: BLE001 - the others wait for a plan: always publish one
+                log.exception("planning the heal failed")
+                plan = {"kind": "checkpoint_exit", "survivors": sorted(reported), "checkpoint": False,
+                        "reason": f"planning the heal failed: {exc!r}"[:500]}
+            for sp in plan.get("spares", []):
+                self._store.set(f"{self._p}assign/{sp['node']}/{sp['slot']}", json.dumps(plan))
+            self._store.set(f"{hk}plan", json.dumps(plan))
+        try:
+            plan = json.loads(self._store.get(f"{hk}plan"))
+        except Exception as exc:  # noqa: BLE001
+            return self._leave_unhealed(f"no heal plan: {exc!r}", phases)
+        phases["plan"] = time.monotonic() - t0 - phases["detect"]
+        if self.rank not in plan["survivors"]:
+            return self._leave_unhealed("this rank was counted dead by the survivors", phases)
+        log.warning("heal of generation %d: %s", gen, plan["reason"])
+        if plan["kind"] == "checkpoint_exit":
+            path = ""
+            if plan.get("checkpoint"):
+                path = self._save_checkpoint(plan["coordinator"] == self.rank)
+            if plan["coordinator"] == self.rank:
+                # the job ends here: the spares have nothing to wait for
+                self._store.set(f"{self._p}released", "1")
+                self._release_spares()
+            change = WorldChange("checkpoint_exit", "", leave=True, rank=self.rank, world_size=w,
+                                 generation=gen, checkpoint=path, reason=plan["reason"], phases=phases)
+            self.close(finished=False)
+            return change
+        if plan["kind"] == "heal":
+            outcome = self._transfer_as_member(plan, phases)
+            if not outcome.startswith("commit"):
+                return self._leave_unhealed(f"state transfer to the spare failed: {outcome}", phases)
+        t1 = time.monotonic()
+        self._enter_world(plan, new_rank=int(plan["rank_map"][str(self.rank)]))
+        phases["reform"] = time.monotonic() - t1
+        self.last_pause_s = time.monotonic() - t0
+        if plan["coordinator"] == self.rank and self._client is not None:
+            self._client.register_later(self.placement, self.config.spare_nodes, current_step=self.step,
+                                        fallback=self.config.fallback)
+        return WorldChange(plan["kind"], plan["directive_id"], rank=self.rank, world_size=self.world_size,
+                           generation=self.generation, reason=plan["reason"], phases=phases)
+
+    def _heal_plan(self, gen: int, survivors: set[int], dead: set[int]) -> dict:
+        steps = {r: json.loads(self._store.get(f"{self._p}heal/g{gen}/alive/{r}"))["step"] for r in survivors}
+        base = {"directive_id": f"heal-g{gen}", "gen": gen + 1, "step": self.step, "coordinator": self.rank,
+                "survivors": sorted(survivors), "dead": sorted(dead), "leaving": [], "spares": []}
+        what = f"rank(s) {sorted(dead)} died unannounced at step {self.step}"
+        if len(set(steps.values())) > 1:
+            return {**base, "kind": "checkpoint_exit", "checkpoint": False,
+                    "reason": f"{what}; the survivors stopped at different steps {steps}: no consistent "
+                              "state to go on from; restart from the job's last checkpoint"}
+        lost = sorted(dead)
+        if self.reshard is not None:
+            # a dead rank's shards survive only in its HSDP replicas (FSDP2's 1-D mesh has none)
+            from foreshock.migrator import sharded
+            sources = {}
+            for r in lost:
+                alive = [x for x in sharded.replicas(self.mesh_spec[0], r) if x in survivors]
+                if not alive:
+                    return {**base, "kind": "checkpoint_exit", "checkpoint": False,
+                            "reason": f"{what}; their FSDP shards have no replica (and the survivors cannot "
+                                      "write a complete checkpoint): restart from the job's last checkpoint"}
+                sources[r] = alive[0]
+        else:
+            sources = {r: self.rank for r in lost}
+        spares = self._claim_spares("", len(lost)) if lost else []
+        if spares is None and (self.config.fallback == "checkpoint_exit" or self.reshard is not None):
+            return {**base, "kind": "checkpoint_exit", "checkpoint": self.reshard is None,
+                    "reason": f"{what}; no spare in standby: " + (
+                        "a sharded job cannot shrink; restart from the job's last checkpoint"
+                        if self.reshard is not None else "checkpoint (from a healthy replica) and exit")}
+        if spares is None:
+            stay = sorted(survivors)
+            return {**base, "kind": "shrink", "world": len(stay),
+                    "rank_map": {str(r): i for i, r in enumerate(stay)},
+                    "placement": {str(i): self.placement[r] for i, r in enumerate(stay)},
+                    "reason": f"{what}; no spare in standby: the survivors go on as a world of {len(stay)}"}
+        senders = sorted({src for src in sources.values() if src != self.rank})
+        transfer_rank = {self.rank: 0, **{src: 1 + i for i, src in enumerate(senders)}}
+        base["sources"] = senders
+        base["spares"] = [{**s, "replaces": r, "transfer_rank": 1 + len(senders) + j,
+                           "local_src": transfer_rank[sources[r]]}
+                          for j, (s, r) in enumerate(zip(spares, lost))]
+        base["group_size"] = 1 + len(senders) + len(spares)
+        placement = dict(self.placement)
+        placement.update({s["replaces"]: s["node"] for s in base["spares"]})
+        handover = ", ".join(f"rank {sources[s['replaces']]} -> {s['node']}" for s in base["spares"])
+        return {**base, "kind": "heal", "world": self.world_size,
+                "rank_map": {str(r): r for r in survivors},
+                "placement": {str(r): placement[r] for r in range(self.world_size)},
+                "reason": f"{what}; healthy replicas hand the state over ({handover}); step {self.step} "
+                          "(0-based) runs again"}
+
+    def _leave_unhealed(self, reason: str, phases: dict) -> WorldChange:
+        log.error("rank %d leaves the job: %s", self.rank, reason)
+        change = WorldChange("checkpoint_exit", "", leave=True, rank=self.rank, world_size=self.world_size,
+                             generation=self.generation, reason=reason, phases=phases)
+        self.close(finished=False)
+        return change
+
+    def _save_checkpoint(self, replicated: bool) -> str:
+        directory = Path(self.config.checkpoint_dir or "foreshock-checkpoints")
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.config.job_id}-step{self.step}.ckpt"
+        if replicated:
+            save_checkpoint(path, self.replicated_state())
+        save_checkpoint(path.with_name(f"{path.name}.rank{self.rank}"), self.local_state())
+        return str(path)
 
     def _make_plan(self, d: Directive) -> dict:
         w = self.world_size
@@ -464,6 +714,11 @@ class Migrator:
             else:
                 base["spares"] = [{**s, "replaces": r, "transfer_rank": 1 + len(leaving) + j}
                                   for j, (s, r) in enumerate(zip(spares, leaving))]
+        if kind == "shrink" and self.reshard is not None:
+            # shards are laid out for w ranks; with every rank alive a checkpoint is complete
+            kind = "checkpoint_exit"
+            base["reason"] = (f"{base['reason']}; a sharded job cannot shrink (its shards are laid out "
+                              f"for {w} ranks): checkpoint and exit")
         if kind == "shrink" and len(leaving) >= w:
             return {**base, "kind": "rejected", "reason": "shrink would leave no rank"}
         base["kind"] = kind
@@ -508,22 +763,35 @@ class Migrator:
         """Run this process's part of the state transfer; returns the published outcome."""
         did, gen = plan["directive_id"], plan["gen"]
         okey = f"{self._p}outcome/{did}"
+        xkey = f"{self._p}xfer/g{gen}/{did}/"
         leaving = plan["leaving"]
+        size = plan.get("group_size", 1 + 2 * len(leaving))
         t = time.monotonic()
         coordinator = plan["coordinator"] == self.rank
         if coordinator:
             outcome = "commit"
             try:
-                size = 1 + 2 * len(leaving)
                 pg = self._transfer_group(did, gen, 0, size)
                 state = self.replicated_state()
                 state["migrator"]["generation"] = gen
                 state["migrator"]["placement"] = plan["placement"]
                 total = 0
                 for sp in plan["spares"]:
-                    total += send_state(pg, state, sp["transfer_rank"], 0)
-                plan["bytes"] = total
+                    sent, dg = send_state(pg, state, sp["transfer_rank"], 0)
+                    total += sent
+                    self._store.set(f"{xkey}digest/0/{sp['transfer_rank']}", dg)
+                    if sp.get("local_src") == 0:
+                        sent, dg = send_state(pg, self._handover_state(), sp["transfer_rank"], LOCAL_TAG)
+                        total += sent
+                        self._store.set(f"{xkey}digest/0/{sp['transfer_rank']}/local", dg)
+                plan["bytes_from"] = {f"rank {self.rank} (replicated)": total}
                 self._await_spares(plan)
+                for r in leaving + plan.get("sources", []):
+                    k = f"{xkey}bytes/{r}"
+                    if self._store.check([k]):
+                        own = "own shards and state" if self.reshard is not None else "own rank-local state"
+                        plan["bytes_from"][f"rank {r} ({own})"] = int(self._store.get(k))
+                plan["bytes"] = sum(plan["bytes_from"].values())
             except Exception as exc:  # noqa: BLE001
                 outcome = f"abort: {exc}".replace("\n", " ")[:500]
                 log.warning("state transfer for %s aborted: %s", did, outcome)
@@ -531,11 +799,26 @@ class Migrator:
         elif self.rank in leaving:
             try:
                 i = leaving.index(self.rank)
-                pg = self._transfer_group(did, gen, 1 + i, 1 + 2 * len(leaving))
+                pg = self._transfer_group(did, gen, 1 + i, size)
                 sp = next(s for s in plan["spares"] if s["replaces"] == self.rank)
-                send_state(pg, self.local_state(), sp["transfer_rank"], LOCAL_TAG)
+                _fault_point("leaving_dies_in_transfer")
+                sent, dg = send_state(pg, self.local_state(), sp["transfer_rank"], LOCAL_TAG)
+                self._store.set(f"{xkey}digest/{1 + i}/{sp['transfer_rank']}/local", dg)
+                self._store.set(f"{xkey}bytes/{self.rank}", str(sent))
             except Exception as exc:  # noqa: BLE001
                 log.warning("sending local state for %s failed: %r", did, exc)
+        elif self.rank in plan.get("sources", []):
+            # a heal's replica of a dead rank's shards (HSDP) sends them to the spare taking its place
+            try:
+                me = 1 + plan["sources"].index(self.rank)
+                pg = self._transfer_group(did, gen, me, size)
+                for sp in plan["spares"]:
+                    if sp["local_src"] == me:
+                        sent, dg = send_state(pg, self._handover_state(), sp["transfer_rank"], LOCAL_TAG)
+                        self._store.set(f"{xkey}digest/{me}/{sp['transfer_rank']}/local", dg)
+                        self._store.set(f"{xkey}bytes/{self.rank}", str(sent))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sending a replica's state for %s failed: %r", did, exc)
         try:
             outcome = self._store.get(okey).decode()
         except Exception as exc:  # noqa: BLE001
@@ -562,15 +845,36 @@ class Migrator:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"spare {sp['node']} did not confirm within "
                                        f"{self.config.transfer_timeout_s}s")
+            verdict = self._store.get(f"{k}/received").decode()
+            if verdict != "ok":
+                raise RuntimeError(f"spare {sp['node']} refused the state: {verdict}")
 
-    def _enter_world(self, plan: dict, new_rank: int) -> None:
+    def _enter_world(self, plan: dict, new_rank: int, shards: dict | None = None) -> None:
+        """Leave the current group and join generation plan["gen"] as `new_rank`. Sharded: carry this
+        rank's shards across (or put `shards`, received by a spare, in place) in a rebuilt module."""
+        if self.reshard is not None and shards is None:
+            from foreshock.migrator import sharded
+            shards = sharded.local_state(self.module, self.optimizer)
         self._ddp = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self._healthy:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        else:
+            self.seam.abandon()
+        self._healthy = True
         self.generation = int(plan["gen"])
         self.rank, self.world_size = new_rank, int(plan["world"])
         self.placement = {int(k): v for k, v in plan["placement"].items()}
         self._init_world(self.generation, self.rank, self.world_size)
+        self._hb_key = f"{self._p}alive/g{self.generation}/{self.rank}"
+        self._store.set(self._hb_key, repr(time.time()))
+        if self.reshard is not None:
+            from foreshock.migrator import sharded
+            devices = [torch.cuda.current_device()] if self.seam.device_type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):      # building the module must not move the RNG
+                self.module = self.reshard(self.seam.mesh(*self.mesh_spec))
+            sharded.check_layout(self.module)
+            sharded.apply_local(self.module, self.optimizer, shards)
         self._wrap(sync=False)
         if self._client is not None:
             self._client.watch(self.rank)
@@ -636,10 +940,14 @@ class Migrator:
                 return True
             log.info("switch %s aborted; back to standby", plan["directive_id"])
 
-    def _start_heartbeat(self) -> None:
+    def _start_heartbeat(self, key: str = "") -> None:
+        """Beat `key` (a standby slot's, or this rank's in its generation) in the store every
+        spare_heartbeat_s from a thread of its own, so a live but busy process never looks dead."""
         store = dist.TCPStore(self.config.store_host, self.config.store_port, is_master=False,
                               timeout=_td(self.config.transfer_timeout_s), wait_for_workers=False)
-        self._hb_key = ""
+        self._hb_key = key
+        if key:
+            store.set(key, repr(time.time()))
 
         def beat() -> None:
             while not self._heartbeat_stop.wait(self.config.spare_heartbeat_s):
@@ -649,25 +957,36 @@ class Migrator:
                     except Exception:  # noqa: BLE001
                         pass
 
-        self._heartbeat = threading.Thread(target=beat, name="foreshock-spare-heartbeat", daemon=True)
+        self._heartbeat = threading.Thread(target=beat, name="foreshock-heartbeat", daemon=True)
         self._heartbeat.start()
 
     def _join(self, plan: dict, slot: int) -> bool:
         did = plan["directive_id"]
         me = next(s for s in plan["spares"] if s["node"] == self.config.node and s["slot"] == slot)
         k = f"{self._p}standby/{self.config.node}/{slot}"
+        xkey = f"{self._p}xfer/g{plan['gen']}/{did}/"
+        tr = me["transfer_rank"]
         try:
-            pg = self._transfer_group(did, plan["gen"], me["transfer_rank"], 1 + 2 * len(plan["leaving"]))
+            pg = self._transfer_group(did, plan["gen"], tr, plan.get("group_size", 1 + 2 * len(plan["leaving"])))
             replicated = recv_state(pg, 0, 0, on_message=_transfer_fault_hook)
-            i = plan["leaving"].index(me["replaces"])
-            local = recv_state(pg, 1 + i, LOCAL_TAG)
+            src = me.get("local_src", 1 + plan["leaving"].index(me["replaces"]) if plan["leaving"] else 0)
+            local = recv_state(pg, src, LOCAL_TAG)
+            _check_digest("the local state", local, self._store.get(f"{xkey}digest/{src}/{tr}/local").decode())
+            shards = local.pop("shards", None)
             self._load_replicated(replicated)
             self._load_local(local)
             for p in self.module.parameters():
                 p.grad = None          # nothing of the warm-up may leak into the first real step
-            self._store.set(f"{k}/received", "1")
+            # what this process now holds is what the source sent, before the new world steps
+            _check_digest("the replicated state", self.replicated_state(),
+                          self._store.get(f"{xkey}digest/0/{tr}").decode())
+            self._store.set(f"{k}/received", "ok")
         except Exception as exc:  # noqa: BLE001
             log.warning("receiving state for %s failed: %r", did, exc)
+            try:
+                self._store.set(f"{k}/received", f"{exc!r}"[:300])
+            except Exception:  # noqa: BLE001
+                pass
             return False
         try:
             outcome = self._store.get(f"{self._p}outcome/{did}").decode()
@@ -677,7 +996,12 @@ class Migrator:
             return False
         self.book.finish(did)
         self._open_source_for(me["replaces"])
-        self._enter_world(plan, new_rank=me["replaces"])
+        self._enter_world(plan, new_rank=me["replaces"], shards=shards)
+        if shards is not None:
+            # the shards went in only now (the module is rebuilt on the new mesh): check them before
+            # the first step; a mismatch stops this process loudly rather than train a diverged model
+            _check_digest("the moved shards", {"shards": self.local_state()["shards"]},
+                          digest({"shards": shards}))
         self._step_t = time.monotonic()
         return True
 
@@ -686,12 +1010,58 @@ class Migrator:
         self._open_source(watch=False)     # _enter_world starts the watch in the new world
 
 
-def _transfer_fault_hook(message: int, total: int) -> None:
-    """Fault injection for the proof tests and the demo: FORESHOCK_MIGRATOR_FAULT=spare_dies_in_transfer
-    makes a spare kill itself (SIGKILL, no clean-up) after the first message of the state arrives."""
-    if os.environ.get("FORESHOCK_MIGRATOR_FAULT") == "spare_dies_in_transfer":
+def _is_collective_failure(exc: BaseException) -> bool:
+    """Whether an exception from a training step is a collective that failed because a peer is gone
+    (gloo: its socket closed or timed out; NCCL: the communicator reported an error or was aborted)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(m in text for m in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Gloo", "gloo",
+        "NCCL", "Timed out waiting", "ProcessGroup", "process group"))
+
+
+def _check_digest(what: str, state: Any, expected: str) -> None:
+    got = digest(state)
+    if got != expected:
+        raise RuntimeError(f"digest of {what} is {got}, the sender's {expected}: not taking a diverged state")
+
+
+def _has_dtensor_params(module: torch.nn.Module) -> bool:
+    from foreshock.migrator import sharded
+    return sharded.is_sharded(module)
+
+
+def _ddp_options(ddp: DistributedDataParallel) -> dict:
+    """The options a script gave its own DDP wrapper, to wrap the module the same way in a new world."""
+    options = {"find_unused_parameters": ddp.find_unused_parameters,
+               "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+               "bucket_cap_mb": ddp.bucket_bytes_cap / (1 << 20)}
+    if ddp.device_ids:
+        options["device_ids"] = ddp.device_ids
+    return options
+
+
+def init_process_group(*args, **kwargs) -> None:
+    """torch.distributed.init_process_group for a script that also runs as a warm spare: on a spare
+    (FORESHOCK_ROLE=spare) it does nothing, since a spare joins a world only when it takes a rank."""
+    if os.environ.get("FORESHOCK_ROLE", "rank") == "spare":
+        return
+    dist.init_process_group(*args, **kwargs)
+
+
+def _fault_point(name: str) -> None:
+    """Fault injection for the proof tests and the demo: FORESHOCK_MIGRATOR_FAULT=<name> makes this
+    process kill itself here (SIGKILL, no clean-up). spare_dies_in_transfer: a spare, after the first
+    message of the state arrives; leaving_dies_in_transfer: a leaving rank, in the transfer group,
+    before it sends its own state."""
+    if os.environ.get("FORESHOCK_MIGRATOR_FAULT") == name:
         import signal
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _transfer_fault_hook(message: int, total: int) -> None:
+    _fault_point("spare_dies_in_transfer")
 
 
 def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they are strings here
@@ -704,7 +1074,7 @@ def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they a
         fut = dist.all_reduce(buf, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0].div_(world))
     ctrl, cand = mig._control_for_hook()
-    ext = torch.cat([buf, torch.tensor(ctrl, dtype=buf.dtype)])
+    ext = torch.cat([buf, torch.tensor(ctrl, dtype=buf.dtype, device=buf.device)])
     n = buf.numel()
     fut = dist.all_reduce(ext, async_op=True).get_future()
 

@@ -60,6 +60,12 @@ def test_config_from_env_with_torchrun_fallbacks():
     # FORESHOCK_* wins over torchrun's, an argument wins over both
     c = MigratorConfig.from_env({**env, "FORESHOCK_RANK": "1"}, world_size=8)
     assert (c.rank, c.world_size) == (1, 8)
+    # under torchrun alone: the job id is its run id (--rdzv-id), the store its rendezvous store
+    torchrun = {"TORCHELASTIC_RUN_ID": "run-42", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                "MASTER_PORT": "29400"}
+    c = MigratorConfig.from_env(torchrun)
+    assert (c.job_id, c.store) == ("run-42", "h:29400")
+    assert MigratorConfig.from_env({**torchrun, "FORESHOCK_JOB_ID": "mine"}).job_id == "mine"
 
 
 @pytest.mark.parametrize("env, names", [
@@ -202,7 +208,7 @@ def _assert_same(a, b, path="state"):
 
 def test_state_round_trips_through_a_real_gloo_pair():
     import torch.distributed as dist
-    from foreshock.migrator.transfer import message_plan, recv_state, send_state, tensor_specs, encode
+    from foreshock.migrator.transfer import digest, encode, message_plan, recv_state, send_state, tensor_specs
     state = _training_state()
     skeleton, tensors = encode(state)
     plan = message_plan(tensor_specs(skeleton))
@@ -216,7 +222,7 @@ def test_state_round_trips_through_a_real_gloo_pair():
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
             pg = dist.ProcessGroupGloo(dist.PrefixStore("t/", client), rank, 2, timedelta(seconds=30))
             if rank == 0:
-                got["bytes"] = send_state(pg, state, 1, 0)
+                got["bytes"], got["digest"] = send_state(pg, state, 1, 0)
             else:
                 got["state"] = recv_state(pg, 0, 0)
         except Exception as exc:  # noqa: BLE001
@@ -230,6 +236,12 @@ def test_state_round_trips_through_a_real_gloo_pair():
     assert not errors, errors
     _assert_same(state, got["state"])
     assert got["bytes"] > 24_000_000
+    # the digest the sender reports is the receiver's digest of what it got, and a one-bit change shows
+    assert got["digest"] == digest(got["state"]) == digest(state)
+    flipped = got["state"]["model"][next(iter(got["state"]["model"]))]
+    flipped.view(torch.uint8)[0] ^= 1
+    assert digest(got["state"]) != got["digest"]
+    flipped.view(torch.uint8)[0] ^= 1
     # and the received optimizer state loads into a fresh optimizer and steps identically
     from foreshock.migrator.example import build
     m1, o1, _ = build(3000, seed=1)
