@@ -125,6 +125,9 @@ KNOBS: tuple[Knob, ...] = (
          "median repair time (0: the clean world's per-category assumptions)"),
     Knob("repair_sigma", "pod", 0.7, ("choice", (2.13,), (1.0,)), f"{HBD}: 90th percentile 312 h, "
          "sigma = ln(312/20.4)/1.2816", "lognormal sigma of repair times (capped at 60 days)"),
+    Knob("clean_pod_share", "world", 0.0, ("uniform", 0.3, 0.4), "assumption: fleets differ, and a well-kept "
+         "one is as real as a messy one", "share of pods whose every knob keeps its clean value (their "
+         "episodes too: ramps of the clean signatures), so the family of worlds holds the clean one"),
     Knob("lookalike_scale", "world", 1.0, ("uniform", 1.5, 4.0), "assumption",
          "multiplies the degrade-then-recover episodes; in the random world they come from every "
          "precursor mode alike (a single remap, a cable fixed by a reseat, a hot GPU that cools)"),
@@ -159,15 +162,18 @@ class World:
                 raise WorldError(f"[simulate.knobs] {name}: must be a number >= 0 or [low, high], got {value!r}")
         self.kind, self.seed, self.n_pods, self.overrides = kind, int(seed), int(n_pods), knobs
         self.values: dict[str, np.ndarray] = {}
-        pod_draws = [self._draw_pod(p) for p in range(self.n_pods)]
-        for k in KNOBS:
-            if k.level == "pod":
-                self.values[k.name] = np.array([d[k.name] for d in pod_draws])
+        # the run's knobs first: a pod's draws read clean_pod_share (the streams are apart, so the
+        # order of drawing changes no value)
         wrng = np.random.default_rng(np.random.SeedSequence([self.seed, 0x3D0, 0xFFFF]))
         for k in KNOBS:
             if k.level == "world":
                 v = k.sample(wrng, knobs.get(k.name)) if self.random else knobs.get(k.name, k.clean)
                 self.values[k.name] = np.array([v])
+        pod_draws = [self._draw_pod(p) for p in range(self.n_pods)]
+        for k in KNOBS:
+            if k.level == "pod":
+                self.values[k.name] = np.array([d[k.name] for d in pod_draws])
+        self.values["clean_pod"] = np.array([d["clean_pod"] for d in pod_draws], dtype=bool)
 
     @property
     def random(self) -> bool:
@@ -188,6 +194,11 @@ class World:
                 out[k.name] = k.sample(rng, self.overrides.get(k.name))
             else:
                 out[k.name] = self.overrides.get(k.name, k.clean)
+        # drawn after every knob, so that it moves none of them
+        out["clean_pod"] = bool(rng.random() < float(self.scalar("clean_pod_share")))
+        if out["clean_pod"]:
+            out.update({k.name: self.overrides.get(k.name, k.clean) for k in KNOBS
+                        if k.level == "pod" and not isinstance(self.overrides.get(k.name), (list, tuple))})
         return out
 
     def pod(self, name: str, pod: int):
@@ -202,6 +213,10 @@ class World:
     def episode_draws(self, mode: str, episode_seed: int, pod: int, span_s: float, lookalike: bool = False) -> dict:
         """The random world's per-episode draws (shape, signature, faintness), from the episode's stream."""
         rng = np.random.default_rng(np.random.SeedSequence([episode_seed & ((1 << 63) - 1), 0x5A7E]))
+        if self.values["clean_pod"][pod]:
+            signature = SIGNATURES.get(mode, ("default",))[0]
+            return {"shape": "ramp", "signature": signature, "faint": False, "faint_factor": 1.0,
+                    "shape_params": shape_params("ramp", rng, span_s), "hbm_temp_c": 0.0}
         signatures = SIGNATURES.get(mode, ("default",)) + (LOOKALIKE_SIGNATURES.get(mode, ()) if lookalike else ())
         signature = signatures[int(rng.integers(len(signatures)))]
         shape = KNOB["shape"].sample(rng)

@@ -77,6 +77,26 @@ def test_a_random_world_is_a_function_of_its_seed_and_its_pods_differ(tmp_path):
             assert np.array_equal(w1.values[k.name], w2.values[k.name]), k.name
 
 
+def test_a_share_of_the_random_worlds_pods_is_the_clean_world():
+    """The family holds the clean world: some pods keep every knob clean, their episodes ramp with the
+    clean signature; the other pods' draws are those they would have had anyway."""
+    from foreshock.simulator import scenarios as sc
+
+    world = sc.World("random", seed=5, n_pods=40)
+    clean = world.values["clean_pod"]
+    assert 0 < clean.sum() < len(clean)
+    for k in sc.KNOBS:
+        if k.level == "pod":
+            assert all(world.pod(k.name, p) == k.clean for p in np.flatnonzero(clean)), k.name
+    messy = int(np.flatnonzero(~clean)[0])
+    assert world.pod("lead_sigma", messy) != sc.KNOB["lead_sigma"].clean
+    draws = world.episode_draws("hbm", 1234, int(np.flatnonzero(clean)[0]), 3600.0)
+    assert (draws["shape"], draws["signature"], draws["faint"]) == ("ramp", "ecc", False)
+    none = sc.World("random", seed=5, n_pods=40, knobs={"clean_pod_share": 0.0})
+    assert not none.values["clean_pod"].any()
+    assert none.pod("lead_sigma", messy) == world.pod("lead_sigma", messy)
+
+
 def test_a_knob_set_in_a_scenario_holds_in_every_pod_and_leaves_the_others(tmp_path):
     world = World("random", seed=2, n_pods=4, knobs={"gpus_per_node": 4, "site_temp_amp_c": [5, 5]})
     free = World("random", seed=2, n_pods=4)
