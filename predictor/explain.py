@@ -137,6 +137,8 @@ def _describe_anomaly(get) -> str:
 
 _KIND = np.array([SIGNAL_BY_NAME[ft.FEATURES[i].signal].kind if ft.FEATURES[i].signal in SIGNAL_BY_NAME
                   else ft.FEATURES[i].signal for i in range(ft.N_FEATURES)])
+# a count signal is named only for what it counted: its windows, not its ratios to the baseline
+_COUNTED = np.array([f.op in ("sum1", "sum5", "sum30") for f in ft.FEATURES])
 _GROUP_OF = np.zeros((ft.N_FEATURES, len(GROUP_NAMES)))
 for _k, _name in enumerate(GROUP_NAMES):
     _GROUP_OF[GROUPS[_name], _k] = 1.0
@@ -149,7 +151,7 @@ def unusual(X: np.ndarray, reference: np.ndarray) -> np.ndarray:
     ref = np.where(np.isfinite(reference), reference, 0.0)
     gauge = np.isin(_KIND, ("gauge", "flag"))
     off = np.where(gauge, X != reference, X > ref)
-    off &= known & ((_KIND != "count") | (X > 0))
+    off &= known & ((_KIND != "count") | (_COUNTED & (X > 0)))
     return (off.astype(np.float64) @ _GROUP_OF) > 0
 
 

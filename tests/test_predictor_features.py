@@ -238,3 +238,30 @@ def test_samples_do_not_depend_on_how_rows_are_batched():
     wait = cols["ib_xmit_wait"]
     n0 = key // sg.NODE_SHIFT == key.min() // sg.NODE_SHIFT
     np.testing.assert_array_equal(wait[n0], [0, 25, 25, 25, 25, 25])   # across the wrap too
+
+
+def test_explanations_never_name_a_zero_count_and_say_what_is_unusual():
+    """A signal that counted nothing is no reason an operator can act on, whatever the model makes of
+    its ratios; one that counted is named with its baseline and its peers."""
+    from foreshock.predictor import explain as ex
+
+    idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    ref = np.zeros(ft.N_FEATURES, dtype=np.float32)
+    ref[idx["ib_ack_timeout_30m_vs_baseline"]] = 1.0
+    row = ref.copy()
+    row[idx["ib_ack_timeout_30m_vs_baseline"]] = 5.0          # a ratio, but no timeout counted
+    for w in ("1m", "5m", "30m"):
+        row[idx[f"nvl_crc_{w}"]] = {"1m": 40, "5m": 200, "30m": 1200}[w]
+    row[idx["nvl_crc_30m_vs_baseline"]] = 60.0
+    row[idx["gpu_err_vs_job_30m"]] = 300.0
+    X = row[None, :]
+
+    def proba(rows):   # the model likes both the ratio and the CRC count
+        rows = np.atleast_2d(rows)
+        return 0.01 * rows[:, idx["ib_ack_timeout_30m_vs_baseline"]] + 1e-4 * rows[:, idx["nvl_crc_30m"]]
+
+    sigs = ex.explain(proba, X, proba(X), ref, top=3)[0]
+    names = [s.name for s in sigs]
+    assert "ib_ack_timeout" not in names and "nvl_crc" in names
+    text = sigs[names.index("nvl_crc")].description
+    assert "1,200 in the last 30 min" in text and "60x its 3-day baseline" in text and "300x its job's other nodes" in text
