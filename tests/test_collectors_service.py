@@ -118,6 +118,17 @@ def _sweeps_done(port: int) -> int:
     return int(float(line[0].split()[1])) if line else 0
 
 
+def _wait_for_sweeps(proc, port: int, n: int) -> int:
+    """Wait (60 s at most) until the collector's metrics count n sweeps; the count it reached."""
+    deadline, seen = time.time() + 60, 0
+    while time.time() < deadline and seen < n:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+        seen = _sweeps_done(port)
+    assert seen >= n
+    return seen
+
+
 def test_sigterm_flushes_everything(procfs_fixture, tmp_path):
     out = tmp_path / "ds"
     port = _free_port()
@@ -127,12 +138,7 @@ def test_sigterm_flushes_everything(procfs_fixture, tmp_path):
          f"127.0.0.1:{port}", "--node", "term", "--out", str(out), "--sim-gpus", "2", "--sim-hcas", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline, seen = time.time() + 60, 0
-        while time.time() < deadline and seen < 5:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-            seen = _sweeps_done(port)
-        assert seen >= 5
+        seen = _wait_for_sweeps(proc, port, 5)
         assert not list(out.rglob("*.parquet"))  # nothing closed yet: every row is in the open interval
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -159,12 +165,7 @@ def test_sigkill_loses_no_sweep_the_metrics_counted(procfs_fixture, tmp_path):
          "--rotate-seconds", "300", "--metrics-listen", f"127.0.0.1:{port}", "--node", "kill", "--out", str(out),
          "--sim-gpus", "2", "--sim-hcas", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline, seen = time.time() + 60, 0
-        while time.time() < deadline and seen < 5:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-            seen = _sweeps_done(port)
-        assert seen >= 5
+        seen = _wait_for_sweeps(proc, port, 5)
     finally:
         proc.kill()
         proc.communicate()
