@@ -33,6 +33,8 @@ OTHER_VARIABLES = {
         "SERVICE", "JOB_ID", "RANK", "WORLD_SIZE", "NODE", "ROLE", "TOKEN", "TLS_CA", "STORE", "HOST_STORE",
         "SPARE_NODES", "FALLBACK", "CHECKPOINT_DIR", "RPC_TIMEOUT_S", "TRANSFER_TIMEOUT_S", "STANDBY_POLL_S",
         "REPORT_INTERVAL_S", "SPARE_HEARTBEAT_S", "MIGRATOR_FAULT")},
+    **{f"FORESHOCK_EXAMPLE_{name}": "the migrator's torchrun example (migrator/torchrun_example.py)"
+       for name in ("OUT", "STEPS", "STEP_SLEEP")},
     "FORESHOCK_PREDICT_THREADS": "the predictor's kernels (predictor/features.py, predictor/registry.py)",
     "FORESHOCK_FEATURE_WORKERS": "the predictor's offline features (predictor/offline.py)",
     "FORESHOCK_SHARED": "tests and benchmarks: the shared fixtures folder",
