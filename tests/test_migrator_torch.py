@@ -52,7 +52,7 @@ def _drain(address, node, reason):
     return resp.directives[0]
 
 
-def _wait_registered(plane, job_id, timeout=60.0):
+def _wait_registered(plane, job_id, timeout=180.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if plane.store.find_job(job_id) is not None and plane.jobs.watchers().get(job_id, 0) >= 1:
