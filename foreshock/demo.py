@@ -106,6 +106,7 @@ class Demo:
         # indices, so a seed gives the same telemetry whatever the wall-clock jitter of this machine.
         self.step_ns = int(float(cfg["interval"]) * self.scale * 1e9)
         self.sweep_index = 0
+        self._swept: tuple[int, float] | None = None   # (sample time, wall time) of the last sweep
         self.pending: list[tuple[int, Fault]] = []
         self.events: list[tuple[float, str]] = []
         self.faults: list[Fault] = []
@@ -127,7 +128,15 @@ class Demo:
             print(f"[{time.time() - self.t0:6.1f}s] {text}", flush=True)
 
     def sim_ns(self) -> int:
-        return self.sim0_ns + int((time.time() - self.t0) * self.scale * 1e9)
+        """The simulated clock (scoring, failures, the timeline): `scale` times the wall clock, but
+        never more than one sweep past the last sweep taken. On a loaded machine the sweeps fall
+        behind the wall clock and the clock waits for them, so a node fails, and its steps close, when
+        the telemetry says so: a lead measured on it does not shrink with the machine's load."""
+        swept = self._swept
+        if swept is None:
+            return self.sim0_ns + int((time.time() - self.t0) * self.scale * 1e9)
+        ts, wall = swept
+        return ts + min(self.step_ns, int((time.time() - wall) * self.scale * 1e9))
 
     def sim(self) -> float:
         return self.sim_ns() / 1e9
@@ -299,6 +308,7 @@ class Demo:
                 except Exception as exc:  # noqa: BLE001 - a collector fault must not end the demo
                     log.error("collector %s: %s", c.node, exc)
             self.writer.maybe_rotate()
+            self._swept = (ts, time.time())
             self.sweep_index += 1
             next_at += interval
             self._stop.wait(max(0.0, next_at - time.time()))
@@ -335,7 +345,7 @@ class Demo:
                 f.peak_risk = max(f.peak_risk, r.probability)
                 if f.first_alert is None and r.probability >= self.threshold:
                     f.first_alert = now
-                    self.say(f"risk alert: {f.node} at {r.probability:.2f}"
+                    self.say(f"risk alert: {f.node} at {r.probability:.3g}"
                              + (f" ({r.signals[0].description})" if r.signals else ""))
             for d in self.directives:
                 if (d.kind == jobs_pb2.DIRECTIVE_KIND_EVACUATE and d.state == jobs_pb2.DIRECTIVE_STATE_COMPLETED
@@ -588,7 +598,7 @@ def print_summary(summary: dict[str, Any]) -> None:
             verdict = f"predicted {f['lead_minutes']:.0f} simulated min ahead"
         else:
             verdict = "not predicted" + (" (no precursor: expected)" if f["kind"] == "no_precursor" else "")
-        print(f"  {f['label']:<40} {f['node']:<9} peak risk {f['peak_risk']:.2f}  {verdict}")
+        print(f"  {f['label']:<40} {f['node']:<9} peak risk {f['peak_risk']:.3g}  {verdict}")
     for e in summary["evacuations"]:
         print(f"  evacuation {e['from_node']} -> {e['to_node']} at step {e['at_step']}: "
               f"{e['state'].replace('DIRECTIVE_STATE_', '')}, {e['duration_seconds']} s to the first step in the "

@@ -180,6 +180,8 @@ def run_worker(spec: dict) -> int:
     out = Path(spec["out_dir"]) / f"{config.role}-{name}-{os.getpid()}.json"
     progress_key = f"foreshock/{config.job_id}/progress"
     stop_key = f"foreshock/{config.job_id}/stop_at"  # Job.request_stop: every rank ends at that step
+    release_key = f"foreshock/{config.job_id}/release"  # Job.release: the ranks held at hold_at go on
+    hold_at = spec.get("hold_at")
     code = 0
     try:
         if not mig.start():
@@ -233,6 +235,10 @@ def run_worker(spec: dict) -> int:
                 mig._store.set(progress_key + "_loss", repr(loss.item()))
             if spec.get("progress") and mig._store.check([stop_key]):
                 steps = min(steps, int(mig._store.get(stop_key)))
+            if hold_at is not None and mig.step == hold_at:
+                # every rank reaches this boundary after the same agreed step, so they all wait here
+                while not mig._store.check([release_key]):
+                    time.sleep(0.02)
             if sleep:
                 time.sleep(sleep)
         record["hashes"][str(mig.step)] = param_hash(mig.module)
@@ -278,6 +284,10 @@ class Job:
         at = self.progress() + steps_ahead
         self.store.set(f"foreshock/{self.job_id}/stop_at", str(at))
         return at
+
+    def release(self) -> None:
+        """Let the ranks held at `hold_at` (see `launch`) go on."""
+        self.store.set(f"foreshock/{self.job_id}/release", "1")
 
     def wait_progress(self, step: int, timeout: float = 60.0) -> int:
         end = time.monotonic() + timeout
@@ -338,12 +348,14 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
            fallback: str = "shrink", env: dict[str, str] | None = None,
            spare_env: dict[str, str] | None = None, transfer_timeout_s: float = 30.0,
            log_level: str = "WARNING", batch_size: int = 16,
-           registered_spares: list[str] | None = None, mode: str = "ddp") -> Job:
+           registered_spares: list[str] | None = None, mode: str = "ddp", hold_at: int | None = None) -> Job:
     """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`
     (`registered_spares`: the spare nodes told to the service, by default `spares`). `mode`: "ddp" (the
     migrator makes the group and wraps DDP), "adopt" (the script makes both, env:// as under torchrun),
     "fsdp" (the script makes the group and shards the model with FSDP2) or "hsdp" (FSDP2 on a 2-D
-    mesh: two replicas of a shard group of half the ranks)."""
+    mesh: two replicas of a shard group of half the ranks). `hold_at`: every rank waits after step
+    hold_at - 1 (progress == hold_at) until `Job.release()`, so a test can act on a job at a known step
+    however slowly or quickly the machine runs it."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)
@@ -359,7 +371,7 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
               "FORESHOCK_STANDBY_POLL_S": "10", **(env or {})}
     base = {"steps": steps, "out_dir": str(out), "params": params, "seed": seed,
             "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size,
-            "mode": mode}
+            "mode": mode, "hold_at": hold_at}
     ctx = _context()
     procs = {}
     for i, node in enumerate(spares):

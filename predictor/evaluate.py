@@ -66,14 +66,14 @@ class NodeScores:
     node: str
     step_end_ns: np.ndarray           # [T]
     y: np.ndarray                     # [T] int8
-    usable: np.ndarray                # [T] present and not excluded
+    usable: np.ndarray                # [T] scoreable (NodeFeatures.scoreable) and not excluded
     scores: dict[str, np.ndarray] = field(default_factory=dict)   # name -> [T] float32
 
 
 def score_node(nf, incidents: lb.Incidents, predictors: dict, horizon_s: int) -> NodeScores:
     ends = nf.step_end_ns
     y, excluded = lb.node_labels(ends, incidents.of_node(nf.node), horizon_s)
-    usable = nf.present & ~excluded
+    usable = nf.scoreable & ~excluded
     scores = {name: np.asarray(fn(nf.X), dtype=np.float32) for name, fn in predictors.items()}
     return NodeScores(nf.node, ends, y, usable, scores)
 

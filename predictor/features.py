@@ -149,6 +149,19 @@ def feature_names() -> list[str]:
     return list(FEATURE_NAMES)
 
 
+# A node's first step of telemetry has no counter deltas (nothing to difference against: they read 0)
+# and no rates for its peers to be compared with, a row unlike any the model learned from (on the
+# shipped model a tenth of healthy nodes scored above its threshold there). Its rows are scored from
+# this many steps after its first one, offline and online alike; a restarted scorer starts over.
+FIRST_SCORED_STEP = 1
+
+
+def scoreable(steps_since_first: np.ndarray) -> np.ndarray:
+    """Per row, whether it is scored: `steps_since_first` counts steps since the node's first
+    telemetry (0 at that step)."""
+    return np.asarray(steps_since_first) >= FIRST_SCORED_STEP
+
+
 # The summed signals, laid out so that the count, rise and peer columns are contiguous ranges (a
 # slice is a view, an index list a copy); each column's arithmetic is independent of the layout.
 SUM_IDX = list(dict.fromkeys(COUNT_IDX + BASE_IDX + RISE_IDX + PEER_IDX))

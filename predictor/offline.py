@@ -54,6 +54,12 @@ class NodeFeatures:
     def step_end_ns(self) -> np.ndarray:
         return (self.steps + 1) * STEP_NS
 
+    @property
+    def scoreable(self) -> np.ndarray:
+        """[T] the rows a model scores: present, and past the node's first step (ft.scoreable)."""
+        since = self.steps - self.steps[0] if len(self.steps) else self.steps
+        return self.present & ft.scoreable(since)
+
 
 def list_dataset_nodes(root) -> list[str]:
     nodes = set()

@@ -87,7 +87,8 @@ class OnlineScorer:
         self._state = ft.FeatureState.empty(0)
         self._next_step: int | None = None
         self._features = np.zeros((0, ft.N_FEATURES), dtype=np.float32)
-        self._scored = np.zeros(0, dtype=bool)
+        self._scored = np.zeros(0, dtype=bool)            # nodes past their first step (ft.scoreable)
+        self._first_step = np.zeros(0, dtype=np.int64)     # each node's first step with telemetry (-1: none)
         self._scored_names: tuple[np.ndarray, list[str]] | None = None   # (indices, names) last scored
         self._labels: dict[str, dict[str, str | None]] = {}
         self._group_codes: dict[str, dict[str, int]] = {g: {} for g in ft.PEER_GROUPS}
@@ -166,6 +167,7 @@ class OnlineScorer:
         self._state = self._state.grow(len(new))
         self._features = np.concatenate([self._features, np.full((len(new), ft.N_FEATURES), np.nan, np.float32)])
         self._scored = np.concatenate([self._scored, np.zeros(len(new), dtype=bool)])
+        self._first_step = np.concatenate([self._first_step, np.full(len(new), -1, np.int64)])
         self._worst = {k: np.concatenate([v, np.full(len(new), -1, np.int64)]) for k, v in self._worst.items()}
         self._code_arrays = None
 
@@ -248,7 +250,10 @@ class OnlineScorer:
             peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
         feats, self._state = ft.compute(np.concatenate([x, peers], axis=2), steps, self._state)
         self._features = feats[:, -1]
-        self._scored = self._scored | present.any(axis=1)
+        new = (self._first_step < 0) & present.any(axis=1)
+        if new.any():
+            self._first_step[new] = steps[np.argmax(present[new], axis=1)]
+        self._scored = (self._first_step >= 0) & ft.scoreable(int(steps[-1]) - self._first_step)
         self._last_step = int(steps[-1])
         self._next_step = int(close)
         return t
@@ -345,8 +350,8 @@ class OnlineScorer:
                 for signal, keys in self._worst.items() if keys[i] >= 0}
 
     def score(self, now_ns: int | None = None, close_ns: int | None = None) -> ScoreBatch:
-        """Advance the closed steps (advance()) and score every node that has had data. Vectorised
-        across nodes."""
+        """Advance the closed steps (advance()) and score every node past its first step of telemetry
+        (ft.scoreable). Vectorised across nodes."""
         t0 = time.perf_counter()
         self.advance(now_ns, close_ns)
         idx = np.flatnonzero(self._scored)

@@ -80,7 +80,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         for nf in fb:
             node_inc = incidents.of_node(nf.node)
             y, excluded = lb.node_labels(nf.step_end_ns, node_inc, horizon_s)
-            usable = nf.present & ~excluded
+            usable = nf.scoreable & ~excluded
             e = nf.step_end_ns
             if holdout is not None:
                 held = usable & holdout.mask(nf.node, e)

@@ -48,7 +48,7 @@ class PolicySettings:
     sustain_seconds: float = 0.0
     cooldown_seconds: float = 600.0
     default_max_concurrent: int = 1
-    spare_max_risk: float | None = None     # None: threshold / 2
+    spare_max_risk: float | None = None     # None: clear_below (a spare is a node that would leave alarm)
     leaf_suspect_nodes: int = 2
     incident_min_nodes: int = 3
     incident_fraction: float = 0.5
@@ -71,7 +71,11 @@ class PolicySettings:
         if not 0.0 <= self.clear_below <= self.threshold:
             raise ValueError(f"policy clear_below {self.clear_below} must be in [0, threshold]")
         if self.spare_max_risk is None:
-            self.spare_max_risk = self.threshold / 2
+            # not a fixed fraction of the threshold: a calibrated model's healthy nodes score near it
+            # when incidents are rare (the shipped model's threshold is 0.003)
+            self.spare_max_risk = self.clear_below or self.threshold
+        if not 0.0 < self.spare_max_risk <= 1.0:
+            raise ValueError(f"policy spare_max_risk {self.spare_max_risk} must be in (0, 1]")
 
 
 @dataclass
@@ -195,7 +199,7 @@ class EvacuationPolicy:
             elif spare in self.alarms:
                 why = "in alarm"
             elif risk is not None and risk >= s.spare_max_risk:
-                why = f"risk {risk:.2f}"
+                why = f"risk {risk:.3g}"
             elif fatal is not None and now_ns - fatal.ts_ns < s.fatal_hold_seconds * 1e9:
                 why = "recent fatal event"
             elif seen is not None and now_ns - seen > s.stale_seconds * 1e9:

@@ -30,29 +30,35 @@ SEED = 5
 @pytest.fixture(scope="module")
 def fsdp_jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migrator-fsdp")
+    # each job waits at a known step (hold_at) until its directive is published: on a loaded machine
+    # a 24-step job can otherwise finish before the test gets to it
     jobs = {name: example.launch(name, NODES, [SPARE], steps=STEPS, out_dir=tmp / name, seed=SEED,
-                                 params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp")
+                                 params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp",
+                                 hold_at=6 if name == "moved" else None)
             for name in ("moved", "undisturbed")}
     # no spare and fallback shrink: a sharded job cannot shrink, so it checkpoints and exits
     jobs["no-spare"] = example.launch("no-spare", NODES, [], steps=STEPS, out_dir=tmp / "no-spare", seed=SEED,
                                       params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp",
-                                      fallback="shrink", registered_spares=[SPARE])
+                                      fallback="shrink", registered_spares=[SPARE], hold_at=4)
     # HSDP: two replicas of a 2-rank shard group; rank 1 (shard 1 of replica 0) moves
     jobs["hsdp"] = example.launch("hsdp", NODES, [SPARE], steps=STEPS, out_dir=tmp / "hsdp", seed=SEED,
-                                  params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="hsdp")
+                                  params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="hsdp", hold_at=4)
     try:
-        jobs["hsdp"].wait_progress(4, timeout=90)
+        jobs["hsdp"].wait_progress(4, timeout=180)
         publish_directive(jobs["hsdp"].store, "hsdp", Directive("hs-1", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
                                                                 at_step=jobs["hsdp"].progress() + 2,
                                                                 reason="test: hsdp"))
-        jobs["no-spare"].wait_progress(4, timeout=90)
+        jobs["hsdp"].release()
+        jobs["no-spare"].wait_progress(4, timeout=180)
         publish_directive(jobs["no-spare"].store, "no-spare",
                           Directive("ns-1", DirectiveKind.EVACUATE, (2,), NODES[2], SPARE,
                                     at_step=jobs["no-spare"].progress() + 2, reason="test: no spare"))
+        jobs["no-spare"].release()
         moved = jobs["moved"]
-        moved.wait_progress(6, timeout=90)
+        moved.wait_progress(6, timeout=180)
         publish_directive(moved.store, "moved", Directive("fsdp-1", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
                                                           at_step=moved.progress() + 2, reason="test: fsdp"))
+        moved.release()
         codes = {name: job.wait(timeout=150) for name, job in jobs.items()}
         acks = {k: moved.store.get(f"foreshock/moved/directives/ack/fsdp-1/{k}").decode()
                 for k in ("accepted", "state_transferred", "completed")}

@@ -35,13 +35,14 @@ def killed_jobs(tmp_path_factory):
                                  step_sleep_s=0.02, transfer_timeout_s=10.0, mode=mode, env=fault)
             for mode in ("ddp", "fsdp")}
     jobs["leaving"] = example.launch("heal-leaving", NODES, [SPARE], steps=STEPS, out_dir=tmp / "leaving", seed=3,
-                                     step_sleep_s=0.02, transfer_timeout_s=10.0,
+                                     step_sleep_s=0.02, transfer_timeout_s=10.0, hold_at=6,
                                      env={"FORESHOCK_MIGRATOR_FAULT": "leaving_dies_in_transfer"})
     try:
-        jobs["leaving"].wait_progress(6, timeout=90)
+        jobs["leaving"].wait_progress(6, timeout=180)
         publish_directive(jobs["leaving"].store, "heal-leaving",
                           Directive("lv", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
                                     at_step=jobs["leaving"].progress() + 2, reason="test: leaving dies"))
+        jobs["leaving"].release()
         # bounded: a hang would show as processes killed here (exit -9 on a survivor)
         codes = {mode: job.wait(timeout=150) for mode, job in jobs.items()}
         yield {"codes": codes, "results": {m: {r["name"]: r for r in j.results()} for m, j in jobs.items()},

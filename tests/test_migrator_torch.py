@@ -89,17 +89,21 @@ def swap_group(tmp_path_factory):
     plane_m, addr_m = _plane(tmp, "multi")
     jobs = {}
     try:
-        jobs["swap"] = _launch("swap", addr_s, tmp, [SPARE])
+        # the drained jobs wait at step 8 (hold_at) until drained: on a loaded machine a 60-step job can
+        # otherwise finish before the test gets to it
+        jobs["swap"] = _launch("swap", addr_s, tmp, [SPARE], hold_at=8)
         jobs["outage"] = _launch("outage", addr_o, tmp, [SPARE])
         # two ranks per node, the lead's node drained: two spares take over ranks 0 and 1
         jobs["multi"] = _launch("multi", addr_m, tmp, [SPARE, SPARE], nodes=MULTI_NODES,
-                                registered_spares=[SPARE])
+                                registered_spares=[SPARE], hold_at=8)
         _wait_registered(plane_s, "swap")
-        jobs["swap"].wait_progress(8, timeout=90)
+        jobs["swap"].wait_progress(8, timeout=180)
         directive = _drain(addr_s, NODES[2], "test: evacuate rank 2")
+        jobs["swap"].release()
         _wait_registered(plane_m, "multi")
-        jobs["multi"].wait_progress(8, timeout=90)
+        jobs["multi"].wait_progress(8, timeout=180)
         multi_directive = _drain(addr_m, MULTI_NODES[0], "test: evacuate the lead's node")
+        jobs["multi"].release()
         jobs["outage"].wait_progress(12, timeout=90)
         plane_o.stop(grace=0.2)
         codes = {name: job.wait(timeout=120) for name, job in jobs.items()}
@@ -234,22 +238,25 @@ def fault_group(tmp_path_factory):
     shrink_jobs.register = recording_register
     jobs = {}
     try:
-        jobs["spare-dies"] = _launch("spare-dies", planes["spare-dies"][1], tmp, [SPARE],
+        # each job waits at a known step (hold_at) until its directive is out: on a loaded machine a
+        # 60-step job can otherwise finish before the test gets to it
+        jobs["spare-dies"] = _launch("spare-dies", planes["spare-dies"][1], tmp, [SPARE], hold_at=8,
                                      spare_env={"FORESHOCK_MIGRATOR_FAULT": "spare_dies_in_transfer"})
-        jobs["shrink"] = _launch("shrink", planes["shrink"][1], tmp, [], fallback="shrink")
+        jobs["shrink"] = _launch("shrink", planes["shrink"][1], tmp, [], fallback="shrink", hold_at=8)
         jobs["checkpoint"] = _launch("checkpoint", planes["checkpoint"][1], tmp, [], registered_spares=[SPARE],
-                                     fallback="checkpoint_exit")
-        jobs["cancel"] = _launch("cancel", planes["cancel"][1], tmp, [SPARE])
+                                     fallback="checkpoint_exit", hold_at=8)
+        jobs["cancel"] = _launch("cancel", planes["cancel"][1], tmp, [SPARE], hold_at=8)
         # no control plane: directives published in the job's own store
-        jobs["local"] = _launch("local", "", tmp, [SPARE])
+        jobs["local"] = _launch("local", "", tmp, [SPARE], hold_at=5)
         directives = {}
         local = jobs["local"]
-        local.wait_progress(5, timeout=90)
+        local.wait_progress(5, timeout=180)
         publish_directive(local.store, "local", Directive("bogus", DirectiveKind.EVACUATE, (7,), "nowhere", SPARE,
                                                           at_step=0, reason="test: stale placement"))
         publish_directive(local.store, "local", Directive("expired", DirectiveKind.EVACUATE, (3,), NODES[3], SPARE,
                                                           at_step=0, reason="test: too late",
                                                           deadline=time.time() - 1.0))
+        local.release()
         local.wait_progress(15, timeout=90)
         publish_directive(local.store, "local", Directive("good", DirectiveKind.EVACUATE, (3,), NODES[3], SPARE,
                                                           at_step=local.progress() + 2, reason="test: local"))
@@ -257,8 +264,9 @@ def fault_group(tmp_path_factory):
             if name == "local":
                 continue
             _wait_registered(planes[name][0], name)
-            job.wait_progress(8, timeout=90)
+            job.wait_progress(8, timeout=180)
             directives[name] = _drain(planes[name][1], NODES[1], f"test: {name}")
+            job.release()
         cancel_plane = planes["cancel"][0]
         cancel_id = directives["cancel"].directive_id
         end = time.monotonic() + 30

@@ -200,7 +200,7 @@ def test_leaving_a_node_type_out_leaves_all_its_steps_out_of_training(train_data
     with offline.FeatureBuilder(train_data, nodes=sorted(holdout.windows)) as fb:
         for nf in fb:
             _, excluded = lb.node_labels(nf.step_end_ns, incidents.of_node(nf.node), man["horizon_seconds"])
-            expected += int((nf.present & ~excluded).sum())
+            expected += int((nf.scoreable & ~excluded).sum())
     assert tr["held_out"]["steps_left_out"] == expected
 
 

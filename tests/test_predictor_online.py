@@ -99,3 +99,28 @@ def test_a_kernel_event_read_after_its_step_closed_is_dropped_and_counted(model)
         scorer.ingest(name, _slice(t, t0 + 5 * STEP_NS, t0 + 6 * STEP_NS))
     scorer.score(t0 + 6 * STEP_NS, close_ns=t0 + 6 * STEP_NS)
     assert not scorer.features_of("a")[fatal] > 0              # not in the step that was open
+
+
+def test_a_nodes_first_step_is_not_scored_online_or_offline(model, tmp_path):
+    """The first step has no deltas to difference (they read 0): no model learned such a row, so neither
+    path scores it; the next step is scored. A node joining later starts its own count."""
+    early = synthetic.node_tables("node-early", 6, seed=3)
+    late = synthetic.node_tables("node-late", 6, seed=4, t0_ns=synthetic.T0_NS + 2 * STEP_NS)
+    scorer = online.OnlineScorer(model)
+    scorer.set_inventory(synthetic.inventory(["node-early", "node-late"]))
+    t0 = synthetic.T0_NS - synthetic.T0_NS % STEP_NS
+    scored = []
+    for k in range(4):
+        lo, hi = t0 + k * STEP_NS, t0 + (k + 1) * STEP_NS
+        for name, tbl in early.items():
+            scorer.ingest(name, _slice(tbl, lo, hi))
+        if k >= 2:     # node-late's telemetry starts two steps later
+            for name, tbl in late.items():
+                scorer.ingest(name, _slice(tbl, lo, hi))
+        scored.append(sorted(scorer.score(hi + 6_000_000_000).nodes))
+    assert scored == [[], ["node-early"], ["node-early"], ["node-early", "node-late"]]
+
+    from foreshock.predictor import offline
+    steps = np.arange(10, 14)
+    nf = offline.NodeFeatures("n", steps, np.array([True, False, True, True]), np.zeros((4, ft.N_FEATURES)))
+    assert nf.scoreable.tolist() == [False, False, True, True]

@@ -131,10 +131,10 @@ def test_spares_skip_suspect_leaves_risky_stale_and_busy_nodes(world):
     # Two alarmed nodes under l2 make it suspect: spare n08 (on l2) is refused; n12 is risky; n03x stale.
     nodes.set_topology("n03x", Topology(site="s0", leaf_switch="l0"))
     nodes.seen("n03x", clock.now - 120 * S)
-    risk = _risk({"n01": 0.9, "n09": 0.9, "n10": 0.9, "n12": 0.3})
+    risk = _risk({"n01": 0.9, "n09": 0.9, "n10": 0.9, "n12": 0.45})
     (d,) = _round(policy, nodes, clock.now, NODES, risk)
     assert d.from_node == "n01" and d.kind == DirectiveKind.CHECKPOINT_EXIT, (d.to_node, d.reason)
-    assert "n08: under suspect leaf l2" in d.reason and "n12: risk 0.30" in d.reason
+    assert "n08: under suspect leaf l2" in d.reason and "n12: risk 0.45" in d.reason
     assert "n03x: telemetry stale" in d.reason
 
 
