@@ -176,8 +176,10 @@ class Demo:
         settings = Settings.insecure_loopback(self.out / "state", metrics_listen="127.0.0.1:0",
                                               scoring_clock=self.sim_ns,
                                               false_evacuation_budget=float(cfg["budget"]),
-                                              # late rows of a step: 30 simulated s is half a wall second
-                                              scorer_grace_seconds=30.0,
+                                              # a step closes 1.5 sweeps after its end (90 simulated s):
+                                              # on a loaded machine a sweep's rows can take longer than
+                                              # half a sweep to arrive, and rows of a closed step are lost
+                                              scorer_grace_seconds=90.0,
                                               policy={"cooldown_seconds": 3600.0, "stale_seconds": 300.0,
                                                       "lead_seconds": 2.0, "deadline_seconds": 3600.0})
         self.cp = build_server(settings)

@@ -57,7 +57,7 @@ class FeatureGuard(TransformerMixin, BaseEstimator):
 # Error signals whose trend (rising? sustained?) tells a degrading device from a benign burst.
 TREND_SIGNALS = ("ecc_sbe", "remap_correctable", "pcie_replay", "nvl_replay", "nvl_recovery", "nvl_crc",
                  "ib_symbol_error", "ib_link_error_recovery", "ib_rcv_errors", "ib_link_integrity",
-                 "ib_ack_timeout", "ib_out_of_sequence", "ib_retrans", "ib_xmit_discards", "tcp_retrans",
+                 "ib_ack_timeout", "ib_retrans", "ib_xmit_discards", "tcp_retrans",
                  "nic_error_events", "eth_errors", "ib_link_downed")
 
 

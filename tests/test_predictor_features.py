@@ -265,3 +265,18 @@ def test_explanations_never_name_a_zero_count_and_say_what_is_unusual():
     assert "ib_ack_timeout" not in names and "nvl_crc" in names
     text = sigs[names.index("nvl_crc")].description
     assert "1,200 in the last 30 min" in text and "60x its 3-day baseline" in text and "300x its job's other nodes" in text
+
+
+def test_out_of_sequence_packets_raise_no_feature_but_link_errors_do():
+    """Out-of-order arrival is what adaptive routing does (and congestion): a storm of it leaves every
+    feature as it was, while the same count of symbol errors does not."""
+    rng = np.random.default_rng(1)
+    t = 120
+    x = np.zeros((1, t, len(ft.ALL_NAMES)))
+    x[0, :, ft.IDX["temp_max"]] = 60 + rng.standard_normal(t)
+    quiet, _ = ft.compute(x, np.arange(t), ft.FeatureState.empty(1))
+    for signal, changes in (("ib_out_of_sequence", False), ("ib_symbol_error", True)):
+        y = x.copy()
+        y[0, 60:, ft.IDX[signal]] = 5000.0
+        got, _ = ft.compute(y, np.arange(t), ft.FeatureState.empty(1))
+        assert (not np.array_equal(got, quiet, equal_nan=True)) is changes, signal
