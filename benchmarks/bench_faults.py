@@ -15,8 +15,7 @@ Four loops, each printing what it tried and what went wrong (every "wrong" count
 3. service kills: `foreshock serve` (no model) killed with SIGKILL the instant it acknowledges a sweep
    that carries an Xid 79 of a node with a job, then restarted on the same state, which is killed at
    the next node's ack, and so on. Wrong: a directive missing after the restart, or its decision-log
-   row missing or written twice. (Directives are lost here until acks wait for the policy's round:
-   issue 23, item 1, branch reliability-durable-ack.)
+   row missing or written twice.
 4. gRPC: a real control plane (insecure, 127.0.0.1, no model) and, on every method of Telemetry, Risk,
    Jobs and health, random byte strings and valid requests with bytes flipped, sent raw. Wrong: any
    UNKNOWN status (an exception escaped a handler), and any traceback in the log. Printed too: the

@@ -75,6 +75,7 @@ class AckResult:
     credits: int
     rejections: list[Rejection] = field(default_factory=list)
     delay_seconds: float = 0.0
+    acting: bool = False   # queued with an on_acted callback: the ack waits until the policy has acted
 
 
 @dataclass
@@ -112,6 +113,9 @@ class Pending:
     node: str
     tables: dict[str, pa.Table | RawBatch]
     received_ns: int
+    # Called (from the scoring thread) once the round that took this batch has run the policy and its
+    # directives are committed: its stream acknowledges it only then (servicers.TelemetryServicer).
+    acted: Callable[[], None] | None = None
 
 
 @dataclass
@@ -248,9 +252,11 @@ class Ingest:
 
     def accept(self, s: Session, node: str, collector_id: str, sequence: int,
                tables: list[tuple[str, int, bytes] | tuple[str, int, bytes, bool]],
-               watermark_ns: int = 0) -> AckResult:
+               watermark_ns: int = 0, on_acted: Callable[[], None] | None = None) -> AckResult:
         """Take one SweepBatch: (table, schema_version, arrow_ipc[, schema_omitted]) per TableRows,
-        and its watermark (0: none). Never raises on input: every problem becomes a Rejection."""
+        and its watermark (0: none). Never raises on input: every problem becomes a Rejection.
+        `on_acted`: for a batch queued with events or topology, called once the policy has acted on
+        it (result.acting says it will be)."""
         rejections: list[Rejection] = []
         while s.deferred:  # value-check verdicts on this stream's earlier batches
             rejections.append(s.deferred.popleft())
@@ -324,8 +330,11 @@ class Ingest:
         if good:
             self.accepted_batches += 1
             s.queued += 1
-            self.backlog = self.sink(Pending(s, sequence, node, good, now))
-            if not URGENT_TABLES.isdisjoint(good):
+            urgent = not URGENT_TABLES.isdisjoint(good)
+            acted = on_acted if urgent else None
+            result.acting = acted is not None
+            self.backlog = self.sink(Pending(s, sequence, node, good, now, acted))
+            if urgent:
                 # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
                 # a round now rather than at the next interval.
                 self.wake("events")

@@ -172,6 +172,17 @@ def threshold_from_manifest(manifest: dict, budget: float | None = None) -> floa
         return None
 
 
+def acted(items) -> None:
+    """Tell the streams of these batches that the policy has acted on them (ingest.Pending.acted)."""
+    for item in items:
+        callback = getattr(item, "acted", None)
+        if callback is not None:
+            try:
+                callback()
+            except Exception:
+                log.exception("acknowledging an acted-on batch failed")
+
+
 def _forget(item) -> None:
     """A batch dropped from a full backlog will never be checked: its stream stops waiting for it."""
     session = getattr(item, "session", None)
@@ -291,7 +302,7 @@ class ScoringLoop:
     def _urgent(item) -> bool:
         return not URGENT_TABLES.isdisjoint(getattr(item, "tables", item))
 
-    def _drain(self, urgent_only: bool = False) -> None:
+    def _drain(self, urgent_only: bool = False) -> list:
         with self._qlock:
             if urgent_only:
                 # An event round takes only the batches that carry events (or topology), so a fatal
@@ -304,7 +315,7 @@ class ScoringLoop:
             else:
                 items = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_drain))]
         if not items:
-            return
+            return items
         if self.prepare is not None:
             tables = self.prepare(items)   # the value checks, vectorised over the round
         else:
@@ -319,19 +330,21 @@ class ScoringLoop:
             except Exception:
                 self.ingest_errors += 1
                 log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
+        return items
 
     def run_round(self, why: str = "interval") -> ScoreResult | None:
         t0 = time.perf_counter()
         # Telemetry only changes scores when a feature step closes, so it is drained (checked and
         # handed to the scorer) once a `drain_interval`, in big cheap batches; a round woken by events
         # or due at a step close drains at once.
+        drained = []
         if why == "events":
-            self._drain(urgent_only=True)   # the bulk waits for the next round: act on the event first
+            drained = self._drain(urgent_only=True)   # the bulk waits for the next round: act on the event first
             if self._step_due():
-                self._drain()   # ... unless a step closes in this round: it needs every row before it
+                drained += self._drain()   # ... unless a step closes in this round: it needs every row before it
         elif why == "flush" or time.monotonic() - self._last_drain >= self.drain_interval or self._step_due():
             self._last_drain = time.monotonic()
-            self._drain()
+            drained = self._drain()
         now = self._clock()
         boundary = self._close_boundary(now, drained_all=not self._queue)
         try:
@@ -350,6 +363,7 @@ class ScoringLoop:
                 self.on_round(result, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
+        acted(drained)
         if self.steps is not None and not self._step_complete():
             self._release_hold()   # this round closed the complete step: the streams go on
         return result

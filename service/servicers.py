@@ -11,6 +11,7 @@ so the event loop keeps serving thousands of telemetry streams. Services: foresh
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import math
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 
 WATCH_QUEUE = 256          # directives buffered per watcher before it is resynchronised from the store
 FINAL_ACK_SECONDS = 3.0    # at a stream's end, how long it waits for its last batches' value checks
+# A batch with events is acknowledged once the policy has acted on it (its directives committed), so
+# that a collector never forgets a fatal event the service could still lose; a round that fails or
+# never comes must not hold the acks back for ever, so after this long it is acknowledged anyway.
+ACTED_ACK_SECONDS = 10.0
 RISK_WATCH_QUEUE = 64      # scoring rounds buffered per risk watcher; older rounds are dropped
 
 
@@ -370,23 +375,79 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
         Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
+        loop = asyncio.get_running_loop()
+        # Batches read and not yet acknowledged: (sequence, the future of its events being acted on or
+        # None, when it was read). Acks are cumulative, so one waits for every event batch before it;
+        # reading goes on meanwhile, so later batches reach scoring on time.
+        owed: collections.deque = collections.deque()
+        rejections: list = []
+        credits = 0
+
+        def ackable() -> int | None:
+            upto, now = None, time.monotonic()
+            while owed:
+                sequence, done, read_at = owed[0]
+                if done is not None and not done.done():
+                    if now - read_at < ACTED_ACK_SECONDS:
+                        break
+                    log.warning("batch %d of %s: no scoring round acted on its events in %.0f s; acknowledged "
+                                "anyway", sequence, session.node, ACTED_ACK_SECONDS)
+                owed.popleft()
+                upto = sequence
+            return upto
+
+        def ack(upto: int, cr: int):
+            out = Ack(acked_sequence=upto, credits=cr, schemas_kept=True)
+            if rejections:
+                out.rejections.extend(Rej(sequence=r.sequence, table=r.table, reason=r.reason, detail=r.detail)
+                                      for r in rejections)
+                rejections.clear()
+            return out
+
+        # Acks go out from this loop and, for a batch with events, from a task that waits for its round:
+        # one writer at a time, and what is acknowledged is decided under the lock, so acks never go back.
+        write_lock = asyncio.Lock()
+        waiters: set = set()
+
+        async def send_acks():
+            async with write_lock:
+                upto = ackable()
+                if upto is not None:
+                    await context.write(ack(upto, credits))
+
+        async def when_acted(done):
+            try:
+                await asyncio.wait_for(asyncio.shield(done), ACTED_ACK_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+            await send_acks()
+
         try:
             while (batch := await context.read()) is not grpc.aio.EOF:
-                if hold.held and not _urgent(batch):
+                urgent = _urgent(batch)
+                if hold.held and not urgent:
                     await hold.wait()   # a complete step is closing; events never wait (steps.CloseHold)
+                done = on_acted = None
+                if urgent:
+                    done = loop.create_future()
+
+                    def on_acted(done=done):   # from the scoring thread
+                        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
                                        [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
-                                        for t in batch.tables], batch.watermark_ns)
+                                        for t in batch.tables], batch.watermark_ns, on_acted)
                 if result.delay_seconds:
                     await asyncio.sleep(result.delay_seconds)  # backpressure: hold the ack while overloaded
-                last = result.acked_sequence
-                if result.rejections:
-                    ack = Ack(acked_sequence=last, credits=result.credits, schemas_kept=True,
-                              rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason, detail=r.detail)
-                                          for r in result.rejections])
-                else:
-                    ack = Ack(acked_sequence=last, credits=result.credits, schemas_kept=True)
-                await context.write(ack)
+                last, credits = result.acked_sequence, result.credits
+                rejections += result.rejections
+                owed.append((last, done if result.acting else None, time.monotonic()))
+                if result.acting:
+                    waiter = asyncio.ensure_future(when_acted(done))
+                    waiters.add(waiter)
+                    waiter.add_done_callback(waiters.discard)
+                await send_acks()
+            if waiters:   # half-closed: the last event batches' rounds (each bounded), then their acks
+                await asyncio.gather(*waiters, return_exceptions=True)
             # The collector half-closed: its last batches' value checks may still be due. Wait for them
             # (a bounded time; a round is woken for it) and send what they found in a last ack.
             if session.unchecked() > 0:
@@ -400,4 +461,6 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                                         rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason,
                                                         detail=r.detail) for r in final]))
         finally:
+            for waiter in list(waiters):
+                waiter.cancel()
             ingest.close_session(session)

@@ -159,11 +159,37 @@ def test_a_version_1_state_keeps_its_sequences(tmp_path):
     assert store.load_sequences(store.StateStore(tmp_path / "state.sqlite3")) == {"c-a": 41, "c-b": 1 << 63}
 
 
-# -- an acknowledged fatal event is durable, and so is the decision log -----------------------------
+# -- an acknowledged fatal event is durable ----------------------------------------------------------
+def test_a_batch_with_a_fatal_event_is_acknowledged_only_once_its_directive_is_committed(tmp_path):
+    """The ack lets the collector forget the sweep, so it comes after the policy's round: with that round
+    made slow here, the directive is in the store when the ack arrives, not some time later."""
+    from foreshock.service import store as store_mod
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, build_server
+    plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer(), decision_flush_seconds=0.0))
+    after_round = plane.scoring.on_round
+
+    def slow_round(*args):
+        time.sleep(0.3)   # the policy's round still running when an early ack would have gone out
+        after_round(*args)
+    plane.scoring.on_round = slow_round
+    plane.start()
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            jobs_pb2_grpc.JobsStub(ch).RegisterJob(pb.RegisterJobRequest(
+                job_id="j", ranks=[pb.RankPlacement(rank=0, node="n1")], spare_nodes=["s0"], current_step=1),
+                timeout=T)
+            stream = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([_fatal_batch("n1", 1)]), timeout=T)
+            ack = next(stream)
+            committed = plane.jobs.list("j")
+            assert ack.acked_sequence == 1 and [d.from_node for d in committed] == ["n1"]
+            list(stream)
+    finally:
+        plane.stop(0)
+    assert store_mod.load_sequences(store_mod.StateStore(tmp_path / "state.sqlite3")) == {"c-n1": 1}
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 23, item 1: the ack still means 'received', so a kill right after it can lose "
-                          "the Xid's directive (acknowledging after the policy's round: branch "
-                          "reliability-durable-ack, held back until its effect on the demo is understood)")
 def test_kill_at_the_ack_of_a_fatal_event_loses_no_directive(tmp_path):
     """SIGKILL the instant each ack of an Xid 79 arrives, then restart: the directive is there, every time
     (issue 23: 2 of 12 were lost when the ack meant only 'received')."""
