@@ -55,6 +55,13 @@ def _fatal_batch(node, seq):
                           tables=[tpb.TableRows(table="events", schema_version=1, arrow_ipc=sink.getvalue().to_pybytes())])
 
 
+def _job_on_n1_then_its_fatal_event(channel):
+    """Register job j (rank 0 on n1, spare s0), then stream one sweep of n1 with an Xid 79: the stream."""
+    jobs_pb2_grpc.JobsStub(channel).RegisterJob(pb.RegisterJobRequest(
+        job_id="j", ranks=[pb.RankPlacement(rank=0, node="n1")], spare_nodes=["s0"], current_step=1), timeout=T)
+    return telemetry_pb2_grpc.TelemetryStub(channel).StreamSweeps(iter([_fatal_batch("n1", 1)]), timeout=T)
+
+
 @pytest.mark.slow
 def test_kill_mid_directive_restart_loses_nothing_and_issues_nothing_twice(tmp_path):
     state = tmp_path / "state"
@@ -176,10 +183,7 @@ def test_a_batch_with_a_fatal_event_is_acknowledged_only_once_its_directive_is_c
     plane.start()
     try:
         with grpc.insecure_channel(plane.address) as ch:
-            jobs_pb2_grpc.JobsStub(ch).RegisterJob(pb.RegisterJobRequest(
-                job_id="j", ranks=[pb.RankPlacement(rank=0, node="n1")], spare_nodes=["s0"], current_step=1),
-                timeout=T)
-            stream = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([_fatal_batch("n1", 1)]), timeout=T)
+            stream = _job_on_n1_then_its_fatal_event(ch)
             ack = next(stream)
             committed = plane.jobs.list("j")
             assert ack.acked_sequence == 1 and [d.from_node for d in committed] == ["n1"]
@@ -198,11 +202,7 @@ def test_kill_at_the_ack_of_a_fatal_event_loses_no_directive(tmp_path):
         a = Serve(state)
         try:
             with grpc.insecure_channel(a.address) as ch:
-                jobs_pb2_grpc.JobsStub(ch).RegisterJob(pb.RegisterJobRequest(
-                    job_id="j", ranks=[pb.RankPlacement(rank=0, node="n1")], spare_nodes=["s0"], current_step=1),
-                    timeout=T)
-                stream = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([_fatal_batch("n1", 1)]), timeout=T)
-                assert next(stream).acked_sequence == 1
+                assert next(_job_on_n1_then_its_fatal_event(ch)).acked_sequence == 1
                 a.kill()
         finally:
             if a.proc.poll() is None:
