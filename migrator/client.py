@@ -252,6 +252,7 @@ class ServiceClient:
 
     def _send_loop(self) -> None:
         last_report = 0.0
+        last_sent: tuple[int, float] | None = None
         while True:
             try:
                 item = self._outbox.get(timeout=0.2)
@@ -268,9 +269,16 @@ class ServiceClient:
                                 self.config.job_id)
             with self._step_lock:
                 pending, self._step = self._step, None
+            due = time.monotonic() - last_report >= self.config.report_interval_s
+            if pending is None and due and last_sent is not None:
+                # No step since the last report (a checkpoint, a stall, a held job): say so again. The
+                # service extrapolates the step from its last report's time and step time, and would
+                # otherwise schedule a switch hundreds of steps past where the job really is.
+                pending = last_sent
             if pending is not None:
-                if time.monotonic() - last_report >= self.config.report_interval_s:
+                if due:
                     last_report = time.monotonic()
+                    last_sent = pending
                     self._call("ReportStep", jobs_pb2.ReportStepRequest(
                         job_id=self.config.job_id, step=pending[0], step_seconds=pending[1]))
                 else:

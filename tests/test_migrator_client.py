@@ -82,6 +82,29 @@ def test_directive_delivered_and_acks_advance_the_service(plane):
     assert p.store.find_job("j1") is None
 
 
+def test_a_job_that_stops_stepping_is_not_extrapolated_past_where_it_is(plane):
+    """A job paused at step 10 (a checkpoint, a stall) keeps saying so, so a switch is scheduled a few
+    steps past 10, not (pause / step time) steps past it, after the job's end."""
+    p, address = plane
+    c = _client(address, report_interval_s=0.1)
+    try:
+        assert c.register({0: "n0", 1: "n1"}, ["n9"], fallback="shrink") is not None
+        c.report_step(10, 0.01)
+        end = time.monotonic() + 5
+        while p.store.job("j1").step != 10 and time.monotonic() < end:
+            time.sleep(0.02)
+        first = p.store.job("j1").step_at_ns
+        time.sleep(2.0)                        # paused: 200 steps' worth of time at 0.01 s a step
+        job = p.store.job("j1")
+        assert job.step == 10 and job.step_at_ns > first     # said again while paused
+        d = _drain(address, "n1").directives[0]
+        # lead 0.1 s = 10 steps ahead, plus the steps of the time since the last report (the report
+        # interval and the sender's 0.2 s poll: 30 at most), not the 200 of the whole pause
+        assert 10 + 10 <= d.at_step <= 10 + 10 + 30, d.at_step
+    finally:
+        c.close(deregister=True)
+
+
 def test_service_restart_redelivers_and_nothing_raises(tmp_path):
     state = tmp_path / "state"
     p = build_server(Settings.insecure_loopback(state, scorer=NullScorer(), policy=POLICY))
