@@ -60,8 +60,8 @@ PEER_GROUPS = ("leaf_switch", "job", "site")
 # RDMA out-of-sequence packets are among them: with adaptive routing a QP's packets take different
 # paths and arrive out of order by design (NVIDIA MLNX_OFED, "Out-of-Order (OOO) Data Placement"), so
 # the count follows routing and congestion, not the link's health; a failing link shows in its symbol
-# errors, link error recoveries, ACK timeouts and retransmissions. Counted as an error, it raised 99 %
-# of a clean-world model's false evacuations on a fleet with more congestion (docs/predictor.md).
+# errors, link error recoveries, ACK timeouts and retransmissions (docs/predictor.md: what counting it
+# as an error did on a fleet with more congestion).
 NOT_WINDOWED = {"tcp_out", "nvl_traffic", "ib_traffic", "ib_xmit_wait", "ib_cnp", "ib_out_of_sequence"}
 # Error signals judged against the node's own slowly moving baseline. Traffic and congestion are not:
 # jobs start, end and change, so a node's traffic against its own days is the job's story, not the
@@ -155,9 +155,9 @@ def feature_names() -> list[str]:
 
 
 # A node's first step of telemetry has no counter deltas (nothing to difference against: they read 0)
-# and no rates for its peers to be compared with, a row unlike any the model learned from (on the
-# shipped model a tenth of healthy nodes scored above its threshold there). Its rows are scored from
-# this many steps after its first one, offline and online alike; a restarted scorer starts over.
+# and no rates for its peers to be compared with, a row unlike any the model learned from
+# (docs/predictor.md says what scoring it did). Its rows are scored from this many steps after its
+# first one, offline and online alike; a restarted scorer starts over.
 FIRST_SCORED_STEP = 1
 
 

@@ -71,8 +71,8 @@ class PolicySettings:
         if not 0.0 <= self.clear_below <= self.threshold:
             raise ValueError(f"policy clear_below {self.clear_below} must be in [0, threshold]")
         if self.spare_max_risk is None:
-            # not a fixed fraction of the threshold: a calibrated model's healthy nodes score near it
-            # when incidents are rare (the shipped model's threshold is 0.003)
+            # not a fixed fraction of the threshold: when incidents are rare, a calibrated model's
+            # healthy nodes score near it
             self.spare_max_risk = self.clear_below or self.threshold
         if not 0.0 < self.spare_max_risk <= 1.0:
             raise ValueError(f"policy spare_max_risk {self.spare_max_risk} must be in (0, 1]")

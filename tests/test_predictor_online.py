@@ -101,7 +101,7 @@ def test_a_kernel_event_read_after_its_step_closed_is_dropped_and_counted(model)
     assert not scorer.features_of("a")[fatal] > 0              # not in the step that was open
 
 
-def test_a_nodes_first_step_is_not_scored_online_or_offline(model, tmp_path):
+def test_a_nodes_first_step_is_not_scored_online_or_offline(model):
     """The first step has no deltas to difference (they read 0): no model learned such a row, so neither
     path scores it; the next step is scored. A node joining later starts its own count."""
     early = synthetic.node_tables("node-early", 6, seed=3)
