@@ -8,7 +8,12 @@ spare on gloo, CPU) that embeds the migrator. Then it injects three things:
 
 1. a fault with precursors on a node that hosts a rank: the job must be moved off before it dies;
 2. a fault without precursors on another node: honestly reported as not predicted;
-3. a benign disturbance (a link that degrades and recovers) on a job node: it must not evacuate.
+3. a benign disturbance (corrected ECC errors that rise for an hour and subside) on a job node: it must
+   not evacuate.
+
+The simulated clock starts at a fixed time (`SIM_START`) and the faults land at fixed sweeps after the
+job starts training, so a seed gives the same telemetry on every run and every machine: the simulator's
+noise is keyed by absolute time, and a start taken from the wall clock gave each run other noise.
 
 When a failing node still hosts a rank at its failure time, the demo kills that rank's process, as
 the hardware would, and the job counts as restarted. The run ends by itself, prints a summary (also
@@ -29,6 +34,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +79,9 @@ CHECKS = {
 }
 
 JOB_ID = "demo-llm"
+# The simulated clock's start: fixed, so that a seed's telemetry (keyed by absolute time in the simulator)
+# is the same on every run. It lies in the past, so the service's ingest accepts the samples as old ones.
+SIM_START = "2026-06-01T06:00:00+00:00"
 
 
 @dataclass
@@ -98,9 +107,12 @@ class Demo:
         self.out = Path(cfg["out"])
         self.t0 = time.time()
         self.scale = float(cfg["time_scale"])
-        # The simulated clock starts far enough in the past that it never overtakes the wall clock during
-        # the run: the service checks sample times against its own wall clock, as it would in production.
-        self.sim0_ns = int((self.t0 - self.scale * float(cfg["time_limit_seconds"])) * 1e9)
+        # The service checks sample times against its own wall clock, as it would in production: the
+        # simulated clock must stay behind it, and the ingest's age limit is widened to reach back to it.
+        self.sim0_ns = int(datetime.fromisoformat(SIM_START).timestamp() * 1e9)
+        if self.sim0_ns / 1e9 + self.scale * float(cfg["time_limit_seconds"]) > self.t0:
+            raise ValueError(f"time_limit_seconds {cfg['time_limit_seconds']} at time_scale {self.scale:g}: the "
+                             f"simulated clock (from {SIM_START}) would overtake the wall clock")
         self.job_clock0 = None  # simulated seconds when the job started training
         # Samples are stamped at exact multiples of the sweep step and faults injected at planned sweep
         # indices, so a seed gives the same telemetry whatever the wall-clock jitter of this machine.
@@ -134,7 +146,7 @@ class Demo:
         the telemetry says so: a lead measured on it does not shrink with the machine's load."""
         swept = self._swept
         if swept is None:
-            return self.sim0_ns + int((time.time() - self.t0) * self.scale * 1e9)
+            return self.sim0_ns
         ts, wall = swept
         return ts + min(self.step_ns, int((time.time() - wall) * self.scale * 1e9))
 
@@ -151,6 +163,7 @@ class Demo:
         from foreshock.collectors.simulated import SimulatedSource
         from foreshock.collectors.uplink import StreamingUplink
         from foreshock.dataset import DatasetWriter
+        from foreshock.service.ingest import IngestLimits
         from foreshock.service.server import Settings, build_server
         from foreshock.simulator.live import LiveCluster
         from foreshock.simulator.topology import Topology
@@ -173,7 +186,9 @@ class Demo:
 
         # Policy times are simulated seconds, except lead_seconds, which the service divides by the job's
         # (wall-clock) step time to choose how many steps ahead the switch is.
+        past = self.t0 - self.sim0_ns / 1e9 + 86_400.0
         settings = Settings.insecure_loopback(self.out / "state", metrics_listen="127.0.0.1:0",
+                                              ingest=IngestLimits(max_past_seconds=past),
                                               scoring_clock=self.sim_ns,
                                               false_evacuation_budget=float(cfg["budget"]),
                                               # a step closes 1.5 sweeps after its end (90 simulated s):
@@ -213,12 +228,12 @@ class Demo:
         self.writer = writer
         self.say(f"{len(names)} simulated nodes, one collector each, streaming every {cfg['interval']:g} s "
                  f"(simulated time runs {self.scale:g}x: one sweep is {cfg['interval'] * self.scale:g} simulated s)")
-        self.sweeper = threading.Thread(target=self._sweep_loop, name="demo-sweeper", daemon=True)
-        self.sweeper.start()
         self.job.wait_progress(1, timeout=180.0)
         self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
-        k0 = self.sweep_index
-        self.job_clock0 = (self.sim0_ns + k0 * self.step_ns) / 1e9
+        # The first sweep is the job's start: the scenario's minutes count from it, whatever the wall
+        # time the job took to start.
+        k0 = 0
+        self.job_clock0 = self.sim0_ns / 1e9
 
 
         import grpc
@@ -238,6 +253,8 @@ class Demo:
         plan = [(float(cfg["precursor_at_minutes"]), precursor), (float(cfg["benign_at_minutes"]), benign),
                 (float(cfg["abrupt_at_minutes"]), abrupt)]
         self.pending = [(k0 + round(minutes * 60e9 / self.step_ns), fault) for minutes, fault in plan]
+        self.sweeper = threading.Thread(target=self._sweep_loop, name="demo-sweeper", daemon=True)
+        self.sweeper.start()
 
         live = None
         if cfg["live"]:
@@ -296,7 +313,6 @@ class Demo:
     def _sweep_loop(self) -> None:
         interval = float(self.cfg["interval"])
         next_at = time.time()
-        self.sweep_index = -(-(self.sim_ns() - self.sim0_ns) // self.step_ns)
         while not self._stop.is_set():
             ts = self.sim0_ns + self.sweep_index * self.step_ns
             for k_at, fault in self.pending:
