@@ -41,7 +41,7 @@ def test_demo_verdict_matches_what_happened(demo_run):
     proc, summary, _ = demo_run
     assert summary is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (proc.returncode == 0) == summary["saved"], proc.stdout[-3000:]
-    assert summary["wall_seconds"] < 300
+    assert summary["wall_seconds"] < 330   # its time limit (300 s) and the shutdown
     fault = next(f for f in summary["faults"] if f["kind"] == "precursor")
     moved = [e for e in summary["evacuations"] if e["from_node"] == fault["node"]]
     if summary["saved"]:
