@@ -18,7 +18,10 @@ The spool is bounded too: when the dataset outgrows `max_bytes`, or the disk's f
 `min_free_bytes`, the oldest closed files are deleted and counted; writing never blocks sampling.
 
 `node` stays a column inside each file as well as a path component, so a single file is self-describing;
-the reader here prunes by path and reads the in-file columns.
+the reader here prunes by path and reads the in-file columns. In the files it is dictionary-encoded
+strings (int32 indices), the type pyarrow infers for a hive path key: with a plain string column,
+pandas.read_parquet and pyarrow.parquet.read_table refuse the table ("Field node has incompatible
+types"); read as schema v1 it is a string again. docs/schema.md shows how each common reader opens a table.
 """
 
 from __future__ import annotations
@@ -337,7 +340,7 @@ class DatasetWriter:
             return None
         options = {"compression": COMPRESSION, "use_dictionary": True, "write_statistics": True,
                    **self.parquet_options.get("*", {}), **self.parquet_options.get(table, {})}
-        pq.write_table(part, tmp, **options)
+        pq.write_table(_node_as_path_key(part), tmp, **options)
         if self.fsync:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -434,6 +437,17 @@ def _split_partitions(data: pa.Table) -> Iterator[tuple[tuple[str, str], pa.Tabl
     for s, e in zip(starts, ends):
         node, date = dictionary[int(sorted_codes[s])].as_py().split("\x00")
         yield (date, node), taken.slice(int(s), int(e - s))
+
+
+NODE_IN_FILE = pa.dictionary(pa.int32(), pa.string())   # the type hive partitioning infers for node=...
+
+
+def _node_as_path_key(part: pa.Table) -> pa.Table:
+    i = part.schema.get_field_index("node")
+    if i < 0 or part.schema.field(i).type == NODE_IN_FILE:
+        return part
+    return part.set_column(i, pa.field("node", NODE_IN_FILE, part.schema.field(i).nullable),
+                           part.column(i).cast(NODE_IN_FILE))
 
 
 # -- reading ---------------------------------------------------------------------------------------
