@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -152,6 +153,10 @@ def run_evaluate(args, file_data) -> int:
         if cfg[key] and not Path(cfg[key]).is_dir():
             print(f"foreshock evaluate: dataset directory {cfg[key]} does not exist", file=sys.stderr)
             return 2
+    problem = _unwritable(cfg, ("json", "html"))
+    if problem:
+        print(f"foreshock evaluate: {problem}", file=sys.stderr)
+        return 2
     if cfg["leave_one_out"]:
         return _run_leave_one_out(cfg)
     if cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]:
@@ -193,11 +198,31 @@ def run_evaluate(args, file_data) -> int:
     return 0
 
 
+def _unwritable(cfg: dict, keys: tuple[str, ...]) -> str | None:
+    """Why an output path of cfg cannot be written (None: all can), checked before the minutes of work."""
+    for key in keys:
+        if not cfg.get(key):
+            continue
+        path = Path(cfg[key])
+        folder = path.parent
+        if path.is_dir():
+            return f"--{key.replace('_', '-')} {path}: is a folder, not a file"
+        if not folder.is_dir():
+            return f"--{key.replace('_', '-')} {path}: folder {folder} does not exist"
+        if not os.access(folder, os.W_OK):
+            return f"--{key.replace('_', '-')} {path}: folder {folder} is not writable"
+    return None
+
+
 def _write(cfg: dict, rep: dict, to_html) -> None:
-    if cfg["json"]:
-        Path(cfg["json"]).write_text(json.dumps(rep, indent=2, sort_keys=True, default=float) + "\n")
-    if cfg["html"]:
-        Path(cfg["html"]).write_text(to_html(rep))
+    # each report whole or not at all: a reader, or a kill, never meets half a file
+    for key, text in (("json", lambda: json.dumps(rep, indent=2, sort_keys=True, default=float) + "\n"),
+                      ("html", lambda: to_html(rep))):
+        if cfg[key]:
+            path = Path(cfg[key])
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(text())
+            os.replace(tmp, path)
 
 
 def _run_leave_one_out(cfg: dict) -> int:

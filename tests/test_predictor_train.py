@@ -128,3 +128,13 @@ def test_steps_hours_before_an_incident_are_left_out_of_training_only_outside_th
     assert early.sum() == 12 * 60 - 30 and not (early & (y == 1)).any()
     assert early[900 - 31] and not early[900 - 30] and not early[900 - 12 * 60 - 1]
     assert not lb.before_horizon(ends, inc, 1800, 1800.0).any()
+
+
+def test_evaluate_refuses_an_unwritable_report_before_the_work(sim_data, tmp_path, capsys):
+    """An --html or --json that cannot be written fails at once, naming the path, and writes nothing."""
+    for flag, path in (("--html", tmp_path / "missing" / "e.html"), ("--json", tmp_path)):
+        rc = cli.main(["evaluate", "--data", str(sim_data), "--model", str(tmp_path / "no-model"),
+                       flag, str(path)])
+        err = capsys.readouterr().err
+        assert rc == 2 and str(path) in err, err
+    assert not (tmp_path / "missing").exists() and list(tmp_path.iterdir()) == []
