@@ -342,6 +342,9 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> 
     """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores)."""
     from foreshock import dataset as ds
 
+    if not ds.partition_files(data_dir, "incidents"):
+        raise ValueError(f"dataset {data_dir} has no incidents table (table=incidents/): an evaluation judges "
+                         "the scores against the logged incidents (docs/schema.md)")
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     nodes = []
     with offline.FeatureBuilder(data_dir, progress=progress) as fb:

@@ -39,8 +39,9 @@ class Incidents:
     def from_table(cls, table: pa.Table | None) -> "Incidents":
         cols = ["incident_id", "node", "ts", "end", "category", "has_precursor", "scope", "signature"]
         if table is None or table.num_rows == 0:
-            empty = pd.DataFrame(columns=cols)
-            return cls(empty, empty)
+            empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in zip(cols, (
+                object, object, np.int64, np.int64, object, bool, object, object))})
+            return cls(empty, empty.drop(columns=["node"]))
         df = table.to_pandas()
         rows = []
         for r in df.itertuples(index=False):

@@ -372,6 +372,9 @@ class FeatureBuilder:
                 got[i] = node
             if self.progress:
                 self.progress("base signals", i + 1, len(self.nodes))
+        if not self.nodes:
+            raise ValueError(f"dataset {self.root} has no telemetry: no node partitions of the tables the "
+                             f"predictor reads ({', '.join(f'table={t}/' for t in sg.TABLES)}; docs/schema.md)")
         if not self._ranges:
             raise ValueError(f"dataset {self.root} has no telemetry rows for nodes {self.nodes[:5]}")
         first = min(r[0] for r in self._ranges.values())

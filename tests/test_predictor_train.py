@@ -138,3 +138,21 @@ def test_evaluate_refuses_an_unwritable_report_before_the_work(sim_data, tmp_pat
         err = capsys.readouterr().err
         assert rc == 2 and str(path) in err, err
     assert not (tmp_path / "missing").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_evaluate_refuses_a_dataset_without_incidents_and_summarises_a_quiet_one(tmp_path, capsys):
+    """A foreign dataset (telemetry, no incidents table) gets one line naming it, not a traceback; a
+    dataset whose incidents table is empty is a quiet period: recall is unknown, nothing fails."""
+    from foreshock import dataset
+    w = dataset.DatasetWriter(tmp_path / "foreign", fsync=False)
+    w.append_rows("gpu", [{"ts": pd.Timestamp("2026-12-02T00:00:00Z") + pd.Timedelta(minutes=i), "node": "n1",
+                           "gpu": 0, "ecc_corrected_volatile": i} for i in range(5)])
+    w.close()
+    rc = cli.main(["evaluate", "--data", str(tmp_path / "foreign"), "--model", str(registry.default_model_path())])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no incidents table" in err and str(tmp_path / "foreign") in err, err
+    quiet = ev.summarise({"lead_minutes": {}, "false_evacuations": 0, "false_evacuations_strict": 0,
+                          "evacuations": 0, "node_days": 1.0, "false_evacuations_per_1000_node_days": 0.0,
+                          "false_evacuations_strict_per_1000_node_days": 0.0, "threshold": 0.1, "by_node": {}},
+                         lb.Incidents.from_table(None))
+    assert quiet["incidents"] == 0 and np.isnan(quiet["incident_recall_precursor"])
