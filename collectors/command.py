@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -130,6 +131,11 @@ def build_collector(cfg: dict, *, once: bool = False):
 
     node = cfg["node"] or socket.gethostname()
     _tls(cfg)  # refuse bad TLS settings before anything is opened
+    # A missing default path is a machine without that hardware (the source reports "absent"); a path
+    # the operator named that does not exist is a mistake to say, not an empty sweep.
+    for key, users in (("sysfs", ("rdma", "netdev")), ("procfs", ("host_net",)), ("kmsg", ("kmsg",))):
+        if cfg[key] != DEFAULTS[key] and set(users) & set(cfg["sources"]) and not os.path.exists(cfg[key]):
+            raise ValueError(f"--{key} {cfg[key]}: does not exist")
     raise_fd_limit()
     sources = build_sources(cfg["sources"], SourceConfig(
         node=node, sysfs=cfg["sysfs"], procfs=cfg["procfs"], kmsg=cfg["kmsg"], peers=list(cfg["peers"]),

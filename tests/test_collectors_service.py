@@ -52,8 +52,9 @@ def dataset_rows(root) -> dict[str, list[dict]]:
 
 def test_collect_once_over_the_fixture_matches_the_golden(procfs_fixture, xid_lines, tmp_path, capsys):
     out = tmp_path / "ds"
+    (tmp_path / "proc").mkdir()   # the fixture has no procfs tree: host_net reports itself absent
     rc = cli.main(["collect", "--once", "--sources", "rdma,netdev,host_net,kmsg", "--sysfs",
-                   str(procfs_fixture / "sys"), "--procfs", str(procfs_fixture / "proc"), "--kmsg",
+                   str(procfs_fixture / "sys"), "--procfs", str(tmp_path / "proc"), "--kmsg",
                    str(xid_lines), "--node", "fixture-node", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0
@@ -272,6 +273,17 @@ def test_settings_resolve_file_env_and_flags(monkeypatch):
 def test_unknown_source_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["collect", "--once", "--sources", "rdma,gpu_magic", "--out", str(tmp_path)]) == 2
     assert "gpu_magic" in capsys.readouterr().err
+
+
+def test_a_named_path_that_does_not_exist_is_a_clear_error(tmp_path, capsys):
+    """--sysfs, --procfs or --kmsg the operator named and mistyped: exit 2 naming it, nothing written;
+    the defaults missing (a machine without that hardware) stay an empty sweep."""
+    for flag, source in (("--sysfs", "rdma"), ("--procfs", "host_net"), ("--kmsg", "kmsg")):
+        missing = tmp_path / "nope" / flag.strip("-")
+        rc = cli.main(["collect", "--once", "--sources", source, flag, str(missing), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert rc == 2 and str(missing) in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_two_sources_of_one_kind_are_reported_apart(procfs_fixture, tmp_path):

@@ -136,8 +136,9 @@ def test_systemd_example_drives_a_real_collect_once(procfs_fixture, tmp_path, ca
     command_module("collect")
     config = tmp_path / "foreshock.toml"
     config.write_text((SYSTEMD / "foreshock.toml").read_text())
+    (tmp_path / "proc").mkdir()   # the fixture has no procfs tree
     rc = cli.main(["--config", str(config), "collect", "--once", "--sources", "rdma,netdev,host_net",
-                   "--sysfs", str(procfs_fixture / "sys"), "--procfs", str(procfs_fixture / "proc"),
+                   "--sysfs", str(procfs_fixture / "sys"), "--procfs", str(tmp_path / "proc"),
                    "--node", "deploy-example", "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert rc == 0, out

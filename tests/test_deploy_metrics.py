@@ -179,7 +179,7 @@ def running_exporters(procfs_fixture: Path, base: Path):
         port = plane.start()
         cfg = resolve("collect", command.DEFAULTS, env={}, flags={
             "sources": ["rdma", "netdev", "host_net"], "sysfs": str(procfs_fixture / "sys"),
-            "procfs": str(procfs_fixture / "proc"), "node": "fixture", "out": str(base / "out"),
+            "procfs": str(base), "node": "fixture", "out": str(base / "out"),
             "metrics_listen": "", "service": f"127.0.0.1:{port}"})
         collector = command.build_collector(cfg)
         collector.sweep_once()
