@@ -124,6 +124,9 @@ def run(args, file_data) -> int:
     except (SettingsError, ModelError) as exc:
         print(f"foreshock serve: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:   # the state folder (or a file it names) cannot be made or opened
+        print(f"foreshock serve: {exc.filename or cfg['state']}: {exc.strerror}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum, _frame):

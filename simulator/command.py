@@ -7,6 +7,7 @@ its [simulate.knobs] table sets single knobs of the scenario catalogue (simulato
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -108,6 +109,14 @@ def run(args, file_data) -> int:
         return 2
     if cfg["workers"] < 0:
         print(f"foreshock simulate: workers must be >= 0, got {cfg['workers']}", file=sys.stderr)
+        return 2
+    try:   # an --out that cannot be made fails now, not after the simulation
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"foreshock simulate: --out {out}: cannot create it ({exc.strerror})", file=sys.stderr)
+        return 2
+    if not os.access(out, os.W_OK):
+        print(f"foreshock simulate: --out {out}: not writable", file=sys.stderr)
         return 2
     topo = settings.topology
     print(f"simulating {topo.nodes} nodes x {topo.gpus_per_node} GPUs x {topo.hcas_per_node} HCAs, "

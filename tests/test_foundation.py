@@ -339,3 +339,16 @@ def test_leftover_temp_files_are_removed_on_start(tmp_path):
     (d / ".part-1-x-000001.parquet.tmp").write_bytes(b"PAR1 half written")
     dataset.DatasetWriter(tmp_path, fsync=False)
     assert not list(d.iterdir())
+
+
+@pytest.mark.parametrize("command", [
+    ["simulate", "--nodes", "4", "--days", "0.01", "--out"],
+    ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "", "--insecure", "--state"]])
+def test_an_output_folder_that_cannot_be_made_is_one_line_naming_it(command, tmp_path, capsys):
+    from foreshock import cli
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "sub"
+    assert cli.main([*command, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert str(target) in err and "Traceback" not in err, err
