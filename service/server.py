@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from foreshock.service import store as store_mod
 from foreshock.service.auth import (
-    Authenticator, AuthInterceptor, Principal, is_loopback, server_credentials)
+    Authenticator, AuthInterceptor, Principal, is_loopback, listen_problem, server_credentials)
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
@@ -201,6 +201,10 @@ class ControlPlane:
     def _validate(s: Settings) -> None:
         if not s.history_interval_seconds > 0:
             raise SettingsError(f"history_interval_seconds must be > 0, got {s.history_interval_seconds}")
+        for name, value in (("listen", s.listen), ("metrics_listen", s.metrics_listen)):
+            problem = value and listen_problem(value)
+            if problem:
+                raise SettingsError(f"{name} {value!r}: {problem}")
         if s.insecure:
             if not is_loopback(s.listen):
                 raise SettingsError(f"listen {s.listen!r}: insecure mode is for loopback addresses only "

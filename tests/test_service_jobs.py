@@ -214,6 +214,15 @@ def test_insecure_mode_is_loopback_only(tmp_path):
         build_server(Settings(state_dir=tmp_path, listen="0.0.0.0:0"))
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("listen", "garbage", "not HOST:PORT"), ("listen", "127.0.0.1:99999", "99999"),
+    ("metrics_listen", "9464", "not HOST:PORT")])
+def test_an_address_that_is_not_host_port_is_named_as_such(tmp_path, field, value, says):
+    kwargs = {"listen": "127.0.0.1:0", field: value}
+    with pytest.raises(SettingsError, match=f"{field} '{value}': .*{says}"):
+        build_server(Settings(state_dir=tmp_path, insecure=True, **kwargs))
+
+
 def test_bad_risk_requests(plane):
     from foreshock.v1 import risk_pb2, risk_pb2_grpc
     with grpc.insecure_channel(plane.address) as ch:
