@@ -7,7 +7,8 @@
 
 Settings come from the [train] / [evaluate] tables of the config file, FORESHOCK_TRAIN_* /
 FORESHOCK_EVALUATE_* environment variables, then flags (foreshock/config.py). Long steps show rich
-progress bars on a terminal; leave-one-out prints a line per training run on stderr, terminal or not.
+progress bars on a terminal and plain progress lines on stderr elsewhere; leave-one-out prints a line
+per training run on stderr, terminal or not.
 When the evaluated data overlaps the model's training data (evaluate.overlap), a warning goes to stderr.
 """
 
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from foreshock import config
@@ -64,11 +66,16 @@ def register(subparsers) -> None:
 
 
 class _Progress:
-    """rich progress bars, one task per phase; silent when stderr is not a terminal."""
+    """rich progress bars on a terminal, one task per phase; elsewhere (systemd, CI, a log file) a plain
+    line per phase every 10 % or LINE_SECONDS, whichever comes first, and at its end."""
+
+    LINE_SECONDS = 30.0
 
     def __init__(self):
         self._bar = None
         self._tasks = {}
+        self._lines: dict[str, tuple[float, int]] = {}   # phase -> (monotonic time, tenth) last printed
+        self._t0 = time.monotonic()
         if sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
             self._bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
@@ -85,6 +92,13 @@ class _Progress:
 
     def __call__(self, phase: str, done: int, total: int):
         if not self._bar:
+            now = time.monotonic()
+            tenth = 10 * done // max(total, 1)
+            last_t, last_tenth = self._lines.get(phase, (-math.inf, -1))
+            if done >= total or tenth > last_tenth or now - last_t >= self.LINE_SECONDS:
+                self._lines[phase] = (now, tenth)
+                print(f"{phase}: {done}/{total} ({100 * done / max(total, 1):.0f} %), {now - self._t0:.0f} s",
+                      file=sys.stderr, flush=True)
             return
         if phase not in self._tasks:
             self._tasks[phase] = self._bar.add_task(phase, total=total)
