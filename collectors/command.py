@@ -35,7 +35,7 @@ DEFAULTS = {
     "spool_max_bytes": 8 * 1024**3,
     "min_free_bytes": 1024**3,
     "max_buffer_rows": 500_000,
-    "metrics_listen": "127.0.0.1:9464",
+    "metrics_listen": "127.0.0.1:9465",   # the control plane's is 9464 (docs/operations.md)
     "service": "",
     "tls_ca": "",
     "tls_cert": "",
