@@ -27,11 +27,29 @@ COMMAND_MODULES = (
 )
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _global_options(parser: argparse.ArgumentParser, default) -> None:
+    """--config and --log-level, on the top parser (with their defaults) and on every subcommand's
+    (SUPPRESS: given there, they override; not given, the top parser's value stands)."""
+    parser.add_argument("--config", metavar="FILE", default=default(None),
+                        help="TOML config file (default: $FORESHOCK_CONFIG)")
+    parser.add_argument("--log-level", default=default("INFO"), choices=LOG_LEVELS)
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:   # argparse keeps subcommand parsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):   # aliases map to the same parser
+                yield child
+                yield from _subparsers(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foreshock", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"foreshock {__version__}")
-    parser.add_argument("--config", metavar="FILE", help="TOML config file (default: $FORESHOCK_CONFIG)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _global_options(parser, lambda value: value)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -42,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     parser.set_defaults(commands=tuple(sub.choices))
+    for child in _subparsers(parser):   # `foreshock train --config F` as well as `foreshock --config F train`
+        _global_options(child, lambda value: argparse.SUPPRESS)
     return parser
 
 

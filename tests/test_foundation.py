@@ -352,3 +352,17 @@ def test_an_output_folder_that_cannot_be_made_is_one_line_naming_it(command, tmp
     assert cli.main([*command, str(target)]) == 2
     err = capsys.readouterr().err
     assert str(target) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_config_and_log_level_are_read_before_or_after_the_subcommand(where, tmp_path, capsys):
+    from foreshock import cli
+    cfg = tmp_path / "f.toml"
+    cfg.write_text("[goodput]\nno_such_key = 1\n")
+    opts = ["--config", str(cfg), "--log-level", "WARNING"]
+    argv = [*opts, "goodput"] if where == "before" else ["goodput", *opts]
+    assert cli.main(argv) == 2                       # the file was read: its unknown key is refused
+    assert "no_such_key" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(argv)
+    assert args.config == str(cfg) and args.log_level == "WARNING"
+    assert cli.build_parser().parse_args(["goodput"]).log_level == "INFO"
