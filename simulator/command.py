@@ -127,4 +127,8 @@ def run(args, file_data) -> int:
                         workers=cfg["workers"])
     for line in summary.lines():
         print(line)
+    if not summary.incidents:
+        print(f"foreshock simulate: no incident in {topo.nodes} nodes x {settings.days:g} days: nothing to train "
+              f"on (`foreshock train` needs incidents); simulate more nodes or days, or a higher --rate-scale",
+              file=sys.stderr)
     return 0

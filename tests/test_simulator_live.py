@@ -104,6 +104,9 @@ def test_simulate_command(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "rows:" in text and "incidents:" in text
+    quiet = tmp_path / "quiet"   # too small to hold an incident: it says so, train would have nothing
+    assert cli.main(["simulate", "--nodes", "2", "--days", "0.01", "--seed", "2", "--out", str(quiet)]) == 0
+    assert "no incident in 2 nodes" in capsys.readouterr().err
     assert read_table(out, "inventory").num_rows == 6
     assert read_table(out, "gpu").num_rows == 6 * 8 * 72
     # a second run into the same dataset is refused, and the first is left as it was
