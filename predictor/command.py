@@ -25,7 +25,8 @@ from foreshock import config
 
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
-                  "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000}
+                  "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
+                  "compare_with": "shipped"}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"]}
 
@@ -49,6 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--prior-scale", type=float, dest="prior_scale",
                    help="the training data's incident rate over the deployment's (simulate --rate-scale): "
                         "probabilities are moved to the deployment's base rate")
+    p.add_argument("--compare-with", dest="compare_with", metavar="MODEL_DIR",
+                   help="score this model on the same validation slice, beside the new one (default "
+                        "'shipped': the shipped default model; '' for none)")
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
     e.add_argument("--data", help="dataset directory (held out: later weeks, another cluster)")
@@ -126,7 +130,8 @@ def run_train(args, file_data) -> int:
                                    budget=cfg["budget"], val_fraction=cfg["val_fraction"], neg_rate=cfg["neg_rate"],
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
-                                   max_negatives=cfg["max_negatives"], progress=progress, command=command)
+                                   max_negatives=cfg["max_negatives"], progress=progress, command=command,
+                                   compare_with=_compare_with(cfg["compare_with"]))
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1
@@ -138,7 +143,31 @@ def run_train(args, file_data) -> int:
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
           f"{_pct(v['incident_recall_precursor'])}, median lead {v['median_lead_minutes']:.1f} min, "
           f"{v['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days, PR-AUC {v['pr_auc']:.3f}")
+    c = manifest["metrics"].get("validation_compared")
+    if c and "skipped" in c:
+        print(f"not compared with {c['path']}: {c['skipped']}")
+    elif c:
+        print(f"{c['path']} (model {c['model_version']}) on the same slice, its threshold chosen there for the same "
+              f"budget: recall (precursor) {_pct(c['incident_recall_precursor'])}, median lead "
+              f"{c['median_lead_minutes']:.1f} min, {c['false_evacuations_per_1000_node_days']:.2f} false "
+              f"evacuations/1,000 node-days, PR-AUC {c['pr_auc']:.3f}")
+        if _better(c, v):
+            _err(f"WARNING: on this dataset's own validation slice the model compared with catches more "
+                 f"({_pct(c['incident_recall_precursor'])} against {_pct(v['incident_recall_precursor'])} at the "
+                 f"same budget): {v['incidents_precursor']} precursor incidents there, and fewer before it, may be "
+                 f"too few to learn from. Keep serving the model compared with until the history holds more.")
     return 0
+
+
+def _compare_with(value: str):
+    from foreshock.predictor import registry
+    return registry.default_model_path() if value == "shipped" else (value or None)
+
+
+def _better(c: dict, v: dict) -> bool:
+    """The compared model catches more precursor incidents than the new one on the same slice."""
+    a, b = c.get("incident_recall_precursor"), v.get("incident_recall_precursor")
+    return a is not None and b is not None and not math.isnan(a) and (math.isnan(b) or a > b)
 
 
 def _pct(x) -> str:

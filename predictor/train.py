@@ -60,8 +60,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.04,
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
-          command: str | None = None, holdout: groups.HoldOut | None = None) -> dict:
+          command: str | None = None, holdout: groups.HoldOut | None = None,
+          compare_with: str | Path | None = None) -> dict:
+    """Train on data_dir, write the model to out_dir, return its manifest.
+
+    compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
+    validation slice at a threshold chosen there for the same budget; the manifest's
+    metrics.validation_compared has its figures beside this model's, so a user whose own history holds
+    too few incidents to learn from sees that the model it would replace does better."""
     t_start = time.perf_counter()
+    compared = _comparable(compare_with)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     rng = np.random.default_rng(seed)
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
@@ -161,6 +169,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         predictors = {"model": registry.fast_probability(model),
                       "rule": lambda X: rule.predict_proba(X)[:, 1],
                       "logistic": lambda X: logistic.predict_proba(X)[:, 1]}
+        if isinstance(compared, registry.LoadedModel):
+            predictors[COMPARED] = compared.probability
         for vn, path in zip(val_nodes, val_paths):
             Xv = np.load(path)
             for name, fn in predictors.items():
@@ -175,6 +185,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
             m.pop("pr_curve", None)
+        if isinstance(compared, registry.LoadedModel):
+            curve = ev.threshold_curve(val_nodes, COMPARED, val_inc, horizon_s)
+            got = ev.evaluate_all(val_nodes, val_inc, {COMPARED: ev.pick_threshold(curve, budget)}, horizon_s)[COMPARED]
+            got.pop("pr_curve", None)
+            compared = {"model_version": compared.version, "path": str(compared.path), **got}
         reference = np.nanmedian(np.concatenate(healthy), axis=0) if sum(len(h) for h in healthy) else np.zeros(ft.N_FEATURES)
         reference = np.nan_to_num(reference, nan=0.0)
     gb = gbdt.named_steps["gbdt"]
@@ -222,10 +237,26 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs",
             "command": command,
         },
-        "metrics": {"validation": validation},
+        "metrics": {"validation": validation,
+                    **({"validation_compared": compared} if compared is not None else {})},
     }
     registry.save_model(out_dir, model, manifest, baselines={"rule": rule, "logistic": logistic})
     return manifest
+
+
+COMPARED = "compared"
+
+
+def _comparable(path) -> "registry.LoadedModel | dict | None":
+    """The model to compare with, loaded; a dict saying why not when it reads other features."""
+    if path is None:
+        return None
+    other = registry.load_model(path)
+    if other.manifest.get("feature_version") != ft.FEATURE_VERSION or other.feature_names != list(ft.FEATURE_NAMES):
+        return {"model_version": other.version, "path": str(path),
+                "skipped": f"it reads feature version {other.manifest.get('feature_version')}, this one "
+                           f"{ft.FEATURE_VERSION}"}
+    return other
 
 
 def _incidents_within(incidents: lb.Incidents, lo_ns: int, hi_ns: int) -> lb.Incidents:

@@ -29,7 +29,7 @@ def sim_data(tmp_path_factory):
 def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, tmp_path, capsys):
     model_dir = tmp_path / "model"
     rc = cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "20"])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert rc == 0, err
     # stderr is no terminal here: progress comes as plain lines, each phase to its end
     assert "base signals: 8/8 (100 %)" in err and "features: 8/8 (100 %)" in err, err
@@ -39,6 +39,11 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, tmp_pat
     assert set(man["thresholds"]) == {"0.5", "1.0", "2.0", "5.0", "10.0"}
     assert 0 < man["recommended_threshold"] <= 1
     assert set(m.baselines) == {"rule", "logistic"}
+    # the shipped model, scored on the same validation slice for the user to compare
+    shipped = registry.load_model(registry.default_model_path())
+    compared = man["metrics"]["validation_compared"]
+    assert compared["model_version"] == shipped.version and "incident_recall_precursor" in compared
+    assert f"(model {shipped.version}) on the same slice" in out
     js, page = tmp_path / "e.json", tmp_path / "e.html"
     rc = cli.main(["evaluate", "--data", str(sim_data), "--model", str(model_dir), "--json", str(js),
                    "--html", str(page), "--budget", "5"])
