@@ -16,7 +16,7 @@ Served by prometheus-client on a private registry (never the global one), so tes
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "foreshock_collector_"
@@ -82,6 +82,9 @@ class CollectorMetrics:
 def registry_for(collector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CollectorMetrics(collector))
+    # process_* (CPU, memory, open files) and python_info, as every Prometheus client exports by default
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     return registry
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
@@ -174,6 +174,9 @@ class ControlPlaneCollector:
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControlPlaneCollector(plane))
+    # process_* (CPU, memory, open files) and python_info, as every Prometheus client exports by default
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     hist = Histogram("foreshock_scoring_duration_seconds", "Duration of a scoring round (drain, score, policy).",
                      buckets=SCORING_BUCKETS, registry=registry)
     return registry, hist

@@ -218,7 +218,15 @@ def test_exported_names_come_from_both_components(exported):
     assert "foreshock_collector_source_duration_seconds" in exported["collector"]
     assert "foreshock_node_failure_risk" in exported["service"]
     assert "foreshock_scoring_duration_seconds_bucket" in exported["service"]
-    assert not exported["collector"] & exported["service"], "the two components' names overlap"
+    own = {n for n in exported["collector"] & exported["service"] if n.startswith("foreshock_")}
+    assert not own, f"the two components' names overlap: {own}"
+
+
+def test_both_components_export_the_standard_process_and_platform_metrics(exported):
+    """process_* and python_info, as node_exporter's and every Prometheus client's own dashboards expect."""
+    for component in ("collector", "service"):
+        assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
+                "python_info"} <= exported[component], component
 
 
 def test_rules_use_only_exported_metrics(exported):
