@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -668,6 +669,8 @@ def run(args: argparse.Namespace, file_data) -> int:
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
     cfg = config.resolve("demo", DEFAULTS, file_data=file_data, flags=flags, checks=CHECKS)
     os.environ.setdefault("MPLBACKEND", "Agg")
+    if cfg["live"] and not sys.stdout.isatty():
+        cfg["live"] = False   # a live view redraws in place: in a log file or CI it would show nothing
     if cfg["live"] and logging.getLogger().level == logging.INFO:
         logging.getLogger().setLevel(logging.WARNING)  # INFO lines would tear through the live view
     demo = Demo(cfg)
