@@ -93,16 +93,9 @@ def render(collector) -> bytes:
     return generate_latest(registry_for(collector))
 
 
-def parse_listen(spec: str) -> tuple[str, int]:
-    """"127.0.0.1:9464" / ":9464" / "[::1]:9464" -> (addr, port)."""
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--metrics-listen {spec!r}: expected HOST:PORT")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
 def serve(collector, listen: str):
     """Start the endpoint on its own thread; returns (server, thread) for shutdown()."""
     from prometheus_client import start_http_server
+    from foreshock.config import parse_listen
     addr, port = parse_listen(listen)
     return start_http_server(port, addr=addr, registry=registry_for(collector))

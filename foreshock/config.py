@@ -46,6 +46,18 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key and its origin."""
 
 
+def parse_listen(spec: str) -> tuple[str, int]:
+    """A listen address, "127.0.0.1:9464" / ":9464" (every interface) / "[::1]:9464" -> (addr, port).
+
+    Raises ValueError saying what is wrong with it (the caller prefixes the setting's name)."""
+    host, sep, port = spec.rpartition(":")
+    if not sep:
+        raise ValueError(f"{spec!r}: not HOST:PORT (for example 127.0.0.1:7443, [::1]:7443, 0.0.0.0:7443)")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{spec!r}: port {port!r} is not a number from 0 to 65535")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
 @dataclass(frozen=True)
 class Check:
     """A setting's allowed values: `ok(value)` is true for those, `allowed` says which in words."""

@@ -11,8 +11,8 @@ spare on gloo, CPU) that embeds the migrator. Then it injects three things:
 3. a benign disturbance (corrected ECC errors that rise for an hour and subside) on a job node: it must
    not evacuate.
 
-The simulated clock starts at a fixed time (`SIM_START`) and the faults land at fixed sweeps after the
-job starts training, so a seed gives the same telemetry on every run and every machine: the simulator's
+The simulated clock starts at a fixed time (`SIM_START`) and the faults land at fixed sweeps after a fixed
+history (`history_minutes`), so a seed gives the same telemetry on every run and every machine: the simulator's
 noise is keyed by absolute time, and a start taken from the wall clock gave each run other noise.
 
 When a failing node still hosts a rank at its failure time, the demo kills that rank's process, as

@@ -177,19 +177,15 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                 vn.scores[name] = (fn(Xv) if len(Xv) else np.zeros(0)).astype(np.float32)
         val_nodes = [vn for vn in val_nodes if len(vn.y)]
         val_inc = _incidents_within(incidents, boundary, (last + 1) * offline.STEP_NS + h_ns)
-        curves, thresholds = {}, {}
-        for name in ev.MODEL_NAMES:
-            curves[name] = ev.threshold_curve(val_nodes, name, val_inc, horizon_s)
-            thresholds[name] = {str(b): ev.pick_threshold(curves[name], b) for b in BUDGETS}
-        chosen = {name: ev.pick_threshold(curves[name], budget) for name in ev.MODEL_NAMES}
+        curves = {name: ev.threshold_curve(val_nodes, name, val_inc, horizon_s) for name in predictors}
+        thresholds = {name: {str(b): ev.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
+        chosen = {name: ev.pick_threshold(curves[name], budget) for name in predictors}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
             m.pop("pr_curve", None)
-        if isinstance(compared, registry.LoadedModel):
-            curve = ev.threshold_curve(val_nodes, COMPARED, val_inc, horizon_s)
-            got = ev.evaluate_all(val_nodes, val_inc, {COMPARED: ev.pick_threshold(curve, budget)}, horizon_s)[COMPARED]
-            got.pop("pr_curve", None)
-            compared = {"model_version": compared.version, "path": str(compared.path), **got}
+        if COMPARED in predictors:   # reported beside this model's figures, never among its thresholds
+            curves.pop(COMPARED)
+            compared = {"model_version": compared.version, "path": str(compared.path), **validation.pop(COMPARED)}
         reference = np.nanmedian(np.concatenate(healthy), axis=0) if sum(len(h) for h in healthy) else np.zeros(ft.N_FEATURES)
         reference = np.nan_to_num(reference, nan=0.0)
     gb = gbdt.named_steps["gbdt"]

@@ -235,16 +235,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _wrap(handler, check)
 
 
-def listen_problem(listen: str) -> str | None:
-    """Why `listen` is not a HOST:PORT address gRPC or the metrics server can bind (None: it is)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep:   # an empty HOST (":7443") is every interface, as gRPC and http.server read it
-        return "not HOST:PORT (for example 127.0.0.1:7443, [::1]:7443, 0.0.0.0:7443)"
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        return f"port {port!r} is not a number from 0 to 65535"
-    return None
-
-
 def is_loopback(listen: str) -> bool:
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host in ("localhost",):

@@ -27,9 +27,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from foreshock.config import parse_listen
 from foreshock.service import store as store_mod
 from foreshock.service.auth import (
-    Authenticator, AuthInterceptor, Principal, is_loopback, listen_problem, server_credentials)
+    Authenticator, AuthInterceptor, Principal, is_loopback, server_credentials)
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
@@ -202,9 +203,11 @@ class ControlPlane:
         if not s.history_interval_seconds > 0:
             raise SettingsError(f"history_interval_seconds must be > 0, got {s.history_interval_seconds}")
         for name, value in (("listen", s.listen), ("metrics_listen", s.metrics_listen)):
-            problem = value and listen_problem(value)
-            if problem:
-                raise SettingsError(f"{name} {value!r}: {problem}")
+            try:
+                if value:
+                    parse_listen(value)
+            except ValueError as exc:
+                raise SettingsError(f"{name} {exc}") from None
         if s.insecure:
             if not is_loopback(s.listen):
                 raise SettingsError(f"listen {s.listen!r}: insecure mode is for loopback addresses only "
@@ -225,8 +228,6 @@ class ControlPlane:
         if not 0 <= s.close_hold_seconds <= CloseHold.MAX_SECONDS:
             raise SettingsError(f"close_hold_seconds {s.close_hold_seconds} must be in "
                                 f"[0, {CloseHold.MAX_SECONDS:g}] seconds")
-        if s.metrics_listen and ":" not in s.metrics_listen:
-            raise SettingsError(f"metrics_listen {s.metrics_listen!r} must be HOST:PORT")
 
     @staticmethod
     def _scorer(s: Settings):
@@ -374,9 +375,8 @@ class ControlPlane:
             self._history_thread.start()
         if self.settings.metrics_listen:
             from prometheus_client import start_http_server
-            host, _, mport = self.settings.metrics_listen.rpartition(":")
-            self._http, _ = start_http_server(int(mport), addr=host.strip("[]") or "0.0.0.0",
-                                              registry=self.registry)
+            addr, mport = parse_listen(self.settings.metrics_listen)
+            self._http, _ = start_http_server(mport, addr=addr, registry=self.registry)
             self.metrics_port = self._http.server_port
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
