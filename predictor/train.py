@@ -247,11 +247,17 @@ def _comparable(path) -> "registry.LoadedModel | dict | None":
     """The model to compare with, loaded; a dict saying why not when it reads other features."""
     if path is None:
         return None
-    other = registry.load_model(path)
-    if other.manifest.get("feature_version") != ft.FEATURE_VERSION or other.feature_names != list(ft.FEATURE_NAMES):
-        return {"model_version": other.version, "path": str(path),
-                "skipped": f"it reads feature version {other.manifest.get('feature_version')}, this one "
+    # the manifest first: load_model refuses a model of another feature version, which is no reason
+    # to refuse the training run
+    manifest = registry.read_manifest(path)
+    if str(manifest.get("feature_version")) != ft.FEATURE_VERSION:
+        return {"model_version": manifest.get("version"), "path": str(path),
+                "skipped": f"it reads feature version {manifest.get('feature_version')}, this one "
                            f"{ft.FEATURE_VERSION}"}
+    other = registry.load_model(path)
+    if other.feature_names != list(ft.FEATURE_NAMES):
+        return {"model_version": other.version, "path": str(path),
+                "skipped": "it reads other feature columns"}
     return other
 
 

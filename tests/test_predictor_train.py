@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -11,6 +12,7 @@ import pytest
 from foreshock import cli
 from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
+from foreshock.predictor import features as ft
 from foreshock.predictor import labels as lb
 from foreshock.predictor import registry
 
@@ -60,6 +62,22 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, tmp_pat
     assert any(not c["has_precursor"] for c in cats.values())
     html = page.read_text()
     assert html.count("data:image/png;base64,") >= 3 and "not credited" in html
+
+
+def test_train_compares_with_a_model_of_other_features_by_saying_why_not(sim_data, tmp_path, capsys):
+    old = tmp_path / "old-model"
+    shutil.copytree(registry.default_model_path(), old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["feature_version"] = "0"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    model_dir = tmp_path / "model"
+    rc = cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "5",
+                   "--compare-with", str(old)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    compared = registry.load_model(model_dir).manifest["metrics"]["validation_compared"]
+    assert compared["skipped"] == f"it reads feature version 0, this one {ft.FEATURE_VERSION}"
+    assert f"not compared with {old}" in out
 
 
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
