@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from foreshock import config
+from foreshock import risk as risk_scale
 
 log = logging.getLogger("foreshock.demo")
 
@@ -138,6 +139,7 @@ class Demo:
         self.job_loss = None
         self.job_restarts = 0
         self.threshold = 0.5
+        self.horizon_minutes = 30.0
         self._stop = threading.Event()
         self.job_codes: dict[str, Any] = {}
 
@@ -210,8 +212,10 @@ class Demo:
         port = self.cp.start()
         addr = f"127.0.0.1:{port}"
         self.threshold = float(self.cp.policy.settings.threshold)
+        self.horizon_minutes = (getattr(self.cp.scorer, "horizon_seconds", 0) or 1800) / 60
         self.say(f"control plane on {addr} (PLAINTEXT, loopback only: demo mode), model "
-                 f"{self.cp.scorer.model_version}, threshold {self.threshold:.4f} (the manifest's for "
+                 f"{self.cp.scorer.model_version}; it evacuates a node from {risk_scale.percent(self.threshold)} "
+                 f"risk within {self.horizon_minutes:.0f} min (level 1x: the manifest's threshold for "
                  f"{cfg['budget']:g} false evacuations per 1,000 node-days)")
         self.say(f"Prometheus metrics: http://127.0.0.1:{self.cp.metrics_port}/metrics")
 
@@ -381,7 +385,8 @@ class Demo:
                 f.peak_risk = max(f.peak_risk, r.probability)
                 if f.first_alert is None and r.probability >= self.threshold:
                     f.first_alert = now
-                    self.say(f"risk alert: {f.node} at {r.probability:.3g}"
+                    self.say(f"risk alert: {f.node} at "
+                             f"{risk_scale.words(r.probability, self.threshold, self.horizon_minutes * 60)}"
                              + (f" ({r.signals[0].description})" if r.signals else ""))
             for d in self.directives:
                 if (d.kind == jobs_pb2.DIRECTIVE_KIND_EVACUATE and d.state == jobs_pb2.DIRECTIVE_STATE_COMPLETED
@@ -427,13 +432,15 @@ class Demo:
     def _render(self):
         from rich.console import Group
         from rich.table import Table
-        risk = Table(title=f"riskiest nodes (threshold {self.threshold:.4f})", expand=True)
-        for col in ("node", "risk", "top signal"):
+        risk = Table(title=f"riskiest nodes (evacuated from {risk_scale.percent(self.threshold)} within "
+                           f"{self.horizon_minutes:.0f} min, level 1x)", expand=True)
+        for col in ("node", "level", f"risk in {self.horizon_minutes:.0f} min", "top signal"):
             risk.add_column(col)
         for r in self.riskiest:
             sig = r.signals[0].description if r.signals else ""
-            style = "bold red" if r.probability >= self.threshold else ""
-            risk.add_row(r.node, f"{r.probability:.3f}", sig[:90], style=style)
+            level = risk_scale.level(r.probability, self.threshold)
+            style = {"evacuate": "bold red", "watch": "yellow"}.get(risk_scale.band(level), "")
+            risk.add_row(r.node, risk_scale.times(level), risk_scale.percent(r.probability), sig[:90], style=style)
         dirs = Table(title="directives", expand=True)
         for col in ("id", "ranks", "from -> to", "step", "state", "reason"):
             dirs.add_column(col)
@@ -480,7 +487,8 @@ class Demo:
                 "predicted": bool(predicted) if f.kind != "benign" else None,
                 "lead_minutes": round((f.fails_at - alert) / 60.0, 1) if predicted and f.fails_at else None,
                 "false_alarm": bool(alert is not None) if f.kind == "benign" else None,
-                "peak_risk": round(f.peak_risk, 4), "rank_killed": f.killed_rank not in ("", "-"),
+                "peak_risk": round(f.peak_risk, 4),
+                "peak_level": round(risk_scale.level(f.peak_risk, self.threshold), 2), "rank_killed": f.killed_rank not in ("", "-"),
             })
         precursor = next(x for x in faults if x["kind"] == "precursor")
         benign = next(x for x in faults if x["kind"] == "benign")
@@ -570,19 +578,22 @@ def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
     ax = fig.add_subplot()
     for f in demo.faults:
         if f.risk:
-            ax.plot([demo.rel(t) for t, _ in f.risk], [p for _, p in f.risk], label=f"{f.node}: {f.label}")
+            ax.plot([demo.rel(t) for t, _ in f.risk], [risk_scale.level(p, demo.threshold) for _, p in f.risk],
+                    label=f"{f.node}: {f.label}")
         if f.injected_at:
             ax.axvline(demo.rel(f.injected_at), ls=":", color="grey")
         if f.fails_at:
             ax.axvline(demo.rel(f.fails_at), ls="--", color="red")
         if f.first_directive:
             ax.axvline(demo.rel(f.first_directive), ls="-", color="green", alpha=0.5)
-    ax.axhline(demo.threshold, color="black", lw=0.8, label="threshold")
+    ax.axhline(risk_scale.EVACUATE_LEVEL, color="red", lw=0.8, label="evacuation threshold (1x)")
+    ax.axhline(risk_scale.WATCH_LEVEL, color="orange", lw=0.6, ls=":", label="watch (0.5x)")
     ax.set_xlabel("simulated minutes since the job started (dotted: injected, dashed red: failure, green: directive)")
-    ax.set_ylabel("P(fail within horizon)")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"risk level (x the threshold,\n{risk_scale.percent(demo.threshold)} in "
+                  f"{demo.horizon_minutes:.0f} min)")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(0, None)
     ax.legend(fontsize=7, loc="upper left")
-    ax.set_yscale("symlog", linthresh=0.01)
     timeline = _png(fig)
 
     fig = Figure(figsize=(9, 3))
@@ -600,7 +611,8 @@ def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
     goodput_png = base64.b64encode(gp.plot_png(gp.scenario_from({}))).decode()
 
     rows = "".join(f"<tr><td>{html.escape(f['label'])}</td><td>{f['node']}</td><td>{f['predicted']}</td>"
-                   f"<td>{f['lead_minutes']}</td><td>{f['peak_risk']}</td><td>{f['rank_killed']}</td></tr>"
+                   f"<td>{f['lead_minutes']}</td><td>{risk_scale.times(f['peak_level'])} "
+                   f"({risk_scale.percent(f['peak_risk'])})</td><td>{f['rank_killed']}</td></tr>"
                    for f in summary["faults"])
     events = "".join(f"<li>[{t - demo.t0:6.1f}s] {html.escape(text)}</li>" for t, text in demo.events)
     brief = {k: v for k, v in summary.items() if k not in ("results", "faults", "evacuations")}
@@ -610,7 +622,7 @@ table{{border-collapse:collapse}}</style></head><body>
 <h1>Foreshock demo: {'job saved' if summary['saved'] else 'job NOT saved'}</h1>
 <p>job restarts: {summary['job_restarts']}; steps completed: {summary['steps_completed']};
 false evacuations: {summary['false_evacuations']}; wall time {summary['wall_seconds']} s.</p>
-<h2>Faults</h2><table><tr><th>fault</th><th>node</th><th>predicted</th><th>lead (simulated min)</th><th>peak risk</th>
+<h2>Faults</h2><table><tr><th>fault</th><th>node</th><th>predicted</th><th>lead (simulated min)</th><th>peak risk level (probability)</th>
 <th>rank killed</th></tr>{rows}</table>
 <h2>Risk timeline</h2><img src="data:image/png;base64,{timeline}">
 <h2>Training loss per rank</h2><img src="data:image/png;base64,{losses}">
@@ -634,7 +646,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             verdict = f"predicted {f['lead_minutes']:.0f} simulated min ahead"
         else:
             verdict = "not predicted" + (" (no precursor: expected)" if f["kind"] == "no_precursor" else "")
-        print(f"  {f['label']:<40} {f['node']:<9} peak risk {f['peak_risk']:.3g}  {verdict}")
+        print(f"  {f['label']:<40} {f['node']:<9} peak {risk_scale.times(f['peak_level'])} the threshold "
+              f"({risk_scale.percent(f['peak_risk'])})  {verdict}")
     for e in summary["evacuations"]:
         print(f"  evacuation {e['from_node']} -> {e['to_node']} at step {e['at_step']}: "
               f"{e['state'].replace('DIRECTIVE_STATE_', '')}, {e['duration_seconds']} s to the first step in the "

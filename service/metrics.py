@@ -5,6 +5,8 @@ scoring counters and the durable store (directives by kind and state), as node_e
 collectors do. Tested against a private registry and `promtool check metrics`.
 
   foreshock_node_failure_risk{node,leaf_switch,site}   probability of failing within the horizon
+  foreshock_node_risk_level{node,leaf_switch,site}     that probability over the evacuation threshold in
+                                                       force: 1 = evacuate, 0.5 = watch (foreshock/risk.py)
   foreshock_node_risk_signal_contribution{node,signal} share of the score a top signal explains
   foreshock_node_history_risk{node}                    P(a fault within the history horizon) from the node's
                                                        past faults (`serve --history`; docs/predictor.md)
@@ -37,6 +39,7 @@ import sqlite3
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from foreshock import risk as risk_scale
 from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
 
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -59,12 +62,19 @@ class ControlPlaneCollector:
         contribution = GaugeMetricFamily("foreshock_node_risk_signal_contribution",
                                          "Share of the node's risk score attributed to a signal (top signals only).",
                                          labels=["node", "signal"])
+        level = GaugeMetricFamily("foreshock_node_risk_level",
+                                  "The node's risk over the evacuation threshold in force: 1 = evacuate, "
+                                  f"{risk_scale.WATCH_LEVEL} = watch (docs/operations.md, the risk scale).",
+                                  labels=["node", "leaf_switch", "site"])
+        threshold = p.policy.settings.threshold
         for r in p.nodes.snapshot():
             topo = p.nodes.topo(r.node)
             risk.add_metric([r.node, topo.leaf_switch, topo.site], r.probability)
+            level.add_metric([r.node, topo.leaf_switch, topo.site], risk_scale.level(r.probability, threshold))
             for sig in r.signals:
                 contribution.add_metric([r.node, sig.name], sig.contribution)
         yield risk
+        yield level
         yield contribution
         if p.nodes.history_default is not None:
             history = GaugeMetricFamily("foreshock_node_history_risk",

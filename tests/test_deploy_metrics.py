@@ -141,9 +141,51 @@ def test_dashboard_is_well_formed_and_covers_the_issue():
         grid = p["gridPos"]
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, p["title"]
     titles = {p["title"] for p in panels}
-    for wanted in ("Risk heatmap by node", "Risk heatmap by leaf switch", "Top risky nodes",
+    for wanted in ("Risk level heatmap by node", "Risk level heatmap by leaf switch", "Top risky nodes",
                    "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node"):
         assert wanted in titles
+
+
+def _colour_steps(config: dict) -> list[tuple[str, float | None]] | None:
+    thresholds = config.get("thresholds")
+    return None if thresholds is None else [(st["color"], st["value"]) for st in thresholds["steps"]]
+
+
+def test_risk_is_coloured_by_its_level_against_the_threshold_in_force():
+    """Issue 22, item 1: no panel paints risk on a fixed probability scale (0.2 / 0.5 / 0.8 made an
+    evacuated node at 0.6 % green); every risk colour is the level's bands (foreshock/risk.py), and the
+    alert fires where the policy evacuates."""
+    from foreshock import risk
+
+    want = [("green", None), ("yellow", risk.WATCH_LEVEL), ("red", risk.EVACUATE_LEVEL)]
+    coloured = 0
+    for p in all_panels(dashboard()["panels"]):
+        exprs = " ".join(t.get("expr", "") for t in p.get("targets", []))
+        configs = [p.get("fieldConfig", {}).get("defaults", {})]
+        configs += [{pr["id"]: pr["value"] for pr in o["properties"]}
+                    for o in p.get("fieldConfig", {}).get("overrides", [])]
+        for config in configs:
+            steps = _colour_steps(config)
+            if steps is None or not ("foreshock_node_failure_risk" in exprs or "foreshock_node_risk_level" in exprs):
+                continue
+            assert "foreshock_node_risk_level" in exprs and steps == want, (p["title"], steps)
+            coloured += 1
+    assert coloured >= 4
+    alert = next(r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+                 if r.get("alert") == "ForeshockNodeRiskHigh")
+    assert alert["expr"] == f"foreshock_node_risk_level >= {risk.EVACUATE_LEVEL:g}"
+
+
+def test_the_risk_scale_in_words():
+    from foreshock import risk
+
+    assert risk.level(0.0062, 0.0039) == pytest.approx(1.59, abs=0.01)
+    assert risk.band(risk.level(0.0062, 0.0039)) == "evacuate"
+    assert risk.band(risk.level(0.0025, 0.0039)) == "watch" and risk.band(0.1) == "normal"
+    assert risk.words(0.0062, 0.0039, 1800) == "0.62 % within 30 min, 1.6x the evacuation threshold (evacuate)"
+    assert risk.words(0.0062, None, 1800) == "0.62 % within 30 min"
+    assert risk.percent(0.00001) == "< 0.01 %" and risk.percent(0.25) == "25 %"
+    assert risk.times(float("nan")) == "-" and risk.times(12.4) == "12x"
 
 
 # -- what the code exports ----------------------------------------------------------------------------

@@ -63,8 +63,8 @@ def test_check_rejects_bad_promql(tmp_path):
 
 
 def test_unit_tests_notice_a_changed_threshold(tmp_path):
-    text = RULES.read_text().replace("group_left () foreshock_evacuation_threshold\n",
-                                     "group_left () (1.5 * foreshock_evacuation_threshold)\n")
+    text = RULES.read_text().replace("expr: foreshock_node_risk_level >= 1\n",
+                                     "expr: foreshock_node_risk_level >= 2\n")
     assert text != RULES.read_text()
     proc = promtool("test", "rules", str(_copy(tmp_path, text) / "tests" / RULE_TESTS.name), cwd=tmp_path)
     assert proc.returncode != 0 and "ForeshockNodeRiskHigh" in proc.stdout + proc.stderr

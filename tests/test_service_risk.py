@@ -6,6 +6,7 @@ scraping the service and answering for the risk through its HTTP API. promtool c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -174,6 +175,9 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
         with urllib.request.urlopen(f"http://127.0.0.1:{plane.metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert 'foreshock_node_failure_risk{leaf_switch="",node="n1",site=""}' in text
+        # the level people read: the risk over the threshold in force (0.5 here)
+        level = re.search(r'^foreshock_node_risk_level\{leaf_switch="",node="n1",site=""\} (\S+)$', text, re.M)
+        assert level and float(level.group(1)) == pytest.approx(plane.nodes.risk["n1"].probability / 0.5)
         assert 'foreshock_directives_issued_total{kind="evacuate"} 1.0' in text
         top_signal = r.signals[0].name
         assert f'foreshock_node_risk_signal_contribution{{node="n1",signal="{top_signal}"}}' in text

@@ -1,0 +1,64 @@
+"""The risk scale people read: a node's probability of failing within the model's horizon, and its
+level against the evacuation threshold in force.
+
+A calibrated probability is the honest number, but at a deployment's base rate it is small (the
+shipped model evacuates at about 0.4 % within 30 minutes), so a fixed colour scale (0.2 / 0.5 / 0.8)
+paints every evacuated node green and "risk 0.6 %" reads as nothing to worry about. The **level** is
+the probability over the threshold the policy evacuates at: 1.0 means "at the evacuation threshold",
+whatever the model or the budget it was chosen for, and the bands below say what each range means.
+The control plane exports both (`foreshock_node_failure_risk`, `foreshock_node_risk_level`); the
+dashboard (deploy/grafana/foreshock.json), the alerts (deploy/prometheus/foreshock-rules.yaml), the
+demo's live view and its report use the level's bands, and docs/operations.md ("The risk scale")
+explains them. The YAML and JSON cannot import this module; tests/test_deploy_metrics.py checks that
+their colour steps and alert thresholds are these numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+WATCH_LEVEL = 0.5      # from half the evacuation threshold: worth a look, no action yet
+EVACUATE_LEVEL = 1.0   # at the threshold: the policy evacuates (after its hysteresis)
+
+BANDS = (("evacuate", EVACUATE_LEVEL), ("watch", WATCH_LEVEL), ("normal", 0.0))
+
+
+def level(probability: float, threshold: float | None) -> float:
+    """The probability over the evacuation threshold (NaN when no threshold is in force)."""
+    if threshold is None or not threshold > 0 or probability is None or math.isnan(probability):
+        return float("nan")
+    return float(probability) / float(threshold)
+
+
+def band(lvl: float) -> str:
+    """"evacuate" from EVACUATE_LEVEL, "watch" from WATCH_LEVEL, else "normal" (also when unknown)."""
+    for name, lo in BANDS:
+        if lvl >= lo:
+            return name
+    return "normal"
+
+
+def percent(probability: float) -> str:
+    """A probability as a person reads it: "0.62 %", "12 %", "< 0.01 %"."""
+    p = 100.0 * float(probability)
+    if p <= 0:
+        return "0 %"
+    if p < 0.01:
+        return "< 0.01 %"
+    return f"{p:.2g} %" if p < 10 else f"{p:.0f} %"
+
+
+def words(probability: float, threshold: float | None, horizon_seconds: int | float) -> str:
+    """"0.62 % within 30 min, 1.6x the evacuation threshold (evacuate)"."""
+    text = f"{percent(probability)} within {horizon_seconds / 60:.0f} min"
+    lvl = level(probability, threshold)
+    if math.isnan(lvl):
+        return text
+    return f"{text}, {times(lvl)} the evacuation threshold ({band(lvl)})"
+
+
+def times(lvl: float) -> str:
+    """A level as "1.6x", "0.04x", "12x"."""
+    if math.isnan(lvl):
+        return "-"
+    return f"{lvl:.0f}x" if lvl >= 10 else f"{lvl:.2g}x"
