@@ -58,7 +58,7 @@ def words(probability: float, threshold: float | None, horizon_seconds: int | fl
 
 
 def times(lvl: float) -> str:
-    """A level as "1.6x", "0.04x", "12x"."""
+    """A level as "12x", "1.6x", "1.0x" (just over the threshold), "0.42x"."""
     if math.isnan(lvl):
         return "-"
-    return f"{lvl:.0f}x" if lvl >= 10 else f"{lvl:.2g}x"
+    return f"{lvl:.0f}x" if lvl >= 10 else f"{lvl:.1f}x" if lvl >= 1 else f"{lvl:.2f}x"

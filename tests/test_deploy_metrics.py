@@ -185,7 +185,8 @@ def test_the_risk_scale_in_words():
     assert risk.words(0.0062, 0.0039, 1800) == "0.62 % within 30 min, 1.6x the evacuation threshold (evacuate)"
     assert risk.words(0.0062, None, 1800) == "0.62 % within 30 min"
     assert risk.percent(0.00001) == "< 0.01 %" and risk.percent(0.25) == "25 %"
-    assert risk.times(float("nan")) == "-" and risk.times(12.4) == "12x"
+    assert risk.times(float("nan")) == "-" and risk.times(12.4) == "12x" and risk.times(1.04) == "1.0x"
+    assert risk.times(0.42) == "0.42x"
 
 
 # -- what the code exports ----------------------------------------------------------------------------
