@@ -69,6 +69,9 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
             parts.append(f"{_fmt(v30)} in the last 30 min")
         if np.isfinite(ratio) and (ratio >= 2 or ratio <= 0.5):
             parts.append(f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline")
+        day = get(f"{signal}_decayed_12h")
+        if np.isfinite(day) and day >= 1 and not (np.isfinite(v30) and day < v30 + 1):
+            parts.append(f"about {_fmt(round(day))} over the last day")
         since = get(f"minutes_since_{signal}")
         if np.isfinite(since) and since < ft.SINCE_CAP_MINUTES:
             parts.append(f"the last {since:.0f} min ago")
@@ -137,8 +140,9 @@ def _describe_anomaly(get) -> str:
 
 _KIND = np.array([SIGNAL_BY_NAME[ft.FEATURES[i].signal].kind if ft.FEATURES[i].signal in SIGNAL_BY_NAME
                   else ft.FEATURES[i].signal for i in range(ft.N_FEATURES)])
-# a count signal is named only for what it counted: its windows, not its ratios to the baseline
-_COUNTED = np.array([f.op in ("sum1", "sum5", "sum30") for f in ft.FEATURES])
+# a count signal is named only for what it counted: its windows and its day's decayed count, not its
+# ratios to the baseline
+_COUNTED = np.array([f.op in ("sum1", "sum5", "sum30", "decayed") for f in ft.FEATURES])
 _GROUP_OF = np.zeros((ft.N_FEATURES, len(GROUP_NAMES)))
 for _k, _name in enumerate(GROUP_NAMES):
     _GROUP_OF[GROUPS[_name], _k] = 1.0

@@ -32,7 +32,7 @@ from scipy.signal import lfilter
 
 from foreshock.predictor import signals as sg
 
-FEATURE_VERSION = "4"
+FEATURE_VERSION = "5"
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -40,6 +40,8 @@ EWMA_ALPHA = 1.0 - 2.0 ** (-1.0 / BASELINE_HALF_LIFE_STEPS)
 RECENT_HALF_LIFE_STEPS = 2 * 60  # the "last hours" rate, for precursors that build over hours
 RECENT_ALPHA = 1.0 - 2.0 ** (-1.0 / RECENT_HALF_LIFE_STEPS)
 SINCE_CAP_MINUTES = 1440.0
+DECAYED_HALF_LIFE_STEPS = 12 * 60   # "over the last day": a count that halves every 12 hours
+DECAYED_KEEP = 2.0 ** (-1.0 / DECAYED_HALF_LIFE_STEPS)
 
 # Peer base signals, computed across nodes per step (peer_signals below) and appended to the base.
 PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
@@ -72,6 +74,11 @@ BASELINED = ("ecc_sbe", "nvl_crc", "nvl_replay", "nvl_recovery", "ib_symbol_erro
              "ib_rcv_errors", "ib_retrans", "ib_ack_timeout", "ib_xmit_discards",
              "pcie_replay", "tcp_retrans", "eth_errors", "hbm_temp_max")
 SINCE = ("xid_fatal", "xid_precursor", "xid_nvlink", "link_state_events", "ib_link_downed")
+# Events counted over the last day (a count decayed with a 12-hour half-life), absolute, not against a
+# baseline: a GPU that remapped HBM rows several times today, a PCIe link whose replay bursts come back
+# after quiet hours, a port that went down more than once. The 30-minute windows forget them between
+# bursts, and a lifetime total (remap_rows_total) cannot tell today from last year.
+DECAYED = ("remap_correctable", "remap_uncorrectable", "pcie_replay", "ib_link_downed")
 RISE = ("temp_max", "hbm_temp_max")
 
 COUNT_IDX = [IDX[s.name] for s in sg.BASE_SIGNALS if s.kind == "count" and s.name not in NOT_WINDOWED]
@@ -79,6 +86,7 @@ GAUGE_IDX = [IDX[s.name] for s in sg.BASE_SIGNALS if s.kind in ("gauge", "flag")
 PEER_IDX = [IDX[s.name] for s in PEER_SIGNALS]
 BASE_IDX = [IDX[n] for n in BASELINED]
 SINCE_IDX = [IDX[n] for n in SINCE]
+DECAYED_IDX = [IDX[n] for n in DECAYED]
 RISE_IDX = [IDX[n] for n in RISE]
 
 
@@ -86,7 +94,7 @@ RISE_IDX = [IDX[n] for n in RISE]
 class FeatureSpec:
     name: str
     signal: str       # the base/peer signal it is computed from (explanations group by it)
-    op: str           # sum1 sum5 sum30 vs_baseline now max30 rise30 since mean5 mean30
+    op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed
 
 
 def _specs() -> tuple[FeatureSpec, ...]:
@@ -108,11 +116,14 @@ def _specs() -> tuple[FeatureSpec, ...]:
     for i in PEER_IDX:
         n = ALL_NAMES[i]
         out += [FeatureSpec(f"{n}_5m", n, "mean5"), FeatureSpec(f"{n}_30m", n, "mean30")]
+    for n in DECAYED:   # last: the compiled one-step kernel writes the columns before them
+        out.append(FeatureSpec(f"{n}_decayed_12h", n, "decayed"))
     return tuple(out)
 
 
 CORE_FEATURES: tuple[FeatureSpec, ...] = _specs()
 N_CORE = len(CORE_FEATURES)
+N_KERNEL = N_CORE - len(DECAYED)   # the columns kernels.feature_step writes
 
 # Anomaly scores: pure functions of one row of the core features, needing no failure seen before.
 # How far the node's most unusual error signal is above its own 3-day baseline (log2 of the ratio),
@@ -207,6 +218,7 @@ class FeatureState:
     zr: np.ndarray          # [N, B] EWMA state, the recent (2-hour half-life) rate
     seen: np.ndarray        # [N] steps seen (EWMA bias correction)
     last_event: np.ndarray  # [N, E] step index of the last event of each SINCE signal (-inf: never)
+    zd: np.ndarray          # [N, D] the decayed counts of the DECAYED signals, after the last step
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
 
     @classmethod
@@ -215,7 +227,7 @@ class FeatureState:
         return cls(np.zeros((n, k)), np.zeros((n, k)), np.zeros((RING, n, k)), np.zeros((RING, n, k)),
                    np.full((GRING, n, g), np.nan), 0, 0, np.zeros((n, len(BASE_IDX))),
                    np.zeros((n, len(BASE_IDX))), np.zeros(n),
-                   np.full((n, len(SINCE_IDX)), -np.inf))
+                   np.full((n, len(SINCE_IDX)), -np.inf), np.zeros((n, len(DECAYED_IDX))))
 
     def grow(self, n: int) -> "FeatureState":
         """The same state with n new nodes appended (their history empty, as offline starts them)."""
@@ -225,7 +237,7 @@ class FeatureState:
                             cat([self.ring, add.ring], axis=1), cat([self.ringv, add.ringv], axis=1),
                             cat([self.gring, add.gring], axis=1), self.head, self.ghead,
                             cat([self.z, add.z]), cat([self.zr, add.zr]), cat([self.seen, add.seen]),
-                            cat([self.last_event, add.last_event]))
+                            cat([self.last_event, add.last_event]), cat([self.zd, add.zd]))
 
     def __len__(self) -> int:
         return len(self.seen)
@@ -399,6 +411,13 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     k = len(PEER_IDX)
     out[:, :, col:col + 2 * k] = np.stack([m5, m30], axis=-1).reshape(t, n, 2 * k)
     col += 2 * k
+
+    # counts over the last day: d_t = x_t + keep * d_{t-1} (lfilter's recursion, as the one-step path)
+    xd = xt[:, :, DECAYED_IDX]
+    xd = np.where(np.isnan(xd), 0.0, xd)
+    decayed, zz = lfilter([1.0], [1.0, -DECAYED_KEEP], xd, axis=0, zi=state.zd[None])
+    out[:, :, col:col + len(DECAYED_IDX)] = decayed
+    col += len(DECAYED_IDX)
     assert col == N_CORE
 
     # carry the state
@@ -412,6 +431,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.n
     state.zr = np.asarray(zrf)
     state.seen = state.seen + t
     state.last_event = last[-1].copy()
+    state.zd = np.asarray(zz[0])
     result = np.ascontiguousarray(np.swapaxes(out, 0, 1), dtype=np.float32)
     anomaly_scores(result.reshape(n * t, N_FEATURES))
     return result, state
@@ -454,6 +474,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.n
         x, *_KERNEL_INDEX, state.cum, state.cumv, state.ring, state.ringv, h, state.z, state.zr, den_base,
         den_recent, hist, state.last_event, float(steps[0]), EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
+    _decayed_step(x, state, out)
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -463,6 +484,15 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.n
         state.gmax = None
     state.seen = seen
     return out[:, None, :]
+
+
+def _decayed_step(x: np.ndarray, state: FeatureState, out: np.ndarray) -> None:
+    """The DECAYED columns of one step (x [N, S]) into out [N, N_FEATURES]; carries state.zd. The
+    block path's lfilter recursion, element by element: y = 1.0 * x + z, z = keep * y."""
+    xd = x[:, DECAYED_IDX]
+    y = np.where(np.isnan(xd), 0.0, xd) + state.zd
+    out[:, N_KERNEL:N_CORE] = y
+    state.zd = DECAYED_KEEP * y
 
 
 USE_KERNELS = True   # tests switch it off to compare the two paths
@@ -558,7 +588,8 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
         out[:, col:col + 2 * k:2] = np.where(pn5 > 0, p5 / np.maximum(pn5, 1.0), np.nan)
         out[:, col + 1:col + 2 * k:2] = np.where(pn30 > 0, p30 / np.maximum(pn30, 1.0), np.nan)
     col += 2 * k
-    assert col == N_CORE
+    assert col == N_KERNEL
+    _decayed_step(x, state, out)
     anomaly_scores(out)
 
     state.ring[h] = c

@@ -145,7 +145,8 @@ def monotonic_constraints(feature_names=ft.FEATURE_NAMES, trend_ratios: bool = T
     for name in feature_names:
         f = spec.get(name)
         rising = f is not None and (
-            (f.op in ("sum1", "sum5", "sum30", "vs_baseline", "recent_vs_baseline") and f.signal not in NOT_RISING)
+            (f.op in ("sum1", "sum5", "sum30", "vs_baseline", "recent_vs_baseline", "decayed")
+             and f.signal not in NOT_RISING)
             or (f.op in ("now", "max30") and f.signal in RISING_GAUGES)
             or (f.op in ("mean5", "mean30") and f.signal in RISING_PEERS)
             or f.signal == "anomaly")
