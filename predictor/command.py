@@ -1,6 +1,7 @@
 """`foreshock train` and `foreshock evaluate`: the offline loop a reliability engineer runs.
 
     foreshock train --data DIR --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
+                    [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|'']
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
     foreshock evaluate --leave-one-out family|signature|node_type --train-data TRAIN_DIR --data DIR
                        [--only NAME[,NAME]] [--max-iter N] [--json FILE] [--html FILE]
@@ -9,6 +10,8 @@ Settings come from the [train] / [evaluate] tables of the config file, FORESHOCK
 FORESHOCK_EVALUATE_* environment variables, then flags (foreshock/config.py). Long steps show rich
 progress bars on a terminal and plain progress lines on stderr elsewhere; leave-one-out prints a line
 per training run on stderr, terminal or not.
+`train` stacks the model it fits with the shipped model by default (train.train's `base`): a user's
+history seldom holds enough incidents to learn from alone.
 When the evaluated data overlaps the model's training data (evaluate.overlap), a warning goes to stderr.
 """
 
@@ -26,7 +29,7 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
-                  "compare_with": "shipped"}
+                  "compare_with": "shipped", "base": "shipped"}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"]}
 
@@ -53,6 +56,10 @@ def register(subparsers) -> None:
     p.add_argument("--compare-with", dest="compare_with", metavar="MODEL_DIR",
                    help="score this model on the same validation slice, beside the new one (default "
                         "'shipped': the shipped default model; '' for none)")
+    p.add_argument("--base", metavar="MODEL_DIR",
+                   help="stack the new model with this one, the weights of the two fitted on the validation slice, "
+                        "so that a history with few incidents leans on a model trained on more (default "
+                        "'shipped': the shipped default model; '' to train from this history alone)")
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
     e.add_argument("--data", help="dataset directory (held out: later weeks, another cluster)")
@@ -131,7 +138,8 @@ def run_train(args, file_data) -> int:
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
                                    max_negatives=cfg["max_negatives"], progress=progress, command=command,
-                                   compare_with=_compare_with(cfg["compare_with"]))
+                                   compare_with=_compare_with(cfg["compare_with"]),
+                                   base=_compare_with(cfg["base"]))
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1
@@ -143,6 +151,13 @@ def run_train(args, file_data) -> int:
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
           f"{_pct(v['incident_recall_precursor'])}, median lead {v['median_lead_minutes']:.1f} min, "
           f"{v['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days, PR-AUC {v['pr_auc']:.3f}")
+    b = manifest["estimator"].get("stacked_with_base")
+    if b and "skipped" in b:
+        print(f"not stacked with {b['path']}: {b['skipped']}")
+    elif b:
+        print(f"stacked with {b['path']} (model {b['model_version']}): logit weights {b['weights']['base']:.2f} "
+              f"for it and {b['weights']['this_history']:.2f} for the model of this history (--base '' trains "
+              f"from this history alone)")
     c = manifest["metrics"].get("validation_compared")
     if c and "skipped" in c:
         print(f"not compared with {c['path']}: {c['skipped']}")

@@ -48,7 +48,7 @@ AT_BUDGETS = (1.0, 2.0, 5.0)
 AT_BUDGET_KEYS = ("threshold", "incidents_precursor", "incident_recall_precursor", "median_lead_minutes",
                   "false_evacuations", "node_days", "false_evacuations_per_1000_node_days")
 OVERLAP_RULE = ("the same data hash, or an evaluated time range that intersects the training time range "
-                "on the same node names")
+                "on the same node names; for a stacked model, the same for its base model's training data")
 DEFINITIONS = {
     "incident_recall_precursor": "share of incidents of categories with precursors with an alert in the horizon before them",
     "incident_recall_all": "the same over all incidents, including categories without precursors (not creditable)",
@@ -310,9 +310,16 @@ def overlap(training: dict, evaluated: dict) -> dict:
         reasons.append(f"steps {evaluated['first_step_end']} to {evaluated['last_step_end']} against training's "
                        f"{training['first_step_end']} to {training['last_step_end']}, on the same "
                        f"{evaluated['nodes']} node names")
+    # a model stacked with a base model (train's --base) carries what the base learnt from its data too
+    base = overlap(training["base"], evaluated) if training.get("base") else None
+    if base is not None and base["overlaps"]:
+        reasons.append(f"the training data of the model it is stacked with: {base['reason']}")
     out = {"overlaps": bool(reasons), "reason": "; ".join(reasons), "same_data_hash": same_hash,
            "time_ranges_intersect": intersect, "same_node_names": same_names, "rule": OVERLAP_RULE,
            "training": {k: training.get(k) for k in evaluated}, "evaluated": evaluated}
+    if base is not None:
+        out["base"] = {k: base[k] for k in ("overlaps", "reason", "same_data_hash", "time_ranges_intersect",
+                                            "same_node_names", "training")}
     if same_names is None:
         out["note"] = ("the model's manifest does not record its training node names (trained before they were "
                        "recorded): only the data hashes were compared")

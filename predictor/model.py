@@ -9,6 +9,8 @@
   a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
   share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
 * `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
+* `LogitBlend`: fitted models stacked on their logits; `foreshock train` stacks the model of a
+  user's history with the shipped model, so a small history leans on what the shipped model learnt.
 
 Inputs are feature matrices in features.FEATURE_NAMES order.
 """
@@ -244,6 +246,56 @@ class PriorShift(ClassifierMixin, BaseEstimator):
     def predict_proba(self, X):
         p = np.clip(self.estimator.predict_proba(X)[:, 1], 0.0, 1.0)
         q = p / (p + (1.0 - p) * float(self.scale))
+        return np.column_stack([1.0 - q, q])
+
+    def predict(self, X):
+        return (self.predict_proba(X)[:, 1] >= 0.5).astype(int)
+
+
+class LogitBlend(ClassifierMixin, BaseEstimator):
+    """Fitted models stacked: P = sigmoid(sum_i w_i logit(p_i) + b), w and b a logistic regression on
+    the members' logits.
+
+    `foreshock train` (train.py) stacks the model it fits on a user's history with a base model
+    trained on more (the shipped model), the weights fitted on the history's later validation slice:
+    a history with too few incidents to learn from leans on the base model, one that has them on its
+    own model. The members are fitted already and are not refitted. A member that earns a negative
+    weight is dropped (weight 0) and the rest refitted: a model is never used against its sense.
+    """
+
+    def __init__(self, estimators=(), C: float = 1.0):
+        self.estimators = estimators
+        self.C = C
+
+    def _logits(self, X) -> np.ndarray:
+        cols = []
+        for est in self.estimators:
+            p = np.clip(np.asarray(est.predict_proba(X))[:, 1], 1e-9, 1.0 - 1e-9)
+            cols.append(np.log(p) - np.log1p(-p))
+        return np.column_stack(cols)
+
+    def fit(self, X, y, sample_weight=None):
+        Z = self._logits(X)
+        use = np.ones(Z.shape[1], dtype=bool)
+        while True:
+            lr = LogisticRegression(C=self.C, max_iter=1000).fit(Z[:, use], y, sample_weight=sample_weight)
+            w = np.zeros(Z.shape[1])
+            w[use] = lr.coef_[0]
+            if (w[use] >= 0).all() or use.sum() == 1:
+                break
+            use &= w > 0
+        self.coef_ = w
+        self.intercept_ = float(lr.intercept_[0])
+        self.classes_ = np.array([0, 1])
+        return self
+
+    def decision_function(self, X) -> np.ndarray:
+        return self._logits(X) @ self.coef_ + self.intercept_
+
+    def predict_proba(self, X):
+        from scipy.special import expit
+
+        q = expit(self.decision_function(X))
         return np.column_stack([1.0 - q, q])
 
     def predict(self, X):

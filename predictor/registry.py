@@ -25,9 +25,10 @@ rows walked in blocks and in an order that groups similar rows, split over threa
 the columns the trees split on are binned with the model's own bin thresholds (x <= threshold <=>
 bin <= bin threshold) into a column-major uint8 matrix that scikit-learn's binned walker reads. Then
 the same baseline-plus-trees sum, sigmoid and prior shift as scikit-learn, in the same order, so the
-probabilities are the estimator's own (tests/test_predictor_speedpaths.py). Anything
-else, or a model whose fast path disagrees with predict_proba on a probe matrix at load, uses the
-estimator's predict_proba.
+probabilities are the estimator's own (tests/test_predictor_speedpaths.py). A model `foreshock train`
+stacked with a base model (`[PriorShift(] LogitBlend(members) [)]`) runs each member through its own
+fast path and then the blend's arithmetic (`BlendedFast`). Anything else, or a model whose fast path
+disagrees with predict_proba on a probe matrix at load, uses the estimator's predict_proba.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ TRUSTED_TYPES: tuple[str, ...] = (
     "foreshock.predictor.model.TrendRatios",
     "foreshock.predictor.model.RuleBaseline",
     "foreshock.predictor.model.PriorShift",
+    "foreshock.predictor.model.LogitBlend",
     "foreshock.predictor.model._signed_log1p",
     "numpy.dtype",
     "sklearn.calibration._CalibratedClassifier",
@@ -287,11 +289,11 @@ class FastPredictor:
         return type(self.members[0][0]).__name__ == "CompiledTrees"
 
     @classmethod
-    def build(cls, estimator, n_features: int) -> "FastPredictor | None":
+    def build(cls, estimator, n_features: int) -> "FastPredictor | BlendedFast | None":
         """The fast path, or None (with the reason logged) when the estimator is of another kind or
         the fast path does not reproduce predict_proba on a probe matrix."""
         try:
-            fast = cls(estimator)
+            fast = BlendedFast(estimator) if BlendedFast.handles(estimator) else cls(estimator)
         except (TypeError, AttributeError, ValueError, IndexError) as exc:
             log.info("model: no fast prediction path (%s); using predict_proba", exc)
             return None
@@ -363,6 +365,55 @@ class FastPredictor:
             return np.column_stack([p0, p1])
         p = np.clip(p1, 0.0, 1.0)
         q = p / (p + (1.0 - p) * self.prior_scale)
+        return np.column_stack([1.0 - q, q])
+
+
+class BlendedFast:
+    """predict_proba of [PriorShift(] LogitBlend(members) [)], each member through its FastPredictor
+    and the blend's own arithmetic (model.LogitBlend), so the probabilities are the estimator's."""
+
+    @staticmethod
+    def handles(estimator) -> bool:
+        from foreshock.predictor import model as mdl
+
+        inner = estimator.estimator if type(estimator) is mdl.PriorShift else estimator
+        return type(inner) is mdl.LogitBlend
+
+    def __init__(self, estimator):
+        from foreshock.predictor import model as mdl
+
+        self.estimator = estimator
+        self.prior_scale = None
+        if type(estimator) is mdl.PriorShift:
+            self.prior_scale = float(estimator.scale)
+            estimator = estimator.estimator
+        self.parts = [FastPredictor(member) for member in estimator.estimators]
+        if len({p._trend_key for p in self.parts}) != 1:
+            raise TypeError("blended members with different trend ratios")
+        self.coef = np.asarray(estimator.coef_, dtype=np.float64)
+        self.intercept = float(estimator.intercept_)
+        self.members = [m for p in self.parts for m in p.members]
+        self.trends = self.parts[0].trends
+
+    @property
+    def compiled(self) -> bool:
+        return all(p.compiled for p in self.parts)
+
+    def probe(self, n_features: int) -> np.ndarray:
+        return np.concatenate([p.probe(n_features) for p in self.parts])
+
+    def predict_proba(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
+        from scipy.special import expit
+
+        X = np.asarray(X, dtype=np.float32)
+        z = np.full(len(X), 0.0)
+        for part, w in zip(self.parts, self.coef):
+            p = np.clip(part.predict_proba(X, threads)[:, 1], 1e-9, 1.0 - 1e-9)
+            z += (np.log(p) - np.log1p(-p)) * w
+        q = expit(z + self.intercept)
+        if self.prior_scale is not None:
+            q = np.clip(q, 0.0, 1.0)
+            q = q / (q + (1.0 - q) * self.prior_scale)
         return np.column_stack([1.0 - q, q])
 
 

@@ -61,15 +61,21 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
           command: str | None = None, holdout: groups.HoldOut | None = None,
-          compare_with: str | Path | None = None) -> dict:
+          compare_with: str | Path | None = None, base: str | Path | None = None) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
     compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
     validation slice at a threshold chosen there for the same budget; the manifest's
     metrics.validation_compared has its figures beside this model's, so a user whose own history holds
-    too few incidents to learn from sees that the model it would replace does better."""
+    too few incidents to learn from sees that the model it would replace does better.
+
+    base: a model directory (the shipped model, for `foreshock train`) to stack the new model with
+    (model.LogitBlend): the weights of the two are fitted on the validation slice's calibration
+    sample, so a history with few incidents leans on the base model and one with many on its own.
+    A base of another feature version is skipped, and the manifest says why."""
     t_start = time.perf_counter()
     compared = _comparable(compare_with)
+    base_model = _comparable(base)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     rng = np.random.default_rng(seed)
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
@@ -159,6 +165,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             raise ValueError(f"{data_dir}: no incidents in the validation slice (the last {val_fraction:.0%}); "
                              "cannot calibrate: simulate more days or a higher --rate-scale")
         model = CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(Xc, yc, sample_weight=wc)
+        stacked = base_model if isinstance(base_model, dict) else None
+        if isinstance(base_model, registry.LoadedModel):
+            blend = mdl.LogitBlend([base_model.estimator, model]).fit(Xc, yc, sample_weight=wc)
+            stacked = {"model_version": base_model.version, "path": str(base_model.path),
+                       "weights": {"base": float(blend.coef_[0]), "this_history": float(blend.coef_[1])},
+                       "intercept": blend.intercept_,
+                       "training": {k: base_model.manifest.get("training", {}).get(k) for k in
+                                    ("data", "data_hash", "nodes", "node_names_sha256", "first_step_end",
+                                     "last_step_end")}}
+            model = blend
         logistic = CalibratedClassifierCV(FrozenEstimator(logit), method="sigmoid").fit(Xc, yc, sample_weight=wc)
         if prior_scale != 1.0:
             model = mdl.PriorShift(model, prior_scale).fit()
@@ -210,13 +226,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "sigmoid",
                       "trend_features": list(gbdt.named_steps["trends"].ratio_names_) if "trends" in gbdt.named_steps else [],
                       "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
-                                                             if isinstance(v, (int, float, str, bool, type(None)))}},
+                                                             if isinstance(v, (int, float, str, bool, type(None)))},
+                      **({"stacked_with_base": stacked} if stacked is not None else {})},
         "training": {
             **ev.data_identity(data_dir, fb.nodes, first, last), "validation_from": ev.iso_time(boundary),
             "train_steps": n_train_steps, "validation_steps": n_val_steps,
             "train_rows_sampled": int(len(ytr)), "train_positive_rows": int(ytr.sum()),
             # before the max_negatives cap; positive rows in the horizon of an incident, by its category
             "train_rows_sampled_by_node_type": rows_by_type, "train_positive_rows_by_family": positives_by_family,
+            # the base model's own training data is in this model too (evaluate's overlap rule reads it)
+            **({"base": stacked["training"]} if stacked is not None and "training" in stacked else {}),
             "held_out": None if holdout is None else {
                 "kind": holdout.kind, "name": holdout.name, "nodes": len(holdout.windows),
                 "steps_left_out": held_steps, "positive_steps_left_out": held_positive},
@@ -244,7 +263,7 @@ COMPARED = "compared"
 
 
 def _comparable(path) -> "registry.LoadedModel | dict | None":
-    """The model to compare with, loaded; a dict saying why not when it reads other features."""
+    """The model to compare or stack with, loaded; a dict saying why not when it reads other features."""
     if path is None:
         return None
     # the manifest first: load_model refuses a model of another feature version, which is no reason

@@ -182,3 +182,72 @@ def test_evaluate_refuses_a_dataset_without_incidents_and_summarises_a_quiet_one
                           "false_evacuations_strict_per_1000_node_days": 0.0, "threshold": 0.1, "by_node": {}},
                          lb.Incidents.from_table(None))
     assert quiet["incidents"] == 0 and np.isnan(quiet["incident_recall_precursor"])
+
+
+def test_train_stacks_with_the_shipped_model_by_default(sim_data, tmp_path, capsys):
+    """A user's history seldom holds enough incidents to learn from: `foreshock train` stacks its model
+    with the shipped one (model.LogitBlend), the weights fitted on the validation slice, and the
+    stacked model keeps the compiled fast path; `--base ''` trains from the history alone."""
+    from foreshock.predictor import model as mdl
+
+    stacked_dir, alone_dir = tmp_path / "stacked", tmp_path / "alone"
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(stacked_dir), "--max-iter", "10"]) == 0
+    out = capsys.readouterr().out
+    shipped = registry.load_model(registry.default_model_path())
+    stacked = registry.load_model(stacked_dir)
+    info = stacked.manifest["estimator"]["stacked_with_base"]
+    assert info["model_version"] == shipped.version and set(info["weights"]) == {"base", "this_history"}
+    assert min(info["weights"].values()) >= 0 and max(info["weights"].values()) > 0
+    assert f"stacked with {registry.default_model_path()}" in out
+    assert type(stacked.estimator) is mdl.LogitBlend
+    # the training data of the base is recorded for evaluate's overlap rule
+    assert stacked.manifest["training"]["base"]["data_hash"] == shipped.manifest["training"]["data_hash"]
+    fast = stacked.fast_predictor
+    assert isinstance(fast, registry.BlendedFast) and fast.compiled
+    X = np.nan_to_num(np.random.default_rng(1).standard_normal((300, len(stacked.feature_names))).astype(np.float32))
+    X = np.concatenate([X, fast.probe(X.shape[1])])
+    np.testing.assert_allclose(stacked.predict_proba(X), stacked.estimator.predict_proba(X), rtol=1e-9, atol=1e-12)
+    assert stacked.used_features is not None
+
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(alone_dir), "--max-iter", "10", "--base", ""]) == 0
+    capsys.readouterr()
+    alone = registry.load_model(alone_dir)
+    assert "stacked_with_base" not in alone.manifest["estimator"] and "base" not in alone.manifest["training"]
+    assert type(alone.estimator).__name__ == "CalibratedClassifierCV"
+
+
+class _Fixed:
+    """A fitted 'model' whose probability is a column of X."""
+
+    def __init__(self, col):
+        self.col = col
+
+    def predict_proba(self, X):
+        p = np.asarray(X)[:, self.col]
+        return np.column_stack([1 - p, p])
+
+
+def test_logit_blend_drops_a_member_that_would_be_used_against_its_sense():
+    from foreshock.predictor import model as mdl
+
+    rng = np.random.default_rng(0)
+    y = (rng.random(4000) < 0.2).astype(int)
+    good = np.clip(np.where(y == 1, 0.7, 0.3) + rng.normal(0, 0.1, len(y)), 0.01, 0.99)
+    inverted = np.clip(np.where(y == 1, 0.2, 0.6) + rng.normal(0, 0.1, len(y)), 0.01, 0.99)
+    X = np.column_stack([good, inverted])
+    blend = mdl.LogitBlend([_Fixed(0), _Fixed(1)]).fit(X, y)
+    assert blend.coef_[0] > 0 and blend.coef_[1] == 0
+    p = blend.predict_proba(X)[:, 1]
+    assert p[y == 1].mean() > p[y == 0].mean()
+
+
+def test_overlap_counts_the_base_models_training_data():
+    def ident(h, names="n", t0="2026-01-01T00:00:00+00:00", t1="2026-01-10T00:00:00+00:00"):
+        return {"data": h, "data_hash": h, "nodes": 8, "node_names_sha256": names, "first_step_end": t0,
+                "last_step_end": t1}
+
+    training = {**ident("own", names="user"), "base": ident("shipped")}
+    assert not ev.overlap(training, ident("other", names="other"))["overlaps"]
+    got = ev.overlap(training, ident("shipped"))
+    assert got["overlaps"] and "the model it is stacked with" in got["reason"] and got["base"]["same_data_hash"]
+    assert "WARNING" in ev.overlap_warning(got)
