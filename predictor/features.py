@@ -168,7 +168,7 @@ def feature_names() -> list[str]:
 # A node's first step of telemetry has no counter deltas (nothing to difference against: they read 0)
 # and no rates for its peers to be compared with, a row unlike any the model learned from
 # (docs/predictor.md says what scoring it did). Its rows are scored from this many steps after its
-# first one, offline and online alike; a restarted scorer starts over.
+# first one, offline and online alike (a scorer restored from its checkpoint keeps each node's first step).
 FIRST_SCORED_STEP = 1
 
 
@@ -241,6 +241,32 @@ class FeatureState:
 
     def __len__(self) -> int:
         return len(self.seen)
+
+    # What a checkpoint keeps (OnlineScorer.save_state): the running sums, the baselines, the day-long
+    # counts and the last events, a few numbers per node. Not the 30-step rings, 30x the rest and
+    # refilled by 30 steps of telemetry.
+    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd")
+
+    def carried(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(getattr(self, k)) for k in self.CARRIED}
+
+    @classmethod
+    def from_carried(cls, arrays: dict[str, np.ndarray]) -> "FeatureState":
+        """A state from carried() arrays: the rings hold the running sums as they are now, so each
+        window starts over from the next step (as a node's do at its first steps) and the gauges'
+        30-step maxima from the next value; everything else continues as if nothing had stopped.
+        Raises ValueError when an array's shape is not this code's."""
+        n = len(arrays["seen"])
+        state = cls.empty(n)
+        for k in cls.CARRIED:
+            want = getattr(state, k).shape
+            got = np.asarray(arrays[k], dtype=np.float64)
+            if got.shape != want:
+                raise ValueError(f"feature state {k}: shape {got.shape}, this code's is {want}")
+            setattr(state, k, got.copy())
+        state.ring[:] = state.cum[None]
+        state.ringv[:] = state.cumv[None]
+        return state
 
 
 class _SlidingMax:

@@ -456,6 +456,44 @@ class SampleStage:
     def entity_label(self, key: int) -> str:
         return self.entity_labels[int(key) % NODE_SHIFT]
 
+    def state(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """What carries across a restart (OnlineScorer.save_state): the node and entity codes (JSON)
+        and each entity's last sample per table (arrays), so the first counter delta after a restart
+        is the counter's growth since the last sample before it, scaled over the gap like any gap."""
+        meta = {"nodes": list(self.node_names),
+                "entities": [[table, list(vals), code, self.entity_labels[code]]
+                             for (table, vals), code in self._entity_index.items()],
+                "tables": sorted(self._last)}
+        arrays = {}
+        for table, (keys, ts, vals) in self._last.items():
+            arrays[f"last.{table}.keys"], arrays[f"last.{table}.ts"], arrays[f"last.{table}.vals"] = keys, ts, vals
+        return meta, arrays
+
+    @classmethod
+    def from_state(cls, meta: dict, arrays: dict[str, np.ndarray], step_seconds: int = STEP_SECONDS) -> "SampleStage":
+        """The inverse of state(); ValueError (naming what) when the parts do not fit together."""
+        stage = cls(step_seconds)
+        for name in meta["nodes"]:
+            stage.node_code(str(name))
+        labels: dict[int, str] = {}
+        for table, vals, code, label in meta["entities"]:
+            stage._entity_index[(str(table), tuple(vals))] = int(code)
+            labels[int(code)] = str(label)
+        if sorted(labels) != list(range(len(labels))):
+            raise ValueError("sample stage: entity codes are not 0..n-1")
+        stage.entity_labels = [labels[c] for c in range(len(labels))]
+        for table in meta["tables"]:
+            if table not in COUNTERS:
+                raise ValueError(f"sample stage: unknown table {table!r}")
+            keys = np.asarray(arrays[f"last.{table}.keys"], dtype=np.int64)
+            ts = np.asarray(arrays[f"last.{table}.ts"], dtype=np.int64)
+            vals = np.asarray(arrays[f"last.{table}.vals"], dtype=np.float64)
+            width = sum(len(spec.columns) for spec in COUNTERS[table])
+            if not (len(keys) == len(ts) == len(vals) and vals.shape[1:] == (width,)) or np.any(np.diff(keys) <= 0):
+                raise ValueError(f"sample stage: table {table!r}: inconsistent last samples")
+            stage._last[table] = (keys, ts, vals)
+        return stage
+
     def samples(self, table: str, batch: pa.Table) -> Samples:
         """Rows of one schema-v1 table (any nodes) to sample values."""
         if table not in REDUCTIONS:

@@ -123,6 +123,39 @@ class PredictorScorer:
         self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
         return self._last
 
+    # -- checkpoint (the owner calls these: the scoring worker, or the service when it scores itself) --
+    def restore_state(self, path: str | Path) -> str | None:
+        """Carry on from the checkpoint at `path` when there is one (online.OnlineScorer.restore_state).
+        Returns what was restored, or None when there is no file; a file that cannot be used is
+        logged, kept aside as `<path>.refused` for a person to read, and the scorer starts cold."""
+        path = Path(path)
+        self._checkpoint_at = time.monotonic()
+        if not path.exists():
+            return None
+        try:
+            return self._online.restore_state(path)
+        except ValueError as exc:
+            log.warning("scorer checkpoint not used, the 3-day baselines start over: %s", exc)
+            try:
+                path.replace(path.with_name(path.name + ".refused"))
+            except OSError:
+                pass
+            return None
+
+    def checkpoint(self, path: str | Path, every_seconds: float, force: bool = False) -> int | None:
+        """Write the scorer's checkpoint when `every_seconds` have passed since the last one (or
+        `force`: at shutdown). Returns the bytes written, None when not due; never raises: a failed
+        write is logged and retried at the next call."""
+        now = time.monotonic()
+        if not force and now - getattr(self, "_checkpoint_at", now) < every_seconds:
+            return None
+        self._checkpoint_at = now
+        try:
+            return self._online.save_state(path)
+        except Exception:   # noqa: BLE001 - a full disk must not stop scoring
+            log.exception("writing the scorer checkpoint %s", path)
+            return None
+
     def next_due_ns(self, now_ns: int) -> int:
         """When the next step closes: the round that should run then sees the crossing at once."""
         return (now_ns // self._step_ns + 1) * self._step_ns + self._grace_ns

@@ -92,12 +92,18 @@ class Settings:
     #                                          (predictor/history.py), fitted at start and then every
     #                                          history_interval_seconds, exported and used to rank spares
     history_interval_seconds: float = 3600.0
+    scorer_checkpoint_seconds: float = 300.0   # how often the online scorer's state (baselines, day-long
+    #                                          counts, counter positions) is written to state_dir, so a
+    #                                          restart does not start every node's 3-day baseline over
 
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
         """Plaintext on 127.0.0.1, port 0, every role allowed: tests and the demo only."""
         overrides.setdefault("listen", "127.0.0.1:0")
         return cls(state_dir=state_dir, insecure=True, **overrides)
+
+
+SCORER_STATE_FILE = "scorer-state.npz"   # in state_dir: the online scorer's checkpoint
 
 
 class ControlPlane:
@@ -141,14 +147,22 @@ class ControlPlane:
             log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
                         "period); written from the state", recovered)
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
+        # The online scorer's checkpoint: whoever runs the scorer restores it at start and writes it
+        # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).
+        self.scorer_state_path = self.state_dir / SCORER_STATE_FILE
         if s.scoring_process and isinstance(self.scorer, PredictorScorer):
             worker = ScoringWorker(self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
-                                   timeout=s.worker_timeout)
+                                   timeout=s.worker_timeout, state_path=str(self.scorer_state_path),
+                                   checkpoint_seconds=s.scorer_checkpoint_seconds)
             self.scoring = RemoteScoringLoop(self.scorer, worker, interval=s.score_interval,
                                              max_backlog=s.max_backlog, on_round=self._after_round, clock=self.clock)
         else:
             self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
                                        on_round=self._after_round, clock=self.clock)
+            if isinstance(self.scorer, PredictorScorer):
+                restored = self.scorer.restore_state(self.scorer_state_path)
+                if restored:
+                    log.info("scorer: %s", restored)
         self.hold = CloseHold(s.close_hold_seconds)
         self.scoring.hold = self.hold
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
@@ -223,6 +237,8 @@ class ControlPlane:
             if not (s.tokens or s.tls_client_ca):
                 raise SettingsError("no credentials: give tokens or a client CA (mutual TLS), "
                                     "or every call would be refused")
+        if not 1 <= s.scorer_checkpoint_seconds <= 86_400:
+            raise SettingsError(f"scorer_checkpoint_seconds {s.scorer_checkpoint_seconds} must be in [1, 86400] seconds")
         if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
             raise SettingsError(f"score_interval {s.score_interval} must be in (0, 60] seconds")
         if not 0 <= s.close_hold_seconds <= CloseHold.MAX_SECONDS:
@@ -265,6 +281,8 @@ class ControlPlane:
         self.decisions.maybe_flush()
         if time.monotonic() - self._last_sequence_save >= 1.0:
             self._save_sequences(now_ns)
+        if result.fresh and self._scores_here:
+            self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds)
 
     def _save_sequences(self, now_ns: int) -> None:
         self._last_sequence_save = time.monotonic()
@@ -388,6 +406,11 @@ class ControlPlane:
         return self.port
 
     @property
+    def _scores_here(self) -> bool:
+        """This process runs the online scorer (no worker process), so it owns the checkpoint."""
+        return isinstance(self.scorer, PredictorScorer) and not isinstance(self.scoring, RemoteScoringLoop)
+
+    @property
     def address(self) -> str:
         host = self.settings.listen.rpartition(":")[0] or "127.0.0.1"
         return f"{host}:{self.port}"
@@ -414,6 +437,8 @@ class ControlPlane:
         if self._history_thread is not None:
             self._history_thread.join(5)
         self.scoring.stop()
+        if self._scores_here:
+            self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
         self._save_sequences(self.clock())
         if self._http is not None:
             self._http.shutdown()

@@ -17,7 +17,8 @@ The pipe between them carries one request at a time (bounded: the service's back
 queue, and it has a bound), pickled: both ends are this code, the payload is bytes, ints and strings,
 and nothing crosses a trust boundary. A worker that dies or does not answer within `timeout` is
 reported (log, `foreshock_scoring_worker_restarts_total`, `foreshock_scoring_worker_up`), killed and
-started again; its scorer state starts over (the online features refill within their windows).
+started again; the new worker carries on from the scorer's last checkpoint (written every few minutes
+and at a stop: the 3-day baselines survive, the 30-minute windows refill).
 """
 
 from __future__ import annotations
@@ -118,8 +119,11 @@ def _unpack(req: dict, now_ns: int) -> list[Pending]:
     return items
 
 
-def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> None:
-    """The worker process: load the model, then answer requests until the pipe closes."""
+def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state_path: str = "",
+                checkpoint_seconds: float = 300.0) -> None:
+    """The worker process: load the model (and the scorer's checkpoint at `state_path`, when there is
+    one), then answer requests until the pipe closes. The checkpoint is written every
+    `checkpoint_seconds`, after a scoring answer has gone, and at a stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the service stops it, in order
     logging.basicConfig(level=logging.WARNING, format="foreshock scoring worker: %(levelname)s %(message)s")
     from foreshock.service.scoring import ModelError, PredictorScorer
@@ -145,7 +149,8 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
     book = _WorkerBook()
     # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
     ingest = Ingest(book, lambda p: 0, limits=IngestLimits(**limits))
-    conn.send_bytes(pickle.dumps(("ready", scorer.model_version)))
+    restored = scorer.restore_state(state_path) if state_path else None
+    conn.send_bytes(pickle.dumps(("ready", scorer.model_version, restored)))
     # Rows of the still-open step that came with a scoring request: held back until the answer is
     # sent (the step that closes does not need them) and taken first at the next request.
     held: list[tuple[str, pa.Table]] = []
@@ -156,6 +161,13 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
             return
         kind, req, *n_blobs = pickle.loads(msg)
         if kind == "stop":
+            if state_path:
+                for name, data in held:   # rows of the open step, taken so that the checkpoint has them
+                    try:
+                        scorer.ingest(name, data)
+                    except Exception:   # noqa: BLE001 - logged; the checkpoint goes on without them
+                        log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
+                scorer.checkpoint(state_path, checkpoint_seconds, force=True)
             return
         try:
             blobs = [conn.recv_bytes() for _ in range(n_blobs[0] if n_blobs else 0)]
@@ -203,6 +215,8 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict) -> No
             "verdicts": verdicts, "rejected": dict(ingest.rejected), "rows": dict(ingest.accepted_rows),
             "lost": list(book.lost), "score": score, "score_error": score_error, "ingest_errors": ingest_errors,
             "seconds": time.perf_counter() - t0})))
+        if state_path and req.get("score"):
+            scorer.checkpoint(state_path, checkpoint_seconds)
 
 
 def _split_at_close(tables: list[tuple[str, pa.Table]], boundary: int | None) -> tuple[list, list]:
@@ -240,8 +254,12 @@ class ScoringWorker:
     itself (a few seconds); start() waits for it."""
 
     def __init__(self, model_path: str, *, grace_seconds: float = 2.0, limits: IngestLimits | None = None,
-                 timeout: float = 60.0, start_timeout: float = 120.0):
+                 timeout: float = 60.0, start_timeout: float = 120.0, state_path: str = "",
+                 checkpoint_seconds: float = 300.0):
         self.model_path = str(model_path)
+        self.state_path = str(state_path)
+        self.checkpoint_seconds = float(checkpoint_seconds)
+        self.restored: str | None = None   # what the worker's scorer carried on from, as it said
         self.grace_seconds = grace_seconds
         self.limits = limits or IngestLimits()
         self.timeout = timeout
@@ -269,7 +287,8 @@ class ScoringWorker:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "foreshock.service.worker", str(child.fileno()), self.model_path,
-                 repr(float(self.grace_seconds)), json.dumps(limits)],
+                 repr(float(self.grace_seconds)), json.dumps(limits), self.state_path,
+                 repr(self.checkpoint_seconds)],
                 pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
         finally:
             child.close()
@@ -288,9 +307,12 @@ class ScoringWorker:
     def _wait_ready(self) -> None:
         if self._ready:
             return
-        kind, detail = self._recv(self.start_timeout, "start")
+        kind, detail, *rest = self._recv(self.start_timeout, "start")
         if kind != "ready":
             raise WorkerError(f"scoring worker could not start: {detail}")
+        self.restored = rest[0] if rest else None
+        if self.restored:
+            log.info("scoring worker: %s", self.restored)
         self._ready = True
 
     def _recv(self, timeout: float, what: str):
@@ -606,4 +628,5 @@ class RemoteScoringLoop(ScoringLoop):
 
 
 if __name__ == "__main__":
-    worker_main(Connection(int(sys.argv[1])), sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4]))
+    worker_main(Connection(int(sys.argv[1])), sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4]),
+                sys.argv[5], float(sys.argv[6]))

@@ -257,3 +257,40 @@ def test_a_scoring_request_takes_the_closing_steps_rows_first():
     assert pc.cast(later[0][1].column("ts"), pa.int64()).to_pylist() == [ts[1], ts[3]]
     # a scorer without steps (the null scorer): everything at once
     assert _split_at_close([("gpu", gpu)], None) == ([("gpu", gpu)], [])
+
+
+@pytest.mark.parametrize("scoring_process", [True, False], ids=["worker", "in-process"])
+def test_the_scorer_state_survives_a_restart(model_dir, tmp_path, scoring_process):
+    """A stopped control plane leaves the online scorer's checkpoint in its state directory (written
+    by the worker process, or by the service when it scores itself), and the next one carries on from
+    it: the nodes, their baselines and counter positions (tests/test_predictor_checkpoint.py checks
+    the values)."""
+    state = tmp_path / "state"
+    settings = dict(model_path=str(model_dir), scorer_grace_seconds=0.1, scoring_process=scoring_process)
+    p = build_server(Settings.insecure_loopback(state, **settings))
+    p.start()
+    try:
+        s = RawStream(p.address)
+        s.send("n6", 1, [tpb.TableRows(table="gpu", schema_version=1,
+                                       arrow_ipc=encode_table("gpu", _rows("n6", time.time_ns(), ("gpu",))["gpu"]))])
+        assert _wait(lambda: p.ingest.accepted_rows["gpu"] == 2)
+        s.close()
+    finally:
+        p.stop(0)
+    assert (state / "scorer-state.npz").is_file()
+    again = build_server(Settings.insecure_loopback(state, **settings))
+    again.start()
+    try:
+        if scoring_process:
+            assert again.scoring.worker.restored.startswith("restored 1 nodes"), again.scoring.worker.restored
+        else:
+            assert again.scorer._online.nodes == ["n6"]
+    finally:
+        again.stop(0)
+
+
+def test_the_checkpoint_period_is_range_checked(tmp_path):
+    from foreshock.service.server import SettingsError
+
+    with pytest.raises(SettingsError, match="scorer_checkpoint_seconds 0"):
+        build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), scorer_checkpoint_seconds=0))
