@@ -181,6 +181,18 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
             "compiled tree walk" if fast_path.compiled else "binned fast path, numba missing")
     print(f"  predict {n_nodes} nodes ({kind}): {fast[1]:.0f} ms on 1 thread, {fast[2]:.0f} ms on 2; "
           f"the estimator's predict_proba {1000 * tp:.0f} ms; {_load()}")
+    # the checkpoint the service writes every scorer_checkpoint_seconds and at a stop, and reads at start
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "scorer-state.npz"
+        t0 = time.perf_counter()
+        size = scorer.save_state(path)
+        t1 = time.perf_counter()
+        online.OnlineScorer(model, max_nodes=max(n_nodes, 1)).restore_state(path)
+        t2 = time.perf_counter()
+    print(f"  scorer checkpoint of {n_nodes} nodes: {size / 1e6:.1f} MB, written (with fsync) in "
+          f"{1000 * (t1 - t0):.0f} ms, restored in {1000 * (t2 - t1):.0f} ms; {_load()}")
 
 
 def bench_drains(n_nodes: int, model, sizes=(40, 2048), repeats: int = 7) -> None:
