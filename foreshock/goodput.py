@@ -32,26 +32,39 @@ SPARE_SHORTFALL_TARGET = 0.01  # auto spare pool: at most 1% of failures find no
 # having a precursor only where the signals Foreshock reads typically degrade first (correctable ECC /
 # row remaps before HBM and SRAM faults, symbol errors and link flaps before switch, cable and NIC
 # failures, temperature drift before thermal-interface faults); the rest are treated as unpredictable.
-LLAMA3_MIX: dict[str, tuple[int, bool]] = {
-    "faulty_gpu": (148, False),
-    "gpu_hbm3_memory": (72, True),
-    "software_bug": (54, False),
-    "network_switch_cable": (35, True),
-    "host_maintenance": (32, False),
-    "gpu_sram": (19, True),
-    "gpu_system_processor": (17, False),
-    "nic": (7, True),
-    "nccl_watchdog_timeout": (7, False),
-    "silent_data_corruption": (6, False),
-    "gpu_thermal_interface_sensor": (6, True),
-    "ssd": (3, False),
-    "power_supply": (3, False),
-    "server_chassis": (2, False),
-    "io_expansion_board": (2, False),
-    "dependency": (2, False),
-    "cpu": (2, False),
-    "system_memory": (2, False),
+# The third field says how a reactive strategy learns of the fault (docs/goodput.md, "Time to identify"):
+# True = the job *hangs* (a fabric fault stalls the collectives: NCCL waits for its peers until the
+# watchdog fires), False = it *crashes* (the process dies or raises, and its launcher sees it at once).
+LLAMA3_MIX: dict[str, tuple[int, bool, bool]] = {
+    "faulty_gpu": (148, False, False),
+    "gpu_hbm3_memory": (72, True, False),
+    "software_bug": (54, False, False),
+    "network_switch_cable": (35, True, True),
+    "host_maintenance": (32, False, False),
+    "gpu_sram": (19, True, False),
+    "gpu_system_processor": (17, False, False),
+    "nic": (7, True, True),
+    "nccl_watchdog_timeout": (7, False, True),
+    "silent_data_corruption": (6, False, False),
+    "gpu_thermal_interface_sensor": (6, True, False),
+    "ssd": (3, False, False),
+    "power_supply": (3, False, False),
+    "server_chassis": (2, False, False),
+    "io_expansion_board": (2, False, False),
+    "dependency": (2, False, False),
+    "cpu": (2, False, False),
+    "system_memory": (2, False, False),
 }
+# Reactive identification of a hang: PyTorch's NCCL heartbeat monitor, TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC
+# 480 s (the ProcessGroupNCCL collective timeout is 10 min); Minder (NSDI 2025) detects in 3.6 s on
+# average (failure-figures.md, "Recovery and timeouts" and "Detection and prediction results to beat").
+HANG_DETECT_MINUTES_WATCHDOG = 8.0
+# Failover at scale (failure-figures.md, "Recovery and timeouts"): a hot-spare / live-migration restart
+# takes under 2 min on small jobs (AWS HyperPod; TorchPass on 64 H200), and at 5,184 GPUs re-initialising
+# the job takes 10-15 min of whole-cluster time. Between and beyond those two points the
+# re-initialisation is taken to grow as a power of the job size through (64 GPUs, 2 min) and
+# (5,184 GPUs, 12.5 min): an assumption, two published points and no curve.
+REINIT_SMALL_GPUS, REINIT_LARGE_GPUS, REINIT_LARGE_MINUTES = 64, 5184, 12.5
 # 419 unexpected interruptions over 2,048 nodes x 54 days.
 LLAMA3_FAILURES_PER_1000_NODE_DAYS = 419 / (2048 * 54) * 1000
 
@@ -79,7 +92,10 @@ DEFAULTS: dict[str, Any] = {
     "failures_per_1000_node_days": None,
     "mix": None,
     "blast_radius_gpus": None,
-    "identify_minutes": 0.0,
+    "identify_minutes": None,
+    "hang_detect_minutes": HANG_DETECT_MINUTES_WATCHDOG,
+    "reinit_minutes_at_5184": REINIT_LARGE_MINUTES,
+    "evacuation_reinit_share": 1.0,
     "checkpoint_interval_hours": 1.5,
     "restart_minutes": 15.0,
     "replace_minutes": 10.0,
@@ -124,7 +140,7 @@ class Scenario:
     mttf_source: str
     precursor_share: float
     blast_radius_gpus: int
-    identify_hours: float
+    identify_hours: float            # mean time to identify a failure reactively (over the mix)
     checkpoint_interval_hours: float
     restart_hours: float
     replace_hours: float
@@ -135,11 +151,35 @@ class Scenario:
     foreshock_fallback: str
     hours_per_month: float
     prediction: Prediction
-    mix: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    mix: dict[str, tuple[int, bool, bool]] = field(default_factory=dict)
+    identify_source: str = "given"
+    hang_detect_hours: float = HANG_DETECT_MINUTES_WATCHDOG / 60
+    reinit_large_hours: float = REINIT_LARGE_MINUTES / 60
+    evacuation_reinit_share: float = 1.0
 
     @property
     def nodes(self) -> float:
         return self.gpus / self.gpus_per_node
+
+    @property
+    def hang_share(self) -> float:
+        total = sum(c for c, _p, _h in self.mix.values())
+        return sum(c for c, _p, h in self.mix.values() if h) / total if total else 0.0
+
+    def reinit_growth_hours(self) -> float:
+        """How much longer than at small scale a restart onto a spare (or a planned world change)
+        takes at this job size: 0 up to 64 GPUs, 12.5 - 2 min at 5,184 (REINIT_*)."""
+        small = self.hot_spare_restart_hours
+        if self.gpus <= REINIT_SMALL_GPUS or small <= 0:
+            return 0.0
+        exponent = math.log(self.reinit_large_hours / small) / math.log(REINIT_LARGE_GPUS / REINIT_SMALL_GPUS)
+        return max(small * (self.gpus / REINIT_SMALL_GPUS) ** exponent - small, 0.0)
+
+    def evacuation_hours(self) -> float:
+        """The whole job's pause for one evacuation: the measured migration plus the share
+        `evacuation_reinit_share` of a restart's growth with job size (1, the default, is conservative:
+        the new world is built as a restart builds it; 0: it was built while the job trained)."""
+        return self.migration_hours + self.evacuation_reinit_share * self.reinit_growth_hours()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,8 +209,9 @@ def _number(cfg: Mapping[str, Any], key: str, *, integer: bool = False, positive
     return value
 
 
-def _mix(raw: Any) -> dict[str, tuple[int, bool]]:
-    """A category mix from TOML: {category = {count = N, precursor = bool}}; None means Llama 3."""
+def _mix(raw: Any) -> dict[str, tuple[int, bool, bool]]:
+    """A category mix from TOML: {category = {count = N, precursor = bool, hang = bool}}; None means
+    Llama 3. `hang` (default false): the fault stalls the job until a watchdog fires, not a crash."""
     if raw is None:
         return dict(LLAMA3_MIX)
     if not isinstance(raw, Mapping) or not raw:
@@ -179,13 +220,15 @@ def _mix(raw: Any) -> dict[str, tuple[int, bool]]:
     for name, entry in raw.items():
         if not isinstance(entry, Mapping) or "count" not in entry:
             raise GoodputError(f"{_flag('mix')}: category {name!r} needs count = N and precursor = true|false")
-        count, precursor = entry["count"], entry.get("precursor", False)
+        count, precursor, hang = entry["count"], entry.get("precursor", False), entry.get("hang", False)
         if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
             raise GoodputError(f"{_flag('mix')}: category {name!r} count must be >= 0, got {count!r}")
         if not isinstance(precursor, bool):
             raise GoodputError(f"{_flag('mix')}: category {name!r} precursor must be true or false")
-        mix[str(name)] = (count, precursor)
-    if sum(c for c, _ in mix.values()) <= 0:
+        if not isinstance(hang, bool):
+            raise GoodputError(f"{_flag('mix')}: category {name!r} hang must be true or false")
+        mix[str(name)] = (count, precursor, hang)
+    if sum(c for c, _p, _h in mix.values()) <= 0:
         raise GoodputError(f"{_flag('mix')}: the counts add up to 0")
     return mix
 
@@ -253,8 +296,18 @@ def build_scenario(cfg: Mapping[str, Any]) -> Scenario:
     gpus = _number(cfg, "gpus", integer=True, positive=True)
     per_node = _number(cfg, "gpus_per_node", integer=True, positive=True)
     mix = _mix(cfg["mix"])
-    total = sum(c for c, _ in mix.values())
-    precursor_share = sum(c for c, p in mix.values() if p) / total
+    total = sum(c for c, _p, _h in mix.values())
+    precursor_share = sum(c for c, p, _h in mix.values() if p) / total
+    hang_share = sum(c for c, _p, h in mix.values() if h) / total
+    hang_detect = _number(cfg, "hang_detect_minutes", minimum=0, maximum=24 * 60) / 60
+    if cfg["identify_minutes"] is None:
+        # Crashes are in the published restart times (fault to running); hangs wait for detection first.
+        identify = hang_share * hang_detect
+        identify_source = (f"{hang_share:.1%} of failures hang until detected after "
+                           f"{hang_detect * 60:g} min; crashes are seen at once")
+    else:
+        identify = _number(cfg, "identify_minutes", minimum=0) / 60
+        identify_source = "given"
     nodes = gpus / per_node
     if cfg["failures_per_1000_node_days"] is not None:
         rate = _number(cfg, "failures_per_1000_node_days", positive=True)
@@ -286,7 +339,9 @@ def build_scenario(cfg: Mapping[str, Any]) -> Scenario:
         usd_per_gpu_hour=_number(cfg, "usd_per_gpu_hour", minimum=0),
         mttf_hours=mttf, failures_per_1000_node_days=rate, mttf_source=source,
         precursor_share=precursor_share, blast_radius_gpus=blast,
-        identify_hours=_number(cfg, "identify_minutes", minimum=0) / 60,
+        identify_hours=identify, identify_source=identify_source, hang_detect_hours=hang_detect,
+        reinit_large_hours=_number(cfg, "reinit_minutes_at_5184", positive=True, maximum=24 * 60) / 60,
+        evacuation_reinit_share=_number(cfg, "evacuation_reinit_share", minimum=0, maximum=1),
         checkpoint_interval_hours=_number(cfg, "checkpoint_interval_hours", positive=True),
         restart_hours=_number(cfg, "restart_minutes", minimum=0) / 60,
         replace_hours=_number(cfg, "replace_minutes", minimum=0) / 60,
@@ -381,27 +436,34 @@ def lead_sufficient(s: Scenario) -> float:
 
 
 def _restart_outcomes(s: Scenario, kind: str, shortfall: float) -> list[Outcome]:
+    growth = s.reinit_growth_hours()   # re-initialising a bigger job takes longer, cold or hot
     if kind == "checkpoint_restart":
         # Cold: the job waits for a replacement node, restarts from the checkpoint and recomputes.
-        down = s.identify_hours + s.replace_hours + s.restart_hours
+        # The published 15 min already hold a mid-sized job's re-initialisation; only a re-initialisation
+        # longer than the whole restart lengthens it.
+        restart = max(s.restart_hours, s.hot_spare_restart_hours + growth)
+        down = s.identify_hours + s.replace_hours + restart
         lost = lost_progress_hours(s.mttf_hours, s.checkpoint_interval_hours)
         return [Outcome("checkpoint_restart", 1.0, down, down + lost)]
-    ready = s.identify_hours + s.hot_spare_restart_hours
+    ready = s.identify_hours + s.hot_spare_restart_hours + growth
     waiting = ready + s.replace_hours
     return [Outcome("hot_spare", 1.0 - shortfall, ready, ready),
             Outcome("hot_spare_wait_replacement", shortfall, waiting, waiting)]
 
 
 def _account(s: Scenario, name: str, outcomes: list[Outcome], spares: int,
-             false_evacuations_per_month: float = 0.0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             false_per_running_hour: float = 0.0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     H, j = s.hours_per_month, s.gpus
     down = sum(o.probability * o.down_hours for o in outcomes)
     idle = sum(o.probability * o.idle_hours for o in outcomes)
-    # Renewal: a cycle is MTTF of running followed by the mean down time.
-    interruptions = H / (s.mttf_hours + down)
+    # Renewal: a cycle is MTTF of running, the false evacuations' pauses during it, then the mean down
+    # time of the failure that ends it (at scale a pause is minutes, not seconds: it takes running time).
+    pause = s.evacuation_hours()
+    interruptions = H / (s.mttf_hours * (1.0 + false_per_running_hour * pause) + down)
+    false_evacuations_per_month = false_per_running_hour * s.mttf_hours * interruptions
     per_interruption = idle * j + s.replace_hours * s.blast_radius_gpus
     failure_gpu_hours = interruptions * per_interruption
-    false_evac_cost = s.migration_hours * j + s.replace_hours * s.blast_radius_gpus
+    false_evac_cost = pause * j + s.replace_hours * s.blast_radius_gpus
     false_gpu_hours = false_evacuations_per_month * false_evac_cost
     spare_gpu_hours = spares * s.gpus_per_node * H
     lost = failure_gpu_hours + false_gpu_hours + spare_gpu_hours
@@ -450,12 +512,13 @@ def evaluate(s: Scenario) -> dict[str, Any]:
     # An evacuation needs a warning early enough and a spare to move to; anything else is a miss.
     hit = recall * in_time * (1.0 - short_fs)
     fallback = _restart_outcomes(s, s.foreshock_fallback, short_fs)
-    outcomes = [Outcome("evacuated", hit, s.migration_hours, s.migration_hours)]
+    pause = s.evacuation_hours()
+    outcomes = [Outcome("evacuated", hit, pause, pause)]
     outcomes += [Outcome(f"missed_{o.name}", (1.0 - hit) * o.probability, o.down_hours, o.idle_hours)
                  for o in fallback]
     strategies["foreshock"] = _account(
         s, "foreshock", outcomes, spares,
-        false_evacuations_per_month=false_per_hour * s.hours_per_month,
+        false_per_running_hour=false_per_hour,
         extra={"fallback": s.foreshock_fallback, "effective_recall": recall,
                "lead_sufficient_share": in_time, "evacuated_share": hit,
                "false_evacuations_per_1000_node_days": false_per_hour * 24 * 1000 / s.nodes})
@@ -463,8 +526,11 @@ def evaluate(s: Scenario) -> dict[str, Any]:
     for acct in strategies.values():
         acct["usd_saved_vs_checkpoint_restart_per_month"] = base["usd_per_month"] - acct["usd_per_month"]
     inputs = asdict(s)
-    inputs["mix"] = {k: {"count": c, "precursor": p} for k, (c, p) in s.mix.items()}
+    inputs["mix"] = {k: {"count": c, "precursor": p, "hang": h} for k, (c, p, h) in s.mix.items()}
     inputs["nodes"] = s.nodes
+    inputs["hang_share"] = s.hang_share
+    inputs["reinit_growth_hours"] = s.reinit_growth_hours()
+    inputs["evacuation_hours"] = s.evacuation_hours()
     return {"inputs": inputs, "strategies": strategies, **{k: strategies[k] for k in STRATEGIES}}
 
 
@@ -540,6 +606,9 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = [
         f"job: {inp['gpus']} GPUs ({inp['nodes']:g} nodes), ${inp['usd_per_gpu_hour']:g}/GPU-h, "
         f"MTTF {inp['mttf_hours']:.3g} h ({inp['mttf_source']}), month = {inp['hours_per_month']:g} h",
+        f"identifying a failure: {inp['identify_hours'] * 60:.2g} min on average ({inp['identify_source']}); "
+        f"a restart's re-initialisation {inp['reinit_growth_hours'] * 60:.2g} min longer than at 64 GPUs; "
+        f"an evacuation pauses the job {inp['evacuation_hours'] * 60:.2g} min",
         f"predictor: {inp['prediction']['source']}"
         + (f" model {inp['prediction']['model']}" if inp['prediction']['model'] else "")
         + f"; Foreshock misses fall back to {inp['foreshock_fallback']}",
@@ -550,6 +619,21 @@ def format_table(result: Mapping[str, Any]) -> str:
         a = result[k]
         lines.append(f"{k:<20} {a['interruptions_per_month']:>16.1f} {a['gpu_hours_lost_per_month']:>14,.0f} "
                      f"{a['usd_per_month']:>12,.0f} {100 * a['goodput_expense']:>15.2f}%")
+    return "\n".join(lines)
+
+
+TABLE_SIZES = (64, 1024, 5184, 16384, 100_000)
+
+
+def format_sweep(s: Scenario, sizes=TABLE_SIZES) -> str:
+    """Goodput expense of the three strategies across job sizes, at the scenario's per-node rate."""
+    data = sweep(s, list(sizes))
+    lines = [f"goodput expense by job size ({s.failures_per_1000_node_days:.3g} failures per 1,000 node-days; "
+             f"a restart's re-initialisation grows to {s.reinit_large_hours * 60:g} min at 5,184 GPUs; an evacuation "
+             f"pays {s.evacuation_reinit_share:.0%} of that growth):",
+             f"{'GPUs':>8} " + " ".join(f"{k:>20}" for k in STRATEGIES)]
+    for i, n in enumerate(data["gpus"]):
+        lines.append(f"{int(n):>8,} " + " ".join(f"{100 * data[k][i]:>19.2f}%" for k in STRATEGIES))
     return "\n".join(lines)
 
 
@@ -567,7 +651,14 @@ def register(subparsers) -> None:
     _add_flag(p, "failures_per_1000_node_days", float,
               "per-node failure rate (default: Llama 3, 419 / (2048 nodes x 54 days) = 3.79)")
     _add_flag(p, "blast_radius_gpus", int, "GPUs taken out by one failure (default: one node)")
-    _add_flag(p, "identify_minutes", float, "time to identify a failure, t_id (default 0)")
+    _add_flag(p, "identify_minutes", float, "time to identify a failure, t_id, for every failure (default: "
+              "the mix's hangs wait --hang-detect-minutes, crashes are seen at once)")
+    _add_flag(p, "hang_detect_minutes", float, "how long a hang goes unnoticed (default 8: the NCCL heartbeat "
+              "timeout; 0.06 for Minder's 3.6 s)")
+    _add_flag(p, "reinit_minutes_at_5184", float, "a restart's re-initialisation at 5,184 GPUs (default 12.5, "
+              "the published 10-15 min); it grows with job size from 2 min at 64 GPUs")
+    _add_flag(p, "evacuation_reinit_share", float, "the share of that growth an evacuation's world change pays "
+              "(default 1, conservative; 0 when the new world is built while the job trains)")
     _add_flag(p, "checkpoint_interval_hours", float, "checkpoint interval (default 1.5)")
     _add_flag(p, "restart_minutes", float, "checkpoint restore and job restart time (default 15)")
     _add_flag(p, "replace_minutes", float, "time to get a replacement node, t_repair (default 10)")
@@ -610,4 +701,6 @@ def run(args, file_data: Mapping[str, Any]) -> int:
         return 1
     if args.json != "-":
         print(format_table(result))
+        print()
+        print(format_sweep(scenario))
     return 0

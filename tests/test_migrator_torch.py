@@ -92,7 +92,9 @@ def swap_group(tmp_path_factory):
         # the drained jobs wait at step 8 (hold_at) until drained: on a loaded machine a 60-step job can
         # otherwise finish before the test gets to it
         jobs["swap"] = _launch("swap", addr_s, tmp, [SPARE], hold_at=8)
-        jobs["outage"] = _launch("outage", addr_o, tmp, [SPARE])
+        # the outage job waits at step 12 while its control plane stops: a fast machine otherwise
+        # finishes the remaining steps before the migrator has seen the service go
+        jobs["outage"] = _launch("outage", addr_o, tmp, [SPARE], hold_at=12)
         # two ranks per node, the lead's node drained: two spares take over ranks 0 and 1
         jobs["multi"] = _launch("multi", addr_m, tmp, [SPARE, SPARE], nodes=MULTI_NODES,
                                 registered_spares=[SPARE], hold_at=8)
@@ -106,6 +108,7 @@ def swap_group(tmp_path_factory):
         jobs["multi"].release()
         jobs["outage"].wait_progress(12, timeout=90)
         plane_o.stop(grace=0.2)
+        jobs["outage"].release()
         codes = {name: job.wait(timeout=120) for name, job in jobs.items()}
         listed = plane_s.jobs.list("swap")
         acks = plane_s.store.acks(directive.directive_id)
