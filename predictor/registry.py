@@ -222,6 +222,22 @@ class _BinnedTrees:
         return raw
 
 
+def _without_prior_shift(estimator) -> tuple[Any, float | None]:
+    """(the estimator inside a model.PriorShift, its scale), or (estimator, None)."""
+    from foreshock.predictor import model as mdl
+
+    if type(estimator) is mdl.PriorShift:
+        return estimator.estimator, float(estimator.scale)
+    return estimator, None
+
+
+def _prior_shifted(p1: np.ndarray, scale: float) -> np.ndarray:
+    """model.PriorShift's arithmetic, in its order: [n, 2] probabilities with the odds divided by scale."""
+    p = np.clip(p1, 0.0, 1.0)
+    q = p / (p + (1.0 - p) * scale)
+    return np.column_stack([1.0 - q, q])
+
+
 class FastPredictor:
     """predict_proba of [PriorShift(] CalibratedClassifierCV(sigmoid, [FrozenEstimator(] Pipeline(
     FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier) [)]) [)], computed like scikit-learn does it."""
@@ -236,10 +252,7 @@ class FastPredictor:
         from foreshock.predictor import model as mdl
 
         self.estimator = estimator
-        self.prior_scale = None
-        if type(estimator) is mdl.PriorShift:
-            self.prior_scale = float(estimator.scale)
-            estimator = estimator.estimator
+        estimator, self.prior_scale = _without_prior_shift(estimator)
         if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
             raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
         self.members = []   # (compiled trees, a, b) per calibrated classifier
@@ -363,9 +376,7 @@ class FastPredictor:
         p0, p1 = self._p1(X, threads)
         if self.prior_scale is None:
             return np.column_stack([p0, p1])
-        p = np.clip(p1, 0.0, 1.0)
-        q = p / (p + (1.0 - p) * self.prior_scale)
-        return np.column_stack([1.0 - q, q])
+        return _prior_shifted(p1, self.prior_scale)
 
 
 class BlendedFast:
@@ -376,17 +387,11 @@ class BlendedFast:
     def handles(estimator) -> bool:
         from foreshock.predictor import model as mdl
 
-        inner = estimator.estimator if type(estimator) is mdl.PriorShift else estimator
-        return type(inner) is mdl.LogitBlend
+        return type(_without_prior_shift(estimator)[0]) is mdl.LogitBlend
 
     def __init__(self, estimator):
-        from foreshock.predictor import model as mdl
-
         self.estimator = estimator
-        self.prior_scale = None
-        if type(estimator) is mdl.PriorShift:
-            self.prior_scale = float(estimator.scale)
-            estimator = estimator.estimator
+        estimator, self.prior_scale = _without_prior_shift(estimator)
         self.parts = [FastPredictor(member) for member in estimator.estimators]
         if len({p._trend_key for p in self.parts}) != 1:
             raise TypeError("blended members with different trend ratios")
@@ -411,10 +416,9 @@ class BlendedFast:
             p = np.clip(part.predict_proba(X, threads)[:, 1], 1e-9, 1.0 - 1e-9)
             z += (np.log(p) - np.log1p(-p)) * w
         q = expit(z + self.intercept)
-        if self.prior_scale is not None:
-            q = np.clip(q, 0.0, 1.0)
-            q = q / (q + (1.0 - q) * self.prior_scale)
-        return np.column_stack([1.0 - q, q])
+        if self.prior_scale is None:
+            return np.column_stack([1.0 - q, q])
+        return _prior_shifted(q, self.prior_scale)
 
 
 def fast_probability(estimator, n_features: int = ft.N_FEATURES, threads: int | None = None):
