@@ -50,7 +50,14 @@ def dataset_rows(root) -> dict[str, list[dict]]:
     return out
 
 
-def test_collect_once_over_the_fixture_matches_the_golden(procfs_fixture, xid_lines, tmp_path, capsys):
+@pytest.mark.parametrize("where", ["shared", "examples"])
+def test_collect_once_over_the_fixture_matches_the_golden(procfs_fixture, xid_lines, tmp_path, capsys, where):
+    """The fixture of ../shared, and its copy in examples/ that the README's collect example reads
+    (issue 22: the example ran only where ../shared sits beside the clone)."""
+    if where == "examples":
+        procfs_fixture, xid_lines = REPO / "examples" / "procfs", REPO / "examples" / "kmsg" / "xid-lines.txt"
+        readme = (REPO / "README.md").read_text()
+        assert "--sysfs examples/procfs/sys --kmsg examples/kmsg/xid-lines.txt" in readme
     out = tmp_path / "ds"
     (tmp_path / "proc").mkdir()   # the fixture has no procfs tree: host_net reports itself absent
     rc = cli.main(["collect", "--once", "--sources", "rdma,netdev,host_net,kmsg", "--sysfs",
