@@ -470,7 +470,7 @@ class Demo:
         for d in self.directives:
             phases = next((c.get("phases", {}) for c in changes if c.get("directive") == d.directive_id), {})
             evacuations.append({"directive_id": d.directive_id, "kind": jobs_pb2.DirectiveKind.Name(d.kind),
-                                "from_node": d.from_node, "to_node": d.to_node, "at_step": d.at_step,
+                                "ranks": list(d.ranks), "from_node": d.from_node, "to_node": d.to_node, "at_step": d.at_step,
                                 "state": jobs_pb2.DirectiveState.Name(d.state), "reason": d.reason,
                                 "phases_seconds": phases,
                                 "duration_seconds": round(phases["total_to_first_step"], 3)
@@ -569,8 +569,19 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _outcome(f: dict[str, Any]) -> str:
+    if f["kind"] == "benign":
+        return "not evacuated (correct: it recovered)" if not f["false_alarm"] else "evacuated although benign (false alarm)"
+    if f["predicted"]:
+        return f"predicted {f['lead_minutes']:.0f} simulated min before it failed; its rank moved in time"
+    return "not predicted (it has no precursor)" if f["kind"] == "no_precursor" else "not predicted"
+
+
 def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
-    import html
+    """The run as a page a person forwards (templates/demo.html.j2, rendered with autoescape): the
+    verdict and what it means in words, each node's story, the evacuations, three labelled plots."""
+    import jinja2
+    import numpy as np
     from matplotlib.figure import Figure
     from foreshock import goodput as gp
 
@@ -588,49 +599,73 @@ def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
             ax.axvline(demo.rel(f.first_directive), ls="-", color="green", alpha=0.5)
     ax.axhline(risk_scale.EVACUATE_LEVEL, color="red", lw=0.8, label="evacuation threshold (1x)")
     ax.axhline(risk_scale.WATCH_LEVEL, color="orange", lw=0.6, ls=":", label="watch (0.5x)")
-    ax.set_xlabel("simulated minutes since the job started (dotted: injected, dashed red: failure, green: directive)")
-    ax.set_ylabel(f"risk level (x the threshold,\n{risk_scale.percent(demo.threshold)} in "
-                  f"{demo.horizon_minutes:.0f} min)")
+    ax.set_xlabel("simulated minutes since the job started")
+    ax.set_ylabel("risk level (x the threshold)")
     ax.set_yscale("symlog", linthresh=0.1)
     ax.set_ylim(0, None)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     timeline = _png(fig)
 
+    # Every rank of a data-parallel job computes the same loss: one line is the job's; the evacuation
+    # step is marked, and a restart would show as a gap or a repeat.
     fig = Figure(figsize=(9, 3))
     ax = fig.add_subplot()
-    for r in summary["results"]:
-        if r["losses"]:
-            xs = sorted(map(int, r["losses"]))
-            ax.plot(xs, [r["losses"][str(x)] for x in xs], lw=0.8, label=r["name"])
+    lead = next((r for r in summary["results"] if r.get("name") == "rank0" and r.get("losses")),
+                next((r for r in summary["results"] if r.get("losses")), None))
+    if lead is not None:
+        xs = sorted(map(int, lead["losses"]))
+        ys = np.array([lead["losses"][str(x)] for x in xs])
+        ax.plot(xs, ys, lw=0.6, color="#9ecae1", label="training loss, each step")
+        window = min(50, len(ys))
+        if window > 1:
+            smooth = np.convolve(ys, np.ones(window) / window, mode="valid")
+            ax.plot(xs[window - 1:], smooth, lw=1.6, color="#08519c", label=f"mean of the last {window} steps")
     for e in summary["evacuations"]:
-        ax.axvline(e["at_step"], color="green", ls="--")
-    ax.set_xlabel("step (green: the switch step)")
+        ax.axvline(e["at_step"], color="green", ls="--", label=f"evacuation at step {e['at_step']}")
+    ax.set_xlabel("training step")
     ax.set_ylabel("loss")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
     losses = _png(fig)
     goodput_png = base64.b64encode(gp.plot_png(gp.scenario_from({}))).decode()
 
-    rows = "".join(f"<tr><td>{html.escape(f['label'])}</td><td>{f['node']}</td><td>{f['predicted']}</td>"
-                   f"<td>{f['lead_minutes']}</td><td>{risk_scale.times(f['peak_level'])} "
-                   f"({risk_scale.percent(f['peak_risk'])})</td><td>{f['rank_killed']}</td></tr>"
-                   for f in summary["faults"])
-    events = "".join(f"<li>[{t - demo.t0:6.1f}s] {html.escape(text)}</li>" for t, text in demo.events)
-    brief = {k: v for k, v in summary.items() if k not in ("results", "faults", "evacuations")}
-    path.write_text(f"""<!doctype html><html><head><meta charset="utf-8"><title>Foreshock demo</title>
-<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}td,th{{border:1px solid #ccc;padding:3px 6px}}
-table{{border-collapse:collapse}}</style></head><body>
-<h1>Foreshock demo: {'job saved' if summary['saved'] else 'job NOT saved'}</h1>
-<p>job restarts: {summary['job_restarts']}; steps completed: {summary['steps_completed']};
-false evacuations: {summary['false_evacuations']}; wall time {summary['wall_seconds']} s.</p>
-<h2>Faults</h2><table><tr><th>fault</th><th>node</th><th>predicted</th><th>lead (simulated min)</th><th>peak risk level (probability)</th>
-<th>rank killed</th></tr>{rows}</table>
-<h2>Risk timeline</h2><img src="data:image/png;base64,{timeline}">
-<h2>Training loss per rank</h2><img src="data:image/png;base64,{losses}">
-<h2>Goodput expense against job size</h2><img src="data:image/png;base64,{goodput_png}">
-<h2>Events</h2><ul>{events}</ul>
-<h2>Summary</h2><pre>{html.escape(json.dumps(brief, indent=2, default=str))}</pre>
-<h2>Evacuations</h2><pre>{html.escape(json.dumps(summary['evacuations'], indent=2))}</pre>
-</body></html>""")
+    saved = summary["saved"]
+    precursor = next((f for f in summary["faults"] if f["kind"] == "precursor"), None)
+    if saved and precursor:
+        headline = (f"The job was saved: {precursor['label']} on {precursor['node']} was predicted "
+                    f"{precursor['lead_minutes']:.0f} simulated minutes before the node failed, and its rank "
+                    f"moved to a spare at a step boundary. {summary['steps_completed']:,} steps ran with no "
+                    f"restart, every rank ended with the same parameters, and "
+                    f"{'no healthy node was evacuated' if not summary['false_evacuations'] else 'a healthy node was evacuated too'}.")
+    else:
+        headline = (f"The job was not saved: it restarted {summary['job_restarts']} time(s) "
+                    f"after {summary['steps_completed']:,} steps. The table below says which fault it lost to.")
+    faults = [{"label": f["label"], "node": f["node"], "outcome": _outcome(f),
+               "peak": f"{risk_scale.times(f['peak_level'])} ({risk_scale.percent(f['peak_risk'])})",
+               "killed": "yes" if f["rank_killed"] else "no"} for f in summary["faults"]]
+    evacuations = [{"ranks": ", ".join(str(r) for r in (e.get("ranks") or [])) or "-",
+                    "from_node": e["from_node"], "to_node": e["to_node"] or "(none)", "at_step": e["at_step"],
+                    "state": e["state"].replace("DIRECTIVE_STATE_", "").lower(),
+                    "duration": "-" if e["duration_seconds"] is None else f"{e['duration_seconds']:.2f} s",
+                    "reason": e["reason"]} for e in summary["evacuations"]]
+    figures = [
+        {"png": timeline, "caption": "Each injected node's risk level over the run (1x: evacuated). Dotted grey: "
+                                     "a fault injected; dashed red: a node failed; green: the directive to move."},
+        {"png": losses, "caption": "The job's training loss (every rank computes the same one). It continues "
+                                   "through the evacuation step: no restart, no step repeated."},
+        {"png": goodput_png, "caption": "What failures cost a job per month, by job size and recovery strategy "
+                                        "(foreshock goodput, docs/goodput.md). Dashed: evacuation added to a job that "
+                                        "otherwise restarts from checkpoints; below about 1,300 GPUs the spare node it "
+                                        "needs costs more than the restarts it avoids, so it lies above checkpoint "
+                                        "restart there."},
+    ]
+    events = [{"t": f"{t - demo.t0:6.1f}", "text": text} for t, text in demo.events]
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+                             autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
+    path.write_text(env.get_template("demo.html.j2").render(
+        verdict="the job was saved" if saved else "the job was NOT saved", saved=saved, headline=headline,
+        model_version=summary["model_version"], threshold=risk_scale.percent(summary["threshold"]),
+        horizon=f"{demo.horizon_minutes:.0f}", budget=f"{summary['false_evacuation_budget_per_1000_node_days']:g}",
+        wall=summary["wall_seconds"], faults=faults, evacuations=evacuations, figures=figures, events=events))
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -191,30 +191,155 @@ def leave_one_out_html(report: dict, title: str = "Foreshock leave-one-out evalu
 """
 
 
+LABELS = {"model": "Foreshock model", "rule": "DCGM-style rule", "logistic": "logistic regression"}
+TERMS = {"incident_recall_precursor": "failures with precursors warned of",
+         "incident_recall_all": "all failures warned of",
+         "median_lead_minutes": "median warning",
+         "false_evacuations_per_1000_node_days": "false evacuations per 1,000 node-days",
+         "false_evacuations_strict_per_1000_node_days": "false evacuations per 1,000 node-days (strict)",
+         "at_budgets": "at other budgets", "overlap": "overlap with the training data"}
+GROUPS = (("per_family", "Failures with precursors warned of, per family (category)", False),
+          ("per_signature", "Per failure mode (signature)", False),
+          ("per_node_type", "Per node type (and false evacuations per 1,000 node-days of the type)", True))
+
+
+def _environment():
+    from pathlib import Path
+
+    import jinja2
+
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+                              autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
+
+
+def _nan(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _caught(m: dict) -> str:
+    """"6 of 14 (43 %)"."""
+    n, r = m.get("incidents_precursor"), m.get("incident_recall_precursor")
+    if _nan(r):
+        return "no such failures"
+    return f"{round(r * n)} of {n} ({_pct(r)})" if isinstance(n, int) else _pct(r)
+
+
+def _minutes(v) -> str:
+    return "-" if _nan(v) else f"{v:.0f} min" if v >= 10 else f"{v:.1f} min"
+
+
+def _rate(v) -> str:
+    return "-" if _nan(v) else f"{v:.2f}"
+
+
+def _probability(v) -> str:
+    from foreshock import risk
+
+    return "-" if _nan(v) else risk.percent(v)
+
+
+def _score(v, digits: int = 3) -> str:
+    return "n/a" if _nan(v) else f"{v:.{digits}f}"
+
+
+def _in_order(per: dict) -> list[tuple[str, dict]]:
+    """A budget's predictors in NAMES order (the model first), then any other."""
+    return sorted(per.items(), key=lambda kv: NAMES.index(kv[0]) if kv[0] in NAMES else len(NAMES))
+
+
+def _headline(report: dict, present: list[str]) -> str:
+    m = report["model"]
+    n = m.get("incidents_precursor", 0)
+    if not n:
+        text = "There were no failures with precursors in this data, so the recall cannot be judged"
+    else:
+        caught = round(m["incident_recall_precursor"] * n)
+        text = (f"At its threshold for {report['budget']:g} false evacuations per 1,000 node-days, the model warned "
+                f"of {caught} of {n} failures with precursors ({_pct(m['incident_recall_precursor'])})")
+        if caught:
+            text += f", a median {_minutes(m['median_lead_minutes'])} ahead"
+    text += (f", with {_rate(m['false_evacuations_per_1000_node_days'])} false evacuations (healthy nodes "
+             f"evacuated) per 1,000 node-days.")
+    for name in present[1:]:
+        b = report[name]
+        text += (f" The {LABELS[name]} at its own threshold: {_caught(b)}, "
+                 f"{_rate(b['false_evacuations_per_1000_node_days'])} false evacuations per 1,000 node-days.")
+    return text
+
+
+def _group_rows(ab: dict, key: str, with_false: bool) -> tuple[list[str], list[dict]]:
+    names = sorted({g for per in ab.values() for m in per.values() for g in (m.get(key) or {})})
+    cols = [(n, b) for n in NAMES for b in ab if n in ab[b]]
+    columns = [f"{LABELS.get(n, n)}, budget {float(b):g}" for n, b in cols]
+    rows = []
+    for g in names:
+        cells = []
+        for n, b in cols:
+            m = ab[b][n]
+            v = (m.get(key) or {}).get(g)
+            if m.get("threshold") is None:
+                cells.append("no threshold")
+            elif v is None:
+                cells.append("-")
+            else:
+                text = f"{round(v['recall'] * v['incidents'])} of {v['incidents']}" if v["incidents"] else "none"
+                if with_false:
+                    text += f"; {_rate(v['false_evacuations_per_1000_node_days'])}"
+                cells.append(text)
+        rows.append({"name": g.replace("_", " "), "cells": cells})
+    return columns, rows
+
+
+FIGURE_CAPTIONS = {
+    "pr": "Precision against recall over every step, for each predictor (the area is the PR-AUC).",
+    "lead": "How long before each failure the first warning came, at each predictor's threshold.",
+    "reliability": "Predicted probability against the observed failure frequency: on the diagonal, calibrated.",
+    "categories": "Share of each category's failures warned of (* no precursor: not credited).",
+}
+
+
 def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
-    keys = ("pr_auc", "roc_auc", "brier", "threshold", "incident_recall_precursor", "incident_recall_all",
-            "median_lead_minutes", "false_evacuations_per_1000_node_days", "false_evacuations", "evacuations")
+    """The evaluation report as a page a person forwards: a headline in words, readable numbers with
+    units, labelled plots (templates/evaluation.html.j2, rendered with autoescape)."""
+    from pathlib import PurePath
+
     present = [n for n in NAMES if n in report]
-    rows = "".join(f"<tr><th>{k}</th>" + "".join(f"<td>{_fmt(report[n].get(k))}</td>" for n in present) + "</tr>"
-                   for k in keys)
-    cat_rows = ""
-    for c, v in sorted(report["model"].get("per_category", {}).items(), key=lambda kv: (not kv[1]["has_precursor"], kv[0])):
-        cat_rows += (f"<tr><td>{html.escape(c)}</td><td>{'yes' if v['has_precursor'] else 'no (not credited)'}</td>"
-                     f"<td>{v['incidents']}</td>" + "".join(
-                         f"<td>{report[n]['per_category'].get(c, {}).get('detected', 0)}</td>" for n in present) + "</tr>")
-    imgs = "".join(f'<figure><img src="data:image/png;base64,{b64}" alt="{k}"></figure>' for k, b64 in plots(report).items())
-    meta = "".join(f"<li><b>{html.escape(k)}</b>: {_fmt(report.get(k))}</li>"
-                   for k in ("data", "data_hash", "nodes", "node_days", "model_version", "budget", "budget_unit",
-                             "horizon_minutes", "thresholds_from"))
-    defs = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in report.get("definitions", {}).items())
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{STYLE}</style></head>
-<body><h1>{html.escape(title)}</h1>{overlap_banner(report)}<ul>{meta}</ul>
-<h2>Metrics (at each predictor's manifest threshold for the budget)</h2>
-<table><tr><th></th>{''.join(f'<th>{n}</th>' for n in present)}</tr>{rows}</table>
-<h2>By false-evacuation budget (thresholds from the manifest's validation curves)</h2>{_budget_table(report)}
-{_at_budgets_html(report)}
-<h2>Incidents per category (detected)</h2>
-<table><tr><th>category</th><th>precursor</th><th>incidents</th>{''.join(f'<th>{n}</th>' for n in present)}</tr>{cat_rows}</table>
-<h2>Plots</h2>{imgs}<h2>Definitions</h2><ul>{defs}</ul></body></html>
-"""
+    predictors = [{"label": LABELS[n], "caught": _caught(report[n]), "lead": _minutes(report[n].get("median_lead_minutes")),
+                   "false": _rate(report[n].get("false_evacuations_per_1000_node_days")),
+                   "threshold": _probability(report[n].get("threshold")), "pr_auc": _score(report[n].get("pr_auc")),
+                   "roc_auc": _score(report[n].get("roc_auc")), "brier": _score(report[n].get("brier"), 5)}
+                  for n in present]
+    budgets = []
+    for b, per in (report.get("at_budgets") or {}).items():
+        for n, m in _in_order(per):
+            row = {"budget": f"{float(b):g}", "label": LABELS.get(n, n), "missing": ""}
+            if m.get("threshold") is None:
+                row["missing"] = m.get("missing") or "no threshold for this budget in the manifest"
+            else:
+                row.update(caught=_caught(m), lead=_minutes(m.get("median_lead_minutes")),
+                           false=_rate(m.get("false_evacuations_per_1000_node_days")),
+                           threshold=_probability(m.get("threshold")))
+            budgets.append(row)
+    groups = []
+    if report.get("at_budgets"):
+        for key, heading, with_false in GROUPS:
+            columns, rows = _group_rows(report["at_budgets"], key, with_false)
+            groups.append({"title": heading, "columns": columns, "rows": rows})
+    categories = []
+    for c, v in sorted(report["model"].get("per_category", {}).items(),
+                       key=lambda kv: (not kv[1]["has_precursor"], kv[0])):
+        categories.append({"name": c.replace("_", " "), "precursor": "yes" if v["has_precursor"] else "no (not credited)",
+                           "incidents": v["incidents"],
+                           "detected": [report[n]["per_category"].get(c, {}).get("detected", 0) for n in present]})
+    figures = [{"png": png, "caption": FIGURE_CAPTIONS.get(k, k)} for k, png in plots(report).items()]
+    definitions = [{"term": TERMS.get(k, k.replace("_", " ")), "text": v}
+                   for k, v in (report.get("definitions") or {}).items()]
+    data = str(report.get("data", ""))
+    return _environment().get_template("evaluation.html.j2").render(
+        title=title, model_version=report.get("model_version", ""), data_name=PurePath(data).name or data,
+        data_hash=str(report.get("data_hash", ""))[:12], nodes=report.get("nodes", ""),
+        node_days=f"{report.get('node_days', 0):,.0f}", horizon=f"{report.get('horizon_minutes', 30):g}",
+        budget=f"{report.get('budget', 2):g}", overlap=overlap_warning(report.get("overlap")) or "",
+        headline=_headline(report, present), predictors=predictors, budgets=budgets, groups=groups,
+        categories=categories, figures=figures, definitions=definitions,
+        thresholds_from=report.get("thresholds_from", ""))

@@ -28,3 +28,29 @@ def procfs_fixture(shared_dir) -> Path:
 @pytest.fixture(scope="session")
 def xid_lines(shared_dir) -> Path:
     return XID_LINES
+
+
+@pytest.fixture
+def browse(tmp_path):
+    """browse(page) -> (the DOM headless Chromium builds from an HTML file, a screenshot as an RGB array).
+    Chromium comes from Debian's package (tests/setup.sh)."""
+    import shutil
+    import subprocess
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert binary, "chromium is missing: tests/setup.sh installs Debian's package"
+
+    def run(page: Path):
+        flags = [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+        dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        shot = tmp_path / "page.png"
+        made = subprocess.run([*flags, "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
+                              capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0 and shot.is_file(), made.stderr[-2000:]
+        import matplotlib.image
+
+        return dom.stdout, matplotlib.image.imread(shot)[..., :3]
+
+    return run

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs the services and tools the test suite runs for real (the project's own files install every
-# dependency; CI starts from a clean clone): Prometheus and promtool from Debian's packages.
+# dependency; CI starts from a clean clone): Prometheus and promtool from Debian's packages, and
+# headless Chromium, in which tests/test_report_browser.py renders the HTML reports.
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "tests/setup.sh: installing ${need[*]} from Debian's packages"

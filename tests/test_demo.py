@@ -76,6 +76,21 @@ def test_demo_writes_its_report_and_goodput_account(demo_run):
         assert g["foreshock_gpu_hours_lost"] == g["checkpoint_restart_gpu_hours_lost"]
 
 
+def test_demo_report_reads_as_a_page_in_a_browser(demo_run, browse):
+    """Issue 22, item 6: the verdict and a headline in words, each node's story, three captioned plots,
+    and no developer dump (raw JSON, snake_case keys, Python literals)."""
+    _, summary, run_dir = demo_run
+    dom, pixels = browse(run_dir / "report.html")
+    verdict = "the job was saved" if summary["saved"] else "the job was NOT saved"
+    assert f'<h1 id="verdict">Foreshock demo: {verdict}</h1>' in dom
+    assert 'id="headline"' in dom and 'id="fault-table"' in dom and dom.count("<figcaption>") == 3
+    for f in summary["faults"]:
+        assert f["node"] in dom
+    for leftover in ("{&quot;", '"saved":', "job_restarts", "DIRECTIVE_STATE_", ">True<", ">None<"):
+        assert leftover not in dom, leftover
+    assert pixels.std() > 0.05
+
+
 def test_demo_leaves_nothing_running(demo_run):
     proc, summary, run_dir = demo_run
     for line in proc.stdout.splitlines():
