@@ -1,17 +1,17 @@
-"""The evaluation report as HTML: metrics tables and plots (matplotlib, embedded PNG).
+"""The evaluation report as HTML: Jinja2 templates (predictor/templates, autoescape) and plots
+(matplotlib, embedded PNG).
 
 Reads the report dict of evaluate.evaluate_dataset (the same content as the JSON) and writes one
-self-contained HTML file: PR curves, the lead-time histogram, the reliability curve and recall per
-failure category (categories without precursors shown apart), for the model and both baselines; the
-figures at the manifest's thresholds for budgets 1, 2 and 5 per family, signature and node type; and a
-red banner when the evaluated data overlaps the model's training data. `leave_one_out_html` renders
-the report of leave_one_out.py.
+self-contained page: the result in a sentence, the figures of the model and both baselines at the
+manifest's thresholds for the budget and for budgets 1, 2 and 5, per family, signature and node type,
+failures per category (those without precursors shown apart), the PR curves, the lead-time
+histogram, the reliability curve and recall per category, and a red banner when the evaluated data
+overlaps the model's training data. `leave_one_out_html` renders the report of leave_one_out.py.
 """
 
 from __future__ import annotations
 
 import base64
-import html
 import io
 import math
 
@@ -31,12 +31,6 @@ def _png(fig) -> str:
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return "n/a" if math.isnan(v) else f"{v:.3f}"
-    return html.escape(str(v))
 
 
 def plots(report: dict) -> dict[str, str]:
@@ -87,108 +81,44 @@ def plots(report: dict) -> dict[str, str]:
     return out
 
 
-def _budget_table(report: dict) -> str:
-    bb = report.get("by_budget") or {}
-    if not bb:
-        return ""
-    head = "<tr><th>budget</th><th>predictor</th><th>threshold</th><th>recall (precursor)</th><th>recall (all)</th><th>median lead (min)</th><th>false evacuations / 1,000 node-days</th></tr>"
-    rows = ""
-    for b, per in bb.items():
-        for n, m in per.items():
-            rows += (f"<tr><td>{b}</td><td>{n}</td><td>{_fmt(m['threshold'])}</td><td>{_fmt(m['incident_recall_precursor'])}</td>"
-                     f"<td>{_fmt(m['incident_recall_all'])}</td><td>{_fmt(m['median_lead_minutes'])}</td>"
-                     f"<td>{_fmt(m['false_evacuations_per_1000_node_days'])}</td></tr>")
-    return f"<table>{head}{rows}</table>"
-
-
-STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}
-td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}figure{display:inline-block;margin:4px}
-.overlap{background:#b00020;color:#fff;font-weight:bold;font-size:1.2em;padding:1em;margin:1em 0;border-radius:4px}"""
-
-
-def overlap_banner(report: dict) -> str:
-    text = overlap_warning(report.get("overlap"))
-    return f'<div class="overlap" role="alert">{html.escape(text)}</div>' if text else ""
-
-
 def _pct(v) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.0f}%"
 
 
-def _group_table(per_budget: dict, key: str, with_false: bool = False) -> str:
-    """One row per group (family, signature, node type), one recall (and false evacuation) column per budget."""
-    names = sorted({g for per in per_budget.values() for m in per.values() for g in (m.get(key) or {})})
-    if not names:
-        return "<p>none</p>"
-    cols = [(b, n) for b, per in per_budget.items() for n in per]
-    head = "<tr><th></th>" + "".join(f"<th>{html.escape(n)} @ {float(b):g}</th>" for b, n in cols) + "</tr>"
-    rows = ""
-    for g in names:
-        cells = ""
-        for b, n in cols:
-            m = per_budget[b][n]
-            v = (m.get(key) or {}).get(g)
-            if m.get("threshold") is None:
-                cells += "<td>no threshold</td>"
-            elif v is None:
-                cells += "<td>-</td>"
-            else:
-                text = f"{_pct(v['recall'])} of {v['incidents']}" if v["incidents"] else "no incidents"
-                if with_false:
-                    text += f"; {_fmt(v['false_evacuations_per_1000_node_days'])} FE/1k"
-                cells += f"<td>{html.escape(text)}</td>"
-        rows += f"<tr><th>{html.escape(g)}</th>{cells}</tr>"
-    return f"<table>{head}{rows}</table>"
-
-
-def _at_budgets_html(report: dict) -> str:
-    ab = report.get("at_budgets") or {}
-    if not ab:
-        return ""
-    head = ("<tr><th>budget</th><th>predictor</th><th>threshold</th><th>recall (precursor)</th>"
-            "<th>median lead (min)</th><th>false evacuations / 1,000 node-days</th></tr>")
-    rows = ""
-    for b, per in ab.items():
-        for n, m in per.items():
-            if m.get("threshold") is None:
-                rows += f"<tr><td>{float(b):g}</td><td>{n}</td><td colspan=4>{html.escape(m.get('missing', ''))}</td></tr>"
-                continue
-            rows += (f"<tr><td>{float(b):g}</td><td>{n}</td><td>{_fmt(m['threshold'])}</td>"
-                     f"<td>{_fmt(m['incident_recall_precursor'])}</td><td>{_fmt(m['median_lead_minutes'])}</td>"
-                     f"<td>{_fmt(m['false_evacuations_per_1000_node_days'])}</td></tr>")
-    return (f"<h2>At the manifest's thresholds for budgets {', '.join(f'{float(b):g}' for b in ab)}</h2>"
-            f"<table>{head}{rows}</table>"
-            "<h3>Recall of precursor incidents per family (category)</h3>" + _group_table(ab, "per_family")
-            + "<h3>Per signature (failure mode)</h3>" + _group_table(ab, "per_signature")
-            + "<h3>Per node type (recall; false evacuations per 1,000 node-days of the type)</h3>"
-            + _group_table(ab, "per_node_type", with_false=True))
-
-
 def leave_one_out_html(report: dict, title: str = "Foreshock leave-one-out evaluation") -> str:
-    kind = report["leave_one_out"]
-    head = ("<tr><th>held out</th><th>budget</th><th>model</th><th>incidents</th><th>recall (precursor)</th>"
-            "<th>median lead (min)</th><th>false evacuations / 1,000 node-days</th></tr>")
-    rows = ""
+    """The leave-one-out report (leave_one_out.py) as a page: templates/leave_one_out.html.j2."""
+    from pathlib import PurePath
+
+    kind = str(report["leave_one_out"]).replace("_", " ")
+    rows, caught_without, total = [], 0, 0
     for name, entry in report["held_out"].items():
         if "error" in entry:
-            rows += f"<tr><th>{html.escape(name)}</th><td colspan=6>not trained: {html.escape(entry['error'])}</td></tr>"
-        for label, key in (("without it", "held_out_model"), ("trained on everything", "model_trained_on_everything")):
+            rows.append({"name": name, "budget": "", "model": "", "missing": f"not trained: {entry['error']}"})
+            continue
+        for label, key in (("trained without it", "held_out_model"), ("trained on everything", "model_trained_on_everything")):
             for b, m in entry[key].items():
+                row = {"name": name, "budget": f"{float(b):g}", "model": label, "missing": ""}
                 if m.get("threshold") is None:
-                    rows += (f"<tr><th>{html.escape(name)}</th><td>{float(b):g}</td><td>{label}</td>"
-                             f"<td colspan=4>{html.escape(m.get('missing') or '')}</td></tr>")
-                    continue
-                rows += (f"<tr><th>{html.escape(name)}</th><td>{float(b):g}</td><td>{label}</td>"
-                         f"<td>{m['incidents_precursor']}</td><td>{_fmt(m['incident_recall_precursor'])}</td>"
-                         f"<td>{_fmt(m['median_lead_minutes'])}</td><td>{_fmt(m['false_evacuations_per_1000_node_days'])}</td></tr>")
-    meta = "".join(f"<li><b>{html.escape(k)}</b>: {_fmt(report.get(k))}</li>"
-                   for k in ("train_data", "data", "nodes", "horizon_minutes", "budget_unit"))
-    defs = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in report.get("definitions", {}).items())
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{STYLE}</style></head>
-<body><h1>{html.escape(title)}: one {html.escape(kind)} out at a time</h1>{overlap_banner(report)}<ul>{meta}</ul>
-<table>{head}{rows}</table><h2>Definitions</h2><ul>{defs}</ul></body></html>
-"""
+                    row["missing"] = m.get("missing") or "no threshold for this budget in the manifest"
+                else:
+                    row.update(caught=_caught(m), lead=_minutes(m.get("median_lead_minutes")),
+                               false=_rate(m.get("false_evacuations_per_1000_node_days")))
+                    if key == "held_out_model" and float(b) == float(report.get("budget", 2.0) or 2.0):
+                        n = m.get("incidents_precursor") or 0
+                        total += n
+                        caught_without += round((m.get("incident_recall_precursor") or 0) * n) if n else 0
+                rows.append(row)
+    headline = (f"Trained without the {kind} it was then judged on, the model warned of {caught_without} of {total} "
+                f"such failures with precursors at the budget of {float(report.get('budget', 2.0) or 2.0):g} false "
+                f"evacuations per 1,000 node-days." if total else
+                f"No {kind} held out had failures with precursors in the judged data.")
+    definitions = [{"term": TERMS.get(k, k.replace("_", " ")), "text": v}
+                   for k, v in (report.get("definitions") or {}).items()]
+    return _environment().get_template("leave_one_out.html.j2").render(
+        title=title, kind=kind, train_name=PurePath(str(report.get("train_data", ""))).name,
+        data_name=PurePath(str(report.get("data", ""))).name, nodes=report.get("nodes", ""),
+        horizon=f"{report.get('horizon_minutes', 30):g}", overlap=overlap_warning(report.get("overlap")) or "",
+        headline=headline, rows=rows, definitions=definitions)
 
 
 LABELS = {"model": "Foreshock model", "rule": "DCGM-style rule", "logistic": "logistic regression"}
@@ -286,7 +216,7 @@ def _group_rows(ab: dict, key: str, with_false: bool) -> tuple[list[str], list[d
                 if with_false:
                     text += f"; {_rate(v['false_evacuations_per_1000_node_days'])}"
                 cells.append(text)
-        rows.append({"name": g.replace("_", " "), "cells": cells})
+        rows.append({"name": g, "cells": cells})
     return columns, rows
 
 
@@ -328,7 +258,7 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
     categories = []
     for c, v in sorted(report["model"].get("per_category", {}).items(),
                        key=lambda kv: (not kv[1]["has_precursor"], kv[0])):
-        categories.append({"name": c.replace("_", " "), "precursor": "yes" if v["has_precursor"] else "no (not credited)",
+        categories.append({"name": c, "precursor": "yes" if v["has_precursor"] else "no (not credited)",
                            "incidents": v["incidents"],
                            "detected": [report[n]["per_category"].get(c, {}).get("detected", 0) for n in present]})
     figures = [{"png": png, "caption": FIGURE_CAPTIONS.get(k, k)} for k, png in plots(report).items()]
