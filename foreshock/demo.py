@@ -578,12 +578,12 @@ def _outcome(f: dict[str, Any]) -> str:
 
 
 def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
-    """The run as a page a person forwards (templates/demo.html.j2, rendered with autoescape): the
+    """The run as a page a person forwards (foreshock/templates/demo.html.j2, foreshock/pages.py): the
     verdict and what it means in words, each node's story, the evacuations, three labelled plots."""
-    import jinja2
     import numpy as np
     from matplotlib.figure import Figure
     from foreshock import goodput as gp
+    from foreshock import pages
 
     fig = Figure(figsize=(9, 3.6))
     ax = fig.add_subplot()
@@ -659,9 +659,7 @@ def write_html(demo: Demo, summary: dict[str, Any], path: Path) -> None:
                                         "restart there."},
     ]
     events = [{"t": f"{t - demo.t0:6.1f}", "text": text} for t, text in demo.events]
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
-                             autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
-    path.write_text(env.get_template("demo.html.j2").render(
+    path.write_text(pages.render("demo.html.j2",
         verdict="the job was saved" if saved else "the job was NOT saved", saved=saved, headline=headline,
         model_version=summary["model_version"], threshold=risk_scale.percent(summary["threshold"]),
         horizon=f"{demo.horizon_minutes:.0f}", budget=f"{summary['false_evacuation_budget_per_1000_node_days']:g}",

@@ -1,4 +1,4 @@
-"""The evaluation report as HTML: Jinja2 templates (predictor/templates, autoescape) and plots
+"""The evaluation report as HTML: Jinja2 templates (foreshock/pages.py, autoescape) and plots
 (matplotlib, embedded PNG).
 
 Reads the report dict of evaluate.evaluate_dataset (the same content as the JSON) and writes one
@@ -20,6 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from foreshock import pages  # noqa: E402
 from foreshock.predictor.evaluate import overlap_warning  # noqa: E402
 
 NAMES = ("model", "rule", "logistic")
@@ -86,7 +87,7 @@ def _pct(v) -> str:
 
 
 def leave_one_out_html(report: dict, title: str = "Foreshock leave-one-out evaluation") -> str:
-    """The leave-one-out report (leave_one_out.py) as a page: templates/leave_one_out.html.j2."""
+    """The leave-one-out report (leave_one_out.py) as a page: foreshock/templates/leave_one_out.html.j2."""
     from pathlib import PurePath
 
     kind = str(report["leave_one_out"]).replace("_", " ")
@@ -114,7 +115,7 @@ def leave_one_out_html(report: dict, title: str = "Foreshock leave-one-out evalu
                 f"No {kind} held out had failures with precursors in the judged data.")
     definitions = [{"term": TERMS.get(k, k.replace("_", " ")), "text": v}
                    for k, v in (report.get("definitions") or {}).items()]
-    return _environment().get_template("leave_one_out.html.j2").render(
+    return pages.render("leave_one_out.html.j2",
         title=title, kind=kind, train_name=PurePath(str(report.get("train_data", ""))).name,
         data_name=PurePath(str(report.get("data", ""))).name, nodes=report.get("nodes", ""),
         horizon=f"{report.get('horizon_minutes', 30):g}", overlap=overlap_warning(report.get("overlap")) or "",
@@ -131,15 +132,6 @@ TERMS = {"incident_recall_precursor": "failures with precursors warned of",
 GROUPS = (("per_family", "Failures with precursors warned of, per family (category)", False),
           ("per_signature", "Per failure mode (signature)", False),
           ("per_node_type", "Per node type (and false evacuations per 1,000 node-days of the type)", True))
-
-
-def _environment():
-    from pathlib import Path
-
-    import jinja2
-
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
-                              autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
 
 
 def _nan(v) -> bool:
@@ -230,7 +222,7 @@ FIGURE_CAPTIONS = {
 
 def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
     """The evaluation report as a page a person forwards: a headline in words, readable numbers with
-    units, labelled plots (templates/evaluation.html.j2, rendered with autoescape)."""
+    units, labelled plots (foreshock/templates/evaluation.html.j2)."""
     from pathlib import PurePath
 
     present = [n for n in NAMES if n in report]
@@ -265,7 +257,7 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
     definitions = [{"term": TERMS.get(k, k.replace("_", " ")), "text": v}
                    for k, v in (report.get("definitions") or {}).items()]
     data = str(report.get("data", ""))
-    return _environment().get_template("evaluation.html.j2").render(
+    return pages.render("evaluation.html.j2",
         title=title, model_version=report.get("model_version", ""), data_name=PurePath(data).name or data,
         data_hash=str(report.get("data_hash", ""))[:12], nodes=report.get("nodes", ""),
         node_days=f"{report.get('node_days', 0):,.0f}", horizon=f"{report.get('horizon_minutes', 30):g}",
