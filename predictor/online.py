@@ -399,8 +399,7 @@ class OnlineScorer:
                                                                      .get("version", "")),
                 "saved_at_ns": time.time_ns(), "next_step": self._next_step,
                 "last_step": getattr(self, "_last_step", None), "nodes": list(self._nodes),
-                "labels": self._labels, "group_codes": self._group_codes, "stage": stage_meta,
-                "worst": sorted(self._worst)}
+                "labels": self._labels, "group_codes": self._group_codes, "stage": stage_meta}
         arrays = {f"features.{k}": v for k, v in self._state.carried().items()}
         arrays.update({f"stage.{k}": v for k, v in stage_arrays.items()})
         arrays.update({f"worst.{k}": v for k, v in self._worst.items()})

@@ -75,7 +75,9 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     A base of another feature version is skipped, and the manifest says why."""
     t_start = time.perf_counter()
     compared = _comparable(compare_with)
-    base_model = _comparable(base)
+    # by default both are the shipped model: loaded (and its fast path built and checked) once
+    same = compare_with is not None and base is not None and Path(base).resolve() == Path(compare_with).resolve()
+    base_model = compared if same else _comparable(base)
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     rng = np.random.default_rng(seed)
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
