@@ -11,13 +11,16 @@ foreshock_collector_last_sweep_duration_seconds, foreshock_collector_rejected_ta
 foreshock_collector_uplink_batches_total{result}, and with an uplink: foreshock_collector_uplink_connected,
 _uplink_queued_sweeps, _uplink_dropped_sweeps_total, _uplink_acked_sweeps_total.
 
-Served by prometheus-client on a private registry (never the global one), so tests can read it directly.
+Served by prometheus-client on a private registry (never the global one), so tests can read it directly;
+it also carries process_*, python_info and python_gc_* (foreshock/exposition.py).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from foreshock.exposition import new_registry
 
 P = "foreshock_collector_"
 
@@ -80,11 +83,8 @@ class CollectorMetrics:
 
 
 def registry_for(collector) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
+    registry = new_registry()
     registry.register(CollectorMetrics(collector))
-    # process_* (CPU, memory, open files) and python_info, as every Prometheus client exports by default
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
     return registry
 
 

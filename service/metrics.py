@@ -30,16 +30,18 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
   foreshock_fabric_incident{scope,name}                1 while a fabric incident is open
+  process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
 from __future__ import annotations
 
 import sqlite3
 
-from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from foreshock import risk as risk_scale
+from foreshock.exposition import new_registry
 from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
 
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -182,11 +184,8 @@ class ControlPlaneCollector:
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:
-    registry = CollectorRegistry(auto_describe=False)
+    registry = new_registry()
     registry.register(ControlPlaneCollector(plane))
-    # process_* (CPU, memory, open files) and python_info, as every Prometheus client exports by default
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
     hist = Histogram("foreshock_scoring_duration_seconds", "Duration of a scoring round (drain, score, policy).",
                      buckets=SCORING_BUCKETS, registry=registry)
     return registry, hist

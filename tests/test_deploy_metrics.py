@@ -1,8 +1,8 @@
 """deploy/grafana and deploy/prometheus query only metrics Foreshock really exports.
 
-The names the code exports are read from the code at run time: the collector's and the control plane's
-prometheus-client collectors are built and collected (see exported_* below), and each metric family's
-type gives the sample names Prometheus stores (`_total` for counters, `_bucket`/`_sum`/`_count` for
+The names the code exports are read at run time: a real collector and a real control plane are started
+and their /metrics endpoints scraped over HTTP (see `exported` below), and each metric family's type
+gives the sample names Prometheus stores (`_total` for counters, `_bucket`/`_sum`/`_count` for
 histograms, ...). Every metric name in every alerting/recording rule and every dashboard query must be
 one of those, a recording rule of deploy/prometheus, or a series Prometheus itself synthesises (`up`,
 `ALERTS`). Every dashboard query must also parse as PromQL: the queries are written into a rule file
@@ -239,16 +239,28 @@ def running_exporters(procfs_fixture: Path, base: Path):
         plane.stop(0)
 
 
-@pytest.fixture(scope="module")
-def exported(procfs_fixture, tmp_path_factory) -> dict[str, set[str]]:
-    """Series names from the /metrics text the collector serves and the control plane's registry."""
+def _scrape(port: int) -> set[str]:
+    """Series names in what an HTTP GET of /metrics returns, as Prometheus scrapes it."""
+    import urllib.request
+
     from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return sample_names(text_string_to_metric_families(resp.read().decode()))
+
+
+@pytest.fixture(scope="module")
+def exported(procfs_fixture, tmp_path_factory) -> dict[str, set[str]]:
+    """Series names from a real scrape of the collector's and the control plane's /metrics endpoints."""
     from foreshock.collectors import metrics
 
     with running_exporters(procfs_fixture, tmp_path_factory.mktemp("exported")) as (collector, plane):
-        return {"collector": sample_names(text_string_to_metric_families(metrics.render(collector).decode())),
-                "service": sample_names(plane.registry.collect())}
+        http, _thread = metrics.serve(collector, "127.0.0.1:0")
+        try:
+            return {"collector": _scrape(http.server_port), "service": _scrape(plane.metrics_port)}
+        finally:
+            http.shutdown()
+            http.server_close()
 
 
 # Metrics the dashboard asks for that no component exports yet, each with why; a strict xfail below
@@ -266,10 +278,12 @@ def test_exported_names_come_from_both_components(exported):
 
 
 def test_both_components_export_the_standard_process_and_platform_metrics(exported):
-    """process_* and python_info, as node_exporter's and every Prometheus client's own dashboards expect."""
+    """process_*, python_info and python_gc_* on each /metrics scrape, as every Prometheus client's default
+    registry exports them and the usual process dashboards and alerts expect."""
     for component in ("collector", "service"):
         assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
-                "python_info"} <= exported[component], component
+                "process_start_time_seconds", "python_info", "python_gc_objects_collected_total",
+                "python_gc_collections_total"} <= exported[component], component
 
 
 def test_rules_use_only_exported_metrics(exported):
