@@ -1,7 +1,7 @@
 """deploy/prometheus: the rules pass `promtool check rules`, their unit tests pass `promtool test rules`,
 and the scrape configuration passes `promtool check config`.
 
-Debian's prometheus package (installed by tests/setup.sh) provides promtool. Two tests break a copy of
+Debian's prometheus package (installed by tests/setup.sh) provides promtool. Some tests break a copy of
 the rules on purpose, to prove the checks and the unit tests can fail.
 """
 
@@ -68,6 +68,19 @@ def test_unit_tests_notice_a_changed_threshold(tmp_path):
     assert text != RULES.read_text()
     proc = promtool("test", "rules", str(_copy(tmp_path, text) / "tests" / RULE_TESTS.name), cwd=tmp_path)
     assert proc.returncode != 0 and "ForeshockNodeRiskHigh" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("before,after,rule", [
+    ('"node", "$1", "nodename", "(.*)"', '"node", "$1", "instance", "(.*)"', "node:node_uname_info:relabel"),
+    ('"node", "$1", "Hostname", "(.*)"', '"node", "$1", "instance", "(.*)"', "gpu:foreshock_node_risk_level:join"),
+])
+def test_unit_tests_notice_a_join_on_the_wrong_label(tmp_path, before, after, rule):
+    """The joins' unit test feeds node_exporter and dcgm-exporter series as they are labelled: joining on
+    any label but the one naming the host (nodename, Hostname) fails it."""
+    text = RULES.read_text().replace(before, after)
+    assert text != RULES.read_text()
+    proc = promtool("test", "rules", str(_copy(tmp_path, text) / "tests" / RULE_TESTS.name), cwd=tmp_path)
+    assert proc.returncode != 0 and rule in proc.stdout + proc.stderr
 
 
 def test_every_alert_is_unit_tested_firing_and_quiet():
