@@ -8,8 +8,9 @@ openAPIV3Schema (each $comment says which version), and the PrometheusRule must 
 rule file deploy/prometheus tests with promtool. Then the wiring:
 kustomization.yaml lists exactly the directory's manifests, selectors match pod labels, named ports exist,
 referenced ConfigMaps and ServiceAccounts exist, no Secret is committed, and the security contexts and
-RBAC are least privilege. Where kubectl is installed, its built-in kustomize renders the layout and the
-rendering is validated too.
+RBAC are least privilege, and the ServiceMonitors and the PrometheusRule get kube-prometheus-stack's
+`release` label from one patch. Where kubectl is installed, its built-in kustomize renders the layout and
+the rendering is validated too.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_kustomization_lists_every_manifest_and_nothing_else():
     resources = kustomization["resources"]
     assert len(resources) == len(set(resources)), "a resource is listed twice"
     assert set(resources) == {p.name for p in manifest_files()}
-    assert set(kustomization) <= {"apiVersion", "kind", "namespace", "labels", "resources", "images"}
+    assert set(kustomization) <= {"apiVersion", "kind", "namespace", "labels", "resources", "images", "patches"}
     assert kustomization["namespace"] == NAMESPACE
     images = {image["name"] for image in kustomization["images"]}
     used = {c["image"] for _, _, doc in ALL_DOCS if doc["kind"] in ("DaemonSet", "StatefulSet")
@@ -137,6 +138,32 @@ def test_validation_rejects_a_broken_manifest(make, mutate):
     mutate(doc)
     with pytest.raises(jsonschema.ValidationError):
         validate(doc, VERSIONS[-1])
+
+
+MONITORING_GROUP = "monitoring.coreos.com"
+
+
+def release_patch(kustomization: dict) -> str:
+    """The `release` label value the kustomization's one patch puts on every prometheus-operator object."""
+    (patch,) = [p for p in kustomization.get("patches", []) if p["target"].get("group") == MONITORING_GROUP]
+    assert patch["target"] == {"group": MONITORING_GROUP}, "every ServiceMonitor and PrometheusRule, by group"
+    (op,) = yaml.safe_load(patch["patch"])
+    assert (op["op"], op["path"]) == ("add", "/metadata/labels/release")
+    return op["value"]
+
+
+def test_monitoring_objects_get_the_release_label_kube_prometheus_stack_selects():
+    """kube-prometheus-stack's Prometheus selects ServiceMonitors and PrometheusRules by
+    `release: <Helm release name>`; the kustomization adds it to every object of the operator's group,
+    and only to those, from one value (deploy/README.md says how to set it)."""
+    release = release_patch(yaml.safe_load((KUBE / "kustomization.yaml").read_text()))
+    assert release == "kube-prometheus-stack", "the chart's usual release name is the default"
+    monitoring = [doc for _, _, doc in ALL_DOCS if doc["apiVersion"].split("/")[0] == MONITORING_GROUP]
+    assert sorted(doc["kind"] for doc in monitoring) == ["PrometheusRule", "ServiceMonitor", "ServiceMonitor"]
+    for doc in monitoring:
+        # a JSON-patch add under /metadata/labels needs the map to exist
+        assert isinstance(doc["metadata"]["labels"], dict), doc["metadata"]["name"]
+        assert "release" not in doc["metadata"]["labels"], "the kustomization's patch is the one place"
 
 
 def test_no_secret_is_committed_and_every_referenced_object_exists():
@@ -255,8 +282,13 @@ def test_kustomize_renders_the_layout_and_the_rendering_validates():
         sorted((d["kind"], d["metadata"]["name"]) for _, _, d in ALL_DOCS)
     kustomization = yaml.safe_load((KUBE / "kustomization.yaml").read_text())
     (image,) = kustomization["images"]
+    release = release_patch(kustomization)
     for doc in rendered:
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "foreshock", doc["metadata"]["name"]
+        if doc["kind"] in CRD_SCHEMAS:
+            assert doc["metadata"]["labels"]["release"] == release, doc["metadata"]["name"]
+        else:
+            assert "release" not in doc["metadata"]["labels"], doc["metadata"]["name"]
         for version in VERSIONS:
             validate(doc, version)
         if doc["kind"] in ("DaemonSet", "StatefulSet"):
@@ -264,6 +296,22 @@ def test_kustomize_renders_the_layout_and_the_rendering_validates():
                 assert container["image"] == f"{image['newName']}:{image['newTag']}"
             # the selector is immutable after creation: kustomize's labels must not have touched it
             assert "app.kubernetes.io/part-of" not in doc["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
+def test_the_release_label_is_set_in_one_place(tmp_path):
+    """Changing the patch's value, as deploy/README.md says, relabels both ServiceMonitors and the rule."""
+    shutil.copytree(KUBE, tmp_path / "k")
+    path = tmp_path / "k" / "kustomization.yaml"
+    text = path.read_text()
+    assert text.count("value: kube-prometheus-stack") == 1
+    path.write_text(text.replace("value: kube-prometheus-stack", "value: monitoring"))
+    proc = subprocess.run(["kubectl", "kustomize", str(tmp_path / "k")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    labelled = sorted((d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(proc.stdout)
+                      if d and d["metadata"]["labels"].get("release") == "monitoring")
+    assert labelled == [("PrometheusRule", "foreshock"), ("ServiceMonitor", "foreshock-collector"),
+                        ("ServiceMonitor", "foreshock-serve")]
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
