@@ -65,13 +65,17 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
     if spec is not None and spec.kind == "count":
         v30 = get(f"{signal}_30m")
         ratio = get(f"{signal}_30m_vs_baseline")
-        if np.isfinite(v30):
+        counted = np.isfinite(v30) and v30 > 0
+        if counted:
             parts.append(f"{_fmt(v30)} in the last 30 min")
-        if np.isfinite(ratio) and (ratio >= 2 or ratio <= 0.5):
-            parts.append(f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline")
+            if np.isfinite(ratio) and ratio >= 2:
+                parts.append(f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline")
         day = get(f"{signal}_decayed_12h")
-        if np.isfinite(day) and day >= 1 and not (np.isfinite(v30) and day < v30 + 1):
+        if np.isfinite(day) and day >= 1 and not (counted and day < v30 + 1):
             parts.append(f"about {_fmt(round(day))} over the last day")
+        # a quiet half hour is said after what was counted, never as the reason itself
+        if np.isfinite(v30) and not counted and parts:
+            parts.append("none in the last 30 min")
         since = get(f"minutes_since_{signal}")
         if np.isfinite(since) and since < ft.SINCE_CAP_MINUTES:
             parts.append(f"the last {since:.0f} min ago")

@@ -267,6 +267,23 @@ def test_explanations_never_name_a_zero_count_and_say_what_is_unusual():
     assert "1,200 in the last 30 min" in text and "60x its 3-day baseline" in text and "300x its job's other nodes" in text
 
 
+
+def test_a_reason_counted_over_the_day_leads_with_the_day_not_a_quiet_half_hour():
+    """HBM rows remapped hours ago and nothing since: the reason is the day's count; the empty
+    30 minutes come after it, and a baseline ratio of a window that counted nothing is not said."""
+    from foreshock.predictor import explain as ex
+
+    idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    row = np.zeros(ft.N_FEATURES, dtype=np.float32)
+    row[idx["remap_correctable_decayed_12h"]] = 3.2
+    row[idx["pcie_replay_decayed_12h"]] = 1226.0
+    row[idx["pcie_replay_30m_vs_baseline"]] = 0.1
+    remap = ex.describe("remap_correctable", row)
+    replay = ex.describe("pcie_replay", row)
+    assert remap.split(": ", 1)[1] == "about 3 over the last day, none in the last 30 min"
+    assert replay.split(": ", 1)[1] == "about 1,226 over the last day, none in the last 30 min"
+    assert "0 in the last" not in remap + replay and "baseline" not in replay
+
 def test_out_of_sequence_packets_raise_no_feature_but_link_errors_do():
     """Out-of-order arrival is what adaptive routing does (and congestion): a storm of it leaves every
     feature as it was, while the same count of symbol errors does not."""
