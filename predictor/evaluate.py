@@ -384,7 +384,11 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
     scored = score_dataset(data_dir, predictors, horizon_s, progress)
     nodes, incidents = scored.nodes, scored.incidents
+    # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
+    judged = (lambda done: progress("judging", done, 3)) if progress else (lambda done: None)
+    judged(0)
     report = evaluate_all(nodes, incidents, thresholds, horizon_s)
+    judged(1)
     out = {name: report[name] for name in MODEL_NAMES if name in report}
     # the same scores at the manifest's thresholds for other budgets (no re-scoring)
     by_budget = {}
@@ -399,8 +403,10 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
                                             "false_evacuations_strict_per_1000_node_days")}
         by_budget[str(b)] = row
     out["by_budget"] = by_budget
+    judged(2)
     out["at_budgets"] = at_budgets(nodes, incidents, man, [n for n in MODEL_NAMES if n in predictors],
                                    scored.types, horizon_s)
+    judged(3)
     out["node_types"] = scored.type_counts()
     out["overlap"] = overlap(man.get("training") or {}, scored.identity)
     out["budget"] = budget

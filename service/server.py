@@ -354,8 +354,12 @@ class ControlPlane:
         outcome: dict[str, Any] = {}
         worker = getattr(self.scoring, "worker", None)
         if worker is not None:
+            # loading and checking the model takes seconds: say so, or the service looks hung
+            log.info("scoring worker: loading the model before listening")
+            t0 = time.monotonic()
             worker.start()
             worker.wait_ready()
+            log.info("scoring worker: ready in %.1f s", time.monotonic() - t0)
 
         def run():
             loop = asyncio.new_event_loop()

@@ -8,6 +8,7 @@ shipped default model, a real gloo job), so it is the slowest test in the suite 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch]
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     summary = out / "summary-copy.json"
-    proc = subprocess.run([sys.executable, "-m", "foreshock", "--log-level", "WARNING", "demo", "--no-live",
+    # no --no-live: as `make demo` runs it, with stdout a pipe here, as in CI or a log file
+    proc = subprocess.run([sys.executable, "-m", "foreshock", "--log-level", "WARNING", "demo",
                            "--out", str(out / "run"), "--json", str(summary)],
                           capture_output=True, text=True, timeout=420)
     return proc, json.loads(summary.read_text()) if summary.exists() else None, out / "run"
@@ -34,6 +36,15 @@ def test_demo_saves_the_job_with_time_to_spare(demo_run):
     fault = next(f for f in summary["faults"] if f["kind"] == "precursor")
     assert summary["saved"] and proc.returncode == 0, proc.stdout[-3000:]
     assert fault["predicted"] and fault["lead_minutes"] >= 10, fault
+
+
+def test_demo_without_a_terminal_prints_its_progress_as_lines(demo_run):
+    """The live view redraws in place, which a pipe or a log file cannot show: without a terminal the
+    demo prints each event as a timestamped line instead, and nothing of the live view."""
+    proc, _, _ = demo_run
+    lines = [ln for ln in proc.stdout.splitlines() if re.match(r"^\[\s*\d+\.\ds\] \S", ln)]
+    assert len(lines) >= 5, proc.stdout[-3000:]
+    assert "\x1b[" not in proc.stdout
 
 
 def test_demo_verdict_matches_what_happened(demo_run):

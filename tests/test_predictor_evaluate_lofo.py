@@ -111,6 +111,8 @@ def test_a_later_time_range_of_the_same_nodes_is_not_an_overlap(later_data, mode
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert WARNING not in captured.err
+    # after the feature bars, the judging of the scores says where it is too
+    assert "judging: 0/3" in captured.err and "judging: 3/3 (100 %)" in captured.err, captured.err
     ov = json.loads(js.read_text())["overlap"]
     assert ov["overlaps"] is False and ov["same_node_names"] is True and ov["time_ranges_intersect"] is False
     assert 'class="overlap"' not in page.read_text()
