@@ -98,6 +98,7 @@ class Source:
         self.node = node
         self.errors = 0
         self.absent = False
+        self.unknown_xids = 0  # Xid events outside the Xid catalogue (foreshock/xid.py, UNKNOWN)
         self._said: set[str] = set()
         # A persistent fault read on every 1 s sweep must not flood the journal: a path a minute.
         self._error_log = LogLimiter(log)
@@ -112,6 +113,11 @@ class Source:
         self.absent = True
         self.say_once("absent", "hardware absent: " + message, *args)
         return {}
+
+    def unknown_xid(self, code: int) -> None:
+        self.unknown_xids += 1
+        self.say_once("unknown-xid", "Xid %d is not in the Xid catalogue (foreshock/xid.py): recorded with "
+                      "severity info, no alarm; further ones are counted", code)
 
     def error(self, path: object, exc: BaseException | str) -> None:
         self.errors += 1

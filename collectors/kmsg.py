@@ -10,7 +10,11 @@ messages) from a regular file, which is followed by offset like `tail -f`.
 Xid lines: `NVRM: Xid (PCI:DDDD:BB:DD): <xid>, pid=<pid>, name=<comm>, <message>`; older drivers omit
 `PCI:` and pid/name; NVLink5 Xids 144-150 carry `Nonfatal`/`Fatal` and `Link NN`. A lost GPU may be
 reported without an Xid: "NVRM: The NVIDIA GPU <bus id> ... has fallen off the bus". Real examples:
-../shared/fixtures/kmsg/xid-lines.txt. Severity classes: XID_SEVERITY below, from signals.md's catalogue.
+../shared/fixtures/kmsg/xid-lines.txt. Severity classes: the Xid catalogue, foreshock/xid.py.
+
+An Xid line that does not parse (a truncated or garbled `NVRM: Xid` line) is a ParseError, counted in
+the source's errors; an Xid outside the catalogue becomes an event of severity info, counted in
+`unknown_xids` (foreshock/xid.py, UNKNOWN).
 """
 
 from __future__ import annotations
@@ -25,22 +29,14 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from foreshock import schema as sch
+from foreshock import xid as xidcat
 
 from .base import ParseError, Source
-
-# signals.md, "Xid catalogue": precursors, application-level, fatal. 144-150 depend on their token.
-XID_SEVERITY: dict[int, str] = {
-    **{x: "precursor" for x in (63, 92, 137)},
-    **{x: "application" for x in (13, 31, 43, 45, 68, 69, 94)},
-    **{x: "fatal" for x in (48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 155)},
-}
-NVLINK5_XIDS = range(144, 151)
 
 _PCI = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
 _XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r")\): (?P<xid>\d{1,10})\b(?:,\s*(?P<rest>.*))?$")
 _PID_RE = re.compile(r"^pid=(?P<pid>'?<unknown>'?|\d{1,18}), name=(?P<name>[^,]*), ?(?P<msg>.*)$")
 _LINK_RE = re.compile(r"\bLink (\d+)\b")
-_FATAL_TOKEN_RE = re.compile(r"\b(Nonfatal|Non-fatal|Fatal)\b", re.IGNORECASE)
 _FELL_OFF_RE = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>" + _PCI + r")\b.*fallen off the bus")
 # mlx5/NIC driver lines: "<driver> <pci bus id>[ <iface>]: <message>".
 _NIC_DRIVERS = r"mlx5_core|mlx4_core|mlx5_ib|mlx4_ib|bnxt_en|ice|i40e|ixgbe|igb|e1000e|ena|idpf"
@@ -117,18 +113,12 @@ def normalize_pci(bus_id: str) -> str:
     return f"{domain}:{parts[1]}:{dev}"
 
 
-def xid_severity(xid: int, message: str) -> str:
-    if xid in NVLINK5_XIDS:
-        m = _FATAL_TOKEN_RE.search(message or "")
-        if m:
-            return "fatal" if m.group(1).lower() == "fatal" else "precursor"
-    return XID_SEVERITY.get(xid, "info")
-
-
 def parse_event(message: str) -> dict | None:
     """A kernel log message -> an `events` row (without ts/node/seq), or None if it is not an event."""
     if "NVRM" in message:
         m = _XID_RE.search(message)
+        if m is None and "NVRM: Xid" in message:
+            raise ParseError(f"Xid line that does not parse: {message[:80]!r}")
         if m:
             rest = m.group("rest") or ""
             pid = name = None
@@ -142,7 +132,7 @@ def parse_event(message: str) -> dict | None:
             xid = int(m.group("xid"))
             if xid >= 1 << 31:
                 raise ParseError(f"Xid {m.group('xid')[:20]} out of range")
-            return {"kind": "xid", "severity": xid_severity(xid, rest), "xid": xid,
+            return {"kind": "xid", "severity": xidcat.severity(xid, rest), "xid": xid,
                     "pci_bus_id": normalize_pci(m.group("pci")), "pid": pid, "process_name": name,
                     "message": rest}
         m = _FELL_OFF_RE.search(message)
@@ -268,6 +258,8 @@ class KmsgSource(Source):
                     continue
                 if ev is None:
                     continue
+                if ev["kind"] == "xid" and xidcat.lookup(ev["xid"]) is xidcat.UNKNOWN:
+                    self.unknown_xid(ev["xid"])
                 ev_ts = self.boot_ns + rec.usec * 1000 if rec.usec is not None else ts_ns
                 rows.append({"ts": ev_ts, "node": self.node, "source": "kmsg", "seq": rec.seq, **ev})
         except OSError as exc:

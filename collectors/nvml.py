@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from foreshock import schema as sch
+from foreshock import xid as xidcat
 
 from .base import HardwareAbsent, Source, log
 
@@ -485,9 +486,11 @@ class _XidWatcher(threading.Thread):
                 continue
             uuid, xid = ev
             gpu = src._by_uuid.get(uuid)
+            if xidcat.lookup(xid) is xidcat.UNKNOWN:
+                src.unknown_xid(xid)
             self.pending.append({
                 "ts": time.time_ns(), "node": src.node, "kind": "xid", "source": "nvml",
-                "severity": _xid_severity(xid), "xid": xid if xid < 1 << 31 else None, "gpu": gpu,
+                "severity": xidcat.severity(xid), "xid": xid if xid < 1 << 31 else None, "gpu": gpu,
                 "pci_bus_id": src._pci[gpu] if gpu is not None else None,
                 "message": "nvmlEventTypeXidCriticalError" + (" (999: unknown Xid)" if xid == 999 else ""),
             })
@@ -505,11 +508,6 @@ class _XidWatcher(threading.Thread):
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
         self.join(timeout)
-
-
-def _xid_severity(xid: int) -> str:
-    from .kmsg import xid_severity
-    return xid_severity(xid, "")
 
 
 class NvmlSource(Source):

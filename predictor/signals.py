@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from foreshock import schema as sch
+from foreshock import xid as xidcat
 
 STEP_SECONDS = 60
 STEP_NS = STEP_SECONDS * 1_000_000_000
@@ -43,7 +44,6 @@ STEP_NS = STEP_SECONDS * 1_000_000_000
 # Clock-event reasons that mean thermal or hardware slowdown (signals.md: 0x20 SwThermal, 0x40 HwThermal,
 # 0x8 HwSlowdown).
 THERMAL_REASONS = 0x20 | 0x40 | 0x8
-NVLINK_XIDS = (74, 137, 144, 145, 146, 147, 148, 149, 150)
 
 
 @dataclass(frozen=True)
@@ -628,18 +628,36 @@ class SampleStage:
                 return np.zeros(batch.num_rows, dtype=bool)
             return pc.fill_null(pc.equal(batch.column(col), value), False).to_numpy(zero_copy_only=False)
 
-        xid = _float(batch, "xid")
-        is_xid = is_("kind", "xid")
+        klass, nvlink = _xid_classes(batch, is_("kind", "xid"))
         cols = {
-            "xid_fatal": (is_xid & is_("severity", "fatal")).astype(float),
-            "xid_precursor": (is_xid & is_("severity", "precursor")).astype(float),
-            "xid_application": (is_xid & is_("severity", "application")).astype(float),
-            "xid_nvlink": (is_xid & np.isin(xid, NVLINK_XIDS)).astype(float),
+            "xid_fatal": (klass == "fatal").astype(float),
+            "xid_precursor": (klass == "precursor").astype(float),
+            "xid_application": (klass == "application").astype(float),
+            "xid_nvlink": nvlink.astype(float),
             "link_state": is_("kind", "link_state").astype(float),
             "nic_error": is_("kind", "nic_error").astype(float),
             "gpu_lost_event": is_("kind", "gpu_lost").astype(float),
         }
         return Samples(node, ts // self.step_ns, node * NODE_SHIFT, cols)
+
+
+def _xid_classes(batch: pa.Table, is_xid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the Xid catalogue's class of an Xid row ("" for other rows), and whether it is an NVLink Xid."""
+    klass = np.full(batch.num_rows, "", dtype=object)
+    nvlink = np.zeros(batch.num_rows, dtype=bool)
+    rows = np.flatnonzero(is_xid)
+    if not rows.size:
+        return klass, nvlink
+    codes = _float(batch, "xid")[rows]
+    sev = (batch.column("severity").take(pa.array(rows)).to_pylist() if "severity" in batch.column_names
+           else [None] * rows.size)
+    memo: dict = {}
+    for i, code, s in zip(rows.tolist(), codes.tolist(), sev):
+        key = (code, s)
+        if key not in memo:
+            memo[key] = (xidcat.classify(code, s), xidcat.lookup(code).nvlink)
+        klass[i], nvlink[i] = memo[key]
+    return klass, nvlink
 
 
 def _nansum(arrays: list[np.ndarray]) -> np.ndarray:

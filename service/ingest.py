@@ -25,7 +25,8 @@ Two stages, so that thousands of nodes a second cost little (docs/scaling.md):
   unvalidated reaches the scorer.
 
 A batch with events (Xid 48/74/79/..., a link going down, NIC errors) or a lost GPU wakes the scoring
-loop at once instead of waiting for the next round; the round records fatal ones for the policy.
+loop at once instead of waiting for the next round; the round records fatal ones for the policy. Which Xids
+are fatal or precursors is the Xid catalogue's call (foreshock/xid.py, `classify`), not the row's.
 """
 
 from __future__ import annotations
@@ -44,15 +45,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from foreshock import schema as sch
+from foreshock import xid as xidcat
 from foreshock.service.fastipc import BatchDecoder
 from foreshock.service.jobs import ID_RE, NODE_RE
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology
 
 log = logging.getLogger(__name__)
 
-# Xids fatal to the job or node (../shared/reference/signals.md, "Xid catalogue").
-FATAL_XIDS = frozenset({48, 62, 64, 74, 79, 95, 119, 120, 136, 140, 155})
-PRECURSOR_XIDS = frozenset({63, 92, 137})
 COUNTER_UNITS = frozenset({"errors", "count", "bytes", "rows", "replays", "KiB", "J", "probes"})
 MAX_TABLES_PER_BATCH = 32
 # Tables whose batch the scoring loop acts on at once (a fatal Xid, a link down, a lost GPU, a topology
@@ -636,13 +635,15 @@ class Ingest:
                                                    "message"]).to_pylist()):
                 xid, sev, kind = row["xid"], row["severity"], row["kind"]
                 msg = (row["message"] or "").lower()
-                if sev == "fatal" or (kind == "xid" and xid in FATAL_XIDS) or kind == "gpu_lost":
+                if kind == "xid":
+                    # The catalogue decides, whatever severity the sender wrote: an unknown Xid alarms no one.
+                    sev = xidcat.classify(xid, sev)
+                if sev == "fatal" or kind == "gpu_lost":
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
                     where = f" on GPU {row['gpu']}" if row["gpu"] is not None else \
                         (f" on {row['device']}" if row["device"] else "")
                     self.nodes.record_fatal(FatalEvent(row["node"], ts_i, kind, f"{what}{where}", now))
-                elif sev == "precursor" or (kind == "xid" and xid in PRECURSOR_XIDS) or \
-                        (kind == "link_state" and "down" in msg):
+                elif sev == "precursor" or (kind == "link_state" and "down" in msg):
                     self.precursors += 1
         gpu = good.get("gpu")
         if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():

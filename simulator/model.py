@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from foreshock import schema as sch
+from foreshock import xid as xidcat
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, component_count
 from foreshock.simulator.scenarios import World, shape_intensity, shape_mean
 from foreshock.simulator.topology import Topology
@@ -129,36 +130,11 @@ MARGINAL = {
     "local_ack_timeout_err": (0.005, 0.02),
 }
 APP_XID_PER_NODE_DAY = 0.03
-APP_XIDS = {
-    13: "Graphics SM Warp Exception on (GPC 4, TPC 1, SM 0): Illegal Instruction Parameter",
-    31: "channel 0x0000000c, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC2 GPCCLIENT_PROP_0 faulted @ 0x7f3a_00000000. "
-        "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
-    43: "Ch 00000010, engmask 00000101",
-}
-XID_TEXT = {
-    48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at physAddr "
-        "0x7fffa8860 partition 7, subpartition 1.",
-    63: "Row Remapper: New row marked for remapping, reset gpu to activate.",
-    64: "Row Remapper: Row remapping failed. Row remapping is not available, remapped rows are exhausted.",
-    74: "NVLink: fatal error detected on link 7(0x10000, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0)",
-    79: "GPU has fallen off the bus.",
-    92: "High single-bit ECC error rate detected.",
-    94: "Contained: SM (0x1). RST: No, D-RST: No",
-    95: "Uncontained: LTC TAG (0x2,0x0). RST: Yes, D-RST: No",
-    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) "
-         "(0x90cc0301 0xc).",
-    120: "GSP task exception: GSP Error: Task 1 raised error code 0x5",
-}
-XID_SEVERITY = {13: "application", 31: "application", 43: "application", 45: "application", 94: "application",
-                63: "precursor", 92: "precursor"}
+APP_XIDS = (13, 31, 43)  # drawn at APP_XID_PER_NODE_DAY; their class and text: foreshock/xid.py
 PROBE_PEERS_PER_SITE = 1
 LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
 PMA_CLEAR = "pma_clear"   # a reset of the narrow IB PMA error counters only (a fabric manager's clear)
 PMA_ERROR_COUNTERS = frozenset(n for n, w in sch.IB_PORT_COUNTERS.items() if w < 32)
-
-
-def xid_severity(xid: int) -> str:
-    return XID_SEVERITY.get(xid, "fatal")
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -564,7 +540,7 @@ class ClusterModel:
         b = rng.integers(len(nodes), size=count)
         t = rng.integers(len(ts), size=count)
         g = rng.integers(self.topo.gpus_per_node, size=count)
-        x = rng.choice(np.array(sorted(APP_XIDS)), size=count)
+        x = rng.choice(np.array(APP_XIDS), size=count)
         return list(zip(b.tolist(), t.tolist(), g.tolist(), x.tolist()))
 
     # -- the failure modes -------------------------------------------------------------------------
@@ -803,13 +779,13 @@ class ClusterModel:
     def _xid(self, blk: Block, r: int, gpu: int, t: int, xid: int, ts_ns: int | None = None, pid: bool = False):
         ts_ns = int(blk.ts[t]) if ts_ns is None else int(ts_ns)
         bus = self.topo.gpu_bus_id(gpu)
-        blk.events.append(dict(self._event_base(blk, r, ts_ns), kind="xid", severity=xid_severity(xid), xid=xid,
+        blk.events.append(dict(self._event_base(blk, r, ts_ns), kind="xid", severity=xidcat.severity(xid), xid=xid,
                                gpu=gpu, pci_bus_id=bus, pid=(4000 + 97 * r + gpu) if pid else None,
                                process_name="python3" if pid else None,
                                message=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, "
                                        + (f"pid={4000 + 97 * r + gpu}, name=python3, " if pid
                                           else "pid='<unknown>', name=<unknown>, ")
-                                       + (APP_XIDS.get(xid) or XID_TEXT.get(xid, ""))))
+                                       + xidcat.lookup(xid).example))
 
     def _link_event(self, blk, r, hca, t, what, ts_ns=None):
         dev = self.topo.hca_device(hca)

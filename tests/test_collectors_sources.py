@@ -234,7 +234,7 @@ def test_host_net_absent_procfs(tmp_path):
 
 
 # -- kmsg ------------------------------------------------------------------------------------------
-EXPECTED_XIDS = [(79, "fatal"), (48, "fatal"), (64, "fatal"), (13, "application"), (109, "info"),
+EXPECTED_XIDS = [(79, "fatal"), (48, "fatal"), (64, "fatal"), (13, "application"), (109, "fatal"),
                  (31, "application"), (45, "application"), (145, "precursor"), (149, "fatal"), (119, "fatal")]
 
 
