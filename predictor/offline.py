@@ -139,16 +139,29 @@ class Inventory:
         return np.clip(np.searchsorted(ts, at_ns, side="right") - 1, 0, None), labels
 
 
+# A day of steps: the peer totals are kept by (group, day), so a job takes memory for the days it ran,
+# not for the dataset's whole span (a month of a cluster whose jobs start, end and change holds hundreds
+# of jobs: 896 in 512 nodes x 28 days of the random world, 3.8 GB as one dense (job, step) table).
+TOTALS_CHUNK_STEPS = 1440
+
+
 class PeerTotals:
-    """Per group kind and (group, step): nodes present, totals and nonzero counts of the peer inputs."""
+    """Per group kind and (group, step): nodes present, totals and nonzero counts of the peer inputs.
+
+    Stored by (group, day): `slot[group][code, day]` is the row of `values[group]` holding that day
+    (-1: no node of the group was present that day, all zeros), and a row is [day's steps, 1 + 2K]:
+    the count, the K totals, the K nonzero counts. Each cell sums the same values in the same order as
+    a dense table would, so the totals are bit for bit the same."""
 
     def __init__(self, first_step: int, last_step: int):
         self.first = int(first_step)
         self.t = int(last_step) - int(first_step) + 1
+        self.days = -(-self.t // TOTALS_CHUNK_STEPS)
         self.codes: dict[str, dict[str, int]] = {g: {} for g in ft.PEER_GROUPS}
-        self.count = {g: np.zeros((0, self.t)) for g in ft.PEER_GROUPS}
-        self.total = {g: np.zeros((0, self.t, len(ft.PEER_INPUTS))) for g in ft.PEER_GROUPS}
-        self.nonzero = {g: np.zeros((0, self.t, len(ft.PEER_INPUTS))) for g in ft.PEER_GROUPS}
+        k = len(ft.PEER_INPUTS)
+        self.slot = {g: np.full((0, self.days), -1, dtype=np.int64) for g in ft.PEER_GROUPS}
+        self.values = {g: np.zeros((0, TOTALS_CHUNK_STEPS, 1 + 2 * k)) for g in ft.PEER_GROUPS}
+        self.used = {g: 0 for g in ft.PEER_GROUPS}
 
     def code_array(self, group: str, labels: np.ndarray) -> np.ndarray:
         codes = self.codes[group]
@@ -172,46 +185,72 @@ class PeerTotals:
         return row_code[idx]
 
     def _grow(self, group: str) -> None:
-        grow = len(self.codes[group]) - self.count[group].shape[0]
+        grow = len(self.codes[group]) - self.slot[group].shape[0]
         if grow > 0:
-            self.count[group] = np.concatenate([self.count[group], np.zeros((grow, self.t))])
-            self.total[group] = np.concatenate([self.total[group], np.zeros((grow, self.t, len(ft.PEER_INPUTS)))])
-            self.nonzero[group] = np.concatenate([self.nonzero[group], np.zeros((grow, self.t, len(ft.PEER_INPUTS)))])
+            self.slot[group] = np.concatenate([self.slot[group], np.full((grow, self.days), -1, dtype=np.int64)])
+
+    def _rows(self, group: str, codes: np.ndarray, days: np.ndarray) -> np.ndarray:
+        """The value rows of these (code, day) pairs, made (zeros) where new; capacity doubles."""
+        slot = self.slot[group]
+        missing = slot[codes, days] < 0
+        new = np.unique(codes[missing] * self.days + days[missing])
+        if len(new):
+            slot[new // self.days, new % self.days] = self.used[group] + np.arange(len(new))
+            self.used[group] += len(new)
+            vals = self.values[group]
+            if self.used[group] > len(vals):
+                bigger = np.zeros((max(self.used[group], 2 * len(vals)),) + vals.shape[1:])
+                bigger[:len(vals)] = vals
+                self.values[group] = bigger
+        return slot[codes, days]
 
     def add(self, group: str, codes: np.ndarray, steps: np.ndarray, present: np.ndarray, own: np.ndarray):
         """One node's steps (each step once, so indexed += adds exactly what np.add.at would)."""
         ok = (codes >= 0) & present
         c, s = codes[ok], steps[ok] - self.first
+        rows = self._rows(group, c, s // TOTALS_CHUNK_STEPS)
+        at = s % TOTALS_CHUNK_STEPS
+        k = own.shape[1]
+        vals = self.values[group]
+        parts = ((slice(0, 1), np.ones((len(s), 1))), (slice(1, 1 + k), own[ok]),
+                 (slice(1 + k, 1 + 2 * k), (own[ok] > 0).astype(np.float64)))
         if len(np.unique(s)) != len(s):
-            np.add.at(self.count[group], (c, s), 1.0)
-            np.add.at(self.total[group], (c, s), own[ok])
-            np.add.at(self.nonzero[group], (c, s), (own[ok] > 0).astype(np.float64))
+            for cols, v in parts:
+                view = vals[:, :, cols]
+                np.add.at(view, (rows, at), v)
             return
-        self.count[group][c, s] += 1.0
-        self.total[group][c, s] += own[ok]
-        self.nonzero[group][c, s] += (own[ok] > 0).astype(np.float64)
+        for cols, v in parts:
+            vals[rows, at, cols] += v
 
     def save(self, directory: Path) -> None:
         """The totals as .npy files, for workers to memory-map (lookup works on the mapped arrays)."""
         for g in ft.PEER_GROUPS:
-            for name in ("count", "total", "nonzero"):
-                np.save(directory / f"totals-{g}-{name}.npy", getattr(self, name)[g])
+            np.save(directory / f"totals-{g}-slot.npy", self.slot[g])
+            np.save(directory / f"totals-{g}-values.npy", self.values[g][:self.used[g]])
 
     @classmethod
     def load(cls, directory: Path, first: int, t: int) -> "PeerTotals":
         out = cls(first, first + t - 1)
         for g in ft.PEER_GROUPS:
-            for name in ("count", "total", "nonzero"):
-                getattr(out, name)[g] = np.load(directory / f"totals-{g}-{name}.npy", mmap_mode="r")
+            out.slot[g] = np.load(directory / f"totals-{g}-slot.npy", mmap_mode="r")
+            out.values[g] = np.load(directory / f"totals-{g}-values.npy", mmap_mode="r")
+            out.used[g] = len(out.values[g])
         return out
 
     def lookup(self, group: str, codes: np.ndarray, steps: np.ndarray):
-        n = len(codes)
+        """(count [n], totals [n, K], nonzero counts [n, K]) of each (code, step); a code of -1 reads
+        group 0's, as the caller masks it."""
+        n, k = len(codes), len(ft.PEER_INPUTS)
+        if self.slot[group].shape[0] == 0:
+            return np.zeros(n), np.zeros((n, k)), np.zeros((n, k))
         safe = np.where(codes >= 0, codes, 0)
         s = steps - self.first
-        if self.count[group].shape[0] == 0:
-            return np.zeros(n), np.zeros((n, len(ft.PEER_INPUTS))), np.zeros((n, len(ft.PEER_INPUTS)))
-        return self.count[group][safe, s], self.total[group][safe, s], self.nonzero[group][safe, s]
+        rows = np.asarray(self.slot[group][safe, s // TOTALS_CHUNK_STEPS])
+        got = np.zeros((n, 1 + 2 * k))
+        have = rows >= 0
+        if have.any():
+            got[have] = self.values[group][rows[have], s[have] % TOTALS_CHUNK_STEPS]
+        return got[:, 0], got[:, 1:1 + k], got[:, 1 + k:]
 
 
 def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -82,3 +82,40 @@ def test_block_size_does_not_change_features():
             f, state = ft.compute(x[:, i:i + block], np.arange(i, min(i + block, 300)), state)
             parts.append(f)
         np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
+
+
+def test_peer_totals_take_memory_for_the_days_a_group_ran_and_sum_as_a_dense_table(tmp_path):
+    """A month of short jobs: each job's totals take the days it ran, not the month, and every cell
+    (count, totals, nonzero counts) is exactly the dense table's sum, also after save and load."""
+    rng = np.random.default_rng(3)
+    day = offline.TOTALS_CHUNK_STEPS
+    first, last = 500, 500 + 30 * day - 1
+    totals = offline.PeerTotals(first, last)
+    k = len(ft.PEER_INPUTS)
+    dense: dict = {}
+    for _ in range(24):
+        a = first + int(rng.integers(0, 25 * day))
+        steps = np.arange(a, min(last, a + int(rng.integers(60, 2 * day))) + 1)
+        present = rng.random(len(steps)) > 0.1
+        own = rng.random((len(steps), k)) * (rng.random((len(steps), k)) > 0.5)
+        labels = np.array([f"job-{rng.integers(0, 12)}", ""], dtype=object)
+        codes = totals.code_rows("job", labels, (rng.random(len(steps)) < 0.2).astype(np.int64))
+        totals.add("job", codes, steps, present, own)
+        for c, s, p, o in zip(codes, steps, present, own):
+            if c >= 0 and p:
+                cell = dense.setdefault((c, s), [0.0, np.zeros(k), np.zeros(k)])
+                cell[0] += 1.0
+                cell[1] = cell[1] + o
+                cell[2] = cell[2] + (o > 0)
+    # 24 node spans of at most 2 days over 12 jobs: at most 3 days each, never the 30 x 12 of a dense table
+    assert totals.used["job"] <= 24 * 3 < 30 * len(totals.codes["job"])
+    keys = list(dense) + [(0, first), (1, last)]
+    codes = np.array([c for c, _ in keys])
+    steps = np.array([s for _, s in keys])
+    want = [dense.get(key, [0.0, np.zeros(k), np.zeros(k)]) for key in keys]
+    totals.save(tmp_path)
+    for t in (totals, offline.PeerTotals.load(tmp_path, first, last - first + 1)):
+        count, total, nonzero = t.lookup("job", codes, steps)
+        assert np.array_equal(count, [w[0] for w in want])
+        assert np.array_equal(total, np.stack([w[1] for w in want]))
+        assert np.array_equal(nonzero, np.stack([w[2] for w in want]))
