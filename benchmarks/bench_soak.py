@@ -7,7 +7,9 @@ The service and its feeders are the service benchmark's (benchmarks/bench_servic
 checkpoint every 300 s) on loopback, and two load generator processes, one gRPC stream per node and a
 sweep a second each, as collectors send them, with no faults and no ramps. Every --sample-seconds this
 process reads VmRSS (/proc/PID/status) of the service, its worker, both generators and itself, the
-load average and the service's accepted-batch counter.
+load average and the service's accepted-batch counter; and RssAnon, VmRSS less the pages of mapped
+files, which the kernel drops and reads back as the page cache needs (on a busy machine VmRSS falls
+and climbs with them): RssAnon is the one that shows a leak.
 
 Printed: per process, RSS at the start, half-way and at the end, and the least-squares slope in MiB/min
 over the second half and over the whole run. The feature windows are 30 minutes long, so they fill in
@@ -34,12 +36,17 @@ from benchmarks import bench_service as bs
 ACCEPTED = 'foreshock_ingest_batches_total{result="accepted"}'
 
 
-def rss_mib(pid: int) -> float:
-    """Resident set size (VmRSS) in MiB; nan once the process has gone."""
+def rss_mib(pid: int) -> tuple[float, float]:
+    """Resident set size (VmRSS) and its anonymous part (RssAnon) in MiB; nan once the process has gone.
+    VmRSS also counts the pages of mapped files (numpy's, pyarrow's, sklearn's libraries: 170-260 MiB
+    here), which the kernel drops and reads back as the page cache needs: RssAnon is the heap."""
     try:
-        return bs._proc(pid)[1] / 2**20
-    except (OSError, StopIteration, ValueError):
-        return float("nan")
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan"), float("nan")
+    kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in status.splitlines())
+           if k in ("VmRSS", "RssAnon")}
+    return kib.get("VmRSS", float("nan")) / 1024, kib.get("RssAnon", float("nan")) / 1024
 
 
 def slope_per_minute(seconds, values) -> float:
@@ -74,10 +81,13 @@ def _sample(server, gens, worker_pids: list[int]) -> dict:
     workers = bs.children(server.pid)
     if workers and workers != worker_pids[-1:]:
         worker_pids.extend(workers)
-    row = {"service": rss_mib(server.pid),
-           "worker": sum(rss_mib(w) for w in workers) if workers else float("nan"),
-           **{f"feeder {i + 1}": rss_mib(g.pid) for i, g in enumerate(gens)},
-           "measurer": rss_mib(os.getpid()), "load1": os.getloadavg()[0]}
+    pids = {"service": [server.pid], "worker": workers, **{f"feeder {i + 1}": [g.pid] for i, g in enumerate(gens)},
+            "measurer": [os.getpid()]}
+    row = {"load1": os.getloadavg()[0]}
+    for name, ps in pids.items():
+        mem = [rss_mib(p) for p in ps] or [(float("nan"), float("nan"))]
+        row[name] = sum(m[0] for m in mem)
+        row[f"{name} anon"] = sum(m[1] for m in mem)
     return row
 
 
@@ -89,7 +99,8 @@ def soak(n_nodes: int, seconds: float, every: float, csv_path: str | None) -> in
     interrupted = False
     failed = ""
     csv_fh = open(csv_path, "w", newline="") if csv_path else None
-    writer = csv.DictWriter(csv_fh, ["elapsed_s", "load1", "accepted", *names]) if csv_fh else None
+    writer = csv.DictWriter(csv_fh, ["elapsed_s", "load1", "accepted", *names, *(f"{n} anon" for n in names)]) \
+        if csv_fh else None
     if writer:
         writer.writeheader()
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp_name:
@@ -124,7 +135,8 @@ def soak(n_nodes: int, seconds: float, every: float, csv_path: str | None) -> in
                 if row["elapsed_s"] - last_print >= 300:
                     last_print = row["elapsed_s"]
                     print(f"  {row['elapsed_s'] / 60:5.1f} min  load {row['load1']:.1f}  accepted {row['accepted']:.0f}  "
-                          + "  ".join(f"{n} {row[n]:.0f}" for n in names) + " MiB", flush=True)
+                          + "  ".join(f"{n} {row[n]:.0f} ({row[n + ' anon']:.0f} anon)" for n in names) + " MiB",
+                          flush=True)
                 next_at += every
                 time.sleep(max(0.0, next_at - time.monotonic()))
             gen_results = [json.loads(o.read_text()) for o in outs if o.exists()]
@@ -159,6 +171,7 @@ def report(rows, names, seconds, n_nodes, worker_pids, gen_results, interrupted)
         print("no samples")
         return
     ran = rows[-1]["elapsed_s"]
+    seconds = min(seconds, ran) if interrupted else seconds
     print(f"{n_nodes} nodes, {len(rows)} samples over {ran / 60:.1f} min{' (interrupted)' if interrupted else ''}; "
           f"worker pids {worker_pids} ({max(0, len(worker_pids) - 1)} restarts)")
     load = [r["load1"] for r in rows]
@@ -172,11 +185,13 @@ def report(rows, names, seconds, n_nodes, worker_pids, gen_results, interrupted)
               f"{sum(g['acked'] for g in gen_results)}, rejected {sum(g['rejected'] for g in gen_results)}, "
               f"streams reopened {sum(g.get('reopened', 0) for g in gen_results)}, ack round trip p50 "
               f"{max(g['ack_rtt_p50_ms'] for g in gen_results):.1f} ms p99 {max(g['ack_rtt_p99_ms'] for g in gen_results):.1f} ms")
-    print(f"| process | RSS start (MiB) | RSS at {seconds / 120:g} min | RSS end | slope, second half (MiB/min) | slope, whole run |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for s in summarize(rows, names, seconds):
-        print(f"| {s['process']} | {s['start']:.0f} | {s['mid']:.0f} | {s['end']:.0f} | {s['slope_late']:+.2f} | "
-              f"{s['slope_all']:+.2f} |")
+    for what, cols in (("VmRSS", names), ("RssAnon", [f"{n} anon" for n in names])):
+        print(f"\n| process ({what}) | start (MiB) | at {seconds / 120:.3g} min | end | slope, second half (MiB/min) "
+              f"| slope, whole run |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for s in summarize(rows, cols, seconds):
+            print(f"| {s['process']} | {s['start']:.0f} | {s['mid']:.0f} | {s['end']:.0f} | {s['slope_late']:+.2f} | "
+                  f"{s['slope_all']:+.2f} |")
 
 
 def main(argv: list[str]) -> int:
