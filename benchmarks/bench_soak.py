@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks import bench_service as bs
 
+IN_ALL = False   # an hour: `python -m benchmarks` (make bench) runs it only when named
 ACCEPTED = 'foreshock_ingest_batches_total{result="accepted"}'
 
 
