@@ -22,13 +22,15 @@ the service's CPU (share of one core) and memory (RSS, peak), ack round trips, a
   sample of the step, and from the step's end.
 `--probe` repeats a shorter run at larger node counts to see how far one instance goes. Each run works
 in a temporary directory that it removes, whatever happens; the service gets as long as it needs to
-start (it writes `port.json` once it serves) for as long as it is alive, up to SERVICE_START_SECONDS.
+start (it writes `port.json` once it serves) for as long as it is alive, up to SERVICE_START_SECONDS
+(600 s; BENCH_SERVICE_START_SECONDS=N to change it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import shutil
@@ -49,7 +51,7 @@ GRACE = 0.25
 GENERATOR_NICE = int(os.environ.get("BENCH_GENERATOR_NICE", "0"))
 # Training the model and starting the scoring worker took over 30 s on a busy 2-core machine: the wait
 # ends when the service writes its port file or exits, this is only the bound for a hung one.
-SERVICE_START_SECONDS = 600.0
+SERVICE_START_SECONDS = float(os.environ.get("BENCH_SERVICE_START_SECONDS", "600"))
 
 
 # -- the service process -----------------------------------------------------------------------------
@@ -213,7 +215,8 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
     step_last_sent: dict[int, float] = {}        # per feature step: when its last sample (any node) went
     ramp_sent: dict[str, list[tuple[int, float]]] = {n: [] for n in ramp}   # (ts, when sent)
     counters = {"sent": 0, "acked": 0, "rejected": 0, "inflight_max": 0, "bytes": 0}
-    rtts: list[float] = []
+    # The most recent million round trips (over 8 minutes at 2,048 nodes): a soak's generator stays flat.
+    rtts: collections.deque[float] = collections.deque(maxlen=1_000_000)
     inflight_series: list[int] = []
 
     # Ramp node j starts climbing at second 2 + 60 (j % closes), so that the crossings fall in
@@ -357,16 +360,20 @@ def _proc(pid: int) -> tuple[float, int, int]:
     return cpu, rss, hwm
 
 
+def children(pid: int) -> list[int]:
+    """The process's children (the service's: its scoring worker); none once it has gone."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def _proc_tree_cpu(pid: int) -> tuple[float, int]:
     """CPU seconds and RSS of the service's child processes (the scoring worker)."""
     cpu, rss = 0.0, 0
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return cpu, rss
-    for c in children:
+    for c in children(pid):
         try:
-            c_cpu, c_rss, _ = _proc(int(c))
+            c_cpu, c_rss, _ = _proc(c)
         except (OSError, StopIteration, ValueError):
             continue
         cpu += c_cpu
@@ -416,21 +423,65 @@ def run_once(n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def start_service(tmp: Path) -> tuple[subprocess.Popen, dict]:
+    """A service on loopback with its state, model and log in `tmp`, and its ports once it serves; the
+    service is stopped if it never does."""
+    model = train_model(tmp / "model")
+    port_file = tmp / "port.json"
+    server_log = tmp / "serve.log"
+    with open(server_log, "wb") as log_fh:
+        server = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_service", "--serve", str(tmp / "state"),
+                                   str(model), str(port_file)], stderr=log_fh)
+    try:
+        return server, wait_for_port_file(server, port_file, server_log)
+    except BaseException:
+        stop_processes([], server)
+        raise
+
+
+def start_generators(tmp: Path, address: str, nodes: list[str], seconds: float, fatal_at: dict[str, float],
+                     ramp_nodes: list[str]) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Two load generator processes, half the nodes each, and the files they write their results to."""
+    halves = [nodes[: len(nodes) // 2], nodes[len(nodes) // 2:]]
+    outs = [tmp / f"gen{i}.json" for i in range(2)]
+    nice = ["nice", "-n", str(GENERATOR_NICE)] if GENERATOR_NICE else []
+    gens = [subprocess.Popen(nice + [sys.executable, "-m", "benchmarks.bench_service", "--generate", address,
+                                     json.dumps(h), str(seconds),
+                                     json.dumps({n: a for n, a in fatal_at.items() if n in h}),
+                                     json.dumps([n for n in ramp_nodes if n in h]), str(o)])
+            for h, o in zip(halves, outs)]
+    return gens, outs
+
+
+def stop_processes(gens: list[subprocess.Popen], server: subprocess.Popen) -> None:
+    """The generators killed (still running only when the run failed), the service stopped as a
+    supervisor stops it, killed if it takes over 30 s, and its worker if that outlived it."""
+    for g in gens:
+        if g.poll() is None:
+            g.kill()
+            g.wait()
+    workers = children(server.pid)
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: int) -> dict:
     import grpc
 
     from foreshock.v1 import jobs_pb2 as pb
     from foreshock.v1 import jobs_pb2_grpc
-    model = train_model(tmp / "model")
-    port_file = tmp / "port.json"
-    py = sys.executable
-    server_log = tmp / "serve.log"
     gens: list[subprocess.Popen] = []
-    with open(server_log, "wb") as log_fh:
-        server = subprocess.Popen([py, "-m", "benchmarks.bench_service", "--serve", str(tmp / "state"), str(model),
-                                   str(port_file)], stderr=log_fh)
+    server, ports = start_service(tmp)
     try:
-        ports = wait_for_port_file(server, port_file, server_log)
         address = f"127.0.0.1:{ports['port']}"
         nodes = [f"node-{i:05d}" for i in range(n_nodes)]
         # Victims host one rank each of their own job (so the per-job concurrency limit never holds a
@@ -461,13 +512,7 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
             t = threading.Thread(target=drain, daemon=True)
             t.start()
             watchers.append((stream, t))
-        halves = [nodes[: n_nodes // 2], nodes[n_nodes // 2:]]
-        outs = [tmp / f"gen{i}.json" for i in range(2)]
-        nice = ["nice", "-n", str(GENERATOR_NICE)] if GENERATOR_NICE else []
-        gens = [subprocess.Popen(nice + [py, "-m", "benchmarks.bench_service", "--generate", address, json.dumps(h),
-                                         str(seconds), json.dumps({n: a for n, a in fatal_at.items() if n in h}),
-                                         json.dumps([n for n in ramp_nodes if n in h]), str(o)])
-                for h, o in zip(halves, outs)]
+        gens, outs = start_generators(tmp, address, nodes, seconds, fatal_at, ramp_nodes)
         # Sample the service every second for the whole run; the steady window is from 15 s after the
         # first accepted batch (connection storm over) to 5 s before the generators stop sending.
         samples = []   # (time, accepted, backlog, cpu seconds, rss, hwm)
@@ -511,16 +556,7 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
             stream.cancel()
         ch.close()
     finally:
-        for g in gens:   # still running only when the run failed
-            if g.poll() is None:
-                g.kill()
-                g.wait()
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_processes(gens, server)
     sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items() if v is not None}
     fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
     step_last = {}

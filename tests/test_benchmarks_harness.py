@@ -1,15 +1,18 @@
 """The benchmarks' own harness: the service benchmark waits for its service as long as it lives (not a
-fixed 30 s), says why when it dies first, and leaves no temporary directory behind, whatever happens."""
+fixed 30 s), says why when it dies first, and leaves no temporary directory behind, whatever happens;
+the soak's RSS reading and slopes."""
 
 from __future__ import annotations
 
+import math
+import os
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from benchmarks import bench_service
+from benchmarks import bench_service, bench_soak
 
 
 def _process(code: str, *args: str, stderr=None) -> subprocess.Popen:
@@ -56,3 +59,36 @@ def test_the_fault_and_fuzz_loops_find_nothing_wrong():
     assert sum(sysfs["tried"].values()) == 16 and sysfs["wrong"] == {}
     grpc_ = bench_faults.fuzz_grpc(2, seed=1)
     assert grpc_["sent"] == 26 and grpc_["unknown"] == 0 and grpc_["tracebacks"] == 0
+
+
+def test_the_soak_reads_the_rss_of_a_process_and_nan_once_it_has_gone():
+    before = bench_soak.rss_mib(os.getpid())[1]
+    block = bytearray(64 * 2**20)   # zero-filled: every page touched
+    assert bench_soak.rss_mib(os.getpid())[1] - before > 60
+    del block
+    gone = _process("pass")
+    gone.wait()
+    assert all(math.isnan(x) for x in bench_soak.rss_mib(gone.pid))
+
+
+def test_the_soak_slope_is_mib_a_minute_and_the_second_half_sees_windows_that_filled():
+    assert bench_soak.slope_per_minute([0, 60, 120], [100, 102, 104]) == pytest.approx(2.0)
+    assert math.isnan(bench_soak.slope_per_minute([0], [1.0]))
+    assert bench_soak.slope_per_minute([0, 60, 120, 180], [5, float("nan"), 5, 5]) == pytest.approx(0.0)
+    # Before the feed (accepted 0) is left out; growth for 30 minutes, then flat.
+    rows = [{"elapsed_s": -10.0, "accepted": 0, "service": 1.0}]
+    rows += [{"elapsed_s": 60.0 * m, "accepted": m + 1, "service": 500.0 + 3 * min(m, 30)} for m in range(61)]
+    (s,) = bench_soak.summarize(rows, ["service"], 3600.0)
+    assert (s["start"], s["mid"], s["end"]) == (500.0, 590.0, 590.0)
+    assert s["slope_late"] == pytest.approx(0.0, abs=1e-9) and s["slope_all"] > 1.0
+
+
+def test_a_failed_soak_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_model(out):
+        raise OSError("disk full")
+    monkeypatch.setattr(bench_service, "train_model", no_model)
+    with pytest.raises(OSError, match="disk full"):
+        bench_soak.soak(4, 1.0, 1.0, None)
+    assert list(tmp_path.iterdir()) == []
