@@ -34,6 +34,7 @@ class SourceStatus:
     failed_sweeps: int = 0
     absent: bool = False
     rows: int = 0  # rows in the last sweep
+    unknown_xids: int = 0  # cumulative: Xid events outside the catalogue (foreshock/xid.py)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Collector:
             st.failed_sweeps = self._failed[label]
             st.errors = src.errors + st.failed_sweeps
             st.absent = src.absent
+            st.unknown_xids = src.unknown_xids
         tables: dict[str, pa.Table] = {}
         for name, ts in parts.items():
             table = ts[0] if len(ts) == 1 else pa.concat_tables(ts, promote_options="none")

@@ -205,6 +205,22 @@ def test_kmsg_counts_malformed_lines_and_unknown_xids(tmp_path, caplog):
     assert sum("not in the Xid catalogue" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_the_collectors_metrics_count_unknown_xids_by_source(tmp_path):
+    """A new driver's Xid raises nothing, so the collector's /metrics is where an SRE sees it arrive."""
+    from prometheus_client import generate_latest
+
+    from foreshock.collectors.collector import Collector
+    from foreshock.collectors.metrics import registry_for
+
+    log = tmp_path / "kern.log"
+    log.write_text("".join(f"[  1.00000{i}] " + _kmsg_line(c) + "\n"
+                           for i, c in enumerate((79, UNKNOWN_CODE, UNKNOWN_CODE))))
+    collector = Collector("n", [KmsgSource("n", path=str(log), boot_ns=0)], writer=None)
+    collector.sweep_once()
+    text = generate_latest(registry_for(collector)).decode()
+    assert 'foreshock_collector_unknown_xids_total{source="kmsg"} 2.0' in text, text
+
+
 # -- the documented cases, replayed -------------------------------------------------------------------
 
 def _replay(lines_by_node: dict[str, list[str]]):
