@@ -185,8 +185,9 @@ class JobDirectory:
         return self.store.job(job_id)
 
     # -- directives ----------------------------------------------------------------------------------
-    def issue(self, d: Directive) -> tuple[Directive, bool]:
-        """Store and announce a directive (unless the job already has an active one from that node)."""
+    def issue(self, d: Directive) -> tuple[Directive | None, bool]:
+        """Store and announce a directive (unless the job already has an active one from that node:
+        that one; or its placement changed since `d` was decided: None, store.insert_directive)."""
         stored, created = self.store.insert_directive(d)
         if created:
             self._publish(stored, "issued")

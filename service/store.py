@@ -341,13 +341,20 @@ class StateStore:
             return cancelled
 
     # -- directives --------------------------------------------------------------------------------
-    def insert_directive(self, d: Directive) -> tuple[Directive, bool]:
+    def insert_directive(self, d: Directive) -> tuple[Directive | None, bool]:
         """Store a new directive; if the job already has an active one from that node, return that one.
 
-        Returns (directive, created). The check and the insert are one transaction, and the partial
-        unique index backs it, so two rounds (or a round and a drain) can never both issue one.
+        Returns (directive, created), or (None, False) when the job's placement has changed since the
+        directive was decided (its generation is not the job's: a move completed, the job registered
+        anew or left): a policy round reads the jobs, then the active directives, and a move completing
+        in between would otherwise evacuate ranks from a node they have already left. The next round
+        decides again on the new placement. The checks and the insert are one transaction, and the
+        partial unique index backs it, so two rounds (or a round and a drain) can never both issue one.
         """
         with self._tx(savepoint=False) as db:
+            job = self._job(db, d.job_id)
+            if job is None or job.generation != d.generation:
+                return None, False
             if not d.directive_id:
                 d = replace(d, directive_id=uuid.uuid4().hex)
             # One statement, the index deciding: each statement hands the GIL over, and under load

@@ -118,6 +118,29 @@ def test_fatal_event_acts_at_once_and_ignores_cooldown(world):
     assert rows.column("category").to_pylist() == ["fatal_event"]
 
 
+def test_a_directive_decided_before_a_move_completed_is_not_issued_after_it(world):
+    """A round reads the jobs, then the active directives: a move that completes in between leaves the
+    round a placement with the rank still on the failed node and no active directive for it. The
+    store refuses a directive decided on a placement that has since changed (its generation), so the
+    rank that already left is not evacuated again, and the next round decides on the new placement."""
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make(sustain_seconds=30)
+    nodes.record_fatal(FatalEvent("n05", clock.now, "xid", "Xid 79 on GPU 3", clock.now))
+    before = store.job("A")                                   # what a round read first
+    (d,) = _round(policy, nodes, clock.now, NODES, _risk({}))
+    jobs.ack("A", d.directive_id, 5, AckPhase.COMPLETED, "", 1.0)
+    heard = []
+    jobs.subscribe("A", heard.append)
+    late = new_directive(before, kind=DirectiveKind.EVACUATE, ranks=(5,), from_node="n05", to_node="n12",
+                         at_step=1020, now_ns=clock.now, deadline_seconds=60, reason="fatal", risk=1.0,
+                         signals=(), origin="policy")
+    assert jobs.issue(late) == (None, False)
+    assert heard == [] and [x.directive_id for x in store.directives()] == [d.directive_id]
+    # the fatal alarm stands, and rounds on the new placement issue nothing: n05 runs no rank now
+    clock.now += 61 * S
+    assert _round(policy, nodes, clock.now, NODES, _risk({})) == []
+
+
 def read_decisions_buffer(decisions):
     import pyarrow as pa
 
