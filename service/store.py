@@ -352,8 +352,8 @@ class StateStore:
         partial unique index backs it, so two rounds (or a round and a drain) can never both issue one.
         """
         with self._tx(savepoint=False) as db:
-            job = self._job(db, d.job_id)
-            if job is None or job.generation != d.generation:
+            row = db.execute("SELECT generation FROM jobs WHERE job_id=?", (d.job_id,)).fetchone()
+            if row is None or row[0] != d.generation:
                 return None, False
             if not d.directive_id:
                 d = replace(d, directive_id=uuid.uuid4().hex)
