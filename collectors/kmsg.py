@@ -258,8 +258,8 @@ class KmsgSource(Source):
                     continue
                 if ev is None:
                     continue
-                if ev["kind"] == "xid" and xidcat.lookup(ev["xid"]) is xidcat.UNKNOWN:
-                    self.unknown_xid(ev["xid"])
+                if ev["kind"] == "xid":
+                    self.saw_xid(ev["xid"])
                 ev_ts = self.boot_ns + rec.usec * 1000 if rec.usec is not None else ts_ns
                 rows.append({"ts": ev_ts, "node": self.node, "source": "kmsg", "seq": rec.seq, **ev})
         except OSError as exc:

@@ -486,8 +486,7 @@ class _XidWatcher(threading.Thread):
                 continue
             uuid, xid = ev
             gpu = src._by_uuid.get(uuid)
-            if xidcat.lookup(xid) is xidcat.UNKNOWN:
-                src.unknown_xid(xid)
+            src.saw_xid(xid)
             self.pending.append({
                 "ts": time.time_ns(), "node": src.node, "kind": "xid", "source": "nvml",
                 "severity": xidcat.severity(xid), "xid": xid if xid < 1 << 31 else None, "gpu": gpu,
