@@ -30,6 +30,14 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
   foreshock_fabric_incident{scope,name}                1 while a fabric incident is open
+  foreshock_node_actions{state}                        nodes by node-action state: held, pending, taken,
+                                                       failed, released (with actions on; service/actions.py)
+  foreshock_node_action_limit                          the breaker's cap: nodes drained or tainted at once
+  foreshock_node_action_calls_total{backend,call,result}  scontrol runs / API calls to take a node out (take)
+                                                       or to see whether an operator brought it back (check);
+                                                       result: ok, error, timeout, unknown_node
+  foreshock_node_action_held_total                     times the breaker held a due node back
+  foreshock_node_action_rejected_names_total           due nodes whose name no backend can take
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
@@ -181,6 +189,27 @@ class ControlPlaneCollector:
         for scope, name in list(p.policy.incidents):
             inc.add_metric([scope, name], 1.0)
         yield inc
+        actions = p.actions
+        if actions is not None:
+            by_state = GaugeMetricFamily("foreshock_node_actions", "Nodes by node-action state (drain, taint).",
+                                         labels=["state"])
+            for state, n in actions.counts().items():
+                by_state.add_metric([state], n)
+            yield by_state
+            yield GaugeMetricFamily("foreshock_node_action_limit",
+                                    "The circuit breaker's cap: nodes Foreshock keeps drained or tainted at once.",
+                                    value=actions.limit())
+            calls = CounterMetricFamily("foreshock_node_action_calls", "Calls to Slurm or the Kubernetes API.",
+                                        labels=["backend", "call", "result"])
+            for (backend, call, result), n in sorted(dict(actions.stats.calls).items()):
+                calls.add_metric([backend, call, result], n)
+            yield calls
+            yield CounterMetricFamily("foreshock_node_action_held",
+                                      "Times the circuit breaker held a node due for an action back.",
+                                      value=actions.stats.held)
+            yield CounterMetricFamily("foreshock_node_action_rejected_names",
+                                      "Nodes due for an action whose name a backend cannot take.",
+                                      value=actions.stats.rejected_names)
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

@@ -22,6 +22,8 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
+7. Node actions (with `actions`, service/actions.py): every node due under rules 1-3, whether or not
+   a job runs there, is handed over to be drained (Slurm) or tainted (Kubernetes), under a breaker.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
@@ -87,8 +90,10 @@ class Alarm:
 
 
 class EvacuationPolicy:
-    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog):
+    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog,
+                 actions=None):
         self.settings = settings
+        self.actions = actions   # a NodeActions, or None: directives only
         self.nodes = nodes
         self.jobs = jobs
         self.decisions = decisions
@@ -280,6 +285,9 @@ class EvacuationPolicy:
                                   signals=[sig.name for sig in signals][:5])
         return stored
 
+    def _why(self, alarm: Alarm) -> str:
+        return alarm.reason if alarm.fatal else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+
     def evaluate(self, now_ns: int, nodes: list[str] | None = None,
                  probability: np.ndarray | None = None) -> list[Directive]:
         """One policy round after a scoring round; returns the directives it issued."""
@@ -292,6 +300,8 @@ class EvacuationPolicy:
                 for job in self.jobs.jobs_on(n):
                     self._say(n, job.job_id, "held_fabric_incident", ts_ns=now_ns,
                               reason="node is inside a fabric incident; spares are kept")
+            if self.actions is not None:
+                self.actions.sync({n: Due(self._why(a), a.since_ns, a.fatal) for n, a in due}, now_ns)
             if not due:
                 return []
             jobs = self.jobs.store.jobs()
@@ -306,8 +316,7 @@ class EvacuationPolicy:
                     for job in jobs:
                         if node not in job.nodes():
                             continue
-                        reason = alarm.reason if alarm.fatal else \
-                            f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+                        reason = self._why(alarm)
                         d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
                                       origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
                                       last_directive=last, busy=busy)
