@@ -45,6 +45,20 @@ def _node(name: str) -> dict:
                                        "lastTransitionTime": "2026-12-01T00:00:00Z"}]}}
 
 
+ROLE = Path(__file__).parent.parent / "deploy" / "kubernetes" / "serve-clusterrole-node-actions.yaml"
+
+
+def assert_rbac_allows(requests: list[dict]) -> None:
+    """Every request is one the control plane's ClusterRole grants (deploy/kubernetes)."""
+    import yaml
+    rules = yaml.safe_load(ROLE.read_text())["rules"]
+    for r in requests:
+        verb = {"GET": "get", "PATCH": "patch"}[r["method"]]
+        resource = "nodes/status" if r["sub"] == "status" else "nodes"
+        assert any("" in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+                   for rule in rules), f"{verb} {resource}: not granted by {ROLE.name}"
+
+
 def validate_node(doc: dict) -> None:
     """The API's published Node schema, strict: unknown fields and wrong types are errors."""
     kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -223,6 +237,8 @@ def test_taint_and_condition_requests_match_the_node_schema(api, tmp_path):
     validate_node(node)
     assert [c["type"] for c in node["status"]["conditions"]] == ["Ready", CONDITION_TYPE]   # Ready untouched
 
+    assert_rbac_allows(api.requests)
+
     # Idempotent: the taint is there, so a second take patches no taint (only the condition again).
     api.requests.clear()
     assert backend.take("gpu03", "fatal Xid 79").ok
@@ -308,6 +324,7 @@ def test_the_control_plane_taints_a_fatal_node_and_says_so_when_an_operator_unta
         validate_node(api.nodes["gpu06"])
         assert plane.registry.get_sample_value("foreshock_node_action_calls_total", {
             "backend": "kubernetes", "call": "take", "result": "ok"}) == 1
+        assert_rbac_allows(api.requests)      # the take, the rechecks and the condition's reset
     finally:
         plane.stop(0)
     kinds = [r["kind"] for r in read_decisions(tmp_path / "state" / "decisions").to_pylist()]
