@@ -97,9 +97,13 @@ class ActionSettings:
 SETTING_NAMES = tuple(f.name for f in fields(ActionSettings))
 
 
+CALLS = ("take", "check")        # take a node out; see whether an operator has brought it back
+CALL_RESULTS = ("ok", "error", "timeout", "unknown_node")
+
+
 @dataclass(frozen=True)
 class CallResult:
-    result: str          # ok | error | timeout | unknown_node
+    result: str          # one of CALL_RESULTS
     detail: str = ""
 
     @property

@@ -50,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from foreshock import risk as risk_scale
 from foreshock.exposition import new_registry
+from foreshock.service.actions import CALL_RESULTS, CALLS
 from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
 
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -201,8 +202,12 @@ class ControlPlaneCollector:
                                     value=actions.limit())
             calls = CounterMetricFamily("foreshock_node_action_calls", "Calls to Slurm or the Kubernetes API.",
                                         labels=["backend", "call", "result"])
-            for (backend, call, result), n in sorted(dict(actions.stats.calls).items()):
-                calls.add_metric([backend, call, result], n)
+            counted = dict(actions.stats.calls)
+            # every series from the start, at 0, so that increase() sees the first failure
+            for backend in actions.backends:
+                for call in CALLS:
+                    for result in CALL_RESULTS:
+                        calls.add_metric([backend.name, call, result], counted.get((backend.name, call, result), 0))
             yield calls
             yield CounterMetricFamily("foreshock_node_action_held",
                                       "Times the circuit breaker held a node due for an action back.",

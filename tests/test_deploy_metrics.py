@@ -217,11 +217,14 @@ def running_exporters(procfs_fixture: Path, base: Path):
 
     from foreshock.collectors import command
     from foreshock.config import resolve
+    from foreshock.service.actions import ActionSettings
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
 
+    # Slurm drains on, so the node-action series exist (no node is due: scontrol never runs).
     plane = build_server(Settings.insecure_loopback(base / "state", scorer=NullScorer(),
-                                                    metrics_listen="127.0.0.1:0"))
+                                                    metrics_listen="127.0.0.1:0",
+                                                    actions=ActionSettings(slurm=True)))
     collector = None
     try:
         port = plane.start()

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pyarrow as pa
 import pytest
+from prometheus_client import generate_latest
 
 from foreshock import schema as sch
 from foreshock.service.actions import ActionSettings, SlurmBackend
@@ -216,6 +217,10 @@ def test_the_breaker_holds_the_third_node_of_40_until_a_slot_frees_and_its_count
         assert _metric(plane, "foreshock_node_action_limit") == 2
         held = [r.getMessage() for r in caplog.records if "holding back gpu05" in r.getMessage()]
         assert len(held) == 1 and "2 of at most 2 nodes" in held[0] and "fleet 40" in held[0]
+        if shutil.which("promtool"):   # the exposition with the node-action series follows the conventions
+            out = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(plane.registry).decode(),
+                                 capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stdout + out.stderr
     finally:
         plane.stop(0)
 
