@@ -141,12 +141,13 @@ class SlurmBackend:
         return None if _SLURM_NAME.match(node) else \
             f"node {node!r}: not a single Slurm node name (letters, digits, '.', '_', '-')"
 
-    def _run(self, args: list[str]) -> tuple[CallResult, str]:
+    def _run(self, args: list[str]) -> tuple[CallResult, str, str]:
+        """(result, stdout, stderr)."""
         try:
             proc = subprocess.Popen([self.scontrol, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=self.env, start_new_session=True)
         except OSError as exc:
-            return CallResult("error", f"{self.scontrol}: {exc.strerror or exc}"), ""
+            return CallResult("error", f"{self.scontrol}: {exc.strerror or exc}"), "", ""
         try:
             out, err = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
@@ -156,12 +157,12 @@ class SlurmBackend:
             except ProcessLookupError:
                 pass
             proc.communicate()
-            return CallResult("timeout", f"slurmctld did not answer within {self.timeout:g} s"), ""
+            return CallResult("timeout", f"slurmctld did not answer within {self.timeout:g} s"), "", ""
         if proc.returncode != 0:
-            message = _clip(err or out or f"exit status {proc.returncode}", 300)
+            message = _clip(err.strip() or out.strip() or f"exit status {proc.returncode}", 300)
             result = "unknown_node" if "Invalid node name" in message else "error"
-            return CallResult(result, message), out
-        return CallResult("ok"), out
+            return CallResult(result, message), out, err
+        return CallResult("ok"), out, err
 
     def take(self, node: str, reason: str) -> CallResult:
         # Slurm keeps the reason as one line; quotes are not special to an argv element
@@ -172,10 +173,10 @@ class SlurmBackend:
         """Which of `nodes` are still drained (or draining) by Foreshock, its reason unchanged (an
         operator who drains one again for a reason of their own takes it over); None when scontrol
         could not tell."""
-        result, out = self._run(["-o", "show", "node", ",".join(nodes)])
-        if not result.ok:
-            if result.permanent:   # none of them exists any more: nothing of ours is left there
-                return dict.fromkeys(nodes, False)
+        result, out, err = self._run(["-o", "show", "node", ",".join(nodes)])
+        # A node removed from slurm.conf makes scontrol exit 1 ("Node X not found") after printing
+        # the others: the missing one has nothing of Foreshock's left, the others are read as usual.
+        if not result.ok and not re.search(r"^Node \S+ not found", out + "\n" + err, re.M):
             log.warning("slurm: checking %d drained nodes: %s", len(nodes), result.detail)
             return None
         states = {}

@@ -320,3 +320,18 @@ def test_one_drain_call_against_the_real_controller(slurm, capsys):
     with capsys.disabled():
         print(f"\nscontrol drain against slurmctld: median {sorted(times)[2] * 1e3:.1f} ms "
               f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
+
+
+def test_the_recheck_sees_foreshocks_drains_only(slurm):
+    backend = SlurmBackend(_binary("scontrol"), str(slurm.conf), timeout=5)
+    try:
+        assert backend.take("gpu08", "fatal Xid 79").ok
+        # gpu99 is not in slurm.conf (removed since it was drained): scontrol exits 1 after printing
+        # the others, which are still read
+        assert backend.present(["gpu08", "gpu99"]) == {"gpu08": True, "gpu99": False}
+        # an operator drains it again for a reason of their own: no longer Foreshock's
+        proc = slurm.scontrol("update", "NodeName=gpu08", "State=DRAIN", "Reason=bad DIMM, ticket 4711")
+        assert proc.returncode == 0, proc.stderr
+        assert backend.present(["gpu08"]) == {"gpu08": False}
+    finally:
+        slurm.resume("gpu08")
