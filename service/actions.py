@@ -105,6 +105,7 @@ CALL_RESULTS = ("ok", "error", "timeout", "unknown_node")
 class CallResult:
     result: str          # one of CALL_RESULTS
     detail: str = ""
+    status: int = 0      # the HTTP status of a Kubernetes API error
 
     @property
     def ok(self) -> bool:
@@ -235,7 +236,7 @@ class KubernetesBackend:
         except self.k8s.ApiException as exc:
             if exc.status == 404:
                 return CallResult("unknown_node", f"{what}: the node does not exist"), None
-            return CallResult("error", f"{what}: HTTP {exc.status} {_clip(str(exc.reason), 200)}"), None
+            return CallResult("error", f"{what}: HTTP {exc.status} {_clip(str(exc.reason), 200)}", exc.status), None
         except Exception as exc:  # urllib3: refused, reset, read timeout
             timed_out = "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
             return CallResult("timeout" if timed_out else "error", f"{what}: {_clip(str(exc), 200)}"), None
@@ -262,7 +263,7 @@ class KubernetesBackend:
                                    _content_type="application/json-patch+json")
             if result.ok:
                 break
-            if "HTTP 409" not in result.detail and "HTTP 422" not in result.detail:
+            if result.status not in (409, 422):   # 409: the resourceVersion test failed
                 return result
         else:
             return result
@@ -351,7 +352,7 @@ class NodeActions:
         self.nodes = nodes
         self.decisions = decisions
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()    # the metrics read the rows from the scrape's thread
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -365,13 +366,18 @@ class NodeActions:
 
     # -- the breaker -------------------------------------------------------------------------------
     def fleet(self) -> int:
-        return self.settings.fleet_size or len(self.nodes.known_nodes() | set(self.rows))
+        if self.settings.fleet_size:
+            return self.settings.fleet_size
+        with self._lock:
+            acted = set(self.rows)
+        return len(self.nodes.known_nodes() | acted)
 
     def limit(self) -> int:
         return max(1, math.floor(self.settings.max_fraction * self.fleet() + 1e-9))
 
     def in_slots(self) -> int:
-        return sum(1 for a in self.rows.values() if a.state in SLOT_STATES)
+        with self._lock:
+            return sum(1 for a in self.rows.values() if a.state in SLOT_STATES)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -406,7 +412,8 @@ class NodeActions:
                 if row.state == "held" and node not in due:
                     dropped.append(node)
                     del self.rows[node]
-            admitted = self._admit(now_ns)
+            # slots are freed by the thread (which admits then); here only new rows can be admitted
+            admitted = self._admit(now_ns) if changed else []
             changed = list({a.node: self.rows[a.node] for a in changed + admitted if a.node in self.rows}.values())
             for row in changed:
                 if row.state == "held":
@@ -472,6 +479,9 @@ class NodeActions:
         long to wait for the next thing to do."""
         now = self._clock()
         with self._lock:
+            # the cap grows with the fleet (collectors reconnecting after a restart), and held rows
+            # restored from the state wait for no new due node
+            self._save(self._admit(now))
             todo = [a for a in self.rows.values() if a.state == "pending" and a.next_try_ns <= now]
         for row in sorted(todo, key=lambda a: (not a.fatal, a.requested_at_ns)):
             if self._stop.is_set():
@@ -549,7 +559,10 @@ class NodeActions:
             if seen is None:
                 return       # cannot tell: every slot stays as it is until the next recheck
             seen_by[backend.name] = seen
-        released = [a for a in taken if not any(seen_by[b].get(a.node) for b in a.done if b in seen_by)]
+        # released when every backend that acted was asked and none shows its mark; a backend turned
+        # off since cannot be asked, so its nodes stay counted
+        released = [a for a in taken if a.done and all(b in seen_by for b in a.done)
+                    and not any(seen_by[b].get(a.node) for b in a.done)]
         landed = [(a, tuple(b for b in seen_by if seen_by[b].get(a.node))) for a in unsure]
         landed = [(a, done) for a, done in landed if done]
         for row in released:

@@ -78,3 +78,30 @@ def test_serve_with_kubernetes_taint_and_no_credentials_stops_at_start_saying_wh
         capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "kubernetes actions: cannot configure the client from the in-cluster service account" in proc.stderr
+
+
+def test_a_held_node_is_admitted_when_the_fleet_grows_and_the_rows_survive_a_restart(tmp_path):
+    """The bookkeeping alone (no backend configured: an admitted node is taken at its first attempt)."""
+    from foreshock.service.actions import Due
+    S = 1_000_000_000
+    nodes = NodeBook()
+    for i in range(20):
+        nodes.seen(f"n{i:02d}", 0)
+    store = StateStore(tmp_path / "state.sqlite3")
+    log = DecisionLog(tmp_path / "decisions", fsync=False)
+    actions = NodeActions(ActionSettings(), [], store, nodes, log, clock=lambda: 100 * S)
+    due = {"n01": Due("fatal Xid 79", 90 * S, True), "n02": Due("risk 0.9 above threshold 0.5", 95 * S, False)}
+    actions.sync(due, 100 * S)
+    assert (actions.limit(), actions.rows["n01"].state, actions.rows["n02"].state) == (1, "pending", "held")
+    actions.run_once()
+    assert actions.rows["n01"].state == "taken" and actions.rows["n02"].state == "held"
+    actions.sync(due, 101 * S)                     # still due: nothing new, nothing twice
+    assert actions.stats.held == 1
+    for i in range(20, 40):                        # collectors of 20 more nodes report: the cap is 2
+        nodes.seen(f"n{i:02d}", 0)
+    actions.run_once()
+    assert actions.rows["n02"].state == "taken" and actions.in_slots() == 2
+    restarted = NodeActions(ActionSettings(), [], store, NodeBook(), log)
+    assert restarted.counts()["taken"] == 2 and restarted.rows["n01"].reason == "fatal Xid 79"
+    assert restarted.fleet() == 2 and restarted.limit() == 1   # until the collectors are back
+    store.close()
