@@ -37,7 +37,8 @@ STRATEGIC = "application/strategic-merge-patch+json"
 
 def _node(name: str) -> dict:
     return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "resourceVersion": "100", "uid": f"uid-{name}", "labels": {"nvidia.com/gpu.present": "true"}},
+            "metadata": {"name": name, "resourceVersion": "100", "uid": f"uid-{name}",
+                         "labels": {"nvidia.com/gpu.present": "true"}},
             "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
             "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                        "message": "kubelet is posting ready status",

@@ -335,3 +335,49 @@ def test_the_recheck_sees_foreshocks_drains_only(slurm):
         assert backend.present(["gpu08"]) == {"gpu08": False}
     finally:
         slurm.resume("gpu08")
+
+
+def test_foreshock_serve_drains_from_its_config_and_a_kill_9_forgets_nothing(slurm, tmp_path):
+    """`foreshock serve --slurm-drain` as operators run it, its settings from FORESHOCK_SERVE_* variables;
+    killed with SIGKILL after the drain and restarted on the same state, it still counts the node."""
+    import sys
+    import urllib.request
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FORESHOCK_SERVE_SLURM_CONF=str(slurm.conf),
+               FORESHOCK_SERVE_SLURM_SCONTROL=_binary("scontrol"), FORESHOCK_SERVE_ACTION_FLEET_SIZE="40")
+
+    def serve():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", "127.0.0.1:0",
+             "--metrics-listen", "127.0.0.1:0", "--no-model", "--state", str(tmp_path / "state"), "--slurm-drain"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        address = line.split("listening on ")[1].split(",")[0].split(" ")[0]
+        metrics = int(line.split("metrics on ")[1].split(" ")[0].rsplit(":", 1)[1])
+        return proc, address, metrics
+
+    def taken(port) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        found = re.search(r'^foreshock_node_actions\{state="taken"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else -1.0
+
+    proc, address, metrics = serve()
+    try:
+        with grpc.insecure_channel(address) as ch:
+            list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([_fatal_batch("gpu03")]), timeout=T))
+        wait_for(lambda: "DRAIN" in slurm.state("gpu03")[0], "gpu03 drained by foreshock serve")
+        wait_for(lambda: taken(metrics) == 1, "the drain counted")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc, address, metrics = serve()
+        assert taken(metrics) == 1
+        limit = re.search(r"^foreshock_node_action_limit (\S+)$",
+                          urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode(),
+                          re.M)
+        assert float(limit.group(1)) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+        slurm.resume("gpu03")
