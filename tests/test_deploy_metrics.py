@@ -147,7 +147,8 @@ def test_dashboard_is_well_formed_and_covers_the_issue():
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, p["title"]
     titles = {p["title"] for p in panels}
     for wanted in ("Risk level heatmap by node", "Risk level heatmap by leaf switch", "Top risky nodes",
-                   "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node"):
+                   "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node",
+                   "Nodes taken out, held back, and the breaker's cap"):
         assert wanted in titles
 
 
