@@ -12,7 +12,7 @@ Per node, one row in the state store (table `node_actions`, service/store.py), s
 and what was done survive a restart:
 
     held ──(a slot frees)──► pending ──(every backend done)──► taken ──(operator clears it)──► released
-      └─(alarm ends)─► gone        └─(max_attempts, or the node is unknown there)─► failed
+      └─(alarm ends)─► dropped     └─(max_attempts, or the node is unknown there)─► failed
 
 `pending` and `taken` hold a breaker slot; at most max(1, floor(max_fraction x fleet)) nodes do at once,
 the fleet being `fleet_size` or every node the service knows. A node is acted on once per alarm (an
@@ -25,6 +25,7 @@ The ranges of the settings are declared here (CHECKS), once: `ActionSettings` en
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -53,6 +54,7 @@ _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-
 MAX_BACKOFF_SECONDS = 3600.0
 SLURM_REASON_PREFIX = "foreshock: "   # marks a drain as Foreshock's (present() looks for it)
 UNSURE_RECHECK_NS = 3600 * 1_000_000_000   # how long a timed-out action is looked for
+MAX_REMEMBERED_BAD_NAMES = 10_000          # refused node names logged once each, up to this many
 
 CHECKS: dict[str, config.Check] = {
     "timeout_seconds": config.Check(lambda v: 0 < v <= 60, "must be in (0, 60] seconds"),
@@ -236,7 +238,13 @@ class KubernetesBackend:
         except self.k8s.ApiException as exc:
             if exc.status == 404:
                 return CallResult("unknown_node", f"{what}: the node does not exist"), None
-            return CallResult("error", f"{what}: HTTP {exc.status} {_clip(str(exc.reason), 200)}", exc.status), None
+            message = ""
+            try:   # the API's Status object says what was wrong
+                message = json.loads(exc.body or "{}").get("message", "")
+            except (ValueError, AttributeError):
+                pass
+            detail = f"{what}: HTTP {exc.status} {exc.reason}" + (f": {message}" if message else "")
+            return CallResult("error", _clip(detail, 300), exc.status), None
         except Exception as exc:  # urllib3: refused, reset, read timeout
             timed_out = "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
             return CallResult("timeout" if timed_out else "error", f"{what}: {_clip(str(exc), 200)}"), None
@@ -252,18 +260,20 @@ class KubernetesBackend:
             result, current = self._call("GET node", self.api.read_node, node)
             if not result.ok:
                 return result
-            taints = [t.to_dict() for t in (current.spec.taints or [])]
-            if any(t["key"] == self.taint_key and t["effect"] == self.taint_effect for t in taints):
+            # as the API spells them (timeAdded, not the model's time_added), None fields left out: the
+            # other taints go back exactly as they were
+            taints = [self.api.api_client.sanitize_for_serialization(t) for t in (current.spec.taints or [])]
+            if any(t.get("key") == self.taint_key and t.get("effect") == self.taint_effect for t in taints):
                 break
             ours = {"key": self.taint_key, "value": "true", "effect": self.taint_effect}
             body = [{"op": "test", "path": "/metadata/resourceVersion", "value": current.metadata.resource_version},
-                    {"op": "add", "path": "/spec/taints",
-                     "value": [{k: v for k, v in t.items() if v is not None} for t in taints] + [ours]}]
+                    {"op": "add", "path": "/spec/taints", "value": taints + [ours]}]
             result, _ = self._call("PATCH node taint", self.api.patch_node, node, body,
                                    _content_type="application/json-patch+json")
             if result.ok:
                 break
-            if result.status not in (409, 422):   # 409: the resourceVersion test failed
+            # the API server answers a failed test op with 422 "Testing value ... failed"
+            if result.status != 409 and not (result.status == 422 and "Testing value" in result.detail):
                 return result
         else:
             return result
@@ -400,6 +410,8 @@ class NodeActions:
                 problem = self._name_problem(node)
                 if problem:
                     if node not in self._bad_names:
+                        if len(self._bad_names) >= MAX_REMEMBERED_BAD_NAMES:
+                            self._bad_names.clear()   # bounded: a name may be logged again, once
                         self._bad_names.add(node)
                         self.stats.rejected_names += 1
                         log.error("node actions: %s; not acted on", problem)

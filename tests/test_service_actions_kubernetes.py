@@ -39,7 +39,9 @@ def _node(name: str) -> dict:
     return {"apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "resourceVersion": "100", "uid": f"uid-{name}",
                          "labels": {"nvidia.com/gpu.present": "true"}},
-            "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+            "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+                                {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute",
+                                 "timeAdded": "2026-12-01T00:00:00Z"}]},
             "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                        "message": "kubelet is posting ready status",
                                        "lastHeartbeatTime": "2026-12-01T00:00:00Z",
@@ -122,10 +124,10 @@ class FakeApiServer:
                         return self._reply(200, node)
                     try:
                         new = outer.apply(node, sub, self.headers.get("Content-Type"), body)
-                    except Conflict as exc:
-                        return self._reply(409, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                                 "reason": "Conflict", "code": 409, "message": str(exc)})
-                    except (ValueError, KeyError) as exc:
+                    except Conflict as exc:   # as the API server answers a failed test op (kubernetes#68838)
+                        return self._reply(422, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                                 "reason": "Invalid", "code": 422, "message": str(exc)})
+                    except Exception as exc:   # a bad op, or a node the strict schema refuses: 4xx, as the API
                         return self._reply(415 if "content type" in str(exc) else 422,
                                            {"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                             "code": 422, "message": str(exc)})
@@ -149,7 +151,7 @@ class FakeApiServer:
                     for p in path:
                         target = target[p]
                     if target != op["value"]:
-                        raise Conflict(f"test of {op['path']} failed")
+                        raise Conflict(f"Testing value {op['path']} failed")
                 elif op["op"] in ("add", "replace") and path == ["spec", "taints"]:
                     new["spec"]["taints"] = op["value"]
                 else:
@@ -220,8 +222,10 @@ def test_taint_and_condition_requests_match_the_node_schema(api, tmp_path):
     validate_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu03"},
                    "spec": {"taints": add_op["value"]}})
     taints = [V1Taint.from_dict(t) for t in add_op["value"]]
-    assert [(t.key, t.value, t.effect) for t in taints] == [
-        ("nvidia.com/gpu", "present", "NoSchedule"), (KEY, "true", "NoSchedule")]     # the existing one kept
+    assert [(t.key, t.value, t.effect) for t in taints] == [      # the existing ones kept as they were
+        ("nvidia.com/gpu", "present", "NoSchedule"), ("node.kubernetes.io/unreachable", None, "NoExecute"),
+        (KEY, "true", "NoSchedule")]
+    assert add_op["value"][1]["timeAdded"].startswith("2026-12-01T00:00:00")   # NoExecute's clock untouched
 
     # The condition: a strategic merge patch of the status subresource, merged by type.
     assert (status["method"], status["path"], status["content_type"]) == \
@@ -253,7 +257,7 @@ def test_a_node_changed_between_read_and_patch_is_read_again_and_nothing_is_lost
     methods = [(r["method"], r["sub"]) for r in api.requests]
     assert methods == [("GET", ""), ("PATCH", ""), ("GET", ""), ("PATCH", ""), ("PATCH", "status")]
     keys = [t["key"] for t in api.nodes["gpu04"]["spec"]["taints"]]
-    assert keys == ["nvidia.com/gpu", "example.com/maintenance", KEY]      # the other writer's taint kept
+    assert keys == ["nvidia.com/gpu", "node.kubernetes.io/unreachable", "example.com/maintenance", KEY]
     (cond,) = [c for c in api.nodes["gpu04"]["status"]["conditions"] if c["type"] == CONDITION_TYPE]
     assert cond["reason"] == "RiskAboveThreshold"
 
