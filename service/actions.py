@@ -530,7 +530,7 @@ class NodeActions:
                 row = replace(row, state="taken", attempts=attempts, done=tuple(done), updated_at_ns=now, detail="")
                 log.warning("node actions: took %s out (%s): %s", row.node, ", ".join(done), row.reason)
                 self.decisions.record("node_action_taken", node=row.node, reason=row.reason, ts_ns=now,
-                                      nodes=list(done))
+                                      backends=list(done))
             elif permanent or attempts >= self.settings.max_attempts:
                 # a node partly out (one backend done) keeps its slot until an operator clears it
                 state = "taken" if done else "failed"
@@ -539,7 +539,7 @@ class NodeActions:
                               detail=detail, unsure=timed_out and state == "failed")
                 log.error("node actions: gave up on %s after %d attempt(s): %s", row.node, attempts, detail)
                 self.decisions.record("node_action_failed", node=row.node, reason=f"{row.reason}; {detail}",
-                                      ts_ns=now, nodes=list(done))
+                                      ts_ns=now, backends=list(done))
             else:
                 delay = min(self.settings.backoff_seconds * 2 ** (attempts - 1), MAX_BACKOFF_SECONDS)
                 row = replace(row, attempts=attempts, done=tuple(done), updated_at_ns=now, detail="; ".join(errors),
@@ -602,7 +602,7 @@ class NodeActions:
                 changed.append(row)
                 log.warning("node actions: %s is out after all (%s): a call that timed out landed late",
                             row.node, ", ".join(done))
-                self.decisions.record("node_action_taken", node=row.node, ts_ns=now, nodes=list(done),
+                self.decisions.record("node_action_taken", node=row.node, ts_ns=now, backends=list(done),
                                       reason=f"{row.reason}; a call that timed out landed late")
             changed += self._admit(now)
             self._save(changed)

@@ -8,6 +8,7 @@ attempt, a bounded number of attempts, and nothing else."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import re
@@ -197,8 +198,8 @@ def test_a_fatal_xid_streamed_by_a_collector_drains_its_node_in_slurm_once(slurm
     finally:
         plane.stop(0)
         slurm.resume("gpu01")
-    kinds = [r["kind"] for r in read_decisions(tmp_path / "decisions").to_pylist()]
-    assert kinds.count("node_action_taken") == 1
+    rows = [r for r in read_decisions(tmp_path / "decisions").to_pylist() if r["kind"] == "node_action_taken"]
+    assert len(rows) == 1 and rows[0]["node"] == "gpu01" and json.loads(rows[0]["details"]) == {"backends": ["slurm"]}
 
 
 def test_the_breaker_holds_the_third_node_of_40_until_a_slot_frees_and_its_count_survives_a_restart(
