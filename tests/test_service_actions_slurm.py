@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import logging
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -74,7 +75,7 @@ class SlurmCluster:
             (root / d).mkdir(parents=True, exist_ok=True)
         self.ctld_port = _free_port()
         ports = {n: _free_port() for n in DAEMONS}
-        user = os.environ.get("USER") or "root"
+        user = pwd.getpwuid(os.getuid()).pw_name
         lines = [
             "ClusterName=foreshocktest", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={self.ctld_port}",
             "AuthType=auth/none", "CredType=cred/none", f"SlurmUser={user}", f"SlurmdUser={user}",
