@@ -367,6 +367,8 @@ class NodeActions:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rows: dict[str, NodeAction] = {a.node: a for a in store.node_actions()}
+        # the held nodes, kept beside the rows: the policy's round asks ten times a second
+        self._held: set[str] = {a.node for a in self.rows.values() if a.state == "held"}
         self.stats = ActionStats()
         self._next_recheck = 0.0
         self._bad_names: set[str] = set()
@@ -399,7 +401,7 @@ class NodeActions:
         """The nodes due for an action this round. New ones are admitted while the breaker has slots
         and held otherwise; held ones no longer due are dropped."""
         with self._lock:
-            if not due and not any(a.state == "held" for a in self.rows.values()):
+            if not due and not self._held:
                 return
             changed: list[NodeAction] = []
             dropped: list[str] = []
@@ -418,12 +420,12 @@ class NodeActions:
                         self.decisions.record("node_action_failed", node=node, reason=problem, ts_ns=now_ns)
                     continue
                 row = NodeAction(node, "held", why.reason, why.fatal, why.since_ns, now_ns, now_ns)
-                self.rows[node] = row
+                self._put(row)
                 changed.append(row)
-            for node, row in list(self.rows.items()):
-                if row.state == "held" and node not in due:
-                    dropped.append(node)
-                    del self.rows[node]
+            for node in [n for n in self._held if n not in due]:
+                dropped.append(node)
+                del self.rows[node]
+                self._held.discard(node)
             # slots are freed by the thread (which admits then); here only new rows can be admitted
             admitted = self._admit(now_ns) if changed else []
             changed = list({a.node: self.rows[a.node] for a in changed + admitted if a.node in self.rows}.values())
@@ -441,6 +443,14 @@ class NodeActions:
         if admitted:
             self._wake.set()
 
+    def _put(self, row: NodeAction) -> None:
+        """Caller holds the lock."""
+        self.rows[row.node] = row
+        if row.state == "held":
+            self._held.add(row.node)
+        else:
+            self._held.discard(row.node)
+
     def _name_problem(self, node: str) -> str:
         return "; ".join(p for b in self.backends if (p := b.check_name(node)))
 
@@ -449,12 +459,12 @@ class NodeActions:
         free = self.limit() - self.in_slots()
         if free <= 0:
             return []
-        held = sorted((a for a in self.rows.values() if a.state == "held"),
+        held = sorted((self.rows[n] for n in self._held),
                       key=lambda a: (not a.fatal, a.requested_at_ns, a.node))
         out = []
         for row in held[:free]:
             row = replace(row, state="pending", updated_at_ns=now_ns, next_try_ns=0)
-            self.rows[row.node] = row
+            self._put(row)
             out.append(row)
         return out
 
@@ -546,7 +556,7 @@ class NodeActions:
                               next_try_ns=now + int(delay * 1e9))
                 log.warning("node actions: %s, attempt %d of %d failed (next in %.3g s): %s", row.node, attempts,
                             self.settings.max_attempts, delay, row.detail)
-            self.rows[row.node] = row
+            self._put(row)
             changed = [row] + (self._admit(now) if row.state == "failed" else [])
             self._save(changed)
 
@@ -589,7 +599,7 @@ class NodeActions:
                 if self.rows.get(row.node) is not row:
                     continue
                 row = replace(row, state="released", updated_at_ns=now)
-                self.rows[row.node] = row
+                self._put(row)
                 changed.append(row)
                 log.info("node actions: %s was brought back by an operator; its breaker slot is free", row.node)
                 self.decisions.record("node_action_released", node=row.node, ts_ns=now,
@@ -598,7 +608,7 @@ class NodeActions:
                 if self.rows.get(row.node) is not row:
                     continue
                 row = replace(row, state="taken", done=done, unsure=False, updated_at_ns=now)
-                self.rows[row.node] = row
+                self._put(row)
                 changed.append(row)
                 log.warning("node actions: %s is out after all (%s): a call that timed out landed late",
                             row.node, ", ".join(done))
