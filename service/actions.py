@@ -36,7 +36,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from foreshock import config
 
@@ -94,9 +94,6 @@ class ActionSettings:
     @property
     def enabled(self) -> bool:
         return self.slurm or self.kubernetes
-
-
-SETTING_NAMES = tuple(f.name for f in fields(ActionSettings))
 
 
 CALLS = ("take", "check")        # take a node out; see whether an operator has brought it back
@@ -167,7 +164,7 @@ class SlurmBackend:
             return CallResult(result, message), out, err
         return CallResult("ok"), out, err
 
-    def take(self, node: str, reason: str) -> CallResult:
+    def take(self, node: str, reason: str, fatal: bool = False) -> CallResult:
         # Slurm keeps the reason as one line; quotes are not special to an argv element
         return self._run(["update", f"NodeName={node}", "State=DRAIN",
                           f"Reason={SLURM_REASON_PREFIX}{_clip(reason, 200)}"])[0]
@@ -249,13 +246,17 @@ class KubernetesBackend:
             timed_out = "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower()
             return CallResult("timeout" if timed_out else "error", f"{what}: {_clip(str(exc), 200)}"), None
 
-    def _condition(self, status: str, reason: str, message: str) -> dict:
+    def _condition(self, current, status: str, reason: str, message: str) -> dict:
+        """The condition's patch; its lastTransitionTime moves only when its status does."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._clock()))
-        return {"status": {"conditions": [{
-            "type": CONDITION_TYPE, "status": status, "reason": reason, "message": _clip(message, 1024),
-            "lastHeartbeatTime": now, "lastTransitionTime": now}]}}
+        condition = {"type": CONDITION_TYPE, "status": status, "reason": reason, "message": _clip(message, 1024),
+                     "lastHeartbeatTime": now, "lastTransitionTime": now}
+        for c in (getattr(current, "status", None) and current.status.conditions) or []:
+            if c.type == CONDITION_TYPE and c.status == status and c.last_transition_time is not None:
+                condition["lastTransitionTime"] = self.api.api_client.sanitize_for_serialization(c.last_transition_time)
+        return {"status": {"conditions": [condition]}}
 
-    def take(self, node: str, reason: str) -> CallResult:
+    def take(self, node: str, reason: str, fatal: bool = False) -> CallResult:
         for _ in range(2):    # once more only if the node changed between the read and the patch
             result, current = self._call("GET node", self.api.read_node, node)
             if not result.ok:
@@ -277,9 +278,9 @@ class KubernetesBackend:
                 return result
         else:
             return result
-        kind = "FatalEvent" if reason.startswith("fatal") else "RiskAboveThreshold"
         result, _ = self._call("PATCH node status", self.api.patch_node_status, node,
-                               self._condition("True", kind, f"Foreshock: {reason}"),
+                               self._condition(current, "True", "FatalEvent" if fatal else "RiskAboveThreshold",
+                                               f"Foreshock: {reason}"),
                                _content_type="application/strategic-merge-patch+json")
         return result
 
@@ -298,8 +299,9 @@ class KubernetesBackend:
 
     def cleared(self, node: str, reason: str) -> None:
         """The taint is gone (an operator removed it): the condition says so too."""
+        _, current = self._call("GET node", self.api.read_node, node)
         result, _ = self._call("PATCH node status", self.api.patch_node_status, node,
-                               self._condition("False", "TaintRemoved", reason),
+                               self._condition(current, "False", "TaintRemoved", reason),
                                _content_type="application/strategic-merge-patch+json")
         if not result.ok:
             log.warning("kubernetes: node %s: setting %s False: %s", node, CONDITION_TYPE, result.detail)
@@ -524,7 +526,7 @@ class NodeActions:
         for backend in self.backends:
             if backend.name in done:
                 continue
-            result = backend.take(row.node, row.reason)
+            result = backend.take(row.node, row.reason, row.fatal)
             with self._lock:
                 self.stats.calls[(backend.name, "take", result.result)] += 1
             if result.ok:

@@ -207,8 +207,9 @@ def test_the_schema_says_taints_are_replaced_whole_and_conditions_merge_by_type(
 
 
 def test_taint_and_condition_requests_match_the_node_schema(api, tmp_path):
-    backend = _backend(tmp_path, api.port)
-    result = backend.take("gpu03", "fatal Xid 79 on GPU 0 (fallen off the bus)")
+    now = [1_800_000_000.0]
+    backend = _backend(tmp_path, api.port, clock=lambda: now[0])
+    result = backend.take("gpu03", "fatal Xid 79 on GPU 0 (fallen off the bus)", fatal=True)
     assert result.ok, result.detail
     get, patch, status = api.requests
     assert all(r["authorization"] == f"Bearer {TOKEN}" for r in api.requests)
@@ -244,11 +245,17 @@ def test_taint_and_condition_requests_match_the_node_schema(api, tmp_path):
 
     assert_rbac_allows(api.requests)
 
-    # Idempotent: the taint is there, so a second take patches no taint (only the condition again).
+    # Idempotent: the taint is there, so a second take patches no taint, only the condition's heartbeat
+    # (its status has not changed, so neither does its transition time).
     api.requests.clear()
-    assert backend.take("gpu03", "fatal Xid 79").ok
+    now[0] += 60
+    assert backend.take("gpu03", "fatal Xid 79", fatal=True).ok
     assert [(r["method"], r["sub"]) for r in api.requests] == [("GET", ""), ("PATCH", "status")]
     assert sum(t["key"] == KEY for t in api.nodes["gpu03"]["spec"]["taints"]) == 1
+    (again,) = [c for c in api.nodes["gpu03"]["status"]["conditions"] if c["type"] == CONDITION_TYPE]
+    assert again["lastHeartbeatTime"] != raw["lastHeartbeatTime"]
+    assert again["lastTransitionTime"].startswith(raw["lastTransitionTime"].rstrip("Z"))
+    validate_node(api.nodes["gpu03"])
 
 
 def test_a_node_changed_between_read_and_patch_is_read_again_and_nothing_is_lost(api, tmp_path):
