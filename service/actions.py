@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -128,7 +129,15 @@ class SlurmBackend:
     name = "slurm"
 
     def __init__(self, scontrol: str = "scontrol", slurm_conf: str = "", timeout: float = 5.0):
-        self.scontrol = scontrol
+        # a drain that can never run is a configuration error, found at start rather than at the
+        # first fatal Xid
+        found = shutil.which(scontrol)
+        if found is None:
+            raise ValueError(f"slurm actions: scontrol {scontrol!r} is not an executable on PATH "
+                             "(install Slurm's client, or set slurm_scontrol)")
+        if slurm_conf and not os.path.isfile(slurm_conf):
+            raise ValueError(f"slurm actions: slurm_conf {slurm_conf!r} is not a file")
+        self.scontrol = found
         self.timeout = timeout
         self.env = dict(os.environ)
         if slurm_conf:

@@ -115,6 +115,11 @@ class ControlPlane:
     def __init__(self, settings: Settings):
         self.settings = s = settings
         self._validate(s)
+        # Checked before anything is opened: a drain or taint that can never run stops the service here.
+        try:
+            action_backends = backends_from(s.actions) if s.actions.enabled else []
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         # Scored before anything is opened, so a bad fault log stops the service before it serves.
         history_scores = self._history_scores(s.history_dir, (s.scoring_clock or time.time_ns)()) \
             if s.history_dir else None
@@ -149,13 +154,8 @@ class ControlPlane:
         if recovered:
             log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
                         "period); written from the state", recovered)
-        self.actions = None
-        if s.actions.enabled:
-            try:
-                backends = backends_from(s.actions)
-            except ValueError as exc:
-                raise SettingsError(str(exc)) from None
-            self.actions = NodeActions(s.actions, backends, self.store, self.nodes, self.decisions, clock=self.clock)
+        self.actions = NodeActions(s.actions, action_backends, self.store, self.nodes, self.decisions,
+                                   clock=self.clock) if action_backends else None
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions, actions=self.actions)
         # The online scorer's checkpoint: whoever runs the scorer restores it at start and writes it
         # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).

@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,10 +223,11 @@ def running_exporters(procfs_fixture: Path, base: Path):
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
 
-    # Slurm drains on, so the node-action series exist (no node is due: scontrol never runs).
-    plane = build_server(Settings.insecure_loopback(base / "state", scorer=NullScorer(),
-                                                    metrics_listen="127.0.0.1:0",
-                                                    actions=ActionSettings(slurm=True)))
+    # Slurm drains on, so the node-action series exist. No node is due, so scontrol never runs: any
+    # executable stands in for it where Slurm is not installed.
+    plane = build_server(Settings.insecure_loopback(
+        base / "state", scorer=NullScorer(), metrics_listen="127.0.0.1:0",
+        actions=ActionSettings(slurm=True, scontrol=shutil.which("scontrol") or sys.executable)))
     collector = None
     try:
         port = plane.start()

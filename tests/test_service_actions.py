@@ -105,3 +105,13 @@ def test_a_held_node_is_admitted_when_the_fleet_grows_and_the_rows_survive_a_res
     assert restarted.counts()["taken"] == 2 and restarted.rows["n01"].reason == "fatal Xid 79"
     assert restarted.fleet() == 2 and restarted.limit() == 1   # until the collectors are back
     store.close()
+
+
+def test_slurm_drains_without_scontrol_or_with_a_missing_slurm_conf_stop_the_service_at_start(tmp_path):
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, SettingsError, build_server
+    for actions, words in ((ActionSettings(slurm=True, scontrol=str(tmp_path / "no-scontrol")), "not an executable"),
+                           (ActionSettings(slurm=True, scontrol="sh", slurm_conf=str(tmp_path / "slurm.conf")),
+                            "is not a file")):
+        with pytest.raises(SettingsError, match=words):
+            build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), actions=actions))
