@@ -5,6 +5,7 @@
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
     foreshock evaluate --leave-one-out family|signature|node_type --train-data TRAIN_DIR --data DIR
                        [--only NAME[,NAME]] [--max-iter N] [--json FILE] [--html FILE]
+    foreshock thresholds --data DIR --out MODEL_DIR [--model MODEL_DIR] [--prior-node-days N]
 
 Settings come from the [train] / [evaluate] tables of the config file, FORESHOCK_TRAIN_* /
 FORESHOCK_EVALUATE_* environment variables, then flags (foreshock/config.py). Long steps show rich
@@ -30,6 +31,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
                   "compare_with": "shipped", "base": "shipped"}
+THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"]}
 
@@ -74,6 +76,18 @@ def register(subparsers) -> None:
     e.add_argument("--max-iter", type=int, dest="max_iter", help="leave-one-out: boosting iterations of each "
                    f"training run (default {TRAIN_DEFAULTS['max_iter']}, as foreshock train)")
     e.set_defaults(run=run_evaluate)
+    t = subparsers.add_parser("thresholds", help="re-choose a model's thresholds on a fleet's own history "
+                                                 "(its false evacuations), without retraining",
+                              description="Write a copy of a model whose thresholds for each false-evacuation "
+                                          "budget are fitted on DIR, the fleet's own history, pooled with the "
+                                          "model's validation curve (docs/predictor.md, Fleet calibration).")
+    t.add_argument("--data", help="the fleet's history (schema v1, with its incidents), later than the model's "
+                                  "training data")
+    t.add_argument("--model", help="model directory (default: the shipped default model)")
+    t.add_argument("--out", help="directory to write the calibrated model to (not the model's own)")
+    t.add_argument("--prior-node-days", type=float, dest="prior_node_days",
+                   help="weight of the model's validation curve, in node-days (default 1000)")
+    t.set_defaults(run=run_thresholds)
 
 
 class _Progress:
@@ -244,6 +258,12 @@ def run_evaluate(args, file_data) -> int:
     for b, per in rep["at_budgets"].items():
         for name, m in per.items():
             print(f"  budget {float(b):g} {name:10} {_figures(m)}")
+    fc = rep.get("fleet_calibrated") or {}
+    if fc.get("at_budgets"):
+        print(f"the model at thresholds re-fitted every {fc['refit_hours']:g} h on this data's decided false "
+              f"evacuations (the manifest's curve worth {fc['prior_node_days']:g} node-days):")
+        for b, m in fc["at_budgets"].items():
+            print(f"  budget {float(b):g} fleet-calibrated {_figures({**m, 'threshold': m['manifest_threshold']})}")
     at = rep["at_budgets"].get(str(float(rep["budget"])), {}).get("model")
     if at and at.get("threshold") is not None:
         print(f"model at budget {rep['budget']:g}, recall per family: " + ", ".join(
@@ -253,6 +273,39 @@ def run_evaluate(args, file_data) -> int:
     warning = evaluate.overlap_warning(rep["overlap"])
     if warning:
         _err(warning)
+    return 0
+
+
+def run_thresholds(args, file_data) -> int:
+    from foreshock.predictor import calibration, registry
+
+    cfg = config.resolve("thresholds", THRESHOLDS_DEFAULTS, file_data=file_data,
+                         flags=_flags(args, THRESHOLDS_DEFAULTS),
+                         checks={"prior_node_days": config.between(*calibration.PRIOR_NODE_DAYS_RANGE)})
+    if not cfg["data"] or not cfg["out"]:
+        print("foreshock thresholds: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
+        return 2
+    if not Path(cfg["data"]).is_dir():
+        print(f"foreshock thresholds: dataset directory {cfg['data']} does not exist", file=sys.stderr)
+        return 2
+    try:
+        with _Progress() as progress:
+            man = calibration.calibrate_model(cfg["data"], cfg["model"] or None, cfg["out"],
+                                              prior_node_days=cfg["prior_node_days"],
+                                              command=" ".join(["foreshock"] + sys.argv[1:]), progress=progress)
+    except registry.ModelError as exc:
+        print(f"foreshock thresholds: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"foreshock thresholds: {exc}", file=sys.stderr)
+        return 1
+    fc = man["fleet_calibration"]
+    print(f"calibrated {fc['from_model']} on {fc['data']['nodes']} nodes, {fc['fleet_node_days']:.1f} node-days "
+          f"(the model's validation curve worth {fc['prior_node_days']:g}) -> {cfg['out']} ({man['version']})")
+    for key in sorted(man["thresholds"], key=float):
+        print(f"  budget {float(key):g}: threshold {float(fc['thresholds_before'][key]):.5f} -> "
+              f"{float(man['thresholds'][key]):.5f} ({fc['fleet_false_evacuations_at_thresholds'][key]} false "
+              "evacuations of this history at the new one)")
     return 0
 
 
