@@ -39,6 +39,7 @@ from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import offline, registry
 from foreshock.predictor.offline import STEP_NS
+from foreshock.predictor.registry import pick_threshold  # noqa: F401  (the registry's rule, read here by train and calibration)
 
 COOLDOWN_STEPS = 10
 JUSTIFIED_HOURS = 24.0
@@ -197,12 +198,6 @@ def threshold_curve(nodes, name, incidents, horizon_s) -> list[tuple[float, floa
                     float(np.nan_to_num(s["incident_recall_precursor"]))))
     return out
 
-
-def pick_threshold(curve, budget: float) -> float:
-    for th, fe, _ in curve:
-        if fe <= budget:
-            return th
-    return curve[-1][0] if curve else 1.0
 
 
 def step_metrics(nodes: list[NodeScores], name: str) -> dict:
