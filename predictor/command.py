@@ -2,7 +2,9 @@
 
     foreshock train --data DIR --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
                     [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|'']
+                    [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
+                       [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --leave-one-out family|signature|node_type --train-data TRAIN_DIR --data DIR
                        [--only NAME[,NAME]] [--max-iter N] [--json FILE] [--html FILE]
     foreshock thresholds --data DIR --out MODEL_DIR [--model MODEL_DIR] [--prior-node-days N]
@@ -30,10 +32,12 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
-                  "compare_with": "shipped", "base": "shipped"}
+                  "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": ""}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
-                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"]}
+                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"], "executor": "local",
+                     "ray_address": ""}
+EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray")}
 
 
 def register(subparsers) -> None:
@@ -62,6 +66,7 @@ def register(subparsers) -> None:
                    help="stack the new model with this one, the weights of the two fitted on the validation slice, "
                         "so that a history with few incidents leans on a model trained on more (default "
                         "'shipped': the shipped default model; '' to train from this history alone)")
+    _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
     e.add_argument("--data", help="dataset directory (held out: later weeks, another cluster)")
@@ -75,6 +80,7 @@ def register(subparsers) -> None:
     e.add_argument("--only", help="leave-one-out: hold out only these (comma-separated; each is a training run)")
     e.add_argument("--max-iter", type=int, dest="max_iter", help="leave-one-out: boosting iterations of each "
                    f"training run (default {TRAIN_DEFAULTS['max_iter']}, as foreshock train)")
+    _executor_flags(e)
     e.set_defaults(run=run_evaluate)
     t = subparsers.add_parser("thresholds", help="re-choose a model's thresholds on a fleet's own history "
                                                  "(its false evacuations), without retraining",
@@ -88,6 +94,14 @@ def register(subparsers) -> None:
     t.add_argument("--prior-node-days", type=float, dest="prior_node_days",
                    help="weight of the model's validation curve, in node-days (default 1000)")
     t.set_defaults(run=run_thresholds)
+
+
+def _executor_flags(p) -> None:
+    p.add_argument("--executor", choices=("local", "ray"),
+                   help="where the per-node feature work runs: local (a process pool, the default) or ray")
+    p.add_argument("--ray-address", dest="ray_address", metavar="HOST:PORT",
+                   help="with --executor ray: the Ray head to join (default: a local Ray instance of one CPU "
+                        "per core, started and stopped by the command)")
 
 
 class _Progress:
@@ -135,9 +149,10 @@ def _flags(args, keys):
 
 
 def run_train(args, file_data) -> int:
-    from foreshock.predictor import train
+    from foreshock.predictor import executors, train
 
-    cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS))
+    cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS),
+                         checks=EXECUTOR_CHECKS)
     if not cfg["data"] or not cfg["out"]:
         print("foreshock train: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
         return 2
@@ -153,7 +168,11 @@ def run_train(args, file_data) -> int:
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
                                    max_negatives=cfg["max_negatives"], progress=progress, command=command,
                                    compare_with=_compare_with(cfg["compare_with"]),
-                                   base=_compare_with(cfg["base"]))
+                                   base=_compare_with(cfg["base"]), executor=cfg["executor"],
+                                   ray_address=cfg["ray_address"] or None)
+    except executors.ExecutorError as exc:
+        print(f"foreshock train: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1
@@ -215,9 +234,10 @@ def _figures(m: dict) -> str:
 
 
 def run_evaluate(args, file_data) -> int:
-    from foreshock.predictor import evaluate, registry, report
+    from foreshock.predictor import evaluate, executors, registry, report
 
-    cfg = config.resolve("evaluate", EVALUATE_DEFAULTS, file_data=file_data, flags=_flags(args, EVALUATE_DEFAULTS))
+    cfg = config.resolve("evaluate", EVALUATE_DEFAULTS, file_data=file_data, flags=_flags(args, EVALUATE_DEFAULTS),
+                         checks=EXECUTOR_CHECKS)
     if not cfg["data"]:
         print("foreshock evaluate: --data DIR is required", file=sys.stderr)
         return 2
@@ -237,8 +257,9 @@ def run_evaluate(args, file_data) -> int:
     try:
         with _Progress() as progress:
             rep = evaluate.evaluate_dataset(cfg["data"], cfg["model"] or None,
-                                            budget=None if cfg["budget"] < 0 else cfg["budget"], progress=progress)
-    except registry.ModelError as exc:
+                                            budget=None if cfg["budget"] < 0 else cfg["budget"], progress=progress,
+                                            executor=cfg["executor"], ray_address=cfg["ray_address"] or None)
+    except (registry.ModelError, executors.ExecutorError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:
@@ -337,7 +358,7 @@ def _write(cfg: dict, rep: dict, to_html) -> None:
 
 
 def _run_leave_one_out(cfg: dict) -> int:
-    from foreshock.predictor import evaluate, groups, leave_one_out, report
+    from foreshock.predictor import evaluate, executors, groups, leave_one_out, report
 
     kind = cfg["leave_one_out"]
     if kind not in groups.KINDS:
@@ -354,7 +375,11 @@ def _run_leave_one_out(cfg: dict) -> int:
         return 2
     try:
         rep = leave_one_out.leave_one_out(cfg["train_data"], cfg["data"], kind, only=cfg["only"] or None,
-                                          max_iter=cfg["max_iter"], log=_err)
+                                          max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
+                                          ray_address=cfg["ray_address"] or None)
+    except executors.ExecutorError as exc:
+        print(f"foreshock evaluate: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 1

@@ -358,8 +358,10 @@ class ScoredData:
         return dict(collections.Counter(self.types.get(ns.node, groups.UNKNOWN_TYPE) for ns in self.nodes))
 
 
-def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> ScoredData:
-    """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores)."""
+def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, executor: str = "local",
+                  ray_address: str | None = None) -> ScoredData:
+    """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores); the
+    features built on `executor` (offline.FeatureBuilder)."""
     from foreshock import dataset as ds
 
     if not ds.partition_files(data_dir, "incidents"):
@@ -367,7 +369,7 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> 
                          "the scores against the logged incidents (docs/schema.md)")
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     nodes = []
-    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
+    with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address) as fb:
         for nf in fb:
             nodes.append(score_node(nf, incidents, predictors, horizon_s))
         first, last = fb.step_range
@@ -376,7 +378,8 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> 
     return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last))
 
 
-def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None) -> dict:
+def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None,
+                     executor: str = "local", ray_address: str | None = None) -> dict:
     """Score every step of a dataset with the model and both baselines; the report (JSON-able dict).
 
     Thresholds: the manifest's, for `budget` (default: the budget the model was trained for).
@@ -395,7 +398,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         if est is not None and name in thresholds:
             predictors[name] = (lambda e: (lambda X: e.predict_proba(X)[:, 1]))(est)
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
-    scored = score_dataset(data_dir, predictors, horizon_s, progress)
+    scored = score_dataset(data_dir, predictors, horizon_s, progress, executor=executor, ray_address=ray_address)
     nodes, incidents = scored.nodes, scored.incidents
     # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
     judged = (lambda done: progress("judging", done, 4)) if progress else (lambda done: None)

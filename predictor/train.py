@@ -61,7 +61,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
           command: str | None = None, holdout: groups.HoldOut | None = None,
-          compare_with: str | Path | None = None, base: str | Path | None = None) -> dict:
+          compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
+          ray_address: str | None = None) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
     compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
@@ -86,7 +87,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     rows_by_type: dict[str, int] = {}
     positives_by_family: dict[str, int] = {}
     held_steps = held_positive = 0
-    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
+    with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address) as fb:
         fb.pass1()
         first, last = fb.step_range
         span = (last + 1 - first) * offline.STEP_NS
