@@ -32,12 +32,14 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
-                  "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": ""}
+                  "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
+                  "on_corrupt": "stop"}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"], "executor": "local",
-                     "ray_address": ""}
-EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray")}
+                     "ray_address": "", "on_corrupt": "stop"}
+EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray"),
+                   "on_corrupt": config.Check(lambda v: v in ("stop", "skip"), "must be stop or skip")}
 
 
 def register(subparsers) -> None:
@@ -102,6 +104,9 @@ def _executor_flags(p) -> None:
     p.add_argument("--ray-address", dest="ray_address", metavar="HOST:PORT",
                    help="with --executor ray: the Ray head to join (default: a local Ray instance of one CPU "
                         "per core, started and stopped by the command)")
+    p.add_argument("--on-corrupt", dest="on_corrupt", choices=("stop", "skip"),
+                   help="a node partition whose files cannot be read: stop, naming the file (the default), or "
+                        "leave that node out, name it and go on with the rest")
 
 
 class _Progress:
@@ -169,13 +174,15 @@ def run_train(args, file_data) -> int:
                                    max_negatives=cfg["max_negatives"], progress=progress, command=command,
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
-                                   ray_address=cfg["ray_address"] or None)
+                                   ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1
+    for node, why in manifest["training"].get("skipped_partitions", {}).items():
+        _err(f"WARNING: node {node} left out (--on-corrupt skip): {why}")
     v = manifest["metrics"]["validation"]["model"]
     tr = manifest["training"]
     print(f"model {manifest['version']} -> {cfg['out']}: {tr['nodes']} nodes, {tr['incidents']} incidents, "
@@ -258,7 +265,8 @@ def run_evaluate(args, file_data) -> int:
         with _Progress() as progress:
             rep = evaluate.evaluate_dataset(cfg["data"], cfg["model"] or None,
                                             budget=None if cfg["budget"] < 0 else cfg["budget"], progress=progress,
-                                            executor=cfg["executor"], ray_address=cfg["ray_address"] or None)
+                                            executor=cfg["executor"], ray_address=cfg["ray_address"] or None,
+                                            on_error=cfg["on_corrupt"])
     except (registry.ModelError, executors.ExecutorError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 2
@@ -266,6 +274,8 @@ def run_evaluate(args, file_data) -> int:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 1
     _write(cfg, rep, report.to_html)
+    for node, why in rep.get("skipped_partitions", {}).items():
+        _err(f"WARNING: node {node} left out (--on-corrupt skip): {why}")
     print(f"{rep['nodes']} nodes, {rep['node_days']:.1f} node-days, {rep['model']['incidents']} incidents "
           f"({rep['model']['incidents_precursor']} with precursors); budget {rep['budget']} false evacuations/1,000 node-days")
     print(f"{'':10} {'PR-AUC':>7} {'ROC-AUC':>7} {'Brier':>8} {'recall(p)':>9} {'recall(all)':>11} {'lead':>6} {'FE/1k':>6}")

@@ -353,13 +353,14 @@ class ScoredData:
     incidents: lb.Incidents
     types: dict[str, str]      # node -> type (groups.node_types)
     identity: dict             # data_identity
+    skipped: dict = field(default_factory=dict)   # node -> why its partition was left out (on_error="skip")
 
     def type_counts(self) -> dict[str, int]:
         return dict(collections.Counter(self.types.get(ns.node, groups.UNKNOWN_TYPE) for ns in self.nodes))
 
 
 def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, executor: str = "local",
-                  ray_address: str | None = None) -> ScoredData:
+                  ray_address: str | None = None, on_error: str = "stop") -> ScoredData:
     """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores); the
     features built on `executor` (offline.FeatureBuilder)."""
     from foreshock import dataset as ds
@@ -369,17 +370,19 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, 
                          "the scores against the logged incidents (docs/schema.md)")
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     nodes = []
-    with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address) as fb:
+    with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address,
+                                on_error=on_error) as fb:
         for nf in fb:
             nodes.append(score_node(nf, incidents, predictors, horizon_s))
         first, last = fb.step_range
         names = fb.nodes
+        skipped = dict(fb.skipped)
     types = groups.node_types(ds.read_table(data_dir, "inventory"), names)
-    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last))
+    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last), skipped)
 
 
 def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None,
-                     executor: str = "local", ray_address: str | None = None) -> dict:
+                     executor: str = "local", ray_address: str | None = None, on_error: str = "stop") -> dict:
     """Score every step of a dataset with the model and both baselines; the report (JSON-able dict).
 
     Thresholds: the manifest's, for `budget` (default: the budget the model was trained for).
@@ -398,7 +401,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         if est is not None and name in thresholds:
             predictors[name] = (lambda e: (lambda X: e.predict_proba(X)[:, 1]))(est)
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
-    scored = score_dataset(data_dir, predictors, horizon_s, progress, executor=executor, ray_address=ray_address)
+    scored = score_dataset(data_dir, predictors, horizon_s, progress, executor=executor, ray_address=ray_address,
+                           on_error=on_error)
     nodes, incidents = scored.nodes, scored.incidents
     # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
     judged = (lambda done: progress("judging", done, 4)) if progress else (lambda done: None)
@@ -435,6 +439,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["data"] = str(data_dir)
     out["data_hash"] = scored.identity["data_hash"]
     out["nodes"] = len(nodes)
+    out["skipped_partitions"] = scored.skipped
     out["node_days"] = out["model"]["node_days"]
     out["thresholds_from"] = "the model manifest (chosen on the training run's validation slice)"
     out["definitions"] = DEFINITIONS

@@ -50,11 +50,13 @@ class WorkError(RuntimeError):
 
 
 class Executor:
-    """map(fn, argses, labels) -> fn(*args) for each, in order; close() releases the workers."""
+    """map(fn, argses, labels) -> fn(*args) for each, in order; close() releases the workers. An item
+    that fails for good raises WorkError, or with keep_going=True is yielded as one in its place."""
 
     in_flight: int = 1
 
-    def map(self, fn: Callable, argses: Iterable[tuple], labels: Sequence[str] | None = None) -> Iterator:
+    def map(self, fn: Callable, argses: Iterable[tuple], labels: Sequence[str] | None = None, *,
+            keep_going: bool = False) -> Iterator:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -64,12 +66,16 @@ class Executor:
 class SerialExecutor(Executor):
     """In this process, one item at a time (small datasets, tests)."""
 
-    def map(self, fn, argses, labels=None):
+    def map(self, fn, argses, labels=None, *, keep_going=False):
         for k, args in enumerate(argses):
             try:
-                yield fn(*args)
+                result = fn(*args)
             except Exception as exc:
-                raise WorkError(_label(labels, k), f"{type(exc).__name__}: {exc}") from exc
+                error = WorkError(_label(labels, k), _cause(exc))
+                if not keep_going:
+                    raise error from exc
+                result = error
+            yield result
 
 
 class ProcessExecutor(Executor):
@@ -80,12 +86,12 @@ class ProcessExecutor(Executor):
         self.in_flight = 2 * self.workers
         self._pool: ProcessPoolExecutor | None = None
 
-    def map(self, fn, argses, labels=None):
+    def map(self, fn, argses, labels=None, *, keep_going=False):
         if self._pool is None:
             # spawn: a fresh interpreter, not a fork of a parent that holds threads and large arrays
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         yield from _ordered(lambda args: self._pool.submit(fn, *args), lambda fut: fut.result(),
-                            argses, labels, self.in_flight)
+                            argses, labels, self.in_flight, keep_going)
 
     def close(self):
         if self._pool is not None:
@@ -126,12 +132,13 @@ class RayExecutor(Executor):
         self.in_flight = 2 * max(1, cpus)
         self._remote: dict[Callable, object] = {}
 
-    def map(self, fn, argses, labels=None):
+    def map(self, fn, argses, labels=None, *, keep_going=False):
         remote = self._remote.get(fn)
         if remote is None:
             remote = self._remote[fn] = self._ray.remote(num_cpus=1, max_retries=self.max_retries,
                                                          retry_exceptions=True)(fn)
-        yield from _ordered(lambda args: remote.remote(*args), self._ray.get, argses, labels, self.in_flight)
+        yield from _ordered(lambda args: remote.remote(*args), self._ray.get, argses, labels, self.in_flight,
+                            keep_going)
 
     def close(self):
         if self._started_here and self._ray.is_initialized():
@@ -148,7 +155,7 @@ def make_executor(kind: str, workers: int, ray_address: str | None = None) -> Ex
     raise ExecutorError(f"executor {kind!r} is not one of {', '.join(KINDS)}")
 
 
-def _ordered(submit, wait, argses, labels, in_flight: int) -> Iterator:
+def _ordered(submit, wait, argses, labels, in_flight: int, keep_going: bool) -> Iterator:
     pending: collections.deque = collections.deque()
     it = enumerate(argses)
     for k, args in it:
@@ -160,9 +167,12 @@ def _ordered(submit, wait, argses, labels, in_flight: int) -> Iterator:
         try:
             result = wait(handle)
         except Exception as exc:
-            for _, other in pending:
-                _cancel(other)
-            raise WorkError(_label(labels, k), _cause(exc)) from exc
+            error = WorkError(_label(labels, k), _cause(exc))
+            if not keep_going:
+                for _, other in pending:
+                    _cancel(other)
+                raise error from exc
+            result = error
         nxt = next(it, None)
         if nxt is not None:
             pending.append((nxt[0], submit(nxt[1])))

@@ -21,6 +21,7 @@ memory-mapped files in the cache directory: memory stays bounded.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ from foreshock.predictor import features as ft
 from foreshock.predictor import signals as sg
 
 STEP_NS = ft.STEP_SECONDS * 1_000_000_000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,11 +98,24 @@ def read_node(root, node: str, dates: dict[str, list[str]] | None = None) -> dic
             continue
         # in file order, unsorted: SampleStage sorts each entity's rows by time itself (stably, so
         # duplicates resolve as after read_table's stable sort)
-        data = pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
-            columns=sg._needed_columns(table))
+        try:
+            data = pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
+                columns=sg._needed_columns(table))
+        except (OSError, pa.ArrowException) as exc:
+            raise ValueError(f"{_unreadable(files) or f'table={table}, node {node}'}: {exc}") from exc
         if data.num_rows:
             out[table] = data
     return out
+
+
+def _unreadable(files: list[str]) -> str | None:
+    """The first of `files` whose Parquet footer does not read (the file a failed read tripped on)."""
+    for f in files:
+        try:
+            pq.read_metadata(f)
+        except (OSError, pa.ArrowException):
+            return f
+    return None
 
 
 class Inventory:
@@ -278,6 +293,7 @@ def _base_pass(root: str, node: str, cache_path: str, dates: dict[str, list[str]
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
 FEATURE_BLOCK_STEPS = 1024
+ON_ERROR = ("stop", "skip")   # a node partition whose work fails: stop the build, or leave the node out
 
 
 def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: int, out_path: str | None,
@@ -343,7 +359,8 @@ class FeatureBuilder:
     """Both passes over a dataset; iterate it for one NodeFeatures per node (in node order)."""
 
     def __init__(self, root, *, nodes: list[str] | None = None, progress=None, cache_dir=None,
-                 workers: int | None = None, executor: str = "local", ray_address: str | None = None):
+                 workers: int | None = None, executor: str = "local", ray_address: str | None = None,
+                 on_error: str = "stop"):
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"dataset directory {self.root} does not exist")
@@ -357,6 +374,10 @@ class FeatureBuilder:
         self._ranges: dict[str, tuple[int, int]] = {}
         self.totals: PeerTotals | None = None
         self._run = ""
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
+        self.on_error = on_error
+        self.skipped: dict[str, str] = {}    # node -> why its partition was left out (on_error="skip")
         try:
             self._executor = executors.make_executor(executor, self.workers, ray_address)
         except BaseException:
@@ -377,11 +398,19 @@ class FeatureBuilder:
         return isinstance(self._executor, executors.SerialExecutor)
 
     def _map(self, fn, argses, labels) -> Iterator:
-        """fn(*args) for each args, results in order, on the executor; a failure names the node."""
+        """fn(*args) for each args, results in order, on the executor. A node whose work fails for good
+        (bad data, as a file the reader refuses) stops the build with a ValueError naming the node and
+        the file; with on_error="skip" it yields None for it instead, and `skipped` says why."""
+        keep_going = self.on_error == "skip"
         try:
-            yield from self._executor.map(fn, argses, labels)
+            for k, result in enumerate(self._executor.map(fn, argses, labels, keep_going=keep_going)):
+                if isinstance(result, executors.WorkError):
+                    self.skipped[result.label] = str(result)
+                    log.warning("dataset %s: node partition %s left out", self.root, result)
+                    yield None
+                else:
+                    yield result
         except executors.WorkError as exc:
-            # bad data, as a file the reader refuses: the commands report it as they do other bad input
             raise ValueError(f"dataset {self.root}, node partition {exc}") from exc
 
     def __enter__(self):
@@ -449,6 +478,8 @@ class FeatureBuilder:
                  str(self.cache / f"X-{i:06d}.npy") if via_file else None, None if via_file else self.totals)
                 for i, node in todo)
         for (i, node), nf in zip(todo, self._map(_feature_pass, jobs, [node for _, node in todo])):
+            if nf is None:
+                continue
             if via_file:
                 path = self.cache / f"X-{i:06d}.npy"
                 nf.X = np.load(path)

@@ -94,13 +94,11 @@ def test_train_and_evaluate_on_ray_give_the_local_model_and_figures(data, ray_he
 
 def test_a_node_partition_that_keeps_failing_is_named_after_ray_retries_it(data, ray_head, tmp_path, capsys):
     broken = tmp_path / "broken"
-    shutil.copytree(data, broken)
-    victim = sorted((broken / "table=gpu").rglob("node=node-003/*.parquet"))[0]
-    victim.write_bytes(b"PAR1 not a parquet file")
+    victim = _broken_copy(data, broken)
     rc = cli.main(["evaluate", "--data", str(broken), "--executor", "ray", "--ray-address", ray_head])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "node partition node-003" in err and str(broken) in err
+    assert "node partition node-003" in err and str(victim) in err
 
 
 def test_a_ray_address_that_does_not_answer_is_refused_within_its_deadline(data, capsys):
@@ -111,3 +109,29 @@ def test_a_ray_address_that_does_not_answer_is_refused_within_its_deadline(data,
             in capsys.readouterr().err)
     with pytest.raises(executors.ExecutorError, match="expected HOST:PORT"):
         executors.RayExecutor(1, "ray://somewhere")
+
+
+def _broken_copy(data, dest):
+    shutil.copytree(data, dest)
+    victim = sorted((dest / "table=gpu").rglob("node=node-003/*.parquet"))[0]
+    victim.write_bytes(b"PAR1 not a parquet file")
+    return victim
+
+
+def test_a_corrupt_file_stops_the_command_naming_it_or_is_left_out_by_the_flag(data, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    victim = _broken_copy(data, broken)
+    rc = cli.main(["evaluate", "--data", str(broken)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "node partition node-003" in err and str(victim) in err
+    js = tmp_path / "e.json"
+    rc = cli.main(["evaluate", "--data", str(broken), "--on-corrupt", "skip", "--json", str(js)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "WARNING: node node-003 left out (--on-corrupt skip)" in err and str(victim) in err
+    rep = json.loads(js.read_text())
+    assert list(rep["skipped_partitions"]) == ["node-003"] and rep["nodes"] == 11
+    # the rest is judged as without the broken node: its steps are simply not there
+    with offline.FeatureBuilder(broken, workers=2, on_error="skip") as fb:
+        nodes = [nf.node for nf in fb]
+        assert "node-003" not in nodes and len(nodes) == 11 and list(fb.skipped) == ["node-003"]
