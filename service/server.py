@@ -28,10 +28,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from foreshock.config import parse_listen
+from foreshock.net import is_loopback
 from foreshock.service import store as store_mod
 from foreshock.service.actions import ActionSettings, NodeActions, backends_from
 from foreshock.service.auth import (
-    Authenticator, AuthInterceptor, Principal, is_loopback, server_credentials)
+    Authenticator, AuthInterceptor, Principal, server_credentials)
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
