@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from foreshock import fabric
+
 SCHEMA_VERSION = 1
 
 TS = pa.timestamp("ns", tz="UTC")
 U64 = pa.uint64()
+U32 = pa.uint32()
 I64 = pa.int64()
 I32 = pa.int32()
 I16 = pa.int16()
@@ -73,6 +76,21 @@ GPU = COMMON + (
     Field("pcie_link_width", I8, "lanes", "Current PCIe link width."),
     Field("pcie_link_width_max", I8, "lanes", "Maximum PCIe link width."),
     Field("gpu_lost", BOOL, "", "NVML answered NVML_ERROR_GPU_IS_LOST (follows Xid 79).", nullable=False),
+    # GPU fabric information (nvmlDeviceGetGpuFabricInfoV; foreshock/fabric.py): null on GPUs and drivers
+    # without it, and where the state is NVML_GPU_FABRIC_STATE_NOT_SUPPORTED.
+    Field("fabric_state", I8, "", "Fabric registration state (.state: 1 not started, 2 in progress, 3 completed)."),
+    Field("fabric_status", I32, "", "Fabric registration result (.status, an NVML return code, 0 success), "
+          "valid once the state is completed."),
+    Field("fabric_cluster_uuid", STR, "", "Fabric cluster UUID (.clusterUuid); null when all zero (NVLink "
+          "inside the node)."),
+    Field("fabric_clique_id", U32, "", "Fabric clique id (.cliqueId): the GPUs that reach each other over NVLink."),
+    Field("nvlink_domain", STR, "", "\"<cluster uuid>/<clique id>\" once registered (completed, success, a "
+          "cluster UUID), else null (foreshock/fabric.py, nvlink_domain)."),
+    Field("fabric_health_mask", U32, "bitmask", "Fabric health mask (.healthMask, fabric info v2), raw; "
+          "decoded in the fabric_* columns below."),
+    Field("fabric_health_summary", I8, "", "Fabric health summary (.healthSummary, fabric info v3: "
+          "1 healthy, 2 unhealthy, 3 limited capacity)."),
+    *(Field(f.column, I8 if f.codes else BOOL, "", f.help) for f in fabric.HEALTH_FIELDS),
 )
 
 NVLINK_ERROR_COUNTERS = (
