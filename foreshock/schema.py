@@ -225,7 +225,7 @@ PATH_PROBE = COMMON + (
 )
 
 EVENTS = COMMON + (
-    _key("kind", STR, "xid | gpu_lost | link_state | nic_error."),
+    _key("kind", STR, "xid | sxid | gpu_lost | link_state | nic_error."),
     _key("source", STR, "nvml | kmsg | sysfs | simulator."),
     Field("severity", STR, "", "precursor | application | fatal | info (for Xids: the Xid catalogue, foreshock/xid.py)."),
     Field("xid", I32, "", "Xid code, for kind=xid."),
@@ -233,10 +233,12 @@ EVENTS = COMMON + (
     Field("pci_bus_id", STR, "", "PCI bus id of the device the event names, lower case."),
     Field("pid", I64, "", "Process id the driver names, when it names one."),
     Field("process_name", STR, "", "Process name the driver names."),
-    Field("device", STR, "", "NIC / RDMA device or interface the event names."),
+    Field("device", STR, "", "NIC / RDMA device or interface the event names; the NVSwitch (nvswitchN), for kind=sxid."),
     Field("port", I16, "", "Port, for RDMA link events."),
     Field("message", STR, "", "The driver's text, unparsed remainder."),
     Field("seq", I64, "", "/dev/kmsg sequence number (dedupe across restarts)."),
+    Field("sxid", I32, "", "NVSwitch SXid code, for kind=sxid (collectors/sxid.py)."),
+    Field("link", I16, "", "NVSwitch link the SXid names, if it names one."),
 )
 
 # Topology labels: who shares a leaf switch, a site, an NVLink domain, a job. Written at start-up and
