@@ -253,6 +253,18 @@ INVENTORY = COMMON + (
     Field("hcas", I16, "", "HCAs in the node."),
 )
 
+# The NVLink fabric's systemd services (foreshock/fabric.py, FABRIC_SERVICES), from `systemctl show`
+# (collectors/systemd.py): one row per installed unit at each poll; a unit not installed has no row.
+SYSTEMD_UNIT = COMMON + (
+    _key("unit", STR, "Unit name (nvidia-fabricmanager.service, nvidia-imex.service)."),
+    Field("load_state", STR, "", "LoadState (loaded, masked, error, ...)."),
+    Field("active_state", STR, "", "ActiveState (active, inactive, failed, activating, deactivating, reloading)."),
+    Field("sub_state", STR, "", "SubState (running, exited, dead, failed, auto-restart, ...)."),
+    Field("result", STR, "", "Result of the unit's last run (success, exit-code, signal, core-dump, timeout, ...)."),
+    Field("n_restarts", U32, "restarts", "NRestarts: automatic restarts since the unit was last started "
+          "(systemd >= 235)."),
+)
+
 INCIDENTS = COMMON + (
     Field("incident_id", STR, "", "Unique id."),
     Field("scope", STR, "", "node | switch | site: what `node` names."),
@@ -276,6 +288,7 @@ TABLES: dict[str, tuple[Field, ...]] = {
     "events": EVENTS,
     "inventory": INVENTORY,
     "incidents": INCIDENTS,
+    "systemd_unit": SYSTEMD_UNIT,
 }
 
 # Columns that identify an entity within a node, used by dedupe and by feature builders.
@@ -290,6 +303,7 @@ ENTITY_KEYS: dict[str, tuple[str, ...]] = {
     "events": (),
     "inventory": (),
     "incidents": ("incident_id",),
+    "systemd_unit": ("unit",),
 }
 
 
