@@ -43,6 +43,11 @@ INCORRECT_CONFIGURATIONS = {
 
 UUID_LEN = 16  # NVML_GPU_FABRIC_UUID_LEN
 
+# The health mask of a registered GPU with nothing wrong: bandwidth full, no route recovery, routes
+# healthy, no access-timeout recovery, configuration right, partition assigned (bits 12-13, 1), global
+# fabric manager connected.
+HEALTHY_MASK = 2 | 2 << 2 | 2 << 4 | 2 << 6 | 1 << 8 | 1 << 12 | 1 << 14
+
 
 @dataclass(frozen=True)
 class HealthField:

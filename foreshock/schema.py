@@ -247,7 +247,8 @@ INVENTORY = COMMON + (
     Field("site", STR, "", "Site (data centre) name."),
     Field("spine", STR, "", "Spine switch group."),
     Field("leaf_switch", STR, "", "Leaf switch the node's HCAs attach to."),
-    Field("nvlink_domain", STR, "", "NVLink domain (e.g. NVL72 rack), if any."),
+    Field("nvlink_domain", STR, "", "Multi-node NVLink domain (an NVL72 rack): \"<fabric cluster uuid>/<clique id>\" of "
+          "its GPUs (the gpu table's nvlink_domain); null where NVLink stays inside the node."),
     Field("job", STR, "", "Job running on the node, if known."),
     Field("gpus", I16, "", "GPUs in the node."),
     Field("hcas", I16, "", "HCAs in the node."),

@@ -195,9 +195,7 @@ def test_the_real_backend_decodes_field_values_by_type(monkeypatch):
 
 # -- GPU fabric information (NVL72 / multi-node NVLink) ----------------------------------------------
 CLUSTER = bytes.fromhex("9a1d5c3e27b04f6a8c11d2e3f4a5b6c7")
-# Healthy (nvml.h fields): bandwidth full, no route recovery, routes healthy, no access-timeout recovery,
-# configuration right, partition assigned, global fabric manager connected.
-HEALTHY_MASK = 2 | 2 << 2 | 2 << 4 | 2 << 6 | 1 << 8 | 1 << 12 | 1 << 14
+HEALTHY_MASK = fabric.HEALTHY_MASK
 
 
 def test_fabric_info_fills_the_gpu_columns_and_the_nvlink_domain():

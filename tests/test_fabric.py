@@ -66,3 +66,10 @@ def test_cluster_uuid_and_domain():
         fabric.cluster_uuid(CLUSTER[:12])
     assert fabric.nvlink_domain(None, 3) is None and fabric.nvlink_domain("u", None) is None
     assert fabric.nvlink_domain("u", 0) == "u/0"
+
+
+def test_the_healthy_mask_decodes_to_healthy():
+    assert fabric.decode_health_mask(fabric.HEALTHY_MASK) == {
+        "fabric_degraded_bw": False, "fabric_route_recovery": False, "fabric_route_unhealthy": False,
+        "fabric_access_timeout_recovery": False, "fabric_incorrect_configuration": 1,
+        "fabric_gfm_disconnected": False}
