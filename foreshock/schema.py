@@ -268,7 +268,7 @@ SYSTEMD_UNIT = COMMON + (
 
 INCIDENTS = COMMON + (
     Field("incident_id", STR, "", "Unique id."),
-    Field("scope", STR, "", "node | switch | site: what `node` names."),
+    Field("scope", STR, "", "node | switch | site | nvlink_domain: what `node` names."),
     Field("affected_nodes", pa.list_(STR), "", "Nodes the incident took out (the blast radius)."),
     Field("category", STR, "", "Root-cause category (failure-figures.md names: faulty_gpu, gpu_hbm, ...)."),
     Field("component", STR, "", "Component: gpu3, mlx5_2/1, leaf-7, ..."),
