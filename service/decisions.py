@@ -164,13 +164,17 @@ def read_decisions(root: str | Path) -> pa.Table:
     return table.sort_by("ts")
 
 
+# A fabric incident's scope in the decision log (the topology label) -> the incidents table's scope.
+INCIDENT_SCOPES = {"leaf_switch": "switch", "site": "site", "nvlink_domain": "nvlink_domain"}
+
+
 def incident_rows(decisions: pa.Table) -> pa.Table:
     """Fatal alarms and fabric incidents from the decision log as schema-v1 `incidents` rows."""
     rows = []
     for r in decisions.to_pylist():
         if r["kind"] == "fabric_incident":
             rows.append({"ts": r["ts"], "node": r["node"], "incident_id": f"fabric-{r['node']}-{r['ts'].timestamp():.0f}",
-                         "scope": "switch" if r["scope"] == "leaf_switch" else "site",
+                         "scope": INCIDENT_SCOPES.get(r["scope"], r["scope"]),
                          "affected_nodes": r["nodes"], "category": "fabric", "component": r["node"],
                          "description": r["reason"]})
         elif r["kind"] == "alarm" and (r["reason"] or "").startswith("fatal"):

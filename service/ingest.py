@@ -625,9 +625,9 @@ class Ingest:
     def _side_effects(self, good: dict[str, pa.Table], now: int) -> None:
         inv = good.get("inventory")
         if inv is not None:
-            for row in inv.select(["node", "site", "spine", "leaf_switch"]).to_pylist():
+            for row in inv.select(["node", "site", "spine", "leaf_switch", "nvlink_domain"]).to_pylist():
                 self.nodes.set_topology(row["node"], Topology(row["site"] or "", row["spine"] or "",
-                                                              row["leaf_switch"] or ""))
+                                                              row["leaf_switch"] or "", row["nvlink_domain"] or ""))
         ev = good.get("events")
         if ev is not None:
             ts_ns = ev.column("ts").cast(pa.int64()).to_pylist()

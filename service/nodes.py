@@ -22,6 +22,7 @@ class Topology:
     site: str = ""
     spine: str = ""
     leaf_switch: str = ""
+    nvlink_domain: str = ""  # a multi-node NVLink domain (an NVL72 rack); "" where NVLink stays inside the node
 
 
 @dataclass(frozen=True)

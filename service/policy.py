@@ -8,7 +8,7 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    fatal class), which holds for `fatal_hold_seconds`.
 2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
    a fatal alarm acts at once.
-3. Blast radius: when alarmed nodes make up a large share of a leaf switch or a site
+3. Blast radius: when alarmed nodes make up a large share of a leaf switch, a site or an NVLink domain
    (`incident_fraction`, at least `incident_min_nodes`), the fault is the fabric's, not the nodes':
    it is reported as a fabric incident and no spares are spent on those nodes.
 4. Per job: nothing if the job already has an active directive from that node (never issued twice);
@@ -147,7 +147,7 @@ class EvacuationPolicy:
 
     # -- blast radius --------------------------------------------------------------------------------
     def _update_incidents(self, now_ns: int) -> set[str]:
-        """Fabric incidents (leaf switch or site) among alarmed nodes; returns the nodes they cover."""
+        """Fabric incidents (leaf switch, site or NVLink domain) among alarmed nodes; returns the nodes they cover."""
         s = self.settings
         groups: dict[tuple[str, str], set[str]] = defaultdict(set)
         for node in self.alarms:
@@ -156,6 +156,8 @@ class EvacuationPolicy:
                 groups[("leaf_switch", topo.leaf_switch)].add(node)
             if topo.site:
                 groups[("site", topo.site)].add(node)
+            if topo.nvlink_domain:
+                groups[("nvlink_domain", topo.nvlink_domain)].add(node)
         current: dict[tuple[str, str], set[str]] = {}
         for (scope, name), members in groups.items():
             size = len(self.nodes.nodes_under(scope, name))
