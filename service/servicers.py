@@ -141,7 +141,7 @@ def directive_to_proto(d: Directive) -> jobs_pb2.Directive:
         reason=d.reason, risk=d.risk,
         signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
                                    description=s.description) for s in d.signals],
-        issued_at=_ts(d.issued_at_ns), state=int(d.state), generation=d.generation)
+        issued_at=_ts(d.issued_at_ns), state=int(d.state), generation=d.generation, cause=int(d.cause))
 
 
 class JobsServicer(jobs_pb2_grpc.JobsServicer):
