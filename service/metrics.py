@@ -30,6 +30,11 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
   foreshock_fabric_incident{scope,name}                1 while a fabric incident is open
+  foreshock_node_fail_slow{node,job}                   1 while a rank of the node is consistently slower
+                                                       than its job's others (service/steptimes.py)
+  foreshock_node_fail_slow_ratio{node,job}             that rank's time over its job's median, meanwhile
+  foreshock_step_time_samples_total{result}            ranks' step times kept | stale (old, or re-sent)
+  foreshock_step_time_reports_refused_total            ReportStepTimes calls refused (bad input, unknown job)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
@@ -181,6 +186,23 @@ class ControlPlaneCollector:
         for scope, name in list(p.policy.incidents):
             inc.add_metric([scope, name], 1.0)
         yield inc
+        slow = GaugeMetricFamily("foreshock_node_fail_slow", "1 while a rank of the node is consistently "
+                                 "slower than its job's other ranks (the fail-slow rule).", labels=["node", "job"])
+        ratio = GaugeMetricFamily("foreshock_node_fail_slow_ratio", "The fail-slow rank's time over its job's "
+                                  "median at the same steps.", labels=["node", "job"])
+        for (node, job), verdict in sorted(dict(p.policy.fail_slow).items()):
+            slow.add_metric([node, job], 1.0)
+            ratio.add_metric([node, job], verdict.ratio)
+        yield slow
+        yield ratio
+        samples = CounterMetricFamily("foreshock_step_time_samples", "Ranks' step times received: kept, or "
+                                      "stale (older than the job's window, or a step already kept).",
+                                      labels=["result"])
+        for result, n in sorted(dict(p.step_times.samples).items()):
+            samples.add_metric([result], n)
+        yield samples
+        yield CounterMetricFamily("foreshock_step_time_reports_refused", "ReportStepTimes calls refused.",
+                                  value=p.step_times.refused_reports)
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

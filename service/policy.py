@@ -22,6 +22,10 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
+7. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
+   ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
+   on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
+   FAIL_SLOW. A fabric incident does not hold it back: the rule compares ranks of one job, not nodes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
+from foreshock.service.steptimes import FailSlow, StepTimes
 from foreshock.service.store import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
 
 log = logging.getLogger(__name__)
@@ -87,8 +92,11 @@ class Alarm:
 
 
 class EvacuationPolicy:
-    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog):
+    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog,
+                 step_times: StepTimes | None = None):
         self.settings = settings
+        self.step_times = step_times
+        self.fail_slow: dict[tuple[str, str], FailSlow] = {}   # (node, job) held fail-slow
         self.nodes = nodes
         self.jobs = jobs
         self.decisions = decisions
@@ -139,6 +147,26 @@ class EvacuationPolicy:
         for node, alarm in list(self.alarms.items()):
             if alarm.fatal and now_ns - alarm.since_ns > s.fatal_hold_seconds * 1e9:
                 del self.alarms[node]
+
+    # -- fail-slow -----------------------------------------------------------------------------------
+    def _update_fail_slow(self, now_ns: int) -> dict[tuple[str, str], FailSlow]:
+        if self.step_times is None:
+            return {}
+        held = self.step_times.evaluate(self.jobs.store.jobs())
+        for key in sorted(held.keys() - self.fail_slow.keys()):
+            v = held[key]
+            self.decisions.record("fail_slow", node=v.node, job=v.job_id, ranks=[v.rank], ts_ns=now_ns,
+                                  reason=v.reason(self.step_times.settings), ratio=round(v.ratio, 4),
+                                  slow_steps=v.slow_steps, judged_steps=v.judged_steps, measure=v.measure)
+            log.warning("fail-slow: node %s in job %s (%s)", v.node, v.job_id, v.reason(self.step_times.settings))
+        for key in sorted(self.fail_slow.keys() - held.keys()):
+            node, job = key
+            self.decisions.record("fail_slow_cleared", node=node, job=job, ts_ns=now_ns,
+                                  reason="no rank on the node is consistently slower than the job's others "
+                                         "now (or the job's placement changed)")
+            self._said.pop(key, None)
+        self.fail_slow = held
+        return held
 
     # -- blast radius --------------------------------------------------------------------------------
     def _update_incidents(self, now_ns: int) -> set[str]:
@@ -292,7 +320,8 @@ class EvacuationPolicy:
                 for job in self.jobs.jobs_on(n):
                     self._say(n, job.job_id, "held_fabric_incident", ts_ns=now_ns,
                               reason="node is inside a fabric incident; spares are kept")
-            if not due:
+            slow = self._update_fail_slow(now_ns)
+            if not due and not slow:
                 return []
             jobs = self.jobs.store.jobs()
             active = self.jobs.store.directives(active_only=True)
@@ -309,10 +338,20 @@ class EvacuationPolicy:
                         reason = alarm.reason if alarm.fatal else \
                             f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
                         d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
-                                      origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
-                                      last_directive=last, busy=busy)
+                                      origin="fatal" if alarm.fatal else "risk", enforce_limits=True,
+                                      fatal=alarm.fatal, active=active, last_directive=last, busy=busy)
                         if d is not None:
                             issued.append(d)
+                by_id = {job.job_id: job for job in jobs}
+                for (node, job_id), verdict in sorted(slow.items(), key=lambda x: (-x[1].ratio, x[0])):
+                    job = by_id.get(job_id)
+                    if job is None or node not in job.nodes():
+                        continue
+                    d = self._act(job, node, now_ns, risk=self.nodes.probability(node) or 0.0,
+                                  reason=verdict.reason(self.step_times.settings), signals=(), origin="fail_slow",
+                                  enforce_limits=True, fatal=False, active=active, last_directive=last, busy=busy)
+                    if d is not None:
+                        issued.append(d)
             return issued
 
     def drain(self, node: str, reason: str, now_ns: int) -> list[Directive]:

@@ -176,6 +176,16 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
         except ServiceError as err:
             await _abort(context, err)
 
+    async def ReportStepTimes(self, request, context):
+        try:
+            self._job_scope(context, request.job_id)
+            samples = [(t.step, t.step_seconds, t.compute_seconds) for t in request.steps]
+            kept = await asyncio.to_thread(self.plane.step_times.record, request.job_id, request.rank,
+                                           request.node, samples)
+            return jobs_pb2.ReportStepTimesResponse(accepted=kept)
+        except ServiceError as err:
+            await _abort(context, err)
+
     async def DeregisterJob(self, request, context):
         try:
             self._job_scope(context, request.job_id)
