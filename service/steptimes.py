@@ -3,7 +3,7 @@
 The migrator reports every rank's step durations (jobs.proto ReportStepTimes, batched: a `StepTime` is
 the step, its whole duration, and the rank's compute part, from the step's start to its entry into the
 gradient all-reduce). `StepTimes.record` checks a report and keeps it in the job's window: the last
-`2 x window_steps` steps by step number, a float32 cell per (step, rank), so memory is bounded by
+`2 x window` steps by step number, a float32 cell per (step, rank), so memory is bounded by
 `MAX_CELLS` over all jobs. A window belongs to one placement generation of its job: a move, a shrink or
 a new registration starts it over, so a rank's samples never follow it to another node.
 
@@ -12,8 +12,8 @@ step that at least `min_ranks` ranks, and at least half of the job's ranks, have
 time is compared with the job's median at that step. It is *slow* there when it is at least `ratio`
 times the median and at least `mad_k` robust standard deviations (1.4826 x the median absolute
 deviation across ranks) and `min_excess_seconds` above it. A rank is **fail-slow** when it was slow in
-at least `min_slow_steps` of its last `window_steps` judged steps, and stays so until fewer than half
-that many remain. The time compared is the compute part when every rank at that step measured it, else
+at least `min_steps` of its last `window` judged steps, and stays so until fewer than half that
+many remain. The time compared is the compute part when every rank at that step measured it, else
 the whole step: in a synchronous data-parallel job every rank's whole step is the same (all wait for
 the slowest at the all-reduce), so only the compute part tells the culprit; the whole step still does
 for jobs whose ranks do not wait for each other. A node is fail-slow in a job when one of its ranks is.
@@ -42,17 +42,18 @@ MAD_SIGMA = 1.4826                # the median absolute deviation of a normal sa
 
 @dataclass
 class FailSlowSettings:
-    """The fail-slow rule's thresholds (module docstring). Each is range-checked here."""
+    """The fail-slow rule's thresholds (module docstring). Each is range-checked here; an error names
+    it as `fail_slow_<field>`, the name `foreshock serve` gives it."""
 
     enabled: bool = True
     ratio: float = 1.2              # a rank's time at a step, over the job's median there
-    min_slow_steps: int = 12        # slow in at least this many ...
-    window_steps: int = 16          # ... of its last this many judged steps
+    min_steps: int = 12             # slow in at least this many ...
+    window: int = 16                # ... of its last this many judged steps
     min_ranks: int = 3              # ranks that reported a step before it is judged (and half the job's)
     mad_k: float = 3.0              # and this many robust standard deviations above the median
     min_excess_seconds: float = 0.002   # and this much above it: sub-millisecond jitter is no fault
 
-    _RANGES = {"ratio": (1.05, 10.0), "min_slow_steps": (1, 1024), "window_steps": (2, 1024),
+    _RANGES = {"ratio": (1.05, 10.0), "min_steps": (1, 1024), "window": (2, 1024),
                "min_ranks": (3, 1 << 17), "mad_k": (0.0, 100.0), "min_excess_seconds": (0.0, 3600.0)}
 
     def __post_init__(self):
@@ -62,14 +63,13 @@ class FailSlowSettings:
             low, high = self._RANGES[f.name]
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-                raise ValueError(f"fail_slow {f.name} {value!r} must be in [{low:g}, {high:g}]")
+                raise ValueError(f"fail_slow_{f.name} {value!r} must be in [{low:g}, {high:g}]")
             if isinstance(low, int) and value != int(value):
-                raise ValueError(f"fail_slow {f.name} {value!r} must be a whole number")
-        if self.min_slow_steps > self.window_steps:
-            raise ValueError(f"fail_slow min_slow_steps {self.min_slow_steps} must be <= window_steps "
-                             f"{self.window_steps}")
+                raise ValueError(f"fail_slow_{f.name} {value!r} must be a whole number")
+        if self.min_steps > self.window:
+            raise ValueError(f"fail_slow_min_steps {self.min_steps} must be <= fail_slow_window {self.window}")
         if not isinstance(self.enabled, bool):
-            raise ValueError(f"fail_slow enabled {self.enabled!r} must be true or false")
+            raise ValueError(f"fail_slow {self.enabled!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class StepTimes:
         self.refused_reports = 0
 
     def _slots(self) -> int:
-        return 2 * self.settings.window_steps   # room for ranks whose reports come a batch late
+        return 2 * self.settings.window   # room for ranks whose reports come a batch late
 
     # -- reports -------------------------------------------------------------------------------------
     def record(self, job_id: str, rank: int, node: str, samples) -> int:
@@ -235,15 +235,15 @@ class StepTimes:
             slow = (x >= s.ratio * med[:, None]) & (x - med[:, None] >= floor[:, None])
             rel = x / med[:, None]
         seen = ~np.isnan(x)
-        # each rank's last window_steps judged steps (rows are newest first)
-        in_window = seen & (np.cumsum(seen, axis=0) <= s.window_steps)
+        # each rank's last window judged steps (rows are newest first)
+        in_window = seen & (np.cumsum(seen, axis=0) <= s.window)
         slow_steps = (slow & in_window).sum(axis=0)
         judged_steps = in_window.sum(axis=0)
         out: dict[tuple[str, str], FailSlow] = {}
         ranks = {col: rank for rank, col in w.column.items()}
         for col in np.flatnonzero(slow_steps > 0).tolist():
             node, rank = w.nodes[col], ranks[col]
-            need = max(1, s.min_slow_steps // 2) if (node, job_id) in before else s.min_slow_steps
+            need = max(1, s.min_steps // 2) if (node, job_id) in before else s.min_steps
             if slow_steps[col] < need:
                 continue
             rows = in_window[:, col]

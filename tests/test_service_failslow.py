@@ -247,9 +247,28 @@ def test_every_rpc_has_its_roles_so_none_is_open_by_omission():
 
 
 def test_fail_slow_settings_are_range_checked(tmp_path):
-    for bad, words in (({"ratio": 1.0}, "ratio 1.0"), ({"window_steps": 8, "min_slow_steps": 9}, "min_slow_steps 9"),
-                       ({"min_ranks": 2}, "min_ranks 2"), ({"mad_k": math.nan}, "mad_k nan"),
-                       ({"windows": 3}, "windows")):
+    for bad, words in (({"ratio": 1.0}, "fail_slow_ratio 1.0"),
+                       ({"window": 8, "min_steps": 9}, "fail_slow_min_steps 9 must be <= fail_slow_window 8"),
+                       ({"min_ranks": 2}, "fail_slow_min_ranks 2"), ({"mad_k": math.nan}, "fail_slow_mad_k nan"),
+                       ({"window": 2.5}, "fail_slow_window 2.5"), ({"windows": 3}, "windows")):
         with pytest.raises(SettingsError, match="fail_slow") as err:
             build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), fail_slow=bad))
         assert words in str(err.value)
+
+
+def test_serve_takes_the_fail_slow_settings_from_its_config(tmp_path):
+    from foreshock import config
+    from foreshock.service import command
+
+    cfg = config.resolve("serve", command.DEFAULTS, env={"FORESHOCK_SERVE_FAIL_SLOW_RATIO": "1.5"},
+                         flags={"fail_slow_window": 20, "state": str(tmp_path), "no_model": True,
+                                "insecure": True, "metrics_listen": ""},
+                         checks=command.CHECKS)
+    settings = command.settings_from(cfg)
+    assert settings.fail_slow == {"enabled": True, "ratio": 1.5, "min_steps": 12, "window": 20}
+    plane = build_server(settings)   # not started: the settings are checked at construction
+    assert (plane.step_times.settings.ratio, plane.step_times.settings.window) == (1.5, 20)
+    plane.store.close()
+    cfg["fail_slow_min_steps"] = 30
+    with pytest.raises(SettingsError, match="fail_slow_min_steps 30 must be <= fail_slow_window 20"):
+        build_server(command.settings_from(cfg))
