@@ -193,7 +193,7 @@ def run_worker(spec: dict) -> int:
             record["joined_wall"] = time.time()
             record["hashes"][str(mig.step)] = param_hash(mig.module)
         sleep = float(spec.get("step_sleep_s", 0.0))
-        # in the forward pass, before the gradient all-reduce: this process's node computes slowly
+        # between forward and backward, before the gradient all-reduce: this node computes slowly
         slow = float(spec.get("slow_nodes", {}).get(config.node, 0.0))
         pending_first = record if config.role == "spare" else None
         while mig.step < steps:
@@ -364,7 +364,8 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
     mesh: two replicas of a shard group of half the ranks). `hold_at`: every rank waits after step
     hold_at - 1 (progress == hold_at) until `Job.release()`, so a test can act on a job at a known step
     however slowly or quickly the machine runs it. `slow_nodes`: node -> seconds each process on it
-    sleeps in every forward pass (a fail-slow node; a spare that takes over elsewhere is not slowed)."""
+    sleeps between its forward and backward passes (a fail-slow node; a spare that takes over elsewhere
+    is not slowed)."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)

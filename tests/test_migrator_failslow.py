@@ -1,8 +1,9 @@
 """Fail-slow end to end: real gloo jobs (foreshock.migrator.example) reporting each rank's step times to
-a real control plane on a port. One node of a job computes slowly (a sleep in its forward pass, before
-the gradient all-reduce): its rank is evacuated to the spare with a FAIL_SLOW directive while training
-goes on. A job whose nodes are all equally slow raises nothing; a job whose control plane is not
-there trains to the end, its step times dropped and counted. The three jobs run concurrently."""
+a real control plane on a port. One node of a job computes slowly (a sleep between its forward and
+backward passes, before the gradient all-reduce): its rank is evacuated to the spare with a FAIL_SLOW
+directive while training goes on. A job whose nodes are all equally slow raises nothing; a job whose
+control plane is not there trains to the end, its step times dropped and counted. The three jobs run
+concurrently."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import socket
 import time
 
 import grpc
@@ -76,6 +77,10 @@ def _wait(pred, timeout=10.0, what="condition"):
     raise AssertionError(f"{what} not met in {timeout} s")
 
 
+def _directives(stub, job="j1"):
+    return list(stub.ListDirectives(pb.ListDirectivesRequest(job_id=job), timeout=T).directives)
+
+
 def _kept(plane):
     return plane.step_times.samples["kept"]
 
@@ -105,8 +110,7 @@ def test_a_rank_slow_in_its_compute_gets_a_fail_slow_directive_for_its_node(plan
     try:
         # rank 2 computes 1.5x as long as the others; every rank's whole step is the same
         _run_job(clients, 40, lambda r, s, rng: (0.075 if r == 2 else 0.05) * rng.uniform(0.97, 1.03))
-        d = _wait(lambda: [x for x in stub.ListDirectives(pb.ListDirectivesRequest(job_id="j1"), timeout=T).directives],
-                  what="a directive")[0]
+        d = _wait(lambda: _directives(stub), what="a directive")[0]
         assert d.cause == pb.DIRECTIVE_CAUSE_FAIL_SLOW
         assert (d.kind, list(d.ranks), d.from_node, d.to_node) == (pb.DIRECTIVE_KIND_EVACUATE, [2], "n2", "s0")
         assert "fail-slow: rank 2 compute time 1.5" in d.reason, d.reason
@@ -138,7 +142,7 @@ def test_a_job_whose_ranks_are_all_equally_slow_raises_no_alarm(plane, stub):
         rounds = plane.scoring.rounds["interval"]
         _wait(lambda: plane.scoring.rounds["interval"] >= rounds + 3, what="three policy rounds")
         assert plane.policy.fail_slow == {}
-        assert list(stub.ListDirectives(pb.ListDirectivesRequest(job_id="j1"), timeout=T).directives) == []
+        assert _directives(stub) == []
         assert "fail_slow" not in [r["kind"] for r in plane.decisions.buffered()]
     finally:
         _close(clients)
@@ -165,49 +169,41 @@ def test_fail_slow_directives_keep_the_jobs_limits(plane, stub):
         # two slow nodes, one active evacuation per job (the default): the second waits, and says so
         _run_job(clients, 40, lambda r, s, rng: 0.08 if r in (1, 4) else 0.05)
         _wait(lambda: len(plane.policy.fail_slow) == 2, what="two nodes fail-slow")
-        ds = _wait(lambda: list(stub.ListDirectives(pb.ListDirectivesRequest(job_id="j1"), timeout=T).directives),
-                   what="a directive")
-        time.sleep(0.3)   # rounds enough to issue a second one if the limit did not hold
-        ds = list(stub.ListDirectives(pb.ListDirectivesRequest(job_id="j1"), timeout=T).directives)
+        _wait(lambda: _directives(stub), what="a directive")
+        rounds = plane.scoring.rounds["interval"]
+        _wait(lambda: plane.scoring.rounds["interval"] >= rounds + 3, what="three policy rounds")
+        ds = _directives(stub)      # the second node waits for the first's move: one directive
         assert len(ds) == 1 and ds[0].cause == pb.DIRECTIVE_CAUSE_FAIL_SLOW
         assert "deferred_max_concurrent" in [r["kind"] for r in plane.decisions.buffered()]
     finally:
         _close(clients)
 
 
-def test_unreachable_control_plane_drops_and_counts_and_never_raises(tmp_path):
-    with socket_closed_port() as port:
-        config = MigratorConfig.from_env({}, job_id="j1", rank=0, world_size=1, node="n0", store="127.0.0.1:1",
-                                         service=f"127.0.0.1:{port}", rpc_timeout_s=0.5,
-                                         step_report_interval_s=0.05)
-        client = ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3)
-        try:
-            for step in range(3000):      # the loop goes on; the ring holds 1,024, the rest is counted
-                client.record_step_time(0, step, 0.01, 0.005)
-            _wait(lambda: client.dropped_step_times + len(client._step_times) == 3000, what="all accounted")
-            _wait(lambda: client.dropped_step_times == 3000, what="every batch dropped")
-            assert client.sent_step_times == 0 and not client.healthy
-        finally:
-            client.close()
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
-class socket_closed_port:
-    """A loopback port nobody listens on."""
-
-    def __enter__(self):
-        import socket
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        return self.port
-
-    def __exit__(self, *exc):
-        return False
+def test_unreachable_control_plane_drops_and_counts_and_never_raises():
+    config = MigratorConfig.from_env({}, job_id="j1", rank=0, world_size=1, node="n0", store="127.0.0.1:1",
+                                     service=f"127.0.0.1:{_closed_port()}", rpc_timeout_s=0.5,
+                                     step_report_interval_s=0.05)
+    client = ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3)
+    try:
+        for step in range(3000):      # the loop goes on; the ring holds 1,024, the rest is counted
+            client.record_step_time(0, step, 0.01, 0.005)
+        _wait(lambda: client.dropped_step_times == 3000, what="every step time counted as dropped")
+        assert client.sent_step_times == 0 and not client.healthy
+    finally:
+        client.close()
 
 
 def _report(stub, steps, job="j1", rank=0, node="n0"):
-    return stub.ReportStepTimes(pb.ReportStepTimesRequest(job_id=job, rank=rank, node=node, steps=steps), timeout=T)
+    request = pb.ReportStepTimesRequest(job_id=job, rank=rank, node=node, steps=steps)
+    return stub.ReportStepTimes(request, timeout=T)
 
 
 @pytest.mark.parametrize("steps, rank, node, job, code, words", [
@@ -222,7 +218,8 @@ def _report(stub, steps, job="j1", rank=0, node="n0"):
      "at most 1024"),
     ([], 0, "n0", "j1", "INVALID_ARGUMENT", "steps is empty"),
     ([pb.StepTime(step=1, step_seconds=0.5)], 17, "n0", "j1", "INVALID_ARGUMENT", "has no rank 17"),
-    ([pb.StepTime(step=1, step_seconds=0.5)], 0, "n9", "j1", "FAILED_PRECONDITION", "placed on node 'n0', not 'n9'"),
+    ([pb.StepTime(step=1, step_seconds=0.5)], 0, "n9", "j1", "FAILED_PRECONDITION",
+     "placed on node 'n0', not 'n9'"),
     ([pb.StepTime(step=1, step_seconds=0.5)], 0, "bad node!", "j1", "INVALID_ARGUMENT", "node 'bad node!'"),
     ([pb.StepTime(step=1, step_seconds=0.5)], 0, "n0", "nope", "NOT_FOUND", "job 'nope' is not registered"),
 ])
