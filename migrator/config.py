@@ -46,7 +46,7 @@ class MigratorConfig:
     transfer_timeout_s: float = 60.0  # bound on group formation and state transfer during a switch
     standby_poll_s: float = 30.0      # a waiting spare checks this often whether the job ended unreleased
     report_interval_s: float = 5.0    # how often the coordinator reports its step to the service
-    step_report_interval_s: float = 5.0   # how often each rank sends its step times (fail-slow rule)
+    step_report_interval_s: float = 5.0   # longest a block of step times lasts before it is sent (fail-slow)
     spare_heartbeat_s: float = 0.5
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_node_fail_slow{node,job}                   1 while a rank of the node is consistently slower
                                                        than its job's others (service/steptimes.py)
   foreshock_node_fail_slow_ratio{node,job}             that rank's time over its job's median, meanwhile
-  foreshock_step_time_samples_total{result}            ranks' step times kept | stale (old, or re-sent)
+  foreshock_step_time_samples_total{result}            ranks' step times kept | old | repeated
   foreshock_step_time_reports_refused_total            ReportStepTimes calls refused (bad input, unknown job)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
@@ -195,9 +195,8 @@ class ControlPlaneCollector:
             ratio.add_metric([node, job], verdict.ratio)
         yield slow
         yield ratio
-        samples = CounterMetricFamily("foreshock_step_time_samples", "Ranks' step times received: kept, or "
-                                      "stale (older than the job's window, or a step already kept).",
-                                      labels=["result"])
+        samples = CounterMetricFamily("foreshock_step_time_samples", "Ranks' step times received: kept, old "
+                                      "(before the job's window), or repeated (kept already).", labels=["result"])
         for result, n in sorted(dict(p.step_times.samples).items()):
             samples.add_metric([result], n)
         yield samples

@@ -117,7 +117,7 @@ class StepTimes:
         self._windows: dict[str, _Window] = {}
         self._held: dict[tuple[str, str], FailSlow] = {}   # (node, job) -> in alarm
         self._lock = threading.Lock()
-        self.samples = {"kept": 0, "stale": 0}     # stale: older than the window, or a step already kept
+        self.samples = {"kept": 0, "old": 0, "repeated": 0}   # old: before the window; repeated: kept already
         self.refused_reports = 0
 
     def _slots(self) -> int:
@@ -170,25 +170,27 @@ class StepTimes:
                                             f"{self.max_cells} cells in use); not kept")
                 w = self._windows[job_id] = _Window(job, self._slots())
             col = w.column[rank]
-            kept = 0
+            kept = old = 0
             slots = len(w.steps)
             for step, total, compute in samples:
                 slot = step % slots
                 if w.steps[slot] != step:
                     if w.steps[slot] > step:
-                        continue       # older than the window
+                        old += 1
+                        continue
                     w.steps[slot] = step
                     w.total[slot] = np.nan
                     w.compute[slot] = np.nan
                 elif not np.isnan(w.total[slot, col]):
-                    continue           # a re-sent step
+                    continue           # repeated
                 w.total[slot, col] = total
                 w.compute[slot, col] = compute
                 kept += 1
             if kept:
                 w.dirty = True
             self.samples["kept"] += kept
-            self.samples["stale"] += len(samples) - kept
+            self.samples["old"] += old
+            self.samples["repeated"] += len(samples) - kept - old
         return kept
 
     # -- the rule ------------------------------------------------------------------------------------

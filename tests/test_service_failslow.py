@@ -46,12 +46,12 @@ def _register(stub, job="j1", nodes=NODES, spares=("s0",)):
         spare_nodes=list(spares), fallback=pb.FALLBACK_POLICY_SHRINK), timeout=T)
 
 
-def _clients(address, job="j1", nodes=NODES):
+def _clients(address, job="j1", nodes=NODES, interval=0.05):
     out = []
     for rank, node in enumerate(nodes):
         config = MigratorConfig.from_env({}, job_id=job, rank=rank, world_size=len(nodes), node=node,
                                          store="127.0.0.1:1", service=address, rpc_timeout_s=1.0,
-                                         step_report_interval_s=0.05)
+                                         step_report_interval_s=interval)
         out.append(ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3))
     return out
 
@@ -86,8 +86,8 @@ def _kept(plane):
 
 
 def _received(plane):
-    """Step times the service has taken in: kept, or stale (a rank's batch that came after the others'
-    newer steps had pushed its steps out of the window)."""
+    """Step times the service has taken in: kept, old (a rank's batch that came after the others'
+    newer steps had pushed its steps out of the window) or repeated."""
     return sum(plane.step_times.samples.values())
 
 
@@ -269,3 +269,25 @@ def test_serve_takes_the_fail_slow_settings_from_its_config(tmp_path):
     cfg["fail_slow_min_steps"] = 30
     with pytest.raises(SettingsError, match="fail_slow_min_steps 30 must be <= fail_slow_window 20"):
         build_server(command.settings_from(cfg))
+
+
+def test_ranks_cut_their_reports_into_the_same_blocks_of_steps():
+    from foreshock.migrator.client import step_block
+
+    assert step_block(0.1, 5.0) == 32 and step_block(0.01, 5.0) == 256 and step_block(0.001, 5.0) == 256
+    assert step_block(10.0, 5.0) == 1 and step_block(2.5, 5.0) == 2
+
+
+def test_short_steps_are_judged_with_every_rank(plane, stub):
+    """Steps of 10 ms: each rank sends blocks of 256 steps aligned on step numbers, more than the
+    service's window holds; it keeps the newest steps of each block, which every rank sent."""
+    _register(stub)
+    clients = _clients(plane.address, interval=2.56)
+    try:
+        _run_job(clients, 512, lambda r, s, rng: 0.012 if r == 3 else 0.008)
+        _wait(lambda: all(c.sent_step_times == 512 for c in clients), what="every block sent")
+        (d,) = _wait(lambda: _directives(stub), what="a directive")
+        assert (d.cause, d.from_node) == (pb.DIRECTIVE_CAUSE_FAIL_SLOW, "n3")
+        assert plane.step_times.samples["kept"] >= len(NODES) * 32
+    finally:
+        _close(clients)
