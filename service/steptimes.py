@@ -31,7 +31,7 @@ import numpy as np
 
 from foreshock.service.errors import (
     FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError)
-from foreshock.service.jobs import MAX_STEP, check_id, check_node
+from foreshock.service.jobs import MAX_RANKS, MAX_STEP, check_id, check_node
 from foreshock.service.store import Job
 
 MAX_SAMPLES_PER_REPORT = 1024     # StepTimes in one ReportStepTimes (the migrator sends at most 256)
@@ -54,7 +54,7 @@ class FailSlowSettings:
     min_excess_seconds: float = 0.002   # and this much above it: sub-millisecond jitter is no fault
 
     _RANGES = {"ratio": (1.05, 10.0), "min_steps": (1, 1024), "window": (2, 1024),
-               "min_ranks": (3, 1 << 17), "mad_k": (0.0, 100.0), "min_excess_seconds": (0.0, 3600.0)}
+               "min_ranks": (3, MAX_RANKS), "mad_k": (0.0, 100.0), "min_excess_seconds": (0.0, 3600.0)}
 
     def __post_init__(self):
         for f in fields(self):
@@ -64,8 +64,10 @@ class FailSlowSettings:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ValueError(f"fail_slow_{f.name} {value!r} must be in [{low:g}, {high:g}]")
-            if isinstance(low, int) and value != int(value):
-                raise ValueError(f"fail_slow_{f.name} {value!r} must be a whole number")
+            if isinstance(low, int):
+                if value != int(value):
+                    raise ValueError(f"fail_slow_{f.name} {value!r} must be a whole number")
+                setattr(self, f.name, int(value))
         if self.min_steps > self.window:
             raise ValueError(f"fail_slow_min_steps {self.min_steps} must be <= fail_slow_window {self.window}")
         if not isinstance(self.enabled, bool):
