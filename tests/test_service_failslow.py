@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import random
 import socket
+import subprocess
 import time
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from foreshock.migrator import MigratorConfig, ServiceClient
 from foreshock.service.scoring import NullScorer
@@ -122,6 +124,11 @@ def test_a_rank_slow_in_its_compute_gets_a_fail_slow_directive_for_its_node(plan
         assert _metric(plane, "foreshock_node_fail_slow", {"node": "n2", "job": "j1"}) == 1.0
         assert 1.4 < _metric(plane, "foreshock_node_fail_slow_ratio", {"node": "n2", "job": "j1"}) < 1.6
         assert _metric(plane, "foreshock_node_fail_slow", {"node": "n1", "job": "j1"}) is None
+        text = generate_latest(plane.registry).decode()
+        assert 'foreshock_node_fail_slow{job="j1",node="n2"} 1.0' in text
+        checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                                 timeout=30)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
         # the move completes: the window starts over on the new placement and the alarm clears
         for phase in (pb.ACK_PHASE_ACCEPTED, pb.ACK_PHASE_STATE_TRANSFERRED, pb.ACK_PHASE_COMPLETED):
             stub.AckDirective(pb.AckDirectiveRequest(job_id="j1", directive_id=d.directive_id, rank=0,
