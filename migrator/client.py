@@ -18,7 +18,6 @@ logged (once per outage) and degrades to "no directives". Credentials: a bearer 
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import queue
 import random
@@ -29,6 +28,7 @@ import grpc
 
 from foreshock.migrator.config import MigratorConfig, MigratorConfigError
 from foreshock.migrator.directives import Ack, AckPhase, Directive, DirectiveKind, drain
+from foreshock.net import is_loopback
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc
 
 log = logging.getLogger("foreshock.migrator.client")
@@ -84,23 +84,13 @@ def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
                      generation=msg.generation, deadline=deadline)
 
 
-def _is_loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def open_channel(config: MigratorConfig) -> grpc.Channel:
     options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 4 << 20)]
     if config.tls_ca:
         with open(config.tls_ca, "rb") as fh:
             creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
         return grpc.secure_channel(config.service, creds, options=options)
-    if not _is_loopback(config.service):
+    if not is_loopback(config.service):
         raise MigratorConfigError(f"service {config.service}: plaintext is allowed to loopback only; "
                                   "set FORESHOCK_TLS_CA for a remote control plane")
     return grpc.insecure_channel(config.service, options=options)

@@ -14,6 +14,19 @@ import sys
 import threading
 
 from foreshock import config
+from foreshock.service.actions import CHECKS as ACTION_CHECKS
+from foreshock.service.actions import ActionSettings
+
+# [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
+# defaults and ranges are ActionSettings' own.
+ACTION_KEYS = {
+    "slurm_drain": "slurm", "slurm_scontrol": "scontrol", "slurm_conf": "slurm_conf",
+    "kubernetes_taint": "kubernetes", "kubernetes_kubeconfig": "kubeconfig",
+    "kubernetes_taint_key": "taint_key", "kubernetes_taint_effect": "taint_effect",
+    "action_timeout_seconds": "timeout_seconds", "action_max_fraction": "max_fraction",
+    "action_fleet_size": "fleet_size", "action_max_attempts": "max_attempts",
+    "action_backoff_seconds": "backoff_seconds", "action_recheck_seconds": "recheck_seconds",
+}
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +51,7 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
     "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
     "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
     "fail_slow_min_steps": 12,   # ... and this many slow steps ...
@@ -53,6 +67,7 @@ CHECKS = {
     "max_concurrent": config.at_least(1),
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
+    **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
 }
 
 
@@ -83,6 +98,10 @@ def register(subparsers) -> None:
     p.add_argument("--history", metavar="DIR",
                    help="dataset with an incidents table (foreshock history import, or your own): export the "
                         "node history score (foreshock_node_history_risk) hourly and prefer clean spares")
+    p.add_argument("--slurm-drain", action="store_const", const=True,
+                   help="drain due nodes in Slurm (scontrol; docs/actions.md)")
+    p.add_argument("--kubernetes-taint", action="store_const", const=True,
+                   help="taint due Kubernetes nodes and set their ForeshockRisk condition (docs/actions.md)")
     p.add_argument("--no-fail-slow", dest="fail_slow", action="store_const", const=False,
                    help="do not judge jobs' step times (the fail-slow rule); they are still kept")
     p.add_argument("--fail-slow-ratio", type=float, help="a rank's step at this multiple of its job's median is "
@@ -121,6 +140,7 @@ def settings_from(cfg: dict):
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
+        actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"]},
         fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],

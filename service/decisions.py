@@ -9,7 +9,7 @@ each directive the state has and the log lacks, marked `"recovered": true` in `d
 
 Kinds: alarm, cleared, evacuate, shrink, checkpoint_exit, cooldown, deferred_max_concurrent,
 fabric_incident, fabric_incident_cleared, held_fabric_incident, drain, ack (accepted, completed, ...),
-cancelled, expired. `incident_rows()` turns fatal and fabric-incident decisions into schema-v1
+cancelled, expired; node_action_held, _taken, _failed, _released (service/actions.py). `incident_rows()` turns fatal and fabric-incident decisions into schema-v1
 `incidents` rows, so the log doubles as incident data for retraining.
 """
 

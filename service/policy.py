@@ -22,10 +22,13 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
-7. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
+7. Node actions (with `actions`, service/actions.py): every node due under rules 1-3, whether or not
+   a job runs there, is handed over to be drained (Slurm) or tainted (Kubernetes), under a breaker.
+8. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
    ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
    on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
    FAIL_SLOW. A fabric incident does not hold it back: the rule compares ranks of one job, not nodes.
+   It takes no node action (rule 7): the node is slow for that job, which says little of the others.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
@@ -93,8 +97,9 @@ class Alarm:
 
 class EvacuationPolicy:
     def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog,
-                 step_times: StepTimes | None = None):
+                 actions=None, step_times: StepTimes | None = None):
         self.settings = settings
+        self.actions = actions   # a NodeActions, or None: directives only
         self.step_times = step_times
         self.fail_slow: dict[tuple[str, str], FailSlow] = {}   # (node, job) held fail-slow
         self.nodes = nodes
@@ -308,6 +313,9 @@ class EvacuationPolicy:
                                   signals=[sig.name for sig in signals][:5])
         return stored
 
+    def _why(self, alarm: Alarm) -> str:
+        return alarm.reason if alarm.fatal else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+
     def evaluate(self, now_ns: int, nodes: list[str] | None = None,
                  probability: np.ndarray | None = None) -> list[Directive]:
         """One policy round after a scoring round; returns the directives it issued."""
@@ -320,6 +328,8 @@ class EvacuationPolicy:
                 for job in self.jobs.jobs_on(n):
                     self._say(n, job.job_id, "held_fabric_incident", ts_ns=now_ns,
                               reason="node is inside a fabric incident; spares are kept")
+            if self.actions is not None:
+                self.actions.sync({n: Due(self._why(a), a.since_ns, a.fatal) for n, a in due}, now_ns)
             slow = self._update_fail_slow(now_ns)
             if not due and not slow:
                 return []
@@ -335,8 +345,7 @@ class EvacuationPolicy:
                     for job in jobs:
                         if node not in job.nodes():
                             continue
-                        reason = alarm.reason if alarm.fatal else \
-                            f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+                        reason = self._why(alarm)
                         d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
                                       origin="fatal" if alarm.fatal else "risk", enforce_limits=True,
                                       fatal=alarm.fatal, active=active, last_directive=last, busy=busy)
