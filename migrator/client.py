@@ -9,10 +9,10 @@ blocks of steps aligned on step numbers (`step_block`), so that every rank of a 
 steps at about the same time and the service judges each step with all of them; at least every
 2 x `step_report_interval_s` when steps stall, one ReportStepTimes call each. A batch the service does
 not take (unreachable, refused) is dropped and counted (`dropped_step_times`), never retried: the
-fail-slow rule wants recent steps, not old ones late. Every
-unary call has a deadline (`rpc_timeout_s`). Nothing here raises into the caller: service trouble is
-logged (once per outage) and degrades to "no directives". Credentials: a bearer token in the
-`authorization` metadata; TLS when a CA file is given, plaintext only to a loopback address.
+fail-slow rule wants recent steps, not old ones late. Every unary call has a deadline
+(`rpc_timeout_s`). Nothing here raises into the caller: service trouble is logged (once per outage)
+and degrades to "no directives". Credentials: a bearer token in the `authorization` metadata; TLS when
+a CA file is given, plaintext only to a loopback address.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ _FALLBACK_TO_PROTO = {
 }
 _FINISHED = {jobs_pb2.DIRECTIVE_STATE_CANCELLED, jobs_pb2.DIRECTIVE_STATE_COMPLETED,
              jobs_pb2.DIRECTIVE_STATE_FAILED}
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL}
 STEP_TIME_BATCH = 256     # step times per ReportStepTimes (the service takes up to 1,024); a power of two
 STEP_TIME_BUFFER = 1024   # step times waiting to be sent; when full, the oldest is dropped and counted
 
@@ -62,8 +64,6 @@ def step_block(step_seconds: float, interval_s: float) -> int:
     while n < STEP_TIME_BATCH and 2 * n * step_seconds <= interval_s:
         n *= 2
     return n
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL}
 
 
 def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
