@@ -45,6 +45,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "/foreshock.v1.Risk/WatchRisk": frozenset({"operator"}),
     "/foreshock.v1.Jobs/RegisterJob": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/ReportStep": frozenset({"job", "operator"}),
+    "/foreshock.v1.Jobs/ReportStepTimes": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/DeregisterJob": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/WatchDirectives": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/AckDirective": frozenset({"job", "operator"}),

@@ -52,8 +52,13 @@ DEFAULTS = {
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
     **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
+    "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
+    "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
+    "fail_slow_min_steps": 12,   # ... and this many slow steps ...
+    "fail_slow_window": 16,      # ... of its last this many make it fail-slow
 }
-# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them.
+# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
+# the fail_slow_* values by service/steptimes.py's FailSlowSettings.
 CHECKS = {
     "threshold": config.between(0, 1),
     "budget": config.at_least(0),
@@ -97,6 +102,13 @@ def register(subparsers) -> None:
                    help="drain due nodes in Slurm (scontrol; docs/actions.md)")
     p.add_argument("--kubernetes-taint", action="store_const", const=True,
                    help="taint due Kubernetes nodes and set their ForeshockRisk condition (docs/actions.md)")
+    p.add_argument("--no-fail-slow", dest="fail_slow", action="store_const", const=False,
+                   help="do not judge jobs' step times (the fail-slow rule); they are still kept")
+    p.add_argument("--fail-slow-ratio", type=float, help="a rank's step at this multiple of its job's median is "
+                                                         "slow (1.2)")
+    p.add_argument("--fail-slow-min-steps", type=int, help="slow steps among the last --fail-slow-window "
+                                                           "that make a rank fail-slow (12)")
+    p.add_argument("--fail-slow-window", type=int, help="steps a rank is judged over (16)")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -130,7 +142,9 @@ def settings_from(cfg: dict):
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
         actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
-                "sustain_seconds": cfg["sustain_seconds"]})
+                "sustain_seconds": cfg["sustain_seconds"]},
+        fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],
+                   "min_steps": cfg["fail_slow_min_steps"], "window": cfg["fail_slow_window"]})
 
 
 def run(args, file_data) -> int:

@@ -38,6 +38,11 @@ collectors do. Tested against a private registry and `promtool check metrics`.
                                                        result: ok, error, timeout, unknown_node
   foreshock_node_action_held_total                     times the breaker held a due node back
   foreshock_node_action_rejected_names_total           due nodes whose name no backend can take
+  foreshock_node_fail_slow{node,job}                   1 while a rank of the node is consistently slower
+                                                       than its job's others (service/steptimes.py)
+  foreshock_node_fail_slow_ratio{node,job}             that rank's time over its job's median, meanwhile
+  foreshock_step_time_samples_total{result}            ranks' step times kept | old | repeated
+  foreshock_step_time_reports_refused_total            ReportStepTimes calls refused (bad input, unknown job)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
@@ -215,6 +220,22 @@ class ControlPlaneCollector:
             yield CounterMetricFamily("foreshock_node_action_rejected_names",
                                       "Nodes due for an action whose name a backend cannot take.",
                                       value=actions.stats.rejected_names)
+        slow = GaugeMetricFamily("foreshock_node_fail_slow", "1 while a rank of the node is consistently "
+                                 "slower than its job's other ranks (the fail-slow rule).", labels=["node", "job"])
+        ratio = GaugeMetricFamily("foreshock_node_fail_slow_ratio", "The fail-slow rank's time over its job's "
+                                  "median at the same steps.", labels=["node", "job"])
+        for (node, job), verdict in sorted(dict(p.policy.fail_slow).items()):
+            slow.add_metric([node, job], 1.0)
+            ratio.add_metric([node, job], verdict.ratio)
+        yield slow
+        yield ratio
+        samples = CounterMetricFamily("foreshock_step_time_samples", "Ranks' step times received: kept, old "
+                                      "(before the job's window), or repeated (kept already).", labels=["result"])
+        for result, n in sorted(dict(p.step_times.samples).items()):
+            samples.add_metric([result], n)
+        yield samples
+        yield CounterMetricFamily("foreshock_step_time_reports_refused", "ReportStepTimes calls refused.",
+                                  value=p.step_times.refused_reports)
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

@@ -43,6 +43,7 @@ from foreshock.service.scoring import (
     ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
+from foreshock.service.steptimes import FailSlowSettings, StepTimes
 from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
@@ -74,6 +75,7 @@ class Settings:
     threshold: float | None = None           # None: from the model manifest
     false_evacuation_budget: float | None = None  # per 1,000 node-days; picks the manifest's threshold
     policy: dict[str, Any] = field(default_factory=dict)   # PolicySettings overrides
+    fail_slow: dict[str, Any] = field(default_factory=dict)   # FailSlowSettings overrides (service/steptimes.py)
     ingest: IngestLimits = field(default_factory=IngestLimits)
     score_interval: float = 0.1
     max_backlog: int = 50_000
@@ -140,6 +142,10 @@ class ControlPlane:
             policy_settings = PolicySettings(threshold=threshold, **s.policy)
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"policy settings: {exc}") from None
+        try:
+            fail_slow_settings = FailSlowSettings(**s.fail_slow)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"fail_slow settings: {exc}") from None
         self.store = store_mod.StateStore(self.state_dir / "state.sqlite3")
         # One clock for scoring rounds, job step reports, acks and drains: the policy compares a job's
         # last step report with the round's now_ns when it picks the switch step.
@@ -157,7 +163,9 @@ class ControlPlane:
                         "period); written from the state", recovered)
         self.actions = NodeActions(s.actions, action_backends, self.store, self.nodes, self.decisions,
                                    clock=self.clock) if action_backends else None
-        self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions, actions=self.actions)
+        self.step_times = StepTimes(fail_slow_settings, self.store)
+        self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions, actions=self.actions,
+                                       step_times=self.step_times)
         # The online scorer's checkpoint: whoever runs the scorer restores it at start and writes it
         # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).
         self.scorer_state_path = self.state_dir / SCORER_STATE_FILE

@@ -80,6 +80,17 @@ ACK_TO_STATE = {
 }
 
 
+class DirectiveCause(enum.IntEnum):
+    """Why a directive was issued, mirroring jobs.proto's DirectiveCause; kept in the directives
+    table's `origin` column as the name in lower case. An origin "policy" (written before risk and
+    fatal were told apart) reads as UNSPECIFIED."""
+    UNSPECIFIED = 0
+    RISK = 1
+    FATAL = 2
+    DRAIN = 3
+    FAIL_SLOW = 4
+
+
 class Fallback(enum.IntEnum):
     UNSPECIFIED = 0
     SHRINK = 1
@@ -138,7 +149,11 @@ class Directive:
     state: DirectiveState = DirectiveState.PENDING
     generation: int = 1
     updated_at_ns: int = 0
-    origin: str = "policy"           # policy | drain
+    origin: str = "policy"           # a DirectiveCause in lower case: risk | fatal | drain | fail_slow
+
+    @property
+    def cause(self) -> DirectiveCause:
+        return DirectiveCause.__members__.get(self.origin.upper(), DirectiveCause.UNSPECIFIED)
 
 
 @dataclass(frozen=True)
