@@ -17,8 +17,10 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 5. Spare: one of the job's spares that hosts no ranks and is no other directive's target, is not in
    alarm, has risk under `spare_max_risk`, no recent fatal event, is not stale, and is not under a
    suspect leaf switch (one with `leaf_suspect_nodes` or more alarmed nodes, the failing node's own
-   leaf counted); spares with fresh telemetry first, then other leaves, then the cleanest history (the
-   node history score, `serve --history`), then lowest risk. With no spare,
+   leaf counted), and is inside the job's multi-node NVLink domain when all the job's nodes share one (an
+   NVL72 rack: its ranks talk over NVLink across nodes); spares with fresh telemetry first, then other
+   leaves, then the cleanest history (the node history score, `serve --history`), then lowest risk.
+   With no spare,
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
@@ -218,10 +220,17 @@ class EvacuationPolicy:
         return {leaf for leaf, n in counts.items() if n >= self.settings.leaf_suspect_nodes}
 
     # -- spares --------------------------------------------------------------------------------------
+    def job_nvlink_domain(self, job: Job) -> str:
+        """The multi-node NVLink domain every node of the job is in ("" when they are not all in one):
+        such a job's ranks talk over NVLink across nodes, and a spare outside the domain cannot."""
+        domains = {self.nodes.topo(node).nvlink_domain for node in job.nodes()}
+        return domains.pop() if len(job.nodes()) > 1 and len(domains) == 1 else ""
+
     def choose_spare(self, job: Job, from_node: str, now_ns: int, busy: set[str]) -> tuple[str | None, str]:
         s = self.settings
         suspect = self.suspect_leaves()
         from_leaf = self.nodes.topo(from_node).leaf_switch
+        domain = self.job_nvlink_domain(job)
         ranked, refused = [], []
         for spare in job.spares:
             topo = self.nodes.topo(spare)
@@ -229,7 +238,9 @@ class EvacuationPolicy:
             risk = self.nodes.probability(spare)
             fatal = self.nodes.fatal.get(spare)
             why = None
-            if spare in busy:
+            if domain and topo.nvlink_domain != domain:
+                why = f"outside the job's NVLink domain {domain}"
+            elif spare in busy:
                 why = "busy"
             elif spare in self.alarms:
                 why = "in alarm"

@@ -69,3 +69,32 @@ def test_the_inventorys_nvlink_domain_reaches_the_node_book():
     ingest._side_effects({"inventory": inv}, T0)
     assert nodes.topo("tray-01") == Topology("s0", "", "l0", RACK)
     assert nodes.topo("hgx-01").nvlink_domain == "" and nodes.nodes_under("nvlink_domain", RACK) == {"tray-01"}
+
+
+def test_a_job_inside_one_nvlink_domain_takes_its_spare_from_that_domain(tmp_path):
+    clock = lambda: T0  # noqa: E731
+    store = StateStore(tmp_path / "state.sqlite3", clock=clock)
+    jobs = JobDirectory(store, clock=clock)
+    nodes = NodeBook()
+    other = "9e0ab1c0-0000-0000-0000-000000000000/7"
+    for n, domain, leaf in (("r0", RACK, "l0"), ("r1", RACK, "l0"), ("r2", RACK, "l0"),
+                            ("o0", other, "l1"), ("h0", "", "l2")):
+        nodes.set_topology(n, Topology(site="s0", leaf_switch=leaf, nvlink_domain=domain))
+        nodes.seen(n, T0)
+    decisions = DecisionLog(tmp_path / "decisions", fsync=False, clock=clock)
+    policy = EvacuationPolicy(PolicySettings(threshold=0.5), nodes, jobs, decisions)
+    try:
+        # spares on other leaves rank first, so only the domain rule keeps o0 and h0 out
+        jobs.register("rack", [(0, "r0", [0]), (1, "r1", [0])], ["o0", "h0", "r2"], current_step=10)
+        job = store.job("rack")
+        assert policy.job_nvlink_domain(job) == RACK
+        assert policy.choose_spare(job, "r0", T0, set()) == ("r2", "")
+        spare, why = policy.choose_spare(job, "r0", T0, {"r2"})
+        assert spare is None and f"o0: outside the job's NVLink domain {RACK}" in why
+        # a job across domains (or on HGX nodes) takes any usable spare, the other leaves first
+        jobs.register("wide", [(0, "r0", [0]), (1, "o0", [0])], ["h0", "r2"], current_step=10)
+        wide = store.job("wide")
+        assert policy.job_nvlink_domain(wide) == ""
+        assert policy.choose_spare(wide, "r0", T0, set()) == ("h0", "")
+    finally:
+        store.close()
