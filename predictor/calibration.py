@@ -50,20 +50,20 @@ CANDIDATE_SPAN = 8.0
 NS_PER_DAY = 86_400 * 10**9
 
 
-def check_prior_node_days(value: float) -> float:
-    lo, hi = PRIOR_NODE_DAYS_RANGE
+def _in_range(name: str, value: float, bounds: tuple[float, float], unit: str) -> float:
+    lo, hi = bounds
     value = float(value)
     if not lo <= value <= hi:
-        raise ValueError(f"prior_node_days {value:g} is outside [{lo:g}, {hi:g}] node-days")
+        raise ValueError(f"{name} {value:g} is outside [{lo:g}, {hi:g}] {unit}")
     return value
+
+
+def check_prior_node_days(value: float) -> float:
+    return _in_range("prior_node_days", value, PRIOR_NODE_DAYS_RANGE, "node-days")
 
 
 def check_refit_hours(value: float) -> float:
-    lo, hi = REFIT_HOURS_RANGE
-    value = float(value)
-    if not lo <= value <= hi:
-        raise ValueError(f"refit_hours {value:g} is outside [{lo:g}, {hi:g}] hours")
-    return value
+    return _in_range("refit_hours", value, REFIT_HOURS_RANGE, "hours")
 
 
 def candidate_curve(curve, thresholds) -> list[tuple[float, float, float]]:
