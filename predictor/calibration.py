@@ -16,7 +16,7 @@ t (steps that ended JUSTIFIED_HOURS or more before t):
     rate(θ) = 1000 * (r_val(θ) * n0 / 1000 + false_fleet(θ, t)) / (n0 + node_days_fleet(t))
 
 The threshold for a budget is the lowest θ of the curve whose pooled rate is within it (the rule
-train uses on its validation slice, evaluate.pick_threshold). With no fleet data it is the
+train uses on its validation slice, foreshock.risk.pick_threshold). With no fleet data it is the
 manifest's own; the default n0 (1,000 node-days: a week of a 128-node fleet, or two false
 evacuations' worth at budget 2) lets a fleet's own episodes outweigh the training world after about
 a week of 128 nodes. Only false evacuations are read, never recall: incidents say which episodes
@@ -37,6 +37,7 @@ import datetime as dt
 
 import numpy as np
 
+from foreshock import risk
 from foreshock.predictor import evaluate as ev
 
 DEFAULT_PRIOR_NODE_DAYS = 1000.0
@@ -136,7 +137,7 @@ class FleetThresholds:
         self.fleet_false_ = false
         self.pooled_rates_ = 1000.0 * (episodes.prior_rates * n0 / 1000.0 + false) / (n0 + days)
         curve = list(zip(episodes.thresholds, self.pooled_rates_, np.zeros(len(false))))
-        self.thresholds_ = {float(b): float(ev.pick_threshold(curve, float(b))) for b in self.budgets}
+        self.thresholds_ = {float(b): float(risk.pick_threshold(curve, float(b))) for b in self.budgets}
         return self
 
 
@@ -245,7 +246,7 @@ def calibrate_model(data_dir, model_dir, out_dir, *, prior_node_days: float = DE
            "version": f"{now:%Y%m%dT%H%M%SZ}-{identity['data_hash'][:8]}",
            "created": now.isoformat(timespec="seconds"),
            "thresholds": chosen,
-           "recommended_threshold": float(ev.pick_threshold(pooled, budget)),
+           "recommended_threshold": float(risk.pick_threshold(pooled, budget)),
            "threshold_curves": {**man["threshold_curves"], "model": pooled},
            "training": {**(man.get("training") or {}), "calibration": identity},
            "fleet_calibration": {

@@ -39,7 +39,7 @@ from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import offline, registry
 from foreshock.predictor.offline import STEP_NS
-from foreshock.predictor.registry import pick_threshold  # noqa: F401  (the registry's rule, read here by train and calibration)
+from foreshock.risk import pick_threshold
 
 COOLDOWN_STEPS = 10
 JUSTIFIED_HOURS = 24.0

@@ -36,6 +36,7 @@ from sklearn.frozen import FrozenEstimator
 
 import foreshock
 from foreshock import dataset as ds
+from foreshock import risk
 from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
@@ -199,8 +200,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         val_nodes = [vn for vn in val_nodes if len(vn.y)]
         val_inc = _incidents_within(incidents, boundary, (last + 1) * offline.STEP_NS + h_ns)
         curves = {name: ev.threshold_curve(val_nodes, name, val_inc, horizon_s) for name in predictors}
-        thresholds = {name: {str(b): ev.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
-        chosen = {name: ev.pick_threshold(curves[name], budget) for name in predictors}
+        thresholds = {name: {str(b): risk.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
+        chosen = {name: risk.pick_threshold(curves[name], budget) for name in predictors}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
             m.pop("pr_curve", None)

@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from foreshock import risk
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.steps import StepTracker
 from foreshock.service.store import SignalRecord
@@ -95,10 +96,7 @@ class PredictorScorer:
         self._last: ScoreResult | None = None
 
     def threshold(self, budget: float | None) -> float | None:
-        try:
-            return float(self.model.threshold(budget))
-        except Exception:
-            return threshold_from_manifest(self.manifest, budget)
+        return risk.threshold_for_budget(self.manifest, budget)
 
     def ingest(self, table: str, data: pa.Table) -> None:
         self._online.ingest(table, data)
@@ -173,35 +171,6 @@ def default_model_path() -> Path | None:
     try:
         return Path(registry.default_model_path())
     except Exception:
-        return None
-
-
-def threshold_from_manifest(manifest: dict, budget: float | None = None) -> float | None:
-    """The evacuation threshold the model recommends (for `budget` false evacuations per 1,000
-    node-days when the manifest lists thresholds per budget)."""
-    if budget is not None:
-        table = manifest.get("thresholds")
-        pairs: list[tuple[float, float]] = []
-        if isinstance(table, dict):
-            for k, v in table.items():
-                try:
-                    pairs.append((float(k), float(v["threshold"] if isinstance(v, dict) else v)))
-                except (TypeError, ValueError, KeyError):
-                    continue
-        elif isinstance(table, list):
-            for item in table:
-                if isinstance(item, dict) and "threshold" in item:
-                    b = item.get("budget", item.get("false_evacuations_per_1000_node_days"))
-                    if b is not None:
-                        pairs.append((float(b), float(item["threshold"])))
-        if pairs:
-            # The loosest threshold whose budget does not exceed the one asked for.
-            within = [t for b, t in pairs if b <= budget]
-            return min(within) if within else max(t for _, t in pairs)
-    value = manifest.get("recommended_threshold")
-    try:
-        return float(value) if value is not None else None
-    except (TypeError, ValueError):
         return None
 
 

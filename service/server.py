@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from foreshock import risk
 from foreshock.config import parse_listen
 from foreshock.net import is_loopback
 from foreshock.service import store as store_mod
@@ -40,7 +41,7 @@ from foreshock.service.metrics import build_registry
 from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.scoring import (
-    ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
+    ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path)
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
 from foreshock.service.steptimes import FailSlowSettings, StepTimes
@@ -133,7 +134,7 @@ class ControlPlane:
         if threshold is None:
             pick = getattr(self.scorer, "threshold", None)
             threshold = pick(s.false_evacuation_budget) if callable(pick) else \
-                threshold_from_manifest(self.scorer.manifest, s.false_evacuation_budget)
+                risk.threshold_for_budget(self.scorer.manifest, s.false_evacuation_budget)
         if threshold is None:
             threshold = 0.5
             if not isinstance(self.scorer, NullScorer):
