@@ -131,6 +131,10 @@ class Source:
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
         raise NotImplementedError
 
+    def flush(self, ts_ns: int) -> dict[str, pa.Table]:
+        """Rows the source still holds (folded Xid counts, collectors/repeats.py), written before it closes."""
+        return {}
+
     def close(self) -> None:
         pass
 

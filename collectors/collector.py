@@ -169,13 +169,37 @@ class Collector:
             snap.spool_bytes = w.spool_bytes
         return snap
 
+    def _flush_sources(self) -> None:
+        ts_ns = self._clock()
+        tables: dict[str, list[pa.Table]] = collections.defaultdict(list)
+        for src in self.sources:
+            try:
+                for name, table in src.flush(ts_ns).items():
+                    if table.num_rows:
+                        tables[name].append(sch.conform(name, table))
+            except Exception as exc:  # noqa: BLE001 - one source's leftovers must not cost the others'
+                log.warning("source %s: writing what it held at close failed: %s", src.name, exc)
+        joined = {name: pa.concat_tables(ts) if len(ts) > 1 else ts[0] for name, ts in tables.items()}
+        if not joined:
+            return
+        if self.writer is not None:
+            for name, table in joined.items():
+                self.writer.append_table(name, table)
+        if self.uplink is not None:
+            try:
+                self.uplink.submit(joined)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("uplink submit at close failed: %s", exc)
+
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()
 
     def close(self) -> None:
-        """Flush everything and release every source (the SIGTERM path)."""
+        """Flush everything and release every source (the SIGTERM path): what the sources still hold
+        (folded Xid counts) is written and handed to the uplink first."""
         try:
+            self._flush_sources()
             self.flush()
         finally:
             for src in self.sources:

@@ -632,9 +632,10 @@ class Ingest:
         if ev is not None:
             ts_ns = ev.column("ts").cast(pa.int64()).to_pylist()
             for ts_i, row in zip(ts_ns, ev.select(["node", "kind", "severity", "xid", "gpu", "device",
-                                                   "message"]).to_pylist()):
+                                                   "message", "occurrences"]).to_pylist()):
                 xid, sev, kind = row["xid"], row["severity"], row["kind"]
                 msg = (row["message"] or "").lower()
+                n = max(row["occurrences"] or 1, 1)   # a folded row (collectors/repeats.py) counts as that many
                 if kind == "xid":
                     # The catalogue decides, whatever severity the sender wrote: an unknown Xid alarms no one.
                     sev = xidcat.classify(xid, sev)
@@ -644,7 +645,7 @@ class Ingest:
                         (f" on {row['device']}" if row["device"] else "")
                     self.nodes.record_fatal(FatalEvent(row["node"], ts_i, kind, f"{what}{where}", now))
                 elif sev == "precursor" or (kind == "link_state" and "down" in msg):
-                    self.precursors += 1
+                    self.precursors += n
         gpu = good.get("gpu")
         if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():
             lost = gpu.filter(gpu.column("gpu_lost")).select(["ts", "node", "gpu"])
