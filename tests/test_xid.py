@@ -101,6 +101,17 @@ def test_162_cancels_163_and_45_is_never_solo():
     assert set(xidcat.lookup(149).generations) == {"B100", "GB200"}
 
 
+def test_collateral_xids_are_those_a_failing_job_or_domain_puts_on_healthy_gpus():
+    collateral = {c for c, e in xidcat.CATALOGUE.items() if e.collateral}
+    # every application Xid (teardown, a peer's crash), NVLink errors of a domain, a domain's lost GPUs
+    assert {c for c, e in xidcat.CATALOGUE.items() if e.severity == "application"} <= collateral
+    assert {74, 79, 109, 155, *range(144, 151)} <= collateral
+    # memory and firmware faults are the GPU's own, whatever its neighbours log
+    assert not collateral & {48, 62, 63, 64, 92, 95, 119, 120, 136, 140, 154, 162, 163}
+    assert xidcat.outstanding_until(163) == (162,) and xidcat.outstanding_until(162) == ()
+    assert xidcat.outstanding_until(None) == () and xidcat.outstanding_until(UNKNOWN_CODE) == ()
+
+
 def test_nvlink5_take_their_class_from_the_token():
     assert xidcat.severity(149, "NETIR_LINK_EVT Fatal XC0 i0 Link 00 (0x0)") == "fatal"
     assert xidcat.severity(145, "RLW_RXPIPE Nonfatal XC0 i0 Link 13 (0x0)") == "precursor"
