@@ -38,8 +38,12 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
+    "xid_context_min_nodes": 3,
+    "xid_context_fraction": 0.25,
 }
-# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them.
+# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
+# the xid_context_* ranges by service/xidcontext.py (through PolicySettings).
 CHECKS = {
     "threshold": config.between(0, 1),
     "budget": config.at_least(0),
@@ -78,6 +82,13 @@ def register(subparsers) -> None:
     p.add_argument("--history", metavar="DIR",
                    help="dataset with an incidents table (foreshock history import, or your own): export the "
                         "node history score (foreshock_node_history_risk) hourly and prefer clean spares")
+    p.add_argument("--xid-context-seconds", type=float,
+                   help="a collateral Xid (45, 79, 74, ...) waits this long for its job's or NVLink domain's other "
+                        "nodes before it alarms its own (5; 0: never waits)")
+    p.add_argument("--xid-context-min-nodes", type=int,
+                   help="nodes of one job or NVLink domain with the same Xid that make one job event (3)")
+    p.add_argument("--xid-context-fraction", type=float,
+                   help="... or this share of the job's nodes, whichever is fewer, at least 2 (0.25)")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -110,7 +121,9 @@ def settings_from(cfg: dict):
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
-                "sustain_seconds": cfg["sustain_seconds"]})
+                "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
+                "xid_context_min_nodes": cfg["xid_context_min_nodes"],
+                "xid_context_fraction": cfg["xid_context_fraction"]})
 
 
 def run(args, file_data) -> int:

@@ -166,7 +166,8 @@ class ControlPlane:
         self.hold = CloseHold(s.close_hold_seconds)
         self.scoring.hold = self.hold
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
-                             steps=self.scoring.steps)
+                             steps=self.scoring.steps, context=self.policy.context)
+        self.scoring.gate = self.policy.context
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest._last_sequence.update(store_mod.load_sequences(self.store))
         self._last_sequence_save = 0.0
