@@ -119,9 +119,8 @@ class XidFolder:
                     return out
                 run.start_ns = t   # the flood goes on: a new window, this line its first count
             run.count += 1
-            if run.count == 1:
-                run.first_ns = t
-            run.last_ns = max(run.last_ns, t) if run.count > 1 else t
+            run.first_ns = t if run.count == 1 else min(run.first_ns, t)
+            run.last_ns = t if run.count == 1 else max(run.last_ns, t)
             run.last_seen_ns = max(run.last_seen_ns, t)
             run.last_row = row
             self.folded += 1

@@ -220,7 +220,7 @@ EVENTS = COMMON + (
     Field("message", STR, "", "The driver's text, unparsed remainder."),
     Field("seq", I64, "", "/dev/kmsg sequence number (dedupe across restarts); of a folded row, its last line's."),
     # Added within v1, nullable: files and collectors without them read as one occurrence per row.
-    Field("occurrences", I64, "events", "Occurrences this row stands for: repeats of one Xid folded by the collector "
+    Field("occurrences", I64, "count", "Occurrences this row stands for: repeats of one Xid folded by the collector "
           "(docs/collectors.md); null: 1."),
     Field("first_ts", TS, "", "First occurrence a folded row covers; null: ts."),
     Field("last_ts", TS, "", "Last occurrence a folded row covers; null: ts."),

@@ -647,7 +647,7 @@ class Ingest:
                 msg = (row["message"] or "").lower()
                 # A folded row (collectors/repeats.py) stands for `occurrences` lines, the last at last_ts.
                 n = max(row["occurrences"] or 1, 1)
-                when = last_i if last_i is not None else ts_i
+                when = min(last_i, ts_i) if last_i is not None else ts_i   # a folded row is written after its lines
                 if kind == "gpu_lost" and row["source"] == "kmsg":
                     xid = xidcat.FALLEN_OFF_THE_BUS   # the kernel's line is the report Xid 79 is
                 if kind == "xid":

@@ -162,6 +162,41 @@ def test_a_fatal_xid_that_is_never_collateral_acts_at_once_and_a_lone_collateral
     assert "Xid 95" in plane.policy.alarms["n1"].reason and "Xid 74" in plane.policy.alarms["n2"].reason
 
 
+@pytest.mark.parametrize("cols, reason, column", [
+    ({"occurrences": -3}, "negative_counter", "occurrences"),
+    ({"occurrences": 2, "last_ts": 400 * 86_400 * S}, "ts_future", "last_ts"),
+])
+def test_a_folded_row_with_an_impossible_count_or_time_is_refused_by_name(plane, cols, reason, column):
+    import queue
+
+    from foreshock.collectors.uplink import encode_table
+    from foreshock.v1 import telemetry_pb2 as tpb, telemetry_pb2_grpc
+
+    now = time.time_ns()
+    if "last_ts" in cols:
+        cols = {**cols, "last_ts": now + cols["last_ts"]}
+    ev = sch.to_table("events", [{"ts": now, "node": "n1", "kind": "xid", "source": "kmsg", "severity": "fatal",
+                                  "xid": 95, "gpu": 0, "message": "Uncontained", **cols}])
+    outgoing: queue.Queue = queue.Queue()
+    outgoing.put(tpb.SweepBatch(node="n1", collector_id="c1", sequence=1, tables=[
+        tpb.TableRows(table="events", schema_version=1, arrow_ipc=encode_table("events", ev))]))
+
+    def requests():
+        while (item := outgoing.get()) is not None:
+            yield item
+    rejections = []
+    with grpc.insecure_channel(plane.address) as ch:
+        for ack in telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(requests(), timeout=T):
+            rejections += [(r.reason, r.detail) for r in ack.rejections]
+            if ack.acked_sequence == 1:    # a heartbeat carries what the round's value checks found
+                outgoing.put(tpb.SweepBatch(node="n1", collector_id="c1", sequence=2))
+            else:
+                outgoing.put(None)
+    ((got, detail),) = rejections
+    assert got == reason and column in detail
+    assert plane.policy.alarms == {} and plane.ingest.accepted_rows.get("events", 0) == 0
+
+
 def test_the_xid_context_settings_are_range_checked(tmp_path):
     for bad in ({"xid_context_seconds": -1}, {"xid_context_seconds": 61}, {"xid_context_min_nodes": 1},
                 {"xid_context_fraction": 0}, {"xid_context_fraction": 1.5}):
