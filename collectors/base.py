@@ -94,6 +94,7 @@ class Source:
 
     name = "source"
     tables: tuple[str, ...] = ()
+    folder = None   # an XidFolder (collectors/repeats.py) where the source reads Xids
 
     def __init__(self, node: str):
         self.node = node

@@ -35,6 +35,7 @@ class SourceStatus:
     absent: bool = False
     rows: int = 0  # rows in the last sweep
     unknown_xids: int = 0  # cumulative: Xid events outside the catalogue (foreshock/xid.py)
+    folded_xids: int = 0   # cumulative: Xid lines counted into folded rows (collectors/repeats.py)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Collector:
             st.errors = src.errors + st.failed_sweeps
             st.absent = src.absent
             st.unknown_xids = src.unknown_xids
+            st.folded_xids = src.folder.folded if src.folder is not None else 0
         tables: dict[str, pa.Table] = {}
         for name, ts in parts.items():
             table = ts[0] if len(ts) == 1 else pa.concat_tables(ts, promote_options="none")

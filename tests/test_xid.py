@@ -397,6 +397,11 @@ def test_the_collector_writes_counts_it_still_holds_when_it_closes(tmp_path):
     collector = Collector("n", [KmsgSource("n", path=str(log), boot_ns=BOOT)], writer,
                           clock=lambda: BOOT + 106 * 10**9)
     collector.sweep_once()
+    from prometheus_client import generate_latest
+
+    from foreshock.collectors.metrics import registry_for
+    text = generate_latest(registry_for(collector)).decode()
+    assert 'foreshock_collector_xid_repeats_folded_total{source="kmsg"} 271.0' in text   # 300 lines, 29 first
     collector.close()
     rows = read_table(tmp_path / "ds", "events").to_pylist()
     assert len(rows) == 29 * 2 and _occurrences(rows) == 300
