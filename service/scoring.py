@@ -312,8 +312,9 @@ class ScoringLoop:
         return len(self._queue)
 
     def _acted(self, items) -> None:
-        """acted(), unless a collateral Xid of the round is still undecided: its batches wait for that
-        (each stream waits at most servicers.ACTED_ACK_SECONDS, longer than any context window)."""
+        """acted(), unless a collateral Xid taken so far is still undecided: the round's batches wait until
+        it is (at most the context's window after it was taken, which bounds _unsettled; each stream
+        acknowledges anyway after servicers.ACTED_ACK_SECONDS, longer than any window)."""
         gate = self.gate
         if gate is not None:
             if items and not gate.settled(gate.mark()):

@@ -12,8 +12,8 @@ asks `decide` every round (service/policy.py):
   row, a log line, `foreshock_xid_job_events_total`), and no node of it is alarmed;
 * a sighting that is still alone when `window_seconds` have passed since the policy first saw it is a
   fault of its node after all: `decide` returns its FatalEvent and the node is alarmed as before. A
-  node in no job and no NVLink domain has nobody to share a job event with: its sighting is a fault in
-  the round that first sees it.
+  node in no job and no NVLink domain of two nodes or more has nobody to share a job event with: its
+  sighting is a fault in the round that first sees it.
 
 So a collateral fatal Xid alone on one node acts `window_seconds` later than any other fatal Xid; that
 is the price of not draining a whole job's nodes at its teardown (docs/service.md, "Xids in context").
@@ -92,6 +92,9 @@ def need(size: int, min_nodes: int, fraction: float) -> int:
 
 
 class XidContext:
+    """Sightings of collateral Xids and outstanding conditions (the module docstring); thread-safe: ingest
+    observes, the policy decides, the metrics read."""
+
     def __init__(self, window_seconds: float = 5.0, min_nodes: int = 3, fraction: float = 0.25):
         if not 0 <= window_seconds <= MAX_WINDOW_SECONDS:
             raise ValueError(f"policy xid_context_seconds {window_seconds} must be in [0, {MAX_WINDOW_SECONDS:g}]")
@@ -109,7 +112,7 @@ class XidContext:
         self._jobs_gone: collections.OrderedDict[str, tuple[frozenset[str], int]] = collections.OrderedDict()
         self._seq = 0
         self._decided = 0          # every sighting with seq <= this has been decided
-        # (node, device, code) -> (last occurrence ns, description); (node, device, code) -> cancelled at ns
+        # (node, device, code) -> its last occurrence (ns) while outstanding; -> the latest cancel (ns)
         self._open: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self._cancelled: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self.job_events = collections.Counter()   # xid -> job events declared
@@ -231,7 +234,8 @@ class XidContext:
                     del self._pending[seq]
                     self.suppressed += 1
                     self._recent.append((now_ns, s))
-                elif now_ns >= s.seen_ns + self.window_ns or not scopes_of(s.node):   # no job, no domain: alone
+                elif now_ns >= s.seen_ns + self.window_ns or not any(
+                        size_of(scope) >= 2 for scope in scopes_of(s.node)):   # no one to share an event with
                     del self._pending[seq]
                     self._recent.append((now_ns, s))
                     if s.event is not None:

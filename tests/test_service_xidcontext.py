@@ -298,11 +298,13 @@ def test_a_different_xid_on_the_culprit_is_its_fault_while_its_peers_collateral_
 
 
 def test_a_collateral_xid_on_a_node_in_no_job_and_no_domain_does_not_wait(world):
-    clock, _, jobs, _, _, policy, events = world
-    jobs.register("J", [(0, "n0", [0])], [])
+    clock, _, jobs, nodes, _, policy, events = world
+    jobs.register("J", [(0, "n0", [0]), (1, "n1", [0])], [])
+    nodes.set_topology("hgx-1", Topology(nvlink_domain="hgx-1"))   # an NVLink domain of one node
     events([{"node": "n0", "ts": clock.now, "xid": 79, "severity": "fatal"},
-            {"node": "loner", "ts": clock.now, "xid": 79, "severity": "fatal"}])
-    assert set(policy.alarms) == {"loner"} and policy.context.pending() == 1
+            {"node": "loner", "ts": clock.now, "xid": 79, "severity": "fatal"},
+            {"node": "hgx-1", "ts": clock.now, "xid": 79, "severity": "fatal"}])
+    assert set(policy.alarms) == {"loner", "hgx-1"} and policy.context.pending() == 1
 
 
 def test_never_collateral_fatal_xids_on_many_nodes_at_once_each_alarm_at_once(world):
