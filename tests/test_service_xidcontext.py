@@ -197,6 +197,27 @@ def test_a_folded_row_with_an_impossible_count_or_time_is_refused_by_name(plane,
     assert plane.policy.alarms == {} and plane.ingest.accepted_rows.get("events", 0) == 0
 
 
+def test_an_older_collectors_events_without_the_folding_columns_are_taken(plane):
+    """Schema v1 before `occurrences`, `first_ts` and `last_ts`: the batch is conformed, not refused."""
+    import pyarrow as pa
+
+    from foreshock.v1 import telemetry_pb2 as tpb, telemetry_pb2_grpc
+
+    new = sch.schema("events")
+    old = pa.schema([f for f in new if f.name not in ("occurrences", "first_ts", "last_ts")], metadata=new.metadata)
+    ev = pa.Table.from_pylist([{"ts": time.time_ns(), "node": "n1", "kind": "xid", "source": "kmsg",
+                                "severity": "fatal", "xid": 95, "gpu": 0, "message": "Uncontained"}], schema=old)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ev.schema) as w:
+        w.write_table(ev)
+    batch = tpb.SweepBatch(node="n1", collector_id="old", sequence=1, tables=[
+        tpb.TableRows(table="events", schema_version=1, arrow_ipc=sink.getvalue().to_pybytes())])
+    with grpc.insecure_channel(plane.address) as ch:
+        (ack,) = list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=T))
+    assert ack.acked_sequence == 1 and not ack.rejections
+    assert "n1" in plane.policy.alarms and plane.ingest.accepted_rows["events"] == 1
+
+
 def test_the_xid_context_settings_are_range_checked(tmp_path):
     for bad in ({"xid_context_seconds": -1}, {"xid_context_seconds": 61}, {"xid_context_min_nodes": 1},
                 {"xid_context_fraction": 0}, {"xid_context_fraction": 1.5}):
