@@ -17,7 +17,8 @@ event row through an `XidFolder`:
   its next line is a first occurrence again.
 
 An Xid that cancels another (162 cancels 163) first writes out the cancelled Xid's pending count on
-that device, so the cancel is never followed by an older occurrence of what it cancels.
+that device, so the cancel is never followed by an older occurrence of what it cancels, and forgets it:
+the next 163 is a new state and is written at once.
 
 Summing `occurrences` (null counts 1) over the rows gives the number of lines read, exactly. Rows that
 are not Xids pass through untouched.
@@ -104,9 +105,11 @@ class XidFolder:
         out: list[dict] = []
         cancels = xidcat.lookup(row.get("xid")).cancels
         if cancels:
-            # 162 after repeats of 163: the 163 count is written first, so the rows keep their order.
-            for other_key, other in self._runs.items():
-                if other.count and other_key[:2] == k[:2] and other_key[2] in cancels:
+            # 162 after repeats of 163: the 163 count is written first, so the rows keep their order, and
+            # the 163 is forgotten: the next one is a new state, written at once.
+            for other_key in [o for o in self._runs if o[:2] == k[:2] and o[2] in cancels]:
+                other = self._runs.pop(other_key)
+                if other.count:
                     out.append(self._summary(other, now_ns))
         if run is not None:
             self._runs.move_to_end(k)

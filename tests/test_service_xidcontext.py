@@ -393,3 +393,25 @@ def test_every_fatal_xid_on_half_a_job_at_once_is_a_job_event_exactly_when_it_is
         assert policy.alarms == {} and policy.context.job_events == {code: 1}
     else:
         assert set(policy.alarms) == {"n0", "n1", "n2", "n3"} and not policy.context.job_events
+
+
+def test_163_repeats_then_162_replayed_through_the_collector_leave_nothing_outstanding(world, tmp_path):
+    # A GB200 GPU disengages power smoothing three times, then re-engages it, within one fold window:
+    # the collector writes the 163 count before the 162 (collectors/repeats.py), and the service ends
+    # with nothing outstanding; a 163 after that is outstanding again.
+    clock, _, _, nodes, _, policy, _ = world
+    boot = T0 - 1000 * S
+    log = tmp_path / "kern.log"
+    lines = [(10.0, 163, "PSHC disengaged"), (11.0, 163, "PSHC disengaged"), (12.0, 163, "PSHC disengaged"),
+             (13.0, 162, "PSHC reengaged")]
+    log.write_text("".join(f"[{990 + t:12.6f}] {_xid('0018:01:00', c, m)}\n" for t, c, m in lines))
+    src = KmsgSource("gb", path=str(log), boot_ns=boot)
+    rows = src.sweep(T0)["events"].to_pylist()
+    assert [(r["xid"], r["occurrences"]) for r in rows] == [(163, None), (163, 2), (162, None)]
+    ingest = Ingest(nodes, sink=lambda p: 0, context=policy.context)
+    ingest._side_effects({"events": sch.to_table("events", rows)}, now=T0)
+    assert policy.context.outstanding() == []
+    with open(log, "a") as fh:
+        fh.write(f"[{1005:12.6f}] {_xid('0018:01:00', 163, 'PSHC disengaged')}\n")
+    ingest._side_effects({"events": src.sweep(T0 + 10 * S)["events"]}, now=T0 + 10 * S)
+    assert [(n, c) for n, _, c, _ in policy.context.outstanding()] == [("gb", 163)]
