@@ -1,7 +1,9 @@
 """The Xid catalogue (foreshock/xid.py) and its readers: the kmsg and NVML collectors, the simulator, the
 service's fatal/precursor decision and the predictor's Xid signals all derive their class from it, the
-predictor's classes for the codes the old tables listed are unchanged, and replayed kmsg sequences of the
-documented cases (issue 20) give the outcomes the catalogue says."""
+predictor's classes for the codes the old tables listed are unchanged, replayed kmsg sequences of the
+documented cases (issue 20) give the outcomes the catalogue says, and repeats of one Xid fold into counted
+rows that every reader counts as lines (collectors/repeats.py). The documented cases through a real
+control plane, with the Xid context on: tests/test_service_xidcontext.py."""
 
 from __future__ import annotations
 
