@@ -140,7 +140,16 @@ class EvacuationPolicy:
             log.warning("Xid job event: %s", ev.describe())
         for fault in faults:
             self.nodes.record_fatal(fault)
-        for ev in ctx.take_closed():
+        self._record_closed(now_ns)
+
+    def close_context(self, now_ns: int) -> None:
+        """The service stops: open job events are recorded as they stand, not lost with the process."""
+        with self._lock:
+            self.context.close_all()
+            self._record_closed(now_ns)
+
+    def _record_closed(self, now_ns: int) -> None:
+        for ev in self.context.take_closed():
             kind, name = ev.scope
             self.decisions.record("xid_job_event", node="", job=name if kind == "job" else "", scope=kind,
                                   nodes=sorted(ev.nodes), reason=ev.describe(), ts_ns=now_ns, xid=ev.xid,

@@ -442,6 +442,7 @@ class ControlPlane:
         if self._history_thread is not None:
             self._history_thread.join(5)
         self.scoring.stop()
+        self.policy.close_context(self.clock())
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
         self._save_sequences(self.clock())

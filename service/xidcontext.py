@@ -265,6 +265,12 @@ class XidContext:
         lo, hi = ev.first_ns - self.window_ns, ev.last_ns + self.window_ns
         return [c for c in out if c[0].ts_ns <= hi and c[-1].ts_ns >= lo]
 
+    def close_all(self) -> None:
+        """The service stops: every open job event is closed as it stands (take_closed records it)."""
+        with self._lock:
+            self.closed.extend(self._events.values())
+            self._events.clear()
+
     def take_closed(self) -> list[JobEvent]:
         with self._lock:
             out, self.closed = self.closed, []

@@ -218,6 +218,20 @@ def test_an_older_collectors_events_without_the_folding_columns_are_taken(plane)
     assert "n1" in plane.policy.alarms and plane.ingest.accepted_rows["events"] == 1
 
 
+def test_a_job_event_still_open_when_the_service_stops_is_recorded(tmp_path):
+    plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
+    plane.jobs.register("J", [(i, f"n{i}", [0]) for i in range(4)], [])
+    now = time.time_ns()
+    plane.ingest._side_effects({"events": sch.to_table("events", [
+        {"ts": now, "node": f"n{i}", "kind": "xid", "source": "kmsg", "severity": "fatal", "xid": 79, "gpu": 0}
+        for i in range(4)])}, now=now)
+    plane.policy.evaluate(now)               # declared; it would close a window after its last node
+    assert plane.policy.context.job_events == {79: 1} and plane.policy.context.busy()
+    plane.stop(0)
+    (row,) = [r for r in read_decisions(tmp_path / "decisions").to_pylist() if r["kind"] == "xid_job_event"]
+    assert (row["job"], sorted(row["nodes"])) == ("J", ["n0", "n1", "n2", "n3"])
+
+
 def test_the_xid_context_settings_are_range_checked(tmp_path):
     for bad in ({"xid_context_seconds": -1}, {"xid_context_seconds": 61}, {"xid_context_min_nodes": 1},
                 {"xid_context_fraction": 0}, {"xid_context_fraction": 1.5}):
