@@ -192,6 +192,10 @@ class Ingest:
         self._good_schemas: dict[bytes, tuple[str, bytes]] = {}   # digest -> (table, schema message)
         self._last_sequence: dict[str, int] = {}
         self._taken: dict[str, int] = {}                 # collector -> last batch checked, not yet saved
+        # (context mark, {collector: its first batch in that round}): batches with collateral Xids the Xid
+        # context has not decided; a restart must take them again, so their sequences are not saved yet
+        self._holds: collections.deque[tuple[int, dict[str, int]]] = collections.deque()
+        self._unsaved: dict[str, int] = {}               # collector -> last batch checked, held back
         self._undelivered: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
         self._sessions: dict[int, Session] = {}
         self._decoders: dict[str, BatchDecoder] = {}     # table -> its round decoder (fastipc)
@@ -234,9 +238,27 @@ class Ingest:
         return out
 
     def taken_sequences(self) -> dict[str, int]:
-        """Each collector's last batch checked since the last call (for the store)."""
-        taken, self._taken = self._taken, {}
-        return taken
+        """Each collector's last batch checked since the last call (for the store), but never one at or
+        past a batch whose collateral Xid the Xid context has not decided yet: if the service dies
+        before that, the collector's re-sent batch must be taken again, not refused as a duplicate."""
+        for cid, seq in self._taken.items():
+            if seq > self._unsaved.get(cid, -1):
+                self._unsaved[cid] = seq
+        self._taken = {}
+        while self._holds and (self.context is None or self.context.settled(self._holds[0][0])):
+            self._holds.popleft()
+        limit: dict[str, int] = {}
+        for _, held in self._holds:
+            for cid, seq in held.items():
+                limit[cid] = min(limit.get(cid, seq), seq)
+        out = {}
+        for cid, seq in list(self._unsaved.items()):
+            if cid not in limit:
+                out[cid] = seq
+                del self._unsaved[cid]
+            elif limit[cid] > 1:
+                out[cid] = min(seq, limit[cid] - 1)
+        return out
 
     def connected(self) -> int:
         with self._lock:
@@ -469,7 +491,15 @@ class Ingest:
                 out[name] = table
                 with self._lock:
                     self.accepted_rows[name] += table.num_rows
+        mark = self.context.mark() if self.context is not None else 0
         self._side_effects(out, now)
+        if self.context is not None and self.context.mark() != mark:
+            held: dict[str, int] = {}
+            for item in items:
+                cid = item.session.collector_id
+                if cid and "events" in item.tables:
+                    held[cid] = min(held.get(cid, item.sequence), item.sequence)
+            self._holds.append((self.context.mark(), held))
         return out
 
     def _round_table(self, name: str, parts, now: int) -> pa.Table | None:

@@ -218,6 +218,40 @@ def test_an_older_collectors_events_without_the_folding_columns_are_taken(plane)
     assert "n1" in plane.policy.alarms and plane.ingest.accepted_rows["events"] == 1
 
 
+def test_a_batch_with_an_undecided_collateral_xid_is_not_saved_as_taken_until_it_is_decided(tmp_path):
+    """Were its sequence saved while its Xid waits, a service killed in the window would, after the
+    restart, refuse the collector's re-sent batch as a duplicate and lose the Xid."""
+    from foreshock.service import store as store_mod
+    from foreshock.v1 import telemetry_pb2 as tpb, telemetry_pb2_grpc
+    from foreshock.collectors.uplink import encode_table
+
+    clock = Clock()
+    clock.now = time.time_ns()
+    plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer(), scoring_clock=clock))
+    plane.jobs.register("J", [(0, "n1", [0]), (1, "n2", [0])], [])
+    plane.start()
+    try:
+        ev = sch.to_table("events", [{"ts": clock.now, "node": "n1", "kind": "xid", "source": "kmsg",
+                                      "severity": "fatal", "xid": 79, "gpu": 0}])
+        batch = tpb.SweepBatch(node="n1", collector_id="c1", sequence=1, tables=[
+            tpb.TableRows(table="events", schema_version=1, arrow_ipc=encode_table("events", ev))])
+        with grpc.insecure_channel(plane.address) as ch:
+            stream = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=30)
+            assert _wait(lambda: plane.ingest.accepted_rows["events"] == 1 and plane.policy.context.pending() == 1)
+            taken_at = time.monotonic()
+            assert _wait(lambda: plane._last_sequence_save > taken_at)   # a save ran while it waits ...
+            assert plane.policy.context.pending() == 1
+            assert store_mod.load_sequences(plane.store).get("c1", 0) == 0   # ... and did not record it
+            clock.now += int(plane.policy.settings.xid_context_seconds * S)   # its window ends: decided
+            assert _wait(lambda: "n1" in plane.policy.alarms)
+            decided_at = time.monotonic()
+            assert _wait(lambda: plane._last_sequence_save > decided_at)
+            assert store_mod.load_sequences(plane.store)["c1"] == 1
+            assert [a.acked_sequence for a in stream] == [1]
+    finally:
+        plane.stop(0)
+
+
 def test_a_job_event_still_open_when_the_service_stops_is_recorded(tmp_path):
     plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
     plane.jobs.register("J", [(i, f"n{i}", [0]) for i in range(4)], [])
