@@ -7,7 +7,8 @@ is a *sighting* here (`observe`, from service/ingest.py) instead of a fatal even
 asks `decide` every round (service/policy.py):
 
 * sightings of one Xid code on at least `need(size)` distinct nodes of one scope (a job registered with
-  the control plane, the inventory's job label, or its NVLink domain), each within `window_seconds` of
+  the control plane or deregistered from it in the last JOB_MEMORY_SECONDS, the inventory's job label,
+  the inventory's NVLink domain), each within `window_seconds` of
   the next by their kernel times, are one job event: recorded once (the decision log's `xid_job_event`
   row, a log line, `foreshock_xid_job_events_total`), and no node of it is alarmed;
 * a sighting that is still alone when `window_seconds` have passed since the policy first saw it is a
@@ -30,8 +31,8 @@ time; `outstanding()` lists them (the metric foreshock_xid_outstanding). Times, 
 a folded count of 163 that arrives after the 162 but whose last line came before it does not reopen it.
 
 Every collection here is bounded (MAX_PENDING sightings, MAX_RECENT decided ones, MAX_JOBS remembered
-placements, MAX_CONDITIONS conditions); what does not fit is decided at once as a fault or forgotten
-oldest first, and counted.
+placements, MAX_CONDITIONS conditions); what does not fit is forgotten oldest first, except a pending
+sighting, which then acts at once as its node's fault (counted in `overflow`).
 """
 
 from __future__ import annotations
