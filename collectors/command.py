@@ -69,7 +69,7 @@ def register(subparsers) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--once", action="store_true", help="one sweep: write it, print what was read, exit")
     p.add_argument("--interval", type=float, help="seconds between sweeps (default 1)")
-    p.add_argument("--sources", help="comma-separated sources (nvml,rdma,netdev,host_net,kmsg,simulated)")
+    p.add_argument("--sources", help="comma-separated sources (nvml,rdma,netdev,host_net,kmsg,systemd,simulated)")
     p.add_argument("--sysfs", help="sysfs root (default /sys)")
     p.add_argument("--procfs", help="procfs root (default /proc)")
     p.add_argument("--kmsg", help="/dev/kmsg, or a dmesg-style text file")

@@ -11,6 +11,7 @@ Xid lines: `NVRM: Xid (PCI:DDDD:BB:DD): <xid>, pid=<pid>, name=<comm>, <message>
 `PCI:` and pid/name; NVLink5 Xids 144-150 carry `Nonfatal`/`Fatal` and `Link NN`. A lost GPU may be
 reported without an Xid: "NVRM: The NVIDIA GPU <bus id> ... has fallen off the bus". Real examples:
 ../shared/fixtures/kmsg/xid-lines.txt. Severity classes: the Xid catalogue, foreshock/xid.py.
+NVSwitch SXid lines (`nvidia-nvswitchN: SXid (PCI:...): ...`) are parsed by collectors/sxid.py.
 
 An Xid line that does not parse (a truncated or garbled `NVRM: Xid` line) is a ParseError, counted in
 the source's errors; an Xid outside the catalogue becomes an event of severity info, counted in
@@ -34,6 +35,7 @@ from foreshock import xid as xidcat
 
 from .base import ParseError, Source
 from .repeats import DEFAULT_WINDOW_SECONDS, XidFolder
+from .sxid import parse_sxid
 
 _PCI = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
 _XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r")\): (?P<xid>\d{1,10})\b(?:,\s*(?P<rest>.*))?$")
@@ -142,6 +144,8 @@ def parse_event(message: str) -> dict | None:
             return {"kind": "gpu_lost", "severity": "fatal", "pci_bus_id": normalize_pci(m.group("pci")),
                     "message": message[m.start():]}
         return None
+    if "SXid" in message:
+        return parse_sxid(message)
     m = _NIC_RE.match(message)
     if m:
         return _nic_event(m.group("driver"), m.group("pci"), m.group("iface"), m.group("msg"))

@@ -55,6 +55,11 @@ def _nvml(c: SourceConfig) -> Source:
     return NvmlSource(c.node, nvlink_links=c.nvlink_links, xid_fold_seconds=c.xid_fold_seconds)
 
 
+def _systemd(c: SourceConfig) -> Source:
+    from .systemd import SystemdSource
+    return SystemdSource(c.node)
+
+
 def _simulated(c: SourceConfig) -> Source:
     from .simulated import SimulatedSource
     return SimulatedSource(c.node, gpus=c.sim_gpus, hcas=c.sim_hcas, seed=c.seed)
@@ -66,6 +71,7 @@ SOURCES: dict[str, Callable[[SourceConfig], Source]] = {
     "netdev": _netdev,
     "host_net": _host_net,
     "kmsg": _kmsg,
+    "systemd": _systemd,
     "simulated": _simulated,
 }
 # What `foreshock collect` reads when --sources is not given: every real interface of a GPU node.

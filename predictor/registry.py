@@ -431,20 +431,26 @@ def fast_probability(estimator, n_features: int = ft.N_FEATURES, threads: int | 
     return lambda X: fast.predict_proba(np.asarray(X, dtype=np.float32), threads=th)[:, 1] if len(X) else np.zeros(0)
 
 
+def pick_threshold(curve, budget: float) -> float:
+    """The threshold for a false-evacuation budget on a curve [(threshold, false evacuations per 1,000
+    node-days, recall), ...] sorted by threshold: the lowest whose rate is within `budget`; the highest
+    when none is (1.0 for an empty curve). The one rule: train chooses the manifest's thresholds by it,
+    the registry reads them by it, calibration re-fits them by it."""
+    for th, fe, _recall in curve:
+        if fe <= budget:
+            return th
+    return curve[-1][0] if curve else 1.0
+
+
 def threshold_for_budget(manifest: dict, budget: float, model: str = "model") -> float:
-    """The lowest threshold whose validation false-evacuation rate is within `budget`."""
+    """The threshold for `budget` on the manifest's validation curve (pick_threshold)."""
     curves = manifest.get("threshold_curves", {})
     curve = curves.get(model)
     if not curve:
         table = manifest["thresholds"].get(model, manifest["thresholds"]) if model != "model" else manifest["thresholds"]
         key = min(table, key=lambda k: abs(float(k) - budget))
         return float(table[key])
-    best = None
-    for th, fe, _recall in curve:  # sorted by threshold ascending
-        if fe <= budget:
-            best = th
-            break
-    return float(best if best is not None else curve[-1][0])
+    return float(pick_threshold(curve, budget))
 
 
 def manifest_threshold(manifest: dict, budget: float, model: str = "model") -> float | None:

@@ -14,6 +14,19 @@ import sys
 import threading
 
 from foreshock import config
+from foreshock.service.actions import CHECKS as ACTION_CHECKS
+from foreshock.service.actions import ActionSettings
+
+# [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
+# defaults and ranges are ActionSettings' own.
+ACTION_KEYS = {
+    "slurm_drain": "slurm", "slurm_scontrol": "scontrol", "slurm_conf": "slurm_conf",
+    "kubernetes_taint": "kubernetes", "kubernetes_kubeconfig": "kubeconfig",
+    "kubernetes_taint_key": "taint_key", "kubernetes_taint_effect": "taint_effect",
+    "action_timeout_seconds": "timeout_seconds", "action_max_fraction": "max_fraction",
+    "action_fleet_size": "fleet_size", "action_max_attempts": "max_attempts",
+    "action_backoff_seconds": "backoff_seconds", "action_recheck_seconds": "recheck_seconds",
+}
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +51,18 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
+    "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
+    "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
+    "fail_slow_min_steps": 12,   # ... and this many slow steps ...
+    "fail_slow_window": 16,      # ... of its last this many make it fail-slow
     "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
     "xid_context_min_nodes": 3,
     "xid_context_fraction": 0.25,
 }
 # close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
-# the xid_context_* ranges by service/xidcontext.py (through PolicySettings).
+# the fail_slow_* values by service/steptimes.py's FailSlowSettings; the xid_context_* ranges by
+# service/xidcontext.py (through PolicySettings).
 CHECKS = {
     "threshold": config.between(0, 1),
     "budget": config.at_least(0),
@@ -52,6 +71,7 @@ CHECKS = {
     "max_concurrent": config.at_least(1),
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
+    **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
 }
 
 
@@ -82,6 +102,17 @@ def register(subparsers) -> None:
     p.add_argument("--history", metavar="DIR",
                    help="dataset with an incidents table (foreshock history import, or your own): export the "
                         "node history score (foreshock_node_history_risk) hourly and prefer clean spares")
+    p.add_argument("--slurm-drain", action="store_const", const=True,
+                   help="drain due nodes in Slurm (scontrol; docs/actions.md)")
+    p.add_argument("--kubernetes-taint", action="store_const", const=True,
+                   help="taint due Kubernetes nodes and set their ForeshockRisk condition (docs/actions.md)")
+    p.add_argument("--no-fail-slow", dest="fail_slow", action="store_const", const=False,
+                   help="do not judge jobs' step times (the fail-slow rule); they are still kept")
+    p.add_argument("--fail-slow-ratio", type=float, help="a rank's step at this multiple of its job's median is "
+                                                         "slow (1.2)")
+    p.add_argument("--fail-slow-min-steps", type=int, help="slow steps among the last --fail-slow-window "
+                                                           "that make a rank fail-slow (12)")
+    p.add_argument("--fail-slow-window", type=int, help="steps a rank is judged over (16)")
     p.add_argument("--xid-context-seconds", type=float,
                    help="a collateral Xid (45, 79, 74, ...) waits this long for its job's or NVLink domain's other "
                         "nodes before it alarms its own (5; 0: never waits)")
@@ -120,10 +151,13 @@ def settings_from(cfg: dict):
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
+        actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
                 "xid_context_min_nodes": cfg["xid_context_min_nodes"],
-                "xid_context_fraction": cfg["xid_context_fraction"]})
+                "xid_context_fraction": cfg["xid_context_fraction"]},
+        fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],
+                   "min_steps": cfg["fail_slow_min_steps"], "window": cfg["fail_slow_window"]})
 
 
 def run(args, file_data) -> int:

@@ -22,8 +22,8 @@ class Topology:
     site: str = ""
     spine: str = ""
     leaf_switch: str = ""
-    nvlink_domain: str = ""   # the inventory's NVLink domain (an NVL72 rack), if any
-    job: str = ""             # the inventory's job label, if any (jobs registered here are the store's)
+    nvlink_domain: str = ""  # a multi-node NVLink domain (an NVL72 rack); "" where NVLink stays inside the node
+    job: str = ""            # the inventory's job label, if any (jobs registered here are the store's)
 
 
 @dataclass(frozen=True)

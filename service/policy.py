@@ -10,7 +10,7 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    event and alarms none (service/xidcontext.py).
 2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
    a fatal alarm acts at once.
-3. Blast radius: when alarmed nodes make up a large share of a leaf switch or a site
+3. Blast radius: when alarmed nodes make up a large share of a leaf switch, a site or an NVLink domain
    (`incident_fraction`, at least `incident_min_nodes`), the fault is the fabric's, not the nodes':
    it is reported as a fabric incident and no spares are spent on those nodes.
 4. Per job: nothing if the job already has an active directive from that node (never issued twice);
@@ -24,6 +24,13 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
+7. Node actions (with `actions`, service/actions.py): every node due under rules 1-3, whether or not
+   a job runs there, is handed over to be drained (Slurm) or tainted (Kubernetes), under a breaker.
+8. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
+   ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
+   on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
+   FAIL_SLOW. A fabric incident does not hold it back: the rule compares ranks of one job, not nodes.
+   It takes no node action (rule 7): the node is slow for that job, which says little of the others.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
+from foreshock.service.steptimes import FailSlow, StepTimes
 from foreshock.service.store import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
 from foreshock.service.xidcontext import XidContext
 
@@ -94,8 +103,12 @@ class Alarm:
 
 
 class EvacuationPolicy:
-    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog):
+    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog,
+                 actions=None, step_times: StepTimes | None = None):
         self.settings = settings
+        self.actions = actions   # a NodeActions, or None: directives only
+        self.step_times = step_times
+        self.fail_slow: dict[tuple[str, str], FailSlow] = {}   # (node, job) held fail-slow
         self.nodes = nodes
         self.jobs = jobs
         self.decisions = decisions
@@ -199,9 +212,29 @@ class EvacuationPolicy:
             if alarm.fatal and now_ns - alarm.since_ns > s.fatal_hold_seconds * 1e9:
                 del self.alarms[node]
 
+    # -- fail-slow -----------------------------------------------------------------------------------
+    def _update_fail_slow(self, now_ns: int) -> dict[tuple[str, str], FailSlow]:
+        if self.step_times is None:
+            return {}
+        held = self.step_times.evaluate(self.jobs.store.jobs())
+        for key in sorted(held.keys() - self.fail_slow.keys()):
+            v = held[key]
+            self.decisions.record("fail_slow", node=v.node, job=v.job_id, ranks=[v.rank], ts_ns=now_ns,
+                                  reason=v.reason(self.step_times.settings), ratio=round(v.ratio, 4),
+                                  slow_steps=v.slow_steps, judged_steps=v.judged_steps, measure=v.measure)
+            log.warning("fail-slow: node %s in job %s (%s)", v.node, v.job_id, v.reason(self.step_times.settings))
+        for key in sorted(self.fail_slow.keys() - held.keys()):
+            node, job = key
+            self.decisions.record("fail_slow_cleared", node=node, job=job, ts_ns=now_ns,
+                                  reason="no rank on the node is consistently slower than the job's others "
+                                         "now (or the job's placement changed)")
+            self._said.pop(key, None)
+        self.fail_slow = held
+        return held
+
     # -- blast radius --------------------------------------------------------------------------------
     def _update_incidents(self, now_ns: int) -> set[str]:
-        """Fabric incidents (leaf switch or site) among alarmed nodes; returns the nodes they cover."""
+        """Fabric incidents (leaf switch, site or NVLink domain) among alarmed nodes; returns the nodes they cover."""
         s = self.settings
         groups: dict[tuple[str, str], set[str]] = defaultdict(set)
         for node in self.alarms:
@@ -210,6 +243,8 @@ class EvacuationPolicy:
                 groups[("leaf_switch", topo.leaf_switch)].add(node)
             if topo.site:
                 groups[("site", topo.site)].add(node)
+            if topo.nvlink_domain:
+                groups[("nvlink_domain", topo.nvlink_domain)].add(node)
         current: dict[tuple[str, str], set[str]] = {}
         for (scope, name), members in groups.items():
             size = len(self.nodes.nodes_under(scope, name))
@@ -339,6 +374,9 @@ class EvacuationPolicy:
                                   signals=[sig.name for sig in signals][:5])
         return stored
 
+    def _why(self, alarm: Alarm) -> str:
+        return alarm.reason if alarm.fatal else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+
     def evaluate(self, now_ns: int, nodes: list[str] | None = None,
                  probability: np.ndarray | None = None) -> list[Directive]:
         """One policy round after a scoring round; returns the directives it issued."""
@@ -351,7 +389,10 @@ class EvacuationPolicy:
                 for job in self.jobs.jobs_on(n):
                     self._say(n, job.job_id, "held_fabric_incident", ts_ns=now_ns,
                               reason="node is inside a fabric incident; spares are kept")
-            if not due:
+            if self.actions is not None:
+                self.actions.sync({n: Due(self._why(a), a.since_ns, a.fatal) for n, a in due}, now_ns)
+            slow = self._update_fail_slow(now_ns)
+            if not due and not slow:
                 return []
             jobs = self.jobs.store.jobs()
             active = self.jobs.store.directives(active_only=True)
@@ -365,13 +406,22 @@ class EvacuationPolicy:
                     for job in jobs:
                         if node not in job.nodes():
                             continue
-                        reason = alarm.reason if alarm.fatal else \
-                            f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+                        reason = self._why(alarm)
                         d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
-                                      origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
-                                      last_directive=last, busy=busy)
+                                      origin="fatal" if alarm.fatal else "risk", enforce_limits=True,
+                                      fatal=alarm.fatal, active=active, last_directive=last, busy=busy)
                         if d is not None:
                             issued.append(d)
+                by_id = {job.job_id: job for job in jobs}
+                for (node, job_id), verdict in sorted(slow.items(), key=lambda x: (-x[1].ratio, x[0])):
+                    job = by_id.get(job_id)
+                    if job is None or node not in job.nodes():
+                        continue
+                    d = self._act(job, node, now_ns, risk=self.nodes.probability(node) or 0.0,
+                                  reason=verdict.reason(self.step_times.settings), signals=(), origin="fail_slow",
+                                  enforce_limits=True, fatal=False, active=active, last_directive=last, busy=busy)
+                    if d is not None:
+                        issued.append(d)
             return issued
 
     def drain(self, node: str, reason: str, now_ns: int) -> list[Directive]:

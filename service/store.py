@@ -17,6 +17,10 @@ Tables (created on open, versioned by `PRAGMA user_version`):
   is a uint64 and SQLite's INTEGER a signed 64-bit one, so `sequence` holds the sequence minus 2^63
   (SEQUENCE_OFFSET): every uint64 fits, and the order, which the save's max() relies on, is kept.
   Schema version 2 introduced that offset; a version-1 database is moved to it on open.
+- node_actions(node, state, reason, fatal, alarm_since_ns, requested_at_ns, updated_at_ns, attempts,
+  next_try_ns, done, detail, unsure): what service/actions.py did or holds back per node (drain, taint), so
+  the circuit breaker's count survives a restart. Added beside version 2's tables (an older build
+  ignores it), so the version stays 2.
 
 The enums mirror proto/foreshock/v1/jobs.proto by number (a test checks), so the store never needs the
 generated stubs.
@@ -74,6 +78,17 @@ ACK_TO_STATE = {
     AckPhase.COMPLETED: DirectiveState.COMPLETED,
     AckPhase.FAILED: DirectiveState.FAILED,
 }
+
+
+class DirectiveCause(enum.IntEnum):
+    """Why a directive was issued, mirroring jobs.proto's DirectiveCause; kept in the directives
+    table's `origin` column as the name in lower case. An origin "policy" (written before risk and
+    fatal were told apart) reads as UNSPECIFIED."""
+    UNSPECIFIED = 0
+    RISK = 1
+    FATAL = 2
+    DRAIN = 3
+    FAIL_SLOW = 4
 
 
 class Fallback(enum.IntEnum):
@@ -134,7 +149,11 @@ class Directive:
     state: DirectiveState = DirectiveState.PENDING
     generation: int = 1
     updated_at_ns: int = 0
-    origin: str = "policy"           # policy | drain
+    origin: str = "policy"           # a DirectiveCause in lower case: risk | fatal | drain | fail_slow
+
+    @property
+    def cause(self) -> DirectiveCause:
+        return DirectiveCause.__members__.get(self.origin.upper(), DirectiveCause.UNSPECIFIED)
 
 
 @dataclass(frozen=True)
@@ -169,6 +188,11 @@ CREATE TABLE IF NOT EXISTS acks(
   phase_seconds REAL NOT NULL, at_ns INTEGER NOT NULL, PRIMARY KEY(directive_id, rank, phase));
 CREATE TABLE IF NOT EXISTS telemetry_sequences(
   collector_id TEXT PRIMARY KEY, sequence INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS node_actions(
+  node TEXT PRIMARY KEY, state TEXT NOT NULL, reason TEXT NOT NULL, fatal INTEGER NOT NULL,
+  alarm_since_ns INTEGER NOT NULL, requested_at_ns INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL,
+  attempts INTEGER NOT NULL, next_try_ns INTEGER NOT NULL, done TEXT NOT NULL, detail TEXT NOT NULL,
+  unsure INTEGER NOT NULL);
 """
 
 
@@ -472,6 +496,27 @@ class StateStore:
             rows = self._db.execute("SELECT * FROM acks WHERE directive_id=? ORDER BY at_ns, rank, phase",
                                     (directive_id,)).fetchall()
         return [AckRecord(r[0], r[1], AckPhase(r[2]), r[3], r[4], r[5]) for r in rows]
+
+    # -- node actions (service/actions.py) -----------------------------------------------------------
+    def node_actions(self) -> list:
+        from foreshock.service.actions import NodeAction
+
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM node_actions ORDER BY requested_at_ns, node").fetchall()
+        return [NodeAction(n, st, r, bool(f), since, req, upd, att, nxt, tuple(json.loads(done)), detail, bool(u))
+                for n, st, r, f, since, req, upd, att, nxt, done, detail, u in rows]
+
+    def put_node_actions(self, rows: list, dropped: list[str] = ()) -> None:
+        """Write node-action rows (one transaction) and delete the rows of `dropped` nodes."""
+        if not rows and not dropped:
+            return
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO node_actions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                           [(a.node, a.state, a.reason, int(a.fatal), a.alarm_since_ns, a.requested_at_ns,
+                             a.updated_at_ns, a.attempts, a.next_try_ns, json.dumps(list(a.done)), a.detail,
+                             int(a.unsure))
+                            for a in rows])
+            db.executemany("DELETE FROM node_actions WHERE node=?", [(n,) for n in dropped])
 
     def last_directive_time(self, nodes: Iterable[str] | None = None) -> dict[str, int]:
         """Per from_node, the latest time a directive was issued or changed state (for cool-down)."""

@@ -366,3 +366,13 @@ def test_config_and_log_level_are_read_before_or_after_the_subcommand(where, tmp
     args = cli.build_parser().parse_args(argv)
     assert args.config == str(cfg) and args.log_level == "WARNING"
     assert cli.build_parser().parse_args(["goodput"]).log_level == "INFO"
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("localhost:7443", True), ("127.0.0.1:7443", True), ("127.8.9.1:1", True), ("[::1]:7443", True),
+    ("localhost", True), ("0.0.0.0:7443", False), ("10.0.0.5:7443", False), ("[2001:db8::1]:7443", False),
+    ("control-plane.example:7443", False), ("", False)])
+def test_one_loopback_rule_for_every_channel_and_listener(address, loopback):
+    from foreshock.net import is_loopback
+
+    assert is_loopback(address) is loopback

@@ -40,7 +40,8 @@ def test_enums_mirror_the_proto():
     for enum, proto_enum, prefix in ((store_mod.DirectiveKind, pb.DirectiveKind, "DIRECTIVE_KIND_"),
                                      (store_mod.DirectiveState, pb.DirectiveState, "DIRECTIVE_STATE_"),
                                      (store_mod.AckPhase, pb.AckPhase, "ACK_PHASE_"),
-                                     (store_mod.Fallback, pb.FallbackPolicy, "FALLBACK_POLICY_")):
+                                     (store_mod.Fallback, pb.FallbackPolicy, "FALLBACK_POLICY_"),
+                                     (store_mod.DirectiveCause, pb.DirectiveCause, "DIRECTIVE_CAUSE_")):
         for member in enum:
             assert proto_enum.Value(prefix + member.name) == member.value
 
