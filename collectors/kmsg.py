@@ -15,7 +15,8 @@ NVSwitch SXid lines (`nvidia-nvswitchN: SXid (PCI:...): ...`) are parsed by coll
 
 An Xid line that does not parse (a truncated or garbled `NVRM: Xid` line) is a ParseError, counted in
 the source's errors; an Xid outside the catalogue becomes an event of severity info, counted in
-`unknown_xids` (foreshock/xid.py, UNKNOWN).
+`unknown_xids` (foreshock/xid.py, UNKNOWN). Repeats of one Xid are folded into counts
+(collectors/repeats.py): the first line at once, the count of its repeats once their window closes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from foreshock import schema as sch
 from foreshock import xid as xidcat
 
 from .base import ParseError, Source
+from .repeats import DEFAULT_WINDOW_SECONDS, XidFolder
 from .sxid import parse_sxid
 
 _PCI = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
@@ -174,8 +176,10 @@ class KmsgSource(Source):
     tables = ("events",)
 
     def __init__(self, node: str, *, path: str = "/dev/kmsg", boot_ns: int | None = None,
-                 max_records_per_sweep: int = 20_000, max_seen: int = 100_000):
+                 max_records_per_sweep: int = 20_000, max_seen: int = 100_000,
+                 xid_fold_seconds: float = DEFAULT_WINDOW_SECONDS):
         super().__init__(node)
+        self.folder = XidFolder(xid_fold_seconds)
         self.path = path
         self.boot_ns = boot_time_ns() if boot_ns is None else boot_ns
         self.max_records = max_records_per_sweep
@@ -265,13 +269,19 @@ class KmsgSource(Source):
                 if ev["kind"] == "xid":
                     self.saw_xid(ev["xid"])
                 ev_ts = self.boot_ns + rec.usec * 1000 if rec.usec is not None else ts_ns
-                rows.append({"ts": ev_ts, "node": self.node, "source": "kmsg", "seq": rec.seq, **ev})
+                rows.extend(self.folder.feed({"ts": ev_ts, "node": self.node, "source": "kmsg", "seq": rec.seq,
+                                              **ev}, ts_ns))
         except OSError as exc:
             self.error(self.path, exc)
             self.close()
+        rows.extend(self.folder.due(ts_ns))
         if not rows:
             return {}
         return {"events": sch.to_table("events", rows)}
+
+    def flush(self, ts_ns: int) -> dict[str, pa.Table]:
+        rows = self.folder.flush(ts_ns)
+        return {"events": sch.to_table("events", rows)} if rows else {}
 
     def close(self) -> None:
         if self._fd is not None:

@@ -34,6 +34,7 @@ from foreshock import schema as sch
 from foreshock import xid as xidcat
 
 from .base import HardwareAbsent, Source, log
+from .repeats import DEFAULT_WINDOW_SECONDS, XidFolder
 
 # NVML constants (nvml.h; the same values pynvml exports), kept here so the fake needs no pynvml.
 NVML_SUCCESS = 0
@@ -557,8 +558,9 @@ class NvmlSource(Source):
     tables = ("gpu", "nvlink", "nvlink_link", "events")
 
     def __init__(self, node: str, *, backend: NvmlBackend | None = None, nvlink_links: bool = False,
-                 xid_events: bool = True):
+                 xid_events: bool = True, xid_fold_seconds: float = DEFAULT_WINDOW_SECONDS):
         super().__init__(node)
+        self.folder = XidFolder(xid_fold_seconds)
         self.nvlink_links = nvlink_links
         self.backend = backend
         self._handles: list = []
@@ -661,7 +663,9 @@ class NvmlSource(Source):
                                    "message": "NVML_ERROR_GPU_IS_LOST"})
             gpu_rows.append(row)
         if self._watcher is not None:
-            events.extend(self._watcher.drain())
+            for row in self._watcher.drain():
+                events.extend(self.folder.feed(row, ts_ns))
+        events.extend(self.folder.due(ts_ns))
         out = {}
         if gpu_rows:
             out["gpu"] = sch.to_table("gpu", gpu_rows)
@@ -715,6 +719,14 @@ class NvmlSource(Source):
                 link_rows.append(lrow)
         nvl.update(sums)
         nvl["links_up"] = up
+
+    def flush(self, ts_ns: int) -> dict[str, pa.Table]:
+        rows = []
+        if self._watcher is not None:
+            for row in self._watcher.drain():
+                rows.extend(self.folder.feed(row, ts_ns))
+        rows.extend(self.folder.flush(ts_ns))
+        return {"events": sch.to_table("events", rows)} if rows else {}
 
     def close(self) -> None:
         if self._watcher is not None:

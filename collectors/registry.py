@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .base import Source
+from .repeats import DEFAULT_WINDOW_SECONDS
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SourceConfig:
     sim_hcas: int = 8
     seed: int = 0
     rescan_seconds: float = 60.0
+    xid_fold_seconds: float = DEFAULT_WINDOW_SECONDS
 
 
 def _rdma(c: SourceConfig) -> Source:
@@ -45,12 +47,12 @@ def _host_net(c: SourceConfig) -> Source:
 
 def _kmsg(c: SourceConfig) -> Source:
     from .kmsg import KmsgSource
-    return KmsgSource(c.node, path=c.kmsg)
+    return KmsgSource(c.node, path=c.kmsg, xid_fold_seconds=c.xid_fold_seconds)
 
 
 def _nvml(c: SourceConfig) -> Source:
     from .nvml import NvmlSource
-    return NvmlSource(c.node, nvlink_links=c.nvlink_links)
+    return NvmlSource(c.node, nvlink_links=c.nvlink_links, xid_fold_seconds=c.xid_fold_seconds)
 
 
 def _systemd(c: SourceConfig) -> Source:

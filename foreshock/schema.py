@@ -236,9 +236,14 @@ EVENTS = COMMON + (
     Field("device", STR, "", "NIC / RDMA device or interface the event names; the NVSwitch (nvswitchN), for kind=sxid."),
     Field("port", I16, "", "Port, for RDMA link events."),
     Field("message", STR, "", "The driver's text, unparsed remainder."),
-    Field("seq", I64, "", "/dev/kmsg sequence number (dedupe across restarts)."),
+    Field("seq", I64, "", "/dev/kmsg sequence number (dedupe across restarts); of a folded row, its last line's."),
     Field("sxid", I32, "", "NVSwitch SXid code, for kind=sxid (collectors/sxid.py)."),
     Field("link", I16, "", "NVSwitch link the SXid names, if it names one."),
+    # Added within v1, nullable: files and collectors without them read as one occurrence per row.
+    Field("occurrences", I64, "count", "Occurrences this row stands for: repeats of one Xid folded by the collector "
+          "(docs/collectors.md); null: 1."),
+    Field("first_ts", TS, "", "First occurrence a folded row covers; null: ts."),
+    Field("last_ts", TS, "", "Last occurrence a folded row covers; null: ts."),
 )
 
 # Topology labels: who shares a leaf switch, a site, an NVLink domain, a job. Written at start-up and

@@ -56,9 +56,13 @@ DEFAULTS = {
     "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
     "fail_slow_min_steps": 12,   # ... and this many slow steps ...
     "fail_slow_window": 16,      # ... of its last this many make it fail-slow
+    "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
+    "xid_context_min_nodes": 3,
+    "xid_context_fraction": 0.25,
 }
 # close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
-# the fail_slow_* values by service/steptimes.py's FailSlowSettings.
+# the fail_slow_* values by service/steptimes.py's FailSlowSettings; the xid_context_* ranges by
+# service/xidcontext.py (through PolicySettings).
 CHECKS = {
     "threshold": config.between(0, 1),
     "budget": config.at_least(0),
@@ -109,6 +113,13 @@ def register(subparsers) -> None:
     p.add_argument("--fail-slow-min-steps", type=int, help="slow steps among the last --fail-slow-window "
                                                            "that make a rank fail-slow (12)")
     p.add_argument("--fail-slow-window", type=int, help="steps a rank is judged over (16)")
+    p.add_argument("--xid-context-seconds", type=float,
+                   help="a collateral Xid (45, 79, 74, ...) waits this long for its job's or NVLink domain's other "
+                        "nodes before it alarms its own (5; 0: never waits)")
+    p.add_argument("--xid-context-min-nodes", type=int,
+                   help="nodes of one job or NVLink domain with the same Xid that make one job event (3)")
+    p.add_argument("--xid-context-fraction", type=float,
+                   help="... or this share of the job's nodes, whichever is fewer, at least 2 (0.25)")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -142,7 +153,9 @@ def settings_from(cfg: dict):
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
         actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
-                "sustain_seconds": cfg["sustain_seconds"]},
+                "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
+                "xid_context_min_nodes": cfg["xid_context_min_nodes"],
+                "xid_context_fraction": cfg["xid_context_fraction"]},
         fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],
                    "min_steps": cfg["fail_slow_min_steps"], "window": cfg["fail_slow_window"]})
 

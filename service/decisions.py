@@ -8,9 +8,11 @@ directive is committed to SQLite before anyone hears of it): at start, `catch_up
 each directive the state has and the log lacks, marked `"recovered": true` in `details`.
 
 Kinds: alarm, cleared, evacuate, shrink, checkpoint_exit, cooldown, deferred_max_concurrent,
-fabric_incident, fabric_incident_cleared, held_fabric_incident, drain, ack (accepted, completed, ...),
-cancelled, expired; node_action_held, _taken, _failed, _released (service/actions.py). `incident_rows()` turns fatal and fabric-incident decisions into schema-v1
-`incidents` rows, so the log doubles as incident data for retraining.
+fabric_incident, fabric_incident_cleared, held_fabric_incident, xid_job_event (one Xid on many nodes of
+a job or NVLink domain at once, service/xidcontext.py), drain, ack (accepted, completed, ...),
+cancelled, expired; node_action_held, _taken, _failed, _released (service/actions.py).
+`incident_rows()` turns fatal and fabric-incident decisions into schema-v1 `incidents` rows, so the log
+doubles as incident data for retraining.
 """
 
 from __future__ import annotations

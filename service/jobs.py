@@ -65,6 +65,7 @@ class JobDirectory:
         self._listeners: dict[str, dict[int, Listener]] = {}
         self._next = 0
         self.on_change: list[Callable[[str, Directive, str], None]] = []  # (event, directive, detail)
+        self.on_deregister: list[Callable[[Job], None]] = []   # the job as it was, once it has left
         self._held = threading.local()    # inside issuing(): announcements wait for the commit
 
     # -- watchers ------------------------------------------------------------------------------------
@@ -177,8 +178,17 @@ class JobDirectory:
 
     def deregister(self, job_id: str) -> None:
         check_id("job_id", job_id)
+        job = self.store.find_job(job_id)
         for d in self.store.delete_job(job_id):
             self._publish(d, "cancelled", "job deregistered")
+        for hook in self.on_deregister if job is not None else ():
+            try:
+                hook(job)
+            except Exception:
+                log.exception("deregistration hook failed")
+
+    def now(self) -> int:
+        return self._clock()
 
     def job(self, job_id: str) -> Job:
         check_id("job_id", job_id)

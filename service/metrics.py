@@ -43,6 +43,11 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_node_fail_slow_ratio{node,job}             that rank's time over its job's median, meanwhile
   foreshock_step_time_samples_total{result}            ranks' step times kept | old | repeated
   foreshock_step_time_reports_refused_total            ReportStepTimes calls refused (bad input, unknown job)
+  foreshock_xid_job_events_total{xid}                  one Xid on many nodes of a job or NVLink domain at once
+                                                       (service/xidcontext.py): one event, no node alarmed
+  foreshock_xid_context_sightings_total{outcome}       collateral Xids decided: job_event | node_fault | overflow
+  foreshock_xid_context_pending                        collateral Xids waiting for their window
+  foreshock_xid_outstanding{node,device,xid}           1 while an Xid that another cancels holds (163 until 162)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
@@ -236,6 +241,25 @@ class ControlPlaneCollector:
         yield samples
         yield CounterMetricFamily("foreshock_step_time_reports_refused", "ReportStepTimes calls refused.",
                                   value=p.step_times.refused_reports)
+        ctx = p.policy.context
+        jobev = CounterMetricFamily("foreshock_xid_job_events", "Job events: one Xid on many nodes of a job or "
+                                    "NVLink domain within seconds, alarming none of them.", labels=["xid"])
+        for code, n in sorted(ctx.job_events.items()):
+            jobev.add_metric([str(code)], n)
+        yield jobev
+        sighted = CounterMetricFamily("foreshock_xid_context_sightings", "Collateral Xids decided by the Xid "
+                                      "context: part of a job event, or their node's fault.", labels=["outcome"])
+        sighted.add_metric(["job_event"], ctx.suppressed)
+        sighted.add_metric(["node_fault"], ctx.released)
+        sighted.add_metric(["overflow"], ctx.overflow)
+        yield sighted
+        yield GaugeMetricFamily("foreshock_xid_context_pending", "Collateral Xids waiting for their window.",
+                                value=ctx.pending())
+        outstanding = GaugeMetricFamily("foreshock_xid_outstanding", "1 while an Xid another cancels is "
+                                        "outstanding on a GPU (163 until 162).", labels=["node", "device", "xid"])
+        for node, device, code, _ in ctx.outstanding():
+            outstanding.add_metric([node, device, str(code)], 1.0)
+        yield outstanding
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

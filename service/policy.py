@@ -5,7 +5,9 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 1. Alarm: a node enters alarm when its calibrated risk reaches `threshold` (the model manifest's
    threshold for the false-evacuation budget, overridable) and leaves it only when the risk falls under
    `clear_below` (hysteresis), or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
-   fatal class), which holds for `fatal_hold_seconds`.
+   fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
+   `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job
+   event and alarms none (service/xidcontext.py).
 2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
    a fatal alarm acts at once.
 3. Blast radius: when alarmed nodes make up a large share of a leaf switch, a site or an NVLink domain
@@ -48,6 +50,7 @@ from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
 from foreshock.service.steptimes import FailSlow, StepTimes
 from foreshock.service.store import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
+from foreshock.service.xidcontext import XidContext
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,12 @@ class PolicySettings:
     deadline_seconds: float = 900.0
     stale_seconds: float = 30.0
     fatal_hold_seconds: float = 3600.0
+    xid_context_seconds: float = 5.0        # a collateral Xid waits this long for its job's other nodes; 0: off
+    xid_context_min_nodes: int = 3          # nodes of one job or NVLink domain that make a job event ...
+    xid_context_fraction: float = 0.25      # ... or this share of them, whichever is fewer (at least 2)
 
     def __post_init__(self):
+        XidContext(self.xid_context_seconds, self.xid_context_min_nodes, self.xid_context_fraction)  # range checks
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"policy threshold {self.threshold} must be in (0, 1]")
         if self.default_max_concurrent < 1:  # 0 or less would never let a directive out, not even for Xid 79
@@ -112,10 +119,62 @@ class EvacuationPolicy:
         self._said: dict[tuple[str, str], str] = {}   # (node, job) -> last decision logged, to log changes only
         self._fatal_seen: dict[str, int] = {}
         self._lock = threading.RLock()
+        self.context = XidContext(settings.xid_context_seconds, settings.xid_context_min_nodes,
+                                  settings.xid_context_fraction)
+        jobs.on_deregister.append(lambda job: self.context.remember_job(job.job_id, job.nodes(), jobs.now()))
+
+    # -- Xids in context -----------------------------------------------------------------------------
+    def _scopes(self, now_ns: int) -> tuple[dict[str, list], dict[tuple[str, str], int]]:
+        """Each node's scopes (its jobs: registered, recently deregistered, the inventory's label; its
+        NVLink domain) and each scope's size."""
+        members: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for job in self.jobs.store.jobs():
+            members[("job", job.job_id)] |= job.nodes()
+        for job_id, nodes in self.context.gone_jobs(now_ns).items():
+            members.setdefault(("job", job_id), set(nodes))
+        for node, topo in self.nodes.topologies().items():
+            if topo.job:
+                members[("job", topo.job)].add(node)
+            if topo.nvlink_domain:
+                members[("nvlink_domain", topo.nvlink_domain)].add(node)
+        scopes: dict[str, list] = defaultdict(list)
+        for scope, nodes in members.items():
+            for n in nodes:
+                scopes[n].append(scope)
+        return scopes, {scope: len(nodes) for scope, nodes in members.items()}
+
+    def _context_round(self, now_ns: int) -> None:
+        """Collateral Xids whose window has passed: alone, their node's fault; with their job's other
+        nodes, one job event (service/xidcontext.py)."""
+        ctx = self.context
+        if not ctx.busy():
+            return
+        scopes, sizes = self._scopes(now_ns)
+        faults, declared = ctx.decide(now_ns, lambda n: scopes.get(n, ()), lambda sc: sizes.get(sc, 0))
+        for ev in declared:
+            log.warning("Xid job event: %s", ev.describe())
+        for fault in faults:
+            self.nodes.record_fatal(fault)
+        self._record_closed(now_ns)
+
+    def close_context(self, now_ns: int) -> None:
+        """The service stops: open job events are recorded as they stand, not lost with the process."""
+        with self._lock:
+            self.context.close_all()
+            self._record_closed(now_ns)
+
+    def _record_closed(self, now_ns: int) -> None:
+        for ev in self.context.take_closed():
+            kind, name = ev.scope
+            self.decisions.record("xid_job_event", node="", job=name if kind == "job" else "", scope=kind,
+                                  nodes=sorted(ev.nodes), reason=ev.describe(), ts_ns=now_ns, xid=ev.xid,
+                                  sightings=ev.sightings, first_ns=ev.first_ns, last_ns=ev.last_ns,
+                                  scope_name=name, scope_nodes=ev.size)
 
     # -- alarms --------------------------------------------------------------------------------------
     def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:
         s = self.settings
+        self._context_round(now_ns)
         if nodes is not None and probability is not None and len(nodes):
             p = np.asarray(probability, dtype=np.float64)
             hot = np.flatnonzero(p >= s.threshold)

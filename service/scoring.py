@@ -225,6 +225,10 @@ class ScoringLoop:
         self.steps = StepTracker(step_ns) if isinstance(step_ns, int) and step_ns > 0 else None
         self.early_closes = 0
         self.hold = None    # a steps.CloseHold: telemetry streams wait while a complete step closes
+        # The Xid context (service/xidcontext.py): a batch whose collateral Xid waits for its window is
+        # acknowledged only once that Xid is decided, and a round runs when the window ends.
+        self.gate = None
+        self._unsettled: collections.deque = collections.deque()
 
     # -- feeding -------------------------------------------------------------------------------------
     def enqueue(self, item) -> int:
@@ -275,6 +279,19 @@ class ScoringLoop:
 
     def backlog(self) -> int:
         return len(self._queue)
+
+    def _acted(self, items) -> None:
+        """acted(), unless a collateral Xid taken so far is still undecided: the round's batches wait until
+        it is (at most the context's window after it was taken, which bounds _unsettled; each stream
+        acknowledges anyway after servicers.ACTED_ACK_SECONDS, longer than any window)."""
+        gate = self.gate
+        if gate is not None:
+            if items and not gate.settled(gate.mark()):
+                self._unsettled.append((gate.mark(), items))
+                items = []
+            while self._unsettled and gate.settled(self._unsettled[0][0]):
+                items = list(items) + list(self._unsettled.popleft()[1])
+        acted(items)
 
     def wake(self, why: str) -> None:
         if why == "step" and self.hold is not None:
@@ -365,7 +382,7 @@ class ScoringLoop:
                 self.on_round(result, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
-        acted(drained)
+        self._acted(drained)
         if self.steps is not None and not self._step_complete():
             self._release_hold()   # this round closed the complete step: the streams go on
         return result
@@ -377,6 +394,9 @@ class ScoringLoop:
             if due is not None:
                 now = self._clock()
                 timeout = min(timeout, max(0.0, (due(now) - now) / 1e9))
+            deadline = self.gate.next_deadline_ns() if self.gate is not None else None
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, (deadline - self._clock()) / 1e9))
             self._wake.wait(timeout)
             if self._stop.is_set():
                 break

@@ -186,7 +186,8 @@ class ControlPlane:
         self.hold = CloseHold(s.close_hold_seconds)
         self.scoring.hold = self.hold
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
-                             steps=self.scoring.steps)
+                             steps=self.scoring.steps, context=self.policy.context)
+        self.scoring.gate = self.policy.context
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest._last_sequence.update(store_mod.load_sequences(self.store))
         self._last_sequence_save = 0.0
@@ -466,6 +467,7 @@ class ControlPlane:
         if self._history_thread is not None:
             self._history_thread.join(5)
         self.scoring.stop()
+        self.policy.close_context(self.clock())
         if self.actions is not None:
             self.actions.stop()
         if self._scores_here:
