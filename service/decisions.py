@@ -31,7 +31,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from foreshock import schema as sch
-from foreshock.service.store import DirectiveKind
+from foreshock.service.domain import DirectiveKind
 
 log = logging.getLogger(__name__)
 

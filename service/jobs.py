@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterable
 
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied
-from foreshock.service.store import (
-    ACTIVE_STATES, AckPhase, AckRecord, Directive, DirectiveKind, DirectiveState, Fallback, Job, Rank,
-    StateStore)
+from foreshock.service.domain import (
+    ACTIVE_STATES, AckPhase, AckRecord, Directive, DirectiveKind, DirectiveState, Fallback, Job, Rank)
+from foreshock.service.store import StateStore
 
 log = logging.getLogger(__name__)
 

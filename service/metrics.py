@@ -61,7 +61,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from foreshock import risk as risk_scale
 from foreshock.exposition import new_registry
 from foreshock.service.actions import CALL_RESULTS, CALLS
-from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
+from foreshock.service.domain import DirectiveKind, DirectiveState, TERMINAL_STATES
 
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

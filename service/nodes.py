@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from foreshock.service.store import SignalRecord
+from foreshock.service.domain import SignalRecord
 
 
 @dataclass(frozen=True)

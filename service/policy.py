@@ -49,7 +49,7 @@ from foreshock.service.decisions import DecisionLog
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
 from foreshock.service.steptimes import FailSlow, StepTimes
-from foreshock.service.store import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
+from foreshock.service.domain import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
 from foreshock.service.xidcontext import XidContext
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import pyarrow as pa
 from foreshock import risk
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.steps import StepTracker
-from foreshock.service.store import SignalRecord
+from foreshock.service.domain import SignalRecord
 
 log = logging.getLogger(__name__)
 

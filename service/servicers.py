@@ -24,7 +24,7 @@ from foreshock.ratelimit import LogLimiter
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
-from foreshock.service.store import Directive
+from foreshock.service.domain import Directive
 from foreshock.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2
 from foreshock.v1 import telemetry_pb2_grpc
 

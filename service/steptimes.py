@@ -32,7 +32,7 @@ import numpy as np
 from foreshock.service.errors import (
     FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError)
 from foreshock.service.jobs import MAX_RANKS, MAX_STEP, check_id, check_node
-from foreshock.service.store import Job
+from foreshock.service.domain import Job
 
 MAX_SAMPLES_PER_REPORT = 1024     # StepTimes in one ReportStepTimes (the migrator sends at most 256)
 MAX_STEP_SECONDS = 86_400.0
