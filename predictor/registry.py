@@ -47,6 +47,7 @@ import numpy as np
 from foreshock import schema as sch
 from foreshock.risk import threshold_for_budget
 from foreshock.predictor import features as ft
+from foreshock.predictor.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,6 @@ TRUSTED_TYPES: tuple[str, ...] = (
     "sklearn.calibration._SigmoidCalibration",
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
 )
-
-
-class ModelError(ValueError):
-    """A model directory that cannot be used; the message names the file and what is wrong."""
 
 
 def default_model_path() -> Path:

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from foreshock import risk
+from foreshock.predictor.errors import ModelError
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.steps import StepTracker
 from foreshock.service.domain import SignalRecord
@@ -65,10 +66,6 @@ class NullScorer:
 
     def score(self, now_ns: int) -> ScoreResult:
         return ScoreResult([], np.zeros(0))
-
-
-class ModelError(RuntimeError):
-    """The model cannot be loaded; the message names the path."""
 
 
 class PredictorScorer:
