@@ -149,6 +149,7 @@ class DatasetWriter:
         clock=time.time,
         parquet_options: dict[str, dict] | None = None,
         journal: bool = True,
+        clear_leftovers: bool = True,
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -172,6 +173,9 @@ class DatasetWriter:
         self._closed_files: collections.deque[tuple[Path, int]] = collections.deque()
         self._spool_bytes = 0
         self.journal = journal
+        # False: other writers are writing under the same root now (the simulator's Ray tasks), so a
+        # temporary file there is theirs, not a leftover; the one who opened the root first cleared it
+        self.clear_leftovers = clear_leftovers
         self._journals: dict[str, _Journal] = {}
         self._journal_seq = 0
         self._scan_existing()
@@ -374,7 +378,7 @@ class DatasetWriter:
             self._closed_files.append((path, size))
             self._spool_bytes += size
         # Leftovers of an interrupted write are never complete files: remove them.
-        for tmp in self.root.glob("table=*/date=*/node=*/.*.tmp"):
+        for tmp in self.root.glob("table=*/date=*/node=*/.*.tmp") if self.clear_leftovers else ():
             try:
                 tmp.unlink()
             except OSError:

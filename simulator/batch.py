@@ -224,12 +224,33 @@ def _simulate_blocks(settings: SimSettings, episodes: list[Episode], out: str, b
     return dict(writer.stats.rows_written), writer.stats.bytes_written, writer.stats.files_written
 
 
+def _simulate_on_ray(settings, episodes, out, n_blocks: int, options: dict, workers: int,
+                     ray_address: str | None) -> list:
+    """Every node block as a Ray task; a block that keeps failing stops the run naming its nodes."""
+    from foreshock.predictor import executors
+
+    blocks = _blocks(settings)
+    shared = {**options, "clear_leftovers": False}
+    labels = [f"nodes {blocks[i][0]}-{blocks[i][-1]}" for i in range(n_blocks)]
+    ex = executors.make_executor("ray", workers or (os.cpu_count() or 1), ray_address)
+    try:
+        return list(ex.map(_simulate_blocks, [(settings, episodes, str(out), [i], shared) for i in range(n_blocks)],
+                           labels))
+    except executors.WorkError as exc:
+        raise RuntimeError(f"simulation under {out}: {exc}") from exc
+    finally:
+        ex.close()
+
+
 def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None = None,
-        episodes: list[Episode] | None = None, progress=None, workers: int = 0) -> Summary:
+        episodes: list[Episode] | None = None, progress=None, workers: int = 0, executor: str = "local",
+        ray_address: str | None = None) -> Summary:
     """Simulate and write the dataset under `out`. `episodes` replaces the drawn schedule (tests).
 
     `workers` processes share the node blocks (0: one per CPU, at most one per block); the data do not
-    depend on it."""
+    depend on it. `executor="ray"`: each node block is a Ray task (predictor/executors.py), the same
+    function over the same block, so the data are the same; its writer leaves the other tasks'
+    temporary files alone, the parent's writer having cleared the leftovers when it opened."""
     t_start = time.perf_counter()
     topo = settings.topology
     start, end = settings.start_ns, settings.end_ns
@@ -244,7 +265,9 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
     writer.write_table("inventory", inventory(topo, world, settings.seed, start, end))
     rows = collections.Counter()
     bytes_written = files_written = 0
-    if workers <= 1:
+    if executor == "ray":
+        results = _simulate_on_ray(settings, episodes, out, n_blocks, options, workers, ray_address)
+    elif workers <= 1:
         results = [_simulate_blocks(settings, episodes, str(out), list(range(n_blocks)), options, progress)]
     else:
         ctx = multiprocessing.get_context("spawn")

@@ -16,7 +16,7 @@ DEFAULTS = {
     "gpus_per_node": 8, "hcas_per_node": 8, "nodes_per_leaf": 16, "leaves_per_spine": 8, "sites": 1,
     "nvlink_domain_nodes": 0, "job_nodes": 32, "spare_fraction": 0.05, "link_layer": "InfiniBand",
     "rate_scale": 1.0, "difficulty": 1.0, "recovery_ratio": 1.0, "lead_scale": 1.0, "block_nodes": 32, "workers": 0,
-    "world": "clean",
+    "world": "clean", "executor": "local", "ray_address": "",
 }
 
 
@@ -47,6 +47,11 @@ def register(subparsers) -> None:
     p.add_argument("--world", choices=["clean", "random"],
                    help="clean (default): one tidy world; random: every knob of the scenario catalogue drawn per "
                         "pod (leaf) from the seed, so one dataset holds many worlds")
+    p.add_argument("--executor", choices=("local", "ray"),
+                   help="where the node blocks are simulated: local (the process pool, the default) or ray (a Ray "
+                        "task per block); the data do not depend on it")
+    p.add_argument("--ray-address", dest="ray_address", metavar="HOST:PORT",
+                   help="with --executor ray: the Ray head to join (default: a local Ray instance)")
     p.add_argument("--scenario", metavar="FILE", help="TOML scenario file with a [simulate] table "
                    "(and [simulate.knobs] for single knobs)")
     p.set_defaults(run=run)
@@ -110,6 +115,9 @@ def run(args, file_data) -> int:
     if cfg["workers"] < 0:
         print(f"foreshock simulate: workers must be >= 0, got {cfg['workers']}", file=sys.stderr)
         return 2
+    if cfg["executor"] not in ("local", "ray"):
+        print(f"foreshock simulate: executor must be local or ray, got {cfg['executor']!r}", file=sys.stderr)
+        return 2
     try:   # an --out that cannot be made fails now, not after the simulation
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -123,8 +131,17 @@ def run(args, file_data) -> int:
           f"{settings.days:g} days at {settings.interval_s:g} s, seed {settings.seed}, {settings.world} world "
           f"-> {cfg['out']}", flush=True)
 
-    summary = batch.run(settings, out, progress=batch.print_progress if settings.days >= 2 else None,
-                        workers=cfg["workers"])
+    from foreshock.predictor import executors
+
+    try:
+        summary = batch.run(settings, out, progress=batch.print_progress if settings.days >= 2 else None,
+                            workers=cfg["workers"], executor=cfg["executor"], ray_address=cfg["ray_address"] or None)
+    except executors.ExecutorError as exc:
+        print(f"foreshock simulate: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:    # a node block that kept failing on Ray, named
+        print(f"foreshock simulate: {exc}", file=sys.stderr)
+        return 1
     for line in summary.lines():
         print(line)
     if not summary.incidents:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from foreshock import cli
+from foreshock.dataset import read_table
 from foreshock.predictor import executors, offline, registry, train
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra foreshock[ray] (make installs it)")
@@ -135,3 +136,15 @@ def test_a_corrupt_file_stops_the_command_naming_it_or_is_left_out_by_the_flag(d
     with offline.FeatureBuilder(broken, workers=2, on_error="skip") as fb:
         nodes = [nf.node for nf in fb]
         assert "node-003" not in nodes and len(nodes) == 11 and list(fb.skipped) == ["node-003"]
+
+
+def test_simulate_on_ray_writes_the_same_data_as_the_local_pool(ray_head, tmp_path):
+    args = ["simulate", "--world", "random", "--nodes", "12", "--days", "0.25", "--interval", "60", "--seed", "8",
+            "--rate-scale", "400", "--block-nodes", "4"]
+    assert cli.main(args + ["--workers", "2", "--out", str(tmp_path / "local")]) == 0
+    assert cli.main(args + ["--executor", "ray", "--ray-address", ray_head, "--out", str(tmp_path / "ray")]) == 0
+    for table in ("gpu", "rdma_port", "events", "inventory", "incidents"):
+        a = read_table(tmp_path / "local", table)
+        b = read_table(tmp_path / "ray", table)
+        assert a.num_rows == b.num_rows and a.equals(b), table
+    assert not list((tmp_path / "ray").rglob(".*.tmp"))
