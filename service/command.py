@@ -38,6 +38,18 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    "archive": "",               # a directory or URI: everything taken in, as Parquet (service/archive.py)
+    "archive_file_bytes": 256 << 20,     # a table's rows are written as a file at this size (in memory) ...
+    "archive_roll_seconds": 900.0,       # ... or once the oldest have waited this long
+    "archive_buffer_bytes": 1 << 30,     # every table's buffer together
+    "archive_queue_bytes": 256 << 20,    # waiting for the archive's writer; beyond, dropped and counted
+}
+# The archive's ranges: service/archive.py's ArchiveSettings holds its values to these too.
+ARCHIVE_CHECKS = {
+    "archive_file_bytes": config.between(1 << 20, 16 << 30),
+    "archive_buffer_bytes": config.between(1 << 20, 64 << 30),
+    "archive_roll_seconds": config.between(1, 86_400),
+    "archive_queue_bytes": config.between(1 << 20, 16 << 30),
 }
 # close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them.
 CHECKS = {
@@ -48,6 +60,7 @@ CHECKS = {
     "max_concurrent": config.at_least(1),
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
+    **ARCHIVE_CHECKS,
 }
 
 
@@ -78,6 +91,16 @@ def register(subparsers) -> None:
     p.add_argument("--history", metavar="DIR",
                    help="dataset with an incidents table (foreshock history import, or your own): export the "
                         "node history score (foreshock_node_history_risk) hourly and prefer clean spares")
+    p.add_argument("--archive", metavar="DIR_OR_URI",
+                   help="write every telemetry table taken in, the decisions and the incidents to this "
+                        "hive-partitioned Parquet dataset (a directory, or s3://... where pyarrow has it), "
+                        "which foreshock train and evaluate read as is")
+    p.add_argument("--archive-file-bytes", type=int, help="a table's rows are written as a file at this many "
+                   "bytes in memory (256 MiB; zstd Parquet is several times smaller)")
+    p.add_argument("--archive-roll-seconds", type=float, help="... or once its oldest rows waited this long (900)")
+    p.add_argument("--archive-buffer-bytes", type=int, help="all tables' buffers together (1 GiB)")
+    p.add_argument("--archive-queue-bytes", type=int,
+                   help="submissions waiting for the archive's writer (256 MiB); beyond, dropped and counted")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -102,8 +125,17 @@ def settings_from(cfg: dict):
         tokens = load_token_file(cfg["token_file"]) if cfg["token_file"] else {}
     except ServiceError as exc:
         raise SettingsError(str(exc)) from None
+    archive = None
+    if cfg["archive"]:
+        from foreshock.service.archive import ArchiveError, ArchiveSettings
+        try:
+            archive = ArchiveSettings(cfg["archive"], file_bytes=cfg["archive_file_bytes"],
+                                      roll_seconds=cfg["archive_roll_seconds"],
+                                      buffer_bytes=cfg["archive_buffer_bytes"], queue_bytes=cfg["archive_queue_bytes"])
+        except ArchiveError as exc:
+            raise SettingsError(str(exc)) from None
     return Settings(
-        state_dir=cfg["state"], listen=cfg["listen"], metrics_listen=cfg["metrics_listen"],
+        state_dir=cfg["state"], archive=archive, listen=cfg["listen"], metrics_listen=cfg["metrics_listen"],
         model_path=model_path, scorer=scorer, insecure=cfg["insecure"], tls_cert=cfg["tls_cert"],
         tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,

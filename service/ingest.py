@@ -115,6 +115,7 @@ class Pending:
     # Called (from the scoring thread) once the round that took this batch has run the policy and its
     # directives are committed: its stream acknowledges it only then (servicers.TelemetryServicer).
     acted: Callable[[], None] | None = None
+    nbytes: int = 0       # the batch's Arrow IPC bytes as received (what the archive's queue counts)
 
 
 @dataclass
@@ -175,8 +176,10 @@ class Ingest:
 
     def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
-                 clock=time.time_ns, steps=None):
+                 clock=time.time_ns, steps=None, archive=None):
         self.nodes = nodes
+        # Gets every batch once its value checks have passed (service/archive.py), handed over in O(1).
+        self.archive = archive
         self.steps = steps       # a steps.StepTracker: the watermarks say when a step's rows are all in
         self.sink = sink
         self.limits = limits or IngestLimits()
@@ -302,8 +305,10 @@ class Ingest:
         now = self._clock()
         self.nodes.seen(node, now)
         good: dict[str, pa.Table] = {}
+        nbytes = 0
         for name, version, buf, *omitted in tables:
             self.bytes_received += len(buf)
+            nbytes += len(buf)
             try:
                 t = self._decode(s, rejections, sequence, name, version, buf, bool(omitted and omitted[0]))
             except Exception as exc:  # never let odd input take the stream down
@@ -332,7 +337,7 @@ class Ingest:
             urgent = not URGENT_TABLES.isdisjoint(good)
             acted = on_acted if urgent else None
             result.acting = acted is not None
-            self.backlog = self.sink(Pending(s, sequence, node, good, now, acted))
+            self.backlog = self.sink(Pending(s, sequence, node, good, now, acted, nbytes))
             if urgent:
                 # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
                 # a round now rather than at the next interval.
@@ -464,6 +469,8 @@ class Ingest:
                 with self._lock:
                     self.accepted_rows[name] += table.num_rows
         self._side_effects(out, now)
+        if self.archive is not None:
+            self.archive.take_tables(out)
         return out
 
     def _round_table(self, name: str, parts, now: int) -> pa.Table | None:
@@ -617,6 +624,8 @@ class Ingest:
         self._checked(items)
         for i, table, reason, detail in reply["verdicts"]:
             self._defer(items[i], table, reason, detail)
+        if self.archive is not None:
+            self.archive.take_batches(items, reply["verdicts"], sum(item.nbytes for item in items))
         with self._lock:
             self.accepted_rows.update(reply["rows"])
         for event in reply["lost"]:
