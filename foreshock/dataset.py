@@ -125,44 +125,93 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_parquet_atomic(data: pa.Table, path: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None,
-                         fsync: bool = True, **options) -> int:
-    """Write `data` as the Parquet file `path` so that no reader ever sees part of it; returns its size.
+class AtomicParquetFile:
+    """A Parquet file published whole: written a run of row groups at a time (`write`) where no reader
+    looks, and put in place by `commit()`; `abort()` leaves nothing.
 
-    On the local filesystem (`filesystem` None or local): written under a dot-name beside it
-    (`.NAME.tmp`, which readers skip), synced, renamed over `path`, and the directory synced. On any
-    other pyarrow filesystem (an object store: S3, GCS, ...) written to `path` directly, since an object
-    becomes visible only whole, when its upload completes, and a rename there is a copy. `options` are
-    pyarrow.parquet.write_table's. On an error nothing is left under either name, and it is raised."""
-    if filesystem is not None and not isinstance(filesystem, pafs.LocalFileSystem):
-        path = str(path)
+    On the local filesystem (`filesystem` None or local) it is written under a dot-name beside `path`
+    (`.NAME.tmp`, which readers skip), and commit() syncs it, renames it over `path` and syncs the
+    directory. On any other pyarrow filesystem (an object store: S3, GCS, ...) it is written to `path`
+    directly: an object becomes visible only whole, when its upload completes at commit(), and a
+    rename there is a copy. `options` are pyarrow.parquet.ParquetWriter's."""
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema, *, filesystem: pafs.FileSystem | None = None,
+                 fsync: bool = True, **options):
+        self.local = filesystem is None or isinstance(filesystem, pafs.LocalFileSystem)
+        self.fs = pafs.LocalFileSystem() if self.local else filesystem
+        self.path = str(path)
+        self.fsync = fsync
+        head, _, name = self.path.rpartition("/")
+        self.tmp = f"{head}/.{name}.tmp" if self.local else self.path
+        self._sink = self.fs.open_output_stream(self.tmp)
         try:
-            with filesystem.open_output_stream(path) as out:
-                pq.write_table(data, out, **options)
+            self._writer = pq.ParquetWriter(self._sink, schema, **options)
         except BaseException:
-            try:
-                filesystem.delete_file(path)
-            except OSError:
-                pass
+            self._sink.close()
+            self._remove()
             raise
-        return filesystem.get_file_info(path).size
-    final = Path(path)
-    tmp = final.parent / f".{final.name}.tmp"
+        self._open = True
+
+    def write(self, data: pa.Table, row_group_size: int | None = None) -> None:
+        self._writer.write_table(data, row_group_size=row_group_size)
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the footer comes at commit)."""
+        return self._sink.tell()
+
+    def commit(self, metadata: dict[bytes, bytes] | None = None) -> int:
+        """Finish the file (with `metadata` in its footer) and put it in place; returns its size."""
+        try:
+            if metadata:
+                self._writer.add_key_value_metadata(metadata)
+            self._writer.close()
+            self._sink.close()
+            self._open = False
+            if self.local:
+                if self.fsync:
+                    fd = os.open(self.tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                os.replace(self.tmp, self.path)
+                if self.fsync:
+                    _fsync_dir(Path(self.path).parent)
+        except BaseException:
+            self.abort()
+            raise
+        return self.fs.get_file_info(self.path).size
+
+    def abort(self) -> None:
+        """Close and remove what was written (errors here are not raised: the file is lost either way)."""
+        if self._open:
+            self._open = False
+            for close in (self._writer.close, self._sink.close):
+                try:
+                    close()
+                except (OSError, pa.ArrowException):
+                    pass
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
+            self.fs.delete_file(self.tmp)
+        except (OSError, pa.ArrowException):
+            pass
+
+
+def write_parquet_atomic(data: pa.Table, path: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None,
+                         fsync: bool = True, row_group_size: int | None = None, **options) -> int:
+    """Write `data` as the Parquet file `path` at once, so that no reader ever sees part of it
+    (AtomicParquetFile); returns its size. On an error nothing is left under either name."""
+    f = AtomicParquetFile(path, data.schema, filesystem=filesystem, fsync=fsync, **options)
     try:
-        pq.write_table(data, tmp, **options)
-        if fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, final)
+        f.write(data, row_group_size)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        f.abort()
         raise
-    if fsync:
-        _fsync_dir(final.parent)
-    return final.stat().st_size
+    return f.commit()
 
 
 def _read_journal(fh) -> pa.Table | None:
@@ -493,7 +542,7 @@ def _node_as_path_key(part: pa.Table) -> pa.Table:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-NODES_KEY = b"foreshock.nodes"   # footer metadata of a file holding many nodes: their names, a JSON list
+NODES_KEY = b"foreshock.nodes"   # a file of many nodes: their names (a JSON list) in its footer's key-value metadata
 
 
 def _data_file(name: str) -> bool:
@@ -546,7 +595,7 @@ def partition_files(root: str | os.PathLike, table: str, *, nodes: Iterable[str]
 def file_nodes(path: str | os.PathLike) -> set[str]:
     """The nodes of a file that holds many (the archive's): from its footer, else its node column."""
     f = pq.ParquetFile(str(path))
-    meta = f.schema_arrow.metadata or {}
+    meta = f.metadata.metadata or {}
     if NODES_KEY in meta:
         return set(json.loads(meta[NODES_KEY]))
     out: set[str] = set()

@@ -12,13 +12,15 @@ Layout (read by foreshock/dataset.py; docs/schema.md):
   drains, acks and outcomes;
 - `incidents` (schema v1): the fatal alarms and fabric incidents, as decisions.incident_rows derives them.
 
-A file holds one table's rows of one date for every node, sorted by node then ts, so that its row
-groups' statistics prune by node, with the node names in its footer (dataset.NODES_KEY). A table's
-rows are buffered until they reach `file_bytes` (Arrow's size in memory; zstd Parquet is several times
-smaller) or the oldest has waited `roll_seconds`, and when all tables' buffers together pass
-`buffer_bytes` the largest is written early. Files are written atomically (dataset.write_parquet_atomic)
-through pyarrow's filesystem layer (pyarrow.fs.FileSystem.from_uri): a local path, or any URI pyarrow
-supports (s3://, gs://, hdfs://...).
+A file holds one table's rows of one UTC date for every node, with the node names in its footer
+(dataset.NODES_KEY). Rows wait in memory per table; when all tables' rows together pass
+`buffer_bytes`, the largest table's are sorted by node and time and written into its file as a run of
+row groups (ROW_GROUP_ROWS each, so that a read of one node skips the others' row groups by their
+statistics). A file is published (dataset.AtomicParquetFile: written under a dot-name, then synced
+and renamed; an object store's upload completes) once it holds `file_bytes` of Parquet, or once its
+table's oldest rows not yet published have waited `roll_seconds`. Memory stays with the buffers
+while files grow to analytics sizes. Storage is addressed through pyarrow's filesystem layer
+(pyarrow.fs.FileSystem.from_uri): a local path, or any URI pyarrow supports (s3://, gs://, hdfs://).
 
 Off the scoring path: the two consumers hand their tables over in O(1), the ingest stage once its
 value checks have run (`take_tables`, `take_batches`, on the scoring thread) and the decision log when
@@ -33,9 +35,10 @@ stops the archive: one log line naming the file and the error, `foreshock_archiv
 `foreshock_archive_errors_total` counts it, and what was buffered or comes later is dropped and
 counted. Scoring, the state and the decision log go on untouched; a restart of the service resumes it.
 
-The archive is a copy for analysis, outside an ack's promise: a kill loses what it had buffered.
-Memory: at most `queue_bytes` queued and `buffer_bytes` buffered, plus the sorted copy of the file
-being written.
+The archive is a copy for analysis, outside an ack's promise: a kill loses what it had not published
+(up to a roll period; the unfinished dot-named files are removed by the next start, once two roll
+periods old). Memory: at most `queue_bytes` queued and `buffer_bytes` buffered, plus the sorted copy
+of the run being written.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -55,16 +59,16 @@ import pyarrow.fs as pafs
 
 from foreshock import config
 from foreshock import dataset as ds
+from foreshock.dataset import AtomicParquetFile   # the archive's seam onto storage (a test fills the disk here)
 from foreshock import schema as sch
 from foreshock.service.command import ARCHIVE_CHECKS, DEFAULTS
 from foreshock.service.decisions import DECISION_SCHEMA, incident_rows
-from foreshock.service.ingest import _EOS, RawBatch
+from foreshock.service.fastipc import BatchDecoder
+from foreshock.service.ingest import _CHECKS, _EOS, RawBatch
 
 log = logging.getLogger(__name__)
 
-# The settings' defaults and allowed ranges are `foreshock serve`'s, declared once (service/command.py).
-CHECKS = ARCHIVE_CHECKS
-ROW_GROUP_ROWS = 128 * 1024   # rows per row group: a few hundred nodes' rows each, pruned by node
+ROW_GROUP_ROWS = 128 * 1024   # rows sorted by node: a read of one node skips the others' row groups
 TICK_SECONDS = 1.0            # how often the writer looks at the buffers' age when nothing comes
 DECISIONS = "decisions"
 
@@ -76,11 +80,11 @@ class ArchiveError(ValueError):
 @dataclass(frozen=True)
 class ArchiveSettings:
     uri: str                                # a directory, or a URI pyarrow.fs understands (s3://bucket/prefix)
-    file_bytes: int = DEFAULTS["archive_file_bytes"]       # a table's buffer is written as a file at this
-    #                                                        size (Arrow bytes in memory) ...
-    roll_seconds: float = DEFAULTS["archive_roll_seconds"]  # ... or once its oldest rows waited this long
-    buffer_bytes: int = DEFAULTS["archive_buffer_bytes"]   # every table's buffer together; over it, the
-    #                                                        largest is written
+    file_bytes: int = DEFAULTS["archive_file_bytes"]       # a file is published at this size (Parquet) ...
+    roll_seconds: float = DEFAULTS["archive_roll_seconds"]  # ... or once its table's oldest rows not yet
+    #                                                        published waited this long
+    buffer_bytes: int = DEFAULTS["archive_buffer_bytes"]   # rows in memory (Arrow), all tables together;
+    #                                                        over it the largest table's go into its file
     queue_bytes: int = DEFAULTS["archive_queue_bytes"]     # submissions waiting for the writer; beyond,
     #                                                        dropped and counted
     fsync: bool = True
@@ -88,9 +92,10 @@ class ArchiveSettings:
     def __post_init__(self):
         if not self.uri:
             raise ArchiveError("archive: no directory or URI given")
+        # the defaults and ranges are `foreshock serve`'s, declared once there (service/command.py)
         for key, value in (("archive_file_bytes", self.file_bytes), ("archive_buffer_bytes", self.buffer_bytes),
                            ("archive_roll_seconds", self.roll_seconds), ("archive_queue_bytes", self.queue_bytes)):
-            check = CHECKS[key]
+            check = ARCHIVE_CHECKS[key]
             if not check.ok(value):   # NaN fails it too
                 raise ArchiveError(f"{key} {value!r}: {check.allowed}")
 
@@ -106,13 +111,15 @@ def filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
     return fs, path.rstrip("/")
 
 
-class _Buffer:
-    __slots__ = ("parts", "nbytes", "since")
+class _Open:
+    """A file being written: its run of row groups so far, the nodes in it, the bytes taken into it."""
+    __slots__ = ("file", "nodes", "nbytes", "rows")
 
-    def __init__(self):
-        self.parts: list[pa.Table] = []
+    def __init__(self, file: AtomicParquetFile):
+        self.file = file
+        self.nodes: set[str] = set()
         self.nbytes = 0
-        self.since = 0.0
+        self.rows = 0
 
 
 class Archive:
@@ -121,22 +128,30 @@ class Archive:
     def __init__(self, settings: ArchiveSettings):
         self.settings = settings
         self.fs, self.root = filesystem_of(settings.uri)
-        self._local = isinstance(self.fs, pafs.LocalFileSystem)
         self._id = uuid.uuid4().hex[:8]
         self._seq = 0
         self._check_writable()
+        self._remove_stale()
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self.queued_bytes = 0
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._buffers: dict[str, _Buffer] = {}
+        # the writer thread's own: per table its buffered parts, since when it holds rows not yet
+        # published, its files being written (per date), and its batch decoder
+        self._buffers: dict[str, list[pa.Table]] = {}
+        self._buffer_bytes: collections.Counter = collections.Counter()
         self.buffered_bytes = 0
+        self._since: dict[str, float] = {}
+        self._open: dict[tuple[str, str], _Open] = {}
         self._dirs: set[str] = set()
+        self._decoders: dict[str, BatchDecoder] = {}
+        self._writing: tuple[str, str] = ("", self.root)   # the table and file of the write under way
+        self._flushing = 0
         self.up = True
         self.errors = 0
         self.dropped_bytes = 0
-        self.rows: collections.Counter = collections.Counter()   # table -> rows written
+        self.rows: collections.Counter = collections.Counter()   # table -> rows published
         self.files = 0
         self.written_bytes = 0
 
@@ -149,6 +164,24 @@ class Archive:
             self.fs.delete_file(probe)
         except (OSError, pa.ArrowException) as exc:
             raise ArchiveError(f"archive {self.settings.uri!r} cannot be written: {exc}") from None
+
+    def _remove_stale(self) -> None:
+        """A killed writer's files in progress (dot-names, which readers skip): a live writer's is
+        written at least every roll period, so one untouched for two is dead. Local roots only (on an
+        object store an unfinished upload is invisible, and the store's lifecycle rules expire it)."""
+        if not isinstance(self.fs, pafs.LocalFileSystem):
+            return
+        cutoff = time.time() - 2 * self.settings.roll_seconds
+        removed = 0
+        for tmp in Path(self.root).glob("table=*/date=*/.part-*.parquet.tmp"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    removed += 1
+            except OSError:
+                pass
+        if removed:
+            log.warning("archive: removed %d unfinished files of a writer that was killed", removed)
 
     # -- the consumers' side (any thread; O(1) apart from summing sizes) ---------------------------
     def take_tables(self, tables: dict[str, pa.Table]) -> None:
@@ -185,7 +218,7 @@ class Archive:
         return self
 
     def close(self, timeout: float = 120.0) -> None:
-        """Write everything queued and buffered, then stop; waits at most `timeout` seconds."""
+        """Write and publish everything queued and buffered, then stop; waits at most `timeout` s."""
         with self._cv:
             self._closing = True
             self._cv.notify()
@@ -224,7 +257,10 @@ class Archive:
                 else:
                     with self._cv:
                         self.dropped_bytes += got[1]
-            self._roll(everything=last)
+            try:
+                self._roll(everything=last)
+            except (OSError, pa.ArrowException) as exc:
+                self._stop_on(exc)
             if last:
                 return
 
@@ -234,7 +270,7 @@ class Archive:
             for name, table in item[1].items():
                 self._buffer(name, table)
         elif kind == "batches":
-            for name, table in _decode_batches(item[1], item[2]).items():
+            for name, table in self._decode_batches(item[1], item[2]).items():
                 self._buffer(name, table)
         else:
             rows = item[1]
@@ -243,94 +279,125 @@ class Archive:
             if incidents.num_rows:
                 self._buffer("incidents", incidents)
 
+    def _decode_batches(self, items: list, refused) -> dict[str, pa.Table]:
+        """A drain's accepted tables, each table's batches decoded together by the decoder the scoring
+        worker uses (service/fastipc.py: one chunk per column); a table the value checks refused is
+        left out."""
+        out_refused = {(v[0], v[1]) for v in refused or ()}
+        groups: dict[tuple[str, int], tuple[bytes, list[bytes]]] = {}
+        decoded: dict[str, list[pa.Table]] = collections.defaultdict(list)
+        for i, item in enumerate(items):
+            for name, t in item.tables.items():
+                if (i, name) in out_refused:
+                    continue
+                if type(t) is RawBatch:
+                    g = groups.get((name, id(t.head)))
+                    if g is None:
+                        g = groups[(name, id(t.head))] = (t.head, [])
+                    g[1].append(t.body)
+                else:
+                    decoded[name].append(t)
+        for (name, _), (head, bodies) in groups.items():
+            dec = self._decoders.get(name)
+            if dec is None:
+                dec = self._decoders[name] = BatchDecoder(_CHECKS[name].wire)
+            got = dec.decode(head, bodies)
+            decoded[name].append(got[0] if got is not None else
+                                 pa.ipc.open_stream(b"".join([head, *bodies, _EOS])).read_all().combine_chunks())
+        return {name: (pa.concat_tables(parts) if len(parts) > 1 else parts[0]) for name, parts in decoded.items()}
+
     def _buffer(self, name: str, table: pa.Table) -> None:
-        b = self._buffers.get(name)
-        if b is None:
-            b = self._buffers[name] = _Buffer()
-        if not b.parts:
-            b.since = time.monotonic()
-        b.parts.append(table)
-        b.nbytes += table.nbytes
-        self.buffered_bytes += table.nbytes
+        self._buffers.setdefault(name, []).append(table)
+        self._since.setdefault(name, time.monotonic())
+        self._buffer_bytes[name] += table.nbytes
+        with self._cv:
+            self.buffered_bytes += table.nbytes
 
     def _roll(self, everything: bool = False) -> None:
+        """Publish what has waited a roll period (or everything), and keep the buffers under their bound."""
         s = self.settings
         now = time.monotonic()
-        for name in sorted(self._buffers):
-            b = self._buffers[name]
-            if b.parts and (everything or b.nbytes >= s.file_bytes or now - b.since >= s.roll_seconds):
-                self._write(name)
-        while self.buffered_bytes > s.buffer_bytes:
-            self._write(max(self._buffers, key=lambda n: self._buffers[n].nbytes))
+        for name in sorted(self._since):
+            if self.up and (everything or now - self._since[name] >= s.roll_seconds):
+                self._flush(name)
+                self._publish(name)
+        while self.up and self.buffered_bytes > s.buffer_bytes:
+            self._flush(max(self._buffer_bytes, key=self._buffer_bytes.__getitem__))
 
-    def _write(self, name: str) -> None:
-        b = self._buffers.pop(name)
-        self.buffered_bytes -= b.nbytes
-        if not self.up:
-            with self._cv:
-                self.dropped_bytes += b.nbytes
+    def _flush(self, name: str) -> None:
+        """The table's buffer, sorted by node and time, as a run of row groups into its file of each
+        date; a file that reached file_bytes is published."""
+        parts = self._buffers.pop(name, [])
+        nbytes = self._buffer_bytes.pop(name, 0)
+        with self._cv:
+            self.buffered_bytes -= nbytes
+            self._flushing = nbytes   # out of the buffer, not yet in a file: lost too if this fails
+        if not parts:
             return
-        path = None
-        try:
-            data = _conform(name, b.parts)
-            for date, part in _by_date(data):
-                part = part.sort_by([("node", "ascending"), ("ts", "ascending")])
-                nodes = pc.unique(part.column("node")).to_pylist()
-                part = part.replace_schema_metadata({**(part.schema.metadata or {}),
-                                                     ds.NODES_KEY: json.dumps(sorted(nodes)).encode()})
+        data = _conform(name, parts)
+        del parts
+        for date, part in _by_date(data):
+            size = part.nbytes
+            part = part.sort_by([("node", "ascending"), ("ts", "ascending")])
+            f = self._open.get((name, date))
+            if f is None:
                 directory = f"{self.root}/table={name}/date={date}"
                 if directory not in self._dirs:
+                    self._writing = (name, directory)
                     self.fs.create_dir(directory, recursive=True)
                     self._dirs.add(directory)
                 self._seq += 1
                 first = pc.min(part.column("ts")).value
-                path = f"{directory}/part-{first:019d}-{self._id}-{self._seq:06d}.parquet"
-                size = ds.write_parquet_atomic(part, path, filesystem=self.fs, fsync=self.settings.fsync,
-                                               compression=ds.COMPRESSION, use_dictionary=True,
-                                               write_statistics=True, row_group_size=ROW_GROUP_ROWS)
-                with self._cv:
-                    self.rows[name] += part.num_rows
-                    self.files += 1
-                    self.written_bytes += size
-        except (OSError, pa.ArrowException) as exc:
-            self._stop_on(name, path, exc, b.nbytes)
+                f = self._open[(name, date)] = _Open(AtomicParquetFile(
+                    f"{directory}/part-{first:019d}-{self._id}-{self._seq:06d}.parquet", part.schema,
+                    filesystem=self.fs, fsync=self.settings.fsync, compression=ds.COMPRESSION,
+                    use_dictionary=True, write_statistics=True))
+            self._writing = (name, f.file.path)
+            f.file.write(part, ROW_GROUP_ROWS)
+            f.nodes.update(pc.unique(part.column("node")).to_pylist())
+            f.nbytes += size
+            f.rows += part.num_rows
+            self._flushing -= size
+            if f.file.size >= self.settings.file_bytes:
+                self._publish(name, date)
+        self._flushing = 0
 
-    def _stop_on(self, name: str, path, exc: Exception, nbytes: int) -> None:
+    def _publish(self, name: str, date: str | None = None) -> None:
+        """Finish the table's files (of `date`, or all) and put them in place."""
+        for key in [k for k in self._open if k[0] == name and (date is None or k[1] == date)]:
+            f = self._open[key]
+            self._writing = (name, f.file.path)
+            size = f.file.commit({ds.NODES_KEY: json.dumps(sorted(f.nodes)).encode()})
+            del self._open[key]
+            with self._cv:
+                self.rows[name] += f.rows
+                self.files += 1
+                self.written_bytes += size
+        if name not in self._buffers and not any(k[0] == name for k in self._open):
+            self._since.pop(name, None)
+
+    def _stop_on(self, exc: Exception) -> None:
         """A write failed: the archive stops (a full disk would fail every later write too)."""
+        files = list(self._open.values())
+        self._open.clear()
+        for f in files:
+            f.file.abort()
         with self._cv:
             self.up = False
             self.errors += 1
-            lost = nbytes + self.buffered_bytes + self.queued_bytes
+            lost = sum(f.nbytes for f in files) + self._flushing + self.buffered_bytes + self.queued_bytes
+            self._flushing = 0
             self.dropped_bytes += lost
-            self._buffers.clear()
-            self.buffered_bytes = 0
             self._queue.clear()
             self.queued_bytes = 0
+            self.buffered_bytes = 0
+        self._buffers.clear()
+        self._buffer_bytes.clear()
+        self._since.clear()
+        name, path = self._writing
         log.error("archive: writing table %s to %s failed: %s; the archive stops here (%d bytes not written; "
                   "scoring and the service state go on; restart the service to resume archiving)",
-                  name, path or self.root, exc, lost)
-
-
-def _decode_batches(items: list, refused) -> dict[str, pa.Table]:
-    """A drain's accepted tables: per table and schema message, every batch's record batches read as
-    one Arrow stream (as the scoring worker reads them); a table the value checks refused is left out."""
-    out_refused = {(v[0], v[1]) for v in refused or ()}
-    groups: dict[tuple[str, int], tuple[bytes, list[bytes]]] = {}
-    decoded: dict[str, list[pa.Table]] = collections.defaultdict(list)
-    for i, item in enumerate(items):
-        for name, t in item.tables.items():
-            if (i, name) in out_refused:
-                continue
-            if type(t) is RawBatch:
-                g = groups.get((name, id(t.head)))
-                if g is None:
-                    g = groups[(name, id(t.head))] = (t.head, [])
-                g[1].append(t.body)
-            else:
-                decoded[name].append(t)
-    for (name, _), (head, bodies) in groups.items():
-        decoded[name].append(pa.ipc.open_stream(b"".join([head, *bodies, _EOS])).read_all())
-    return {name: (pa.concat_tables(parts) if len(parts) > 1 else parts[0]) for name, parts in decoded.items()}
+                  name, path, exc, lost)
 
 
 def _conform(name: str, parts: list[pa.Table]) -> pa.Table:
@@ -353,4 +420,4 @@ def _by_date(data: pa.Table):
         yield day, data.filter(pc.equal(days, day))
 
 
-__all__ = ["Archive", "ArchiveSettings", "ArchiveError", "CHECKS", "filesystem_of"]
+__all__ = ["Archive", "ArchiveSettings", "ArchiveError", "filesystem_of"]

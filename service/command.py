@@ -39,9 +39,10 @@ DEFAULTS = {
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
     "archive": "",               # a directory or URI: everything taken in, as Parquet (service/archive.py)
-    "archive_file_bytes": 256 << 20,     # a table's rows are written as a file at this size (in memory) ...
-    "archive_roll_seconds": 900.0,       # ... or once the oldest have waited this long
-    "archive_buffer_bytes": 1 << 30,     # every table's buffer together
+    "archive_file_bytes": 128 << 20,     # a file is published once it holds this many Parquet bytes ...
+    "archive_roll_seconds": 900.0,       # ... or once its table's oldest rows not published waited this long
+    "archive_buffer_bytes": 256 << 20,   # rows in memory, every table's together; over it, the largest
+    #                                      table's go into its file as a run sorted by node
     "archive_queue_bytes": 256 << 20,    # waiting for the archive's writer; beyond, dropped and counted
 }
 # The archive's ranges: service/archive.py's ArchiveSettings holds its values to these too.
@@ -95,10 +96,13 @@ def register(subparsers) -> None:
                    help="write every telemetry table taken in, the decisions and the incidents to this "
                         "hive-partitioned Parquet dataset (a directory, or s3://... where pyarrow has it), "
                         "which foreshock train and evaluate read as is")
-    p.add_argument("--archive-file-bytes", type=int, help="a table's rows are written as a file at this many "
-                   "bytes in memory (256 MiB; zstd Parquet is several times smaller)")
-    p.add_argument("--archive-roll-seconds", type=float, help="... or once its oldest rows waited this long (900)")
-    p.add_argument("--archive-buffer-bytes", type=int, help="all tables' buffers together (1 GiB)")
+    p.add_argument("--archive-file-bytes", type=int,
+                   help="an archive file is published once it holds this many bytes of Parquet (128 MiB)")
+    p.add_argument("--archive-roll-seconds", type=float,
+                   help="... or once its table's oldest rows not yet published waited this long (900)")
+    p.add_argument("--archive-buffer-bytes", type=int,
+                   help="archive rows held in memory, all tables together (256 MiB); over it, the largest "
+                        "table's are written into its file")
     p.add_argument("--archive-queue-bytes", type=int,
                    help="submissions waiting for the archive's writer (256 MiB); beyond, dropped and counted")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,

@@ -32,6 +32,7 @@ from foreshock.collectors.collector import Collector
 from foreshock.collectors.simulated import SimulatedSource
 from foreshock.collectors.uplink import StreamingUplink
 from foreshock.predictor import offline
+from foreshock.service import archive as archive_mod
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
 from foreshock.service.decisions import DECISION_SCHEMA, read_decisions
 from foreshock.service.scoring import NullScorer
@@ -215,24 +216,33 @@ def test_the_scoring_worker_path_archives_what_its_value_checks_took(tmp_path):
     assert plane.archive.stats()["rows"]["gpu"] == 32
 
 
-def test_files_roll_by_size_and_hold_every_node_sorted(tmp_path):
-    arc = Archive(ArchiveSettings(str(tmp_path), file_bytes=1 << 20, roll_seconds=3600, fsync=False)).start()
+def test_files_roll_by_size_and_each_run_is_sorted_by_node(tmp_path):
+    """Files are published at file_bytes on disk, each a series of runs (one per buffer flush, here at
+    the 1 MiB buffer bound), each run sorted by node in row groups that a read of one node prunes."""
+    arc = Archive(ArchiveSettings(str(tmp_path), file_bytes=1 << 20, buffer_bytes=1 << 20, roll_seconds=3600,
+                                  fsync=False)).start()
+    rng = np.random.default_rng(1)
     now = time.time_ns()
     sent = 0
-    for k in range(60):     # ~0.1 MiB each: about five files' worth
-        t = pa.concat_tables([_gpu(f"n{j:02d}", 100, now + k * 10**9) for j in range(8)])
+    for k in range(40):     # a random double a row: 0.12 MiB of Parquet each, 5 MiB in all
+        t = pa.concat_tables([_gpu(f"n{j:02d}", 2000, now + k * 10**9) for j in range(8)])
+        t = t.set_column(t.schema.get_field_index("power_w"), t.schema.field("power_w"),
+                         pa.array(rng.random(t.num_rows)))
         arc.take_tables({"gpu": t})
         sent += t.num_rows
-        time.sleep(0.005)   # the queue (256 MiB) never fills here
     arc.close()
     files = sorted((tmp_path / "table=gpu").rglob("*.parquet"))
-    assert len(files) >= 4 and arc.stats()["dropped_bytes"] == 0
-    assert sum(pq.ParquetFile(f).metadata.num_rows for f in files) == sent
+    assert len(files) >= 4 and arc.stats()["dropped_bytes"] == 0 and arc.stats()["files"] == len(files)
+    assert sum(pq.ParquetFile(f).metadata.num_rows for f in files) == sent == arc.stats()["rows"]["gpu"]
+    assert all(f.stat().st_size >= 1 << 20 for f in files[:-1])    # the last: what was left at close
     for f in files:
-        t = pq.read_table(f)
-        assert t.column("node").to_pylist() == sorted(t.column("node").to_pylist())
+        pf = pq.ParquetFile(f)
+        for g in range(pf.num_row_groups):
+            node = pf.read_row_group(g, columns=["node"]).column("node").to_pylist()
+            assert node == sorted(node)
         assert ds.file_nodes(f) == {f"n{j:02d}" for j in range(8)}
-        assert t.schema.field("temperature_c").metadata == sch.schema("gpu").field("temperature_c").metadata
+        assert pf.schema_arrow.field("temperature_c").metadata == sch.schema("gpu").field("temperature_c").metadata
+    assert ds.read_table(tmp_path, "gpu", nodes=["n03"]).num_rows == sent // 8
 
 
 def test_rows_wait_at_most_the_roll_period(tmp_path):
@@ -243,6 +253,18 @@ def test_rows_wait_at_most_the_roll_period(tmp_path):
         assert ds.read_table(tmp_path, "gpu").num_rows == 4
     finally:
         arc.close()
+
+
+def test_a_killed_writers_unfinished_files_are_removed_once_two_roll_periods_old(tmp_path):
+    d = tmp_path / "table=gpu" / "date=2026-12-01"
+    d.mkdir(parents=True)
+    dead, live = d / ".part-1-aaaaaaaa-000001.parquet.tmp", d / ".part-2-bbbbbbbb-000001.parquet.tmp"
+    dead.write_bytes(b"PAR1")
+    live.write_bytes(b"PAR1")
+    old = time.time() - 2 * 60 - 1
+    os.utime(dead, (old, old))
+    Archive(ArchiveSettings(str(tmp_path), roll_seconds=60, fsync=False)).close()
+    assert not dead.exists() and live.exists()
 
 
 def test_a_full_queue_drops_and_counts_and_never_waits(tmp_path):
@@ -273,14 +295,18 @@ def test_decisions_are_archived_with_the_incidents_derived_from_them(tmp_path):
         [("node", "n1"), ("switch", "leaf-1")]
 
 
+class DiskFull(ds.AtomicParquetFile):
+    """The archive's files on a disk that is full: every write fails as the kernel says it."""
+
+    def write(self, data, row_group_size=None):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def test_a_full_disk_stops_the_archive_and_nothing_else(tmp_path, monkeypatch, caplog):
     """ENOSPC injected at the filesystem seam (the one write helper): the archive stops with a metric
     and a log line; telemetry is still taken, the decision log and the directives go on."""
-    def full(data, path, **kw):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    # the archive calls it through the module; the decision log holds its own reference, unpatched
-    monkeypatch.setattr(ds, "write_parquet_atomic", full)
+    monkeypatch.setattr(archive_mod, "AtomicParquetFile", DiskFull)   # the archive's seam; the state's untouched
     plane = build_server(Settings.insecure_loopback(
         tmp_path / "state", scorer=NullScorer(), decision_flush_seconds=0.0,
         archive=ArchiveSettings(str(tmp_path / "archive"), roll_seconds=1, fsync=False)))
@@ -315,6 +341,20 @@ def test_a_full_disk_stops_the_archive_and_nothing_else(tmp_path, monkeypatch, c
         plane.stop(0.5)
     logged = read_decisions(tmp_path / "state" / "decisions").column("directive_id").to_pylist()
     assert d.directive_id in logged
+
+
+def test_a_failed_write_drops_every_table_buffered_and_what_comes_after(tmp_path, monkeypatch):
+
+    monkeypatch.setattr(archive_mod, "AtomicParquetFile", DiskFull)
+    arc = Archive(ArchiveSettings(str(tmp_path), fsync=False))   # the writer runs inside close()
+    gpu, events = _gpu("n1", 10, time.time_ns()), sch.to_table("events", [
+        {"ts": dt.datetime.now(dt.timezone.utc), "node": "n1", "kind": "xid", "source": "kmsg", "xid": 79}])
+    arc.take_tables({"gpu": gpu, "events": events})
+    arc.close()
+    arc.take_tables({"gpu": gpu})
+    st = arc.stats()
+    assert (st["up"], st["errors"], st["files"]) == (False, 1, 0)
+    assert st["dropped_bytes"] == 2 * gpu.nbytes + events.nbytes and st["buffered_bytes"] == st["queued_bytes"] == 0
 
 
 def _exposition(plane) -> str:
@@ -396,5 +436,5 @@ def test_the_readers_take_both_layouts_in_one_dataset(tmp_path):
     assert ds.read_table(tmp_path, "gpu", nodes=["spool-1", "a1"]).num_rows == 8
     assert dict((n, t.num_rows) for n, t in ds.iter_node_tables(tmp_path, "gpu")) == {"a1": 3, "a2": 4, "spool-1": 5}
     assert offline.read_node(tmp_path, "a2")["gpu"].num_rows == 4
-    meta = pq.ParquetFile(next((tmp_path / "table=gpu").glob("date=*/part-*.parquet"))).schema_arrow.metadata
+    meta = pq.ParquetFile(next((tmp_path / "table=gpu").glob("date=*/part-*.parquet"))).metadata.metadata
     assert json.loads(meta[ds.NODES_KEY]) == ["a1", "a2"]
