@@ -22,7 +22,7 @@ table's oldest rows not yet published have waited `roll_seconds`. Memory stays w
 while files grow to analytics sizes. Storage is addressed through pyarrow's filesystem layer
 (pyarrow.fs.FileSystem.from_uri): a local path, or any URI pyarrow supports (s3://, gs://, hdfs://).
 
-Off the scoring path: the two consumers hand their tables over in O(1), the ingest stage once its
+Off the scoring path: the two consumers hand their tables over by reference, the ingest stage once its
 value checks have run (`take_tables`, `take_batches`, on the scoring thread) and the decision log when
 it flushes (`take_decisions`), onto a queue bounded by `queue_bytes`; one writer thread decodes,
 buffers, sorts and writes. When the queue is full a submission is dropped and counted
@@ -123,7 +123,7 @@ class _Open:
 
 
 class Archive:
-    """The writer: `take_*` from any thread (O(1), never blocks), `start()`, `close()` (writes it all)."""
+    """The writer: `take_*` from any thread (by reference, never blocks), `start()`, `close()` (writes it all)."""
 
     def __init__(self, settings: ArchiveSettings):
         self.settings = settings
@@ -183,7 +183,7 @@ class Archive:
         if removed:
             log.warning("archive: removed %d unfinished files of a writer that was killed", removed)
 
-    # -- the consumers' side (any thread; O(1) apart from summing sizes) ---------------------------
+    # -- the consumers' side (any thread; by reference: the cost is summing sizes) ---------------------------
     def take_tables(self, tables: dict[str, pa.Table]) -> None:
         """A round's checked telemetry tables (wire schema: schema-v1 names and types)."""
         if tables:

@@ -1,9 +1,10 @@
 """The append-only decision log: every policy decision with its reasons, as Parquet (DECISION_SCHEMA).
 
 Layout: `STATE/decisions/date=YYYY-MM-DD/part-<first ts ns>-<writer>-<n>.parquet`, zstd. Files are
-only ever added (written under a dot-name, fsynced, renamed: dataset.write_parquet_atomic), never rewritten, so the log is
-append-only and a crash never leaves half a file. Rows are buffered (bounded) and written every
-`flush_seconds` and on close. What a kill takes from the buffer, the service's state still holds (every
+only ever added (written under a dot-name, fsynced, renamed: dataset.write_parquet_atomic), never
+rewritten, so the log is append-only and a crash never leaves half a file. Rows are buffered (bounded)
+and written every `flush_seconds` and on close; each flush's rows then go to the archive, when there is
+one (service/archive.py), which derives the incidents from them. What a kill takes from the buffer, the service's state still holds (every
 directive is committed to SQLite before anyone hears of it): at start, `catch_up` writes the issue of
 each directive the state has and the log lacks, marked `"recovered": true` in `details`.
 

@@ -178,7 +178,7 @@ class Ingest:
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
                  clock=time.time_ns, steps=None, archive=None):
         self.nodes = nodes
-        # Gets every batch once its value checks have passed (service/archive.py), handed over in O(1).
+        # Gets every batch once its value checks have passed (service/archive.py), handed over by reference.
         self.archive = archive
         self.steps = steps       # a steps.StepTracker: the watermarks say when a step's rows are all in
         self.sink = sink
