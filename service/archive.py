@@ -27,7 +27,8 @@ value checks have run (`take_tables`, `take_batches`, on the scoring thread) and
 it flushes (`take_decisions`), onto a queue bounded by `queue_bytes`; one writer thread decodes,
 buffers, sorts and writes. When the queue is full a submission is dropped and counted
 (`foreshock_archive_dropped_bytes_total`): the archive never holds back scoring or an ack, and the
-collectors' own spools hold the same rows.
+collectors' own spools hold the same rows. It does take CPU, and GIL time, in the service process
+(docs/scaling.md has the cost at 512 and 2,048 nodes).
 
 Failures: a root that cannot be written is refused at construction (ArchiveError, naming it:
 `foreshock serve` does not start). A write that fails later (a full disk, a lost mount or credential)
@@ -183,7 +184,7 @@ class Archive:
         if removed:
             log.warning("archive: removed %d unfinished files of a writer that was killed", removed)
 
-    # -- the consumers' side (any thread; by reference: the cost is summing sizes) ---------------------------
+    # -- the consumers' side (any thread; by reference: the cost is summing sizes) -------------------
     def take_tables(self, tables: dict[str, pa.Table]) -> None:
         """A round's checked telemetry tables (wire schema: schema-v1 names and types)."""
         if tables:
@@ -259,7 +260,7 @@ class Archive:
                         self.dropped_bytes += got[1]
             try:
                 self._roll(everything=last)
-            except (OSError, pa.ArrowException) as exc:
+            except Exception as exc:   # a full disk, or anything else: the archive stops, said once
                 self._stop_on(exc)
             if last:
                 return
@@ -321,7 +322,7 @@ class Archive:
             if self.up and (everything or now - self._since[name] >= s.roll_seconds):
                 self._flush(name)
                 self._publish(name)
-        while self.up and self.buffered_bytes > s.buffer_bytes:
+        while self.up and self.buffered_bytes > s.buffer_bytes and self._buffer_bytes:
             self._flush(max(self._buffer_bytes, key=self._buffer_bytes.__getitem__))
 
     def _flush(self, name: str) -> None:
