@@ -302,6 +302,8 @@ def fuzz_grpc(per_method: int, seed: int = 0) -> dict:
     valid = {
         "RegisterJob": jobs_pb2.RegisterJobRequest(job_id="j", ranks=[jobs_pb2.RankPlacement(rank=0, node="n1")]),
         "ReportStep": jobs_pb2.ReportStepRequest(job_id="j", step=3), "DeregisterJob": jobs_pb2.DeregisterJobRequest(job_id="j"),
+        "ReportStepTimes": jobs_pb2.ReportStepTimesRequest(job_id="j", rank=0, node="n1", steps=[
+            jobs_pb2.StepTime(step=3, step_seconds=0.5, compute_seconds=0.2)]),
         "WatchDirectives": jobs_pb2.WatchDirectivesRequest(job_id="j"), "AckDirective": jobs_pb2.AckDirectiveRequest(job_id="j"),
         "ListDirectives": jobs_pb2.ListDirectivesRequest(job_id="j"), "CancelDirective": jobs_pb2.CancelDirectiveRequest(),
         "DrainNode": jobs_pb2.DrainNodeRequest(node="n1"), "GetNodeRisk": risk_pb2.GetNodeRiskRequest(node="n1"),

@@ -16,8 +16,10 @@ written into the encoded bytes so the generator stays cheap), and this one, whic
 
 Printed: offered and accepted batches per second, the scoring backlog over time (flat = sustained),
 the service's CPU (share of one core) and memory (RSS, peak), ack round trips, and two latencies:
-- fatal: from sending a sweep that carries an Xid 79 to the evacuation directive reaching the
-  subscribed job client (the service acts on the sample that crosses, at once);
+- fatal: from sending a sweep that carries an Xid 95 (uncontained ECC: a fault of the GPU itself, never
+  another node's collateral) to the evacuation directive reaching the subscribed job client (the
+  service acts on the sample at once; a collateral Xid such as 79 waits for its context window first,
+  docs/service.md);
 - risk: nodes whose PCIe replay counters climb cross the model's threshold when their one-minute
   feature step closes, which is as soon as every node's watermark is past the step's end (each sweep
   carries one, as the collectors send it); to the directive at the client from the arrival of the
@@ -298,8 +300,8 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
                 import datetime as dt
                 body += _field(0x22, tpb.TableRows(table="events", schema_version=1, arrow_ipc=_ipc("events", [{
                     "ts": dt.datetime.now(dt.timezone.utc), "node": node, "kind": "xid", "source": "kmsg",
-                    "severity": "fatal", "xid": 79, "gpu": 3,
-                    "message": "NVRM: Xid 79, GPU has fallen off the bus."}])).SerializeToString())
+                    "severity": "fatal", "xid": 95, "gpu": 3,
+                    "message": "NVRM: Xid 95, Uncontained ECC error."}])).SerializeToString())
                 sent_at[node] = time.time()
             seq += 1
             pending[seq] = time.perf_counter()
@@ -319,7 +321,7 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
                 call = methods[(i + counters["reopened"]) % len(methods)](timeout=seconds + 120)
                 kept["schemas"] = False
                 rt = asyncio.create_task(reader(call))
-                if "Xid 79" in msg.decode("latin-1"):
+                if "Xid 95" in msg.decode("latin-1"):
                     fatal_at, sent_at[node] = 0.0, None
                 await asyncio.sleep(0.1)
                 continue
@@ -680,7 +682,7 @@ def report(r: dict) -> None:
           f"stream errors {r['stream_errors']} {r['stream_error_kinds']} (streams reopened {r['gen_reopened']}); in flight at the end {r['gen_inflight_tail']}; "
           f"ack round trip p50 {r['ack_rtt_p50_ms']:.1f} ms p99 {r['ack_rtt_p99_ms']:.1f} ms")
     f = r["fatal_latency_ms"]
-    print(f"  fatal (Xid 79) sample -> directive at the job client: {len(f)}/{r['fatal_expected']} received, "
+    print(f"  fatal (Xid 95) sample -> directive at the job client: {len(f)}/{r['fatal_expected']} received, "
           f"p50 {_pct(f, 50):.0f} ms, p99 {_pct(f, 99):.0f} ms, max {max(f) if f else float('nan'):.0f} ms")
     c, o, e = r["risk_from_complete_ms"], r["risk_from_own_sample_ms"], r["risk_from_step_end_ms"]
     print(f"  risk crossing -> directive: {len(c)}/{r['risk_expected']} received; from the arrival of the "

@@ -94,6 +94,7 @@ class Source:
 
     name = "source"
     tables: tuple[str, ...] = ()
+    folder = None   # an XidFolder (collectors/repeats.py) where the source reads Xids
 
     def __init__(self, node: str):
         self.node = node
@@ -130,6 +131,10 @@ class Source:
     # -- the sweep ---------------------------------------------------------------------------------
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
         raise NotImplementedError
+
+    def flush(self, ts_ns: int) -> dict[str, pa.Table]:
+        """Rows the source still holds (folded Xid counts, collectors/repeats.py), written before it closes."""
+        return {}
 
     def close(self) -> None:
         pass

@@ -35,6 +35,7 @@ class SourceStatus:
     absent: bool = False
     rows: int = 0  # rows in the last sweep
     unknown_xids: int = 0  # cumulative: Xid events outside the catalogue (foreshock/xid.py)
+    folded_xids: int = 0   # cumulative: Xid lines counted into folded rows (collectors/repeats.py)
 
 
 @dataclass
@@ -120,6 +121,7 @@ class Collector:
             st.errors = src.errors + st.failed_sweeps
             st.absent = src.absent
             st.unknown_xids = src.unknown_xids
+            st.folded_xids = src.folder.folded if src.folder is not None else 0
         tables: dict[str, pa.Table] = {}
         for name, ts in parts.items():
             table = ts[0] if len(ts) == 1 else pa.concat_tables(ts, promote_options="none")
@@ -169,13 +171,37 @@ class Collector:
             snap.spool_bytes = w.spool_bytes
         return snap
 
+    def _flush_sources(self) -> None:
+        ts_ns = self._clock()
+        tables: dict[str, list[pa.Table]] = collections.defaultdict(list)
+        for src in self.sources:
+            try:
+                for name, table in src.flush(ts_ns).items():
+                    if table.num_rows:
+                        tables[name].append(sch.conform(name, table))
+            except Exception as exc:  # noqa: BLE001 - one source's leftovers must not cost the others'
+                log.warning("source %s: writing what it held at close failed: %s", src.name, exc)
+        joined = {name: pa.concat_tables(ts) if len(ts) > 1 else ts[0] for name, ts in tables.items()}
+        if not joined:
+            return
+        if self.writer is not None:
+            for name, table in joined.items():
+                self.writer.append_table(name, table)
+        if self.uplink is not None:
+            try:
+                self.uplink.submit(joined)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("uplink submit at close failed: %s", exc)
+
     def flush(self) -> None:
         if self.writer is not None:
             self.writer.flush()
 
     def close(self) -> None:
-        """Flush everything and release every source (the SIGTERM path)."""
+        """Flush everything and release every source (the SIGTERM path): what the sources still hold
+        (folded Xid counts) is written and handed to the uplink first."""
         try:
+            self._flush_sources()
             self.flush()
         finally:
             for src in self.sources:

@@ -21,6 +21,8 @@ import time
 
 from foreshock import config
 
+from .repeats import DEFAULT_WINDOW_SECONDS, MAX_WINDOW_SECONDS
+
 log = logging.getLogger("foreshock.collectors")
 
 DEFAULTS = {
@@ -47,6 +49,7 @@ DEFAULTS = {
     "sim_hcas": 8,
     "seed": 0,
     "fsync": True,
+    "xid_fold_seconds": DEFAULT_WINDOW_SECONDS,
 }
 CHECKS = {
     "interval": config.above(0),
@@ -57,6 +60,7 @@ CHECKS = {
     "sim_gpus": config.at_least(0),
     "sim_hcas": config.at_least(0),
     "seed": config.at_least(0),
+    "xid_fold_seconds": config.between(0, MAX_WINDOW_SECONDS),
 }
 
 
@@ -65,7 +69,7 @@ def register(subparsers) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--once", action="store_true", help="one sweep: write it, print what was read, exit")
     p.add_argument("--interval", type=float, help="seconds between sweeps (default 1)")
-    p.add_argument("--sources", help="comma-separated sources (nvml,rdma,netdev,host_net,kmsg,simulated)")
+    p.add_argument("--sources", help="comma-separated sources (nvml,rdma,netdev,host_net,kmsg,systemd,simulated)")
     p.add_argument("--sysfs", help="sysfs root (default /sys)")
     p.add_argument("--procfs", help="procfs root (default /proc)")
     p.add_argument("--kmsg", help="/dev/kmsg, or a dmesg-style text file")
@@ -86,6 +90,8 @@ def register(subparsers) -> None:
     p.add_argument("--sim-gpus", type=int, help="GPUs of the simulated source (8)")
     p.add_argument("--sim-hcas", type=int, help="HCAs of the simulated source (8)")
     p.add_argument("--seed", type=int, help="seed of the simulated source")
+    p.add_argument("--xid-fold-seconds", type=float,
+                   help="fold repeats of one Xid within this window into one counted row (60; 0: every line a row)")
     p.set_defaults(run=run)
 
 
@@ -140,7 +146,7 @@ def build_collector(cfg: dict, *, once: bool = False):
     sources = build_sources(cfg["sources"], SourceConfig(
         node=node, sysfs=cfg["sysfs"], procfs=cfg["procfs"], kmsg=cfg["kmsg"], peers=list(cfg["peers"]),
         nvlink_links=cfg["nvlink_links"], sim_gpus=cfg["sim_gpus"], sim_hcas=cfg["sim_hcas"],
-        seed=cfg["seed"]))
+        seed=cfg["seed"], xid_fold_seconds=cfg["xid_fold_seconds"]))
     writer = DatasetWriter(cfg["out"], rotate_seconds=cfg["rotate_seconds"],
                            max_buffer_rows=cfg["max_buffer_rows"], max_bytes=cfg["spool_max_bytes"] or None,
                            min_free_bytes=cfg["min_free_bytes"], fsync=cfg["fsync"])

@@ -11,10 +11,12 @@ Xid lines: `NVRM: Xid (PCI:DDDD:BB:DD): <xid>, pid=<pid>, name=<comm>, <message>
 `PCI:` and pid/name; NVLink5 Xids 144-150 carry `Nonfatal`/`Fatal` and `Link NN`. A lost GPU may be
 reported without an Xid: "NVRM: The NVIDIA GPU <bus id> ... has fallen off the bus". Real examples:
 ../shared/fixtures/kmsg/xid-lines.txt. Severity classes: the Xid catalogue, foreshock/xid.py.
+NVSwitch SXid lines (`nvidia-nvswitchN: SXid (PCI:...): ...`) are parsed by collectors/sxid.py.
 
 An Xid line that does not parse (a truncated or garbled `NVRM: Xid` line) is a ParseError, counted in
 the source's errors; an Xid outside the catalogue becomes an event of severity info, counted in
-`unknown_xids` (foreshock/xid.py, UNKNOWN).
+`unknown_xids` (foreshock/xid.py, UNKNOWN). Repeats of one Xid are folded into counts
+(collectors/repeats.py): the first line at once, the count of its repeats once their window closes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from foreshock import schema as sch
 from foreshock import xid as xidcat
 
 from .base import ParseError, Source
+from .repeats import DEFAULT_WINDOW_SECONDS, XidFolder
+from .sxid import parse_sxid
 
 _PCI = r"(?:[0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?"
 _XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>" + _PCI + r")\): (?P<xid>\d{1,10})\b(?:,\s*(?P<rest>.*))?$")
@@ -140,6 +144,8 @@ def parse_event(message: str) -> dict | None:
             return {"kind": "gpu_lost", "severity": "fatal", "pci_bus_id": normalize_pci(m.group("pci")),
                     "message": message[m.start():]}
         return None
+    if "SXid" in message:
+        return parse_sxid(message)
     m = _NIC_RE.match(message)
     if m:
         return _nic_event(m.group("driver"), m.group("pci"), m.group("iface"), m.group("msg"))
@@ -170,8 +176,10 @@ class KmsgSource(Source):
     tables = ("events",)
 
     def __init__(self, node: str, *, path: str = "/dev/kmsg", boot_ns: int | None = None,
-                 max_records_per_sweep: int = 20_000, max_seen: int = 100_000):
+                 max_records_per_sweep: int = 20_000, max_seen: int = 100_000,
+                 xid_fold_seconds: float = DEFAULT_WINDOW_SECONDS):
         super().__init__(node)
+        self.folder = XidFolder(xid_fold_seconds)
         self.path = path
         self.boot_ns = boot_time_ns() if boot_ns is None else boot_ns
         self.max_records = max_records_per_sweep
@@ -261,13 +269,19 @@ class KmsgSource(Source):
                 if ev["kind"] == "xid":
                     self.saw_xid(ev["xid"])
                 ev_ts = self.boot_ns + rec.usec * 1000 if rec.usec is not None else ts_ns
-                rows.append({"ts": ev_ts, "node": self.node, "source": "kmsg", "seq": rec.seq, **ev})
+                rows.extend(self.folder.feed({"ts": ev_ts, "node": self.node, "source": "kmsg", "seq": rec.seq,
+                                              **ev}, ts_ns))
         except OSError as exc:
             self.error(self.path, exc)
             self.close()
+        rows.extend(self.folder.due(ts_ns))
         if not rows:
             return {}
         return {"events": sch.to_table("events", rows)}
+
+    def flush(self, ts_ns: int) -> dict[str, pa.Table]:
+        rows = self.folder.flush(ts_ns)
+        return {"events": sch.to_table("events", rows)} if rows else {}
 
     def close(self) -> None:
         if self._fd is not None:

@@ -3,7 +3,7 @@
 Families (all labelled by nothing but what they say; the node is the scrape target):
 foreshock_collector_source_success{source}, foreshock_collector_source_duration_seconds{source},
 foreshock_collector_source_errors_total{source}, foreshock_collector_source_absent{source},
-foreshock_collector_unknown_xids_total{source},
+foreshock_collector_unknown_xids_total{source}, foreshock_collector_xid_repeats_folded_total{source},
 foreshock_collector_rows_written_total{table}, foreshock_collector_bytes_written_total,
 foreshock_collector_files_written_total, foreshock_collector_files_dropped_total,
 foreshock_collector_bytes_dropped_total, foreshock_collector_write_errors_total,
@@ -47,13 +47,17 @@ class CollectorMetrics:
         # a new driver's Xid the catalogue does not know raises nothing: this is where it shows
         unknown = CounterMetricFamily(P + "unknown_xids", "Xid events outside Foreshock's Xid catalogue.",
                                       labels=["source"])
+        # an Xid flood writes a row a window, not a row a line: its size shows here
+        folded = CounterMetricFamily(P + "xid_repeats_folded", "Xid lines counted into a folded events row "
+                                     "instead of a row each.", labels=["source"])
         for name, st in sorted(s.sources.items()):
             ok.add_metric([name], 1.0 if st.success else 0.0)
             dur.add_metric([name], st.duration_seconds)
             err.add_metric([name], st.errors)
             absent.add_metric([name], 1.0 if st.absent else 0.0)
             unknown.add_metric([name], st.unknown_xids)
-        yield from (ok, dur, err, absent, unknown)
+            folded.add_metric([name], st.folded_xids)
+        yield from (ok, dur, err, absent, unknown, folded)
         rows = CounterMetricFamily(P + "rows_written", "Rows written to Parquet, by table.", labels=["table"])
         for table, n in sorted(s.rows_written.items()):
             rows.add_metric([table], n)

@@ -5,7 +5,9 @@ The calls are those of ../shared/reference/signals.md (nvidia-ml-py's `pynvml`, 
 (nvmlDeviceGetNvLinkErrorCounter), field values 82 (HBM temperature), 91 (link count), 138/139 (NVLink
 TX/RX KiB) through nvmlDeviceGetFieldValues with a check of every entry's nvmlReturn, temperature
 (nvmlDeviceGetTemperatureV), power (mW -> W), energy (mJ -> J), clocks, clock-event reasons, PCIe
-replays/gen/width, utilisation. Xid events come from an NVML event set on their own thread.
+replays/gen/width, utilisation, and the GPU's NVLink fabric information (nvmlDeviceGetGpuFabricInfoV,
+struct v3 then v2, or nvmlDeviceGetGpuFabricInfo on drivers without it; what it means:
+foreshock/fabric.py). Xid events come from an NVML event set on their own thread.
 
 NVML is reached only through `NvmlBackend`, a narrow interface with exactly these calls. `PynvmlBackend`
 is the real side; `FakeNvml` stands in where there is no GPU. Outcomes: no libnvidia-ml / no driver ->
@@ -19,6 +21,7 @@ What each row column comes from is the declarative table GPU_FIELDS (dcgm-export
 from __future__ import annotations
 
 import collections
+import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,10 +29,12 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from foreshock import fabric
 from foreshock import schema as sch
 from foreshock import xid as xidcat
 
 from .base import HardwareAbsent, Source, log
+from .repeats import DEFAULT_WINDOW_SECONDS, XidFolder
 
 # NVML constants (nvml.h; the same values pynvml exports), kept here so the fake needs no pynvml.
 NVML_SUCCESS = 0
@@ -37,6 +42,7 @@ NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_FUNCTION_NOT_FOUND = 13  # an older driver without this entry point: unsupported there
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25  # a driver older than the struct version asked for
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
 NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
@@ -57,6 +63,11 @@ NVLINK_ERROR_COUNTERS: tuple[tuple[int, str], ...] = (
 
 class NvmlNotSupported(Exception):
     """NVML_ERROR_NOT_SUPPORTED: this part has no such value (store null)."""
+
+
+class NvmlFunctionNotFound(NvmlNotSupported):
+    """NVML_ERROR_FUNCTION_NOT_FOUND: the driver predates this entry point (unsupported, unless an older
+    entry point answers instead)."""
 
 
 class NvmlGpuLost(Exception):
@@ -94,6 +105,7 @@ class NvmlBackend(Protocol):
     def utilization_gpu(self, h) -> int: ...
     def nvlink_state(self, h, link: int) -> bool: ...
     def nvlink_error_counter(self, h, link: int, counter: int) -> int: ...
+    def gpu_fabric_info(self, h) -> fabric.FabricInfo: ...
     def event_set_create(self) -> Any: ...
     def register_xid_events(self, h, event_set) -> None: ...
     def event_set_wait(self, event_set, timeout_ms: int) -> tuple[str | None, int] | None: ...  # (uuid, xid)
@@ -123,7 +135,9 @@ class PynvmlBackend:
             return fn(*args)
         except n.NVMLError as exc:
             code = getattr(exc, "value", None)
-            if code in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND):
+            if code == NVML_ERROR_FUNCTION_NOT_FOUND:
+                raise NvmlFunctionNotFound(str(exc)) from None
+            if code == NVML_ERROR_NOT_SUPPORTED:
                 raise NvmlNotSupported(str(exc)) from None
             if code == NVML_ERROR_GPU_IS_LOST:
                 raise NvmlGpuLost(str(exc)) from None
@@ -216,6 +230,33 @@ class PynvmlBackend:
 
     def nvlink_error_counter(self, h, link, counter):
         return self._call(self._n.nvmlDeviceGetNvLinkErrorCounter, h, link, counter)
+
+    def gpu_fabric_info(self, h):
+        # Newest first: the V entry point with struct v3 (health summary), then v2 (health mask; a driver
+        # that predates v3 answers ARGUMENT_VERSION_MISMATCH), then the deprecated entry point of drivers
+        # without V (no mask). A binding too old to declare a struct or a call skips it.
+        n = self._n
+        if hasattr(n, "nvmlDeviceGetGpuFabricInfoV"):
+            for struct in (getattr(n, "c_nvmlGpuFabricInfo_v3_t", None), getattr(n, "c_nvmlGpuFabricInfo_v2_t", None)):
+                if struct is None:
+                    continue
+                info = struct()
+                try:
+                    self._call(self._n.nvmlDeviceGetGpuFabricInfoV, h, ctypes.byref(info))
+                except NvmlFunctionNotFound:
+                    break
+                except NvmlCallError as exc:
+                    if exc.code == NVML_ERROR_ARGUMENT_VERSION_MISMATCH:
+                        continue
+                    raise
+                return fabric.FabricInfo(bytes(info.clusterUuid), int(info.status), int(info.cliqueId),
+                                         int(info.state), int(info.healthMask),
+                                         int(info.healthSummary) if hasattr(info, "healthSummary") else None)
+        if not hasattr(n, "nvmlDeviceGetGpuFabricInfo") or not hasattr(n, "c_nvmlGpuFabricInfo_t"):
+            raise NvmlNotSupported("this nvidia-ml-py has no GPU fabric information")
+        info = self._n.c_nvmlGpuFabricInfo_t()
+        self._call(self._n.nvmlDeviceGetGpuFabricInfo, h, ctypes.byref(info))
+        return fabric.FabricInfo(bytes(info.clusterUuid), int(info.status), int(info.cliqueId), int(info.state))
 
     def event_set_create(self):
         return self._call(self._n.nvmlEventSetCreate)
@@ -386,6 +427,9 @@ class FakeNvml:
             raise NvmlNotSupported("nvlink_error_counter")
         return g.link_counters[(link, counter)]
 
+    def gpu_fabric_info(self, h):
+        return self._get(h, "gpu_fabric_info")
+
     def event_set_create(self):
         return "fake-event-set"
 
@@ -514,8 +558,9 @@ class NvmlSource(Source):
     tables = ("gpu", "nvlink", "nvlink_link", "events")
 
     def __init__(self, node: str, *, backend: NvmlBackend | None = None, nvlink_links: bool = False,
-                 xid_events: bool = True):
+                 xid_events: bool = True, xid_fold_seconds: float = DEFAULT_WINDOW_SECONDS):
         super().__init__(node)
+        self.folder = XidFolder(xid_fold_seconds)
         self.nvlink_links = nvlink_links
         self.backend = backend
         self._handles: list = []
@@ -593,6 +638,7 @@ class NvmlSource(Source):
                 for column, method, args, scale in GPU_FIELDS:
                     v = self._value(i, h, method, args)
                     row[column] = v * scale if (v is not None and scale) else v
+                row.update(fabric.gpu_columns(self._value(i, h, "gpu_fabric_info", ())))
                 rr = self._value(i, h, "remapped_rows", ())
                 if rr is not None:
                     row.update(remapped_rows_correctable=rr[0], remapped_rows_uncorrectable=rr[1],
@@ -617,7 +663,9 @@ class NvmlSource(Source):
                                    "message": "NVML_ERROR_GPU_IS_LOST"})
             gpu_rows.append(row)
         if self._watcher is not None:
-            events.extend(self._watcher.drain())
+            for row in self._watcher.drain():
+                events.extend(self.folder.feed(row, ts_ns))
+        events.extend(self.folder.due(ts_ns))
         out = {}
         if gpu_rows:
             out["gpu"] = sch.to_table("gpu", gpu_rows)
@@ -671,6 +719,14 @@ class NvmlSource(Source):
                 link_rows.append(lrow)
         nvl.update(sums)
         nvl["links_up"] = up
+
+    def flush(self, ts_ns: int) -> dict[str, pa.Table]:
+        rows = []
+        if self._watcher is not None:
+            for row in self._watcher.drain():
+                rows.extend(self.folder.feed(row, ts_ns))
+        rows.extend(self.folder.flush(ts_ns))
+        return {"events": sch.to_table("events", rows)} if rows else {}
 
     def close(self) -> None:
         if self._watcher is not None:

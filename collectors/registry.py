@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .base import Source
+from .repeats import DEFAULT_WINDOW_SECONDS
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SourceConfig:
     sim_hcas: int = 8
     seed: int = 0
     rescan_seconds: float = 60.0
+    xid_fold_seconds: float = DEFAULT_WINDOW_SECONDS
 
 
 def _rdma(c: SourceConfig) -> Source:
@@ -45,12 +47,17 @@ def _host_net(c: SourceConfig) -> Source:
 
 def _kmsg(c: SourceConfig) -> Source:
     from .kmsg import KmsgSource
-    return KmsgSource(c.node, path=c.kmsg)
+    return KmsgSource(c.node, path=c.kmsg, xid_fold_seconds=c.xid_fold_seconds)
 
 
 def _nvml(c: SourceConfig) -> Source:
     from .nvml import NvmlSource
-    return NvmlSource(c.node, nvlink_links=c.nvlink_links)
+    return NvmlSource(c.node, nvlink_links=c.nvlink_links, xid_fold_seconds=c.xid_fold_seconds)
+
+
+def _systemd(c: SourceConfig) -> Source:
+    from .systemd import SystemdSource
+    return SystemdSource(c.node)
 
 
 def _simulated(c: SourceConfig) -> Source:
@@ -64,6 +71,7 @@ SOURCES: dict[str, Callable[[SourceConfig], Source]] = {
     "netdev": _netdev,
     "host_net": _host_net,
     "kmsg": _kmsg,
+    "systemd": _systemd,
     "simulated": _simulated,
 }
 # What `foreshock collect` reads when --sources is not given: every real interface of a GPU node.

@@ -30,7 +30,6 @@ per-field unit/help metadata, documentation only, stays home: it would triple th
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import os
 import queue
@@ -44,6 +43,7 @@ import grpc
 import pyarrow as pa
 
 from foreshock import schema as sch
+from foreshock.net import is_loopback
 from foreshock.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -55,16 +55,6 @@ _WIRE_SCHEMAS = {name: pa.schema([pa.field(f.name, f.type, f.nullable) for f in 
 
 class UplinkError(ValueError):
     """An uplink that cannot be built as asked (the message says which argument)."""
-
-
-def _is_loopback(target: str) -> bool:
-    host = target.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _credentials(tls) -> grpc.ChannelCredentials | None:
@@ -130,7 +120,7 @@ class StreamingUplink:
         self.target = target
         self.node = node
         self._creds = _credentials(tls)
-        if self._creds is None and not _is_loopback(target):
+        if self._creds is None and not is_loopback(target):
             raise UplinkError(f"uplink to {target}: plaintext is allowed to loopback addresses only; give tls")
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.collector_id = collector_id or f"{node}-{uuid.uuid4().hex[:12]}"

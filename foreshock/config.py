@@ -32,7 +32,7 @@ OTHER_VARIABLES = {
     **{f"FORESHOCK_{name}": "the in-job migrator (migrator/config.py)" for name in (
         "SERVICE", "JOB_ID", "RANK", "WORLD_SIZE", "NODE", "ROLE", "TOKEN", "TLS_CA", "STORE", "HOST_STORE",
         "SPARE_NODES", "FALLBACK", "CHECKPOINT_DIR", "RPC_TIMEOUT_S", "TRANSFER_TIMEOUT_S", "STANDBY_POLL_S",
-        "REPORT_INTERVAL_S", "SPARE_HEARTBEAT_S", "MIGRATOR_FAULT")},
+        "REPORT_INTERVAL_S", "STEP_REPORT_INTERVAL_S", "SPARE_HEARTBEAT_S", "MIGRATOR_FAULT")},
     **{f"FORESHOCK_EXAMPLE_{name}": "the migrator's torchrun example (migrator/torchrun_example.py)"
        for name in ("OUT", "STEPS", "STEP_SLEEP")},
     "FORESHOCK_PREDICT_THREADS": "the predictor's kernels (predictor/features.py, predictor/registry.py)",

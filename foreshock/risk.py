@@ -62,3 +62,43 @@ def times(lvl: float) -> str:
     if math.isnan(lvl):
         return "-"
     return f"{lvl:.0f}x" if lvl >= 10 else f"{lvl:.1f}x" if lvl >= 1 else f"{lvl:.2f}x"
+
+
+def pick_threshold(curve, budget: float) -> float:
+    """The threshold for a false-evacuation budget on a curve [(threshold, false evacuations per 1,000
+    node-days, recall), ...] sorted by threshold: the lowest whose rate is within `budget`; the highest
+    when none is (1.0 for an empty curve). The one rule: train chooses a manifest's thresholds by it,
+    the registry and the control plane read them by it, calibration re-fits them by it."""
+    for th, fe, _recall in curve:
+        if fe <= budget:
+            return th
+    return curve[-1][0] if curve else 1.0
+
+
+def threshold_for_budget(manifest: dict, budget: float | None = None, model: str = "model") -> float | None:
+    """The evacuation threshold a model manifest gives for `budget` false evacuations per 1,000
+    node-days (None: the model's recommended threshold, chosen for the budget it was trained for).
+
+    From the manifest's validation curve by pick_threshold; a manifest with only a table of thresholds
+    per budget gives the loosest whose budget is within the one asked (the strictest when none is);
+    None when it names no threshold at all."""
+    if budget is None:
+        value = manifest.get("recommended_threshold") if model == "model" else None
+        if value is not None:
+            return float(value)
+        budget = float(manifest.get("budget", 2.0))
+    curve = (manifest.get("threshold_curves") or {}).get(model)
+    if curve:
+        return float(pick_threshold(curve, budget))
+    table = manifest.get("thresholds") if model == "model" else (manifest.get("baseline_thresholds") or {}).get(model)
+    pairs = []
+    for key, value in (table or {}).items() if isinstance(table, dict) else ():
+        try:
+            pairs.append((float(key), float(value)))
+        except (TypeError, ValueError):
+            continue
+    if pairs:
+        within = [t for b, t in pairs if b <= budget]
+        return min(within) if within else max(t for _, t in pairs)
+    value = manifest.get("recommended_threshold") if model == "model" else None
+    return float(value) if value is not None else None

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from foreshock import fabric
+
 SCHEMA_VERSION = 1
 
 TS = pa.timestamp("ns", tz="UTC")
 U64 = pa.uint64()
+U32 = pa.uint32()
 I64 = pa.int64()
 I32 = pa.int32()
 I16 = pa.int16()
@@ -73,6 +76,21 @@ GPU = COMMON + (
     Field("pcie_link_width", I8, "lanes", "Current PCIe link width."),
     Field("pcie_link_width_max", I8, "lanes", "Maximum PCIe link width."),
     Field("gpu_lost", BOOL, "", "NVML answered NVML_ERROR_GPU_IS_LOST (follows Xid 79).", nullable=False),
+    # GPU fabric information (nvmlDeviceGetGpuFabricInfoV; foreshock/fabric.py): null on GPUs and drivers
+    # without it, and where the state is NVML_GPU_FABRIC_STATE_NOT_SUPPORTED.
+    Field("fabric_state", I8, "", "Fabric registration state (.state: 1 not started, 2 in progress, 3 completed)."),
+    Field("fabric_status", I32, "", "Fabric registration result (.status, an NVML return code, 0 success), "
+          "valid once the state is completed."),
+    Field("fabric_cluster_uuid", STR, "", "Fabric cluster UUID (.clusterUuid); null when all zero (NVLink "
+          "inside the node)."),
+    Field("fabric_clique_id", U32, "", "Fabric clique id (.cliqueId): the GPUs that reach each other over NVLink."),
+    Field("nvlink_domain", STR, "", "\"<cluster uuid>/<clique id>\" once registered (completed, success, a "
+          "cluster UUID), else null (foreshock/fabric.py, nvlink_domain)."),
+    Field("fabric_health_mask", U32, "bitmask", "Fabric health mask (.healthMask, fabric info v2), raw; "
+          "decoded in the fabric_* columns below."),
+    Field("fabric_health_summary", I8, "", "Fabric health summary (.healthSummary, fabric info v3: "
+          "1 healthy, 2 unhealthy, 3 limited capacity)."),
+    *(Field(f.column, I8 if f.codes else BOOL, "", f.help) for f in fabric.HEALTH_FIELDS),
 )
 
 NVLINK_ERROR_COUNTERS = (
@@ -207,7 +225,7 @@ PATH_PROBE = COMMON + (
 )
 
 EVENTS = COMMON + (
-    _key("kind", STR, "xid | gpu_lost | link_state | nic_error."),
+    _key("kind", STR, "xid | sxid | gpu_lost | link_state | nic_error."),
     _key("source", STR, "nvml | kmsg | sysfs | simulator."),
     Field("severity", STR, "", "precursor | application | fatal | info (for Xids: the Xid catalogue, foreshock/xid.py)."),
     Field("xid", I32, "", "Xid code, for kind=xid."),
@@ -215,10 +233,17 @@ EVENTS = COMMON + (
     Field("pci_bus_id", STR, "", "PCI bus id of the device the event names, lower case."),
     Field("pid", I64, "", "Process id the driver names, when it names one."),
     Field("process_name", STR, "", "Process name the driver names."),
-    Field("device", STR, "", "NIC / RDMA device or interface the event names."),
+    Field("device", STR, "", "NIC / RDMA device or interface the event names; the NVSwitch (nvswitchN), for kind=sxid."),
     Field("port", I16, "", "Port, for RDMA link events."),
     Field("message", STR, "", "The driver's text, unparsed remainder."),
-    Field("seq", I64, "", "/dev/kmsg sequence number (dedupe across restarts)."),
+    Field("seq", I64, "", "/dev/kmsg sequence number (dedupe across restarts); of a folded row, its last line's."),
+    Field("sxid", I32, "", "NVSwitch SXid code, for kind=sxid (collectors/sxid.py)."),
+    Field("link", I16, "", "NVSwitch link the SXid names, if it names one."),
+    # Added within v1, nullable: files and collectors without them read as one occurrence per row.
+    Field("occurrences", I64, "count", "Occurrences this row stands for: repeats of one Xid folded by the collector "
+          "(docs/collectors.md); null: 1."),
+    Field("first_ts", TS, "", "First occurrence a folded row covers; null: ts."),
+    Field("last_ts", TS, "", "Last occurrence a folded row covers; null: ts."),
 )
 
 # Topology labels: who shares a leaf switch, a site, an NVLink domain, a job. Written at start-up and
@@ -227,15 +252,28 @@ INVENTORY = COMMON + (
     Field("site", STR, "", "Site (data centre) name."),
     Field("spine", STR, "", "Spine switch group."),
     Field("leaf_switch", STR, "", "Leaf switch the node's HCAs attach to."),
-    Field("nvlink_domain", STR, "", "NVLink domain (e.g. NVL72 rack), if any."),
+    Field("nvlink_domain", STR, "", "Multi-node NVLink domain (an NVL72 rack): \"<fabric cluster uuid>/<clique id>\" of "
+          "its GPUs (the gpu table's nvlink_domain); null where NVLink stays inside the node."),
     Field("job", STR, "", "Job running on the node, if known."),
     Field("gpus", I16, "", "GPUs in the node."),
     Field("hcas", I16, "", "HCAs in the node."),
 )
 
+# The NVLink fabric's systemd services (foreshock/fabric.py, FABRIC_SERVICES), from `systemctl show`
+# (collectors/systemd.py): one row per installed unit at each poll; a unit not installed has no row.
+SYSTEMD_UNIT = COMMON + (
+    _key("unit", STR, "Unit name (nvidia-fabricmanager.service, nvidia-imex.service)."),
+    Field("load_state", STR, "", "LoadState (loaded, masked, error, ...)."),
+    Field("active_state", STR, "", "ActiveState (active, inactive, failed, activating, deactivating, reloading)."),
+    Field("sub_state", STR, "", "SubState (running, exited, dead, failed, auto-restart, ...)."),
+    Field("result", STR, "", "Result of the unit's last run (success, exit-code, signal, core-dump, timeout, ...)."),
+    Field("n_restarts", U32, "restarts", "NRestarts: automatic restarts since the unit was last started "
+          "(systemd >= 235)."),
+)
+
 INCIDENTS = COMMON + (
     Field("incident_id", STR, "", "Unique id."),
-    Field("scope", STR, "", "node | switch | site: what `node` names."),
+    Field("scope", STR, "", "node | switch | site | nvlink_domain: what `node` names."),
     Field("affected_nodes", pa.list_(STR), "", "Nodes the incident took out (the blast radius)."),
     Field("category", STR, "", "Root-cause category (failure-figures.md names: faulty_gpu, gpu_hbm, ...)."),
     Field("component", STR, "", "Component: gpu3, mlx5_2/1, leaf-7, ..."),
@@ -256,6 +294,7 @@ TABLES: dict[str, tuple[Field, ...]] = {
     "events": EVENTS,
     "inventory": INVENTORY,
     "incidents": INCIDENTS,
+    "systemd_unit": SYSTEMD_UNIT,
 }
 
 # Columns that identify an entity within a node, used by dedupe and by feature builders.
@@ -270,6 +309,7 @@ ENTITY_KEYS: dict[str, tuple[str, ...]] = {
     "events": (),
     "inventory": (),
     "incidents": ("incident_id",),
+    "systemd_unit": ("unit",),
 }
 
 

@@ -25,6 +25,16 @@ NVLink5 Xids 144-150 carry `Fatal` or `Nonfatal` in their message (the catalogue
 intrInfo/errorStatus, WORKFLOW_NVLINK5_ERR); their class is read from that token, and without one they
 are info.
 
+Context (`collateral`): some Xids are logged on healthy GPUs as well when what they share fails, a
+job torn down or crashed (45, 43, 13, ...), a GPU of its NVLink domain lost or a link of the domain
+taken down (74, 144-150, 155), the domain's power (79). On one node alone such an Xid keeps its class;
+on many nodes of one job or NVLink domain within seconds the control plane records one job event
+instead of a fault on each node (service/xidcontext.py). Memory and firmware Xids (48, 63, 64, 92, 95,
+119, 120, 140) are never collateral: an application cannot cause a DBE on another node.
+
+Cancel pairs (`cancels`): an Xid that another one cancels names a condition that holds until then
+(163, power smoothing disengaged, until 162 re-engages it); `outstanding_until()` names them.
+
 An unknown Xid (one outside CATALOGUE, NVML's 999 "unknown Xid", a null code) is UNKNOWN: severity
 info everywhere. It is written to `events` as it came (code and message), the kmsg and NVML collectors
 count it (`unknown_xids`) and log the first one, the service raises nothing for it, and the predictor
@@ -69,6 +79,7 @@ class XidInfo:
     solo: bool             # on its own, on one node, it names that node's GPU as faulty
     generations: tuple[str, ...]   # the catalogue's "Applies to" columns that say YES
     cancels: tuple[int, ...] = ()  # an earlier Xid of these codes on the same GPU no longer holds
+    collateral: bool = False  # logged on healthy GPUs too when a job or NVLink domain fails as a whole
     nvlink: bool = False   # counted in the predictor's xid_nvlink signal
     token: bool = False    # class read from the message's Fatal/Nonfatal token
     example: str = ""      # a message as the driver prints it, after the pid and name
@@ -80,20 +91,20 @@ def _x(code, name, severity, resolution, solo, generations=ALL_GPUS, **kw) -> Xi
 
 def _nvlink5(code: int, unit: str) -> XidInfo:
     return _x(code, f"NVLINK_{unit}_ERROR", "info", "WORKFLOW_NVLINK5_ERR", True, BLACKWELL,
-              nvlink=True, token=True)
+              nvlink=True, token=True, collateral=True)
 
 
 _ENTRIES = (
-    _x(13, "ROBUST_CHANNEL_GR_EXCEPTION", "application", "RESTART_APP", False,
+    _x(13, "ROBUST_CHANNEL_GR_EXCEPTION", "application", "RESTART_APP", False, collateral=True,
        example="Graphics SM Warp Exception on (GPC 4, TPC 1, SM 0): Illegal Instruction Parameter"),
-    _x(31, "ROBUST_CHANNEL_FIFO_ERROR_MMU_ERR_FLT", "application", "RESTART_APP", False,
+    _x(31, "ROBUST_CHANNEL_FIFO_ERROR_MMU_ERR_FLT", "application", "RESTART_APP", False, collateral=True,
        example="channel 0x0000000c, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC2 GPCCLIENT_PROP_0 faulted "
                "@ 0x7f3a_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ"),
-    _x(43, "ROBUST_CHANNEL_RESETCHANNEL_VERIF_ERROR", "application", "IGNORE", False,
+    _x(43, "ROBUST_CHANNEL_RESETCHANNEL_VERIF_ERROR", "application", "IGNORE", False, collateral=True,
        example="Ch 00000010, engmask 00000101"),
     # Logged whenever the driver tears an application down (Ctrl-C, sigkill, a GPU reset, a peer's crash):
     # on many nodes of one job at its end it is the job's teardown, not a fault of each node.
-    _x(45, "ROBUST_CHANNEL_PREEMPTIVE_REMOVAL", "application", "WORKFLOW_XID_45", False,
+    _x(45, "ROBUST_CHANNEL_PREEMPTIVE_REMOVAL", "application", "WORKFLOW_XID_45", False, collateral=True,
        example="Ch 00000001 caused by previous Xid 149"),
     _x(48, "ROBUST_CHANNEL_GPU_ECC_DBE", "fatal", "WORKFLOW_XID_48", True,
        example="An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at physAddr "
@@ -104,20 +115,23 @@ _ENTRIES = (
        example="Row Remapper: New row marked for remapping, reset gpu to activate."),
     _x(64, "INFOROM_DRAM_RETIREMENT_FAILURE", "fatal", "RESET_GPU", True,
        example="Row Remapper: Row remapping failed. Row remapping is not available, remapped rows are exhausted."),
-    _x(68, "ROBUST_CHANNEL_NVDEC0_ERROR", "application", "RESTART_APP", False),
-    _x(69, "ROBUST_CHANNEL_GR_CLASS_ERROR", "application", "RESTART_APP", False),
-    _x(74, "NVLINK_ERROR", "fatal", "WORKFLOW_NVLINK_ERR", True, (A100, H100), nvlink=True,
+    _x(68, "ROBUST_CHANNEL_NVDEC0_ERROR", "application", "RESTART_APP", False, collateral=True),
+    _x(69, "ROBUST_CHANNEL_GR_CLASS_ERROR", "application", "RESTART_APP", False, collateral=True),
+    _x(74, "NVLINK_ERROR", "fatal", "WORKFLOW_NVLINK_ERR", True, (A100, H100), nvlink=True, collateral=True,
        example="NVLink: fatal error detected on link 7(0x10000, 0x0, 0x0, 0x0, 0x0, 0x0, 0x0)"),
-    _x(79, "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS", "fatal", "RESTART_BM", True,
+    # Alone: that GPU's fault. On many nodes of one job or NVLink domain within seconds: what they share
+    # failed (the job's teardown, the domain's power or switch tray), not each node's GPU.
+    _x(79, "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS", "fatal", "RESTART_BM", True, collateral=True,
        example="GPU has fallen off the bus."),
     _x(92, "EXCESSIVE_SBE_INTERRUPTS", "precursor", "IGNORE", False,
        example="High single-bit ECC error rate detected."),
     # Contained to one application: that application restarts, the others run on.
-    _x(94, "ROBUST_CHANNEL_CONTAINED_ERROR", "application", "RESTART_APP", False,
+    _x(94, "ROBUST_CHANNEL_CONTAINED_ERROR", "application", "RESTART_APP", False, collateral=True,
        example="Contained: SM (0x1). RST: No, D-RST: No"),
     _x(95, "ROBUST_CHANNEL_UNCONTAINED_ERROR", "fatal", "RESET_GPU", True,
        example="Uncontained: LTC TAG (0x2,0x0). RST: Yes, D-RST: No"),
-    _x(109, "ROBUST_CHANNEL_CTXSW_TIMEOUT_ERROR", "fatal", "RESET_GPU", True),
+    # A context switch that timed out: a hung or torn-down application can cause it on every GPU it ran on.
+    _x(109, "ROBUST_CHANNEL_CTXSW_TIMEOUT_ERROR", "fatal", "RESET_GPU", True, collateral=True),
     _x(119, "GSP_RPC_TIMEOUT", "fatal", "RESET_GPU", True,
        example="Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) "
                "(0x90cc0301 0xc)."),
@@ -136,7 +150,7 @@ _ENTRIES = (
     _nvlink5(150, "MSE"),
     _x(154, "GPU_RECOVERY_ACTION_CHANGED", "info", "XID_154", False),
     # Link-down events flagged intentional: fatal to the job on that link, no verdict on the hardware.
-    _x(155, "NVLINK_SW_DEFINED_ERROR", "fatal", "RESET_GPU", False, BLACKWELL),
+    _x(155, "NVLINK_SW_DEFINED_ERROR", "fatal", "RESET_GPU", False, BLACKWELL, collateral=True),
     _x(162, "PSHC_REENGAGED", "info", "NONE", False, BLACKWELL, cancels=(163,)),
     _x(163, "PSHC_DISENGAGED", "info", "NONE", False, BLACKWELL),
 )
@@ -144,6 +158,15 @@ _ENTRIES = (
 CATALOGUE: dict[int, XidInfo] = {e.code: e for e in _ENTRIES}
 
 UNKNOWN = XidInfo(-1, "UNKNOWN", "info", "UNKNOWN", False, ())
+
+# The kernel's "GPU ... has fallen off the bus" line without an Xid is the same report as this Xid.
+FALLEN_OFF_THE_BUS = 79
+
+# code -> the codes that cancel it: a condition that holds from that Xid until one of those
+_CANCELLED_BY: dict[int, tuple[int, ...]] = {}
+for _e in _ENTRIES:
+    for _c in _e.cancels:
+        _CANCELLED_BY[_c] = _CANCELLED_BY.get(_c, ()) + (_e.code,)
 
 _TOKEN_RE = re.compile(r"\b(Nonfatal|Non-fatal|Fatal)\b", re.IGNORECASE)
 
@@ -153,6 +176,12 @@ def lookup(code: int | float | None) -> XidInfo:
     if code is None or code != code:  # None or NaN
         return UNKNOWN
     return CATALOGUE.get(int(code), UNKNOWN)
+
+
+def outstanding_until(code: int | float | None) -> tuple[int, ...]:
+    """The Xids that cancel `code` (163 -> (162,)); () when nothing cancels it."""
+    info = lookup(code)
+    return _CANCELLED_BY.get(info.code, ()) if info is not UNKNOWN else ()
 
 
 def severity(code: int | None, message: str = "") -> str:

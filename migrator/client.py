@@ -3,15 +3,21 @@
 Two background threads, so the training loop never waits on the network: a watcher holds the
 WatchDirectives stream (re-opened every `watch_window_s` and after any error, with exponential backoff
 and jitter; the service re-delivers unacknowledged directives after a reconnect, and DirectiveBook
-drops the duplicates), and a sender drains a bounded queue of acknowledgements and step reports. Every
-unary call has a deadline (`rpc_timeout_s`). Nothing here raises into the caller: service trouble is
-logged (once per outage) and degrades to "no directives". Credentials: a bearer token in the
-`authorization` metadata; TLS when a CA file is given, plaintext only to a loopback address.
+drops the duplicates), and a sender drains a bounded queue of acknowledgements and step reports. The
+sender also sends this rank's step times (`record_step_time`, kept in a ring of `STEP_TIME_BUFFER`) in
+blocks of steps aligned on step numbers (`step_block`), so that every rank of a job sends the same
+steps at about the same time and the service judges each step with all of them; at least every
+2 x `step_report_interval_s` when steps stall, one ReportStepTimes call each. A batch the service does
+not take (unreachable, refused) is dropped and counted (`dropped_step_times`), never retried: the
+fail-slow rule wants recent steps, not old ones late. Every unary call has a deadline
+(`rpc_timeout_s`). Nothing here raises into the caller: service trouble is logged (once per outage)
+and degrades to "no directives". Credentials: a bearer token in the `authorization` metadata; TLS when
+a CA file is given, plaintext only to a loopback address.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import collections
 import logging
 import queue
 import random
@@ -22,6 +28,7 @@ import grpc
 
 from foreshock.migrator.config import MigratorConfig, MigratorConfigError
 from foreshock.migrator.directives import Ack, AckPhase, Directive, DirectiveKind, drain
+from foreshock.net import is_loopback
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc
 
 log = logging.getLogger("foreshock.migrator.client")
@@ -45,6 +52,18 @@ _FINISHED = {jobs_pb2.DIRECTIVE_STATE_CANCELLED, jobs_pb2.DIRECTIVE_STATE_COMPLE
              jobs_pb2.DIRECTIVE_STATE_FAILED}
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL}
+STEP_TIME_BATCH = 256     # step times per ReportStepTimes (the service takes up to 1,024); a power of two
+STEP_TIME_BUFFER = 1024   # step times waiting to be sent; when full, the oldest is dropped and counted
+
+
+def step_block(step_seconds: float, interval_s: float) -> int:
+    """How many steps a rank sends at once: the largest power of two that lasts at most `interval_s`
+    (1 to STEP_TIME_BATCH). It depends on the whole step, which is the same on every rank of a
+    synchronous job, so all its ranks cut the same blocks."""
+    n = 1
+    while n < STEP_TIME_BATCH and 2 * n * step_seconds <= interval_s:
+        n *= 2
+    return n
 
 
 def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
@@ -65,23 +84,13 @@ def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
                      generation=msg.generation, deadline=deadline)
 
 
-def _is_loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def open_channel(config: MigratorConfig) -> grpc.Channel:
     options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 4 << 20)]
     if config.tls_ca:
         with open(config.tls_ca, "rb") as fh:
             creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
         return grpc.secure_channel(config.service, creds, options=options)
-    if not _is_loopback(config.service):
+    if not is_loopback(config.service):
         raise MigratorConfigError(f"service {config.service}: plaintext is allowed to loopback only; "
                                   "set FORESHOCK_TLS_CA for a remote control plane")
     return grpc.insecure_channel(config.service, options=options)
@@ -113,6 +122,12 @@ class ServiceClient:
         self.healthy = False            # last call to the service succeeded
         self.deliveries = 0
         self.dropped_acks = 0
+        # (rank, node, step, step_seconds, compute_seconds); appended by the loop, taken by the sender
+        self._step_times: collections.deque = collections.deque(maxlen=STEP_TIME_BUFFER)
+        self._step_times_lock = threading.Lock()
+        self._step_times_due = threading.Event()   # a block of steps is complete
+        self.sent_step_times = 0
+        self.dropped_step_times = 0
 
     # --- calls made before or after training (bounded by deadlines, never raise) -------------
     def register(self, placement: dict[int, str], spare_nodes=(), *, current_step: int = 0,
@@ -186,6 +201,15 @@ class ServiceClient:
         with self._step_lock:
             self._step = (step, step_seconds)
 
+    def record_step_time(self, rank: int, step: int, step_seconds: float, compute_seconds: float = 0.0) -> None:
+        """One step of this rank (O(1), never blocks, never raises): sent in the next batch."""
+        with self._step_times_lock:
+            if len(self._step_times) == self._step_times.maxlen:
+                self.dropped_step_times += 1
+            self._step_times.append((rank, self.config.node, step, step_seconds, compute_seconds))
+        if (step + 1) % step_block(step_seconds, self.config.step_report_interval_s) == 0:
+            self._step_times_due.set()
+
     def close(self, deregister: bool = False, flush_s: float = 2.0) -> None:
         end = time.monotonic() + flush_s
         while not self._outbox.empty() and time.monotonic() < end:
@@ -250,16 +274,54 @@ class ServiceClient:
                 failures += 1
                 self._sleep_backoff(failures)
 
+    def _send_step_times(self) -> None:
+        """Everything waiting, STEP_TIME_BATCH at a time (more than one batch only after a stall)."""
+        self._step_times_due.clear()
+        while True:
+            with self._step_times_lock:
+                batch = [self._step_times.popleft() for _ in range(min(STEP_TIME_BATCH, len(self._step_times)))]
+            if batch:
+                self._send_batch(batch)
+            if len(batch) < STEP_TIME_BATCH:
+                return
+
+    def _send_batch(self, batch: list[tuple]) -> None:
+        by_rank: dict[tuple[int, str], list] = {}
+        for rank, node, step, total, compute in batch:   # one rank, except across a renumbering
+            by_rank.setdefault((rank, node), []).append(
+                jobs_pb2.StepTime(step=step, step_seconds=total, compute_seconds=compute))
+        for (rank, node), steps in by_rank.items():
+            req = jobs_pb2.ReportStepTimesRequest(job_id=self.config.job_id, rank=rank, node=node, steps=steps)
+            try:
+                self._stub.ReportStepTimes(req, timeout=self._timeout, metadata=self._metadata)
+                self._set_health(True)
+                self.sent_step_times += len(steps)
+            except grpc.RpcError as exc:
+                self.dropped_step_times += len(steps)
+                if exc.code() in _RETRYABLE:
+                    self._set_health(False, f"ReportStepTimes: {exc.code().name} {exc.details()}")
+                else:   # refused (a move the service has not applied yet, bad values): said, not retried
+                    log.debug("step times of rank %d refused: %s %s", rank, exc.code().name, exc.details())
+            except Exception as exc:  # noqa: BLE001 - never raise into the training loop
+                self.dropped_step_times += len(steps)
+                self._set_health(False, f"ReportStepTimes: {exc!r}")
+
     def _send_loop(self) -> None:
         last_report = 0.0
         last_sent: tuple[int, float] | None = None
+        last_times = time.monotonic()
         while True:
             try:
                 item = self._outbox.get(timeout=0.2)
             except queue.Empty:
                 item = ...
             if item is None:
+                self._send_step_times()
                 return
+            stalled = time.monotonic() - last_times >= 2 * self.config.step_report_interval_s
+            if self._step_times_due.is_set() or stalled:
+                last_times = time.monotonic()
+                self._send_step_times()
             if isinstance(item, Ack):
                 self._send_ack(item)
             elif isinstance(item, tuple) and item[0] == "register":
@@ -286,6 +348,7 @@ class ServiceClient:
                         if self._step is None:
                             self._step = pending
             if self._stop.is_set() and self._outbox.empty():
+                self._send_step_times()
                 return
 
     def _send_ack(self, ack: Ack, attempts: int = 5) -> None:

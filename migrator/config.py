@@ -46,6 +46,7 @@ class MigratorConfig:
     transfer_timeout_s: float = 60.0  # bound on group formation and state transfer during a switch
     standby_poll_s: float = 30.0      # a waiting spare checks this often whether the job ended unreleased
     report_interval_s: float = 5.0    # how often the coordinator reports its step to the service
+    step_report_interval_s: float = 5.0   # longest a block of step times lasts before it is sent (fail-slow)
     spare_heartbeat_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -64,9 +65,12 @@ class MigratorConfig:
         if self.service:
             _split_address("service (FORESHOCK_SERVICE)", self.service)
         for name in ("rpc_timeout_s", "transfer_timeout_s", "standby_poll_s", "report_interval_s",
-                     "spare_heartbeat_s"):
+                     "step_report_interval_s", "spare_heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise MigratorConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not self.step_report_interval_s <= 3600:
+            raise MigratorConfigError(f"step_report_interval_s (FORESHOCK_STEP_REPORT_INTERVAL_S) must be "
+                                      f"at most 3600 s, got {self.step_report_interval_s!r}")
 
     @property
     def store_host(self) -> str:
@@ -131,6 +135,7 @@ class MigratorConfig:
             transfer_timeout_s=as_float("transfer_timeout_s", "FORESHOCK_TRANSFER_TIMEOUT_S", 60.0),
             standby_poll_s=as_float("standby_poll_s", "FORESHOCK_STANDBY_POLL_S", 30.0),
             report_interval_s=as_float("report_interval_s", "FORESHOCK_REPORT_INTERVAL_S", 5.0),
+            step_report_interval_s=as_float("step_report_interval_s", "FORESHOCK_STEP_REPORT_INTERVAL_S", 5.0),
             spare_heartbeat_s=as_float("spare_heartbeat_s", "FORESHOCK_SPARE_HEARTBEAT_S", 0.5),
         )
 

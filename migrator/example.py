@@ -125,7 +125,8 @@ def _fault(config, step: int) -> None:
 
 def run_worker(spec: dict) -> int:
     """One process of the demo job. `spec`: env (FORESHOCK_* for this process), steps, out_dir,
-    params, seed, step_sleep_s, progress (write the lead's step to the store)."""
+    params, seed, step_sleep_s, slow_nodes (node -> extra seconds of compute a step: a fail-slow
+    node), progress (write the lead's step to the store)."""
     os.environ.update(spec.get("env", {}))
     logging.basicConfig(level=spec.get("log_level", "WARNING"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
@@ -192,6 +193,8 @@ def run_worker(spec: dict) -> int:
             record["joined_wall"] = time.time()
             record["hashes"][str(mig.step)] = param_hash(mig.module)
         sleep = float(spec.get("step_sleep_s", 0.0))
+        # between forward and backward, before the gradient all-reduce: this node computes slowly
+        slow = float(spec.get("slow_nodes", {}).get(config.node, 0.0))
         pending_first = record if config.role == "spare" else None
         while mig.step < steps:
             if position.next_step != mig.step:
@@ -202,6 +205,8 @@ def run_worker(spec: dict) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 _fault(config, step)
                 loss = loss_fn(mig.model(x), y)
+                if slow:
+                    time.sleep(slow)
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
@@ -249,6 +254,8 @@ def run_worker(spec: dict) -> int:
         if mig._client is not None:
             record["final"]["deliveries"] = mig._client.deliveries
             record["final"]["service_healthy"] = mig._client.healthy
+            record["final"]["step_times"] = {"sent": mig._client.sent_step_times,
+                                             "dropped": mig._client.dropped_step_times}
         return 0
     finally:
         try:
@@ -348,14 +355,17 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
            fallback: str = "shrink", env: dict[str, str] | None = None,
            spare_env: dict[str, str] | None = None, transfer_timeout_s: float = 30.0,
            log_level: str = "WARNING", batch_size: int = 16,
-           registered_spares: list[str] | None = None, mode: str = "ddp", hold_at: int | None = None) -> Job:
+           registered_spares: list[str] | None = None, mode: str = "ddp", hold_at: int | None = None,
+           slow_nodes: dict[str, float] | None = None) -> Job:
     """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`
     (`registered_spares`: the spare nodes told to the service, by default `spares`). `mode`: "ddp" (the
     migrator makes the group and wraps DDP), "adopt" (the script makes both, env:// as under torchrun),
     "fsdp" (the script makes the group and shards the model with FSDP2) or "hsdp" (FSDP2 on a 2-D
     mesh: two replicas of a shard group of half the ranks). `hold_at`: every rank waits after step
     hold_at - 1 (progress == hold_at) until `Job.release()`, so a test can act on a job at a known step
-    however slowly or quickly the machine runs it."""
+    however slowly or quickly the machine runs it. `slow_nodes`: node -> seconds each process on it
+    sleeps between its forward and backward passes (a fail-slow node; a spare that takes over elsewhere
+    is not slowed)."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)
@@ -371,7 +381,7 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
               "FORESHOCK_STANDBY_POLL_S": "10", **(env or {})}
     base = {"steps": steps, "out_dir": str(out), "params": params, "seed": seed,
             "step_sleep_s": step_sleep_s, "progress": True, "log_level": log_level, "batch_size": batch_size,
-            "mode": mode, "hold_at": hold_at}
+            "mode": mode, "hold_at": hold_at, "slow_nodes": dict(slow_nodes or {})}
     ctx = _context()
     procs = {}
     for i, node in enumerate(spares):

@@ -35,6 +35,7 @@ foreshock.migrator.backends (the state transfer group stays gloo on CPU tensors)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -83,6 +84,63 @@ class WorldChange:
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
+
+
+class StepClock:
+    """This rank's step times, for the control plane's fail-slow rule: the whole step (from the end
+    of the last end_step to this one), and its compute part, from the step's start to the moment its
+    last gradient bucket is handed to the all-reduce (the DDP communication hook): data, forward and
+    backward, before any wait for the other ranks. In a synchronous job the whole step is the same on
+    every rank (each waits for the slowest in the all-reduce); the compute part is what differs, and
+    the slow rank's is the longest. CPU tensors: the host clock. CUDA tensors: events on the current
+    stream (the host runs ahead of the GPU and its clock would time kernel launches, not work), read a
+    step late with query(), so reading them never waits for the GPU. Without the hook (FSDP2, no
+    backward) the compute part is 0: not measured."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.compute_end: float | None = None
+        self.cuda = False
+        self._events: list | None = None                   # [start, compute] events of this step
+        self._pending: collections.deque = collections.deque(maxlen=8)   # (step, start, compute, end)
+
+    def begin(self) -> None:
+        self.start = time.monotonic()
+        self.compute_end = None
+        self._events = None
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = [start, None]
+
+    def mark_compute(self, tensor: torch.Tensor) -> None:
+        """From the DDP hook, for every bucket: the last one of the step wins."""
+        if tensor.is_cuda:
+            self.cuda = True
+            if self._events is not None:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self._events[1] = ev
+        else:
+            self.compute_end = time.monotonic()
+
+    def end(self, step: int) -> list[tuple[int, float, float]]:
+        """(step, step_seconds, compute_seconds) of the steps whose times are known now."""
+        if self._events is None:
+            total = time.monotonic() - self.start
+            compute = self.compute_end - self.start if self.compute_end is not None else 0.0
+            return [(step, total, min(max(compute, 0.0), total))]
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((step, self._events[0], self._events[1], end))
+        self._events = None
+        out = []
+        while self._pending and self._pending[0][3].query():
+            s, a, c, e = self._pending.popleft()
+            total = a.elapsed_time(e) / 1e3
+            compute = a.elapsed_time(c) / 1e3 if c is not None else 0.0
+            out.append((s, total, min(max(compute, 0.0), total)))
+        return out
 
 
 class Migrator:
@@ -135,6 +193,7 @@ class Migrator:
         self.agreement_counts = {"piggybacked": 0, "separate": 0}   # how each step's agreement travelled
         self._completing: tuple[Directive, float, dict] | None = None
         self._step_t = time.monotonic()
+        self._times = StepClock()
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._closed = False
@@ -206,6 +265,7 @@ class Migrator:
         else:
             self._wrap()
         self._step_t = time.monotonic()
+        self._times.begin()
         log.info("rank %d of job %s joined generation 0: store %.3fs, group %.3fs, registration %.3fs, "
                  "DDP %.3fs", self.rank, self.config.job_id, t1 - t0, t2 - t1, t3 - t2, self._step_t - t3)
         return True
@@ -214,6 +274,7 @@ class Migrator:
         """Call once after every optimizer step, on every rank. Never raises for service trouble."""
         now = time.monotonic()
         step_s, self._step_t = now - self._step_t, now
+        self._report_step_times()
         self.step += 1
         change = WorldChange(rank=self.rank, world_size=self.world_size, generation=self.generation)
         if self._completing is not None:
@@ -244,8 +305,18 @@ class Migrator:
             self.history.append(change)
         self._drain()
         self._step_t = time.monotonic()
+        self._times.begin()
         self.last_change = change
         return change
+
+    def _report_step_times(self) -> None:
+        if self._client is None:
+            return
+        try:
+            for step, total, compute in self._times.end(self.step):
+                self._client.record_step_time(self.rank, step, total, compute)
+        except Exception as exc:  # noqa: BLE001 - a CUDA event that cannot be read must not stop training
+            log.debug("step times not measured: %r", exc)
 
     @contextlib.contextmanager
     def guard(self):
@@ -1003,6 +1074,7 @@ class Migrator:
             _check_digest("the moved shards", {"shards": self.local_state()["shards"]},
                           digest({"shards": shards}))
         self._step_t = time.monotonic()
+        self._times.begin()
         return True
 
     def _open_source_for(self, rank: int) -> None:
@@ -1068,6 +1140,7 @@ def _agreement_hook(mig, bucket):  # no annotations: DDP checks them, and they a
     """DDP communication hook: the default sum-then-average, with the agreement vector riding along in
     bucket 0 when its dtype keeps the control values exact."""
     buf = bucket.buffer()
+    mig._times.mark_compute(buf)
     world = mig.world_size
     exact = buf.dtype == torch.float64 or (buf.dtype == torch.float32 and world <= MAX_EXACT_WORLD)
     if bucket.index() != 0 or not exact:

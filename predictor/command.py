@@ -2,9 +2,12 @@
 
     foreshock train --data DIR --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
                     [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|'']
+                    [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
+                       [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --leave-one-out family|signature|node_type --train-data TRAIN_DIR --data DIR
                        [--only NAME[,NAME]] [--max-iter N] [--json FILE] [--html FILE]
+    foreshock thresholds --data DIR --out MODEL_DIR [--model MODEL_DIR] [--prior-node-days N]
 
 Settings come from the [train] / [evaluate] tables of the config file, FORESHOCK_TRAIN_* /
 FORESHOCK_EVALUATE_* environment variables, then flags (foreshock/config.py). Long steps show rich
@@ -29,9 +32,14 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
-                  "compare_with": "shipped", "base": "shipped"}
+                  "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
+                  "on_corrupt": "stop"}
+THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
-                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"]}
+                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"], "executor": "local",
+                     "ray_address": "", "on_corrupt": "stop"}
+EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray"),
+                   "on_corrupt": config.Check(lambda v: v in ("stop", "skip"), "must be stop or skip")}
 
 
 def register(subparsers) -> None:
@@ -60,6 +68,7 @@ def register(subparsers) -> None:
                    help="stack the new model with this one, the weights of the two fitted on the validation slice, "
                         "so that a history with few incidents leans on a model trained on more (default "
                         "'shipped': the shipped default model; '' to train from this history alone)")
+    _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
     e.add_argument("--data", help="dataset directory (held out: later weeks, another cluster)")
@@ -73,7 +82,31 @@ def register(subparsers) -> None:
     e.add_argument("--only", help="leave-one-out: hold out only these (comma-separated; each is a training run)")
     e.add_argument("--max-iter", type=int, dest="max_iter", help="leave-one-out: boosting iterations of each "
                    f"training run (default {TRAIN_DEFAULTS['max_iter']}, as foreshock train)")
+    _executor_flags(e)
     e.set_defaults(run=run_evaluate)
+    t = subparsers.add_parser("thresholds", help="re-choose a model's thresholds on a fleet's own history "
+                                                 "(its false evacuations), without retraining",
+                              description="Write a copy of a model whose thresholds for each false-evacuation "
+                                          "budget are fitted on DIR, the fleet's own history, pooled with the "
+                                          "model's validation curve (docs/predictor.md, Fleet calibration).")
+    t.add_argument("--data", help="the fleet's history (schema v1, with its incidents), later than the model's "
+                                  "training data")
+    t.add_argument("--model", help="model directory (default: the shipped default model)")
+    t.add_argument("--out", help="directory to write the calibrated model to (not the model's own)")
+    t.add_argument("--prior-node-days", type=float, dest="prior_node_days",
+                   help="weight of the model's validation curve, in node-days (default 1000)")
+    t.set_defaults(run=run_thresholds)
+
+
+def _executor_flags(p) -> None:
+    p.add_argument("--executor", choices=("local", "ray"),
+                   help="where the per-node feature work runs: local (a process pool, the default) or ray")
+    p.add_argument("--ray-address", dest="ray_address", metavar="HOST:PORT",
+                   help="with --executor ray: the Ray head to join (default: a local Ray instance of one CPU "
+                        "per core, started and stopped by the command)")
+    p.add_argument("--on-corrupt", dest="on_corrupt", choices=("stop", "skip"),
+                   help="a node partition whose files cannot be read: stop, naming the file (the default), or "
+                        "leave that node out, name it and go on with the rest")
 
 
 class _Progress:
@@ -121,9 +154,10 @@ def _flags(args, keys):
 
 
 def run_train(args, file_data) -> int:
-    from foreshock.predictor import train
+    from foreshock.predictor import executors, train
 
-    cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS))
+    cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS),
+                         checks=EXECUTOR_CHECKS)
     if not cfg["data"] or not cfg["out"]:
         print("foreshock train: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
         return 2
@@ -139,10 +173,16 @@ def run_train(args, file_data) -> int:
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
                                    max_negatives=cfg["max_negatives"], progress=progress, command=command,
                                    compare_with=_compare_with(cfg["compare_with"]),
-                                   base=_compare_with(cfg["base"]))
+                                   base=_compare_with(cfg["base"]), executor=cfg["executor"],
+                                   ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"])
+    except executors.ExecutorError as exc:
+        print(f"foreshock train: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 1
+    for node, why in manifest["training"].get("skipped_partitions", {}).items():
+        _err(f"WARNING: node {node} left out (--on-corrupt skip): {why}")
     v = manifest["metrics"]["validation"]["model"]
     tr = manifest["training"]
     print(f"model {manifest['version']} -> {cfg['out']}: {tr['nodes']} nodes, {tr['incidents']} incidents, "
@@ -201,9 +241,10 @@ def _figures(m: dict) -> str:
 
 
 def run_evaluate(args, file_data) -> int:
-    from foreshock.predictor import evaluate, registry, report
+    from foreshock.predictor import evaluate, executors, registry, report
 
-    cfg = config.resolve("evaluate", EVALUATE_DEFAULTS, file_data=file_data, flags=_flags(args, EVALUATE_DEFAULTS))
+    cfg = config.resolve("evaluate", EVALUATE_DEFAULTS, file_data=file_data, flags=_flags(args, EVALUATE_DEFAULTS),
+                         checks=EXECUTOR_CHECKS)
     if not cfg["data"]:
         print("foreshock evaluate: --data DIR is required", file=sys.stderr)
         return 2
@@ -223,14 +264,18 @@ def run_evaluate(args, file_data) -> int:
     try:
         with _Progress() as progress:
             rep = evaluate.evaluate_dataset(cfg["data"], cfg["model"] or None,
-                                            budget=None if cfg["budget"] < 0 else cfg["budget"], progress=progress)
-    except registry.ModelError as exc:
+                                            budget=None if cfg["budget"] < 0 else cfg["budget"], progress=progress,
+                                            executor=cfg["executor"], ray_address=cfg["ray_address"] or None,
+                                            on_error=cfg["on_corrupt"])
+    except (registry.ModelError, executors.ExecutorError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 1
     _write(cfg, rep, report.to_html)
+    for node, why in rep.get("skipped_partitions", {}).items():
+        _err(f"WARNING: node {node} left out (--on-corrupt skip): {why}")
     print(f"{rep['nodes']} nodes, {rep['node_days']:.1f} node-days, {rep['model']['incidents']} incidents "
           f"({rep['model']['incidents_precursor']} with precursors); budget {rep['budget']} false evacuations/1,000 node-days")
     print(f"{'':10} {'PR-AUC':>7} {'ROC-AUC':>7} {'Brier':>8} {'recall(p)':>9} {'recall(all)':>11} {'lead':>6} {'FE/1k':>6}")
@@ -244,6 +289,12 @@ def run_evaluate(args, file_data) -> int:
     for b, per in rep["at_budgets"].items():
         for name, m in per.items():
             print(f"  budget {float(b):g} {name:10} {_figures(m)}")
+    fc = rep.get("fleet_calibrated") or {}
+    if fc.get("at_budgets"):
+        print(f"the model at thresholds re-fitted every {fc['refit_hours']:g} h on this data's decided false "
+              f"evacuations (the manifest's curve worth {fc['prior_node_days']:g} node-days):")
+        for b, m in fc["at_budgets"].items():
+            print(f"  budget {float(b):g} fleet-calibrated {_figures({**m, 'threshold': m['manifest_threshold']})}")
     at = rep["at_budgets"].get(str(float(rep["budget"])), {}).get("model")
     if at and at.get("threshold") is not None:
         print(f"model at budget {rep['budget']:g}, recall per family: " + ", ".join(
@@ -253,6 +304,39 @@ def run_evaluate(args, file_data) -> int:
     warning = evaluate.overlap_warning(rep["overlap"])
     if warning:
         _err(warning)
+    return 0
+
+
+def run_thresholds(args, file_data) -> int:
+    from foreshock.predictor import calibration, registry
+
+    cfg = config.resolve("thresholds", THRESHOLDS_DEFAULTS, file_data=file_data,
+                         flags=_flags(args, THRESHOLDS_DEFAULTS),
+                         checks={"prior_node_days": config.between(*calibration.PRIOR_NODE_DAYS_RANGE)})
+    if not cfg["data"] or not cfg["out"]:
+        print("foreshock thresholds: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
+        return 2
+    if not Path(cfg["data"]).is_dir():
+        print(f"foreshock thresholds: dataset directory {cfg['data']} does not exist", file=sys.stderr)
+        return 2
+    try:
+        with _Progress() as progress:
+            man = calibration.calibrate_model(cfg["data"], cfg["model"] or None, cfg["out"],
+                                              prior_node_days=cfg["prior_node_days"],
+                                              command=" ".join(["foreshock"] + sys.argv[1:]), progress=progress)
+    except registry.ModelError as exc:
+        print(f"foreshock thresholds: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"foreshock thresholds: {exc}", file=sys.stderr)
+        return 1
+    fc = man["fleet_calibration"]
+    print(f"calibrated {fc['from_model']} on {fc['data']['nodes']} nodes, {fc['fleet_node_days']:.1f} node-days "
+          f"(the model's validation curve worth {fc['prior_node_days']:g}) -> {cfg['out']} ({man['version']})")
+    for key in sorted(man["thresholds"], key=float):
+        print(f"  budget {float(key):g}: threshold {float(fc['thresholds_before'][key]):.5f} -> "
+              f"{float(man['thresholds'][key]):.5f} ({fc['fleet_false_evacuations_at_thresholds'][key]} false "
+              "evacuations of this history at the new one)")
     return 0
 
 
@@ -284,7 +368,7 @@ def _write(cfg: dict, rep: dict, to_html) -> None:
 
 
 def _run_leave_one_out(cfg: dict) -> int:
-    from foreshock.predictor import evaluate, groups, leave_one_out, report
+    from foreshock.predictor import evaluate, executors, groups, leave_one_out, report
 
     kind = cfg["leave_one_out"]
     if kind not in groups.KINDS:
@@ -301,7 +385,11 @@ def _run_leave_one_out(cfg: dict) -> int:
         return 2
     try:
         rep = leave_one_out.leave_one_out(cfg["train_data"], cfg["data"], kind, only=cfg["only"] or None,
-                                          max_iter=cfg["max_iter"], log=_err)
+                                          max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
+                                          ray_address=cfg["ray_address"] or None)
+    except executors.ExecutorError as exc:
+        print(f"foreshock evaluate: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 1

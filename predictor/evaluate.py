@@ -39,6 +39,7 @@ from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import offline, registry
 from foreshock.predictor.offline import STEP_NS
+from foreshock.risk import pick_threshold
 
 COOLDOWN_STEPS = 10
 JUSTIFIED_HOURS = 24.0
@@ -48,7 +49,8 @@ AT_BUDGETS = (1.0, 2.0, 5.0)
 AT_BUDGET_KEYS = ("threshold", "incidents_precursor", "incident_recall_precursor", "median_lead_minutes",
                   "false_evacuations", "node_days", "false_evacuations_per_1000_node_days")
 OVERLAP_RULE = ("the same data hash, or an evaluated time range that intersects the training time range "
-                "on the same node names; for a stacked model, the same for its base model's training data")
+                "on the same node names; for a stacked model, the same for its base model's training data; for "
+                "a model whose thresholds were calibrated on a fleet's history, the same for that history")
 DEFINITIONS = {
     "incident_recall_precursor": "share of incidents of categories with precursors with an alert in the horizon before them",
     "incident_recall_all": "the same over all incidents, including categories without precursors (not creditable)",
@@ -87,9 +89,12 @@ def _episodes(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, ends
 
 
-def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents: lb.Incidents,
+def at_threshold(nodes: list[NodeScores], name: str, threshold, incidents: lb.Incidents,
                  horizon_s: int) -> dict:
-    """Per-incident detection and lead, and false evacuations, at one threshold."""
+    """Per-incident detection and lead, and false evacuations, at one threshold: a number, or a
+    function of the steps' end times (ns) giving each step's threshold (a threshold that moves over
+    time, calibration.prequential's). `episodes` lists every alarm episode: its first and last step's
+    end (ns) and whether it was a false evacuation."""
     h = int(horizon_s) * 1_000_000_000
     justified = int(JUSTIFIED_HOURS * 3600) * 1_000_000_000
     lead: dict[str, float] = {}
@@ -97,12 +102,14 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
     episodes = 0
     node_steps = 0
     by_node: dict[str, tuple[int, int]] = {}     # node -> (false evacuations, evaluated steps)
+    ep_start, ep_end, ep_false = [], [], []
     for ns in nodes:
         node_steps += int(ns.usable.sum())
         node_false = 0
         inc = incidents.of_node(ns.node)
         inc_ts = np.sort(inc["ts"].to_numpy(np.int64)) if len(inc) else np.zeros(0, np.int64)
-        alert = np.flatnonzero((ns.scores[name] >= threshold) & ns.usable)
+        th = threshold(ns.step_end_ns) if callable(threshold) else threshold
+        alert = np.flatnonzero((ns.scores[name] >= th) & ns.usable)
         starts, ends = _episodes(alert)
         episodes += len(starts)
         e = ns.step_end_ns
@@ -116,6 +123,9 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
             node_false = int((~true).sum())
             false_evac += node_false
             strict_false += int((~strict).sum())
+            ep_start.append(e[starts])
+            ep_end.append(e[ends])
+            ep_false.append(~true)
         by_node[ns.node] = (node_false, int(ns.usable.sum()))
         if len(alert) == 0:
             continue
@@ -127,7 +137,11 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold: float, incidents
                 minutes = (ts - e[starts[ep]]) / 60e9
                 lead[iid] = max(lead.get(iid, 0.0), minutes)
     node_days = node_steps * STEP_NS / 86_400e9
-    return {"threshold": float(threshold), "lead_minutes": lead, "by_node": by_node, "false_evacuations": false_evac,
+    cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
+    return {"threshold": None if callable(threshold) else float(threshold), "lead_minutes": lead, "by_node": by_node,
+            "episodes": {"start_ns": cat(ep_start, np.int64), "end_ns": cat(ep_end, np.int64),
+                         "false": cat(ep_false, bool)},
+            "false_evacuations": false_evac,
             "false_evacuations_strict": strict_false, "evacuations": episodes, "node_days": node_days,
             "false_evacuations_per_1000_node_days": 1000.0 * false_evac / node_days if node_days else float("nan"),
             "false_evacuations_strict_per_1000_node_days":
@@ -184,12 +198,6 @@ def threshold_curve(nodes, name, incidents, horizon_s) -> list[tuple[float, floa
                     float(np.nan_to_num(s["incident_recall_precursor"]))))
     return out
 
-
-def pick_threshold(curve, budget: float) -> float:
-    for th, fe, _ in curve:
-        if fe <= budget:
-            return th
-    return curve[-1][0] if curve else 1.0
 
 
 def step_metrics(nodes: list[NodeScores], name: str) -> dict:
@@ -314,12 +322,17 @@ def overlap(training: dict, evaluated: dict) -> dict:
     base = overlap(training["base"], evaluated) if training.get("base") else None
     if base is not None and base["overlaps"]:
         reasons.append(f"the training data of the model it is stacked with: {base['reason']}")
+    # thresholds fitted on a fleet's history (foreshock thresholds) were chosen on that data too
+    calibration = overlap(training["calibration"], evaluated) if training.get("calibration") else None
+    if calibration is not None and calibration["overlaps"]:
+        reasons.append(f"the data its thresholds were calibrated on: {calibration['reason']}")
     out = {"overlaps": bool(reasons), "reason": "; ".join(reasons), "same_data_hash": same_hash,
            "time_ranges_intersect": intersect, "same_node_names": same_names, "rule": OVERLAP_RULE,
            "training": {k: training.get(k) for k in evaluated}, "evaluated": evaluated}
-    if base is not None:
-        out["base"] = {k: base[k] for k in ("overlaps", "reason", "same_data_hash", "time_ranges_intersect",
-                                            "same_node_names", "training")}
+    for key, part in (("base", base), ("calibration", calibration)):
+        if part is not None:
+            out[key] = {k: part[k] for k in ("overlaps", "reason", "same_data_hash", "time_ranges_intersect",
+                                             "same_node_names", "training")}
     if same_names is None:
         out["note"] = ("the model's manifest does not record its training node names (trained before they were "
                        "recorded): only the data hashes were compared")
@@ -340,13 +353,16 @@ class ScoredData:
     incidents: lb.Incidents
     types: dict[str, str]      # node -> type (groups.node_types)
     identity: dict             # data_identity
+    skipped: dict = field(default_factory=dict)   # node -> why its partition was left out (on_error="skip")
 
     def type_counts(self) -> dict[str, int]:
         return dict(collections.Counter(self.types.get(ns.node, groups.UNKNOWN_TYPE) for ns in self.nodes))
 
 
-def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> ScoredData:
-    """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores)."""
+def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, executor: str = "local",
+                  ray_address: str | None = None, on_error: str = "stop") -> ScoredData:
+    """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores); the
+    features built on `executor` (offline.FeatureBuilder)."""
     from foreshock import dataset as ds
 
     if not ds.partition_files(data_dir, "incidents"):
@@ -354,16 +370,19 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None) -> 
                          "the scores against the logged incidents (docs/schema.md)")
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     nodes = []
-    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
+    with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address,
+                                on_error=on_error) as fb:
         for nf in fb:
             nodes.append(score_node(nf, incidents, predictors, horizon_s))
         first, last = fb.step_range
         names = fb.nodes
+        skipped = dict(fb.skipped)
     types = groups.node_types(ds.read_table(data_dir, "inventory"), names)
-    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last))
+    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last), skipped)
 
 
-def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None) -> dict:
+def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None,
+                     executor: str = "local", ray_address: str | None = None, on_error: str = "stop") -> dict:
     """Score every step of a dataset with the model and both baselines; the report (JSON-able dict).
 
     Thresholds: the manifest's, for `budget` (default: the budget the model was trained for).
@@ -382,10 +401,11 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         if est is not None and name in thresholds:
             predictors[name] = (lambda e: (lambda X: e.predict_proba(X)[:, 1]))(est)
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
-    scored = score_dataset(data_dir, predictors, horizon_s, progress)
+    scored = score_dataset(data_dir, predictors, horizon_s, progress, executor=executor, ray_address=ray_address,
+                           on_error=on_error)
     nodes, incidents = scored.nodes, scored.incidents
     # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
-    judged = (lambda done: progress("judging", done, 3)) if progress else (lambda done: None)
+    judged = (lambda done: progress("judging", done, 4)) if progress else (lambda done: None)
     judged(0)
     report = evaluate_all(nodes, incidents, thresholds, horizon_s)
     judged(1)
@@ -407,6 +427,9 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["at_budgets"] = at_budgets(nodes, incidents, man, [n for n in MODEL_NAMES if n in predictors],
                                    scored.types, horizon_s)
     judged(3)
+    from foreshock.predictor import calibration
+    out["fleet_calibrated"] = calibration.fleet_calibrated(nodes, incidents, man, scored.types, horizon_s)
+    judged(4)
     out["node_types"] = scored.type_counts()
     out["overlap"] = overlap(man.get("training") or {}, scored.identity)
     out["budget"] = budget
@@ -416,6 +439,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["data"] = str(data_dir)
     out["data_hash"] = scored.identity["data_hash"]
     out["nodes"] = len(nodes)
+    out["skipped_partitions"] = scored.skipped
     out["node_days"] = out["model"]["node_days"]
     out["thresholds_from"] = "the model manifest (chosen on the training run's validation slice)"
     out["definitions"] = DEFINITIONS

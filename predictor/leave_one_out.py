@@ -82,11 +82,13 @@ def _training_summary(manifest: dict) -> dict:
 
 def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = None, max_iter: int = 150,
                   seed: int = 0, prior_scale: float = 1.0, label_gap_hours: float = 12.0,
-                  log: Callable[[str], None] = lambda line: None, work_dir=None) -> dict:
+                  log: Callable[[str], None] = lambda line: None, work_dir=None, executor: str = "local",
+                  ray_address: str | None = None) -> dict:
     """Train without each group of `kind` (and once on everything), evaluate all on `eval_dir`.
 
     `only`: hold out these groups only (each is a training run). `log` gets one line per step.
-    Models are written under `work_dir` (default: a temporary directory, removed at the end).
+    Models are written under `work_dir` (default: a temporary directory, removed at the end). The
+    features are built on `executor` (offline.FeatureBuilder).
     """
     if kind not in groups.KINDS:
         raise ValueError(f"leave-one-out: unknown kind {kind!r} (one of {', '.join(groups.KINDS)})")
@@ -113,7 +115,7 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
             try:
                 manifests[run] = train.train(train_dir, root / f"model-{k:03d}", max_iter=max_iter, seed=seed,
                                              prior_scale=prior_scale, label_gap_hours=label_gap_hours,
-                                             holdout=holdout)
+                                             holdout=holdout, executor=executor, ray_address=ray_address)
             except ValueError as exc:
                 if run == EVERYTHING:
                     raise
@@ -124,7 +126,8 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
         models = {run: registry.load_model(root / f"model-{k:03d}") for k, run in enumerate(runs, 1) if run in manifests}
         log(f"leave-one-out: scoring {eval_dir} with {len(models)} models")
         scored = ev.score_dataset(eval_dir, {run: m.probability for run, m in models.items()},
-                                  manifests[EVERYTHING]["horizon_seconds"])
+                                  manifests[EVERYTHING]["horizon_seconds"], executor=executor,
+                                  ray_address=ray_address)
     horizon_s = manifests[EVERYTHING]["horizon_seconds"]
     full = manifests[EVERYTHING]
     everything = {}

@@ -12,22 +12,21 @@ Two passes:
 2. per node: peer signals from those totals, then features.compute over all of the node's steps (the
    same function the online scorer calls), yielding one NodeFeatures per node.
 
-The per-node work of both passes runs in a pool of `workers` processes (default: FORESHOCK_FEATURE_WORKERS,
-else os.cpu_count()); the parent adds the peer totals and yields NodeFeatures in node order, so the
-output is identical to the serial one (workers=1 runs the same functions in-process). At most
-`2 * workers` nodes are in flight, each worker holds one node's rows, and the peer totals reach the
-workers as memory-mapped files in the cache directory: memory stays bounded.
+The per-node work of both passes runs on an executor (executors.py): a pool of `workers` processes
+(default: FORESHOCK_FEATURE_WORKERS, else os.cpu_count()), or Ray tasks (`executor="ray"`); the
+parent adds the peer totals and yields NodeFeatures in node order, so the output is identical to the
+serial one (workers=1 runs the same functions in-process) on every executor. At most two nodes per
+worker are in flight, each worker holds one node's rows, and the peer totals reach the workers as
+memory-mapped files in the cache directory: memory stays bounded.
 """
 
 from __future__ import annotations
 
-import collections
-import multiprocessing
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,10 +38,12 @@ import pyarrow.parquet as pq
 
 from foreshock import dataset as ds
 from foreshock import schema as sch
+from foreshock.predictor import executors
 from foreshock.predictor import features as ft
 from foreshock.predictor import signals as sg
 
 STEP_NS = ft.STEP_SECONDS * 1_000_000_000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,16 +103,29 @@ def read_node(root, node: str, dates: dict[str, list[str]] | None = None) -> dic
         # in file order, unsorted: SampleStage sorts each entity's rows by time itself (stably, so
         # duplicates resolve as after read_table's stable sort)
         parts = []
-        if files:
-            parts.append(pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
-                columns=sg._needed_columns(table)))
-        if shared:
-            parts.append(pads.dataset(shared, schema=sch.schema(table), format="parquet").to_table(
-                columns=sg._needed_columns(table), filter=pc.field("node") == node))
+        try:
+            if files:
+                parts.append(pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
+                    columns=sg._needed_columns(table)))
+            if shared:
+                parts.append(pads.dataset(shared, schema=sch.schema(table), format="parquet").to_table(
+                    columns=sg._needed_columns(table), filter=pc.field("node") == node))
+        except (OSError, pa.ArrowException) as exc:
+            raise ValueError(f"{_unreadable(files + shared) or f'table={table}, node {node}'}: {exc}") from exc
         data = pa.concat_tables(parts) if len(parts) > 1 else (parts[0] if parts else None)
         if data is not None and data.num_rows:
             out[table] = data
     return out
+
+
+def _unreadable(files: list[str]) -> str | None:
+    """The first of `files` whose Parquet footer does not read (the file a failed read tripped on)."""
+    for f in files:
+        try:
+            pq.read_metadata(f)
+        except (OSError, pa.ArrowException):
+            return f
+    return None
 
 
 class Inventory:
@@ -289,6 +303,7 @@ def _base_pass(root: str, node: str, cache_path: str, dates: dict[str, list[str]
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
 FEATURE_BLOCK_STEPS = 1024
+ON_ERROR = ("stop", "skip")   # a node partition whose work fails: stop the build, or leave the node out
 
 
 def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: int, out_path: str | None,
@@ -354,7 +369,8 @@ class FeatureBuilder:
     """Both passes over a dataset; iterate it for one NodeFeatures per node (in node order)."""
 
     def __init__(self, root, *, nodes: list[str] | None = None, progress=None, cache_dir=None,
-                 workers: int | None = None):
+                 workers: int | None = None, executor: str = "local", ray_address: str | None = None,
+                 on_error: str = "stop"):
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"dataset directory {self.root} does not exist")
@@ -368,36 +384,44 @@ class FeatureBuilder:
         self._ranges: dict[str, tuple[int, int]] = {}
         self.totals: PeerTotals | None = None
         self._run = ""
-        self._pool: ProcessPoolExecutor | None = None
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
+        self.on_error = on_error
+        self.skipped: dict[str, str] = {}    # node -> why its partition was left out (on_error="skip")
+        try:
+            self._executor = executors.make_executor(executor, self.workers, ray_address)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self):
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.close()
+            self._executor = None
         if self._own_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
 
-    def _map(self, fn, argses) -> Iterator:
-        """fn(*args) for each args, results in order; in `workers` processes, at most 2 per worker ahead."""
-        if self.workers <= 1:
-            for args in argses:
-                yield fn(*args)
-            return
-        if self._pool is None:
-            # spawn: a fresh interpreter, not a fork of a parent that holds threads and large arrays
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        pending: collections.deque = collections.deque()
-        it = iter(argses)
-        for args in it:
-            pending.append(self._pool.submit(fn, *args))
-            if len(pending) >= 2 * self.workers:
-                break
-        while pending:
-            result = pending.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(self._pool.submit(fn, *nxt))
-            yield result
+    @property
+    def in_process(self) -> bool:
+        """The work runs in this process (results come back as objects, not through the cache)."""
+        return isinstance(self._executor, executors.SerialExecutor)
+
+    def _map(self, fn, argses, labels) -> Iterator:
+        """fn(*args) for each args, results in order, on the executor. A node whose work fails for good
+        (bad data, as a file the reader refuses) stops the build with a ValueError naming the node and
+        the file; with on_error="skip" it yields None for it instead, and `skipped` says why."""
+        keep_going = self.on_error == "skip"
+        try:
+            for k, result in enumerate(self._executor.map(fn, argses, labels, keep_going=keep_going)):
+                if isinstance(result, executors.WorkError):
+                    self.skipped[result.label] = str(result)
+                    log.warning("dataset %s: node partition %s left out", self.root, result)
+                    yield None
+                else:
+                    yield result
+        except executors.WorkError as exc:
+            raise ValueError(f"dataset {self.root}, node partition {exc}") from exc
 
     def __enter__(self):
         return self
@@ -413,7 +437,7 @@ class FeatureBuilder:
         # each node's peer inputs wait on disk (bounded memory) until every node's step range is known
         got = {}
         jobs = ((str(self.root), node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
-        for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs))):
+        for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs, self.nodes))):
             if res is not None:
                 steps, present, own = res
                 self._ranges[node] = (int(steps[0]), int(steps[-1]))
@@ -459,11 +483,13 @@ class FeatureBuilder:
         if self.totals is None:
             self.pass1()
         todo = [(i, node) for i, node in enumerate(self.nodes) if node in self._ranges]
-        via_file = self.workers > 1
+        via_file = not self.in_process
         jobs = ((str(self.cache), self._run, i, node, self.totals.first, self.totals.t,
                  str(self.cache / f"X-{i:06d}.npy") if via_file else None, None if via_file else self.totals)
                 for i, node in todo)
-        for (i, node), nf in zip(todo, self._map(_feature_pass, jobs)):
+        for (i, node), nf in zip(todo, self._map(_feature_pass, jobs, [node for _, node in todo])):
+            if nf is None:
+                continue
             if via_file:
                 path = self.cache / f"X-{i:06d}.npy"
                 nf.X = np.load(path)

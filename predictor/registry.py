@@ -45,7 +45,9 @@ from typing import Any
 import numpy as np
 
 from foreshock import schema as sch
+from foreshock.risk import threshold_for_budget
 from foreshock.predictor import features as ft
+from foreshock.predictor.errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +72,6 @@ TRUSTED_TYPES: tuple[str, ...] = (
     "sklearn.calibration._SigmoidCalibration",
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
 )
-
-
-class ModelError(ValueError):
-    """A model directory that cannot be used; the message names the file and what is wrong."""
 
 
 def default_model_path() -> Path:
@@ -157,11 +155,12 @@ class LoadedModel:
         return self.predict_proba(X)[:, 1]
 
     def threshold(self, budget: float | None = None, model: str = "model") -> float:
-        """The threshold for a false-evacuation budget (per 1,000 node-days), from the validation curve."""
-        if budget is None and model == "model":
-            return float(self.manifest["recommended_threshold"])
-        return threshold_for_budget(self.manifest, budget if budget is not None
-                                    else float(self.manifest.get("budget", 2.0)), model)
+        """The threshold for a false-evacuation budget (per 1,000 node-days; None: the recommended one),
+        by the one rule (foreshock.risk.threshold_for_budget)."""
+        th = threshold_for_budget(self.manifest, budget, model)
+        if th is None:
+            raise ModelError(f"{self.path}: the manifest names no threshold for {model}")
+        return th
 
 
 USE_KERNELS = True   # tests switch it off to compare the compiled and the binned walks
@@ -429,22 +428,6 @@ def fast_probability(estimator, n_features: int = ft.N_FEATURES, threads: int | 
     if fast is None:
         return lambda X: estimator.predict_proba(X)[:, 1]
     return lambda X: fast.predict_proba(np.asarray(X, dtype=np.float32), threads=th)[:, 1] if len(X) else np.zeros(0)
-
-
-def threshold_for_budget(manifest: dict, budget: float, model: str = "model") -> float:
-    """The lowest threshold whose validation false-evacuation rate is within `budget`."""
-    curves = manifest.get("threshold_curves", {})
-    curve = curves.get(model)
-    if not curve:
-        table = manifest["thresholds"].get(model, manifest["thresholds"]) if model != "model" else manifest["thresholds"]
-        key = min(table, key=lambda k: abs(float(k) - budget))
-        return float(table[key])
-    best = None
-    for th, fe, _recall in curve:  # sorted by threshold ascending
-        if fe <= budget:
-            best = th
-            break
-    return float(best if best is not None else curve[-1][0])
 
 
 def manifest_threshold(manifest: dict, budget: float, model: str = "model") -> float | None:

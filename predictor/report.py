@@ -242,6 +242,15 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
                            false=_rate(m.get("false_evacuations_per_1000_node_days")),
                            threshold=_probability(m.get("threshold")))
             budgets.append(row)
+    fleet = None
+    fc = report.get("fleet_calibrated") or {}
+    if fc.get("at_budgets"):
+        fleet = {"refit": f"{fc['refit_hours']:g} h", "prior": f"{fc['prior_node_days']:,.0f}", "rows": [
+            {"budget": f"{float(b):g}", "caught": _caught(m), "lead": _minutes(m.get("median_lead_minutes")),
+             "false": _rate(m.get("false_evacuations_per_1000_node_days")),
+             "thresholds": ", ".join(_probability(t) for t in (
+                 m["manifest_threshold"], m["thresholds_in_force"][0][1], m["thresholds_in_force"][-1][1]))}
+            for b, m in fc["at_budgets"].items()]}
     groups = []
     if report.get("at_budgets"):
         for key, heading, with_false in GROUPS:
@@ -262,6 +271,6 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
         data_hash=str(report.get("data_hash", ""))[:12], nodes=report.get("nodes", ""),
         node_days=f"{report.get('node_days', 0):,.0f}", horizon=f"{report.get('horizon_minutes', 30):g}",
         budget=f"{report.get('budget', 2):g}", overlap=overlap_warning(report.get("overlap")) or "",
-        headline=_headline(report, present), predictors=predictors, budgets=budgets, groups=groups,
+        headline=_headline(report, present), predictors=predictors, budgets=budgets, fleet=fleet, groups=groups,
         categories=categories, figures=figures, definitions=definitions,
         thresholds_from=report.get("thresholds_from", ""))

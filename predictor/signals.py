@@ -273,7 +273,7 @@ def _needed_columns(table: str) -> list[str]:
         "rdma_port": ["state", "phys_state", *IB_SATURATING],
         "netdev": ["carrier"],
         "path_probe": ["rtt_ms", "loss_ratio"],
-        "events": ["kind", "severity", "xid"],
+        "events": ["kind", "severity", "xid", "occurrences"],
     }.get(table, [])
     for c in COUNTERS.get(table, ()):
         extra.extend(c.columns)
@@ -629,14 +629,17 @@ class SampleStage:
             return pc.fill_null(pc.equal(batch.column(col), value), False).to_numpy(zero_copy_only=False)
 
         klass, nvlink = _xid_classes(batch, is_("kind", "xid"))
+        # A row the collector folded stands for `occurrences` lines (null: one), and counts as many.
+        n = _float(batch, "occurrences")
+        n = np.where(np.isnan(n) | (n < 1), 1.0, n)
         cols = {
-            "xid_fatal": (klass == "fatal").astype(float),
-            "xid_precursor": (klass == "precursor").astype(float),
-            "xid_application": (klass == "application").astype(float),
-            "xid_nvlink": nvlink.astype(float),
-            "link_state": is_("kind", "link_state").astype(float),
-            "nic_error": is_("kind", "nic_error").astype(float),
-            "gpu_lost_event": is_("kind", "gpu_lost").astype(float),
+            "xid_fatal": (klass == "fatal") * n,
+            "xid_precursor": (klass == "precursor") * n,
+            "xid_application": (klass == "application") * n,
+            "xid_nvlink": nvlink * n,
+            "link_state": is_("kind", "link_state") * n,
+            "nic_error": is_("kind", "nic_error") * n,
+            "gpu_lost_event": is_("kind", "gpu_lost") * n,
         }
         return Samples(node, ts // self.step_ns, node * NODE_SHIFT, cols)
 

@@ -36,6 +36,7 @@ from sklearn.frozen import FrozenEstimator
 
 import foreshock
 from foreshock import dataset as ds
+from foreshock import risk
 from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
@@ -61,7 +62,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
           command: str | None = None, holdout: groups.HoldOut | None = None,
-          compare_with: str | Path | None = None, base: str | Path | None = None) -> dict:
+          compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
+          ray_address: str | None = None, on_error: str = "stop") -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
     compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
@@ -86,8 +88,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     rows_by_type: dict[str, int] = {}
     positives_by_family: dict[str, int] = {}
     held_steps = held_positive = 0
-    with offline.FeatureBuilder(data_dir, progress=progress) as fb:
+    with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address,
+                                on_error=on_error) as fb:
         fb.pass1()
+        skipped = fb.skipped      # filled by both passes
         first, last = fb.step_range
         span = (last + 1 - first) * offline.STEP_NS
         boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
@@ -196,8 +200,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         val_nodes = [vn for vn in val_nodes if len(vn.y)]
         val_inc = _incidents_within(incidents, boundary, (last + 1) * offline.STEP_NS + h_ns)
         curves = {name: ev.threshold_curve(val_nodes, name, val_inc, horizon_s) for name in predictors}
-        thresholds = {name: {str(b): ev.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
-        chosen = {name: ev.pick_threshold(curves[name], budget) for name in predictors}
+        thresholds = {name: {str(b): risk.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
+        chosen = {name: risk.pick_threshold(curves[name], budget) for name in predictors}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
             m.pop("pr_curve", None)
@@ -238,6 +242,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             "train_rows_sampled_by_node_type": rows_by_type, "train_positive_rows_by_family": positives_by_family,
             # the base model's own training data is in this model too (evaluate's overlap rule reads it)
             **({"base": stacked["training"]} if stacked is not None and "training" in stacked else {}),
+            # node partitions left out because their data could not be read (--on-corrupt skip)
+            "skipped_partitions": skipped,
             "held_out": None if holdout is None else {
                 "kind": holdout.kind, "name": holdout.name, "nodes": len(holdout.windows),
                 "steps_left_out": held_steps, "positive_steps_left_out": held_positive},

@@ -1,1 +1,9 @@
-"""placeholder"""
+"""The control plane (`foreshock serve`): telemetry in over gRPC, risk scored live, directives out to
+training jobs, metrics to Prometheus. docs/service.md describes it; docs/architecture.md has the picture.
+
+A telemetry batch's path: servicers.py (gRPC, translation only) -> ingest.py (receipt on the event
+loop; events and topology acted on at once) -> worker.py (the scoring process: decode, value checks,
+the predictor's online scorer) -> scoring.py (rounds, step closes with steps.py) -> policy.py (alarms to
+directives through jobs.py and store.py; node actions through actions.py), every decision logged by
+decisions.py. server.py builds and owns them all (`build_server`, start/stop); command.py is the CLI.
+"""

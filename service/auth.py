@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "/foreshock.v1.Risk/WatchRisk": frozenset({"operator"}),
     "/foreshock.v1.Jobs/RegisterJob": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/ReportStep": frozenset({"job", "operator"}),
+    "/foreshock.v1.Jobs/ReportStepTimes": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/DeregisterJob": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/WatchDirectives": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/AckDirective": frozenset({"job", "operator"}),
@@ -233,16 +233,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"{method}: role {'/'.join(sorted(principal.roles))} may not call it")
         return _wrap(handler, check)
-
-
-def is_loopback(listen: str) -> bool:
-    host = listen.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None) -> grpc.ServerCredentials:

@@ -14,6 +14,19 @@ import sys
 import threading
 
 from foreshock import config
+from foreshock.service.actions import CHECKS as ACTION_CHECKS
+from foreshock.service.actions import ActionSettings
+
+# [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
+# defaults and ranges are ActionSettings' own.
+ACTION_KEYS = {
+    "slurm_drain": "slurm", "slurm_scontrol": "scontrol", "slurm_conf": "slurm_conf",
+    "kubernetes_taint": "kubernetes", "kubernetes_kubeconfig": "kubeconfig",
+    "kubernetes_taint_key": "taint_key", "kubernetes_taint_effect": "taint_effect",
+    "action_timeout_seconds": "timeout_seconds", "action_max_fraction": "max_fraction",
+    "action_fleet_size": "fleet_size", "action_max_attempts": "max_attempts",
+    "action_backoff_seconds": "backoff_seconds", "action_recheck_seconds": "recheck_seconds",
+}
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +51,14 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
+    "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
+    "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
+    "fail_slow_min_steps": 12,   # ... and this many slow steps ...
+    "fail_slow_window": 16,      # ... of its last this many make it fail-slow
+    "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
+    "xid_context_min_nodes": 3,
+    "xid_context_fraction": 0.25,
     "archive": "",               # a directory or URI: everything taken in, as Parquet (service/archive.py)
     "archive_file_bytes": 128 << 20,     # a file is published once it holds this many Parquet bytes ...
     "archive_roll_seconds": 900.0,       # ... or once its table's oldest rows not published waited this long
@@ -52,7 +73,9 @@ ARCHIVE_CHECKS = {
     "archive_roll_seconds": config.between(1, 86_400),
     "archive_queue_bytes": config.between(1 << 20, 16 << 30),
 }
-# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them.
+# close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
+# the fail_slow_* values by service/steptimes.py's FailSlowSettings; the xid_context_* ranges by
+# service/xidcontext.py (through PolicySettings).
 CHECKS = {
     "threshold": config.between(0, 1),
     "budget": config.at_least(0),
@@ -61,6 +84,7 @@ CHECKS = {
     "max_concurrent": config.at_least(1),
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
+    **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
 }
 
@@ -105,6 +129,24 @@ def register(subparsers) -> None:
                         "table's are written into its file")
     p.add_argument("--archive-queue-bytes", type=int,
                    help="submissions waiting for the archive's writer (256 MiB); beyond, dropped and counted")
+    p.add_argument("--slurm-drain", action="store_const", const=True,
+                   help="drain due nodes in Slurm (scontrol; docs/actions.md)")
+    p.add_argument("--kubernetes-taint", action="store_const", const=True,
+                   help="taint due Kubernetes nodes and set their ForeshockRisk condition (docs/actions.md)")
+    p.add_argument("--no-fail-slow", dest="fail_slow", action="store_const", const=False,
+                   help="do not judge jobs' step times (the fail-slow rule); they are still kept")
+    p.add_argument("--fail-slow-ratio", type=float, help="a rank's step at this multiple of its job's median is "
+                                                         "slow (1.2)")
+    p.add_argument("--fail-slow-min-steps", type=int, help="slow steps among the last --fail-slow-window "
+                                                           "that make a rank fail-slow (12)")
+    p.add_argument("--fail-slow-window", type=int, help="steps a rank is judged over (16)")
+    p.add_argument("--xid-context-seconds", type=float,
+                   help="a collateral Xid (45, 79, 74, ...) waits this long for its job's or NVLink domain's other "
+                        "nodes before it alarms its own (5; 0: never waits)")
+    p.add_argument("--xid-context-min-nodes", type=int,
+                   help="nodes of one job or NVLink domain with the same Xid that make one job event (3)")
+    p.add_argument("--xid-context-fraction", type=float,
+                   help="... or this share of the job's nodes, whichever is fewer, at least 2 (0.25)")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -145,8 +187,13 @@ def settings_from(cfg: dict):
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
+        actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
-                "sustain_seconds": cfg["sustain_seconds"]})
+                "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
+                "xid_context_min_nodes": cfg["xid_context_min_nodes"],
+                "xid_context_fraction": cfg["xid_context_fraction"]},
+        fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],
+                   "min_steps": cfg["fail_slow_min_steps"], "window": cfg["fail_slow_window"]})
 
 
 def run(args, file_data) -> int:

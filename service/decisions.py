@@ -9,9 +9,11 @@ directive is committed to SQLite before anyone hears of it): at start, `catch_up
 each directive the state has and the log lacks, marked `"recovered": true` in `details`.
 
 Kinds: alarm, cleared, evacuate, shrink, checkpoint_exit, cooldown, deferred_max_concurrent,
-fabric_incident, fabric_incident_cleared, held_fabric_incident, drain, ack (accepted, completed, ...),
-cancelled, expired. `incident_rows()` turns fatal and fabric-incident decisions into schema-v1
-`incidents` rows, so the log doubles as incident data for retraining.
+fabric_incident, fabric_incident_cleared, held_fabric_incident, xid_job_event (one Xid on many nodes of
+a job or NVLink domain at once, service/xidcontext.py), drain, ack (accepted, completed, ...),
+cancelled, expired; node_action_held, _taken, _failed, _released (service/actions.py).
+`incident_rows()` turns fatal and fabric-incident decisions into schema-v1 `incidents` rows, so the log
+doubles as incident data for retraining.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pyarrow.dataset as pads
 
 from foreshock import schema as sch
 from foreshock.dataset import write_parquet_atomic
-from foreshock.service.store import DirectiveKind
+from foreshock.service.domain import DirectiveKind
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +161,17 @@ def read_decisions(root: str | Path) -> pa.Table:
     return table.sort_by("ts")
 
 
+# A fabric incident's scope in the decision log (the topology label) -> the incidents table's scope.
+INCIDENT_SCOPES = {"leaf_switch": "switch", "site": "site", "nvlink_domain": "nvlink_domain"}
+
+
 def incident_rows(decisions: pa.Table) -> pa.Table:
     """Fatal alarms and fabric incidents from the decision log as schema-v1 `incidents` rows."""
     rows = []
     for r in decisions.to_pylist():
         if r["kind"] == "fabric_incident":
             rows.append({"ts": r["ts"], "node": r["node"], "incident_id": f"fabric-{r['node']}-{r['ts'].timestamp():.0f}",
-                         "scope": "switch" if r["scope"] == "leaf_switch" else "site",
+                         "scope": INCIDENT_SCOPES.get(r["scope"], r["scope"]),
                          "affected_nodes": r["nodes"], "category": "fabric", "component": r["node"],
                          "description": r["reason"]})
         elif r["kind"] == "alarm" and (r["reason"] or "").startswith("fatal"):

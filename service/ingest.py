@@ -26,7 +26,10 @@ Two stages, so that thousands of nodes a second cost little (docs/scaling.md):
 
 A batch with events (Xid 48/74/79/..., a link going down, NIC errors) or a lost GPU wakes the scoring
 loop at once instead of waiting for the next round; the round records fatal ones for the policy. Which Xids
-are fatal or precursors is the Xid catalogue's call (foreshock/xid.py, `classify`), not the row's.
+are fatal or precursors is the Xid catalogue's call (foreshock/xid.py, `classify`), not the row's. A fatal
+or application Xid the catalogue marks collateral goes to the Xid context first (service/xidcontext.py),
+which tells one node's fault from a whole job's event; a row the collector folded (`occurrences`,
+collectors/repeats.py) counts as that many.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from foreshock import xid as xidcat
 from foreshock.service.fastipc import BatchDecoder
 from foreshock.service.jobs import ID_RE, NODE_RE
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology
+from foreshock.service.xidcontext import Sighting, XidContext
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +180,10 @@ class Ingest:
 
     def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
-                 clock=time.time_ns, steps=None, archive=None):
+                 clock=time.time_ns, steps=None, context: XidContext | None = None, archive=None):
         self.nodes = nodes
+        # Xids read in context (service/xidcontext.py); None: every fatal Xid is its node's fault at once.
+        self.context = context
         # Gets every batch once its value checks have passed (service/archive.py), handed over by reference.
         self.archive = archive
         self.steps = steps       # a steps.StepTracker: the watermarks say when a step's rows are all in
@@ -189,6 +195,10 @@ class Ingest:
         self._good_schemas: dict[bytes, tuple[str, bytes]] = {}   # digest -> (table, schema message)
         self._last_sequence: dict[str, int] = {}
         self._taken: dict[str, int] = {}                 # collector -> last batch checked, not yet saved
+        # (context mark, {collector: its first batch in that round}): batches with collateral Xids the Xid
+        # context has not decided; a restart must take them again, so their sequences are not saved yet
+        self._holds: collections.deque[tuple[int, dict[str, int]]] = collections.deque()
+        self._unsaved: dict[str, int] = {}               # collector -> last batch checked, held back
         self._undelivered: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
         self._sessions: dict[int, Session] = {}
         self._decoders: dict[str, BatchDecoder] = {}     # table -> its round decoder (fastipc)
@@ -231,9 +241,27 @@ class Ingest:
         return out
 
     def taken_sequences(self) -> dict[str, int]:
-        """Each collector's last batch checked since the last call (for the store)."""
-        taken, self._taken = self._taken, {}
-        return taken
+        """Each collector's last batch checked since the last call (for the store), but never one at or
+        past a batch whose collateral Xid the Xid context has not decided yet: if the service dies
+        before that, the collector's re-sent batch must be taken again, not refused as a duplicate."""
+        for cid, seq in self._taken.items():
+            if seq > self._unsaved.get(cid, -1):
+                self._unsaved[cid] = seq
+        self._taken = {}
+        while self._holds and (self.context is None or self.context.settled(self._holds[0][0])):
+            self._holds.popleft()
+        limit: dict[str, int] = {}
+        for _, held in self._holds:
+            for cid, seq in held.items():
+                limit[cid] = min(limit.get(cid, seq), seq)
+        out = {}
+        for cid, seq in list(self._unsaved.items()):
+            if cid not in limit:
+                out[cid] = seq
+                del self._unsaved[cid]
+            elif limit[cid] > 1:
+                out[cid] = min(seq, limit[cid] - 1)
+        return out
 
     def connected(self) -> int:
         with self._lock:
@@ -468,7 +496,15 @@ class Ingest:
                 out[name] = table
                 with self._lock:
                     self.accepted_rows[name] += table.num_rows
+        mark = self.context.mark() if self.context is not None else 0
         self._side_effects(out, now)
+        if self.context is not None and self.context.mark() != mark:
+            held: dict[str, int] = {}
+            for item in items:
+                cid = item.session.collector_id
+                if cid and "events" in item.tables:
+                    held[cid] = min(held.get(cid, item.sequence), item.sequence)
+            self._holds.append((self.context.mark(), held))
         if self.archive is not None:
             self.archive.take_tables(out)
         return out
@@ -634,26 +670,50 @@ class Ingest:
     def _side_effects(self, good: dict[str, pa.Table], now: int) -> None:
         inv = good.get("inventory")
         if inv is not None:
-            for row in inv.select(["node", "site", "spine", "leaf_switch"]).to_pylist():
+            for row in inv.select(["node", "site", "spine", "leaf_switch", "nvlink_domain", "job"]).to_pylist():
                 self.nodes.set_topology(row["node"], Topology(row["site"] or "", row["spine"] or "",
-                                                              row["leaf_switch"] or ""))
+                                                              row["leaf_switch"] or "", row["nvlink_domain"] or "",
+                                                              row["job"] or ""))
         ev = good.get("events")
         if ev is not None:
             ts_ns = ev.column("ts").cast(pa.int64()).to_pylist()
-            for ts_i, row in zip(ts_ns, ev.select(["node", "kind", "severity", "xid", "gpu", "device",
-                                                   "message"]).to_pylist()):
+            first = ev.column("first_ts").cast(pa.int64()).to_pylist()
+            last = ev.column("last_ts").cast(pa.int64()).to_pylist()
+            for ts_i, first_i, last_i, row in zip(ts_ns, first, last, ev.select(
+                    ["node", "kind", "source", "severity", "xid", "gpu", "pci_bus_id", "device", "message",
+                     "occurrences"]).to_pylist()):
                 xid, sev, kind = row["xid"], row["severity"], row["kind"]
                 msg = (row["message"] or "").lower()
+                # A folded row (collectors/repeats.py) stands for `occurrences` lines, the last at last_ts.
+                n = max(row["occurrences"] or 1, 1)
+                when = min(last_i, ts_i) if last_i is not None else ts_i   # a folded row is written after its lines
+                if kind == "gpu_lost" and row["source"] == "kmsg":
+                    xid = xidcat.FALLEN_OFF_THE_BUS   # the kernel's line is the report Xid 79 is
                 if kind == "xid":
                     # The catalogue decides, whatever severity the sender wrote: an unknown Xid alarms no one.
                     sev = xidcat.classify(xid, sev)
+                    if self.context is not None and xid is not None:
+                        said = self.context.xid_seen(row["node"], row["pci_bus_id"] or row["gpu"], xid,
+                                                     first_i if first_i is not None else ts_i, when)
+                        if said:
+                            log.warning("%s", said)
                 if sev == "fatal" or kind == "gpu_lost":
                     what = f"Xid {xid}" if kind == "xid" else kind.replace("_", " ")
-                    where = f" on GPU {row['gpu']}" if row["gpu"] is not None else \
-                        (f" on {row['device']}" if row["device"] else "")
-                    self.nodes.record_fatal(FatalEvent(row["node"], ts_i, kind, f"{what}{where}", now))
+                    device = row["device"] or row["pci_bus_id"]
+                    where = f" on GPU {row['gpu']}" if row["gpu"] is not None else (f" on {device}" if device else "")
+                    fatal = FatalEvent(row["node"], when, kind, f"{what}{where}", now)
+                    if self.context is not None and xidcat.lookup(xid).collateral:
+                        # Perhaps one node among many of a job at its end: the context decides
+                        # (service/xidcontext.py); it answers at once only when it cannot wait.
+                        fatal = self.context.observe(Sighting(row["node"], when, xid, fatal))
+                    if fatal is not None:
+                        self.nodes.record_fatal(fatal)
                 elif sev == "precursor" or (kind == "link_state" and "down" in msg):
-                    self.precursors += 1
+                    self.precursors += n
+                elif kind == "xid" and sev == "application" and self.context is not None and \
+                        xidcat.lookup(xid).collateral:
+                    # No alarm either way; seen with its job's other nodes it is recorded as the job's event.
+                    self.context.observe(Sighting(row["node"], when, xid, None))
         gpu = good.get("gpu")
         if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():
             lost = gpu.filter(gpu.column("gpu_lost")).select(["ts", "node", "gpu"])

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable, Iterable
 
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied
-from foreshock.service.store import (
-    ACTIVE_STATES, AckPhase, AckRecord, Directive, DirectiveKind, DirectiveState, Fallback, Job, Rank,
-    StateStore)
+from foreshock.service.domain import (
+    ACTIVE_STATES, AckPhase, AckRecord, Directive, DirectiveKind, DirectiveState, Fallback, Job, Rank)
+from foreshock.service.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class JobDirectory:
         self._listeners: dict[str, dict[int, Listener]] = {}
         self._next = 0
         self.on_change: list[Callable[[str, Directive, str], None]] = []  # (event, directive, detail)
+        self.on_deregister: list[Callable[[Job], None]] = []   # the job as it was, once it has left
         self._held = threading.local()    # inside issuing(): announcements wait for the commit
 
     # -- watchers ------------------------------------------------------------------------------------
@@ -177,8 +178,17 @@ class JobDirectory:
 
     def deregister(self, job_id: str) -> None:
         check_id("job_id", job_id)
+        job = self.store.find_job(job_id)
         for d in self.store.delete_job(job_id):
             self._publish(d, "cancelled", "job deregistered")
+        for hook in self.on_deregister if job is not None else ():
+            try:
+                hook(job)
+            except Exception:
+                log.exception("deregistration hook failed")
+
+    def now(self) -> int:
+        return self._clock()
 
     def job(self, job_id: str) -> Job:
         check_id("job_id", job_id)

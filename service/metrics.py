@@ -30,6 +30,24 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
   foreshock_fabric_incident{scope,name}                1 while a fabric incident is open
+  foreshock_node_actions{state}                        nodes by node-action state: held, pending, taken,
+                                                       failed, released (with actions on; service/actions.py)
+  foreshock_node_action_limit                          the breaker's cap: nodes drained or tainted at once
+  foreshock_node_action_calls_total{backend,call,result}  scontrol runs / API calls to take a node out (take)
+                                                       or to see whether an operator brought it back (check);
+                                                       result: ok, error, timeout, unknown_node
+  foreshock_node_action_held_total                     times the breaker held a due node back
+  foreshock_node_action_rejected_names_total           due nodes whose name no backend can take
+  foreshock_node_fail_slow{node,job}                   1 while a rank of the node is consistently slower
+                                                       than its job's others (service/steptimes.py)
+  foreshock_node_fail_slow_ratio{node,job}             that rank's time over its job's median, meanwhile
+  foreshock_step_time_samples_total{result}            ranks' step times kept | old | repeated
+  foreshock_step_time_reports_refused_total            ReportStepTimes calls refused (bad input, unknown job)
+  foreshock_xid_job_events_total{xid}                  one Xid on many nodes of a job or NVLink domain at once
+                                                       (service/xidcontext.py): one event, no node alarmed
+  foreshock_xid_context_sightings_total{outcome}       collateral Xids decided: job_event | node_fault | overflow
+  foreshock_xid_context_pending                        collateral Xids waiting for their window
+  foreshock_xid_outstanding{node,device,xid}           1 while an Xid that another cancels holds (163 until 162)
   foreshock_archive_up, foreshock_archive_errors_total, foreshock_archive_dropped_bytes_total,
   foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
   foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
@@ -46,7 +64,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from foreshock import risk as risk_scale
 from foreshock.exposition import new_registry
-from foreshock.service.store import DirectiveKind, DirectiveState, TERMINAL_STATES
+from foreshock.service.actions import CALL_RESULTS, CALLS
+from foreshock.service.domain import DirectiveKind, DirectiveState, TERMINAL_STATES
 
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -185,6 +204,66 @@ class ControlPlaneCollector:
         for scope, name in list(p.policy.incidents):
             inc.add_metric([scope, name], 1.0)
         yield inc
+        actions = p.actions
+        if actions is not None:
+            by_state = GaugeMetricFamily("foreshock_node_actions", "Nodes by node-action state (drain, taint).",
+                                         labels=["state"])
+            for state, n in actions.counts().items():
+                by_state.add_metric([state], n)
+            yield by_state
+            yield GaugeMetricFamily("foreshock_node_action_limit",
+                                    "The circuit breaker's cap: nodes Foreshock keeps drained or tainted at once.",
+                                    value=actions.limit())
+            calls = CounterMetricFamily("foreshock_node_action_calls", "Calls to Slurm or the Kubernetes API.",
+                                        labels=["backend", "call", "result"])
+            counted = dict(actions.stats.calls)
+            # every series from the start, at 0, so that increase() sees the first failure
+            for backend in actions.backends:
+                for call in CALLS:
+                    for result in CALL_RESULTS:
+                        calls.add_metric([backend.name, call, result], counted.get((backend.name, call, result), 0))
+            yield calls
+            yield CounterMetricFamily("foreshock_node_action_held",
+                                      "Times the circuit breaker held a node due for an action back.",
+                                      value=actions.stats.held)
+            yield CounterMetricFamily("foreshock_node_action_rejected_names",
+                                      "Nodes due for an action whose name a backend cannot take.",
+                                      value=actions.stats.rejected_names)
+        slow = GaugeMetricFamily("foreshock_node_fail_slow", "1 while a rank of the node is consistently "
+                                 "slower than its job's other ranks (the fail-slow rule).", labels=["node", "job"])
+        ratio = GaugeMetricFamily("foreshock_node_fail_slow_ratio", "The fail-slow rank's time over its job's "
+                                  "median at the same steps.", labels=["node", "job"])
+        for (node, job), verdict in sorted(dict(p.policy.fail_slow).items()):
+            slow.add_metric([node, job], 1.0)
+            ratio.add_metric([node, job], verdict.ratio)
+        yield slow
+        yield ratio
+        samples = CounterMetricFamily("foreshock_step_time_samples", "Ranks' step times received: kept, old "
+                                      "(before the job's window), or repeated (kept already).", labels=["result"])
+        for result, n in sorted(dict(p.step_times.samples).items()):
+            samples.add_metric([result], n)
+        yield samples
+        yield CounterMetricFamily("foreshock_step_time_reports_refused", "ReportStepTimes calls refused.",
+                                  value=p.step_times.refused_reports)
+        ctx = p.policy.context
+        jobev = CounterMetricFamily("foreshock_xid_job_events", "Job events: one Xid on many nodes of a job or "
+                                    "NVLink domain within seconds, alarming none of them.", labels=["xid"])
+        for code, n in sorted(ctx.job_events.items()):
+            jobev.add_metric([str(code)], n)
+        yield jobev
+        sighted = CounterMetricFamily("foreshock_xid_context_sightings", "Collateral Xids decided by the Xid "
+                                      "context: part of a job event, or their node's fault.", labels=["outcome"])
+        sighted.add_metric(["job_event"], ctx.suppressed)
+        sighted.add_metric(["node_fault"], ctx.released)
+        sighted.add_metric(["overflow"], ctx.overflow)
+        yield sighted
+        yield GaugeMetricFamily("foreshock_xid_context_pending", "Collateral Xids waiting for their window.",
+                                value=ctx.pending())
+        outstanding = GaugeMetricFamily("foreshock_xid_outstanding", "1 while an Xid another cancels is "
+                                        "outstanding on a GPU (163 until 162).", labels=["node", "device", "xid"])
+        for node, device, code, _ in ctx.outstanding():
+            outstanding.add_metric([node, device, str(code)], 1.0)
+        yield outstanding
         if p.archive is not None:
             yield from _archive_families(p.archive.stats())
 

@@ -1,6 +1,6 @@
 """What the control plane knows about each node: topology labels, liveness, latest risk, fatal events.
 
-Topology (site, spine, leaf switch) comes from the schema-v1 `inventory` table the collectors (or the
+Topology (site, spine, leaf switch, NVLink domain, the job label) comes from the schema-v1 `inventory` table the collectors (or the
 simulator) stream, or from a topology file given to `foreshock serve`; the policy reads it to find a
 fault's blast radius. Risk is written once per scoring round for every scored node at once (arrays in,
 dicts out), so readers (the Risk API, the metrics collector) see one consistent round.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from foreshock.service.store import SignalRecord
+from foreshock.service.domain import SignalRecord
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class Topology:
     site: str = ""
     spine: str = ""
     leaf_switch: str = ""
+    nvlink_domain: str = ""  # a multi-node NVLink domain (an NVL72 rack); "" where NVLink stays inside the node
+    job: str = ""            # the inventory's job label, if any (jobs registered here are the store's)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class NodeBook:
     def set_topology(self, node: str, topo: Topology) -> None:
         with self._lock:
             self.topology[node] = topo
+
+    def topologies(self) -> dict[str, Topology]:
+        with self._lock:
+            return dict(self.topology)
 
     def topo(self, node: str) -> Topology:
         return self.topology.get(node, Topology())

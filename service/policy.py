@@ -5,10 +5,12 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 1. Alarm: a node enters alarm when its calibrated risk reaches `threshold` (the model manifest's
    threshold for the false-evacuation budget, overridable) and leaves it only when the risk falls under
    `clear_below` (hysteresis), or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
-   fatal class), which holds for `fatal_hold_seconds`.
+   fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
+   `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job
+   event and alarms none (service/xidcontext.py).
 2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
    a fatal alarm acts at once.
-3. Blast radius: when alarmed nodes make up a large share of a leaf switch or a site
+3. Blast radius: when alarmed nodes make up a large share of a leaf switch, a site or an NVLink domain
    (`incident_fraction`, at least `incident_min_nodes`), the fault is the fabric's, not the nodes':
    it is reported as a fabric incident and no spares are spent on those nodes.
 4. Per job: nothing if the job already has an active directive from that node (never issued twice);
@@ -17,11 +19,20 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 5. Spare: one of the job's spares that hosts no ranks and is no other directive's target, is not in
    alarm, has risk under `spare_max_risk`, no recent fatal event, is not stale, and is not under a
    suspect leaf switch (one with `leaf_suspect_nodes` or more alarmed nodes, the failing node's own
-   leaf counted); spares with fresh telemetry first, then other leaves, then the cleanest history (the
-   node history score, `serve --history`), then lowest risk. With no spare,
+   leaf counted), and is inside the job's multi-node NVLink domain when all the job's nodes share one (an
+   NVL72 rack: its ranks talk over NVLink across nodes); spares with fresh telemetry first, then other
+   leaves, then the cleanest history (the node history score, `serve --history`), then lowest risk.
+   With no spare,
    the job's fallback: SHRINK, or CHECKPOINT_EXIT (the default).
 6. The switch step: the job's step extrapolated to now plus enough steps for `lead_seconds`, at least
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
+7. Node actions (with `actions`, service/actions.py): every node due under rules 1-3, whether or not
+   a job runs there, is handed over to be drained (Slurm) or tainted (Kubernetes), under a breaker.
+8. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
+   ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
+   on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
+   FAIL_SLOW. A fabric incident does not hold it back: the rule compares ranks of one job, not nodes.
+   It takes no node action (rule 7): the node is slow for that job, which says little of the others.
 """
 
 from __future__ import annotations
@@ -33,10 +44,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
-from foreshock.service.store import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
+from foreshock.service.steptimes import FailSlow, StepTimes
+from foreshock.service.domain import ACTIVE_STATES, Directive, DirectiveKind, Fallback, Job
+from foreshock.service.xidcontext import XidContext
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +71,12 @@ class PolicySettings:
     deadline_seconds: float = 900.0
     stale_seconds: float = 30.0
     fatal_hold_seconds: float = 3600.0
+    xid_context_seconds: float = 5.0        # a collateral Xid waits this long for its job's other nodes; 0: off
+    xid_context_min_nodes: int = 3          # nodes of one job or NVLink domain that make a job event ...
+    xid_context_fraction: float = 0.25      # ... or this share of them, whichever is fewer (at least 2)
 
     def __post_init__(self):
+        XidContext(self.xid_context_seconds, self.xid_context_min_nodes, self.xid_context_fraction)  # range checks
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"policy threshold {self.threshold} must be in (0, 1]")
         if self.default_max_concurrent < 1:  # 0 or less would never let a directive out, not even for Xid 79
@@ -87,8 +105,12 @@ class Alarm:
 
 
 class EvacuationPolicy:
-    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog):
+    def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog,
+                 actions=None, step_times: StepTimes | None = None):
         self.settings = settings
+        self.actions = actions   # a NodeActions, or None: directives only
+        self.step_times = step_times
+        self.fail_slow: dict[tuple[str, str], FailSlow] = {}   # (node, job) held fail-slow
         self.nodes = nodes
         self.jobs = jobs
         self.decisions = decisions
@@ -97,10 +119,62 @@ class EvacuationPolicy:
         self._said: dict[tuple[str, str], str] = {}   # (node, job) -> last decision logged, to log changes only
         self._fatal_seen: dict[str, int] = {}
         self._lock = threading.RLock()
+        self.context = XidContext(settings.xid_context_seconds, settings.xid_context_min_nodes,
+                                  settings.xid_context_fraction)
+        jobs.on_deregister.append(lambda job: self.context.remember_job(job.job_id, job.nodes(), jobs.now()))
+
+    # -- Xids in context -----------------------------------------------------------------------------
+    def _scopes(self, now_ns: int) -> tuple[dict[str, list], dict[tuple[str, str], int]]:
+        """Each node's scopes (its jobs: registered, recently deregistered, the inventory's label; its
+        NVLink domain) and each scope's size."""
+        members: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for job in self.jobs.store.jobs():
+            members[("job", job.job_id)] |= job.nodes()
+        for job_id, nodes in self.context.gone_jobs(now_ns).items():
+            members.setdefault(("job", job_id), set(nodes))
+        for node, topo in self.nodes.topologies().items():
+            if topo.job:
+                members[("job", topo.job)].add(node)
+            if topo.nvlink_domain:
+                members[("nvlink_domain", topo.nvlink_domain)].add(node)
+        scopes: dict[str, list] = defaultdict(list)
+        for scope, nodes in members.items():
+            for n in nodes:
+                scopes[n].append(scope)
+        return scopes, {scope: len(nodes) for scope, nodes in members.items()}
+
+    def _context_round(self, now_ns: int) -> None:
+        """Collateral Xids whose window has passed: alone, their node's fault; with their job's other
+        nodes, one job event (service/xidcontext.py)."""
+        ctx = self.context
+        if not ctx.busy():
+            return
+        scopes, sizes = self._scopes(now_ns)
+        faults, declared = ctx.decide(now_ns, lambda n: scopes.get(n, ()), lambda sc: sizes.get(sc, 0))
+        for ev in declared:
+            log.warning("Xid job event: %s", ev.describe())
+        for fault in faults:
+            self.nodes.record_fatal(fault)
+        self._record_closed(now_ns)
+
+    def close_context(self, now_ns: int) -> None:
+        """The service stops: open job events are recorded as they stand, not lost with the process."""
+        with self._lock:
+            self.context.close_all()
+            self._record_closed(now_ns)
+
+    def _record_closed(self, now_ns: int) -> None:
+        for ev in self.context.take_closed():
+            kind, name = ev.scope
+            self.decisions.record("xid_job_event", node="", job=name if kind == "job" else "", scope=kind,
+                                  nodes=sorted(ev.nodes), reason=ev.describe(), ts_ns=now_ns, xid=ev.xid,
+                                  sightings=ev.sightings, first_ns=ev.first_ns, last_ns=ev.last_ns,
+                                  scope_name=name, scope_nodes=ev.size)
 
     # -- alarms --------------------------------------------------------------------------------------
     def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:
         s = self.settings
+        self._context_round(now_ns)
         if nodes is not None and probability is not None and len(nodes):
             p = np.asarray(probability, dtype=np.float64)
             hot = np.flatnonzero(p >= s.threshold)
@@ -140,9 +214,29 @@ class EvacuationPolicy:
             if alarm.fatal and now_ns - alarm.since_ns > s.fatal_hold_seconds * 1e9:
                 del self.alarms[node]
 
+    # -- fail-slow -----------------------------------------------------------------------------------
+    def _update_fail_slow(self, now_ns: int) -> dict[tuple[str, str], FailSlow]:
+        if self.step_times is None:
+            return {}
+        held = self.step_times.evaluate(self.jobs.store.jobs())
+        for key in sorted(held.keys() - self.fail_slow.keys()):
+            v = held[key]
+            self.decisions.record("fail_slow", node=v.node, job=v.job_id, ranks=[v.rank], ts_ns=now_ns,
+                                  reason=v.reason(self.step_times.settings), ratio=round(v.ratio, 4),
+                                  slow_steps=v.slow_steps, judged_steps=v.judged_steps, measure=v.measure)
+            log.warning("fail-slow: node %s in job %s (%s)", v.node, v.job_id, v.reason(self.step_times.settings))
+        for key in sorted(self.fail_slow.keys() - held.keys()):
+            node, job = key
+            self.decisions.record("fail_slow_cleared", node=node, job=job, ts_ns=now_ns,
+                                  reason="no rank on the node is consistently slower than the job's others "
+                                         "now (or the job's placement changed)")
+            self._said.pop(key, None)
+        self.fail_slow = held
+        return held
+
     # -- blast radius --------------------------------------------------------------------------------
     def _update_incidents(self, now_ns: int) -> set[str]:
-        """Fabric incidents (leaf switch or site) among alarmed nodes; returns the nodes they cover."""
+        """Fabric incidents (leaf switch, site or NVLink domain) among alarmed nodes; returns the nodes they cover."""
         s = self.settings
         groups: dict[tuple[str, str], set[str]] = defaultdict(set)
         for node in self.alarms:
@@ -151,6 +245,8 @@ class EvacuationPolicy:
                 groups[("leaf_switch", topo.leaf_switch)].add(node)
             if topo.site:
                 groups[("site", topo.site)].add(node)
+            if topo.nvlink_domain:
+                groups[("nvlink_domain", topo.nvlink_domain)].add(node)
         current: dict[tuple[str, str], set[str]] = {}
         for (scope, name), members in groups.items():
             size = len(self.nodes.nodes_under(scope, name))
@@ -183,10 +279,17 @@ class EvacuationPolicy:
         return {leaf for leaf, n in counts.items() if n >= self.settings.leaf_suspect_nodes}
 
     # -- spares --------------------------------------------------------------------------------------
+    def job_nvlink_domain(self, job: Job) -> str:
+        """The multi-node NVLink domain every node of the job is in ("" when they are not all in one):
+        such a job's ranks talk over NVLink across nodes, and a spare outside the domain cannot."""
+        domains = {self.nodes.topo(node).nvlink_domain for node in job.nodes()}
+        return domains.pop() if len(job.nodes()) > 1 and len(domains) == 1 else ""
+
     def choose_spare(self, job: Job, from_node: str, now_ns: int, busy: set[str]) -> tuple[str | None, str]:
         s = self.settings
         suspect = self.suspect_leaves()
         from_leaf = self.nodes.topo(from_node).leaf_switch
+        domain = self.job_nvlink_domain(job)
         ranked, refused = [], []
         for spare in job.spares:
             topo = self.nodes.topo(spare)
@@ -194,7 +297,9 @@ class EvacuationPolicy:
             risk = self.nodes.probability(spare)
             fatal = self.nodes.fatal.get(spare)
             why = None
-            if spare in busy:
+            if domain and topo.nvlink_domain != domain:
+                why = f"outside the job's NVLink domain {domain}"
+            elif spare in busy:
                 why = "busy"
             elif spare in self.alarms:
                 why = "in alarm"
@@ -280,6 +385,9 @@ class EvacuationPolicy:
                                   signals=[sig.name for sig in signals][:5])
         return stored
 
+    def _why(self, alarm: Alarm) -> str:
+        return alarm.reason if alarm.fatal else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+
     def evaluate(self, now_ns: int, nodes: list[str] | None = None,
                  probability: np.ndarray | None = None) -> list[Directive]:
         """One policy round after a scoring round; returns the directives it issued."""
@@ -292,7 +400,10 @@ class EvacuationPolicy:
                 for job in self.jobs.jobs_on(n):
                     self._say(n, job.job_id, "held_fabric_incident", ts_ns=now_ns,
                               reason="node is inside a fabric incident; spares are kept")
-            if not due:
+            if self.actions is not None:
+                self.actions.sync({n: Due(self._why(a), a.since_ns, a.fatal) for n, a in due}, now_ns)
+            slow = self._update_fail_slow(now_ns)
+            if not due and not slow:
                 return []
             jobs = self.jobs.store.jobs()
             active = self.jobs.store.directives(active_only=True)
@@ -306,13 +417,22 @@ class EvacuationPolicy:
                     for job in jobs:
                         if node not in job.nodes():
                             continue
-                        reason = alarm.reason if alarm.fatal else \
-                            f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+                        reason = self._why(alarm)
                         d = self._act(job, node, now_ns, risk=alarm.risk, reason=reason, signals=signals,
-                                      origin="policy", enforce_limits=True, fatal=alarm.fatal, active=active,
-                                      last_directive=last, busy=busy)
+                                      origin="fatal" if alarm.fatal else "risk", enforce_limits=True,
+                                      fatal=alarm.fatal, active=active, last_directive=last, busy=busy)
                         if d is not None:
                             issued.append(d)
+                by_id = {job.job_id: job for job in jobs}
+                for (node, job_id), verdict in sorted(slow.items(), key=lambda x: (-x[1].ratio, x[0])):
+                    job = by_id.get(job_id)
+                    if job is None or node not in job.nodes():
+                        continue
+                    d = self._act(job, node, now_ns, risk=self.nodes.probability(node) or 0.0,
+                                  reason=verdict.reason(self.step_times.settings), signals=(), origin="fail_slow",
+                                  enforce_limits=True, fatal=False, active=active, last_directive=last, busy=busy)
+                    if d is not None:
+                        issued.append(d)
             return issued
 
     def drain(self, node: str, reason: str, now_ns: int) -> list[Directive]:

@@ -27,9 +27,11 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
+from foreshock import risk
+from foreshock.predictor.errors import ModelError
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.steps import StepTracker
-from foreshock.service.store import SignalRecord
+from foreshock.service.domain import SignalRecord
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,6 @@ class NullScorer:
         return ScoreResult([], np.zeros(0))
 
 
-class ModelError(RuntimeError):
-    """The model cannot be loaded; the message names the path."""
-
-
 class PredictorScorer:
     """foreshock.predictor's OnlineScorer behind the Scorer protocol."""
 
@@ -95,10 +93,7 @@ class PredictorScorer:
         self._last: ScoreResult | None = None
 
     def threshold(self, budget: float | None) -> float | None:
-        try:
-            return float(self.model.threshold(budget))
-        except Exception:
-            return threshold_from_manifest(self.manifest, budget)
+        return risk.threshold_for_budget(self.manifest, budget)
 
     def ingest(self, table: str, data: pa.Table) -> None:
         self._online.ingest(table, data)
@@ -176,35 +171,6 @@ def default_model_path() -> Path | None:
         return None
 
 
-def threshold_from_manifest(manifest: dict, budget: float | None = None) -> float | None:
-    """The evacuation threshold the model recommends (for `budget` false evacuations per 1,000
-    node-days when the manifest lists thresholds per budget)."""
-    if budget is not None:
-        table = manifest.get("thresholds")
-        pairs: list[tuple[float, float]] = []
-        if isinstance(table, dict):
-            for k, v in table.items():
-                try:
-                    pairs.append((float(k), float(v["threshold"] if isinstance(v, dict) else v)))
-                except (TypeError, ValueError, KeyError):
-                    continue
-        elif isinstance(table, list):
-            for item in table:
-                if isinstance(item, dict) and "threshold" in item:
-                    b = item.get("budget", item.get("false_evacuations_per_1000_node_days"))
-                    if b is not None:
-                        pairs.append((float(b), float(item["threshold"])))
-        if pairs:
-            # The loosest threshold whose budget does not exceed the one asked for.
-            within = [t for b, t in pairs if b <= budget]
-            return min(within) if within else max(t for _, t in pairs)
-    value = manifest.get("recommended_threshold")
-    try:
-        return float(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
 def acted(items) -> None:
     """Tell the streams of these batches that the policy has acted on them (ingest.Pending.acted)."""
     for item in items:
@@ -256,6 +222,10 @@ class ScoringLoop:
         self.steps = StepTracker(step_ns) if isinstance(step_ns, int) and step_ns > 0 else None
         self.early_closes = 0
         self.hold = None    # a steps.CloseHold: telemetry streams wait while a complete step closes
+        # The Xid context (service/xidcontext.py): a batch whose collateral Xid waits for its window is
+        # acknowledged only once that Xid is decided, and a round runs when the window ends.
+        self.gate = None
+        self._unsettled: collections.deque = collections.deque()
 
     # -- feeding -------------------------------------------------------------------------------------
     def enqueue(self, item) -> int:
@@ -306,6 +276,19 @@ class ScoringLoop:
 
     def backlog(self) -> int:
         return len(self._queue)
+
+    def _acted(self, items) -> None:
+        """acted(), unless a collateral Xid taken so far is still undecided: the round's batches wait until
+        it is (at most the context's window after it was taken, which bounds _unsettled; each stream
+        acknowledges anyway after servicers.ACTED_ACK_SECONDS, longer than any window)."""
+        gate = self.gate
+        if gate is not None:
+            if items and not gate.settled(gate.mark()):
+                self._unsettled.append((gate.mark(), items))
+                items = []
+            while self._unsettled and gate.settled(self._unsettled[0][0]):
+                items = list(items) + list(self._unsettled.popleft()[1])
+        acted(items)
 
     def wake(self, why: str) -> None:
         if why == "step" and self.hold is not None:
@@ -396,7 +379,7 @@ class ScoringLoop:
                 self.on_round(result, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
-        acted(drained)
+        self._acted(drained)
         if self.steps is not None and not self._step_complete():
             self._release_hold()   # this round closed the complete step: the streams go on
         return result
@@ -408,6 +391,9 @@ class ScoringLoop:
             if due is not None:
                 now = self._clock()
                 timeout = min(timeout, max(0.0, (due(now) - now) / 1e9))
+            deadline = self.gate.next_deadline_ns() if self.gate is not None else None
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, (deadline - self._clock()) / 1e9))
             self._wake.wait(timeout)
             if self._stop.is_set():
                 break

@@ -27,11 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from foreshock import risk
 from foreshock.config import parse_listen
+from foreshock.net import is_loopback
 from foreshock.service import store as store_mod
+from foreshock.service.actions import ActionSettings, NodeActions, backends_from
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
 from foreshock.service.auth import (
-    Authenticator, AuthInterceptor, Principal, is_loopback, server_credentials)
+    Authenticator, AuthInterceptor, Principal, server_credentials)
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
@@ -39,9 +42,10 @@ from foreshock.service.metrics import build_registry
 from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.scoring import (
-    ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path, threshold_from_manifest)
+    ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path)
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
+from foreshock.service.steptimes import FailSlowSettings, StepTimes
 from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
@@ -73,6 +77,7 @@ class Settings:
     threshold: float | None = None           # None: from the model manifest
     false_evacuation_budget: float | None = None  # per 1,000 node-days; picks the manifest's threshold
     policy: dict[str, Any] = field(default_factory=dict)   # PolicySettings overrides
+    fail_slow: dict[str, Any] = field(default_factory=dict)   # FailSlowSettings overrides (service/steptimes.py)
     ingest: IngestLimits = field(default_factory=IngestLimits)
     score_interval: float = 0.1
     max_backlog: int = 50_000
@@ -93,6 +98,8 @@ class Settings:
     #                                          (predictor/history.py), fitted at start and then every
     #                                          history_interval_seconds, exported and used to rank spares
     history_interval_seconds: float = 3600.0
+    actions: ActionSettings = field(default_factory=ActionSettings)   # drain / taint nodes (off by default;
+    #                                          service/actions.py, docs/actions.md)
     archive: ArchiveSettings | None = None   # write everything taken in, the decisions and the incidents
     #                                          to a Parquet dataset (service/archive.py); None: no archive
     scorer_checkpoint_seconds: float = 300.0   # how often the online scorer's state (baselines, day-long
@@ -115,6 +122,11 @@ class ControlPlane:
     def __init__(self, settings: Settings):
         self.settings = s = settings
         self._validate(s)
+        # Checked before anything is opened: a drain or taint that can never run stops the service here.
+        try:
+            action_backends = backends_from(s.actions) if s.actions.enabled else []
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         # Scored before anything is opened, so a bad fault log stops the service before it serves.
         history_scores = self._history_scores(s.history_dir, (s.scoring_clock or time.time_ns)()) \
             if s.history_dir else None
@@ -130,7 +142,7 @@ class ControlPlane:
         if threshold is None:
             pick = getattr(self.scorer, "threshold", None)
             threshold = pick(s.false_evacuation_budget) if callable(pick) else \
-                threshold_from_manifest(self.scorer.manifest, s.false_evacuation_budget)
+                risk.threshold_for_budget(self.scorer.manifest, s.false_evacuation_budget)
         if threshold is None:
             threshold = 0.5
             if not isinstance(self.scorer, NullScorer):
@@ -139,6 +151,10 @@ class ControlPlane:
             policy_settings = PolicySettings(threshold=threshold, **s.policy)
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"policy settings: {exc}") from None
+        try:
+            fail_slow_settings = FailSlowSettings(**s.fail_slow)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"fail_slow settings: {exc}") from None
         self.store = store_mod.StateStore(self.state_dir / "state.sqlite3")
         # One clock for scoring rounds, job step reports, acks and drains: the policy compares a job's
         # last step report with the round's now_ns when it picks the switch step.
@@ -155,7 +171,11 @@ class ControlPlane:
         if recovered:
             log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
                         "period); written from the state", recovered)
-        self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions)
+        self.actions = NodeActions(s.actions, action_backends, self.store, self.nodes, self.decisions,
+                                   clock=self.clock) if action_backends else None
+        self.step_times = StepTimes(fail_slow_settings, self.store)
+        self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions, actions=self.actions,
+                                       step_times=self.step_times)
         # The online scorer's checkpoint: whoever runs the scorer restores it at start and writes it
         # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).
         self.scorer_state_path = self.state_dir / SCORER_STATE_FILE
@@ -175,7 +195,8 @@ class ControlPlane:
         self.hold = CloseHold(s.close_hold_seconds)
         self.scoring.hold = self.hold
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
-                             steps=self.scoring.steps, archive=self.archive)
+                             steps=self.scoring.steps, context=self.policy.context, archive=self.archive)
+        self.scoring.gate = self.policy.context
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest._last_sequence.update(store_mod.load_sequences(self.store))
         self._last_sequence_save = 0.0
@@ -403,6 +424,11 @@ class ControlPlane:
             raise outcome["error"]
         self.port = outcome["port"]
         self.scoring.start()
+        if self.actions is not None:
+            self.actions.start()
+            log.info("node actions: %s; breaker at most %d nodes (%.3g of a fleet of %d)",
+                     ", ".join(b.name for b in self.actions.backends), self.actions.limit(),
+                     self.settings.actions.max_fraction, self.actions.fleet())
         if self.settings.history_dir:
             self._history_thread = threading.Thread(target=self._history_loop, name="foreshock-history", daemon=True)
             self._history_thread.start()
@@ -452,6 +478,9 @@ class ControlPlane:
         if self._history_thread is not None:
             self._history_thread.join(5)
         self.scoring.stop()
+        self.policy.close_context(self.clock())
+        if self.actions is not None:
+            self.actions.stop()
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
         self._save_sequences(self.clock())

@@ -24,7 +24,7 @@ from foreshock.ratelimit import LogLimiter
 from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
-from foreshock.service.store import Directive
+from foreshock.service.domain import Directive
 from foreshock.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2
 from foreshock.v1 import telemetry_pb2_grpc
 
@@ -141,7 +141,7 @@ def directive_to_proto(d: Directive) -> jobs_pb2.Directive:
         reason=d.reason, risk=d.risk,
         signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
                                    description=s.description) for s in d.signals],
-        issued_at=_ts(d.issued_at_ns), state=int(d.state), generation=d.generation)
+        issued_at=_ts(d.issued_at_ns), state=int(d.state), generation=d.generation, cause=int(d.cause))
 
 
 class JobsServicer(jobs_pb2_grpc.JobsServicer):
@@ -173,6 +173,16 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
             await asyncio.to_thread(self.plane.jobs.report_step, request.job_id, request.step,
                                     request.step_seconds)
             return jobs_pb2.ReportStepResponse()
+        except ServiceError as err:
+            await _abort(context, err)
+
+    async def ReportStepTimes(self, request, context):
+        try:
+            self._job_scope(context, request.job_id)
+            samples = [(t.step, t.step_seconds, t.compute_seconds) for t in request.steps]
+            kept = await asyncio.to_thread(self.plane.step_times.record, request.job_id, request.rank,
+                                           request.node, samples)
+            return jobs_pb2.ReportStepTimesResponse(accepted=kept)
         except ServiceError as err:
             await _abort(context, err)
 

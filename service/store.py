@@ -17,134 +17,34 @@ Tables (created on open, versioned by `PRAGMA user_version`):
   is a uint64 and SQLite's INTEGER a signed 64-bit one, so `sequence` holds the sequence minus 2^63
   (SEQUENCE_OFFSET): every uint64 fits, and the order, which the save's max() relies on, is kept.
   Schema version 2 introduced that offset; a version-1 database is moved to it on open.
+- node_actions(node, state, reason, fatal, alarm_since_ns, requested_at_ns, updated_at_ns, attempts,
+  next_try_ns, done, detail, unsure): what service/actions.py did or holds back per node (drain, taint), so
+  the circuit breaker's count survives a restart. Added beside version 2's tables (an older build
+  ignores it), so the version stays 2.
 
-The enums mirror proto/foreshock/v1/jobs.proto by number (a test checks), so the store never needs the
-generated stubs.
+The rows are the domain types of service/domain.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
+from foreshock.service.domain import (
+    ACK_TO_STATE, ACTIVE_STATES, AckPhase, AckRecord, Directive, DirectiveKind, DirectiveState, Fallback, Job,
+    Rank, SignalRecord)
 from foreshock.service.errors import FailedPrecondition, NotFound
 
 SCHEMA_VERSION = 2
 SEQUENCE_OFFSET = 1 << 63   # stored = sequence - SEQUENCE_OFFSET: uint64 onto SQLite's signed 64 bits
 SEQUENCE_MAX = (1 << 64) - 1
-
-
-class DirectiveKind(enum.IntEnum):
-    EVACUATE = 1
-    SHRINK = 2
-    CHECKPOINT_EXIT = 3
-
-
-class DirectiveState(enum.IntEnum):
-    PENDING = 1
-    ACCEPTED = 2
-    STATE_TRANSFERRED = 3
-    COMPLETED = 4
-    FAILED = 5
-    CANCELLED = 6
-
-
-ACTIVE_STATES = (DirectiveState.PENDING, DirectiveState.ACCEPTED, DirectiveState.STATE_TRANSFERRED)
-TERMINAL_STATES = (DirectiveState.COMPLETED, DirectiveState.FAILED, DirectiveState.CANCELLED)
-
-
-class AckPhase(enum.IntEnum):
-    ACCEPTED = 1
-    STATE_TRANSFERRED = 2
-    COMPLETED = 3
-    FAILED = 4
-
-
-ACK_TO_STATE = {
-    AckPhase.ACCEPTED: DirectiveState.ACCEPTED,
-    AckPhase.STATE_TRANSFERRED: DirectiveState.STATE_TRANSFERRED,
-    AckPhase.COMPLETED: DirectiveState.COMPLETED,
-    AckPhase.FAILED: DirectiveState.FAILED,
-}
-
-
-class Fallback(enum.IntEnum):
-    UNSPECIFIED = 0
-    SHRINK = 1
-    CHECKPOINT_EXIT = 2
-
-
-@dataclass(frozen=True)
-class Rank:
-    rank: int
-    node: str
-    gpus: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Job:
-    job_id: str
-    ranks: tuple[Rank, ...]
-    spares: tuple[str, ...] = ()
-    max_concurrent: int = 0          # 0: the service's default
-    fallback: Fallback = Fallback.UNSPECIFIED
-    step: int = 0
-    step_seconds: float = 0.0
-    step_at_ns: int = 0              # when `step` was reported
-    generation: int = 1
-    registered_at_ns: int = 0
-
-    def nodes(self) -> set[str]:
-        return {r.node for r in self.ranks}
-
-    def ranks_on(self, node: str) -> tuple[int, ...]:
-        return tuple(sorted(r.rank for r in self.ranks if r.node == node))
-
-
-@dataclass(frozen=True)
-class SignalRecord:
-    name: str
-    value: float
-    contribution: float
-    description: str
-
-
-@dataclass(frozen=True)
-class Directive:
-    directive_id: str
-    job_id: str
-    kind: DirectiveKind
-    ranks: tuple[int, ...]
-    from_node: str
-    to_node: str
-    at_step: int
-    deadline_ns: int
-    reason: str
-    risk: float
-    signals: tuple[SignalRecord, ...] = ()
-    issued_at_ns: int = 0
-    state: DirectiveState = DirectiveState.PENDING
-    generation: int = 1
-    updated_at_ns: int = 0
-    origin: str = "policy"           # policy | drain
-
-
-@dataclass(frozen=True)
-class AckRecord:
-    directive_id: str
-    rank: int
-    phase: AckPhase
-    reason: str
-    phase_seconds: float
-    at_ns: int
 
 
 _DDL = """
@@ -169,6 +69,11 @@ CREATE TABLE IF NOT EXISTS acks(
   phase_seconds REAL NOT NULL, at_ns INTEGER NOT NULL, PRIMARY KEY(directive_id, rank, phase));
 CREATE TABLE IF NOT EXISTS telemetry_sequences(
   collector_id TEXT PRIMARY KEY, sequence INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS node_actions(
+  node TEXT PRIMARY KEY, state TEXT NOT NULL, reason TEXT NOT NULL, fatal INTEGER NOT NULL,
+  alarm_since_ns INTEGER NOT NULL, requested_at_ns INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL,
+  attempts INTEGER NOT NULL, next_try_ns INTEGER NOT NULL, done TEXT NOT NULL, detail TEXT NOT NULL,
+  unsure INTEGER NOT NULL);
 """
 
 
@@ -472,6 +377,27 @@ class StateStore:
             rows = self._db.execute("SELECT * FROM acks WHERE directive_id=? ORDER BY at_ns, rank, phase",
                                     (directive_id,)).fetchall()
         return [AckRecord(r[0], r[1], AckPhase(r[2]), r[3], r[4], r[5]) for r in rows]
+
+    # -- node actions (service/actions.py) -----------------------------------------------------------
+    def node_actions(self) -> list:
+        from foreshock.service.actions import NodeAction
+
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM node_actions ORDER BY requested_at_ns, node").fetchall()
+        return [NodeAction(n, st, r, bool(f), since, req, upd, att, nxt, tuple(json.loads(done)), detail, bool(u))
+                for n, st, r, f, since, req, upd, att, nxt, done, detail, u in rows]
+
+    def put_node_actions(self, rows: list, dropped: list[str] = ()) -> None:
+        """Write node-action rows (one transaction) and delete the rows of `dropped` nodes."""
+        if not rows and not dropped:
+            return
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO node_actions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                           [(a.node, a.state, a.reason, int(a.fatal), a.alarm_since_ns, a.requested_at_ns,
+                             a.updated_at_ns, a.attempts, a.next_try_ns, json.dumps(list(a.done)), a.detail,
+                             int(a.unsure))
+                            for a in rows])
+            db.executemany("DELETE FROM node_actions WHERE node=?", [(n,) for n in dropped])
 
     def last_directive_time(self, nodes: Iterable[str] | None = None) -> dict[str, int]:
         """Per from_node, the latest time a directive was issued or changed state (for cool-down)."""

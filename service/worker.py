@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 
 from foreshock.service.ingest import _CHECKS, _EOS, Ingest, IngestLimits, Pending, RawBatch
 from foreshock.service.nodes import NodeBook
-from foreshock.service.scoring import ScoreResult, ScoringLoop, _forget, acted
+from foreshock.service.scoring import ScoreResult, ScoringLoop, _forget
 
 log = logging.getLogger(__name__)
 
@@ -605,7 +605,7 @@ class RemoteScoringLoop(ScoringLoop):
                     self.on_round(self._last, now, why, elapsed)
             except Exception:
                 log.exception("after-round step failed")
-        acted(urgent)   # the bulk's batches carry no events: nobody waits on them
+        self._acted(urgent)   # the bulk's batches carry no events: nobody waits on them
         if closed:
             self._release_hold()   # the closing request's answer has been acted on
         return fresh[0] if fresh is not None else self._last

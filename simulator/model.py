@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from foreshock import fabric
 from foreshock import schema as sch
 from foreshock import xid as xidcat
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, component_count
@@ -1008,6 +1009,7 @@ class ClusterModel:
             "pcie_link_width_max": (np.full((B, G, T), PCIE_WIDTH, np.int8), lost),
             "gpu_lost": lost,
         }
+        gcols.update(self._fabric_columns(nodes, (B, G, T), lost))
         out["gpu"] = self._table("gpu", nodes, row_ts, G, gcols, keep_gpu)
         links_up = np.maximum(nvlinks - blk.links_down, 0).astype(np.int16)
         ncols = {
@@ -1110,6 +1112,25 @@ class ClusterModel:
         }
         table = pa.Table.from_pydict(cols, schema=sch.schema("path_probe"))
         return table if keep.all() else table.filter(pa.array(keep))
+
+    def _fabric_columns(self, nodes, shape: tuple, lost: np.ndarray) -> dict:
+        """The gpu table's fabric columns: registered and healthy in a multi-node NVLink domain, null
+        (no fabric information) where NVLink stays inside the node."""
+        domain = self.topo.nvlink_domain_of[nodes]
+        if (domain < 0).all():
+            return {}
+        none = np.broadcast_to((domain < 0)[:, None, None], shape) | lost
+        G = shape[1]
+        cluster = [self.topo.fabric_cluster(int(d)) if d >= 0 else (None, None) for d in domain]
+        info = fabric.FabricInfo(bytes(16), 0, 0, fabric.STATE_COMPLETED, fabric.HEALTHY_MASK, 1)
+        clique = np.array([c or 0 for _, c in cluster], dtype=np.uint32)[:, None, None]
+        cols: dict = {"fabric_cluster_uuid": [[u] * G for u, _ in cluster],
+                      "nvlink_domain": [[fabric.nvlink_domain(u, c)] * G for u, c in cluster],
+                      "fabric_clique_id": (np.broadcast_to(clique, shape), none)}
+        for name, value in fabric.gpu_columns(info).items():
+            if name not in cols and value is not None:
+                cols[name] = (np.broadcast_to(np.asarray(value), shape), none)
+        return cols
 
     def _uuids(self, nodes):
         G = self.topo.gpus_per_node

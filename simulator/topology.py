@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from foreshock import fabric
 from foreshock import schema as sch
 
 # PCI bus ids of the eight GPUs and eight ConnectX HCAs of an HGX H100 board (DGX H100 layout).
@@ -38,7 +39,7 @@ class Topology:
     nodes_per_leaf: int = 16
     leaves_per_spine: int = 8
     sites: int = 1
-    nvlink_domain_nodes: int = 0  # 0: NVLink stays inside the node (HGX); 9: NVL72 racks of 9 x 8 GPUs
+    nvlink_domain_nodes: int = 0  # 0: NVLink stays inside the node (HGX); 18 with 4 GPUs: NVL72 racks
     job_nodes: int = 32
     spare_fraction: float = 0.05
     link_layer: str = "InfiniBand"
@@ -97,6 +98,22 @@ class Topology:
     def n_jobs(self) -> int:
         return int(self.job_of.max()) + 1
 
+    @property
+    def nvlink_domain_of(self) -> np.ndarray:
+        """NVLink domain index per node (consecutive nodes share a rack), -1 where NVLink stays inside the node."""
+        if not self.nvlink_domain_nodes:
+            return np.full(self.nodes, -1, dtype=np.int64)
+        return np.arange(self.nodes) // self.nvlink_domain_nodes
+
+    def fabric_cluster(self, domain: int) -> tuple[str, int]:
+        """The fabric cluster UUID and clique id the GPUs of a simulated NVLink domain register with."""
+        raw = (0x5F0AB1C0 + domain).to_bytes(4, "big") + bytes(6) + domain.to_bytes(6, "big")
+        return fabric.cluster_uuid(raw), 32766
+
+    def nvlink_domain_name(self, domain: int) -> str | None:
+        """The inventory's nvlink_domain for a domain index: the same rule as on a real node."""
+        return None if domain < 0 else fabric.nvlink_domain(*self.fabric_cluster(domain))
+
     def leaf_name(self, leaf: int) -> str:
         return f"leaf-{leaf:03d}"
 
@@ -126,10 +143,7 @@ class Topology:
     def inventory(self, ts_ns: int) -> pa.Table:
         """The inventory table: one row per node with its topology labels."""
         leaf, spine, site, job = self.leaf_of, self.spine_of, self.site_of, self.job_of
-        if self.nvlink_domain_nodes:
-            domains = [f"nvl-{i // self.nvlink_domain_nodes:03d}" for i in range(self.nodes)]
-        else:
-            domains = [f"{name}-hgx" for name in self.names]
+        domains = [self.nvlink_domain_name(int(d)) for d in self.nvlink_domain_of]
         n = self.nodes
         columns = {
             "ts": pa.array(np.full(n, ts_ns, dtype=np.int64)).cast(sch.TS),

@@ -9,8 +9,10 @@ import time
 import pynvml
 import pytest
 
+from foreshock import fabric
 from foreshock.collectors import nvml
 from foreshock.collectors.nvml import FakeNvml, NvmlSource, PynvmlBackend
+from foreshock.fabric import FabricInfo
 
 TS = 1_780_000_000_000_000_000
 
@@ -189,3 +191,135 @@ def test_the_real_backend_decodes_field_values_by_type(monkeypatch):
     monkeypatch.setattr(pynvml, "nvmlDeviceGetFieldValues", fake_get_field_values)
     got = backend.field_values(None, [(82, 0), (91, 0), (138, 0xFFFFFFFF), (139, 0xFFFFFFFF)])
     assert got == [(0, 71.5), (0, 18), (0, 2**40 + 3), (pynvml.NVML_ERROR_NOT_SUPPORTED, None)]
+
+
+# -- GPU fabric information (NVL72 / multi-node NVLink) ----------------------------------------------
+CLUSTER = bytes.fromhex("9a1d5c3e27b04f6a8c11d2e3f4a5b6c7")
+HEALTHY_MASK = fabric.HEALTHY_MASK
+
+
+def test_fabric_info_fills_the_gpu_columns_and_the_nvlink_domain():
+    fake = FakeNvml.hopper(3)
+    fake.gpus[0].values["gpu_fabric_info"] = FabricInfo(CLUSTER, 0, 32766, 3, HEALTHY_MASK, 1)
+    # degraded bandwidth, access-timeout recovery, insufficient NVLinks, fabric manager gone; limited capacity
+    bad = (HEALTHY_MASK & ~0x3 & ~(0x3 << 6) & ~(0xF << 8) & ~(0x3 << 14)) | 1 | 1 << 6 | 5 << 8 | 2 << 14
+    fake.gpus[1].values["gpu_fabric_info"] = FabricInfo(CLUSTER, 0, 32766, 3, bad, 3)
+    # registering: the UUID is not there yet, the status not valid, no domain
+    fake.gpus[2].values["gpu_fabric_info"] = FabricInfo(bytes(16), 0, 0, 2, 0, 0)
+    src = NvmlSource("n", backend=fake, xid_events=False)
+    g0, g1, g2 = _sweep(src)["gpu"]
+    assert g0["fabric_cluster_uuid"] == "9a1d5c3e-27b0-4f6a-8c11-d2e3f4a5b6c7"
+    assert g0["nvlink_domain"] == "9a1d5c3e-27b0-4f6a-8c11-d2e3f4a5b6c7/32766"
+    assert (g0["fabric_state"], g0["fabric_status"], g0["fabric_clique_id"]) == (3, 0, 32766)
+    assert (g0["fabric_degraded_bw"], g0["fabric_route_recovery"], g0["fabric_route_unhealthy"],
+            g0["fabric_access_timeout_recovery"], g0["fabric_incorrect_configuration"],
+            g0["fabric_gfm_disconnected"], g0["fabric_health_summary"]) == (False, False, False, False, 1, False, 1)
+    assert g0["fabric_health_mask"] == HEALTHY_MASK
+    assert (g1["fabric_degraded_bw"], g1["fabric_access_timeout_recovery"], g1["fabric_incorrect_configuration"],
+            g1["fabric_gfm_disconnected"], g1["fabric_health_summary"]) == (True, True, 5, True, 3)
+    assert g1["fabric_route_recovery"] is False
+    assert g2["fabric_state"] == 2 and g2["fabric_cluster_uuid"] is None and g2["nvlink_domain"] is None
+    # a mask of NOT_SUPPORTED fields decodes to nulls, not to "healthy"
+    assert g2["fabric_degraded_bw"] is None and g2["fabric_incorrect_configuration"] is None
+    assert g2["fabric_health_summary"] is None and src.errors == 0
+
+
+def test_fabric_info_unsupported_is_null_not_an_error():
+    fake = FakeNvml.hopper(2)  # H100-like: no fabric information at all (NOT_SUPPORTED)
+    fake.gpus[1].values["gpu_fabric_info"] = FabricInfo(bytes(16), 0, 0, 0, 0, 0)  # state NOT_SUPPORTED
+    src = NvmlSource("n", backend=fake, xid_events=False)
+    for row in _sweep(src)["gpu"]:
+        assert all(row[c] is None for c in fabric.GPU_COLUMNS), row
+        assert row["power_w"] is not None
+    assert src.errors == 0
+
+
+def test_a_registered_gpu_that_failed_has_no_domain():
+    fake = FakeNvml.hopper(1)
+    fake.gpus[0].values["gpu_fabric_info"] = FabricInfo(CLUSTER, pynvml.NVML_ERROR_UNKNOWN, 7, 3, HEALTHY_MASK, 2)
+    (row,) = _sweep(NvmlSource("n", backend=fake, xid_events=False))["gpu"]
+    assert row["fabric_status"] == pynvml.NVML_ERROR_UNKNOWN and row["nvlink_domain"] is None
+    assert row["fabric_cluster_uuid"] is not None and row["fabric_health_summary"] == 2
+
+
+def _fill(version_wanted=None, **values):
+    """A stand-in for pynvml's fabric-info call that fills the struct it is handed, as libnvidia-ml does."""
+    def fn(handle, ref):
+        info = ref._obj
+        if version_wanted is not None and getattr(info, "version", None) != version_wanted:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        info.clusterUuid[:] = list(CLUSTER)
+        for k, v in values.items():
+            setattr(info, k, v)
+        return 0
+    return fn
+
+
+def _raising(code):
+    def fn(*args):
+        raise pynvml.NVMLError(code)
+    return fn
+
+
+def _bare_backend():
+    backend = PynvmlBackend.__new__(PynvmlBackend)  # skip nvmlInit: there is no libnvidia-ml here
+    backend._n = pynvml
+    backend._handles = {}
+    return backend
+
+
+def test_the_real_backend_reads_fabric_info_v3_then_v2_then_the_old_call(monkeypatch):
+    backend = _bare_backend()
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuFabricInfoV", _fill(
+        status=0, cliqueId=4, state=3, healthMask=HEALTHY_MASK, healthSummary=1))
+    assert backend.gpu_fabric_info(None) == FabricInfo(CLUSTER, 0, 4, 3, HEALTHY_MASK, 1)
+    # a driver that knows only struct v2 refuses v3 by version: v2 is read, without a summary
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuFabricInfoV", _fill(
+        pynvml.nvmlGpuFabricInfo_v2, status=0, cliqueId=4, state=3, healthMask=HEALTHY_MASK))
+    assert backend.gpu_fabric_info(None) == FabricInfo(CLUSTER, 0, 4, 3, HEALTHY_MASK, None)
+    # a driver without the V entry point: the deprecated call, without a mask
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuFabricInfoV", _raising(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuFabricInfo", _fill(status=0, cliqueId=4, state=2))
+    assert backend.gpu_fabric_info(None) == FabricInfo(CLUSTER, 0, 4, 2, None, None)
+    # neither: unsupported, which the source stores as null
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuFabricInfo", _raising(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND))
+    with pytest.raises(nvml.NvmlNotSupported):
+        backend.gpu_fabric_info(None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetGpuFabricInfoV", _raising(pynvml.NVML_ERROR_NOT_SUPPORTED))
+    with pytest.raises(nvml.NvmlNotSupported):
+        backend.gpu_fabric_info(None)
+    # a binding that predates fabric information altogether
+    monkeypatch.delattr(pynvml, "nvmlDeviceGetGpuFabricInfoV")
+    monkeypatch.delattr(pynvml, "nvmlDeviceGetGpuFabricInfo")
+    with pytest.raises(nvml.NvmlNotSupported):
+        backend.gpu_fabric_info(None)
+
+
+def test_the_fabric_constants_are_nvmls():
+    assert (fabric.STATE_NOT_SUPPORTED, fabric.STATE_NOT_STARTED, fabric.STATE_IN_PROGRESS,
+            fabric.STATE_COMPLETED) == (
+        pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
+        pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS, pynvml.NVML_GPU_FABRIC_STATE_COMPLETED)
+    assert fabric.UUID_LEN == pynvml.NVML_GPU_FABRIC_UUID_LEN
+    assert nvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    names = {"fabric_degraded_bw": "DEGRADED_BW", "fabric_route_recovery": "ROUTE_RECOVERY",
+             "fabric_route_unhealthy": "ROUTE_UNHEALTHY", "fabric_access_timeout_recovery": "ACCESS_TIMEOUT_RECOVERY",
+             "fabric_incorrect_configuration": "INCORRECT_CONFIGURATION", "fabric_gfm_disconnected": "GFM_STATE"}
+    assert {f.column for f in fabric.HEALTH_FIELDS} == set(names)
+    for f in fabric.HEALTH_FIELDS:
+        nv = names[f.column]
+        assert (f.shift, f.width) == (getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{nv}"),
+                                      getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_{nv}")), f.column
+        if f.column == "fabric_gfm_disconnected":
+            assert (f.true, f.false) == (pynvml.NVML_GPU_FABRIC_HEALTH_MASK_GFM_STATE_DISCONNECTED,
+                                         pynvml.NVML_GPU_FABRIC_HEALTH_MASK_GFM_STATE_CONNECTED)
+        elif f.codes is None:
+            assert (f.true, f.false) == (getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_{nv}_TRUE"),
+                                         getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_{nv}_FALSE"))
+    codes = {getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_{k}") for k in (
+        "NONE", "INCORRECT_SYSGUID", "INCORRECT_CHASSIS_SN", "NO_PARTITION", "INSUFFICIENT_NVLINKS",
+        "INCOMPATIBLE_GPU_FW", "INVALID_LOCATION", "GPU_STATE_INVALID")}
+    assert codes == set(fabric.INCORRECT_CONFIGURATIONS)
+    assert set(fabric.HEALTH_SUMMARIES) == {pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY,
+                                            pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_UNHEALTHY,
+                                            pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY}

@@ -19,6 +19,7 @@ import copy
 import json
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -255,16 +256,21 @@ def test_control_plane_is_non_root_with_durable_state():
     assert statefulset["spec"]["replicas"] == 1
 
 
-def test_cordon_rbac_is_get_and_patch_nodes_only():
+def test_node_action_rbac_is_least_privilege_and_its_token_is_off_like_the_action():
+    """get and patch nodes, patch nodes/status: the requests of the Kubernetes node action
+    (tests/test_service_actions_kubernetes.py checks each one it makes against these rules)."""
     (role,) = objects("ClusterRole").values()
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                             {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]}]
     assert not objects("Role") and not objects("RoleBinding")
     (binding,) = objects("ClusterRoleBinding").values()
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "foreshock-serve", "namespace": NAMESPACE}]
     pod = objects("StatefulSet")["foreshock-serve"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "foreshock-serve"
-    # The service does not cordon yet (nothing under service/ patches nodes): no token, no usable right.
+    # The action is off by default (kubernetes_taint), and so is the token that would carry its rights.
+    config = tomllib.loads(objects("ConfigMap")["foreshock-serve-config"]["data"]["foreshock.toml"])
+    assert not config["serve"].get("kubernetes_taint", False)
     assert pod["automountServiceAccountToken"] is False
     for _, _, doc in ALL_DOCS:
         if doc["kind"] == "ServiceAccount":

@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,8 @@ def test_dashboard_is_well_formed_and_covers_the_issue():
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, p["title"]
     titles = {p["title"] for p in panels}
     for wanted in ("Risk level heatmap by node", "Risk level heatmap by leaf switch", "Top risky nodes",
-                   "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node"):
+                   "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node",
+                   "Nodes taken out, held back, and the breaker's cap"):
         assert wanted in titles
 
 
@@ -217,11 +219,15 @@ def running_exporters(procfs_fixture: Path, base: Path):
 
     from foreshock.collectors import command
     from foreshock.config import resolve
+    from foreshock.service.actions import ActionSettings
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
 
-    plane = build_server(Settings.insecure_loopback(base / "state", scorer=NullScorer(),
-                                                    metrics_listen="127.0.0.1:0"))
+    # Slurm drains on, so the node-action series exist. No node is due, so scontrol never runs: any
+    # executable stands in for it where Slurm is not installed.
+    plane = build_server(Settings.insecure_loopback(
+        base / "state", scorer=NullScorer(), metrics_listen="127.0.0.1:0",
+        actions=ActionSettings(slurm=True, scontrol=shutil.which("scontrol") or sys.executable)))
     collector = None
     try:
         port = plane.start()

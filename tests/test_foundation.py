@@ -366,3 +366,28 @@ def test_config_and_log_level_are_read_before_or_after_the_subcommand(where, tmp
     args = cli.build_parser().parse_args(argv)
     assert args.config == str(cfg) and args.log_level == "WARNING"
     assert cli.build_parser().parse_args(["goodput"]).log_level == "INFO"
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("localhost:7443", True), ("127.0.0.1:7443", True), ("127.8.9.1:1", True), ("[::1]:7443", True),
+    ("localhost", True), ("0.0.0.0:7443", False), ("10.0.0.5:7443", False), ("[2001:db8::1]:7443", False),
+    ("control-plane.example:7443", False), ("", False)])
+def test_one_loopback_rule_for_every_channel_and_listener(address, loopback):
+    from foreshock.net import is_loopback
+
+    assert is_loopback(address) is loopback
+
+
+def test_one_threshold_rule_for_a_budget_from_a_manifest():
+    from foreshock.risk import threshold_for_budget
+
+    curve = [[0.001, 9.0, 0.9], [0.004, 1.5, 0.6], [0.01, 0.0, 0.3]]
+    man = {"threshold_curves": {"model": curve}, "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.004,
+           "budget": 2.0}
+    # the curve decides over the table: the lowest threshold within the budget
+    assert threshold_for_budget(man, 2.0) == 0.004 and threshold_for_budget(man, 10.0) == 0.001
+    assert threshold_for_budget(man, 0.5) == 0.01 and threshold_for_budget(man) == 0.004
+    # a table alone: the loosest threshold whose budget is within the one asked, else the strictest
+    table = {"thresholds": {"1.0": 0.02, "2.0": 0.01, "5.0": 0.005}}
+    assert threshold_for_budget(table, 3.0) == 0.01 and threshold_for_budget(table, 0.1) == 0.02
+    assert threshold_for_budget({}, 2.0) is None and threshold_for_budget({"recommended_threshold": 0.3}, 2.0) == 0.3

@@ -112,7 +112,7 @@ def test_a_later_time_range_of_the_same_nodes_is_not_an_overlap(later_data, mode
     assert rc == 0, captured.err
     assert WARNING not in captured.err
     # after the feature bars, the judging of the scores says where it is too
-    assert "judging: 0/3" in captured.err and "judging: 3/3 (100 %)" in captured.err, captured.err
+    assert "judging: 0/4" in captured.err and "judging: 4/4 (100 %)" in captured.err, captured.err
     ov = json.loads(js.read_text())["overlap"]
     assert ov["overlaps"] is False and ov["same_node_names"] is True and ov["time_ranges_intersect"] is False
     assert 'class="overlap"' not in page.read_text()
@@ -215,3 +215,48 @@ def test_leave_one_out_refuses_a_group_the_training_data_lacks(train_data, later
     assert cli.main(["evaluate", "--leave-one-out", "families", "--train-data", str(train_data),
                      "--data", str(later_data)]) == 2
     assert "one of family, signature, node_type" in capsys.readouterr().err
+
+
+def test_thresholds_refits_a_model_on_a_fleets_later_history_and_evaluate_flags_that_data(
+        later_data, model_dir, tmp_path, capsys):
+    out = tmp_path / "calibrated"
+    rc = cli.main(["thresholds", "--data", str(later_data), "--model", str(model_dir), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "budget 2: threshold" in captured.out
+    before, man = registry.read_manifest(model_dir), registry.read_manifest(out)
+    fc = man["fleet_calibration"]
+    assert fc["from_model"] == before["version"] and fc["thresholds_before"] == before["thresholds"]
+    assert fc["fleet_node_days"] > 0 and man["training"]["calibration"]["data_hash"] == offline.dataset_hash(later_data)
+    # one rule for every reader: each budget's threshold is the pooled curve's, which the registry reads too
+    for key, th in man["thresholds"].items():
+        assert ev.pick_threshold(man["threshold_curves"]["model"], float(key)) == th
+    loaded = registry.load_model(out)
+    assert loaded.threshold() == man["recommended_threshold"] == loaded.threshold(man["budget"])
+    # judged on the data its thresholds were fitted on: flagged, naming why
+    js = tmp_path / "e.json"
+    rc = cli.main(["evaluate", "--data", str(later_data), "--model", str(out), "--json", str(js)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert WARNING in captured.err and "the data its thresholds were calibrated on" in captured.err
+    rep = json.loads(js.read_text())
+    assert rep["overlap"]["calibration"]["overlaps"] is True
+    # the fleet-calibrated figures are reported beside the manifest's, with the thresholds that were in force
+    fleet = rep["fleet_calibrated"]["at_budgets"]
+    assert set(fleet) == {"1.0", "2.0", "5.0"}
+    assert fleet["2.0"]["manifest_threshold"] == man["thresholds"]["2.0"]
+    assert fleet["2.0"]["thresholds_in_force"][0][1] == man["thresholds"]["2.0"]
+    assert "fleet-calibrated" in captured.out
+
+
+def test_thresholds_refuses_the_training_data_the_models_own_folder_and_a_bad_weight(
+        train_data, later_data, model_dir, tmp_path, capsys):
+    out = tmp_path / "calibrated"
+    assert cli.main(["thresholds", "--data", str(train_data), "--model", str(model_dir), "--out", str(out)]) == 1
+    assert "overlaps the model's training data" in capsys.readouterr().err and not out.exists()
+    assert cli.main(["thresholds", "--data", str(later_data), "--model", str(model_dir), "--out", str(model_dir)]) == 1
+    assert "the model's own directory" in capsys.readouterr().err
+    assert cli.main(["thresholds", "--data", str(later_data), "--model", str(model_dir), "--out", str(out),
+                     "--prior-node-days", "0"]) == 2
+    assert "prior_node_days from flag --prior-node-days: must be in [1, 1e+07]" in capsys.readouterr().err
+    assert not out.exists()

@@ -26,7 +26,7 @@ def test_the_evaluation_report_reads_as_a_page_in_a_browser(tmp_path, browse):
     m = evaluation["model"]
     caught = round(m["incident_recall_precursor"] * m["incidents_precursor"])
     assert f"warned of {caught} of {m['incidents_precursor']} failures" in headline.group(1)
-    for section in ('id="summary"', 'id="by-budget"', 'id="per-category"', 'id="plots"'):
+    for section in ('id="summary"', 'id="by-budget"', 'id="fleet"', 'id="per-category"', 'id="plots"'):
         assert section in dom, section
     assert "Foreshock model" in dom and "DCGM-style rule" in dom and " min<" in dom
     assert dom.count("data:image/png;base64,") >= 3

@@ -8,6 +8,7 @@ import math
 import grpc
 import pytest
 
+from foreshock.service import domain
 from foreshock.service import store as store_mod
 from foreshock.service.server import Settings, SettingsError, build_server
 from foreshock.v1 import jobs_pb2 as pb
@@ -37,10 +38,11 @@ def stub(plane):
 
 
 def test_enums_mirror_the_proto():
-    for enum, proto_enum, prefix in ((store_mod.DirectiveKind, pb.DirectiveKind, "DIRECTIVE_KIND_"),
-                                     (store_mod.DirectiveState, pb.DirectiveState, "DIRECTIVE_STATE_"),
-                                     (store_mod.AckPhase, pb.AckPhase, "ACK_PHASE_"),
-                                     (store_mod.Fallback, pb.FallbackPolicy, "FALLBACK_POLICY_")):
+    for enum, proto_enum, prefix in ((domain.DirectiveKind, pb.DirectiveKind, "DIRECTIVE_KIND_"),
+                                     (domain.DirectiveState, pb.DirectiveState, "DIRECTIVE_STATE_"),
+                                     (domain.AckPhase, pb.AckPhase, "ACK_PHASE_"),
+                                     (domain.Fallback, pb.FallbackPolicy, "FALLBACK_POLICY_"),
+                                     (domain.DirectiveCause, pb.DirectiveCause, "DIRECTIVE_CAUSE_")):
         for member in enum:
             assert proto_enum.Value(prefix + member.name) == member.value
 
@@ -189,7 +191,7 @@ def test_bad_deregister_watch_ack_cancel_list_drain(plane, stub):
             setattr(bad, k, v)
         got_code, details = _code(stub.AckDirective, bad)
         assert got_code == code and needle in details, (change, got_code, details)
-    assert plane.store.directive(d.directive_id).state == store_mod.DirectiveState.PENDING
+    assert plane.store.directive(d.directive_id).state == domain.DirectiveState.PENDING
     assert plane.store.acks(d.directive_id) == []
     assert _code(stub.CancelDirective, pb.CancelDirectiveRequest(directive_id="missing"))[0] == nf
     assert _code(stub.CancelDirective, pb.CancelDirectiveRequest(directive_id=""))[0] == ia
@@ -203,7 +205,7 @@ def test_deregister_cancels_active_directives(plane, stub):
     _register(stub)
     (d,) = stub.DrainNode(pb.DrainNodeRequest(node="n0"), timeout=T).directives
     stub.DeregisterJob(pb.DeregisterJobRequest(job_id="j1"), timeout=T)
-    assert plane.store.directive(d.directive_id).state == store_mod.DirectiveState.CANCELLED
+    assert plane.store.directive(d.directive_id).state == domain.DirectiveState.CANCELLED
     assert plane.store.find_job("j1") is None
 
 

@@ -13,7 +13,8 @@ from foreshock.service.decisions import DecisionLog, incident_rows, read_decisio
 from foreshock.service.jobs import JobDirectory, new_directive
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
-from foreshock.service.store import AckPhase, DirectiveKind, DirectiveState, StateStore
+from foreshock.service.domain import AckPhase, DirectiveKind, DirectiveState
+from foreshock.service.store import StateStore
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S

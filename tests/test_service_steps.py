@@ -327,7 +327,7 @@ def test_a_close_hold_of_zero_never_holds_and_a_bad_one_is_refused(event_loop_th
 
 def test_held_telemetry_waits_while_an_xid_on_another_stream_is_taken_and_acted_on(tmp_path):
     """A real server: while a close hold is on, a stream's next gpu sweep is not taken (not acked), an
-    Xid 79 on another stream is acked and puts its node in alarm, and the release lets the held sweep
+    Xid 95 on another stream is acked and puts its node in alarm, and the release lets the held sweep
     through; the hold's metrics say so."""
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), close_hold_seconds=5.0,
                                                     metrics_listen="127.0.0.1:0"))
@@ -366,7 +366,7 @@ def test_held_telemetry_waits_while_an_xid_on_another_stream_is_taken_and_acted_
         gpu_out.put(batch("n1", 2, "gpu", gpu("n1")))
         xid_out.put(batch("n2", 1, "events", [{
             "ts": dt.datetime.now(dt.timezone.utc), "node": "n2", "kind": "xid", "source": "kmsg",
-            "severity": "fatal", "xid": 79, "gpu": 3, "message": "NVRM: Xid 79, GPU has fallen off the bus"}]))
+            "severity": "fatal", "xid": 95, "gpu": 3, "message": "Uncontained: LTC TAG (0x2,0x0)"}]))
         assert xid_acks.get(timeout=10).acked_sequence == 1      # events never wait
         assert _wait(lambda: "n2" in plane.policy.alarms, 10)
         with pytest.raises(queue.Empty):

@@ -238,13 +238,14 @@ def test_fatal_event_wakes_a_scoring_round_at_once(tmp_path):
     plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer(), score_interval=30.0))
     plane.start()
     try:
+        # Xid 95 is never collateral (foreshock/xid.py): it does not wait for the Xid context's window.
         ev = sch.to_table("events", [{"ts": NOW, "node": "n1", "kind": "xid", "source": "kmsg", "severity": "fatal",
-                                      "xid": 74, "gpu": 2, "message": "NVRM: Xid 74 NVLink"}])
+                                      "xid": 95, "gpu": 2, "message": "Uncontained: LTC TAG (0x2,0x0)"}])
         with grpc.insecure_channel(plane.address) as ch:
             batch = tpb.SweepBatch(node="n1", collector_id="c1", sequence=1, tables=[_rows("events", ev)])
             list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=T))
         assert _wait(lambda: plane.scoring.rounds["events"] >= 1, timeout=5)  # at once, not after 30 s
-        assert "n1" in plane.policy.alarms and "Xid 74 on GPU 2" in plane.policy.alarms["n1"].reason
+        assert "n1" in plane.policy.alarms and "Xid 95 on GPU 2" in plane.policy.alarms["n1"].reason
     finally:
         plane.stop(0)
 

@@ -1,7 +1,9 @@
 """The Xid catalogue (foreshock/xid.py) and its readers: the kmsg and NVML collectors, the simulator, the
 service's fatal/precursor decision and the predictor's Xid signals all derive their class from it, the
-predictor's classes for the codes the old tables listed are unchanged, and replayed kmsg sequences of the
-documented cases (issue 20) give the outcomes the catalogue says."""
+predictor's classes for the codes the old tables listed are unchanged, replayed kmsg sequences of the
+documented cases (issue 20) give the outcomes the catalogue says, and repeats of one Xid fold into counted
+rows that every reader counts as lines (collectors/repeats.py). The documented cases through a real
+control plane, with the Xid context on: tests/test_service_xidcontext.py."""
 
 from __future__ import annotations
 
@@ -99,6 +101,17 @@ def test_162_cancels_163_and_45_is_never_solo():
     assert not xidcat.lookup(45).solo and xidcat.lookup(45).severity == "application"
     assert xidcat.lookup(74).generations == ("A100", "H100")
     assert set(xidcat.lookup(149).generations) == {"B100", "GB200"}
+
+
+def test_collateral_xids_are_those_a_failing_job_or_domain_puts_on_healthy_gpus():
+    collateral = {c for c, e in xidcat.CATALOGUE.items() if e.collateral}
+    # every application Xid (teardown, a peer's crash), NVLink errors of a domain, a domain's lost GPUs
+    assert {c for c, e in xidcat.CATALOGUE.items() if e.severity == "application"} <= collateral
+    assert {74, 79, 109, 155, *range(144, 151)} <= collateral
+    # memory and firmware faults are the GPU's own, whatever its neighbours log
+    assert not collateral & {48, 62, 63, 64, 92, 95, 119, 120, 136, 140, 154, 162, 163}
+    assert xidcat.outstanding_until(163) == (162,) and xidcat.outstanding_until(162) == ()
+    assert xidcat.outstanding_until(None) == () and xidcat.outstanding_until(UNKNOWN_CODE) == ()
 
 
 def test_nvlink5_take_their_class_from_the_token():
@@ -263,6 +276,191 @@ def test_a_flood_of_xid95_on_one_node_is_one_fatal_node():
     book, base = _replay({"n95": [distinct[i % 29] for i in range(2900)]})
     assert set(book.fatal) == {"n95"} and "Xid 95" in book.fatal["n95"].description
     assert _sum(base, "xid_fatal") == 2900
+
+
+# -- repeats folded into counts (collectors/repeats.py) ----------------------------------------------
+
+BOOT = 1_780_000_000 * 10**9
+FLOOD_MESSAGES = [f"Uncontained: LTC TAG (0x{k:x},0x0). RST: Yes, D-RST: No" for k in range(29)]
+
+
+def _flood_file(path, n_lines: int, seconds: float, code: int = 95, messages=FLOOD_MESSAGES):
+    """n_lines Xid lines over `seconds` of kernel time, cycling through `messages`, each with its own pid."""
+    with open(path, "w") as fh:
+        for i in range(n_lines):
+            sec = 100 + seconds * i / n_lines
+            fh.write(f"[{sec:12.6f}] NVRM: Xid (PCI:0000:07:00): {code}, pid={1000 + i}, name=python3, "
+                     f"{messages[i % len(messages)]}\n")
+    return path
+
+
+def _read_folded(src: KmsgSource, seconds: float, window: float) -> tuple[list[dict], list[dict]]:
+    """Sweep the source every 5 s of kernel time until its windows are past, then close it as the
+    collector does; returns (rows of the first sweep, all rows)."""
+    rows, first = [], None
+    t = 100.0
+    while t <= 100 + seconds + 2 * window:
+        got = src.sweep(BOOT + int(t * 1e9)).get("events")
+        got = got.to_pylist() if got is not None else []
+        first = got if first is None else first
+        rows += got
+        t += 5
+    rest = src.flush(BOOT + int(t * 1e9)).get("events")
+    rows += rest.to_pylist() if rest is not None else []
+    return first, rows
+
+
+def _occurrences(rows) -> int:
+    return sum(r["occurrences"] or 1 for r in rows)
+
+
+@pytest.mark.parametrize("n_lines", [20_000, 60_000])
+def test_an_xid95_flood_is_a_bounded_number_of_rows_with_the_exact_count(tmp_path, n_lines):
+    # The documented flood, 800,000 lines with 29 distinct messages, at a smaller N: the rows are bounded
+    # by distinct messages x windows, whatever the number of lines (here 20,000 or 60,000 over 10 min).
+    seconds, window = 600.0, 60.0
+    src = KmsgSource("n95", path=str(_flood_file(tmp_path / "kern.log", n_lines, seconds)), boot_ns=BOOT,
+                     xid_fold_seconds=window)
+    first, rows = _read_folded(src, seconds, window)
+    assert _occurrences(rows) == n_lines                       # nothing lost, nothing counted twice
+    assert len(rows) <= 29 * (2 + seconds / window)           # 29 first lines + one count per window
+    # Each distinct message's first line is written in the sweep that read it, unfolded.
+    assert {r["message"] for r in first if r["occurrences"] is None} == set(FLOOD_MESSAGES)
+    folded = [r for r in rows if r["occurrences"] is not None]
+    assert all(r["first_ts"] <= r["last_ts"] <= r["ts"] for r in folded)
+    assert all(r["severity"] == "fatal" and r["xid"] == 95 for r in rows)
+    # The readers count lines, not rows: the predictor's xid_fatal and the service's fatal node.
+    table = sch.to_table("events", rows)
+    assert _sum(sg.node_base_signals({"events": table}), "xid_fatal") == n_lines
+    book = NodeBook()
+    Ingest(book, sink=lambda p: 0)._side_effects({"events": table}, now=0)
+    assert set(book.fatal) == {"n95"}
+
+
+def test_a_precursor_flood_counts_every_line_in_the_service_and_the_predictor(tmp_path):
+    src = KmsgSource("n63", path=str(_flood_file(tmp_path / "kern.log", 5000, 300.0, code=63,
+                                                 messages=["Row Remapper: New row marked for remapping"])),
+                     boot_ns=BOOT)
+    _, rows = _read_folded(src, 300.0, 60.0)
+    assert len(rows) <= 2 + 300 / 60 and _occurrences(rows) == 5000
+    table = sch.to_table("events", rows)
+    ingest = Ingest(NodeBook(), sink=lambda p: 0)
+    ingest._side_effects({"events": table}, now=0)
+    assert ingest.precursors == 5000
+    assert _sum(sg.node_base_signals({"events": table}), "xid_precursor") == 5000
+
+
+def test_folding_keys_on_device_code_and_message_without_channel_ids(tmp_path):
+    lines = [
+        "[ 100.000000] NVRM: Xid (PCI:0000:dc:00): 45, pid=1, name=python3, Ch 00000001 caused by previous Xid 149",
+        "[ 100.100000] NVRM: Xid (PCI:0000:dc:00): 45, pid=2, name=python3, Ch 0000000a caused by previous Xid 149",
+        "[ 100.200000] NVRM: Xid (PCI:0000:dd:00): 45, pid=3, name=python3, Ch 00000001 caused by previous Xid 149",
+        "[ 100.300000] NVRM: Xid (PCI:0000:dc:00): 45, pid=4, name=python3, Ch 00000001 caused by previous Xid 74",
+        "[ 100.400000] NVRM: Xid (PCI:0000:dc:00): 43, pid=5, name=python3, Ch 00000001 caused by previous Xid 149",
+        "[ 100.500000] NVRM: Xid (PCI:0000:dc:00): 45, pid=6, name=python3, Ch 00000002 caused by previous Xid 149",
+    ]
+    log = tmp_path / "kern.log"
+    log.write_text("\n".join(lines) + "\n")
+    src = KmsgSource("n", path=str(log), boot_ns=BOOT)
+    now = src.sweep(BOOT + 101 * 10**9)["events"].to_pylist()
+    # Another GPU, another cause, another code: each a first line; another channel: a repeat.
+    assert [(r["pci_bus_id"], r["xid"], r["pid"]) for r in now] == [
+        ("0000:dc:00.0", 45, 1), ("0000:dd:00.0", 45, 3), ("0000:dc:00.0", 45, 4), ("0000:dc:00.0", 43, 5)]
+    (later,) = src.sweep(BOOT + 161 * 10**9)["events"].to_pylist()
+    assert (later["occurrences"], later["pid"], later["message"]) == (2, 6, lines[-1].split("python3, ")[1])
+    assert (later["first_ts"].value, later["last_ts"].value) == (BOOT + 100_100_000_000, BOOT + 100_500_000_000)
+    assert later["ts"].value == BOOT + 161 * 10**9     # written now: the service's step watermark covers it
+    # The window has passed quietly: the next line is a first occurrence again, written at once.
+    log.write_text(log.read_text() + lines[0].replace("100.000000", "300.000000") + "\n")
+    (again,) = src.sweep(BOOT + 301 * 10**9)["events"].to_pylist()
+    assert again["occurrences"] is None and again["pid"] == 1
+
+
+def test_folding_is_off_at_zero_and_its_window_is_range_checked(tmp_path):
+    from foreshock.collectors import command
+
+    log = _flood_file(tmp_path / "kern.log", 50, 10.0)
+    src = KmsgSource("n", path=str(log), boot_ns=BOOT, xid_fold_seconds=0)
+    assert len(src.sweep(BOOT + 200 * 10**9)["events"]) == 50
+    for bad in (-1, 3601, float("nan")):
+        with pytest.raises(ValueError, match="xid_fold_seconds"):
+            KmsgSource("n", path=str(log), xid_fold_seconds=bad)
+    with pytest.raises(Exception, match="xid_fold_seconds"):
+        command.config.resolve("collect", command.DEFAULTS, flags={"xid_fold_seconds": 7200.0},
+                               checks=command.CHECKS)
+
+
+def test_the_collector_writes_counts_it_still_holds_when_it_closes(tmp_path):
+    from foreshock.collectors.collector import Collector
+    from foreshock.dataset import DatasetWriter, read_table
+
+    log = _flood_file(tmp_path / "kern.log", 300, 5.0)
+    writer = DatasetWriter(tmp_path / "ds", fsync=False)
+    collector = Collector("n", [KmsgSource("n", path=str(log), boot_ns=BOOT)], writer,
+                          clock=lambda: BOOT + 106 * 10**9)
+    collector.sweep_once()
+    from prometheus_client import generate_latest
+
+    from foreshock.collectors.metrics import registry_for
+    text = generate_latest(registry_for(collector)).decode()
+    assert 'foreshock_collector_xid_repeats_folded_total{source="kmsg"} 271.0' in text   # 300 lines, 29 first
+    collector.close()
+    rows = read_table(tmp_path / "ds", "events").to_pylist()
+    assert len(rows) == 29 * 2 and _occurrences(rows) == 300
+
+
+def test_the_folder_is_bounded_and_loses_no_count(monkeypatch):
+    from foreshock.collectors.repeats import XidFolder
+
+    folder = XidFolder(60.0, max_keys=8)
+    out = []
+    for i in range(1000):   # 100 distinct keys, 10 lines each, within one window
+        out += folder.feed({"ts": BOOT + i, "node": "n", "kind": "xid", "xid": 95, "gpu": 0,
+                            "message": f"Uncontained: unit {i % 100}"}, BOOT + i)
+        assert len(folder) <= 8
+    out += folder.flush(BOOT + 1000)
+    assert sum(r.get("occurrences") or 1 for r in out) == 1000
+
+
+def test_nvml_xid_events_are_folded_too():
+    import time
+    fake = FakeNvml.hopper(1)
+    src = NvmlSource("n", backend=fake)
+    rows = []
+    try:
+        src.sweep(0)
+        for _ in range(200):
+            fake.push_xid(0, 63)
+        deadline = time.time() + 10
+        while time.time() < deadline and _occurrences(rows) < 1:
+            time.sleep(0.05)
+            t = src.sweep(time.time_ns()).get("events")
+            rows += t.to_pylist() if t is not None else []
+        time.sleep(0.5)
+        rest = src.flush(time.time_ns()).get("events")
+        rows += rest.to_pylist() if rest is not None else []
+    finally:
+        src.close()
+    assert _occurrences(rows) == 200 and len(rows) <= 3
+
+
+def test_event_files_written_before_the_new_columns_read_as_one_occurrence_each(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from foreshock.dataset import partition_dir, read_table
+
+    old = sch.schema("events")
+    old = pa.schema([f for f in old if f.name not in ("occurrences", "first_ts", "last_ts")], metadata=old.metadata)
+    rows = [{"ts": NOW + dt.timedelta(seconds=i), "node": "n", "kind": "xid", "source": "kmsg",
+             "severity": "fatal", "xid": 95, "message": "Uncontained"} for i in range(3)]
+    d = partition_dir(tmp_path, "events", "2026-01-01", "n")
+    d.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=old), d / "part-1-old-000001.parquet")
+    table = read_table(tmp_path, "events")
+    assert table.schema.names == sch.schema("events").names
+    assert table.column("occurrences").null_count == 3
+    assert _sum(sg.node_base_signals({"events": table}), "xid_fatal") == 3
 
 
 def test_xid162_after_163_raises_nothing():

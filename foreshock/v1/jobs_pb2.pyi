@@ -24,6 +24,14 @@ class DirectiveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTIVE_KIND_SHRINK: _ClassVar[DirectiveKind]
     DIRECTIVE_KIND_CHECKPOINT_EXIT: _ClassVar[DirectiveKind]
 
+class DirectiveCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIRECTIVE_CAUSE_UNSPECIFIED: _ClassVar[DirectiveCause]
+    DIRECTIVE_CAUSE_RISK: _ClassVar[DirectiveCause]
+    DIRECTIVE_CAUSE_FATAL: _ClassVar[DirectiveCause]
+    DIRECTIVE_CAUSE_DRAIN: _ClassVar[DirectiveCause]
+    DIRECTIVE_CAUSE_FAIL_SLOW: _ClassVar[DirectiveCause]
+
 class DirectiveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DIRECTIVE_STATE_UNSPECIFIED: _ClassVar[DirectiveState]
@@ -48,6 +56,11 @@ DIRECTIVE_KIND_UNSPECIFIED: DirectiveKind
 DIRECTIVE_KIND_EVACUATE: DirectiveKind
 DIRECTIVE_KIND_SHRINK: DirectiveKind
 DIRECTIVE_KIND_CHECKPOINT_EXIT: DirectiveKind
+DIRECTIVE_CAUSE_UNSPECIFIED: DirectiveCause
+DIRECTIVE_CAUSE_RISK: DirectiveCause
+DIRECTIVE_CAUSE_FATAL: DirectiveCause
+DIRECTIVE_CAUSE_DRAIN: DirectiveCause
+DIRECTIVE_CAUSE_FAIL_SLOW: DirectiveCause
 DIRECTIVE_STATE_UNSPECIFIED: DirectiveState
 DIRECTIVE_STATE_PENDING: DirectiveState
 DIRECTIVE_STATE_ACCEPTED: DirectiveState
@@ -109,6 +122,34 @@ class ReportStepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StepTime(_message.Message):
+    __slots__ = ("step", "step_seconds", "compute_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    step_seconds: float
+    compute_seconds: float
+    def __init__(self, step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+
+class ReportStepTimesRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "node", "steps")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    node: str
+    steps: _containers.RepeatedCompositeFieldContainer[StepTime]
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., node: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StepTime, _Mapping]]] = ...) -> None: ...
+
+class ReportStepTimesResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
 class DeregisterJobRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -120,7 +161,7 @@ class DeregisterJobResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Directive(_message.Message):
-    __slots__ = ("directive_id", "job_id", "kind", "ranks", "from_node", "to_node", "at_step", "deadline", "reason", "risk", "signals", "issued_at", "state", "generation")
+    __slots__ = ("directive_id", "job_id", "kind", "ranks", "from_node", "to_node", "at_step", "deadline", "reason", "risk", "signals", "issued_at", "state", "generation", "cause")
     DIRECTIVE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +176,7 @@ class Directive(_message.Message):
     ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     directive_id: str
     job_id: str
     kind: DirectiveKind
@@ -149,7 +191,8 @@ class Directive(_message.Message):
     issued_at: _timestamp_pb2.Timestamp
     state: DirectiveState
     generation: int
-    def __init__(self, directive_id: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[_Union[DirectiveKind, str]] = ..., ranks: _Optional[_Iterable[int]] = ..., from_node: _Optional[str] = ..., to_node: _Optional[str] = ..., at_step: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., risk: _Optional[float] = ..., signals: _Optional[_Iterable[_Union[_common_pb2.Signal, _Mapping]]] = ..., issued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[DirectiveState, str]] = ..., generation: _Optional[int] = ...) -> None: ...
+    cause: DirectiveCause
+    def __init__(self, directive_id: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[_Union[DirectiveKind, str]] = ..., ranks: _Optional[_Iterable[int]] = ..., from_node: _Optional[str] = ..., to_node: _Optional[str] = ..., at_step: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ..., risk: _Optional[float] = ..., signals: _Optional[_Iterable[_Union[_common_pb2.Signal, _Mapping]]] = ..., issued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., state: _Optional[_Union[DirectiveState, str]] = ..., generation: _Optional[int] = ..., cause: _Optional[_Union[DirectiveCause, str]] = ...) -> None: ...
 
 class WatchDirectivesRequest(_message.Message):
     __slots__ = ("job_id", "rank")

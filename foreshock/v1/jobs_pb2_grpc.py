@@ -44,6 +44,11 @@ class JobsStub:
                 request_serializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepRequest.SerializeToString,
                 response_deserializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepResponse.FromString,
                 _registered_method=True)
+        self.ReportStepTimes = channel.unary_unary(
+                '/foreshock.v1.Jobs/ReportStepTimes',
+                request_serializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepTimesRequest.SerializeToString,
+                response_deserializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepTimesResponse.FromString,
+                _registered_method=True)
         self.DeregisterJob = channel.unary_unary(
                 '/foreshock.v1.Jobs/DeregisterJob',
                 request_serializer=foreshock_dot_v1_dot_jobs__pb2.DeregisterJobRequest.SerializeToString,
@@ -87,6 +92,13 @@ class JobsServicer:
 
     def ReportStep(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportStepTimes(self, request, context):
+        """Each rank's recent step durations, batched; the service's fail-slow rule reads them.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -141,6 +153,11 @@ def add_JobsServicer_to_server(servicer, server):
                     servicer.ReportStep,
                     request_deserializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepRequest.FromString,
                     response_serializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepResponse.SerializeToString,
+            ),
+            'ReportStepTimes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStepTimes,
+                    request_deserializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepTimesRequest.FromString,
+                    response_serializer=foreshock_dot_v1_dot_jobs__pb2.ReportStepTimesResponse.SerializeToString,
             ),
             'DeregisterJob': grpc.unary_unary_rpc_method_handler(
                     servicer.DeregisterJob,
@@ -227,6 +244,33 @@ class Jobs:
             '/foreshock.v1.Jobs/ReportStep',
             foreshock_dot_v1_dot_jobs__pb2.ReportStepRequest.SerializeToString,
             foreshock_dot_v1_dot_jobs__pb2.ReportStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStepTimes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/foreshock.v1.Jobs/ReportStepTimes',
+            foreshock_dot_v1_dot_jobs__pb2.ReportStepTimesRequest.SerializeToString,
+            foreshock_dot_v1_dot_jobs__pb2.ReportStepTimesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,263 @@
+"""Each job's recent step times per rank, and the fail-slow rule that reads them.
+
+The migrator reports every rank's step durations (jobs.proto ReportStepTimes, batched: a `StepTime` is
+the step, its whole duration, and the rank's compute part, from the step's start to its entry into the
+gradient all-reduce). `StepTimes.record` checks a report and keeps it in the job's window: the last
+`2 x window` steps by step number, a float32 cell per (step, rank), so memory is bounded by
+`MAX_CELLS` over all jobs. A window belongs to one placement generation of its job: a move, a shrink or
+a new registration starts it over, so a rank's samples never follow it to another node.
+
+The rule (`StepTimes.evaluate`, once per policy round, over the jobs that got reports since): at every
+step that at least `min_ranks` ranks, and at least half of the job's ranks, have reported, each rank's
+time is compared with the job's median at that step. It is *slow* there when it is at least `ratio`
+times the median and at least `mad_k` robust standard deviations (1.4826 x the median absolute
+deviation across ranks) and `min_excess_seconds` above it. A rank is **fail-slow** when it was slow in
+at least `min_steps` of its last `window` judged steps, and stays so until fewer than half that
+many remain. The time compared is the compute part when every rank at that step measured it, else
+the whole step: in a synchronous data-parallel job every rank's whole step is the same (all wait for
+the slowest at the all-reduce), so only the compute part tells the culprit; the whole step still does
+for jobs whose ranks do not wait for each other. A node is fail-slow in a job when one of its ranks is.
+The rule is job-relative: the slow ranks must be fewer than half of the job's, or the median moves.
+docs/service.md ("Fail-slow") describes it for operators; the settings are `FailSlowSettings`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from foreshock.service.errors import (
+    FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError)
+from foreshock.service.jobs import MAX_RANKS, MAX_STEP, check_id, check_node
+from foreshock.service.domain import Job
+
+MAX_SAMPLES_PER_REPORT = 1024     # StepTimes in one ReportStepTimes (the migrator sends at most 256)
+MAX_STEP_SECONDS = 86_400.0
+MAX_CELLS = 32 << 20              # (step, rank) cells kept over all jobs: 256 MiB of float32 pairs
+MAD_SIGMA = 1.4826                # the median absolute deviation of a normal sample, in standard deviations
+
+
+@dataclass
+class FailSlowSettings:
+    """The fail-slow rule's thresholds (module docstring). Each is range-checked here; an error names
+    it as `fail_slow_<field>`, the name `foreshock serve` gives it."""
+
+    enabled: bool = True
+    ratio: float = 1.2              # a rank's time at a step, over the job's median there
+    min_steps: int = 12             # slow in at least this many ...
+    window: int = 16                # ... of its last this many judged steps
+    min_ranks: int = 3              # ranks that reported a step before it is judged (and half the job's)
+    mad_k: float = 3.0              # and this many robust standard deviations above the median
+    min_excess_seconds: float = 0.002   # and this much above it: sub-millisecond jitter is no fault
+
+    _RANGES = {"ratio": (1.05, 10.0), "min_steps": (1, 1024), "window": (2, 1024),
+               "min_ranks": (3, MAX_RANKS), "mad_k": (0.0, 100.0), "min_excess_seconds": (0.0, 3600.0)}
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name not in self._RANGES:
+                continue
+            low, high = self._RANGES[f.name]
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"fail_slow_{f.name} {value!r} must be in [{low:g}, {high:g}]")
+            if isinstance(low, int):
+                if value != int(value):
+                    raise ValueError(f"fail_slow_{f.name} {value!r} must be a whole number")
+                setattr(self, f.name, int(value))
+        if self.min_steps > self.window:
+            raise ValueError(f"fail_slow_min_steps {self.min_steps} must be <= fail_slow_window {self.window}")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"fail_slow {self.enabled!r} must be true or false")
+
+
+@dataclass(frozen=True)
+class FailSlow:
+    """A node held fail-slow in one job, with its slowest rank's figures over the window."""
+
+    job_id: str
+    node: str
+    rank: int
+    ratio: float          # the rank's median time over the job's median, over its judged steps
+    slow_steps: int
+    judged_steps: int
+    measure: str          # "compute" or "step": what was compared at most of those steps
+
+    def reason(self, s: FailSlowSettings) -> str:
+        what = "compute time" if self.measure == "compute" else "step time"
+        return (f"fail-slow: rank {self.rank} {what} {self.ratio:.2f}x its job's median, at or above "
+                f"{s.ratio:g}x in {self.slow_steps} of its last {self.judged_steps} steps")
+
+
+class _Window:
+    """One job's step times under one placement generation."""
+
+    def __init__(self, job: Job, slots: int):
+        self.generation = job.generation
+        self.column = {r.rank: i for i, r in enumerate(job.ranks)}
+        self.nodes = [r.node for r in job.ranks]
+        self.steps = np.full(slots, -1, dtype=np.int64)
+        self.total = np.full((slots, len(job.ranks)), np.nan, dtype=np.float32)
+        self.compute = np.full((slots, len(job.ranks)), np.nan, dtype=np.float32)
+        self.dirty = False
+
+    @property
+    def cells(self) -> int:
+        return self.total.size
+
+
+class StepTimes:
+    """Per job, a bounded window of step times per rank; the fail-slow rule over it. Thread-safe."""
+
+    def __init__(self, settings: FailSlowSettings, store, *, max_cells: int = MAX_CELLS):
+        self.settings = settings
+        self.store = store
+        self.max_cells = max_cells
+        self._windows: dict[str, _Window] = {}
+        self._held: dict[tuple[str, str], FailSlow] = {}   # (node, job) -> in alarm
+        self._lock = threading.Lock()
+        self.samples = {"kept": 0, "old": 0, "repeated": 0}   # old: before the window; repeated: kept already
+        self.refused_reports = 0
+
+    def _slots(self) -> int:
+        return 2 * self.settings.window   # room for ranks whose reports come a batch late
+
+    # -- reports -------------------------------------------------------------------------------------
+    def record(self, job_id: str, rank: int, node: str, samples) -> int:
+        """Keep one rank's report: `samples` are (step, step_seconds, compute_seconds). Returns how
+        many were kept. Every field is checked before anything is kept; an error names the field."""
+        try:
+            return self._record(job_id, rank, node, samples)
+        except ServiceError:
+            with self._lock:
+                self.refused_reports += 1
+            raise
+
+    def _record(self, job_id: str, rank: int, node: str, samples) -> int:
+        check_id("job_id", job_id)
+        check_node("node", node)
+        samples = list(samples)
+        if not samples:
+            raise InvalidArgument(f"job {job_id!r} rank {rank}: steps is empty")
+        if len(samples) > MAX_SAMPLES_PER_REPORT:
+            raise InvalidArgument(f"job {job_id!r} rank {rank}: steps holds {len(samples)} step times; "
+                                  f"at most {MAX_SAMPLES_PER_REPORT} per report")
+        for i, (step, total, compute) in enumerate(samples):
+            if not 0 <= step <= MAX_STEP:
+                raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].step {step} out of range")
+            if not (math.isfinite(total) and 0 < total <= MAX_STEP_SECONDS):
+                raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].step_seconds {total!r} must "
+                                      f"be finite, in (0, {MAX_STEP_SECONDS:g}]")
+            if not (math.isfinite(compute) and 0 <= compute <= total):
+                raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].compute_seconds {compute!r} "
+                                      f"must be finite, in [0, step_seconds {total!r}]")
+        job = self.store.find_job(job_id)
+        if job is None:
+            raise NotFound(f"job {job_id!r} is not registered")
+        placed = {r.rank: r.node for r in job.ranks}
+        if rank not in placed:
+            raise InvalidArgument(f"job {job_id!r} has no rank {rank} (ranks 0..{max(placed)})")
+        if placed[rank] != node:
+            raise FailedPrecondition(f"job {job_id!r} rank {rank} is placed on node {placed[rank]!r}, not "
+                                     f"{node!r} (a move not yet known to one side); not kept")
+        with self._lock:
+            w = self._windows.get(job_id)
+            if w is None or w.generation != job.generation:
+                in_use = sum(x.cells for j, x in self._windows.items() if j != job_id)
+                if in_use + self._slots() * len(job.ranks) > self.max_cells:
+                    raise ResourceExhausted(f"job {job_id!r}: step-time windows are full ({in_use} of "
+                                            f"{self.max_cells} cells in use); not kept")
+                w = self._windows[job_id] = _Window(job, self._slots())
+            col = w.column[rank]
+            kept = old = 0
+            slots = len(w.steps)
+            for step, total, compute in samples:
+                slot = step % slots
+                if w.steps[slot] != step:
+                    if w.steps[slot] > step:
+                        old += 1
+                        continue
+                    w.steps[slot] = step
+                    w.total[slot] = np.nan
+                    w.compute[slot] = np.nan
+                elif not np.isnan(w.total[slot, col]):
+                    continue           # repeated
+                w.total[slot, col] = total
+                w.compute[slot, col] = compute
+                kept += 1
+            if kept:
+                w.dirty = True
+            self.samples["kept"] += kept
+            self.samples["old"] += old
+            self.samples["repeated"] += len(samples) - kept - old
+        return kept
+
+    # -- the rule ------------------------------------------------------------------------------------
+    def evaluate(self, jobs: list[Job]) -> dict[tuple[str, str], FailSlow]:
+        """Judge the jobs with new reports; returns every (node, job) now held fail-slow. `jobs`: the
+        registered jobs now (a window of a job gone, or of an older placement, is dropped)."""
+        current = {j.job_id: j.generation for j in jobs}
+        with self._lock:
+            for job_id in [j for j, w in self._windows.items() if current.get(j) != w.generation]:
+                del self._windows[job_id]
+            for key in [k for k in self._held if k[1] not in self._windows]:
+                del self._held[key]
+            if not self.settings.enabled:
+                self._held.clear()
+                return {}
+            for job_id, w in self._windows.items():
+                if not w.dirty:
+                    continue
+                w.dirty = False
+                before = {k for k in self._held if k[1] == job_id}
+                for key in before:
+                    del self._held[key]
+                self._held.update(self._judge(job_id, w, before))
+            return dict(self._held)
+
+    def _judge(self, job_id: str, w: _Window, before: set[tuple[str, str]]) -> dict[tuple[str, str], FailSlow]:
+        """The job's (node, job) held fail-slow now; `before`: those held until now (hysteresis)."""
+        s = self.settings
+        order = np.argsort(-w.steps)
+        order = order[w.steps[order] >= 0]
+        total, compute = w.total[order].astype(np.float64), w.compute[order].astype(np.float64)
+        valid = ~np.isnan(total)
+        n = valid.sum(axis=1)
+        judged = n >= max(s.min_ranks, math.ceil(len(w.nodes) / 2))
+        # the compute part where every rank reporting that step measured it, else the whole step
+        use_compute = np.all(~valid | (compute > 0), axis=1)[judged]
+        x = np.where(use_compute[:, None], compute[judged], total[judged])
+        if not len(x):
+            return {}
+        with np.errstate(all="ignore"):
+            med = np.nanmedian(x, axis=1)
+            mad = np.nanmedian(np.abs(x - med[:, None]), axis=1)
+            floor = np.maximum(s.min_excess_seconds, s.mad_k * MAD_SIGMA * mad)
+            slow = (x >= s.ratio * med[:, None]) & (x - med[:, None] >= floor[:, None])
+            rel = x / med[:, None]
+        seen = ~np.isnan(x)
+        # each rank's last window judged steps (rows are newest first)
+        in_window = seen & (np.cumsum(seen, axis=0) <= s.window)
+        slow_steps = (slow & in_window).sum(axis=0)
+        judged_steps = in_window.sum(axis=0)
+        out: dict[tuple[str, str], FailSlow] = {}
+        ranks = {col: rank for rank, col in w.column.items()}
+        for col in np.flatnonzero(slow_steps > 0).tolist():
+            node, rank = w.nodes[col], ranks[col]
+            need = max(1, s.min_steps // 2) if (node, job_id) in before else s.min_steps
+            if slow_steps[col] < need:
+                continue
+            rows = in_window[:, col]
+            ratio = float(np.median(rel[rows, col]))
+            measure = "compute" if use_compute[rows].mean() >= 0.5 else "step"
+            verdict = FailSlow(job_id, node, rank, ratio, int(slow_steps[col]), int(judged_steps[col]), measure)
+            best = out.get((node, job_id))
+            if best is None or verdict.ratio > best.ratio:
+                out[(node, job_id)] = verdict
+        return out
+
+
+__all__ = ["StepTimes", "FailSlowSettings", "FailSlow", "MAX_SAMPLES_PER_REPORT"]

@@ -1,0 +1,300 @@
+"""Job step times and the fail-slow rule: the migrator's gRPC client reporting each rank's step times to
+a real control plane on a port (service/steptimes.py, docs/service.md "Fail-slow").
+
+A synchronous job is modelled as it runs: every rank's whole step is the same (all wait for the slowest
+in the all-reduce), and only the compute part differs."""
+
+from __future__ import annotations
+
+import math
+import random
+import socket
+import subprocess
+import time
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from foreshock.migrator import MigratorConfig, ServiceClient
+from foreshock.service.scoring import NullScorer
+from foreshock.service.server import Settings, SettingsError, build_server
+from foreshock.v1 import jobs_pb2 as pb
+from foreshock.v1 import jobs_pb2_grpc
+
+T = 5.0
+NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
+POLICY = {"lead_seconds": 0.1, "min_steps_ahead": 3, "stale_seconds": 3600.0}
+
+
+@pytest.fixture
+def plane(tmp_path):
+    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), policy=POLICY,
+                                                decision_flush_seconds=3600))
+    p.start()
+    yield p
+    p.stop(grace=0.2)
+
+
+@pytest.fixture
+def stub(plane):
+    with grpc.insecure_channel(plane.address) as ch:
+        yield jobs_pb2_grpc.JobsStub(ch)
+
+
+def _register(stub, job="j1", nodes=NODES, spares=("s0",)):
+    return stub.RegisterJob(pb.RegisterJobRequest(
+        job_id=job, ranks=[pb.RankPlacement(rank=i, node=n) for i, n in enumerate(nodes)],
+        spare_nodes=list(spares), fallback=pb.FALLBACK_POLICY_SHRINK), timeout=T)
+
+
+def _clients(address, job="j1", nodes=NODES, interval=0.05):
+    out = []
+    for rank, node in enumerate(nodes):
+        config = MigratorConfig.from_env({}, job_id=job, rank=rank, world_size=len(nodes), node=node,
+                                         store="127.0.0.1:1", service=address, rpc_timeout_s=1.0,
+                                         step_report_interval_s=interval)
+        out.append(ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3))
+    return out
+
+
+def _run_job(clients, steps, compute_of, seed=0):
+    """Each rank records `steps` synchronous steps: compute_of(rank, step) seconds of its own work,
+    then the all-reduce, which ends for everyone when the slowest rank has entered it."""
+    rng = random.Random(seed)
+    for step in range(steps):
+        compute = [compute_of(rank, step, rng) for rank in range(len(clients))]
+        total = max(compute) + 0.01
+        for rank, c in enumerate(clients):
+            c.record_step_time(rank, step, total, compute[rank])
+
+
+def _wait(pred, timeout=10.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not met in {timeout} s")
+
+
+def _directives(stub, job="j1"):
+    return list(stub.ListDirectives(pb.ListDirectivesRequest(job_id=job), timeout=T).directives)
+
+
+def _kept(plane):
+    return plane.step_times.samples["kept"]
+
+
+def _received(plane):
+    """Step times the service has taken in: kept, old (a rank's batch that came after the others'
+    newer steps had pushed its steps out of the window) or repeated."""
+    return sum(plane.step_times.samples.values())
+
+
+def _close(clients):
+    for c in clients:
+        c.close()
+
+
+def _metric(plane, name, labels):
+    for family in plane.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def test_a_rank_slow_in_its_compute_gets_a_fail_slow_directive_for_its_node(plane, stub):
+    _register(stub)
+    clients = _clients(plane.address)
+    try:
+        # rank 2 computes 1.5x as long as the others; every rank's whole step is the same
+        _run_job(clients, 40, lambda r, s, rng: (0.075 if r == 2 else 0.05) * rng.uniform(0.97, 1.03))
+        d = _wait(lambda: _directives(stub), what="a directive")[0]
+        assert d.cause == pb.DIRECTIVE_CAUSE_FAIL_SLOW
+        assert (d.kind, list(d.ranks), d.from_node, d.to_node) == (pb.DIRECTIVE_KIND_EVACUATE, [2], "n2", "s0")
+        assert "fail-slow: rank 2 compute time 1.5" in d.reason, d.reason
+        _wait(lambda: _received(plane) == 40 * len(NODES), what="every step time in")
+        assert all(c.dropped_step_times == 0 for c in clients)
+        # its own alarm class: logged, and exported per node and job
+        kinds = [(r["kind"], r["node"]) for r in plane.decisions.buffered()]
+        assert ("fail_slow", "n2") in kinds and ("evacuate", "n2") in kinds
+        assert _metric(plane, "foreshock_node_fail_slow", {"node": "n2", "job": "j1"}) == 1.0
+        assert 1.4 < _metric(plane, "foreshock_node_fail_slow_ratio", {"node": "n2", "job": "j1"}) < 1.6
+        assert _metric(plane, "foreshock_node_fail_slow", {"node": "n1", "job": "j1"}) is None
+        text = generate_latest(plane.registry).decode()
+        assert 'foreshock_node_fail_slow{job="j1",node="n2"} 1.0' in text
+        checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                                 timeout=30)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        # the move completes: the window starts over on the new placement and the alarm clears
+        for phase in (pb.ACK_PHASE_ACCEPTED, pb.ACK_PHASE_STATE_TRANSFERRED, pb.ACK_PHASE_COMPLETED):
+            stub.AckDirective(pb.AckDirectiveRequest(job_id="j1", directive_id=d.directive_id, rank=0,
+                                                     phase=phase), timeout=T)
+        _wait(lambda: not plane.policy.fail_slow, what="the alarm to clear")
+        assert ("fail_slow_cleared", "n2") in [(r["kind"], r["node"]) for r in plane.decisions.buffered()]
+    finally:
+        _close(clients)
+
+
+def test_a_job_whose_ranks_are_all_equally_slow_raises_no_alarm(plane, stub):
+    _register(stub)
+    clients = _clients(plane.address)
+    try:
+        # the whole job runs at twice its usual step time, every rank alike (jitter of a few per cent)
+        _run_job(clients, 40, lambda r, s, rng: 0.1 * rng.uniform(0.95, 1.05))
+        _wait(lambda: _received(plane) == 40 * len(NODES), what="every step time in")
+        rounds = plane.scoring.rounds["interval"]
+        _wait(lambda: plane.scoring.rounds["interval"] >= rounds + 3, what="three policy rounds")
+        assert plane.policy.fail_slow == {}
+        assert _directives(stub) == []
+        assert "fail_slow" not in [r["kind"] for r in plane.decisions.buffered()]
+    finally:
+        _close(clients)
+
+
+def test_an_occasional_slow_step_is_not_fail_slow(plane, stub):
+    _register(stub)
+    clients = _clients(plane.address)
+    try:
+        # rank 4 is slow at one step in four (a garbage collection, a checkpoint write): under 12 of 16
+        _run_job(clients, 40, lambda r, s, rng: 0.1 if (r == 4 and s % 4 == 0) else 0.05)
+        _wait(lambda: _received(plane) == 40 * len(NODES), what="every step time in")
+        rounds = plane.scoring.rounds["interval"]
+        _wait(lambda: plane.scoring.rounds["interval"] >= rounds + 3, what="three policy rounds")
+        assert plane.policy.fail_slow == {}
+    finally:
+        _close(clients)
+
+
+def test_fail_slow_directives_keep_the_jobs_limits(plane, stub):
+    _register(stub)
+    clients = _clients(plane.address)
+    try:
+        # two slow nodes, one active evacuation per job (the default): the second waits, and says so
+        _run_job(clients, 40, lambda r, s, rng: 0.08 if r in (1, 4) else 0.05)
+        _wait(lambda: len(plane.policy.fail_slow) == 2, what="two nodes fail-slow")
+        _wait(lambda: _directives(stub), what="a directive")
+        rounds = plane.scoring.rounds["interval"]
+        _wait(lambda: plane.scoring.rounds["interval"] >= rounds + 3, what="three policy rounds")
+        ds = _directives(stub)      # the second node waits for the first's move: one directive
+        assert len(ds) == 1 and ds[0].cause == pb.DIRECTIVE_CAUSE_FAIL_SLOW
+        assert "deferred_max_concurrent" in [r["kind"] for r in plane.decisions.buffered()]
+    finally:
+        _close(clients)
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_unreachable_control_plane_drops_and_counts_and_never_raises():
+    config = MigratorConfig.from_env({}, job_id="j1", rank=0, world_size=1, node="n0", store="127.0.0.1:1",
+                                     service=f"127.0.0.1:{_closed_port()}", rpc_timeout_s=0.5,
+                                     step_report_interval_s=0.05)
+    client = ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3)
+    try:
+        for step in range(3000):      # the loop goes on; the ring holds 1,024, the rest is counted
+            client.record_step_time(0, step, 0.01, 0.005)
+        _wait(lambda: client.dropped_step_times == 3000, what="every step time counted as dropped")
+        assert client.sent_step_times == 0 and not client.healthy
+    finally:
+        client.close()
+
+
+def _report(stub, steps, job="j1", rank=0, node="n0"):
+    request = pb.ReportStepTimesRequest(job_id=job, rank=rank, node=node, steps=steps)
+    return stub.ReportStepTimes(request, timeout=T)
+
+
+@pytest.mark.parametrize("steps, rank, node, job, code, words", [
+    ([pb.StepTime(step=1, step_seconds=-0.5)], 0, "n0", "j1", "INVALID_ARGUMENT", "steps[0].step_seconds -0.5"),
+    ([pb.StepTime(step=1, step_seconds=0.5), pb.StepTime(step=2, step_seconds=math.nan)], 0, "n0", "j1",
+     "INVALID_ARGUMENT", "steps[1].step_seconds nan"),
+    ([pb.StepTime(step=1, step_seconds=0.5, compute_seconds=0.9)], 0, "n0", "j1", "INVALID_ARGUMENT",
+     "steps[0].compute_seconds 0.9"),
+    ([pb.StepTime(step=1, step_seconds=0.5, compute_seconds=-1)], 0, "n0", "j1", "INVALID_ARGUMENT",
+     "steps[0].compute_seconds -1"),
+    ([pb.StepTime(step=i, step_seconds=0.5) for i in range(1025)], 0, "n0", "j1", "INVALID_ARGUMENT",
+     "at most 1024"),
+    ([], 0, "n0", "j1", "INVALID_ARGUMENT", "steps is empty"),
+    ([pb.StepTime(step=1, step_seconds=0.5)], 17, "n0", "j1", "INVALID_ARGUMENT", "has no rank 17"),
+    ([pb.StepTime(step=1, step_seconds=0.5)], 0, "n9", "j1", "FAILED_PRECONDITION",
+     "placed on node 'n0', not 'n9'"),
+    ([pb.StepTime(step=1, step_seconds=0.5)], 0, "bad node!", "j1", "INVALID_ARGUMENT", "node 'bad node!'"),
+    ([pb.StepTime(step=1, step_seconds=0.5)], 0, "n0", "nope", "NOT_FOUND", "job 'nope' is not registered"),
+])
+def test_bad_step_times_are_refused_naming_the_field(plane, stub, steps, rank, node, job, code, words):
+    _register(stub)
+    with pytest.raises(grpc.RpcError) as err:
+        _report(stub, steps, job=job, rank=rank, node=node)
+    assert err.value.code().name == code
+    assert words in err.value.details(), err.value.details()
+    assert _kept(plane) == 0 and plane.step_times.refused_reports == 1
+    # the service keeps running, and takes a good report
+    assert _report(stub, [pb.StepTime(step=1, step_seconds=0.5, compute_seconds=0.4)]).accepted == 1
+    assert _report(stub, [pb.StepTime(step=1, step_seconds=0.5, compute_seconds=0.4)]).accepted == 0  # re-sent
+
+
+def test_every_rpc_has_its_roles_so_none_is_open_by_omission():
+    from foreshock.service.auth import PERMISSIONS
+    for service in pb.DESCRIPTOR.services_by_name.values():
+        for method in service.methods:
+            assert f"/{service.full_name}/{method.name}" in PERMISSIONS, method.name
+    assert PERMISSIONS["/foreshock.v1.Jobs/ReportStepTimes"] == {"job", "operator"}
+
+
+def test_fail_slow_settings_are_range_checked(tmp_path):
+    for bad, words in (({"ratio": 1.0}, "fail_slow_ratio 1.0"),
+                       ({"window": 8, "min_steps": 9}, "fail_slow_min_steps 9 must be <= fail_slow_window 8"),
+                       ({"min_ranks": 2}, "fail_slow_min_ranks 2"), ({"mad_k": math.nan}, "fail_slow_mad_k nan"),
+                       ({"window": 2.5}, "fail_slow_window 2.5"), ({"windows": 3}, "windows")):
+        with pytest.raises(SettingsError, match="fail_slow") as err:
+            build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), fail_slow=bad))
+        assert words in str(err.value)
+
+
+def test_serve_takes_the_fail_slow_settings_from_its_config(tmp_path):
+    from foreshock import config
+    from foreshock.service import command
+
+    cfg = config.resolve("serve", command.DEFAULTS, env={"FORESHOCK_SERVE_FAIL_SLOW_RATIO": "1.5"},
+                         flags={"fail_slow_window": 20, "state": str(tmp_path), "no_model": True,
+                                "insecure": True, "metrics_listen": ""},
+                         checks=command.CHECKS)
+    settings = command.settings_from(cfg)
+    assert settings.fail_slow == {"enabled": True, "ratio": 1.5, "min_steps": 12, "window": 20}
+    plane = build_server(settings)   # not started: the settings are checked at construction
+    assert (plane.step_times.settings.ratio, plane.step_times.settings.window) == (1.5, 20)
+    plane.store.close()
+    cfg["fail_slow_min_steps"] = 30
+    with pytest.raises(SettingsError, match="fail_slow_min_steps 30 must be <= fail_slow_window 20"):
+        build_server(command.settings_from(cfg))
+
+
+def test_ranks_cut_their_reports_into_the_same_blocks_of_steps():
+    from foreshock.migrator.client import step_block
+
+    assert step_block(0.1, 5.0) == 32 and step_block(0.01, 5.0) == 256 and step_block(0.001, 5.0) == 256
+    assert step_block(10.0, 5.0) == 1 and step_block(2.5, 5.0) == 2
+
+
+def test_short_steps_are_judged_with_every_rank(plane, stub):
+    """Steps of 10 ms: each rank sends blocks of 256 steps aligned on step numbers, more than the
+    service's window holds; it keeps the newest steps of each block, which every rank sent."""
+    _register(stub)
+    clients = _clients(plane.address, interval=2.56)
+    try:
+        _run_job(clients, 512, lambda r, s, rng: 0.012 if r == 3 else 0.008)
+        _wait(lambda: all(c.sent_step_times == 512 for c in clients), what="every block sent")
+        (d,) = _wait(lambda: _directives(stub), what="a directive")
+        assert (d.cause, d.from_node) == (pb.DIRECTIVE_CAUSE_FAIL_SLOW, "n3")
+        assert plane.step_times.samples["kept"] >= len(NODES) * 32
+    finally:
+        _close(clients)
