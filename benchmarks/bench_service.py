@@ -3,6 +3,9 @@
     .venv/bin/python -m benchmarks service [--nodes 2048] [--seconds 200] [--probe 3072,4096]
     BENCH_GENERATOR_NICE=19 ...   the load generator at the lowest priority (the collectors elsewhere)
     BENCH_CLOSE_HOLD=0 ...        the service without its close hold (`--close-hold-seconds`), to compare
+    BENCH_ARCHIVE=1 ...           the service with its archive (`--archive`, service/archive.py) in the
+                                  run's temporary directory (32 MiB buffer, files every 30 s), to compare
+                                  the scoring path with and without
 
 Three processes: the service (build_server, insecure loopback, a small model trained here through the
 predictor's registry), a load generator (grpc.aio: one bidirectional stream per node, as real
@@ -80,12 +83,17 @@ def train_model(out: Path) -> Path:
 
 
 def serve(state: str, model: str, port_file: str) -> int:
+    from foreshock.service.archive import ArchiveSettings
     from foreshock.service.server import Settings, build_server, tune_gc, tune_malloc, tune_threads
+    # Small bounds, so that the archive sorts, writes and publishes all through the run (the defaults
+    # would hold a 130 s run in memory and write it at the stop, outside the measured window).
+    archive = ArchiveSettings(str(Path(state).parent / "archive"), buffer_bytes=32 << 20, roll_seconds=30) \
+        if os.environ.get("BENCH_ARCHIVE") == "1" else None
     plane = build_server(Settings.insecure_loopback(
         state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
         scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
         close_hold_seconds=float(os.environ.get("BENCH_CLOSE_HOLD", "0.5")),
-        policy={"cooldown_seconds": 0.0}))
+        policy={"cooldown_seconds": 0.0}, archive=archive))
     port = plane.start()
     tune_gc()   # as `foreshock serve` does
     tune_malloc()
@@ -557,8 +565,13 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
         for stream, _ in watchers:
             stream.cancel()
         ch.close()
+        archive = _metrics(ports["metrics"], ["foreshock_archive_up", "foreshock_archive_files_total",
+                                              "foreshock_archive_written_bytes_total",
+                                              "foreshock_archive_dropped_bytes_total",
+                                              "foreshock_archive_buffered_bytes"])
     finally:
         stop_processes(gens, server)
+    files = sorted((tmp / "archive").rglob("*.parquet")) if (tmp / "archive").is_dir() else []
     sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items() if v is not None}
     fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
     step_last = {}
@@ -605,6 +618,9 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
         "scoring_round_mean_ms": round_sum / rounds * 1e3 if rounds else float("nan"),
         "watermark_closes": watermark_closes,
         "close_holds": holds[0], "close_holds_expired": holds[1], "close_hold_seconds": holds[2],
+        # before the stop (files written mid-run, buffered), and the files there after it
+        "archive_up_files_bytes_dropped_buffered": archive,
+        "archive_files_after_stop": [f.stat().st_size for f in files],
     }
 
 
@@ -678,6 +694,12 @@ def report(r: dict) -> None:
     if closes:
         print("  risk per close (from the step's last sample): " + "; ".join(
             f"{len(x)} crossings, {min(x):.0f}-{max(x):.0f} ms" for x in closes))
+    a = r.get("archive_up_files_bytes_dropped_buffered")
+    if a and a[0] == a[0]:   # NaN: no archive
+        sizes = r["archive_files_after_stop"]
+        print(f"  archive: up {a[0]:.0f}, {a[1]:.0f} files ({a[2] / 2**20:.1f} MiB) written during the run, "
+              f"{a[4] / 2**20:.1f} MiB buffered, {a[3]:.0f} bytes dropped; after the stop {len(sizes)} files, "
+              f"{sum(sizes) / 2**20:.1f} MiB, largest {max(sizes, default=0) / 2**20:.1f} MiB")
     h = r["close_holds"]
     print(f"  streams held for closing rounds: {h:.0f} times, {r['close_holds_expired']:.0f} ran out, "
           f"{r['close_hold_seconds'] / h * 1e3 if h else float('nan'):.0f} ms on average")

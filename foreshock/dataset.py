@@ -17,6 +17,15 @@ writes no row twice. The buffer is bounded (`max_buffer_rows`): reaching it clos
 The spool is bounded too: when the dataset outgrows `max_bytes`, or the disk's free space drops under
 `min_free_bytes`, the oldest closed files are deleted and counted; writing never blocks sampling.
 
+The control plane's archive (`foreshock serve --archive`, service/archive.py) writes the same tables
+one level up, a file per table and date holding every node, sorted by node then ts:
+
+    ROOT/table=<table>/date=<YYYY-MM-DD>/part-<first ts ns>-<writer id>-<n>.parquet
+
+The readers here take both layouts, in one dataset too: files directly under a date are filtered by
+their `node` column (row groups pruned by its statistics), and list_nodes reads the node names those
+files carry in their footer (`foreshock.nodes`, NODES_KEY) or, lacking it, their node column.
+
 `node` stays a column inside each file as well as a path component, so a single file is self-describing;
 the reader here prunes by path and reads the in-file columns. In the files it is dictionary-encoded
 strings (int32 indices), the type pyarrow infers for a hive path key: with a plain string column,
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import json
 import logging
 import os
 import threading
@@ -42,6 +52,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from foreshock import schema as sch
@@ -112,6 +123,95 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class AtomicParquetFile:
+    """A Parquet file published whole: written a run of row groups at a time (`write`) where no reader
+    looks, and put in place by `commit()`; `abort()` leaves nothing.
+
+    On the local filesystem (`filesystem` None or local) it is written under a dot-name beside `path`
+    (`.NAME.tmp`, which readers skip), and commit() syncs it, renames it over `path` and syncs the
+    directory. On any other pyarrow filesystem (an object store: S3, GCS, ...) it is written to `path`
+    directly: an object becomes visible only whole, when its upload completes at commit(), and a
+    rename there is a copy. `options` are pyarrow.parquet.ParquetWriter's."""
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema, *, filesystem: pafs.FileSystem | None = None,
+                 fsync: bool = True, **options):
+        self.local = filesystem is None or isinstance(filesystem, pafs.LocalFileSystem)
+        self.fs = pafs.LocalFileSystem() if self.local else filesystem
+        self.path = str(path)
+        self.fsync = fsync
+        head, _, name = self.path.rpartition("/")
+        self.tmp = f"{head}/.{name}.tmp" if self.local else self.path
+        self._sink = self.fs.open_output_stream(self.tmp)
+        try:
+            self._writer = pq.ParquetWriter(self._sink, schema, **options)
+        except BaseException:
+            self._sink.close()
+            self._remove()
+            raise
+        self._open = True
+
+    def write(self, data: pa.Table, row_group_size: int | None = None) -> None:
+        self._writer.write_table(data, row_group_size=row_group_size)
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the footer comes at commit)."""
+        return self._sink.tell()
+
+    def commit(self, metadata: dict[bytes, bytes] | None = None) -> int:
+        """Finish the file (with `metadata` in its footer) and put it in place; returns its size."""
+        try:
+            if metadata:
+                self._writer.add_key_value_metadata(metadata)
+            self._writer.close()
+            self._sink.close()
+            self._open = False
+            if self.local:
+                if self.fsync:
+                    fd = os.open(self.tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                os.replace(self.tmp, self.path)
+                if self.fsync:
+                    _fsync_dir(Path(self.path).parent)
+        except BaseException:
+            self.abort()
+            raise
+        return self.fs.get_file_info(self.path).size
+
+    def abort(self) -> None:
+        """Close and remove what was written (errors here are not raised: the file is lost either way)."""
+        if self._open:
+            self._open = False
+            for close in (self._writer.close, self._sink.close):
+                try:
+                    close()
+                except (OSError, pa.ArrowException):
+                    pass
+        self._remove()
+
+    def _remove(self) -> None:
+        try:
+            self.fs.delete_file(self.tmp)
+        except (OSError, pa.ArrowException):
+            pass
+
+
+def write_parquet_atomic(data: pa.Table, path: str | os.PathLike, *, filesystem: pafs.FileSystem | None = None,
+                         fsync: bool = True, row_group_size: int | None = None, **options) -> int:
+    """Write `data` as the Parquet file `path` at once, so that no reader ever sees part of it
+    (AtomicParquetFile); returns its size. On an error nothing is left under either name."""
+    f = AtomicParquetFile(path, data.schema, filesystem=filesystem, fsync=fsync, **options)
+    try:
+        f.write(data, row_group_size)
+    except BaseException:
+        f.abort()
+        raise
+    return f.commit()
 
 
 def _read_journal(fh) -> pa.Table | None:
@@ -338,26 +438,17 @@ class DatasetWriter:
                 self._seq += 1
                 token = f"{self._id}-{self._seq:06d}"
         name = f"part-{first_ts:019d}-{token}.parquet"
-        tmp = directory / f".{name}.tmp"
         final = directory / name
         if skip_existing and final.exists():
             return None
         options = {"compression": COMPRESSION, "use_dictionary": True, "write_statistics": True,
                    **self.parquet_options.get("*", {}), **self.parquet_options.get(table, {})}
-        pq.write_table(_node_as_path_key(part), tmp, **options)
-        if self.fsync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.replace(tmp, final)
-        if self.fsync:  # the rename itself, and a new partition's entries up to the root
-            for d in [directory, *(directory.parents if created else ())]:
+        size = write_parquet_atomic(_node_as_path_key(part), final, fsync=self.fsync, **options)
+        if self.fsync and created:  # a new partition's entries up to the root
+            for d in directory.parents:
                 _fsync_dir(d)
                 if d == self.root:
                     break
-        size = final.stat().st_size
         self.stats.files_written += 1
         self.stats.bytes_written += size
         with self._lock:
@@ -455,8 +546,39 @@ def _node_as_path_key(part: pa.Table) -> pa.Table:
 
 
 # -- reading ---------------------------------------------------------------------------------------
+NODES_KEY = b"foreshock.nodes"   # a file of many nodes: their names (a JSON list) in its footer's key-value metadata
+
+
+def _data_file(name: str) -> bool:
+    return name.endswith(".parquet") and not name.startswith((".", "_"))
+
+
+_DATE_FILES: dict[str, tuple[int, list[str]]] = {}   # date directory -> (its mtime, its files)
+
+
+def date_files(date_dir: str | os.PathLike) -> list[str]:
+    """The Parquet files directly in a `date=` directory (the archive's layout), sorted. Cached per
+    directory and its mtime: a node-partitioned date holds thousands of node directories, and the
+    offline reader asks once per node."""
+    date_dir = str(date_dir)
+    try:
+        mtime = os.stat(date_dir).st_mtime_ns
+    except FileNotFoundError:
+        return []
+    got = _DATE_FILES.get(date_dir)
+    if got is None or got[0] != mtime:
+        with os.scandir(date_dir) as it:
+            files = sorted(os.path.join(date_dir, e.name) for e in it if _data_file(e.name) and e.is_file())
+        if len(_DATE_FILES) >= 4096:
+            _DATE_FILES.clear()
+        got = _DATE_FILES[date_dir] = (mtime, files)
+    return got[1]
+
+
 def partition_files(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | None = None,
                     dates: Iterable[str] | None = None) -> list[Path]:
+    """The table's files: each node partition's, and, whatever `nodes` says, those directly under a
+    date (the archive's, every node in one file: read_table filters their rows)."""
     base = Path(root) / f"table={table}"
     if not base.exists():
         return []
@@ -466,6 +588,7 @@ def partition_files(root: str | os.PathLike, table: str, *, nodes: Iterable[str]
     for ddir in sorted(base.iterdir()):
         if not ddir.name.startswith("date=") or (date_dirs is not None and ddir.name not in date_dirs):
             continue
+        out.extend(Path(f) for f in date_files(ddir))
         for ndir in sorted(ddir.iterdir()):
             if not ndir.name.startswith("node=") or (node_dirs is not None and ndir.name not in node_dirs):
                 continue
@@ -473,23 +596,43 @@ def partition_files(root: str | os.PathLike, table: str, *, nodes: Iterable[str]
     return out
 
 
+def file_nodes(path: str | os.PathLike) -> set[str]:
+    """The nodes of a file that holds many (the archive's): from its footer, else its node column."""
+    f = pq.ParquetFile(str(path))
+    meta = f.metadata.metadata or {}
+    if NODES_KEY in meta:
+        return set(json.loads(meta[NODES_KEY]))
+    out: set[str] = set()
+    for i in range(f.num_row_groups):   # a row group at a time: bounded memory
+        out.update(pc.unique(f.read_row_group(i, columns=["node"]).column("node")).to_pylist())
+    return out
+
+
 def list_nodes(root: str | os.PathLike, table: str) -> list[str]:
     base = Path(root) / f"table={table}"
     if not base.exists():
         return []
-    names = {n.name[len("node="):] for d in base.glob("date=*") for n in d.glob("node=*")}
-    return sorted(urllib.parse.unquote(n) for n in names)
+    names = {urllib.parse.unquote(n.name[len("node="):]) for d in base.glob("date=*") for n in d.glob("node=*")}
+    for d in base.glob("date=*"):
+        for f in date_files(d):
+            names |= file_nodes(f)
+    return sorted(names)
 
 
 def read_table(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | None = None,
                dates: Iterable[str] | None = None, columns: list[str] | None = None,
                filter: pc.Expression | None = None) -> pa.Table:
     """Read one table (optionally some nodes/dates/columns), sorted by node then ts, in schema v1."""
+    nodes = None if nodes is None else list(nodes)
     files = partition_files(root, table, nodes=nodes, dates=dates)
     full = sch.schema(table)
     if not files:
         empty = full.empty_table()
         return empty.select(columns) if columns else empty
+    if nodes is not None and any(f.parent.name.startswith("date=") for f in files):
+        # files of many nodes among them: keep the rows of these nodes (node partitions hold only them)
+        mine = pc.field("node").isin(nodes)
+        filter = mine if filter is None else (filter & mine)
     dataset = pads.dataset([str(f) for f in files], schema=full, format="parquet")
     data = dataset.to_table(columns=columns, filter=filter)
     keys = [k for k in ("node", "ts") if k in data.column_names]

@@ -1,6 +1,7 @@
 """Offline feature building: a schema-v1 Parquet dataset, streamed node partition by node partition.
 
-Reads the dataset of foreshock/dataset.py (ROOT/table=/date=/node=) with `iter`-style per-node reads,
+Reads the dataset of foreshock/dataset.py (ROOT/table=/date=/node=, and the archive's files directly
+under a date, filtered by node) with `iter`-style per-node reads,
 so memory is bounded by one node's rows plus a per-(group, step) table of peer totals, whatever the
 dataset's size; each node is independent work, so the same passes could run on a cluster engine.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
@@ -82,28 +84,36 @@ def read_node(root, node: str, dates: dict[str, list[str]] | None = None) -> dic
     The node's partition directories are named directly (dataset.partition_dir) for each date of the
     table (`dates`, listed once by the caller): listing every node's directory of every date for each
     node read would cost nodes^2 directory entries.
+
+    The archive's files (every node's rows in one file per table and date, dataset.date_files) are
+    read with a filter on the node, which their row groups' statistics mostly answer.
     """
     out = {}
     for table in sg.TABLES:
-        files = []
+        files, shared = [], []
         for date in (dates[table] if dates is not None else _dates(root, table)):
             pdir = ds.partition_dir(Path(root), table, date, node)
+            shared += ds.date_files(pdir.parent)
             try:
                 names = os.listdir(pdir)
             except FileNotFoundError:
                 continue
             files.extend(str(pdir / f) for f in sorted(names)
                          if f.endswith(".parquet") and not f.startswith((".", "_")))
-        if not files:
-            continue
         # in file order, unsorted: SampleStage sorts each entity's rows by time itself (stably, so
         # duplicates resolve as after read_table's stable sort)
+        parts = []
         try:
-            data = pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
-                columns=sg._needed_columns(table))
+            if files:
+                parts.append(pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
+                    columns=sg._needed_columns(table)))
+            if shared:
+                parts.append(pads.dataset(shared, schema=sch.schema(table), format="parquet").to_table(
+                    columns=sg._needed_columns(table), filter=pc.field("node") == node))
         except (OSError, pa.ArrowException) as exc:
-            raise ValueError(f"{_unreadable(files) or f'table={table}, node {node}'}: {exc}") from exc
-        if data.num_rows:
+            raise ValueError(f"{_unreadable(files + shared) or f'table={table}, node {node}'}: {exc}") from exc
+        data = pa.concat_tables(parts) if len(parts) > 1 else (parts[0] if parts else None)
+        if data is not None and data.num_rows:
             out[table] = data
     return out
 

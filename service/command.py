@@ -59,6 +59,19 @@ DEFAULTS = {
     "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
     "xid_context_min_nodes": 3,
     "xid_context_fraction": 0.25,
+    "archive": "",               # a directory or URI: everything taken in, as Parquet (service/archive.py)
+    "archive_file_bytes": 128 << 20,     # a file is published once it holds this many Parquet bytes ...
+    "archive_roll_seconds": 900.0,       # ... or once its table's oldest rows not published waited this long
+    "archive_buffer_bytes": 256 << 20,   # rows in memory, every table's together; over it, the largest
+    #                                      table's go into its file as a run sorted by node
+    "archive_queue_bytes": 256 << 20,    # waiting for the archive's writer; beyond, dropped and counted
+}
+# The archive's ranges: service/archive.py's ArchiveSettings holds its values to these too.
+ARCHIVE_CHECKS = {
+    "archive_file_bytes": config.between(1 << 20, 16 << 30),
+    "archive_buffer_bytes": config.between(1 << 20, 64 << 30),
+    "archive_roll_seconds": config.between(1, 86_400),
+    "archive_queue_bytes": config.between(1 << 20, 16 << 30),
 }
 # close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
 # the fail_slow_* values by service/steptimes.py's FailSlowSettings; the xid_context_* ranges by
@@ -72,6 +85,7 @@ CHECKS = {
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
+    **ARCHIVE_CHECKS,
 }
 
 
@@ -102,6 +116,19 @@ def register(subparsers) -> None:
     p.add_argument("--history", metavar="DIR",
                    help="dataset with an incidents table (foreshock history import, or your own): export the "
                         "node history score (foreshock_node_history_risk) hourly and prefer clean spares")
+    p.add_argument("--archive", metavar="DIR_OR_URI",
+                   help="write every telemetry table taken in, the decisions and the incidents to this "
+                        "hive-partitioned Parquet dataset (a directory, or s3://... where pyarrow has it), "
+                        "which foreshock train and evaluate read as is")
+    p.add_argument("--archive-file-bytes", type=int,
+                   help="an archive file is published once it holds this many bytes of Parquet (128 MiB)")
+    p.add_argument("--archive-roll-seconds", type=float,
+                   help="... or once its table's oldest rows not yet published waited this long (900)")
+    p.add_argument("--archive-buffer-bytes", type=int,
+                   help="archive rows held in memory, all tables together (256 MiB); over it, the largest "
+                        "table's are written into its file")
+    p.add_argument("--archive-queue-bytes", type=int,
+                   help="submissions waiting for the archive's writer (256 MiB); beyond, dropped and counted")
     p.add_argument("--slurm-drain", action="store_const", const=True,
                    help="drain due nodes in Slurm (scontrol; docs/actions.md)")
     p.add_argument("--kubernetes-taint", action="store_const", const=True,
@@ -144,8 +171,17 @@ def settings_from(cfg: dict):
         tokens = load_token_file(cfg["token_file"]) if cfg["token_file"] else {}
     except ServiceError as exc:
         raise SettingsError(str(exc)) from None
+    archive = None
+    if cfg["archive"]:
+        from foreshock.service.archive import ArchiveError, ArchiveSettings
+        try:
+            archive = ArchiveSettings(cfg["archive"], file_bytes=cfg["archive_file_bytes"],
+                                      roll_seconds=cfg["archive_roll_seconds"],
+                                      buffer_bytes=cfg["archive_buffer_bytes"], queue_bytes=cfg["archive_queue_bytes"])
+        except ArchiveError as exc:
+            raise SettingsError(str(exc)) from None
     return Settings(
-        state_dir=cfg["state"], listen=cfg["listen"], metrics_listen=cfg["metrics_listen"],
+        state_dir=cfg["state"], archive=archive, listen=cfg["listen"], metrics_listen=cfg["metrics_listen"],
         model_path=model_path, scorer=scorer, insecure=cfg["insecure"], tls_cert=cfg["tls_cert"],
         tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,

@@ -1,9 +1,10 @@
 """The append-only decision log: every policy decision with its reasons, as Parquet (DECISION_SCHEMA).
 
 Layout: `STATE/decisions/date=YYYY-MM-DD/part-<first ts ns>-<writer>-<n>.parquet`, zstd. Files are
-only ever added (written under a dot-name, fsynced, renamed), never rewritten, so the log is
-append-only and a crash never leaves half a file. Rows are buffered (bounded) and written every
-`flush_seconds` and on close. What a kill takes from the buffer, the service's state still holds (every
+only ever added (written under a dot-name, fsynced, renamed: dataset.write_parquet_atomic), never
+rewritten, so the log is append-only and a crash never leaves half a file. Rows are buffered (bounded)
+and written every `flush_seconds` and on close; each flush's rows then go to the archive, when there is
+one (service/archive.py), which derives the incidents from them. What a kill takes from the buffer, the service's state still holds (every
 directive is committed to SQLite before anyone hears of it): at start, `catch_up` writes the issue of
 each directive the state has and the log lacks, marked `"recovered": true` in `details`.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 
 from foreshock import schema as sch
+from foreshock.dataset import write_parquet_atomic
 from foreshock.service.domain import DirectiveKind
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,9 @@ _COLUMNS = set(DECISION_SCHEMA.names)
 
 class DecisionLog:
     def __init__(self, root: str | Path, *, flush_seconds: float = 5.0, max_buffer_rows: int = 10_000,
-                 model_version: str = "", fsync: bool = True, clock=time.time_ns):
+                 model_version: str = "", fsync: bool = True, clock=time.time_ns, archive=None):
         self.root = Path(root)
+        self.archive = archive   # gets each flush's rows once they are in the log (service/archive.py)
         self.root.mkdir(parents=True, exist_ok=True)
         self.flush_seconds = flush_seconds
         self.max_buffer_rows = max_buffer_rows
@@ -115,16 +116,7 @@ class DecisionLog:
             d = self.root / f"date={day}"
             d.mkdir(parents=True, exist_ok=True)
             final = d / f"part-{first}-{self._id}-{seq:06d}.parquet"
-            tmp = d / f".{final.name}.tmp"
-            pq.write_table(table, tmp, compression="zstd")
-            if self.fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(tmp, final)
-            return final
+            write_parquet_atomic(table, final, fsync=self.fsync, compression="zstd")
         except Exception:
             # Keep the rows for the next attempt rather than lose decisions (bounded by max_buffer_rows).
             self.write_errors += 1
@@ -132,6 +124,9 @@ class DecisionLog:
             with self._lock:
                 self._rows = (rows + self._rows)[-self.max_buffer_rows:]
             return None
+        if self.archive is not None:
+            self.archive.take_decisions(table)
+        return final
 
     def close(self) -> None:
         self.flush()

@@ -119,6 +119,7 @@ class Pending:
     # Called (from the scoring thread) once the round that took this batch has run the policy and its
     # directives are committed: its stream acknowledges it only then (servicers.TelemetryServicer).
     acted: Callable[[], None] | None = None
+    nbytes: int = 0       # the batch's Arrow IPC bytes as received (what the archive's queue counts)
 
 
 @dataclass
@@ -179,10 +180,12 @@ class Ingest:
 
     def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
-                 clock=time.time_ns, steps=None, context: XidContext | None = None):
+                 clock=time.time_ns, steps=None, context: XidContext | None = None, archive=None):
         self.nodes = nodes
         # Xids read in context (service/xidcontext.py); None: every fatal Xid is its node's fault at once.
         self.context = context
+        # Gets every batch once its value checks have passed (service/archive.py), handed over by reference.
+        self.archive = archive
         self.steps = steps       # a steps.StepTracker: the watermarks say when a step's rows are all in
         self.sink = sink
         self.limits = limits or IngestLimits()
@@ -330,8 +333,10 @@ class Ingest:
         now = self._clock()
         self.nodes.seen(node, now)
         good: dict[str, pa.Table] = {}
+        nbytes = 0
         for name, version, buf, *omitted in tables:
             self.bytes_received += len(buf)
+            nbytes += len(buf)
             try:
                 t = self._decode(s, rejections, sequence, name, version, buf, bool(omitted and omitted[0]))
             except Exception as exc:  # never let odd input take the stream down
@@ -360,7 +365,7 @@ class Ingest:
             urgent = not URGENT_TABLES.isdisjoint(good)
             acted = on_acted if urgent else None
             result.acting = acted is not None
-            self.backlog = self.sink(Pending(s, sequence, node, good, now, acted))
+            self.backlog = self.sink(Pending(s, sequence, node, good, now, acted, nbytes))
             if urgent:
                 # A possible fatal or precursor event (Xid, link down, GPU lost) or a topology change:
                 # a round now rather than at the next interval.
@@ -500,6 +505,8 @@ class Ingest:
                 if cid and "events" in item.tables:
                     held[cid] = min(held.get(cid, item.sequence), item.sequence)
             self._holds.append((self.context.mark(), held))
+        if self.archive is not None:
+            self.archive.take_tables(out)
         return out
 
     def _round_table(self, name: str, parts, now: int) -> pa.Table | None:
@@ -653,6 +660,8 @@ class Ingest:
         self._checked(items)
         for i, table, reason, detail in reply["verdicts"]:
             self._defer(items[i], table, reason, detail)
+        if self.archive is not None:
+            self.archive.take_batches(items, reply["verdicts"], sum(item.nbytes for item in items))
         with self._lock:
             self.accepted_rows.update(reply["rows"])
         for event in reply["lost"]:

@@ -48,6 +48,10 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_xid_context_sightings_total{outcome}       collateral Xids decided: job_event | node_fault | overflow
   foreshock_xid_context_pending                        collateral Xids waiting for their window
   foreshock_xid_outstanding{node,device,xid}           1 while an Xid that another cancels holds (163 until 162)
+  foreshock_archive_up, foreshock_archive_errors_total, foreshock_archive_dropped_bytes_total,
+  foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
+  foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
+                                                       the archive (`serve --archive`, service/archive.py)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
@@ -260,6 +264,28 @@ class ControlPlaneCollector:
         for node, device, code, _ in ctx.outstanding():
             outstanding.add_metric([node, device, str(code)], 1.0)
         yield outstanding
+        if p.archive is not None:
+            yield from _archive_families(p.archive.stats())
+
+
+def _archive_families(a: dict):
+    yield GaugeMetricFamily("foreshock_archive_up", "1 while the archive writes; 0 once a write failed "
+                            "(a full disk): it stops, scoring goes on.", value=1.0 if a["up"] else 0.0)
+    yield CounterMetricFamily("foreshock_archive_errors", "Archive writes that failed, and submissions it "
+                              "could not read.", value=a["errors"])
+    yield CounterMetricFamily("foreshock_archive_dropped_bytes", "Bytes taken in that the archive did not "
+                              "write: its queue was full, or it had stopped.", value=a["dropped_bytes"])
+    rows = CounterMetricFamily("foreshock_archive_rows", "Rows written to the archive.", labels=["table"])
+    for table, n in sorted(a["rows"].items()):
+        rows.add_metric([table], n)
+    yield rows
+    yield CounterMetricFamily("foreshock_archive_files", "Parquet files written to the archive.", value=a["files"])
+    yield CounterMetricFamily("foreshock_archive_written_bytes", "Parquet bytes written to the archive.",
+                              value=a["written_bytes"])
+    yield GaugeMetricFamily("foreshock_archive_queued_bytes", "Bytes waiting for the archive's writer thread.",
+                            value=a["queued_bytes"])
+    yield GaugeMetricFamily("foreshock_archive_buffered_bytes", "Bytes buffered for the archive's next files.",
+                            value=a["buffered_bytes"])
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

@@ -6,7 +6,7 @@
     plane.stop(grace=1.0)
 
 It wires the domain objects (store, job directory, node book, ingest, scoring loop, policy, decision
-log, metrics) and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
+log, archive, metrics) and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
 runs on its own event-loop thread, so callers (tests, `foreshock serve`, the migrator's tests) use it
 from plain synchronous code. docs/service.md lists the settings and the API.
 """
@@ -32,6 +32,7 @@ from foreshock.config import parse_listen
 from foreshock.net import is_loopback
 from foreshock.service import store as store_mod
 from foreshock.service.actions import ActionSettings, NodeActions, backends_from
+from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
 from foreshock.service.auth import (
     Authenticator, AuthInterceptor, Principal, server_credentials)
 from foreshock.service.decisions import DecisionLog
@@ -99,6 +100,8 @@ class Settings:
     history_interval_seconds: float = 3600.0
     actions: ActionSettings = field(default_factory=ActionSettings)   # drain / taint nodes (off by default;
     #                                          service/actions.py, docs/actions.md)
+    archive: ArchiveSettings | None = None   # write everything taken in, the decisions and the incidents
+    #                                          to a Parquet dataset (service/archive.py); None: no archive
     scorer_checkpoint_seconds: float = 300.0   # how often the online scorer's state (baselines, day-long
     #                                          counts, counter positions) is written to state_dir, so a
     #                                          restart does not start every node's 3-day baseline over
@@ -127,6 +130,11 @@ class ControlPlane:
         # Scored before anything is opened, so a bad fault log stops the service before it serves.
         history_scores = self._history_scores(s.history_dir, (s.scoring_clock or time.time_ns)()) \
             if s.history_dir else None
+        # An archive that cannot be written stops the service before it serves, naming it.
+        try:
+            self.archive = Archive(s.archive) if s.archive is not None else None
+        except ArchiveError as exc:
+            raise SettingsError(str(exc)) from None
         self.state_dir = Path(s.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = self._scorer(s)
@@ -157,7 +165,8 @@ class ControlPlane:
         for node, topo in s.topology.items():
             self.nodes.set_topology(node, topo)
         self.decisions = DecisionLog(self.state_dir / "decisions", flush_seconds=s.decision_flush_seconds,
-                                     model_version=self.scorer.model_version, fsync=s.fsync)
+                                     model_version=self.scorer.model_version, fsync=s.fsync,
+                                     archive=self.archive)
         recovered = self.decisions.catch_up(self.store.directives())
         if recovered:
             log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
@@ -186,7 +195,7 @@ class ControlPlane:
         self.hold = CloseHold(s.close_hold_seconds)
         self.scoring.hold = self.hold
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
-                             steps=self.scoring.steps, context=self.policy.context)
+                             steps=self.scoring.steps, context=self.policy.context, archive=self.archive)
         self.scoring.gate = self.policy.context
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest._last_sequence.update(store_mod.load_sequences(self.store))
@@ -373,6 +382,8 @@ class ControlPlane:
             raise RuntimeError("control plane already started")
         ready = threading.Event()
         outcome: dict[str, Any] = {}
+        if self.archive is not None:
+            self.archive.start()
         worker = getattr(self.scoring, "worker", None)
         if worker is not None:
             # loading and checking the model takes seconds: say so, or the service looks hung
@@ -428,9 +439,9 @@ class ControlPlane:
             self.metrics_port = self._http.server_port
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
-        log.info("foreshock control plane on %s (port %d), %s; model %s; threshold %.3f; state %s",
+        log.info("foreshock control plane on %s (port %d), %s; model %s; threshold %.3f; state %s%s",
                  self.settings.listen, self.port, mode, self.scorer.model_version, self.policy.settings.threshold,
-                 self.state_dir)
+                 self.state_dir, f"; archive {self.settings.archive.uri}" if self.archive is not None else "")
         if self.settings.insecure:
             log.warning("running INSECURE on loopback: every caller has every role (demo and tests only)")
         return self.port
@@ -477,6 +488,8 @@ class ControlPlane:
             self._http.shutdown()
             self._http.server_close()
         self.decisions.close()
+        if self.archive is not None:
+            self.archive.close()   # after the decision log, whose last rows it takes
         self.store.close()
 
     def __enter__(self):
