@@ -224,10 +224,13 @@ def running_exporters(procfs_fixture: Path, base: Path):
     from foreshock.service.server import Settings, build_server
 
     # Slurm drains on, so the node-action series exist. No node is due, so scontrol never runs: any
-    # executable stands in for it where Slurm is not installed.
+    # executable stands in for it where Slurm is not installed. The archive on, so its series exist.
+    from foreshock.service.archive import ArchiveSettings
+
     plane = build_server(Settings.insecure_loopback(
         base / "state", scorer=NullScorer(), metrics_listen="127.0.0.1:0",
-        actions=ActionSettings(slurm=True, scontrol=shutil.which("scontrol") or sys.executable)))
+        actions=ActionSettings(slurm=True, scontrol=shutil.which("scontrol") or sys.executable),
+        archive=ArchiveSettings(str(base / "archive"), fsync=False)))
     collector = None
     try:
         port = plane.start()
