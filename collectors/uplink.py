@@ -185,7 +185,8 @@ class StreamingUplink:
             out["queued"] = len(self._pending)
         out.update(connected=self._connected, acked_sequence=self.acked_sequence,
                    rejected=dict(self.rejections), last_error=self.last_error, collector_id=self.collector_id)
-        for k in ("submitted", "dropped_oldest", "sent", "acked", "resent", "reconnects", "oversized"):
+        for k in ("submitted", "dropped_oldest", "sent", "acked", "resent", "reconnects", "oversized",
+                  "unsent_at_close"):
             out.setdefault(k, 0)
         return out
 
@@ -210,6 +211,14 @@ class StreamingUplink:
         self._have_work.set()
         if self._thread is not None:
             self._thread.join(max(0.5, deadline - time.monotonic() + 2.0))
+        with self._lock:
+            unsent = len(self._pending)
+            self._counts["unsent_at_close"] += unsent
+        if unsent:
+            # not lost from the node: the collector's Parquet spool holds every sweep it took
+            log.warning("uplink %s: %d sweep(s) not delivered to %s when it closed (%s); they are in the "
+                        "node's Parquet spool", self.node, unsent, self.target,
+                        "connected" if self._connected else "not connected")
 
     # -- the network side ------------------------------------------------------------------------------
     def _encode(self, seq: int, tables: dict[str, pa.Table],

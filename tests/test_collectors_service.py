@@ -317,3 +317,22 @@ def test_service_flag_builds_the_real_streaming_uplink(tmp_path):
         col.close()
     with pytest.raises(ValueError, match="mutual TLS"):
         command.build_collector(dict(cfg, tls_cert="c.pem"))
+
+
+def test_sweeps_the_uplink_could_not_deliver_at_close_are_counted_and_said(caplog):
+    import logging
+    import socket
+
+    from foreshock.collectors.uplink import StreamingUplink
+
+    with socket.socket() as s:     # a port nobody listens on: the stream never connects
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    up = StreamingUplink(f"127.0.0.1:{port}", node="n1", backoff_initial=0.1).start()
+    inv = sch.to_table("inventory", [{"ts": 0, "node": "n1"}])
+    for _ in range(3):
+        assert up.submit({"inventory": inv})
+    with caplog.at_level(logging.WARNING, logger="foreshock.collectors.uplink"):
+        up.close(0.2)
+    assert up.stats()["unsent_at_close"] == 3 and up.stats()["queued"] == 3
+    assert "3 sweep(s) not delivered" in caplog.text and "Parquet spool" in caplog.text
