@@ -277,6 +277,22 @@ class ScoringLoop:
     def backlog(self) -> int:
         return len(self._queue)
 
+    def _settled(self) -> bool:
+        """Nothing received is waiting to be taken into a round."""
+        return not self._queue
+
+    def drain_backlog(self, timeout: float = 5.0) -> bool:
+        """Ask the running loop for rounds until everything received has been taken (checked, scored,
+        archived), at most `timeout` seconds; True when it all was. For stop(): call it once the
+        receipt has stopped, so that telemetry a collector was acknowledged for is not left queued."""
+        if self._thread is None or not self._thread.is_alive():
+            return self._settled()
+        end = time.monotonic() + timeout
+        while not self._settled() and time.monotonic() < end:
+            self.wake("flush")
+            time.sleep(0.02)
+        return self._settled()
+
     def _acted(self, items) -> None:
         """acted(), unless a collateral Xid taken so far is still undecided: the round's batches wait until
         it is (at most the context's window after it was taken, which bounds _unsettled; each stream

@@ -477,6 +477,9 @@ class ControlPlane:
         self._history_stop.set()
         if self._history_thread is not None:
             self._history_thread.join(5)
+        # nothing new arrives now: what collectors were acknowledged for is taken (and archived) first
+        if not self.scoring.drain_backlog(5.0):
+            log.warning("stopping with %d telemetry batches not yet taken", self.scoring.backlog())
         self.scoring.stop()
         self.policy.close_context(self.clock())
         if self.actions is not None:

@@ -483,6 +483,11 @@ class RemoteScoringLoop(ScoringLoop):
             return True
         return self.scorer.next_due_ns(self._last_score_ns) <= self._clock()
 
+    def _settled(self) -> bool:
+        with self._feed_cv:
+            in_flight = self._busy or bool(self._feed_q)
+        return not self._queue and not in_flight and not self._replies
+
     # -- the feeder thread ---------------------------------------------------------------------------
     def _feed(self) -> None:
         while True:

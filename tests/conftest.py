@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))   # tests/support.py, the helpers the tests share
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FORESHOCK_SHARED", REPO.parent / "shared"))

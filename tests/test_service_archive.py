@@ -5,6 +5,7 @@ written stops the service at start."""
 
 from __future__ import annotations
 
+import functools
 import datetime as dt
 import errno
 import json
@@ -41,19 +42,14 @@ from foreshock.simulator.live import LiveCluster
 from foreshock.simulator.topology import Topology
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc
+from support import wait_until
 
 T = 10
 TELEMETRY = [t for t in sch.TABLES if t != "incidents"]
 FILE_RE = re.compile(r"^table=[a-z_]+/date=\d{4}-\d{2}-\d{2}/part-\d{19}-[0-9a-f]{8}-\d{6}\.parquet$")
 
 
-def _wait(pred, timeout=20.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
+_wait = functools.partial(wait_until, timeout=20.0)
 
 
 class Serve:
@@ -216,7 +212,7 @@ def test_train_on_the_archive_gives_the_model_of_the_data_the_service_was_sent(t
                 up.submit({t: d.filter(pc.equal(hour[t], h)) for t, d in data.items()
                            if pc.any(pc.equal(hour[t], h)).as_py()})
             # close() gives up at once on a stream not yet connected: wait for the acks first
-            assert _wait(lambda: up.stats()["acked"] == up.stats()["submitted"], timeout=60), up.stats()
+            assert _wait(lambda: up.stats()["acked"] == up.stats()["submitted"], timeout=180), up.stats()
             up.close(5.0)
     finally:
         plane.stop(0.5)
@@ -488,3 +484,27 @@ def test_the_readers_take_both_layouts_in_one_dataset(tmp_path):
     assert offline.read_node(tmp_path, "a2")["gpu"].num_rows == 4
     meta = pq.ParquetFile(next((tmp_path / "table=gpu").glob("date=*/part-*.parquet"))).metadata.metadata
     assert json.loads(meta[ds.NODES_KEY]) == ["a1", "a2"]
+
+
+@pytest.mark.parametrize("scoring_process", [False, True])
+def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path, scoring_process):
+    """Telemetry acknowledged but still queued for its round when the service stops is taken (and so
+    archived) before the scoring loop ends, not left behind: the loop's drains are made rare here, so
+    every batch is still queued at stop."""
+    archive = tmp_path / "archive"
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", scoring_process=scoring_process,
+                                                    archive=ArchiveSettings(str(archive), fsync=False)))
+    plane.start()
+    plane.scoring.drain_interval = 3600.0
+    try:
+        up = StreamingUplink(plane.address, node="q1", backoff_initial=0.1).start()
+        now = time.time_ns()
+        for k in range(5):
+            up.submit({"gpu": _gpu("q1", 8, now + k * 1_000_000_000)})
+        assert _wait(lambda: up.stats()["acked"] == 5)
+        assert plane.scoring.backlog() == 5          # acknowledged, not yet taken
+    finally:
+        plane.stop(0.5)                              # the collector is still streaming
+        up.close(0.5)
+    assert plane.scoring.backlog() == 0
+    assert ds.read_table(archive, "gpu").num_rows == 40

@@ -21,6 +21,7 @@ from foreshock.service.scoring import NullScorer
 from foreshock.service.server import Settings, SettingsError, build_server
 from foreshock.v1 import jobs_pb2 as pb
 from foreshock.v1 import jobs_pb2_grpc
+from support import wait_until
 
 T = 5.0
 NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
@@ -70,13 +71,10 @@ def _run_job(clients, steps, compute_of, seed=0):
 
 
 def _wait(pred, timeout=10.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met in {timeout} s")
+    value = wait_until(pred, timeout, 0.02)
+    if not value:
+        raise AssertionError(f"{what} not met in {timeout} s")
+    return value
 
 
 def _directives(stub, job="j1"):

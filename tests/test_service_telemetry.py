@@ -26,17 +26,12 @@ from foreshock.simulator.live import LiveCluster
 from foreshock.simulator.topology import Topology
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc, telemetry_pb2 as tpb, telemetry_pb2_grpc
+from support import wait_until
 
 T = 10
 
 
-def _wait(pred, timeout=15.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
+_wait = wait_until
 
 
 def _drain(stream, into):

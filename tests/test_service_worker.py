@@ -4,6 +4,7 @@ the scoring worker process (its verdicts, its scores, and its death: reported, r
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue
@@ -24,17 +25,12 @@ from foreshock.service.scoring import NullScorer
 from foreshock.service.server import Settings, build_server
 from foreshock.v1 import telemetry_pb2 as tpb
 from foreshock.v1 import telemetry_pb2_grpc
+from support import wait_until
 
 T = 10
 
 
-def _wait(pred, timeout=15.0, step=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
+_wait = functools.partial(wait_until, step=0.02)
 
 
 class RawStream:

@@ -6,6 +6,7 @@ at most a window later; Xids that are never collateral act at once; 162 cancels 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -30,18 +31,13 @@ from foreshock.service.store import StateStore
 from foreshock.service.xidcontext import need
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc
+from support import wait_until
 
 T = 10
 S = 1_000_000_000
 
 
-def _wait(pred, timeout=30.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
+_wait = functools.partial(wait_until, timeout=30.0)
 
 
 def _xid(pci: str, code: int, message: str, pid: int = 4242) -> str:
