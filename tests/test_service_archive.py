@@ -5,19 +5,17 @@ written stops the service at start."""
 
 from __future__ import annotations
 
-import functools
 import datetime as dt
 import errno
+import functools
 import json
 import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -42,7 +40,7 @@ from foreshock.simulator.live import LiveCluster
 from foreshock.simulator.topology import Topology
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc
-from support import wait_until
+from support import Serve, wait_until
 
 T = 10
 TELEMETRY = [t for t in sch.TABLES if t != "incidents"]
@@ -50,38 +48,6 @@ FILE_RE = re.compile(r"^table=[a-z_]+/date=\d{4}-\d{2}-\d{2}/part-\d{19}-[0-9a-f
 
 
 _wait = functools.partial(wait_until, timeout=20.0)
-
-
-class Serve:
-    """`foreshock serve` as a process, insecure on loopback, with /metrics on a free port."""
-
-    def __init__(self, state, *extra):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", "127.0.0.1:0",
-             "--metrics-listen", "127.0.0.1:0", "--no-model", "--state", str(state), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.proc.kill()
-            raise AssertionError(f"serve did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
-        self.address = line.split("listening on ")[1].split(",")[0].split(" ")[0]
-        self.metrics = line.split("metrics on ")[1].split(" ")[0]
-
-    def metric(self, name: str) -> float:
-        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=T).read().decode()
-        got = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ")]
-        assert got, f"{name} not exported"
-        return got[0]
-
-    def term(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 class Sweepers:

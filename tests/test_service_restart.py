@@ -4,8 +4,6 @@ nothing acknowledged is lost, nothing is issued twice, finished directives are n
 from __future__ import annotations
 
 import datetime as dt
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,31 +16,9 @@ from foreshock import schema as sch
 from foreshock.service.decisions import read_decisions
 from foreshock.v1 import jobs_pb2 as pb
 from foreshock.v1 import jobs_pb2_grpc, telemetry_pb2 as tpb, telemetry_pb2_grpc
+from support import Serve
 
 T = 10
-
-
-class Serve:
-    def __init__(self, state, *extra):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", "127.0.0.1:0",
-             "--metrics-listen", "", "--no-model", "--state", str(state), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.proc.kill()
-            raise AssertionError(f"serve did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
-        assert "INSECURE" in line
-        self.address = line.split("listening on ")[1].split(" ")[0].rstrip(",")
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def term(self):
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(15)
 
 
 def _fatal_batch(node, seq, xid=95):
@@ -67,6 +43,7 @@ def _job_on_n1_then_its_fatal_event(channel, xid=95):
 def test_kill_mid_directive_restart_loses_nothing_and_issues_nothing_twice(tmp_path):
     state = tmp_path / "state"
     a = Serve(state)
+    assert "INSECURE" in a.banner
     try:
         with grpc.insecure_channel(a.address) as ch:
             jobs = jobs_pb2_grpc.JobsStub(ch)
