@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from pathlib import Path
 
 import numpy as np
 
 from foreshock import risk
 from foreshock.predictor import evaluate as ev
+from foreshock.predictor import registry
 
 DEFAULT_PRIOR_NODE_DAYS = 1000.0
 PRIOR_NODE_DAYS_RANGE = (1.0, 1e7)
@@ -171,8 +173,6 @@ def fleet_calibrated(nodes, incidents, manifest: dict, types: dict, horizon_s: i
                      refit_hours: float = DEFAULT_REFIT_HOURS) -> dict:
     """evaluate's `fleet_calibrated` section: `name`'s figures at the thresholds a fleet re-fitting them
     every `refit_hours` on its own decided false evacuations would have had in force, per budget."""
-    from foreshock.predictor import registry
-
     own = [registry.manifest_threshold(manifest, b, name) for b in budgets]
     curve = (manifest.get("threshold_curves") or {}).get(name)
     if not curve or any(t is None for t in own):
@@ -215,10 +215,6 @@ def calibrate_model(data_dir, model_dir, out_dir, *, prior_node_days: float = DE
     the data its thresholds were fitted on is flagged). Raises ValueError on data the model trained
     on (its own training steps score low, so the thresholds would come out too low) and on an
     `out_dir` that is the model's own."""
-    from pathlib import Path
-
-    from foreshock.predictor import registry
-
     check_prior_node_days(prior_node_days)
     if Path(out_dir).resolve() == Path(model_dir or registry.default_model_path()).resolve():
         raise ValueError(f"--out {out_dir} is the model's own directory: write the calibrated model to a new one")

@@ -199,7 +199,6 @@ def threshold_curve(nodes, name, incidents, horizon_s) -> list[tuple[float, floa
     return out
 
 
-
 def step_metrics(nodes: list[NodeScores], name: str) -> dict:
     y = np.concatenate([ns.y[ns.usable] for ns in nodes]).astype(int)
     p = np.concatenate([ns.scores[name][ns.usable] for ns in nodes]).astype(np.float64)

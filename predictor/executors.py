@@ -121,13 +121,12 @@ class RayExecutor(Executor):
             _check_answers(address, connect_timeout_s)
         if ray.is_initialized() and address and ray.get_runtime_context().gcs_address != address:
             ray.shutdown()   # this process is joined to another cluster (a test, a notebook)
-        if ray.is_initialized():
-            pass
-        elif address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
-            self._started_here = True
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
+                self._started_here = True
         cpus = int(ray.cluster_resources().get("CPU", self.workers))
         self.in_flight = 2 * max(1, cpus)
         self._remote: dict[Callable, object] = {}

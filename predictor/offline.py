@@ -374,6 +374,8 @@ class FeatureBuilder:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"dataset directory {self.root} does not exist")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
         self.nodes = nodes if nodes is not None else list_dataset_nodes(self.root)
         self.inventory = Inventory.read(self.root)
         self.progress = progress
@@ -384,8 +386,6 @@ class FeatureBuilder:
         self._ranges: dict[str, tuple[int, int]] = {}
         self.totals: PeerTotals | None = None
         self._run = ""
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
         self.on_error = on_error
         self.skipped: dict[str, str] = {}    # node -> why its partition was left out (on_error="skip")
         try:
@@ -413,7 +413,7 @@ class FeatureBuilder:
         the file; with on_error="skip" it yields None for it instead, and `skipped` says why."""
         keep_going = self.on_error == "skip"
         try:
-            for k, result in enumerate(self._executor.map(fn, argses, labels, keep_going=keep_going)):
+            for result in self._executor.map(fn, argses, labels, keep_going=keep_going):
                 if isinstance(result, executors.WorkError):
                     self.skipped[result.label] = str(result)
                     log.warning("dataset %s: node partition %s left out", self.root, result)
