@@ -114,6 +114,33 @@ class NvmlBackend(Protocol):
 
 
 # -- the real side ----------------------------------------------------------------------------------
+# The fabric-information structs as nvml.h declares them (nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t,
+# nvmlGpuFabricInfo_v3_t). They are declared here rather than taken from the binding because bindings
+# have declared them wrongly: nvidia-ml-py 12.5xx-13.5xx give the deprecated struct an 80-byte
+# clusterUuid (the header's is 16), so every field after it reads the zeroed tail of the buffer and a
+# registered GPU looks "not supported". nvmlGpuFabricState_t is an unsigned char in the header.
+class _FabricInfoV1(ctypes.Structure):
+    _fields_ = [("clusterUuid", ctypes.c_ubyte * fabric.UUID_LEN), ("status", ctypes.c_uint),
+                ("cliqueId", ctypes.c_uint), ("state", ctypes.c_ubyte)]
+
+
+class _FabricInfoV2(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_ubyte * fabric.UUID_LEN),
+                ("status", ctypes.c_uint), ("cliqueId", ctypes.c_uint), ("state", ctypes.c_ubyte),
+                ("healthMask", ctypes.c_uint)]
+
+
+class _FabricInfoV3(ctypes.Structure):
+    _fields_ = [*_FabricInfoV2._fields_, ("healthSummary", ctypes.c_ubyte)]
+
+
+def _versioned(struct: type[ctypes.Structure], version: int) -> ctypes.Structure:
+    """An empty struct with its version word set as NVML_STRUCT_VERSION does: sizeof | version << 24."""
+    info = struct()
+    info.version = ctypes.sizeof(struct) | (version << 24)
+    return info
+
+
 class PynvmlBackend:
     """NvmlBackend over nvidia-ml-py (`import pynvml`). Raises HardwareAbsent when NVML cannot load."""
 
@@ -234,13 +261,11 @@ class PynvmlBackend:
     def gpu_fabric_info(self, h):
         # Newest first: the V entry point with struct v3 (health summary), then v2 (health mask; a driver
         # that predates v3 answers ARGUMENT_VERSION_MISMATCH), then the deprecated entry point of drivers
-        # without V (no mask). A binding too old to declare a struct or a call skips it.
+        # without V (no mask). A binding without a call skips it.
         n = self._n
         if hasattr(n, "nvmlDeviceGetGpuFabricInfoV"):
-            for struct in (getattr(n, "c_nvmlGpuFabricInfo_v3_t", None), getattr(n, "c_nvmlGpuFabricInfo_v2_t", None)):
-                if struct is None:
-                    continue
-                info = struct()
+            for struct, version in ((_FabricInfoV3, 3), (_FabricInfoV2, 2)):
+                info = _versioned(struct, version)
                 try:
                     self._call(self._n.nvmlDeviceGetGpuFabricInfoV, h, ctypes.byref(info))
                 except NvmlFunctionNotFound:
@@ -251,10 +276,10 @@ class PynvmlBackend:
                     raise
                 return fabric.FabricInfo(bytes(info.clusterUuid), int(info.status), int(info.cliqueId),
                                          int(info.state), int(info.healthMask),
-                                         int(info.healthSummary) if hasattr(info, "healthSummary") else None)
-        if not hasattr(n, "nvmlDeviceGetGpuFabricInfo") or not hasattr(n, "c_nvmlGpuFabricInfo_t"):
+                                         int(info.healthSummary) if version == 3 else None)
+        if not hasattr(n, "nvmlDeviceGetGpuFabricInfo"):
             raise NvmlNotSupported("this nvidia-ml-py has no GPU fabric information")
-        info = self._n.c_nvmlGpuFabricInfo_t()
+        info = _FabricInfoV1()
         self._call(self._n.nvmlDeviceGetGpuFabricInfo, h, ctypes.byref(info))
         return fabric.FabricInfo(bytes(info.clusterUuid), int(info.status), int(info.cliqueId), int(info.state))
 

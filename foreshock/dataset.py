@@ -534,7 +534,9 @@ def _split_partitions(data: pa.Table) -> Iterator[tuple[tuple[str, str], pa.Tabl
         yield (date, node), taken.slice(int(s), int(e - s))
 
 
-NODE_IN_FILE = pa.dictionary(pa.int32(), pa.string())   # the type hive partitioning infers for node=...
+# the type pyarrow.parquet's hive discovery infers for node=... (infer_dictionary=True); a bare
+# pyarrow.dataset.dataset(partitioning="hive") infers string and refuses to merge the two (docs/schema.md)
+NODE_IN_FILE = pa.dictionary(pa.int32(), pa.string())
 
 
 def _node_as_path_key(part: pa.Table) -> pa.Table:

@@ -174,7 +174,8 @@ def run_worker(spec: dict) -> int:
         optimizer.zero_grad(set_to_none=True)
 
     mig = Migrator(config, model=model, optimizer=optimizer, scheduler=scheduler,
-                   per_rank={"data": position}, warmup=None if reshard else warmup, reshard=reshard)
+                   per_rank={"data": position}, warmup=None if reshard else warmup, reshard=reshard,
+                   backend=spec.get("backend"))
     name = f"rank{config.rank}" if config.role == "rank" else f"spare-{config.node}"
     record: dict[str, Any] = {"pid": os.getpid(), "role": config.role, "node": config.node, "name": name,
                               "losses": {}, "walls": {}, "hashes": {}, "changes": [], "exit": "", "ranks": {}}
@@ -356,7 +357,7 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
            spare_env: dict[str, str] | None = None, transfer_timeout_s: float = 30.0,
            log_level: str = "WARNING", batch_size: int = 16,
            registered_spares: list[str] | None = None, mode: str = "ddp", hold_at: int | None = None,
-           slow_nodes: dict[str, float] | None = None) -> Job:
+           slow_nodes: dict[str, float] | None = None, spare_backend: str | None = None) -> Job:
     """Start a job of len(nodes) ranks (rank i on nodes[i]) and one warm spare per entry of `spares`
     (`registered_spares`: the spare nodes told to the service, by default `spares`). `mode`: "ddp" (the
     migrator makes the group and wraps DDP), "adopt" (the script makes both, env:// as under torchrun),
@@ -365,7 +366,8 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
     hold_at - 1 (progress == hold_at) until `Job.release()`, so a test can act on a job at a known step
     however slowly or quickly the machine runs it. `slow_nodes`: node -> seconds each process on it
     sleeps between its forward and backward passes (a fail-slow node; a spare that takes over elsewhere
-    is not slowed)."""
+    is not slowed). `spare_backend`: the backend each spare's Migrator is given (default: its own
+    choice, NCCL where CUDA is); on joining, the job's backend wins."""
     import torch.distributed as dist
     from datetime import timedelta
     out = Path(out_dir)
@@ -388,7 +390,8 @@ def launch(job_id: str, nodes: list[str], spares: list[str], *, steps: int, out_
         e = {**common, "FORESHOCK_ROLE": "spare", "FORESHOCK_NODE": node, "FORESHOCK_RANK": "-1",
              **(spare_env or {})}
         key = f"spare-{node}" if spares.count(node) == 1 else f"spare-{node}-{i}"
-        procs[key] = ctx.Process(target=_worker_entry, args=({**base, "env": e},), name=f"{job_id}-{key}")
+        procs[key] = ctx.Process(target=_worker_entry, args=({**base, "env": e, "backend": spare_backend},),
+                                 name=f"{job_id}-{key}")
     for rank, node in enumerate(nodes):
         e = {**common, "FORESHOCK_ROLE": "rank", "FORESHOCK_NODE": node, "FORESHOCK_RANK": str(rank),
              # what torchrun gives its workers, for the modes where the script makes the group (env://)

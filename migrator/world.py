@@ -545,6 +545,7 @@ class Migrator:
                 log.exception("planning the switch for %s failed", d.directive_id)
                 plan = {"directive_id": d.directive_id, "kind": "rejected", "coordinator": self.rank,
                         "reason": f"planning failed: {exc!r}"[:500], "spares": []}
+            plan["backend"] = self.backend
             for sp in plan.get("spares", []):
                 self._store.set(f"{self._p}assign/{sp['node']}/{sp['slot']}", json.dumps(plan))
             self._store.set(key, json.dumps(plan))
@@ -651,6 +652,7 @@ class Migrator:
                 log.exception("planning the heal failed")
                 plan = {"kind": "checkpoint_exit", "survivors": sorted(reported), "checkpoint": False,
                         "reason": f"planning the heal failed: {exc!r}"[:500]}
+            plan["backend"] = self.backend
             for sp in plan.get("spares", []):
                 self._store.set(f"{self._p}assign/{sp['node']}/{sp['slot']}", json.dumps(plan))
             self._store.set(f"{hk}plan", json.dumps(plan))
@@ -1066,6 +1068,7 @@ class Migrator:
         if not outcome.startswith("commit"):
             return False
         self.book.finish(did)
+        self._take_job_backend(plan)
         self._open_source_for(me["replaces"])
         self._enter_world(plan, new_rank=me["replaces"], shards=shards)
         if shards is not None:
@@ -1076,6 +1079,16 @@ class Migrator:
         self._step_t = time.monotonic()
         self._times.begin()
         return True
+
+    def _take_job_backend(self, plan: dict) -> None:
+        """A joining spare forms the new world with the job's backend, which the plan carries, whatever
+        it would have chosen alone: a spare on a CUDA machine defaults to NCCL, and in a gloo job it
+        would wait for NCCL peers that never come (seen on a lent H200, docs/migrator.md "NCCL")."""
+        job = plan.get("backend")
+        if job and job != self.backend:
+            log.info("spare %s: the job trains on %s, not %s; joining with %s",
+                     self.config.node, job, self.backend, job)
+            self.backend, self.seam = job, backend_seam(job)
 
     def _open_source_for(self, rank: int) -> None:
         self.rank = rank

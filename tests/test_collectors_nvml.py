@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import ctypes
 import inspect
 import time
 
@@ -261,6 +262,19 @@ def _raising(code):
     return fn
 
 
+def test_the_fabric_structs_are_the_headers():
+    # nvml.h: a 16-byte cluster UUID, an unsigned-char state, and NVML_STRUCT_VERSION's version words,
+    # which the binding also exports (where it does)
+    assert ctypes.sizeof(nvml._FabricInfoV1) == 28
+    assert nvml._versioned(nvml._FabricInfoV2, 2).version == 0x02000024
+    assert nvml._versioned(nvml._FabricInfoV3, 3).version == 0x03000028
+    for name, struct, version in (("nvmlGpuFabricInfo_v2", nvml._FabricInfoV2, 2),
+                                  ("nvmlGpuFabricInfo_v3", nvml._FabricInfoV3, 3)):
+        if hasattr(pynvml, name):
+            assert nvml._versioned(struct, version).version == getattr(pynvml, name)
+    assert nvml._FabricInfoV1.state.offset == 24 and nvml._FabricInfoV3.healthSummary.offset == 36
+
+
 def _bare_backend():
     backend = PynvmlBackend.__new__(PynvmlBackend)  # skip nvmlInit: there is no libnvidia-ml here
     backend._n = pynvml
@@ -306,20 +320,30 @@ def test_the_fabric_constants_are_nvmls():
              "fabric_route_unhealthy": "ROUTE_UNHEALTHY", "fabric_access_timeout_recovery": "ACCESS_TIMEOUT_RECOVERY",
              "fabric_incorrect_configuration": "INCORRECT_CONFIGURATION", "fabric_gfm_disconnected": "GFM_STATE"}
     assert {f.column for f in fabric.HEALTH_FIELDS} == set(names)
+    # bindings before the one that added GFM_STATE (seen on the lent H200's image) give every two-bit
+    # field a width of 0x11, which would read bit 4 of the next field; the header's width is 0x3
+    corrected_widths = hasattr(pynvml, "NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_GFM_STATE")
     for f in fabric.HEALTH_FIELDS:
         nv = names[f.column]
-        assert (f.shift, f.width) == (getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{nv}"),
-                                      getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_{nv}")), f.column
+        if not hasattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{nv}"):
+            continue   # a binding older than the field (13.5xx has no GFM_STATE): nothing to compare with
+        assert f.shift == getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{nv}"), f.column
+        if corrected_widths:
+            assert f.width == getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_{nv}"), f.column
         if f.column == "fabric_gfm_disconnected":
             assert (f.true, f.false) == (pynvml.NVML_GPU_FABRIC_HEALTH_MASK_GFM_STATE_DISCONNECTED,
                                          pynvml.NVML_GPU_FABRIC_HEALTH_MASK_GFM_STATE_CONNECTED)
         elif f.codes is None:
             assert (f.true, f.false) == (getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_{nv}_TRUE"),
                                          getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_{nv}_FALSE"))
-    codes = {getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_{k}") for k in (
+    codes = {getattr(pynvml, f"NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_{k}", None) for k in (
         "NONE", "INCORRECT_SYSGUID", "INCORRECT_CHASSIS_SN", "NO_PARTITION", "INSUFFICIENT_NVLINKS",
-        "INCOMPATIBLE_GPU_FW", "INVALID_LOCATION", "GPU_STATE_INVALID")}
-    assert codes == set(fabric.INCORRECT_CONFIGURATIONS)
+        "INCOMPATIBLE_GPU_FW", "INVALID_LOCATION", "GPU_STATE_INVALID")} - {None}
+    assert codes <= set(fabric.INCORRECT_CONFIGURATIONS)   # an older binding declares fewer
+    if corrected_widths:
+        assert codes == set(fabric.INCORRECT_CONFIGURATIONS)
+    if not hasattr(pynvml, "NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY"):
+        return                 # 12.5xx bindings predate struct v3's health summary
     assert set(fabric.HEALTH_SUMMARIES) == {pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY,
                                             pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_UNHEALTHY,
                                             pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY}

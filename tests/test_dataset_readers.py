@@ -8,6 +8,7 @@ import datetime as dt
 import duckdb
 import pandas as pd
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -43,6 +44,16 @@ def test_pandas_reads_a_table_directory(gpu_table):
 def test_pyarrow_reads_a_table_directory(gpu_table):
     path, expected = gpu_table
     t = pq.read_table(path)
+    assert _pairs(t.column("node").to_pylist(), t.column("ecc_corrected_volatile").to_pylist()) == expected
+
+
+def test_pyarrow_dataset_reads_a_table_directory_with_the_documented_partitioning(gpu_table):
+    import pyarrow.dataset as ds
+    path, expected = gpu_table
+    with pytest.raises(pa.ArrowTypeError, match="node"):
+        ds.dataset(path, format="parquet", partitioning="hive").to_table()   # the trap docs/schema.md names
+    t = ds.dataset(path, format="parquet",
+                   partitioning=ds.HivePartitioning.discover(infer_dictionary=True)).to_table()
     assert _pairs(t.column("node").to_pylist(), t.column("ecc_corrected_volatile").to_pylist()) == expected
 
 

@@ -41,8 +41,11 @@ def fsdp_jobs(tmp_path_factory):
                                       params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="fsdp",
                                       fallback="shrink", registered_spares=[SPARE], hold_at=4)
     # HSDP: two replicas of a 2-rank shard group; rank 1 (shard 1 of replica 0) moves
+    # its spare is told NCCL, as a spare on a GPU node picks by itself: it must join with the job's
+    # gloo (on the lent H200 a spare that kept NCCL left the new world waiting for its peers)
     jobs["hsdp"] = example.launch("hsdp", NODES, [SPARE], steps=STEPS, out_dir=tmp / "hsdp", seed=SEED,
-                                  params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="hsdp", hold_at=4)
+                                  params=6000, step_sleep_s=0.02, transfer_timeout_s=30.0, mode="hsdp", hold_at=4,
+                                  spare_backend="nccl")
     try:
         jobs["hsdp"].wait_progress(4, timeout=180)
         publish_directive(jobs["hsdp"].store, "hsdp", Directive("hs-1", DirectiveKind.EVACUATE, (1,), NODES[1], SPARE,
