@@ -32,7 +32,7 @@ from scipy.signal import lfilter
 
 from foreshock.predictor import signals as sg
 
-FEATURE_VERSION = "5"
+FEATURE_VERSION = "6"
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -47,7 +47,7 @@ DECAYED_KEEP = 2.0 ** (-1.0 / DECAYED_HALF_LIFE_STEPS)
 PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("leaf_peers_link_err_frac", "peer", "share of the other nodes under this leaf switch with link errors", "ratio"),
     sg.BaseSignal("link_err_vs_leaf", "peer", "link errors relative to the other nodes under this leaf switch", "x"),
-    sg.BaseSignal("traffic_vs_job", "peer", "throughput relative to the other nodes of its job", "x"),
+    sg.BaseSignal("traffic_vs_job", "peer", "throughput per device relative to the other nodes of its job", "x"),
     sg.BaseSignal("site_peers_tcp_retrans", "peer", "TCP retransmissions per minute of the other nodes of its site", "segments"),
     sg.BaseSignal("gpu_err_vs_job", "peer", "GPU errors (ECC, PCIe, NVLink) relative to the other nodes of its job", "x"),
     sg.BaseSignal("temp_vs_job", "peer", "hottest GPU against the other nodes of its job", "degC"),

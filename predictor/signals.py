@@ -92,7 +92,7 @@ BASE_SIGNALS: tuple[BaseSignal, ...] = (
     _c("nvl_ecc", "NVLink data ECC errors on the worst GPU", entity="GPU"),
     _c("nvl_err_gpu_max", "NVLink errors on the worst GPU", entity="GPU"),
     _g("nvl_links_down", "NVLink links down on the worst GPU", "links"),
-    _c("nvl_traffic", "NVLink traffic", "KiB"),
+    _c("nvl_traffic", "NVLink traffic per GPU", "KiB"),
     # rdma_port
     _c("ib_symbol_error", "InfiniBand/RoCE symbol errors on the worst port", entity="port"),
     _c("ib_link_error_recovery", "InfiniBand link error recoveries on the worst port", "recoveries", entity="port"),
@@ -111,7 +111,7 @@ BASE_SIGNALS: tuple[BaseSignal, ...] = (
     _c("ib_link_err_port_max", "link errors on the worst InfiniBand port", entity="port"),
     _g("ib_port_down_frac", "share of InfiniBand port samples not active/LinkUp", "ratio"),
     _f("ib_counter_saturated", "an InfiniBand error counter saturated at its maximum"),
-    _c("ib_traffic", "RDMA traffic", "bytes"),
+    _c("ib_traffic", "RDMA traffic per port", "bytes"),
     # netdev
     _c("eth_carrier_changes", "Ethernet carrier changes (link flaps)", "flaps"),
     _c("eth_errors", "Ethernet receive/transmit errors"),
@@ -236,12 +236,14 @@ REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("nvl_replay", "nvl_replay", "emax"), ("nvl_recovery", "nvl_recovery", "emax"),
         ("nvl_crc", "nvl_crc", "emax"), ("nvl_ecc", "nvl_ecc", "emax"),
         ("nvl_err_gpu_max", "nvl_errors", "emax"), ("nvl_links_down", "links_down", "max"),
-        ("nvl_traffic", "nvl_traffic", "sum"),
+        ("nvl_traffic", "nvl_traffic", "sum"), ("_nvl_samples", "one", "sum"),
+        ("_nvl_gpu_samples", "one", "emax"),
     ),
     "rdma_port": tuple((c.sample, c.sample, "sum" if c.sample in NODE_TOTALS else "emax")
                        for c in COUNTERS["rdma_port"]) + (
         ("ib_link_err_port_max", "ib_link_errors", "emax"), ("_ib_down", "port_down", "sum"),
-        ("_ib_samples", "one", "sum"), ("ib_counter_saturated", "saturated", "max"),
+        ("_ib_samples", "one", "sum"), ("_ib_port_samples", "one", "emax"),
+        ("ib_counter_saturated", "saturated", "max"),
     ),
     "netdev": (
         ("eth_carrier_changes", "eth_carrier_changes", "sum"), ("eth_errors", "eth_errors", "sum"),
@@ -796,6 +798,12 @@ def finish(blocks: list[StepSignals]) -> StepSignals:
             "ib_port_down_frac": get("_ib_down") / get("_ib_samples"),
             "eth_down_frac": get("_eth_nocarrier") / get("_eth_samples"),
         }
+        # traffic per device (the node's total over its ports or GPUs with samples), so that a 4-HCA
+        # node reads like an 8-HCA one beside its job peers; whole units keep group sums exact
+        for name, samples, per_entity in (("ib_traffic", "_ib_samples", "_ib_port_samples"),
+                                          ("nvl_traffic", "_nvl_samples", "_nvl_gpu_samples")):
+            n = get(samples)
+            derived[name] = np.where(n > 0, np.floor(get(name) * get(per_entity) / np.where(n > 0, n, 1.0)), np.nan)
         sent = get("tcp_out")
         derived["tcp_retrans_ratio"] = np.where(sent > 0, get("tcp_retrans") / np.where(sent > 0, sent, 1.0), np.nan)
     for name, v in derived.items():

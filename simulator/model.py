@@ -320,6 +320,7 @@ class ClusterModel:
         first = {int(j): i for i, j in reversed(list(enumerate(jobs))) if j >= 0}
         job_pod = np.array([pod[first[j]] for j in range(max(topo.n_jobs, 1))]) if first else np.zeros(1, int)
         self.job_knobs = {k: w.per_node(k, job_pod).astype(float) for k in ("load_spread", "load_diurnal", "job_gap_share")}
+        self.traffic_imbalance = w.per_node("job_traffic_imbalance", job_pod).astype(float)
 
     # -- the schedule ----------------------------------------------------------------------------
     def add_episode(self, ep: Episode) -> None:
@@ -414,6 +415,20 @@ class ClusterModel:
         in_ckpt &= ~idle
         return act, cong, in_ckpt
 
+    def _traffic_share(self, nodes: np.ndarray, jobs: np.ndarray) -> np.ndarray | float:
+        """(B, 1) or (B, T): each node's share of its job's traffic per device, 1 +- the job's imbalance,
+        fixed for a run of the job (a pipeline stage or shard keeps its place until the job ends)."""
+        if not self.traffic_imbalance.any():
+            return 1.0
+        jobs = _col(jobs) if jobs.ndim == 1 else jobs
+        slot = np.maximum(jobs, 0) % max(self.topo.n_jobs, 1)
+        with np.errstate(over="ignore"):
+            u = _splitmix((jobs.astype(np.int64) + 1).astype(np.uint64) * np.uint64(0x100000001B3)
+                          ^ _col(nodes.astype(np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+                          ^ np.uint64(int(_key(self.seed, "share")) % (1 << 64)))
+        share = 1.0 + self.traffic_imbalance[slot] * (2.0 * u - 1.0)
+        return np.where(jobs < 0, 1.0, share)
+
     # -- one call --------------------------------------------------------------------------------
     def generate(self, nodes, ts) -> dict[str, pa.Table]:
         """Advance `nodes` (indices) through sample times `ts` (ns, increasing) and return their rows."""
@@ -466,7 +481,7 @@ class ClusterModel:
         d = blk.deltas
         for name, arr in benign.items():
             d[name] = d[name] + arr if name in d else arr
-        self._traffic(blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node)
+        self._traffic(blk, act, cong, ckpt, tp * self._traffic_share(nodes, jobs), z_gpu, z_hca, z_node)
         tables = self._render(blk, act * np.where(ckpt, 0.7, 1.0), tp, z_gpu, z_node, app_xids)
         self.last_ts[nodes] = ts[-1]
         return tables

@@ -54,6 +54,9 @@ class Knob:
         return values[int(rng.choice(len(values), p=p))]
 
 
+# Knobs drawn from a stream of their own (name -> stream number), so that adding them moved no other draw.
+OWN_STREAM = {"job_traffic_imbalance": 1}
+
 SHAPES = ("ramp", "step", "bursts", "exponential", "drift")
 # Alternative signatures a failure mode can take; the first is the clean world's. Some carry a shape.
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -100,6 +103,10 @@ KNOBS: tuple[Knob, ...] = (
          "a job's load falls by up to this at night (follows the day)"),
     Knob("job_gap_share", "pod", 0.0, ("uniform", 0.0, 0.2), "assumption",
          "share of six-hour segments in which a job's nodes sit idle between runs"),
+    Knob("job_traffic_imbalance", "pod", 0.0, ("uniform", 0.0, 0.25), "assumption: pipeline stages, "
+         "embedding shards and rails carry unequal bytes, so healthy nodes of one job differ in traffic",
+         "each node of a job carries 1 +- up to this of its job's fabric traffic per device, fixed for "
+         "the job's run (drawn per node and run)"),
     Knob("job_epoch_h", "world", 0.0, ("choice", (12.0, 24.0, 48.0, 96.0), (1, 1, 1, 1)), "assumption",
          "every this many hours the jobs end and new ones start on rotated nodes, so nodes move between jobs "
          "and the spares; the inventory gets a row at each change (0: never)"),
@@ -187,11 +194,16 @@ class World:
     def _draw_pod(self, pod: int) -> dict:
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0x3D0, pod]))
         out = {}
+        own = {}
         for k in KNOBS:
             if k.level != "pod":
                 continue
+            if k.name in OWN_STREAM:
+                # a knob added to the catalogue later draws from its own stream: the worlds of every seed
+                # keep the values they had for the knobs before it
+                own[k.name] = np.random.default_rng(np.random.SeedSequence([self.seed, 0x3D1, pod, OWN_STREAM[k.name]]))
             if self.random or isinstance(self.overrides.get(k.name), (list, tuple)):
-                out[k.name] = k.sample(rng, self.overrides.get(k.name))
+                out[k.name] = k.sample(own.get(k.name, rng), self.overrides.get(k.name))
             else:
                 out[k.name] = self.overrides.get(k.name, k.clean)
         # drawn after every knob, so that it moves none of them

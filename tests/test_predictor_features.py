@@ -79,6 +79,26 @@ def test_error_counters_reduce_to_the_worst_device_so_node_sizes_compare():
     assert node(4, 2) == node(8, 5) == 7
 
 
+def test_traffic_is_per_device_so_a_four_port_node_reads_like_an_eight_port_one():
+    """The same bytes per port (and per GPU) on 4 ports or 8, sampled twice a step: the same traffic,
+    so traffic_vs_job does not single out a smaller node type in a mixed job."""
+    def node(ports):
+        rows, links = [], []
+        for k in range(3):
+            for half in (0, 30):
+                for p in range(ports):
+                    rows.append({"ts": _ts(T0 + k * STEP + half), "node": f"n{ports}", "device": f"mlx5_{p}",
+                                 "port": 1, "state": 4, "phys_state": 5,
+                                 "port_xmit_bytes": (2 * k + half // 30) * 1000, "port_rcv_bytes": 0})
+                    links.append({"ts": _ts(T0 + k * STEP + half), "node": f"n{ports}", "gpu": p,
+                                  "tx_kib": (2 * k + half // 30) * 64, "rx_kib": 0})
+        base = sg.node_base_signals({"rdma_port": sch.to_table("rdma_port", rows),
+                                     "nvlink": sch.to_table("nvlink", links)})
+        return base.row(2)["ib_traffic"], base.row(2)["nvl_traffic"]
+
+    assert node(4) == node(8) == (2000, 128)
+
+
 def test_gpu_rows_many_samples_per_step_reduce_per_gpu_then_across():
     rows = []
     for k in range(6):  # 6 samples at 10 s: one step

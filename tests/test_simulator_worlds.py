@@ -242,6 +242,26 @@ def test_a_job_slow_straggler_slows_its_whole_job_and_runs_hot():
     assert not (bits1 & 0x8).any()  # the peers slow down with it but show nothing themselves
 
 
+def test_nodes_of_one_job_carry_unequal_but_steady_shares_of_its_traffic():
+    topo = Topology(nodes=8, nodes_per_leaf=4, job_nodes=4, spare_fraction=0.0)
+    knobs = dict(QUIET, load_spread=0.06, load_diurnal=0, job_gap_share=0)
+    rates = {}
+    for imbalance in (0.0, 0.25):
+        world = World("random", seed=5, n_pods=topo.n_leaves, knobs=dict(knobs, job_traffic_imbalance=imbalance))
+        sim = _simulate([], hours=6.0, world=world, topo=topo)
+        per_node = []
+        for node in range(4):                   # job-000
+            ts, tx = _series(sim, "rdma_port", "port_xmit_bytes", node, {"device": "mlx5_0"}, topo)
+            per_node.append(np.diff(tx)[30:] / np.diff(ts)[30:])
+        rates[imbalance] = np.array(per_node)
+    share = rates[0.25].mean(axis=1) / rates[0.0].mean(axis=1)
+    assert np.allclose(rates[0.0].mean(axis=1), rates[0.0].mean(), rtol=1e-3)   # the clean value: equal
+    assert share.max() - share.min() > 0.05 and (np.abs(share - 1.0) <= 0.25 + 1e-3).all()
+    # a node's share holds for the job's run: its rate moves with its job, not by itself
+    ratio = rates[0.25] / rates[0.0]
+    assert np.allclose(ratio, ratio[:, :1], rtol=1e-3)
+
+
 def test_a_pma_clear_and_a_driver_reload_reset_counters_without_a_failure():
     knobs = dict(QUIET, pma_clears_per_node_day=8.0, reloads_per_node_day=4.0)
     world = World("random", seed=5, n_pods=TOPO.n_leaves, knobs=knobs)
