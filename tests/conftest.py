@@ -1,4 +1,5 @@
-"""Shared test fixtures: where the real-format fixtures live (../shared beside the checkout)."""
+"""Shared test fixtures: where the real-format fixtures live (../shared beside the checkout), a control
+plane on a loopback port, and headless Chromium for the HTML reports."""
 
 from __future__ import annotations
 
@@ -31,6 +32,28 @@ def procfs_fixture(shared_dir) -> Path:
 @pytest.fixture(scope="session")
 def xid_lines(shared_dir) -> Path:
     return XID_LINES
+
+
+@pytest.fixture
+def plane_settings() -> dict:
+    """Settings.insecure_loopback overrides for `plane`: no model (NullScorer). A test module that needs
+    others (a policy, a decision flush period, the shipped model) overrides this fixture."""
+    # imported here, not at the top: most test modules start no control plane
+    from foreshock.service.scoring import NullScorer
+
+    return {"scorer": NullScorer()}
+
+
+@pytest.fixture
+def plane(tmp_path, plane_settings):
+    """A control plane started on a loopback port (plaintext, state in tmp_path/state), stopped after the
+    test; its address is `plane.address`."""
+    from foreshock.service.server import Settings, build_server
+
+    p = build_server(Settings.insecure_loopback(tmp_path / "state", **plane_settings))
+    p.start()
+    yield p
+    p.stop(grace=0.5)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Helpers the tests share (conftest.py puts this folder on the import path): waiting on a condition
-that a real process or thread brings about, and `foreshock serve` as a real process."""
+that a real process or thread brings about, a clock the test sets, and `foreshock serve` as a real
+process. Fixtures the tests share (a control plane on a loopback port) are in conftest.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ def wait_until(pred, timeout: float = 15.0, step: float = 0.05):
             return value
         time.sleep(step)
     return False
+
+
+class Clock:
+    """A clock that stands still until the test moves it: calling it returns `now` (ns since the epoch)."""
+
+    def __init__(self, now: int):
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
 
 
 class Serve:

@@ -46,15 +46,12 @@ def _drain(address, node):
 
 
 @pytest.fixture
-def plane(tmp_path):
-    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), policy=POLICY))
-    port = p.start()
-    yield p, f"127.0.0.1:{port}"
-    p.stop(grace=0.2)
+def plane_settings():
+    return {"scorer": NullScorer(), "policy": POLICY}
 
 
 def test_directive_delivered_and_acks_advance_the_service(plane):
-    p, address = plane
+    p, address = plane, plane.address
     c = _client(address)
     try:
         assert c.register({0: "n0", 1: "n1"}, ["n9"], fallback="shrink") is not None
@@ -85,7 +82,7 @@ def test_directive_delivered_and_acks_advance_the_service(plane):
 def test_a_job_that_stops_stepping_is_not_extrapolated_past_where_it_is(plane):
     """A job paused at step 10 (a checkpoint, a stall) keeps saying so, so a switch is scheduled a few
     steps past 10, not (pause / step time) steps past it, after the job's end."""
-    p, address = plane
+    p, address = plane, plane.address
     c = _client(address, report_interval_s=0.1)
     try:
         assert c.register({0: "n0", 1: "n1"}, ["n9"], fallback="shrink") is not None

@@ -9,22 +9,11 @@ import logging
 import grpc
 import pytest
 
-from foreshock.service.scoring import NullScorer
-from foreshock.service.server import Settings, build_server
-
 GARBAGE = b"\xff\xff\xff\xff"  # a field tag whose varint never ends: no message type parses it
 
 UNARY = ["/foreshock.v1.Jobs/RegisterJob", "/foreshock.v1.Jobs/DrainNode", "/foreshock.v1.Risk/GetNodeRisk",
          "/grpc.health.v1.Health/Check"]
 SERVER_STREAMING = ["/foreshock.v1.Jobs/WatchDirectives", "/foreshock.v1.Risk/WatchRisk"]
-
-
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory):
-    p = build_server(Settings.insecure_loopback(tmp_path_factory.mktemp("state"), scorer=NullScorer()))
-    p.start()
-    yield p
-    p.stop(0.5)
 
 
 @pytest.fixture

@@ -29,12 +29,8 @@ POLICY = {"lead_seconds": 0.1, "min_steps_ahead": 3, "stale_seconds": 3600.0}
 
 
 @pytest.fixture
-def plane(tmp_path):
-    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), policy=POLICY,
-                                                decision_flush_seconds=3600))
-    p.start()
-    yield p
-    p.stop(grace=0.2)
+def plane_settings():
+    return {"scorer": NullScorer(), "policy": POLICY, "decision_flush_seconds": 3600}
 
 
 @pytest.fixture

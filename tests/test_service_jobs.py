@@ -24,11 +24,9 @@ def _register(stub, job_id="j1", nodes=("n0", "n1"), spares=("s0",), step=100, *
 
 
 @pytest.fixture
-def plane(tmp_path):
-    p = build_server(Settings.insecure_loopback(tmp_path / "state", decision_flush_seconds=0.0))
-    p.start()
-    yield p
-    p.stop(grace=0.5)
+def plane_settings():
+    """The shipped default model instead of NullScorer; decisions written as they are made."""
+    return {"decision_flush_seconds": 0.0}
 
 
 @pytest.fixture

@@ -15,23 +15,16 @@ from foreshock.service.nodes import FatalEvent, NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.domain import AckPhase, DirectiveKind, DirectiveState
 from foreshock.service.store import StateStore
+from support import Clock
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
 NODES = [f"n{i:02d}" for i in range(16)]          # leaves: l0 = n00..n03, l1 = n04..n07, ...
 
 
-class Clock:
-    def __init__(self):
-        self.now = T0
-
-    def __call__(self):
-        return self.now
-
-
 @pytest.fixture
 def world(tmp_path):
-    clock = Clock()
+    clock = Clock(T0)
     store = StateStore(tmp_path / "state.sqlite3", clock=clock)
     jobs = JobDirectory(store, clock=clock)
     nodes = NodeBook()

@@ -27,6 +27,7 @@ from foreshock.collectors.uplink import StreamingUplink
 from foreshock.service.server import Settings, build_server
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc, risk_pb2, risk_pb2_grpc
+from support import Clock
 
 T = 10
 S = 1_000_000_000
@@ -82,14 +83,6 @@ def drain(stream, into):
             into.append(item)
     except grpc.RpcError:
         pass
-
-
-class Clock:
-    def __init__(self, now):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 def _free_port():

@@ -24,6 +24,7 @@ from foreshock.service.server import Settings, SettingsError, build_server
 from foreshock.service.steps import CloseHold, StepTracker
 from foreshock.v1 import telemetry_pb2 as tpb
 from foreshock.v1 import telemetry_pb2_grpc
+from support import Clock
 
 S = 1_000_000_000
 STEP = 60 * S
@@ -88,14 +89,6 @@ def test_the_tracker_is_bounded_and_waits_to_know_the_open_step():
     assert t.stats()["tracked_nodes"] == 0
     with pytest.raises(ValueError, match="step_ns"):
         StepTracker(0)
-
-
-class Clock:
-    def __init__(self, now):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 def _wait(cond, timeout=20.0):

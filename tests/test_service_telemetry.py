@@ -77,11 +77,8 @@ class Sweeper:
 
 
 @pytest.fixture
-def plane(tmp_path):
-    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), decision_flush_seconds=0.0))
-    p.start()
-    yield p
-    p.stop(grace=0.5)
+def plane_settings():
+    return {"scorer": NullScorer(), "decision_flush_seconds": 0.0}
 
 
 def test_collectors_stream_and_a_fatal_fault_moves_the_rank_to_a_spare_on_another_leaf(plane, tmp_path):

@@ -79,14 +79,6 @@ def _nan_gpu(node, ts):
     return gpu.set_column(i, gpu.schema.field(i), pa.array([math.nan] * gpu.num_rows, gpu.schema.field(i).type))
 
 
-@pytest.fixture
-def plane(tmp_path):
-    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer()))
-    p.start()
-    yield p
-    p.stop(0)
-
-
 def test_the_schema_goes_once_a_stream_and_an_unsent_one_is_refused(plane):
     up = StreamingUplink(plane.address, node="n1", backoff_initial=0.1).start()
     sizes = []

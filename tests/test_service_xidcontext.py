@@ -31,7 +31,7 @@ from foreshock.service.store import StateStore
 from foreshock.service.xidcontext import need
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc
-from support import wait_until
+from support import Clock, wait_until
 
 T = 10
 S = 1_000_000_000
@@ -72,11 +72,8 @@ class Nodes:
 
 
 @pytest.fixture
-def plane(tmp_path):
-    p = build_server(Settings.insecure_loopback(tmp_path / "state", scorer=NullScorer(), decision_flush_seconds=0.0))
-    p.start()
-    yield p
-    p.stop(grace=0.5)
+def plane_settings():
+    return {"scorer": NullScorer(), "decision_flush_seconds": 0.0}
 
 
 def _decisions(plane) -> list[dict]:
@@ -221,8 +218,7 @@ def test_a_batch_with_an_undecided_collateral_xid_is_not_saved_as_taken_until_it
     from foreshock.v1 import telemetry_pb2 as tpb, telemetry_pb2_grpc
     from foreshock.collectors.uplink import encode_table
 
-    clock = Clock()
-    clock.now = time.time_ns()
+    clock = Clock(time.time_ns())
     plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer(), scoring_clock=clock))
     plane.jobs.register("J", [(0, "n1", [0]), (1, "n2", [0])], [])
     plane.start()
@@ -274,17 +270,9 @@ def test_the_xid_context_settings_are_range_checked(tmp_path):
 T0 = 1_800_000_000 * S
 
 
-class Clock:
-    def __init__(self):
-        self.now = T0
-
-    def __call__(self):
-        return self.now
-
-
 @pytest.fixture
 def world(tmp_path):
-    clock = Clock()
+    clock = Clock(T0)
     store = StateStore(tmp_path / "state.sqlite3", clock=clock)
     jobs = JobDirectory(store, clock=clock)
     nodes = NodeBook()
