@@ -317,3 +317,18 @@ def test_out_of_sequence_packets_raise_no_feature_but_link_errors_do():
         y[0, 60:, ft.IDX[signal]] = 5000.0
         got, _ = ft.compute(y, np.arange(t), ft.FeatureState.empty(1))
         assert (not np.array_equal(got, quiet, equal_nan=True)) is changes, signal
+
+
+def test_the_anomaly_scores_read_errors_above_the_nodes_history_and_above_its_peers():
+    rows = np.full((3, ft.N_FEATURES), np.nan, dtype=np.float32)
+    col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    rows[0, col["ecc_sbe_30m_vs_baseline"]] = 8.0          # 3 doublings above its own baseline
+    rows[0, col["nvl_crc_30m_vs_baseline"]] = 4.0
+    rows[1, col["gpu_err_vs_job_30m"]] = 16.0               # 4 doublings above its job's nodes
+    rows[2, col["ecc_sbe_30m_vs_baseline"]] = 0.5           # quieter than usual: not unusual
+    ft.anomaly_scores(rows)
+    own, count, peers = (rows[:, col[n]] for n in ("anomaly_vs_own_history", "anomaly_signals_4x_baseline",
+                                                    "anomaly_vs_peers"))
+    np.testing.assert_allclose(own, [3, 0, 0])
+    np.testing.assert_allclose(count, [2, 0, 0])
+    np.testing.assert_allclose(peers, [0, 4, 0])
