@@ -31,19 +31,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import random
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import grpc
 import pyarrow as pa
 
 from foreshock import schema as sch
-from foreshock.net import is_loopback
+from foreshock.net import Endpoint, PlaintextRefused, client_credentials
 from foreshock.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -55,25 +53,6 @@ _WIRE_SCHEMAS = {name: pa.schema([pa.field(f.name, f.type, f.nullable) for f in 
 
 class UplinkError(ValueError):
     """An uplink that cannot be built as asked (the message says which argument)."""
-
-
-def _credentials(tls) -> grpc.ChannelCredentials | None:
-    if tls is None or tls == "":
-        return None
-    if isinstance(tls, grpc.ChannelCredentials):
-        return tls
-    if isinstance(tls, (str, os.PathLike)):
-        tls = (tls, None, None)
-    ca, cert, key = tls
-
-    def read(p):
-        if not p:
-            return None
-        try:
-            return Path(p).read_bytes()
-        except OSError as exc:
-            raise UplinkError(f"uplink TLS file {p}: {exc.strerror}") from None
-    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
 
 
 def encode_table(name: str, table: pa.Table) -> bytes:
@@ -119,10 +98,18 @@ class StreamingUplink:
             raise UplinkError("uplink node must be named")
         self.target = target
         self.node = node
-        self._creds = _credentials(tls)
-        if self._creds is None and not is_loopback(target):
-            raise UplinkError(f"uplink to {target}: plaintext is allowed to loopback addresses only; give tls")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        try:
+            creds = client_credentials(tls)
+        except OSError as exc:
+            raise UplinkError(f"uplink TLS file {exc.filename}: {exc.strerror}") from None
+        options = [("grpc.max_send_message_length", max_batch_bytes + (1 << 20)),
+                   ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        try:
+            self._endpoint = Endpoint(target, creds, tuple(options), token)
+        except PlaintextRefused:
+            raise UplinkError(f"uplink to {target}: plaintext is allowed to loopback addresses only; give tls") from None
         self.collector_id = collector_id or f"{node}-{uuid.uuid4().hex[:12]}"
         self.max_queue = int(max_queue)
         self.connect_timeout = connect_timeout
@@ -134,10 +121,6 @@ class StreamingUplink:
         self.max_batch_bytes = max_batch_bytes
         self.final_ack_timeout = final_ack_timeout
         self._close_deadline = float("inf")
-        self._options = [("grpc.max_send_message_length", max_batch_bytes + (1 << 20)),
-                         ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
-        if server_name:
-            self._options.append(("grpc.ssl_target_name_override", server_name))
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[int, dict[str, pa.Table]]] = collections.deque()
         self._have_work = threading.Event()
@@ -287,8 +270,7 @@ class StreamingUplink:
 
     def _session(self) -> bool:
         """One stream: returns True when it ended cleanly (rotation), False on trouble."""
-        channel = (grpc.secure_channel(self.target, self._creds, options=self._options) if self._creds
-                   else grpc.insecure_channel(self.target, options=self._options))
+        channel = self._endpoint.open()
         out: queue.Queue = queue.Queue()
         acks: queue.Queue = queue.Queue()
         inflight: collections.OrderedDict[int, dict[str, pa.Table]] = collections.OrderedDict()
@@ -309,7 +291,7 @@ class StreamingUplink:
                     yield item
 
             call = telemetry_pb2_grpc.TelemetryStub(channel).StreamSweeps(
-                requests(), timeout=self.stream_seconds, metadata=self._metadata)
+                requests(), timeout=self.stream_seconds, metadata=self._endpoint.metadata)
 
             def read():
                 try:

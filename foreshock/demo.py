@@ -249,9 +249,9 @@ class Demo:
         self.job_clock0 = (self.sim0_ns + k0 * self.step_ns) / 1e9
 
 
-        import grpc
+        from foreshock.net import Endpoint
         from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc
-        channel = grpc.insecure_channel(addr)
+        channel = Endpoint(addr).open()
         risk_stub, jobs_stub = risk_pb2_grpc.RiskStub(channel), jobs_pb2_grpc.JobsStub(channel)
 
         # The fault: NVLink CRC and replay errors climb on one of rank 1's GPUs, a link drops, then Xid 74.

@@ -28,7 +28,7 @@ import grpc
 
 from foreshock.migrator.config import MigratorConfig, MigratorConfigError
 from foreshock.migrator.directives import Ack, AckPhase, Directive, DirectiveKind, drain
-from foreshock.net import is_loopback
+from foreshock.net import Endpoint, PlaintextRefused, client_credentials
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc
 
 log = logging.getLogger("foreshock.migrator.client")
@@ -84,16 +84,18 @@ def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
                      generation=msg.generation, deadline=deadline)
 
 
-def open_channel(config: MigratorConfig) -> grpc.Channel:
-    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 4 << 20)]
-    if config.tls_ca:
-        with open(config.tls_ca, "rb") as fh:
-            creds = grpc.ssl_channel_credentials(root_certificates=fh.read())
-        return grpc.secure_channel(config.service, creds, options=options)
-    if not is_loopback(config.service):
+def endpoint(config: MigratorConfig) -> Endpoint:
+    """The control plane as the job reaches it: TLS when a CA file is given, its bearer token."""
+    options = (("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 4 << 20))
+    try:
+        return Endpoint(config.service, client_credentials(config.tls_ca), options, config.token or None)
+    except PlaintextRefused:
         raise MigratorConfigError(f"service {config.service}: plaintext is allowed to loopback only; "
-                                  "set FORESHOCK_TLS_CA for a remote control plane")
-    return grpc.insecure_channel(config.service, options=options)
+                                  "set FORESHOCK_TLS_CA for a remote control plane") from None
+
+
+def open_channel(config: MigratorConfig) -> grpc.Channel:
+    return endpoint(config).open()
 
 
 class ServiceClient:
@@ -102,9 +104,10 @@ class ServiceClient:
     def __init__(self, config: MigratorConfig, *, watch_window_s: float = 30.0,
                  backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0, queue_size: int = 1024) -> None:
         self.config = config
-        self._channel = open_channel(config)
+        reach = endpoint(config)
+        self._channel = reach.open()
         self._stub = jobs_pb2_grpc.JobsStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        self._metadata = reach.metadata
         self._timeout = config.rpc_timeout_s
         self._watch_window = watch_window_s
         self._backoff = (backoff_initial_s, backoff_max_s)

@@ -64,8 +64,8 @@ from foreshock.dataset import AtomicParquetFile   # the archive's seam onto stor
 from foreshock import schema as sch
 from foreshock.service.command import ARCHIVE_CHECKS, DEFAULTS
 from foreshock.service.decisions import DECISION_SCHEMA, incident_rows
-from foreshock.service.fastipc import BatchDecoder
-from foreshock.service.ingest import _CHECKS, _EOS, RawBatch
+from foreshock.service.fastipc import EOS, BatchDecoder
+from foreshock.service.ingest import RawBatch, wire_schema
 
 log = logging.getLogger(__name__)
 
@@ -301,10 +301,10 @@ class Archive:
         for (name, _), (head, bodies) in groups.items():
             dec = self._decoders.get(name)
             if dec is None:
-                dec = self._decoders[name] = BatchDecoder(_CHECKS[name].wire)
+                dec = self._decoders[name] = BatchDecoder(wire_schema(name))
             got = dec.decode(head, bodies)
             decoded[name].append(got[0] if got is not None else
-                                 pa.ipc.open_stream(b"".join([head, *bodies, _EOS])).read_all().combine_chunks())
+                                 pa.ipc.open_stream(b"".join([head, *bodies, EOS])).read_all().combine_chunks())
         return {name: (pa.concat_tables(parts) if len(parts) > 1 else parts[0]) for name, parts in decoded.items()}
 
     def _buffer(self, name: str, table: pa.Table) -> None:

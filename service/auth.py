@@ -247,14 +247,6 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def channel_credentials(ca_file: str | None, cert_file: str | None = None,
-                        key_file: str | None = None) -> grpc.ChannelCredentials:
-    """Client side: trust `ca_file`; present a client certificate for mutual TLS when given."""
-    def read(path):
-        return Path(path).read_bytes() if path else None
-    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
-
-
 def tokens_from(specs: Iterable[str]) -> dict[str, Principal]:
     """`role[:subject]=TOKEN` strings (flags, config) -> token table."""
     out = {}

@@ -40,7 +40,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,7 +49,7 @@ import pyarrow.compute as pc
 
 from foreshock import schema as sch
 from foreshock import xid as xidcat
-from foreshock.service.fastipc import BatchDecoder
+from foreshock.service.fastipc import EOS, BatchDecoder
 from foreshock.service.jobs import ID_RE, NODE_RE
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology
 from foreshock.service.xidcontext import Sighting, XidContext
@@ -151,7 +151,10 @@ class _TableCheck:
 _CHECKS = {name: _TableCheck(name) for name in sch.TABLES}
 
 
-_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+def wire_schema(table: str) -> pa.Schema:
+    """The schema-v1 table's in-memory schema as every checked batch has it (names, types, nullability;
+    no unit/help metadata)."""
+    return _CHECKS[table].wire
 
 
 def _schema_key(buf: bytes) -> tuple[bytes, int] | None:
@@ -170,7 +173,7 @@ def _read_single_batch(buf: bytes, offset: int, schema: pa.Schema) -> pa.RecordB
     anything else (several batches, dictionaries): the caller then reads it the general way."""
     reader = pa.BufferReader(pa.py_buffer(buf)[offset:])
     msg = pa.ipc.read_message(reader)
-    if msg.type != "record batch" or buf[offset + reader.tell():] != _EOS:
+    if msg.type != "record batch" or buf[offset + reader.tell():] != EOS:
         return None
     return pa.ipc.read_record_batch(msg, schema)
 
@@ -180,7 +183,8 @@ class Ingest:
 
     def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
-                 clock=time.time_ns, steps=None, context: XidContext | None = None, archive=None):
+                 clock=time.time_ns, steps=None, context: XidContext | None = None, archive=None,
+                 last_sequences: Mapping[str, int] | None = None):
         self.nodes = nodes
         # Xids read in context (service/xidcontext.py); None: every fatal Xid is its node's fault at once.
         self.context = context
@@ -193,7 +197,9 @@ class Ingest:
         self._clock = clock
         self._lock = threading.Lock()
         self._good_schemas: dict[bytes, tuple[str, bytes]] = {}   # digest -> (table, schema message)
-        self._last_sequence: dict[str, int] = {}
+        # collector -> its last batch taken; from the store at a start, so that telemetry taken before a
+        # restart is not taken again when its collector re-sends it
+        self._last_sequence: dict[str, int] = dict(last_sequences or {})
         self._taken: dict[str, int] = {}                 # collector -> last batch checked, not yet saved
         # (context mark, {collector: its first batch in that round}): batches with collateral Xids the Xid
         # context has not decided; a restart must take them again, so their sequences are not saved yet
@@ -262,6 +268,10 @@ class Ingest:
             elif limit[cid] > 1:
                 out[cid] = min(seq, limit[cid] - 1)
         return out
+
+    def last_sequence(self, collector_id: str) -> int | None:
+        """The collector's last batch taken (None: none since the start, nor in the store)."""
+        return self._last_sequence.get(collector_id)
 
     def connected(self) -> int:
         with self._lock:
@@ -403,21 +413,21 @@ class Ingest:
                 self._reject(rejections, sequence, name, "unknown_schema",
                              f"table {name!r}: schema omitted, but this stream has not sent it whole; send it whole")
                 return None
-            body = buf[:-8] if buf.endswith(_EOS) else buf
+            body = buf[:-8] if buf.endswith(EOS) else buf
             if len(body) < 16 or body[:4] != b"\xff\xff\xff\xff":
                 self._reject(rejections, sequence, name, "bad_ipc",
                              f"table {name!r}: not the record batch messages of an Arrow IPC stream")
                 return None
             if known[1]:
                 return RawBatch(known[0], body)   # decoded in the round with the table's other batches
-            buf = known[0] + body + _EOS          # a schema that needs conforming: the general way
-        elif known is not None and known[1] and buf.startswith(known[0]) and buf.endswith(_EOS) \
+            buf = known[0] + body + EOS          # a schema that needs conforming: the general way
+        elif known is not None and known[1] and buf.startswith(known[0]) and buf.endswith(EOS) \
                 and len(buf) >= len(known[0]) + 16 and buf[len(known[0]):len(known[0]) + 4] == b"\xff\xff\xff\xff":
             return RawBatch(known[0], buf[len(known[0]):-8])   # the stream's schema again: one memcmp
         else:
             key = _schema_key(buf)
             good = self._good_schemas.get(key[0]) if key is not None else None
-            if good is not None and good[0] == name and buf.endswith(_EOS) \
+            if good is not None and good[0] == name and buf.endswith(EOS) \
                     and len(buf) >= key[1] + 16 and buf[key[1]:key[1] + 4] == b"\xff\xff\xff\xff":
                 s.heads[name] = (good[1], True)
                 return RawBatch(good[1], buf[key[1]:-8])
@@ -460,7 +470,7 @@ class Ingest:
     # -- the round's value checks --------------------------------------------------------------------
     def _decode_raw(self, name: str, raw: RawBatch) -> pa.Table | None:
         try:
-            return pa.ipc.open_stream(raw.head + raw.body + _EOS).read_all().cast(_CHECKS[name].wire)
+            return pa.ipc.open_stream(raw.head + raw.body + EOS).read_all().cast(_CHECKS[name].wire)
         except Exception:
             return None
 
@@ -473,13 +483,17 @@ class Ingest:
                 taken[cid] = item.sequence
 
     def take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
-        """Decode and check the values of every pending batch at once, per table; return what passed."""
+        """check_round, and each batch counted as checked on its stream."""
         try:
-            return self._take_round(items)
+            return self.check_round(items)
         finally:
             self._checked(items)
 
-    def _take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
+    def check_round(self, items: list[Pending]) -> dict[str, pa.Table]:
+        """Decode and check the values of every pending batch at once, per table; return what passed.
+        The verdicts go onto the batches' streams (Session.deferred); the streams' counts of checked
+        batches are take_round's, so that the scoring worker, whose batches stand for streams in
+        another process, can run the same checks."""
         now = self._clock()
         by_table: dict[str, list[tuple[Pending, object]]] = collections.defaultdict(list)
         for item in items:

@@ -57,14 +57,15 @@ Listener = Callable[[Directive], None]
 class JobDirectory:
     """Registrations, step reports, directives and acknowledgements over a StateStore."""
 
-    def __init__(self, store: StateStore, *, default_max_concurrent: int = 1, clock=time.time_ns):
+    def __init__(self, store: StateStore, *, default_max_concurrent: int = 1, clock=time.time_ns,
+                 on_change: Iterable[Callable[[str, Directive, str], None]] = ()):
         self.store = store
         self.default_max_concurrent = default_max_concurrent
         self._clock = clock
         self._lock = threading.Lock()
         self._listeners: dict[str, dict[int, Listener]] = {}
         self._next = 0
-        self.on_change: list[Callable[[str, Directive, str], None]] = []  # (event, directive, detail)
+        self.on_change = list(on_change)   # (event, directive, detail) after each change is committed
         self.on_deregister: list[Callable[[Job], None]] = []   # the job as it was, once it has left
         self._held = threading.local()    # inside issuing(): announcements wait for the commit
 

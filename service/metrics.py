@@ -159,7 +159,7 @@ class ControlPlaneCollector:
                                 value=p.scoring.backlog())
         yield CounterMetricFamily("foreshock_ingest_dropped_batches", "Batches dropped: the scoring backlog was full.",
                                   value=p.scoring.dropped_batches)
-        worker = getattr(p.scoring, "worker", None)
+        worker = p.scoring.worker
         if worker is not None:
             yield GaugeMetricFamily("foreshock_scoring_worker_up",
                                     "1 while the scoring worker process is running and answering.",

@@ -182,18 +182,19 @@ def acted(items) -> None:
                 log.exception("acknowledging an acted-on batch failed")
 
 
-def _forget(item) -> None:
-    """A batch dropped from a full backlog will never be checked: its stream stops waiting for it."""
-    session = getattr(item, "session", None)
-    if session is not None and hasattr(session, "checked"):
-        session.checked += 1
-
-
 class ScoringLoop:
+    """Everything it calls is given to the constructor: `on_round` (the owner's after-round step),
+    `prepare` (the value checks over a drain, ingest.Ingest.take_round), `hold` (a steps.CloseHold:
+    telemetry streams wait while a complete step closes) and `gate` (the Xid context,
+    service/xidcontext.py: a batch whose collateral Xid waits for its window is acknowledged only once
+    that Xid is decided, and a round runs when the window ends)."""
+
+    worker = None   # the scoring worker process, for a loop that has one (RemoteScoringLoop)
+
     def __init__(self, scorer: Scorer, *, interval: float = 0.1, max_backlog: int = 50_000,
                  on_round: Callable[[ScoreResult, int, str, float], None] | None = None,
                  prepare: Callable[[list], dict[str, pa.Table]] | None = None, drain_interval: float = 1.0,
-                 max_drain: int = 8192, clock=time.time_ns):
+                 max_drain: int = 8192, clock=time.time_ns, hold=None, gate=None):
         self.scorer = scorer
         self.interval = interval
         self.max_backlog = max_backlog
@@ -221,19 +222,24 @@ class ScoringLoop:
         step_ns = getattr(scorer, "step_ns", None)
         self.steps = StepTracker(step_ns) if isinstance(step_ns, int) and step_ns > 0 else None
         self.early_closes = 0
-        self.hold = None    # a steps.CloseHold: telemetry streams wait while a complete step closes
-        # The Xid context (service/xidcontext.py): a batch whose collateral Xid waits for its window is
-        # acknowledged only once that Xid is decided, and a round runs when the window ends.
-        self.gate = None
+        self.hold = hold
+        self.gate = gate
         self._unsettled: collections.deque = collections.deque()
 
     # -- feeding -------------------------------------------------------------------------------------
+    @staticmethod
+    def _forget(item) -> None:
+        """A batch dropped from a full backlog will never be checked: its stream stops waiting for it."""
+        session = getattr(item, "session", None)
+        if session is not None and hasattr(session, "checked"):
+            session.checked += 1
+
     def enqueue(self, item) -> int:
         """Queue received telemetry (ingest.Pending, or a {table: arrow table} dict) for the next round."""
         with self._qlock:
             self._queue.append(item)
             while len(self._queue) > self.max_backlog:
-                _forget(self._queue.popleft())
+                self._forget(self._queue.popleft())
                 self.dropped_batches += 1
             return len(self._queue)
 
@@ -321,6 +327,11 @@ class ScoringLoop:
 
     def unsubscribe(self, token: int) -> None:
         self._subs.pop(token, None)
+
+    @property
+    def watched(self) -> bool:
+        """Someone watches the risk (WatchRisk): a round's scores are worth publishing."""
+        return bool(self._subs)
 
     def publish(self, risks: list) -> None:
         for cb in list(self._subs.values()):

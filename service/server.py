@@ -5,8 +5,8 @@
     ...
     plane.stop(grace=1.0)
 
-It wires the domain objects (store, job directory, node book, ingest, scoring loop, policy, decision
-log, archive, metrics) and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
+It builds the domain objects (store, job directory, node book, ingest, scoring loop, policy, decision
+log, archive, metrics), each given at construction what it calls, and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
 runs on its own event-loop thread, so callers (tests, `foreshock serve`, the migrator's tests) use it
 from plain synchronous code. docs/service.md lists the settings and the API.
 """
@@ -159,11 +159,6 @@ class ControlPlane:
         # One clock for scoring rounds, job step reports, acks and drains: the policy compares a job's
         # last step report with the round's now_ns when it picks the switch step.
         self.clock = s.scoring_clock or time.time_ns
-        self.jobs = JobDirectory(self.store, default_max_concurrent=policy_settings.default_max_concurrent,
-                                 clock=self.clock)
-        self.nodes = NodeBook()
-        for node, topo in s.topology.items():
-            self.nodes.set_topology(node, topo)
         self.decisions = DecisionLog(self.state_dir / "decisions", flush_seconds=s.decision_flush_seconds,
                                      model_version=self.scorer.model_version, fsync=s.fsync,
                                      archive=self.archive)
@@ -171,6 +166,11 @@ class ControlPlane:
         if recovered:
             log.warning("decision log: %d directives the state holds had no row (a kill within a flush "
                         "period); written from the state", recovered)
+        self.jobs = JobDirectory(self.store, default_max_concurrent=policy_settings.default_max_concurrent,
+                                 clock=self.clock, on_change=[self._log_change])
+        self.nodes = NodeBook()
+        for node, topo in s.topology.items():
+            self.nodes.set_topology(node, topo)
         self.actions = NodeActions(s.actions, action_backends, self.store, self.nodes, self.decisions,
                                    clock=self.clock) if action_backends else None
         self.step_times = StepTimes(fail_slow_settings, self.store)
@@ -179,33 +179,29 @@ class ControlPlane:
         # The online scorer's checkpoint: whoever runs the scorer restores it at start and writes it
         # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).
         self.scorer_state_path = self.state_dir / SCORER_STATE_FILE
+        self.hold = CloseHold(s.close_hold_seconds)
+        # Ingest feeds the scoring loop, and the loop's rounds call back into Ingest (the value checks,
+        # the worker's verdicts): the loop is built first and reaches Ingest through this owner.
+        loop_args = dict(interval=s.score_interval, max_backlog=s.max_backlog, on_round=self._after_round,
+                         prepare=self._take_round, hold=self.hold, gate=self.policy.context, clock=self.clock)
         if s.scoring_process and isinstance(self.scorer, PredictorScorer):
             worker = ScoringWorker(self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
                                    timeout=s.worker_timeout, state_path=str(self.scorer_state_path),
                                    checkpoint_seconds=s.scorer_checkpoint_seconds)
-            self.scoring = RemoteScoringLoop(self.scorer, worker, interval=s.score_interval,
-                                             max_backlog=s.max_backlog, on_round=self._after_round, clock=self.clock)
+            self.scoring = RemoteScoringLoop(self.scorer, worker, on_verdicts=self._apply_verdicts, **loop_args)
         else:
-            self.scoring = ScoringLoop(self.scorer, interval=s.score_interval, max_backlog=s.max_backlog,
-                                       on_round=self._after_round, clock=self.clock)
+            self.scoring = ScoringLoop(self.scorer, **loop_args)
             if isinstance(self.scorer, PredictorScorer):
                 restored = self.scorer.restore_state(self.scorer_state_path)
                 if restored:
                     log.info("scorer: %s", restored)
-        self.hold = CloseHold(s.close_hold_seconds)
-        self.scoring.hold = self.hold
-        self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
-                             steps=self.scoring.steps, context=self.policy.context, archive=self.archive)
-        self.scoring.gate = self.policy.context
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
-        self.ingest._last_sequence.update(store_mod.load_sequences(self.store))
+        self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
+                             steps=self.scoring.steps, context=self.policy.context, archive=self.archive,
+                             last_sequences=store_mod.load_sequences(self.store))
         self._last_sequence_save = 0.0
-        self.scoring.prepare = self.ingest.take_round
-        if isinstance(self.scoring, RemoteScoringLoop):
-            self.scoring.on_verdicts = self.ingest.apply_verdicts
         self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
         self.registry, self._round_hist = build_registry(self)
-        self.jobs.on_change.append(self._log_change)
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -293,6 +289,12 @@ class ControlPlane:
             return NullScorer()
 
     # -- scoring rounds ----------------------------------------------------------------------------
+    def _take_round(self, items: list) -> dict:
+        return self.ingest.take_round(items)
+
+    def _apply_verdicts(self, items: list, reply: dict | None) -> None:
+        self.ingest.apply_verdicts(items, reply)
+
     def _after_round(self, result, now_ns: int, why: str, elapsed: float) -> None:
         t0 = time.perf_counter()
         if result.fresh and len(result.nodes):
@@ -306,7 +308,7 @@ class ControlPlane:
             self._last_expiry_ns = now_ns
             self.jobs.expire(now_ns)
         self._round_hist.observe(elapsed + time.perf_counter() - t0)
-        if result.fresh and len(result.nodes) and self.scoring._subs:
+        if result.fresh and len(result.nodes) and self.scoring.watched:
             self.scoring.publish([self.nodes.risk[n] for n in result.nodes if n in self.nodes.risk])
         self.decisions.maybe_flush()
         if time.monotonic() - self._last_sequence_save >= 1.0:
@@ -384,7 +386,7 @@ class ControlPlane:
         outcome: dict[str, Any] = {}
         if self.archive is not None:
             self.archive.start()
-        worker = getattr(self.scoring, "worker", None)
+        worker = self.scoring.worker
         if worker is not None:
             # loading and checking the model takes seconds: say so, or the service looks hung
             log.info("scoring worker: loading the model before listening")

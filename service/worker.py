@@ -41,9 +41,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from foreshock.service.ingest import _CHECKS, _EOS, Ingest, IngestLimits, Pending, RawBatch
+from foreshock.service.ingest import Ingest, IngestLimits, Pending, RawBatch, wire_schema
 from foreshock.service.nodes import NodeBook
-from foreshock.service.scoring import ScoreResult, ScoringLoop, _forget
+from foreshock.service.scoring import ScoreResult, ScoringLoop
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class WorkerError(RuntimeError):
 
 def _encode(name: str, table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, _CHECKS[name].wire) as writer:
+    with pa.ipc.new_stream(sink, wire_schema(name)) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
 
@@ -115,7 +115,7 @@ def _unpack(req: dict, now_ns: int) -> list[Pending]:
             items[i].tables[name] = RawBatch(head, joined[at:at + n])   # bytes: cheap keys for fastipc
             at += n
     for i, name, buf in req["decoded"]:
-        items[i].tables[name] = _decode(buf).cast(_CHECKS[name].wire)
+        items[i].tables[name] = _decode(buf).cast(wire_schema(name))
     return items
 
 
@@ -180,7 +180,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         ingest.rejected.clear()
         ingest.accepted_rows.clear()
         book.lost.clear()
-        tables = ingest._take_round(items) if items else {}   # verdicts go back, not onto streams
+        tables = ingest.check_round(items) if items else {}   # verdicts go back, not onto streams
         for name, buf in req.get("validated", []):
             t = _decode(buf)
             if name in tables:
@@ -442,13 +442,13 @@ class RemoteScoringLoop(ScoringLoop):
             if self._urgent(item):
                 self._urgent_q.append(item)
                 while len(self._urgent_q) > self.max_backlog:
-                    _forget(self._urgent_q.popleft())
+                    self._forget(self._urgent_q.popleft())
                     self.dropped_batches += 1
             else:
                 self._queue.append(item)
                 self._enqueued += 1
                 while len(self._queue) > self.max_backlog:
-                    _forget(self._queue.popleft())
+                    self._forget(self._queue.popleft())
                     self._taken += 1
                     self.dropped_batches += 1
             return len(self._queue) + len(self._urgent_q)

@@ -14,12 +14,12 @@ from foreshock import schema as sch
 from foreshock.collectors.simulated import SimpleNodeModel
 from foreshock.collectors.uplink import encode_table, split_stream
 from foreshock.service import fastipc
-from foreshock.service.ingest import _CHECKS, _EOS, Ingest
+from foreshock.service.ingest import Ingest, wire_schema
 from foreshock.service.nodes import NodeBook
 
 
 def _reference(head: bytes, bodies: list[bytes]) -> list[pa.RecordBatch]:
-    return [b for body in bodies for b in pa.ipc.open_stream(head + body + _EOS)]
+    return [b for body in bodies for b in pa.ipc.open_stream(head + body + fastipc.EOS)]
 
 
 def _sweeps(n: int, now: int | None = None) -> dict[str, tuple[bytes, list[bytes]]]:
@@ -44,7 +44,7 @@ def _in_order(table: pa.Table, order: list[int], lengths: list[int], n: int) -> 
 @pytest.mark.parametrize("name", ["gpu", "nvlink", "rdma_port", "netdev", "host_net"])
 def test_simulated_sweeps_decode_as_arrow_reads_them(name):
     head, bodies = _sweeps(40)[name]
-    dec = fastipc.BatchDecoder(_CHECKS[name].wire)
+    dec = fastipc.BatchDecoder(wire_schema(name))
     table, order, lengths = dec.decode(head, bodies)
     assert dec.fast_batches == len(bodies) and sorted(order) == list(range(len(bodies)))
     ref = _reference(head, bodies)

@@ -121,8 +121,8 @@ def test_every_uint64_sequence_survives_a_restart_and_one_bad_stream_fails_alone
     plane.stop(0)
     again = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
     try:
-        assert {c: again.ingest._last_sequence.get(c) for c in sequences} == sequences
-        assert "c-impossible" not in again.ingest._last_sequence
+        assert {c: again.ingest.last_sequence(c) for c in sequences} == sequences
+        assert again.ingest.last_sequence("c-impossible") is None
     finally:
         again.stop(0)
 
