@@ -230,7 +230,13 @@ class Ingest:
             self._sessions.pop(id(s), None)
             s.closed = True
             if s.deferred and s.collector_id:
-                # Verdicts the stream ended before hearing: the collector's next stream gets them first.
+                # Verdicts the stream ended before hearing. The collector may have reconnected before
+                # this end was noticed: its live stream takes them on its next ack; else its next stream.
+                live = next((o for o in self._sessions.values() if o.collector_id == s.collector_id), None)
+                if live is not None:
+                    live.deferred.extend(s.deferred)
+                    s.deferred.clear()
+                    return
                 q = self._undelivered.setdefault(s.collector_id, collections.deque(maxlen=1000))
                 q.extend(s.deferred)
                 s.deferred.clear()
@@ -238,6 +244,11 @@ class Ingest:
                 while len(self._undelivered) > MAX_UNDELIVERED_COLLECTORS:
                     _, lost = self._undelivered.popitem(last=False)
                     log.warning("%d rejections never delivered (collector gone), e.g. %s", len(lost), lost[0].detail)
+
+    def still_owed(self, s: Session, rejections: list[Rejection]) -> None:
+        """Rejections taken for a stream's last ack that could not be written: owed again, first."""
+        with self._lock:
+            s.deferred.extendleft(reversed(rejections))
 
     def final_rejections(self, s: Session) -> list[Rejection]:
         """What the stream still owes its collector (at its end, after the last value checks)."""

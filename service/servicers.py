@@ -465,11 +465,17 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 deadline = time.monotonic() + FINAL_ACK_SECONDS
                 while session.unchecked() > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
-            final = ingest.final_rejections(session)
+            # A stream the collector broke (cancelled) hears nothing more: its verdicts stay owed, and
+            # close_session hands them to the collector's live or next stream.
+            final = [] if context.done() else ingest.final_rejections(session)
             if final:
-                await context.write(Ack(acked_sequence=last, credits=0, schemas_kept=True,
-                                        rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason,
-                                                        detail=r.detail) for r in final]))
+                try:
+                    await context.write(Ack(acked_sequence=last, credits=0, schemas_kept=True,
+                                            rejections=[Rej(sequence=r.sequence, table=r.table, reason=r.reason,
+                                                            detail=r.detail) for r in final]))
+                except BaseException:
+                    ingest.still_owed(session, final)
+                    raise
         finally:
             for waiter in list(waiters):
                 waiter.cancel()
