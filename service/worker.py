@@ -12,6 +12,7 @@ Split of the work:
   (`Ingest.take_round`) and `OnlineScorer.ingest`, and scores when a feature step closes. It answers
   each request with the verdicts (a Rejection per refused table, which rides on its stream's next ack),
   the rows taken, the GPUs it saw lost, and the scores.
+- `WorkerPipeline` is the round scheduler's pipeline (service/rounds.py) that carries drains to it.
 
 The pipe between them carries one request at a time (bounded: the service's backlog is the only
 queue, and it has a bound), pickled: both ends are this code, the payload is bytes, ints and strings,
