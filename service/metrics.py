@@ -169,7 +169,7 @@ class ControlPlaneCollector:
                                       value=worker.restarts)
             yield CounterMetricFamily("foreshock_scoring_worker_lost_batches",
                                       "Batches lost with a scoring worker that died or hung.",
-                                      value=p.scoring.lost_batches)
+                                      value=p.scoring.pipeline.lost_batches)
         rounds = CounterMetricFamily("foreshock_scoring_rounds", "Scoring rounds run.", labels=["trigger"])
         for trigger, n in sorted(dict(p.scoring.rounds).items()):
             rounds.add_metric([trigger], n)

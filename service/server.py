@@ -5,7 +5,7 @@
     ...
     plane.stop(grace=1.0)
 
-It builds the domain objects (store, job directory, node book, ingest, scoring loop, policy, decision
+It builds the domain objects (store, job directory, node book, ingest, round scheduler, policy, decision
 log, archive, metrics), each given at construction what it calls, and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
 runs on its own event-loop thread, so callers (tests, `foreshock serve`, the migrator's tests) use it
 from plain synchronous code. docs/service.md lists the settings and the API.
@@ -41,12 +41,12 @@ from foreshock.service.jobs import JobDirectory
 from foreshock.service.metrics import build_registry
 from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
-from foreshock.service.scoring import (
-    ModelError, NullScorer, PredictorScorer, ScoringLoop, default_model_path)
+from foreshock.service.rounds import InProcessPipeline, RoundScheduler
+from foreshock.service.scoring import ModelError, NullScorer, PredictorScorer, default_model_path
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
 from foreshock.service.steptimes import FailSlowSettings, StepTimes
-from foreshock.service.worker import RemoteScoringLoop, ScoringWorker
+from foreshock.service.worker import ScoringWorker, WorkerPipeline
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -180,21 +180,23 @@ class ControlPlane:
         # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).
         self.scorer_state_path = self.state_dir / SCORER_STATE_FILE
         self.hold = CloseHold(s.close_hold_seconds)
-        # Ingest feeds the scoring loop, and the loop's rounds call back into Ingest (the value checks,
-        # the worker's verdicts): the loop is built first and reaches Ingest through this owner.
-        loop_args = dict(interval=s.score_interval, max_backlog=s.max_backlog, on_round=self._after_round,
-                         prepare=self._take_round, hold=self.hold, gate=self.policy.context, clock=self.clock)
+        # Ingest feeds the round scheduler, and its rounds call back into Ingest (the value checks, the
+        # worker's verdicts): the scheduler is built first and reaches Ingest through this owner.
         if s.scoring_process and isinstance(self.scorer, PredictorScorer):
-            worker = ScoringWorker(self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
-                                   timeout=s.worker_timeout, state_path=str(self.scorer_state_path),
-                                   checkpoint_seconds=s.scorer_checkpoint_seconds)
-            self.scoring = RemoteScoringLoop(self.scorer, worker, on_verdicts=self._apply_verdicts, **loop_args)
+            pipeline = WorkerPipeline(ScoringWorker(
+                self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
+                timeout=s.worker_timeout, state_path=str(self.scorer_state_path),
+                checkpoint_seconds=s.scorer_checkpoint_seconds))
         else:
-            self.scoring = ScoringLoop(self.scorer, **loop_args)
+            pipeline = InProcessPipeline(self.scorer, prepare=self._take_round)
             if isinstance(self.scorer, PredictorScorer):
                 restored = self.scorer.restore_state(self.scorer_state_path)
                 if restored:
                     log.info("scorer: %s", restored)
+        self.scoring = RoundScheduler(self.scorer, pipeline, interval=s.score_interval, max_backlog=s.max_backlog,
+                                      on_round=self._after_round, prepare=self._take_round,
+                                      on_verdicts=self._apply_verdicts, hold=self.hold, gate=self.policy.context,
+                                      clock=self.clock)
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
                              steps=self.scoring.steps, context=self.policy.context, archive=self.archive,
@@ -451,7 +453,7 @@ class ControlPlane:
     @property
     def _scores_here(self) -> bool:
         """This process runs the online scorer (no worker process), so it owns the checkpoint."""
-        return isinstance(self.scorer, PredictorScorer) and not isinstance(self.scoring, RemoteScoringLoop)
+        return isinstance(self.scorer, PredictorScorer) and self.scoring.worker is None
 
     @property
     def address(self) -> str:

@@ -12,6 +12,7 @@ Split of the work:
   (`Ingest.take_round`) and `OnlineScorer.ingest`, and scores when a feature step closes. It answers
   each request with the verdicts (a Rejection per refused table, which rides on its stream's next ack),
   the rows taken, the GPUs it saw lost, and the scores.
+- `WorkerPipeline` is the round scheduler's pipeline (service/rounds.py) that carries drains to it.
 
 The pipe between them carries one request at a time (bounded: the service's backlog is the only
 queue, and it has a bound), pickled: both ends are this code, the payload is bytes, ints and strings,
@@ -35,7 +36,6 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -43,12 +43,10 @@ import pyarrow.compute as pc
 
 from foreshock.service.ingest import Ingest, IngestLimits, Pending, RawBatch, wire_schema
 from foreshock.service.nodes import NodeBook
-from foreshock.service.scoring import ScoreResult, ScoringLoop
+from foreshock.service.rounds import Drain, Outcome
+from foreshock.service.scoring import ScoreResult
 
 log = logging.getLogger(__name__)
-
-
-MAX_VALIDATED = 4096    # validated event/topology tables waiting for the worker's scorer
 
 
 class WorkerError(RuntimeError):
@@ -242,9 +240,6 @@ def _split_at_close(tables: list[tuple[str, pa.Table]], boundary: int | None) ->
     return now, later
 
 
-EAGER_BEFORE_NS = 500_000_000   # RemoteScoringLoop._drain_now: a step's last half second
-
-
 class ScoringWorker:
     """The service side of the worker process: start, call with a deadline, restart, stop.
 
@@ -397,98 +392,66 @@ class ScoringWorker:
         self._proc = None
 
 
-@dataclass
-class _Request:
-    items: list
-    now_ns: int
-    score: bool
-    validated: list = field(default_factory=list)
-    submitted: float = 0.0
-    close_ns: int | None = None     # the end of the last step this request closes
+class WorkerPipeline:
+    """The rounds' pipeline (service/rounds.py) in the worker process: the bulk decode, value checks
+    and scoring there. The scheduler never waits on the worker: a feeder thread carries one drain at a
+    time and keeps the answer until the next round takes it. Event tables checked in the service
+    process travel as Arrow IPC bytes, encoded once, when the round checks them (`carry`)."""
 
+    inline = False
+    drain_interval = 0.25
 
-class RemoteScoringLoop(ScoringLoop):
-    """ScoringLoop with the bulk decode, value checks and scoring in the worker process.
-
-    The scoring thread never waits on the worker: a feeder thread carries one request at a time and
-    hands the reply back. Batches with events or topology are queued apart and handled in this
-    process at once (`prepare` = the local Ingest.take_round), their validated tables forwarded to the
-    worker's scorer with the next request."""
-
-    def __init__(self, scorer, worker: ScoringWorker, *, on_verdicts=None, drain_interval: float = 0.25, **kw):
-        super().__init__(scorer, drain_interval=drain_interval, **kw)
+    def __init__(self, worker: ScoringWorker):
         self.worker = worker
-        self.on_verdicts = on_verdicts       # (items, reply) -> None: rejections back onto their streams
-        self._urgent_q: collections.deque = collections.deque()
-        self._validated: list[tuple[str, bytes]] = []
-        self._feed_q: list[_Request] = []
+        self._feed_q: list[Drain] = []
         self._feed_cv = threading.Condition()
         self._busy = False
         self._replies: collections.deque = collections.deque()
         self._feeder: threading.Thread | None = None
-        self._last_score_ns = 0
-        self._last = ScoreResult([], np.zeros(0), fresh=False)
+        self._stop = threading.Event()
+        self._wake = None
         self.worker_errors = 0
         self._failing = 0          # consecutive failed drains: the restart backoff
         self.worker_seconds = 0.0
         self.lost_batches = 0
-        self._enqueued = 0          # bulk batches queued, and taken off the queue, since the start
-        self._taken = 0
-        self._step_mark: int | None = None   # _enqueued when the watermarks completed the open step
 
-    # -- feeding -------------------------------------------------------------------------------------
-    def enqueue(self, item) -> int:
-        with self._qlock:
-            if self._urgent(item):
-                self._urgent_q.append(item)
-                while len(self._urgent_q) > self.max_backlog:
-                    self._forget(self._urgent_q.popleft())
-                    self.dropped_batches += 1
-            else:
-                self._queue.append(item)
-                self._enqueued += 1
-                while len(self._queue) > self.max_backlog:
-                    self._forget(self._queue.popleft())
-                    self._taken += 1
-                    self.dropped_batches += 1
-            return len(self._queue) + len(self._urgent_q)
+    def carry(self, name: str, table: pa.Table) -> bytes:
+        return _encode(name, table)
 
-    def wake(self, why: str) -> None:
-        if why == "step":
-            # Every batch queued from now on is past the step's end (the watermarks promise it): the
-            # round that closes the step takes only the batches before this mark.
-            with self._qlock:
-                self._step_mark = self._enqueued
-        super().wake(why)
+    @property
+    def busy(self) -> bool:
+        return self._busy
 
-    def _drain_now(self, now_ns: int) -> bool | None:
-        """In the last half second of a step, until the watermarks complete it or its grace period is
-        over, bulk drains follow the step instead of drain_interval: back to back while many nodes
-        still owe rows of it (so that little is left to take when it completes), and none once nearly
-        all are in (so that the worker is free when the last ones come). None: not in that window."""
-        if self.steps is None or self._step_complete():
-            return None
-        b = self.steps.boundary_ns
-        if b is None:
-            return None
-        if not b - EAGER_BEFORE_NS <= now_ns < b + self.scorer.grace_ns:
-            return None
-        return not self.steps.nearly_complete()
+    @property
+    def answered(self) -> bool:
+        return bool(self._replies)
 
-    def backlog(self) -> int:
-        return len(self._queue) + len(self._urgent_q)
-
-    def _step_due(self) -> bool:
-        if self._step_complete():
-            return True
-        return self.scorer.next_due_ns(self._last_score_ns) <= self._clock()
-
-    def _settled(self) -> bool:
+    @property
+    def pending(self) -> bool:
         with self._feed_cv:
             in_flight = self._busy or bool(self._feed_q)
-        return not self._queue and not in_flight and not self._replies
+        return in_flight or bool(self._replies)
 
-    # -- the feeder thread ---------------------------------------------------------------------------
+    def answers(self) -> list[tuple[Drain, Outcome | None]]:
+        out = []
+        while self._replies:
+            out.append(self._replies.popleft())
+        return out
+
+    def submit(self, drain: Drain) -> None:
+        with self._feed_cv:
+            self._busy = True
+            self._feed_q.append(drain)
+            self._feed_cv.notify()
+
+    @staticmethod
+    def _outcome(reply: dict) -> Outcome:
+        result = None
+        if reply["score"] is not None:
+            nodes, prob, signals, is_fresh = reply["score"]
+            result = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=is_fresh)
+        return Outcome(result, reply["score_error"], reply["ingest_errors"], verdicts=reply)
+
     def _feed(self) -> None:
         while True:
             with self._feed_cv:
@@ -496,19 +459,19 @@ class RemoteScoringLoop(ScoringLoop):
                     self._feed_cv.wait(0.5)
                 if self._stop.is_set():
                     return
-                req = self._feed_q.pop(0)
+                drain = self._feed_q.pop(0)
             t0 = time.perf_counter()
             try:
-                reply = self.worker.call({"now_ns": req.now_ns, "score": req.score, "validated": req.validated,
-                                          "close_ns": req.close_ns, **pack(req.items)})
+                reply = self.worker.call({"now_ns": drain.now_ns, "score": drain.score, "validated": drain.validated,
+                                          "close_ns": drain.close_ns, **pack(drain.items)})
             except WorkerError as exc:
                 reply = None
                 if self._stop.is_set():
-                    log.info("scoring worker stopped with a drain of %d batches in flight", len(req.items))
+                    log.info("scoring worker stopped with a drain of %d batches in flight", len(drain.items))
                 else:
                     self.worker_errors += 1
-                    self.lost_batches += len(req.items)
-                    log.error("%s; %d batches lost; restarting it (restart %d)", exc, len(req.items),
+                    self.lost_batches += len(drain.items)
+                    log.error("%s; %d batches lost; restarting it (restart %d)", exc, len(drain.items),
                               self.worker.restarts + 1)
                     self._failing += 1
                     # A worker that cannot start at all is not restarted in a tight loop.
@@ -520,111 +483,22 @@ class RemoteScoringLoop(ScoringLoop):
             if reply is not None:
                 self._failing = 0
             self.worker_seconds += time.perf_counter() - t0
-            self._replies.append((req, reply))
+            self._replies.append((drain, None if reply is None else self._outcome(reply)))
             with self._feed_cv:
                 self._busy = False
-            self.wake("worker")
+            if self._wake is not None:
+                self._wake()
 
-    def _submit(self, req: _Request) -> None:
-        with self._feed_cv:
-            self._busy = True
-            self._feed_q.append(req)
-            self._feed_cv.notify()
-
-    # -- rounds --------------------------------------------------------------------------------------
-    def run_round(self, why: str = "interval") -> ScoreResult | None:
-        t0 = time.perf_counter()
-        now = self._clock()
-        with self._qlock:
-            urgent = list(self._urgent_q)
-            self._urgent_q.clear()
-        if urgent:
-            # Events and topology first, here: a fatal Xid does not wait for anyone's bulk telemetry.
-            tables = self.prepare(urgent) if self.prepare is not None else {}
-            self._validated += [(name, _encode(name, t)) for name, t in tables.items()]
-            del self._validated[:-MAX_VALIDATED]   # a worker that is behind gets the latest ones
-            why = "events"
-            if self._replies and self.on_round is not None:
-                # The policy acts on the fatal events before this round applies the worker's answers
-                # on bulk telemetry (thousands of batches' verdicts, maybe every node's new scores).
-                try:
-                    self.on_round(self._last, now, why, time.perf_counter() - t0)
-                except Exception:
-                    log.exception("after-round step failed")
-        step = self._step_due()
-        closing = self._drain_now(now)
-        if not self._busy and (self._validated or step or (self._queue and (why == "flush" or (
-                closing if closing is not None else time.monotonic() - self._last_drain >= self.drain_interval)))):
-            self._last_drain = time.monotonic()
-            with self._qlock:
-                take = len(self._queue)
-                if step and self._step_complete() and self._step_mark is not None:
-                    take = min(take, max(0, self._step_mark - self._taken))
-                items = [self._queue.popleft() for _ in range(min(take, self.max_drain))]
-                self._taken += len(items)
-                drained_all = take <= self.max_drain
-            boundary = None
-            if step:
-                self._step_mark = None
-                boundary = self._close_boundary(now, drained_all=drained_all)
-                # A step the watermarks completed just before its end is not due again at the end of
-                # its grace period: the next close is the next step's.
-                self._last_score_ns = now if boundary is None else max(now, boundary)
-            self._submit(_Request(items, now, step, self._validated, time.perf_counter(), boundary))
-            self._validated = []
-            if step:
-                # Everything received so far is in this request: the tracker watches the next step.
-                self._closed(boundary)
-        fresh = None
-        closed = False
-        while self._replies:
-            req, reply = self._replies.popleft()
-            closed = closed or req.score
-            if reply is None:
-                if self.on_verdicts is not None:
-                    self.on_verdicts(req.items, None)
-                continue
-            if self.on_verdicts is not None:
-                try:
-                    self.on_verdicts(req.items, reply)
-                except Exception:
-                    log.exception("applying the worker's verdicts failed")
-            self.ingest_errors += reply["ingest_errors"]
-            if reply["score_error"]:
-                self.score_errors += 1
-            if reply["score"] is not None:
-                nodes, prob, signals, is_fresh = reply["score"]
-                self._last = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=False)
-                if is_fresh:
-                    fresh = (ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=True),
-                             req.now_ns)
-        elapsed = time.perf_counter() - t0
-        self.last_round_seconds = elapsed
-        self.last_round_ns = now
-        self.rounds[why if why in ("events", "flush", "step") else "interval"] += 1
-        if self.on_round is not None:
-            try:
-                if fresh is not None:
-                    self.on_round(fresh[0], fresh[1], why, elapsed)
-                else:
-                    self.on_round(self._last, now, why, elapsed)
-            except Exception:
-                log.exception("after-round step failed")
-        self._acted(urgent)   # the bulk's batches carry no events: nobody waits on them
-        if closed:
-            self._release_hold()   # the closing request's answer has been acted on
-        return fresh[0] if fresh is not None else self._last
-
-    def start(self) -> None:
+    def start(self, wake) -> None:
         if not self.worker.up:
             self.worker.start()
             self.worker.wait_ready()   # a service that says it serves is scoring
+        self._wake = wake
         self._feeder = threading.Thread(target=self._feed, name="foreshock-scoring-feeder", daemon=True)
         self._feeder.start()
-        super().start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        super().stop(timeout)
+        self._stop.set()
         with self._feed_cv:
             self._feed_cv.notify_all()
         if self._feeder is not None:

@@ -189,16 +189,35 @@ class _Scorer:
         return ((now_ns - self.grace_ns) // STEP) * STEP
 
 
+class _Recorder:
+    """A pipeline that keeps the drains it is given and never answers (the test plays the worker)."""
+    worker = None
+    inline = False
+    drain_interval = 10.0
+    busy = answered = pending = False
+
+    def __init__(self):
+        self.drains = []
+
+    def carry(self, name, table):
+        return table
+
+    def submit(self, drain):
+        self.drains.append(drain)
+
+    def answers(self):
+        return []
+
+
 def _worker_loop(clock):
-    """A RemoteScoringLoop without a worker or a feeder thread, and a function that takes the requests
-    it has submitted since the last call (the test plays the worker's answer)."""
-    from foreshock.service.worker import RemoteScoringLoop
-    loop = RemoteScoringLoop(_Scorer(), worker=None, clock=clock, drain_interval=10.0)
+    """The round scheduler with a pipeline that records, and a function that takes the drains it has
+    submitted since the last call."""
+    from foreshock.service.rounds import RoundScheduler
+    pipeline = _Recorder()
+    loop = RoundScheduler(_Scorer(), pipeline, clock=clock)
 
     def submitted():
-        reqs = list(loop._feed_q)
-        loop._feed_q.clear()
-        loop._busy = False
+        reqs, pipeline.drains = pipeline.drains, []
         return reqs
     return loop, submitted
 
