@@ -1,7 +1,8 @@
 """Offline feature building: a schema-v1 Parquet dataset, streamed node partition by node partition.
 
 Reads the dataset of foreshock/dataset.py (ROOT/table=/date=/node=, and the archive's files directly
-under a date, filtered by node) with `iter`-style per-node reads,
+under a date, filtered by node), a local directory or a URI, through its pyarrow filesystem
+(dataset.DatasetRoot), with `iter`-style per-node reads,
 so memory is bounded by one node's rows plus a per-(group, step) table of peer totals, whatever the
 dataset's size; each node is independent work, so the same passes could run on a cluster engine.
 
