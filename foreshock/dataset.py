@@ -611,33 +611,44 @@ def dataset_root(root: "str | os.PathLike | DatasetRoot") -> DatasetRoot:
     return DatasetRoot(fs, path, name if "://" in name else str(Path(name)))
 
 
-# Asked in a child process, which can be killed: a request to storage that does not answer blocks in
-# pyarrow's C++ where no thread can stop it (GCS retries for minutes, and an S3 request still in
-# flight holds the interpreter's exit).
+# Asked in a child process, which can be killed: opening a URI can already wait on the network (an S3
+# URI without a region asks for the bucket's), and a request to storage that does not answer blocks in
+# pyarrow's C++ where no thread can stop it (GCS retries for minutes; an S3 request still in flight
+# holds the interpreter's exit).
 _PROBE = """
 import sys
-import pyarrow.fs as fs
-f, p = fs.FileSystem.from_uri(sys.argv[1])
-print(f.get_file_info(p.rstrip("/") or p).type.name)
+try:
+    import pyarrow.fs as fs
+    f, p = fs.FileSystem.from_uri(sys.argv[1])
+    print(f.get_file_info(p.rstrip("/") or p).type.name)
+except Exception as exc:
+    print(" ".join(str(exc).split()), file=sys.stderr)
+    sys.exit(1)
 """
 
 
+def _probe(uri: str, timeout_s: float) -> None:
+    import subprocess
+    import sys
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, uri], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise DatasetError(f"dataset {uri!r}: its storage does not answer within {timeout_s:g} s") from None
+    if out.returncode != 0:
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        raise DatasetError(f"dataset {uri!r}: {lines[-1] if lines else f'exit status {out.returncode}'}")
+
+
 def open_dataset_root(root: "str | os.PathLike | DatasetRoot", timeout_s: float = OPEN_TIMEOUT_S) -> DatasetRoot:
-    """dataset_root, checked: the directory is there. A URI's storage is asked first in a child process
-    that is given `timeout_s` to answer. Raises DatasetError naming the input."""
-    r = dataset_root(root)
-    if not r.local and not isinstance(root, DatasetRoot):
-        import subprocess
-        import sys
-        try:
-            out = subprocess.run([sys.executable, "-c", _PROBE, r.name], capture_output=True, text=True,
-                                 timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise DatasetError(f"dataset {r.name!r}: its storage does not answer within {timeout_s:g} s") from None
-        if out.returncode != 0:
-            lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
-            why = lines[-1] if lines else f"exit status {out.returncode}"
-            raise DatasetError(f"dataset {r.name!r}: {why}")
+    """dataset_root, checked: the directory is there. A URI of remote storage is first opened and
+    asked in a child process given `timeout_s` to answer (a local path or file:// is asked here, at
+    no cost; a DatasetRoot is taken as asked already). Raises DatasetError naming the input."""
+    r = root if isinstance(root, DatasetRoot) else None
+    if r is None:
+        name = os.fspath(root)
+        if "://" in name and not name.startswith("file://"):
+            _probe(name, timeout_s)
+        r = dataset_root(name)
     try:
         kind = r.fs.get_file_info(r.path).type
     except (OSError, pa.ArrowException) as exc:
