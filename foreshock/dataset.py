@@ -22,7 +22,10 @@ one level up, a file per table and date holding every node, sorted by node then 
 
     ROOT/table=<table>/date=<YYYY-MM-DD>/part-<first ts ns>-<writer id>-<n>.parquet
 
-The readers here take both layouts, in one dataset too: files directly under a date are filtered by
+The readers here go through pyarrow's filesystem layer (pyarrow.fs): a dataset is a local directory,
+relative to the cwd, or any URI pyarrow.fs.FileSystem.from_uri takes (file://, s3://, gs://, hdfs://);
+DatasetRoot holds the filesystem and the path, and every listing and read below goes through it.
+They take both layouts, in one dataset too: files directly under a date are filtered by
 their `node` column (row groups pruned by its statistics), and list_nodes reads the node names those
 files carry in their footer (`foreshock.nodes`, NODES_KEY) or, lacking it, their node column.
 
@@ -46,7 +49,7 @@ import urllib.parse
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pyarrow as pa
@@ -549,58 +552,195 @@ def _node_as_path_key(part: pa.Table) -> pa.Table:
 
 # -- reading ---------------------------------------------------------------------------------------
 NODES_KEY = b"foreshock.nodes"   # a file of many nodes: their names (a JSON list) in its footer's key-value metadata
+OPEN_TIMEOUT_S = 30.0            # a dataset URI whose storage does not answer by then is refused (open_dataset_root)
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be opened (a URI pyarrow cannot read, storage that does not answer, no
+    such directory); the message names it as given."""
+
+
+def filesystem_of(uri: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) of a directory or URI; a plain path is a local one, relative to the cwd.
+    A URI is whatever pyarrow.fs.FileSystem.from_uri takes (file://, s3://, gs://, hdfs://, ...)."""
+    uri = os.fspath(uri)
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise DatasetError(f"{uri!r}: {exc}") from None
+    return fs, path.rstrip("/") or path
+
+
+@dataclass(frozen=True)
+class DatasetRoot:
+    """A dataset's root on a pyarrow filesystem: what every reader below goes through, whatever the
+    storage (dataset_root makes one from a path or URI; the readers also take a path or URI and make
+    it themselves). Picklable, the filesystem with it (pyarrow's local, S3, GCS and HDFS ones pickle),
+    so a work item carries it to a process or a Ray worker, which reopens it there. `name` is the
+    path or URI as given: the messages say it, and str() is it."""
+    fs: pafs.FileSystem
+    path: str
+    name: str
+
+    def join(self, *parts: str) -> str:
+        return "/".join((self.path, *parts))
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def show(self, path: str) -> str:
+        """A path of this dataset as a person would name it: itself on a local disk, else under the URI."""
+        if self.local or not path.startswith(self.path):
+            return path
+        return self.name.rstrip("/") + path[len(self.path):]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def dataset_root(root: "str | os.PathLike | DatasetRoot") -> DatasetRoot:
+    """The DatasetRoot of a path or URI (one is returned as is). Nothing is read: open_dataset_root
+    also checks that it is there."""
+    if isinstance(root, DatasetRoot):
+        return root
+    name = os.fspath(root)
+    fs, path = filesystem_of(name)
+    return DatasetRoot(fs, path, name if "://" in name else str(Path(name)))
+
+
+# Asked in a child process, which can be killed: opening a URI can already wait on the network (an S3
+# URI without a region asks for the bucket's), and a request to storage that does not answer blocks in
+# pyarrow's C++ where no thread can stop it (GCS retries for minutes; an S3 request still in flight
+# holds the interpreter's exit).
+_PROBE = """
+import sys
+try:
+    import pyarrow.fs as fs
+    f, p = fs.FileSystem.from_uri(sys.argv[1])
+    print(f.get_file_info(p.rstrip("/") or p).type.name)
+except Exception as exc:
+    print(" ".join(str(exc).split()), file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def _probe(uri: str, timeout_s: float) -> None:
+    import subprocess
+    import sys
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, uri], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise DatasetError(f"dataset {uri!r}: its storage does not answer within {timeout_s:g} s") from None
+    if out.returncode != 0:
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        raise DatasetError(f"dataset {uri!r}: {lines[-1] if lines else f'exit status {out.returncode}'}")
+
+
+def open_dataset_root(root: "str | os.PathLike | DatasetRoot", timeout_s: float = OPEN_TIMEOUT_S) -> DatasetRoot:
+    """dataset_root, checked: the directory is there. A URI of remote storage is first opened and
+    asked in a child process given `timeout_s` to answer (a local path or file:// is asked here, at
+    no cost; a DatasetRoot is taken as asked already). Raises DatasetError naming the input."""
+    r = root if isinstance(root, DatasetRoot) else None
+    if r is None:
+        name = os.fspath(root)
+        if "://" in name and not name.startswith("file://"):
+            _probe(name, timeout_s)
+        r = dataset_root(name)
+    try:
+        kind = r.fs.get_file_info(r.path).type
+    except (OSError, pa.ArrowException) as exc:
+        raise DatasetError(f"dataset {r.name!r}: {exc}") from None
+    if kind != pafs.FileType.Directory:
+        raise DatasetError(f"dataset directory {r.name} does not exist")
+    return r
 
 
 def _data_file(name: str) -> bool:
     return name.endswith(".parquet") and not name.startswith((".", "_"))
 
 
-_DATE_FILES: dict[str, tuple[int, list[str]]] = {}   # date directory -> (its mtime, its files)
+def _base(path: str) -> str:
+    return path.rpartition("/")[2]
 
 
-def date_files(date_dir: str | os.PathLike) -> list[str]:
-    """The Parquet files directly in a `date=` directory (the archive's layout), sorted. Cached per
-    directory and its mtime: a node-partitioned date holds thousands of node directories, and the
-    offline reader asks once per node."""
-    date_dir = str(date_dir)
-    try:
-        mtime = os.stat(date_dir).st_mtime_ns
-    except FileNotFoundError:
-        return []
-    got = _DATE_FILES.get(date_dir)
-    if got is None or got[0] != mtime:
-        with os.scandir(date_dir) as it:
-            files = sorted(os.path.join(date_dir, e.name) for e in it if _data_file(e.name) and e.is_file())
-        if len(_DATE_FILES) >= 4096:
-            _DATE_FILES.clear()
-        got = _DATE_FILES[date_dir] = (mtime, files)
-    return got[1]
+def list_dir(fs: pafs.FileSystem, path: str) -> tuple[list[str], list[str]]:
+    """(subdirectories, data files) directly in the directory `path` of `fs`, each sorted, as full
+    paths; nothing for a path that is not there."""
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    dirs = sorted(i.path for i in infos if i.type == pafs.FileType.Directory)
+    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and _data_file(i.base_name))
+    return dirs, files
 
 
-def partition_files(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | None = None,
-                    dates: Iterable[str] | None = None) -> list[Path]:
-    """The table's files: each node partition's, and, whatever `nodes` says, those directly under a
-    date (the archive's, every node in one file: read_table filters their rows)."""
-    base = Path(root) / f"table={table}"
-    if not base.exists():
-        return []
+_DATE_FILES: dict[tuple, tuple[object, list[str]]] = {}   # (filesystem, date directory) -> (validity, files)
+LISTING_TTL_S = 60.0   # storage that keeps no directory mtime (an object store): a listing is reused this long
+
+
+def date_files(date_dir: str | os.PathLike, fs: pafs.FileSystem | None = None) -> list[str]:
+    """The Parquet files directly in a `date=` directory (the archive's layout), sorted; `date_dir` is
+    a path of `fs` (default: a local path). Cached per directory: the offline reader asks once per node
+    and date. On a local disk the cache holds while the directory's mtime does; an object store keeps
+    none, and a listing there is reused for LISTING_TTL_S (a dataset is not rewritten under a run)."""
+    if fs is None:
+        fs, date_dir = pafs.LocalFileSystem(), os.path.abspath(date_dir)
+    date_dir = os.fspath(date_dir)
+    key = (fs.type_name, date_dir)
+    got = _DATE_FILES.get(key)
+    if isinstance(fs, pafs.LocalFileSystem):
+        info = fs.get_file_info(date_dir)
+        if info.type != pafs.FileType.Directory:
+            return []
+        valid = info.mtime_ns
+        if got is not None and got[0] == valid:
+            return got[1]
+    else:
+        now = time.monotonic()
+        if got is not None and now < got[0]:
+            return got[1]
+        valid = now + LISTING_TTL_S
+    files = list_dir(fs, date_dir)[1]
+    if len(_DATE_FILES) >= 4096:
+        _DATE_FILES.clear()
+    _DATE_FILES[key] = (valid, files)
+    return files
+
+
+def table_dates(root: "str | os.PathLike | DatasetRoot", table: str) -> list[str]:
+    """The dates (YYYY-MM-DD) a table has a `date=` directory for, sorted."""
+    r = dataset_root(root)
+    dirs, _ = list_dir(r.fs, r.join(f"table={table}"))
+    return [_base(d)[len("date="):] for d in dirs if _base(d).startswith("date=")]
+
+
+def partition_files(root: "str | os.PathLike | DatasetRoot", table: str, *, nodes: Iterable[str] | None = None,
+                    dates: Iterable[str] | None = None) -> list[PurePosixPath]:
+    """The table's files (paths of the dataset's filesystem): each node partition's, and, whatever
+    `nodes` says, those directly under a date (the archive's, every node in one file: read_table
+    filters their rows)."""
+    r = dataset_root(root)
     node_dirs = None if nodes is None else {f"node={_quote(n)}" for n in nodes}
     date_dirs = None if dates is None else {f"date={d}" for d in dates}
     out = []
-    for ddir in sorted(base.iterdir()):
-        if not ddir.name.startswith("date=") or (date_dirs is not None and ddir.name not in date_dirs):
+    for ddir in list_dir(r.fs, r.join(f"table={table}"))[0]:
+        name = _base(ddir)
+        if not name.startswith("date=") or (date_dirs is not None and name not in date_dirs):
             continue
-        out.extend(Path(f) for f in date_files(ddir))
-        for ndir in sorted(ddir.iterdir()):
-            if not ndir.name.startswith("node=") or (node_dirs is not None and ndir.name not in node_dirs):
-                continue
-            out.extend(sorted(p for p in ndir.glob("*.parquet") if not p.name.startswith((".", "_"))))
-    return out
+        subdirs, files = list_dir(r.fs, ddir)
+        out.extend(files)
+        for ndir in subdirs:
+            name = _base(ndir)
+            if name.startswith("node=") and (node_dirs is None or name in node_dirs):
+                out.extend(list_dir(r.fs, ndir)[1])
+    return [PurePosixPath(f) for f in out]
 
 
-def file_nodes(path: str | os.PathLike) -> set[str]:
+def file_nodes(path: str | os.PathLike, root: "DatasetRoot | None" = None) -> set[str]:
     """The nodes of a file that holds many (the archive's): from its footer, else its node column."""
-    f = pq.ParquetFile(str(path))
+    fs = root.fs if root is not None else None
+    f = pq.ParquetFile(os.fspath(path) if fs is None else fs.open_input_file(os.fspath(path)))
     meta = f.metadata.metadata or {}
     if NODES_KEY in meta:
         return set(json.loads(meta[NODES_KEY]))
@@ -610,23 +750,26 @@ def file_nodes(path: str | os.PathLike) -> set[str]:
     return out
 
 
-def list_nodes(root: str | os.PathLike, table: str) -> list[str]:
-    base = Path(root) / f"table={table}"
-    if not base.exists():
-        return []
-    names = {urllib.parse.unquote(n.name[len("node="):]) for d in base.glob("date=*") for n in d.glob("node=*")}
-    for d in base.glob("date=*"):
-        for f in date_files(d):
-            names |= file_nodes(f)
+def list_nodes(root: "str | os.PathLike | DatasetRoot", table: str) -> list[str]:
+    r = dataset_root(root)
+    names: set[str] = set()
+    for ddir in list_dir(r.fs, r.join(f"table={table}"))[0]:
+        if not _base(ddir).startswith("date="):
+            continue
+        subdirs, files = list_dir(r.fs, ddir)
+        names.update(urllib.parse.unquote(_base(n)[len("node="):]) for n in subdirs if _base(n).startswith("node="))
+        for f in files:
+            names |= file_nodes(f, r)
     return sorted(names)
 
 
-def read_table(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | None = None,
+def read_table(root: "str | os.PathLike | DatasetRoot", table: str, *, nodes: Iterable[str] | None = None,
                dates: Iterable[str] | None = None, columns: list[str] | None = None,
                filter: pc.Expression | None = None) -> pa.Table:
     """Read one table (optionally some nodes/dates/columns), sorted by node then ts, in schema v1."""
+    r = dataset_root(root)
     nodes = None if nodes is None else list(nodes)
-    files = partition_files(root, table, nodes=nodes, dates=dates)
+    files = partition_files(r, table, nodes=nodes, dates=dates)
     full = sch.schema(table)
     if not files:
         empty = full.empty_table()
@@ -635,14 +778,15 @@ def read_table(root: str | os.PathLike, table: str, *, nodes: Iterable[str] | No
         # files of many nodes among them: keep the rows of these nodes (node partitions hold only them)
         mine = pc.field("node").isin(nodes)
         filter = mine if filter is None else (filter & mine)
-    dataset = pads.dataset([str(f) for f in files], schema=full, format="parquet")
+    dataset = pads.dataset([str(f) for f in files], schema=full, format="parquet", filesystem=r.fs)
     data = dataset.to_table(columns=columns, filter=filter)
     keys = [k for k in ("node", "ts") if k in data.column_names]
     return data.sort_by([(k, "ascending") for k in keys]) if keys else data
 
 
-def iter_node_tables(root: str | os.PathLike, table: str, *, columns: list[str] | None = None,
+def iter_node_tables(root: "str | os.PathLike | DatasetRoot", table: str, *, columns: list[str] | None = None,
                      nodes: Iterable[str] | None = None) -> Iterator[tuple[str, pa.Table]]:
     """Stream a table node-partition by node-partition: memory stays bounded by one node's rows."""
-    for node in (list_nodes(root, table) if nodes is None else nodes):
-        yield node, read_table(root, table, nodes=[node], columns=columns)
+    r = dataset_root(root)
+    for node in (list_nodes(r, table) if nodes is None else nodes):
+        yield node, read_table(r, table, nodes=[node], columns=columns)

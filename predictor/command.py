@@ -1,6 +1,6 @@
 """`foreshock train` and `foreshock evaluate`: the offline loop a reliability engineer runs.
 
-    foreshock train --data DIR --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
+    foreshock train --data DIR_OR_URI --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
                     [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|'']
                     [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
@@ -15,6 +15,8 @@ progress bars on a terminal and plain progress lines on stderr elsewhere; leave-
 per training run on stderr, terminal or not.
 `train` stacks the model it fits with the shipped model by default (train.train's `base`): a user's
 history seldom holds enough incidents to learn from alone.
+--data is a directory or a URI pyarrow.fs takes (s3://, gs://, file://; dataset.open_dataset_root); the
+model, the reports and the feature cache are written locally.
 When the evaluated data overlaps the model's training data (evaluate.overlap), a warning goes to stderr.
 """
 
@@ -161,13 +163,13 @@ def run_train(args, file_data) -> int:
     if not cfg["data"] or not cfg["out"]:
         print("foreshock train: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
         return 2
-    if not Path(cfg["data"]).is_dir():
-        print(f"foreshock train: dataset directory {cfg['data']} does not exist", file=sys.stderr)
+    data = _dataset("train", cfg["data"])
+    if data is None:
         return 2
     command = "foreshock train " + " ".join(a for a in sys.argv[2:]) if sys.argv[1:2] == ["train"] else None
     try:
         with _Progress() as progress:
-            manifest = train.train(cfg["data"], cfg["out"], horizon_s=int(cfg["horizon_minutes"] * 60),
+            manifest = train.train(data, cfg["out"], horizon_s=int(cfg["horizon_minutes"] * 60),
                                    budget=cfg["budget"], val_fraction=cfg["val_fraction"], neg_rate=cfg["neg_rate"],
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
@@ -248,22 +250,21 @@ def run_evaluate(args, file_data) -> int:
     if not cfg["data"]:
         print("foreshock evaluate: --data DIR is required", file=sys.stderr)
         return 2
-    for key in ("data", "train_data"):
-        if cfg[key] and not Path(cfg[key]).is_dir():
-            print(f"foreshock evaluate: dataset directory {cfg[key]} does not exist", file=sys.stderr)
-            return 2
+    data = {key: _dataset("evaluate", cfg[key]) for key in ("data", "train_data") if cfg[key]}
+    if None in data.values():
+        return 2
     problem = _unwritable(cfg, ("json", "html"))
     if problem:
         print(f"foreshock evaluate: {problem}", file=sys.stderr)
         return 2
     if cfg["leave_one_out"]:
-        return _run_leave_one_out(cfg)
+        return _run_leave_one_out(cfg, data)
     if cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]:
         print("foreshock evaluate: --train-data, --only and --max-iter go with --leave-one-out", file=sys.stderr)
         return 2
     try:
         with _Progress() as progress:
-            rep = evaluate.evaluate_dataset(cfg["data"], cfg["model"] or None,
+            rep = evaluate.evaluate_dataset(data["data"], cfg["model"] or None,
                                             budget=None if cfg["budget"] < 0 else cfg["budget"], progress=progress,
                                             executor=cfg["executor"], ray_address=cfg["ray_address"] or None,
                                             on_error=cfg["on_corrupt"])
@@ -316,12 +317,12 @@ def run_thresholds(args, file_data) -> int:
     if not cfg["data"] or not cfg["out"]:
         print("foreshock thresholds: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
         return 2
-    if not Path(cfg["data"]).is_dir():
-        print(f"foreshock thresholds: dataset directory {cfg['data']} does not exist", file=sys.stderr)
+    data = _dataset("thresholds", cfg["data"])
+    if data is None:
         return 2
     try:
         with _Progress() as progress:
-            man = calibration.calibrate_model(cfg["data"], cfg["model"] or None, cfg["out"],
+            man = calibration.calibrate_model(data, cfg["model"] or None, cfg["out"],
                                               prior_node_days=cfg["prior_node_days"],
                                               command=" ".join(["foreshock"] + sys.argv[1:]), progress=progress)
     except registry.ModelError as exc:
@@ -338,6 +339,18 @@ def run_thresholds(args, file_data) -> int:
               f"{float(man['thresholds'][key]):.5f} ({fc['fleet_false_evacuations_at_thresholds'][key]} false "
               "evacuations of this history at the new one)")
     return 0
+
+
+def _dataset(command: str, value: str):
+    """--data (a directory, or a URI pyarrow.fs takes: s3://, gs://, file://, ...) opened, its storage
+    asked within dataset.OPEN_TIMEOUT_S; None, with the reason on stderr, when it cannot be."""
+    from foreshock import dataset
+
+    try:
+        return dataset.open_dataset_root(value)
+    except dataset.DatasetError as exc:
+        print(f"foreshock {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _unwritable(cfg: dict, keys: tuple[str, ...]) -> str | None:
@@ -367,7 +380,7 @@ def _write(cfg: dict, rep: dict, to_html) -> None:
             os.replace(tmp, path)
 
 
-def _run_leave_one_out(cfg: dict) -> int:
+def _run_leave_one_out(cfg: dict, data: dict) -> int:
     from foreshock.predictor import evaluate, executors, groups, leave_one_out, report
 
     kind = cfg["leave_one_out"]
@@ -384,7 +397,7 @@ def _run_leave_one_out(cfg: dict) -> int:
         print(f"foreshock evaluate: --max-iter {cfg['max_iter']}: must be at least 1", file=sys.stderr)
         return 2
     try:
-        rep = leave_one_out.leave_one_out(cfg["train_data"], cfg["data"], kind, only=cfg["only"] or None,
+        rep = leave_one_out.leave_one_out(data["train_data"], data["data"], kind, only=cfg["only"] or None,
                                           max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
                                           ray_address=cfg["ray_address"] or None)
     except executors.ExecutorError as exc:

@@ -364,6 +364,7 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, 
     features built on `executor` (offline.FeatureBuilder)."""
     from foreshock import dataset as ds
 
+    data_dir = ds.open_dataset_root(data_dir)   # a path or a URI: opened once, its filesystem read throughout
     if not ds.partition_files(data_dir, "incidents"):
         raise ValueError(f"dataset {data_dir} has no incidents table (table=incidents/): an evaluation judges "
                          "the scores against the logged incidents (docs/schema.md)")

@@ -4,9 +4,10 @@ or a Ray cluster. One seam, `Executor.map`, that offline.FeatureBuilder calls fo
 Every executor returns the results in the order of the work items and keeps at most `in_flight`
 items submitted ahead of the one the caller waits for, so memory is bounded by that many node
 partitions whatever the cluster's size. The work functions are plain module-level functions of
-offline.py with picklable arguments; they read the dataset and the feature cache by path, so on a Ray
-cluster of several machines the dataset and the cache directory must be on a filesystem every worker
-mounts (docs/scaling.md). The results are the same on every executor: the functions are the same and
+offline.py with picklable arguments: the dataset as a dataset.DatasetRoot (its pyarrow filesystem
+pickled with the path, so a worker reads a URI's storage itself) and the feature cache by path, so on
+a Ray cluster of several machines the cache directory must be on a filesystem every worker mounts
+(docs/scaling.md). The results are the same on every executor: the functions are the same and
 the parent reduces their results in node order (tests/test_predictor_executors.py checks it bit for
 bit on a local Ray cluster).
 

@@ -412,23 +412,28 @@ def write_metadata(root: str | Path, *, fleet_size: int, day0: pd.Timestamp, sou
 
 
 def load(root: str | Path) -> tuple[FaultLog, int]:
-    """A dataset directory's fault log and fleet size (METADATA_FILE, else the nodes of `inventory` and
-    `incidents` together)."""
+    """A dataset's fault log and fleet size (METADATA_FILE, else the nodes of `inventory` and
+    `incidents` together). `root`: a directory or a URI, read through its filesystem (dataset.DatasetRoot)."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
     from foreshock import dataset
 
-    root = Path(root)
-    if not root.is_dir():
-        raise HistoryError(f"{root}: not a dataset directory")
+    try:
+        root = dataset.open_dataset_root(root)
+    except dataset.DatasetError as exc:
+        raise HistoryError(str(exc)) from None
     if not dataset.partition_files(root, "incidents"):
         raise HistoryError(f"{root}: no incidents table (foreshock history import, or a fleet's own records)")
     incidents = dataset.read_table(root, "incidents").to_pandas()
-    meta_path = root / METADATA_FILE
+    meta_path = root.join(METADATA_FILE)
     meta = {}
-    if meta_path.exists():
+    if root.fs.get_file_info(meta_path).type == pafs.FileType.File:
         try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise HistoryError(f"{meta_path}: not JSON: {exc}") from None
+            with root.fs.open_input_stream(meta_path) as fh:
+                meta = json.loads(fh.read().decode())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError, pa.ArrowException) as exc:
+            raise HistoryError(f"{root.show(meta_path)}: not JSON: {exc}") from None
     day0 = pd.Timestamp(meta["day0"]) if "day0" in meta else None
     log = FaultLog.from_incidents(incidents, day0)
     fleet = meta.get("fleet_size")

@@ -92,6 +92,8 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
     """
     if kind not in groups.KINDS:
         raise ValueError(f"leave-one-out: unknown kind {kind!r} (one of {', '.join(groups.KINDS)})")
+    # paths or URIs, opened once for the many training runs and the evaluation (dataset.DatasetRoot)
+    train_dir, eval_dir = ds.open_dataset_root(train_dir), ds.open_dataset_root(eval_dir)
     available = present_groups(train_dir, kind)
     if only:
         unknown = [n for n in only if n not in available]

@@ -1,7 +1,8 @@
 """Offline feature building: a schema-v1 Parquet dataset, streamed node partition by node partition.
 
 Reads the dataset of foreshock/dataset.py (ROOT/table=/date=/node=, and the archive's files directly
-under a date, filtered by node) with `iter`-style per-node reads,
+under a date, filtered by node), a local directory or a URI, through its pyarrow filesystem
+(dataset.DatasetRoot), with `iter`-style per-node reads,
 so memory is bounded by one node's rows plus a per-(group, step) table of peer totals, whatever the
 dataset's size; each node is independent work, so the same passes could run on a cluster engine.
 
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from foreshock import dataset as ds
@@ -65,64 +67,56 @@ class NodeFeatures:
 
 
 def list_dataset_nodes(root) -> list[str]:
+    r = ds.dataset_root(root)
     nodes = set()
     for table in sg.TABLES:
-        nodes.update(ds.list_nodes(root, table))
+        nodes.update(ds.list_nodes(r, table))
     return sorted(nodes)
-
-
-def _dates(root, table: str) -> list[str]:
-    base = Path(root) / f"table={table}"
-    if not base.is_dir():
-        return []
-    return sorted(d.name[len("date="):] for d in base.iterdir() if d.name.startswith("date="))
 
 
 def read_node(root, node: str, dates: dict[str, list[str]] | None = None) -> dict[str, pa.Table]:
     """One node's rows of every base-signal table, as dataset.read_table(nodes=[node]) reads them.
 
-    The node's partition directories are named directly (dataset.partition_dir) for each date of the
-    table (`dates`, listed once by the caller): listing every node's directory of every date for each
-    node read would cost nodes^2 directory entries.
+    `root` is a path, a URI or a dataset.DatasetRoot; every listing and read goes through its
+    filesystem. The node's partition directories are named directly (dataset.partition_dir) for each
+    date of the table (`dates`, listed once by the caller): listing every node's directory of every
+    date for each node read would cost nodes^2 directory entries.
 
     The archive's files (every node's rows in one file per table and date, dataset.date_files) are
     read with a filter on the node, which their row groups' statistics mostly answer.
     """
+    r = ds.dataset_root(root)
     out = {}
     for table in sg.TABLES:
         files, shared = [], []
-        for date in (dates[table] if dates is not None else _dates(root, table)):
-            pdir = ds.partition_dir(Path(root), table, date, node)
-            shared += ds.date_files(pdir.parent)
-            try:
-                names = os.listdir(pdir)
-            except FileNotFoundError:
-                continue
-            files.extend(str(pdir / f) for f in sorted(names)
-                         if f.endswith(".parquet") and not f.startswith((".", "_")))
+        for date in (dates[table] if dates is not None else ds.table_dates(r, table)):
+            pdir = str(ds.partition_dir(r.path, table, date, node))
+            shared += ds.date_files(pdir.rpartition("/")[0], r.fs)
+            files += ds.list_dir(r.fs, pdir)[1]
         # in file order, unsorted: SampleStage sorts each entity's rows by time itself (stably, so
         # duplicates resolve as after read_table's stable sort)
         parts = []
         try:
             if files:
-                parts.append(pads.dataset(files, schema=sch.schema(table), format="parquet").to_table(
-                    columns=sg._needed_columns(table)))
+                parts.append(pads.dataset(files, schema=sch.schema(table), format="parquet",
+                                          filesystem=r.fs).to_table(columns=sg._needed_columns(table)))
             if shared:
-                parts.append(pads.dataset(shared, schema=sch.schema(table), format="parquet").to_table(
+                parts.append(pads.dataset(shared, schema=sch.schema(table), format="parquet", filesystem=r.fs).to_table(
                     columns=sg._needed_columns(table), filter=pc.field("node") == node))
         except (OSError, pa.ArrowException) as exc:
-            raise ValueError(f"{_unreadable(files + shared) or f'table={table}, node {node}'}: {exc}") from exc
+            bad = _unreadable(r, files + shared)
+            raise ValueError(f"{r.show(bad) if bad else f'table={table}, node {node}'}: {exc}") from exc
         data = pa.concat_tables(parts) if len(parts) > 1 else (parts[0] if parts else None)
         if data is not None and data.num_rows:
             out[table] = data
     return out
 
 
-def _unreadable(files: list[str]) -> str | None:
+def _unreadable(root: ds.DatasetRoot, files: list[str]) -> str | None:
     """The first of `files` whose Parquet footer does not read (the file a failed read tripped on)."""
     for f in files:
         try:
-            pq.read_metadata(f)
+            pq.read_metadata(f, filesystem=root.fs)
         except (OSError, pa.ArrowException):
             return f
     return None
@@ -289,8 +283,9 @@ def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return steps, x, present
 
 
-def _base_pass(root: str, node: str, cache_path: str, dates: dict[str, list[str]]):
-    """Pass 1 for one node (in a worker): base signals to the cache; returns what the totals need."""
+def _base_pass(root: ds.DatasetRoot, node: str, cache_path: str, dates: dict[str, list[str]]):
+    """Pass 1 for one node (in a worker): base signals to the cache; returns what the totals need.
+    `root` comes pickled, its filesystem with it: the worker reads the dataset wherever it is."""
     base = sg.node_base_signals(read_node(root, node, dates))
     if len(base) == 0:
         return None
@@ -371,9 +366,9 @@ class FeatureBuilder:
     def __init__(self, root, *, nodes: list[str] | None = None, progress=None, cache_dir=None,
                  workers: int | None = None, executor: str = "local", ray_address: str | None = None,
                  on_error: str = "stop"):
-        self.root = Path(root)
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"dataset directory {self.root} does not exist")
+        # the dataset: any filesystem (dataset.open_dataset_root); the cache stays a local directory
+        # (on Ray across machines, one every worker mounts)
+        self.root = ds.open_dataset_root(root)
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR)}")
         self.nodes = nodes if nodes is not None else list_dataset_nodes(self.root)
@@ -433,10 +428,10 @@ class FeatureBuilder:
         return self.cache / f"base-{i:06d}.parquet"
 
     def pass1(self) -> None:
-        dates = {table: _dates(self.root, table) for table in sg.TABLES}
+        dates = {table: ds.table_dates(self.root, table) for table in sg.TABLES}
         # each node's peer inputs wait on disk (bounded memory) until every node's step range is known
         got = {}
-        jobs = ((str(self.root), node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
+        jobs = ((self.root, node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
         for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs, self.nodes))):
             if res is not None:
                 steps, present, own = res
@@ -506,24 +501,26 @@ def dataset_hash(root) -> str:
     """sha256 over every Parquet file of the dataset (relative path and content), in sorted order.
 
     Remembered for the same files (path, size, modification time): train.py asks twice, and a
-    512-node month is 4 GB to read.
+    512-node month is 4 GB to read. Read through the dataset's filesystem (a path or a URI: the same
+    files give the same hash).
     """
     import hashlib
 
-    root = Path(root)
-    paths = [p for p in sorted(root.rglob("*.parquet")) if not p.name.startswith((".", "_"))]
-    stats = []
-    for path in paths:
-        st = path.stat()
-        stats.append((str(path.relative_to(root)), st.st_size, st.st_mtime_ns))
-    key = (str(root.resolve()), tuple(stats))
+    r = ds.dataset_root(root)
+    infos = r.fs.get_file_info(pafs.FileSelector(r.path, recursive=True, allow_not_found=True))
+    prefix = r.path.rstrip("/") + "/"
+    files = [(i.path[len(prefix):], i) for i in infos
+             if i.type == pafs.FileType.File and ds._data_file(i.base_name) and i.path.startswith(prefix)]
+    files.sort(key=lambda f: f[0].split("/"))   # by path component, as pathlib sorts
+    stats = tuple((rel, i.size, i.mtime_ns) for rel, i in files)
+    key = (r.fs.type_name, r.path, stats)
     got = _HASHES.get(key)
     if got is not None:
         return got
     h = hashlib.sha256()
-    for path in paths:
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        with open(path, "rb") as fh:
+    for rel, i in files:
+        h.update(rel.encode() + b"\0")
+        with r.fs.open_input_stream(i.path) as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     if len(_HASHES) >= 8:

@@ -1,6 +1,6 @@
 """Offline training on a logged (or simulated) schema-v1 dataset: the model, its baselines, its manifest.
 
-Reads a dataset directory (foreshock/dataset.py layout) through offline.FeatureBuilder and the
+Reads a dataset (foreshock/dataset.py layout; a directory or a URI pyarrow.fs takes) through offline.FeatureBuilder and the
 incidents table (labels.py), and writes a model directory (registry.py).
 
 Split by time, never by row: the first (1 - val_fraction) of the dataset's time span trains the
@@ -80,7 +80,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     # by default both are the shipped model: loaded (and its fast path built and checked) once
     same = compare_with is not None and base is not None and Path(base).resolve() == Path(compare_with).resolve()
     base_model = compared if same else _comparable(base)
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    # the dataset: a path or a URI, read through its filesystem (dataset.DatasetRoot); out_dir is local
+    data_dir, out_dir = ds.open_dataset_root(data_dir), Path(out_dir)
     rng = np.random.default_rng(seed)
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     h_ns = horizon_s * 1_000_000_000

@@ -20,7 +20,7 @@ statistics). A file is published (dataset.AtomicParquetFile: written under a dot
 and renamed; an object store's upload completes) once it holds `file_bytes` of Parquet, or once its
 table's oldest rows not yet published have waited `roll_seconds`. Memory stays with the buffers
 while files grow to analytics sizes. Storage is addressed through pyarrow's filesystem layer
-(pyarrow.fs.FileSystem.from_uri): a local path, or any URI pyarrow supports (s3://, gs://, hdfs://).
+(dataset.filesystem_of, the readers' too): a local path, or any URI pyarrow supports (s3://, gs://, hdfs://).
 
 Off the scoring path: the two consumers hand their tables over by reference, the ingest stage once its
 value checks have run (`take_tables`, `take_batches`, on the scoring thread) and the decision log when
@@ -47,7 +47,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -101,17 +100,6 @@ class ArchiveSettings:
                 raise ArchiveError(f"{key} {value!r}: {check.allowed}")
 
 
-def filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path) of a directory or URI; a plain path is a local one, relative to the cwd."""
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise ArchiveError(f"archive {uri!r}: {exc}") from None
-    return fs, path.rstrip("/")
-
-
 class _Open:
     """A file being written: its run of row groups so far, the nodes in it, the bytes taken into it."""
     __slots__ = ("file", "nodes", "nbytes", "rows")
@@ -128,7 +116,10 @@ class Archive:
 
     def __init__(self, settings: ArchiveSettings):
         self.settings = settings
-        self.fs, self.root = filesystem_of(settings.uri)
+        try:
+            self.fs, self.root = ds.filesystem_of(settings.uri)
+        except ds.DatasetError as exc:
+            raise ArchiveError(f"archive {exc}") from None
         self._id = uuid.uuid4().hex[:8]
         self._seq = 0
         self._check_writable()
@@ -421,4 +412,4 @@ def _by_date(data: pa.Table):
         yield day, data.filter(pc.equal(days, day))
 
 
-__all__ = ["Archive", "ArchiveSettings", "ArchiveError", "filesystem_of"]
+__all__ = ["Archive", "ArchiveSettings", "ArchiveError"]

@@ -66,9 +66,11 @@ def test_ray_builds_the_same_features_as_the_process_pool_and_in_process(data, r
     serial = _features(data, workers=1)
     pool = _features(data, workers=2)
     on_ray = _features(data, workers=2, executor="ray", ray_address=ray_head)
-    assert list(serial) == list(pool) == list(on_ray)
+    # a URI: the Ray tasks get the dataset's filesystem pickled and read through it
+    on_ray_uri = _features(f"file://{data}", workers=2, executor="ray", ray_address=ray_head)
+    assert list(serial) == list(pool) == list(on_ray) == list(on_ray_uri)
     for node in serial:
-        for other in (pool, on_ray):
+        for other in (pool, on_ray, on_ray_uri):
             assert np.array_equal(serial[node][0], other[node][0])
             assert np.array_equal(serial[node][1], other[node][1], equal_nan=True), node
 
