@@ -627,7 +627,10 @@ except Exception as exc:
 """
 
 
-def _probe(uri: str, timeout_s: float) -> None:
+def probe_storage(uri: str, timeout_s: float = OPEN_TIMEOUT_S) -> None:
+    """Open a URI of remote storage and ask it for `uri`'s path in a child process that is killed after
+    `timeout_s` (a client of storage that never answers can hang past any thread's deadline, and keep
+    the process from exiting). Raises DatasetError naming the URI."""
     import subprocess
     import sys
     try:
@@ -647,7 +650,7 @@ def open_dataset_root(root: "str | os.PathLike | DatasetRoot", timeout_s: float 
     if r is None:
         name = os.fspath(root)
         if "://" in name and not name.startswith("file://"):
-            _probe(name, timeout_s)
+            probe_storage(name, timeout_s)
         r = dataset_root(name)
     try:
         kind = r.fs.get_file_info(r.path).type

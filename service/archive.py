@@ -148,6 +148,13 @@ class Archive:
         self.written_bytes = 0
 
     def _check_writable(self) -> None:
+        uri = self.settings.uri
+        if "://" in uri and not uri.startswith("file://"):
+            # remote storage that does not answer would hang serve's start: asked first, with a deadline
+            try:
+                ds.probe_storage(uri, ds.OPEN_TIMEOUT_S)
+            except ds.DatasetError as exc:
+                raise ArchiveError(f"archive {uri!r} cannot be written: {exc}") from None
         probe = f"{self.root}/.foreshock-archive-probe-{self._id}"
         try:
             self.fs.create_dir(self.root, recursive=True)

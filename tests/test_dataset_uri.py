@@ -221,3 +221,22 @@ def test_an_unknown_scheme_or_storage_that_does_not_answer_is_refused_naming_it(
         for c in held:
             c.close()
         srv.close()
+
+
+@pytest.mark.slow
+def test_an_archive_on_storage_that_does_not_answer_is_refused_at_start_within_the_deadline(monkeypatch):
+    from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
+    monkeypatch.setattr(ds, "OPEN_TIMEOUT_S", 2.0)
+    srv, stop, held = _silent_listener()
+    try:
+        uri = f"gs://bucket/archive?endpoint_override=127.0.0.1:{srv.getsockname()[1]}&scheme=http"
+        t0 = time.monotonic()
+        with pytest.raises(ArchiveError, match="cannot be written") as got:
+            Archive(ArchiveSettings(uri))
+        assert repr(uri) in str(got.value) and "does not answer within 2 s" in str(got.value)
+        assert time.monotonic() - t0 < 6
+    finally:
+        stop.set()
+        for c in held:
+            c.close()
+        srv.close()
