@@ -1,8 +1,8 @@
 """The NVLink fabric as data: what NVML's GPU fabric information means, and the fabric's services.
 
-Format: NVML's `nvmlGpuFabricInfo_v2_t` / `_v3_t` (nvml.h; nvidia-ml-py's `c_nvmlGpuFabricInfo_v2_t` and
-`_v3_t`), filled by `nvmlDeviceGetGpuFabricInfoV`, and the older `nvmlGpuFabricInfo_t` of
-`nvmlDeviceGetGpuFabricInfo`: a cluster UUID (16 bytes), a clique id, a registration state
+Format: NVML's `nvmlGpuFabricInfo_v2_t` / `_v3_t` (nvml.h; declared again in collectors/nvml.py,
+since nvidia-ml-py 12.5xx-13.5xx declare the old struct with the wrong UUID length), filled by
+`nvmlDeviceGetGpuFabricInfoV`, and the older `nvmlGpuFabricInfo_t` of `nvmlDeviceGetGpuFabricInfo`: a cluster UUID (16 bytes), a clique id, a registration state
 (NVML_GPU_FABRIC_STATE_*), a status (an nvmlReturn_t, valid once the state is COMPLETED), from v2 a
 health mask of 2- and 4-bit fields (NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_* / _WIDTH_*, each field 0 when
 the GPU does not support it), and from v3 a health summary (NVML_GPU_FABRIC_HEALTH_SUMMARY_*). The
