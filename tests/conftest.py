@@ -80,3 +80,13 @@ def browse(tmp_path):
         return dom.stdout, matplotlib.image.imread(shot)[..., :3]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def small_world(tmp_path_factory) -> Path:
+    """A small simulated cluster (12 nodes x 2 days, failures at 200x), written once per run; read only."""
+    from foreshock import cli
+    out = tmp_path_factory.mktemp("small-world") / "d"
+    assert cli.main(["simulate", "--nodes", "12", "--days", "2", "--interval", "60", "--seed", "5",
+                     "--rate-scale", "200", "--workers", "1", "--out", str(out)]) == 0
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import contextlib
 import socket
 import threading
 import time
@@ -82,11 +83,8 @@ class RecordingHandler(pafs.FileSystemHandler):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sim") / "d"
-    assert cli.main(["simulate", "--nodes", "12", "--days", "2", "--interval", "60", "--seed", "5",
-                     "--rate-scale", "200", "--workers", "1", "--out", str(out)]) == 0
-    return out
+def data(small_world):
+    return small_world
 
 
 def _features(root, **kw) -> dict[str, tuple]:
@@ -163,8 +161,9 @@ def test_every_read_goes_through_the_filesystem_it_is_handed(data):
     assert scored.identity["data_hash"] == offline.dataset_hash(data) and scored.identity["data"] == "recording://dataset"
 
 
+@contextlib.contextmanager
 def _silent_listener():
-    """A loopback port that accepts connections and never answers (storage that hangs)."""
+    """A loopback port that accepts connections and never answers (storage that hangs): its port."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
@@ -180,7 +179,13 @@ def _silent_listener():
                 pass
 
     threading.Thread(target=accept, daemon=True).start()
-    return srv, stop, held
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        stop.set()
+        for c in held:
+            c.close()
+        srv.close()
 
 
 def _closed_port() -> int:
@@ -206,9 +211,8 @@ def test_an_unknown_scheme_or_storage_that_does_not_answer_is_refused_naming_it(
     assert rc == 2 and f"dataset {uri!r}:" in err, err
     assert time.monotonic() - t0 < ds.OPEN_TIMEOUT_S + 5
     # a server that takes the connection and never answers: refused at the deadline, the URI named
-    srv, stop, held = _silent_listener()
-    try:
-        at = f"endpoint_override=127.0.0.1:{srv.getsockname()[1]}&scheme=http"
+    with _silent_listener() as port:
+        at = f"endpoint_override=127.0.0.1:{port}&scheme=http"
         for uri in (f"gs://bucket/archive?{at}", f"s3://bucket/archive?{at}&region=us-east-1",
                     f"s3://bucket/archive?{at}"):   # no region: opening it asks the bucket's
             t0 = time.monotonic()
@@ -216,27 +220,16 @@ def test_an_unknown_scheme_or_storage_that_does_not_answer_is_refused_naming_it(
                 ds.open_dataset_root(uri, timeout_s=2)
             assert repr(uri) in str(got.value)
             assert time.monotonic() - t0 < 6
-    finally:
-        stop.set()
-        for c in held:
-            c.close()
-        srv.close()
 
 
 @pytest.mark.slow
 def test_an_archive_on_storage_that_does_not_answer_is_refused_at_start_within_the_deadline(monkeypatch):
     from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
     monkeypatch.setattr(ds, "OPEN_TIMEOUT_S", 2.0)
-    srv, stop, held = _silent_listener()
-    try:
-        uri = f"gs://bucket/archive?endpoint_override=127.0.0.1:{srv.getsockname()[1]}&scheme=http"
+    with _silent_listener() as port:
+        uri = f"gs://bucket/archive?endpoint_override=127.0.0.1:{port}&scheme=http"
         t0 = time.monotonic()
         with pytest.raises(ArchiveError, match="cannot be written") as got:
             Archive(ArchiveSettings(uri))
         assert repr(uri) in str(got.value) and "does not answer within 2 s" in str(got.value)
         assert time.monotonic() - t0 < 6
-    finally:
-        stop.set()
-        for c in held:
-            c.close()
-        srv.close()

@@ -50,11 +50,8 @@ def ray_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sim") / "d"
-    assert cli.main(["simulate", "--nodes", "12", "--days", "2", "--interval", "60", "--seed", "5",
-                     "--rate-scale", "200", "--workers", "1", "--out", str(out)]) == 0
-    return out
+def data(small_world):
+    return small_world
 
 
 def _features(data, **kw) -> dict[str, np.ndarray]:
