@@ -720,9 +720,10 @@ def table_dates(root: "str | os.PathLike | DatasetRoot", table: str) -> list[str
 
 def partition_files(root: "str | os.PathLike | DatasetRoot", table: str, *, nodes: Iterable[str] | None = None,
                     dates: Iterable[str] | None = None) -> list[PurePosixPath]:
-    """The table's files (paths of the dataset's filesystem): each node partition's, and, whatever
-    `nodes` says, those directly under a date (the archive's, every node in one file: read_table
-    filters their rows)."""
+    """The table's files (paths of the dataset's filesystem: `Path`s on the local disk, which can be
+    opened and stat'ed as before, else PurePosixPaths): each node partition's, and, whatever `nodes`
+    says, those directly under a date (the archive's, every node in one file: read_table filters
+    their rows)."""
     r = dataset_root(root)
     node_dirs = None if nodes is None else {f"node={_quote(n)}" for n in nodes}
     date_dirs = None if dates is None else {f"date={d}" for d in dates}
@@ -737,7 +738,8 @@ def partition_files(root: "str | os.PathLike | DatasetRoot", table: str, *, node
             name = _base(ndir)
             if name.startswith("node=") and (node_dirs is None or name in node_dirs):
                 out.extend(list_dir(r.fs, ndir)[1])
-    return [PurePosixPath(f) for f in out]
+    kind = Path if isinstance(r.fs, pafs.LocalFileSystem) else PurePosixPath
+    return [kind(f) for f in out]
 
 
 def file_nodes(path: str | os.PathLike, root: "DatasetRoot | None" = None) -> set[str]:
