@@ -627,6 +627,12 @@ except Exception as exc:
 """
 
 
+def remote(uri: str | os.PathLike) -> bool:
+    """A URI of storage reached over the network (s3://, gs://, hdfs://, ...): not a local path or file://."""
+    uri = os.fspath(uri)
+    return "://" in uri and not uri.startswith("file://")
+
+
 def probe_storage(uri: str, timeout_s: float = OPEN_TIMEOUT_S) -> None:
     """Open a URI of remote storage and ask it for `uri`'s path in a child process that is killed after
     `timeout_s` (a client of storage that never answers can hang past any thread's deadline, and keep
@@ -649,7 +655,7 @@ def open_dataset_root(root: "str | os.PathLike | DatasetRoot", timeout_s: float 
     r = root if isinstance(root, DatasetRoot) else None
     if r is None:
         name = os.fspath(root)
-        if "://" in name and not name.startswith("file://"):
+        if remote(name):
             probe_storage(name, timeout_s)
         r = dataset_root(name)
     try:
@@ -661,7 +667,8 @@ def open_dataset_root(root: "str | os.PathLike | DatasetRoot", timeout_s: float 
     return r
 
 
-def _data_file(name: str) -> bool:
+def data_file(name: str) -> bool:
+    """A file name the readers take: Parquet, not a writer's hidden file in progress."""
     return name.endswith(".parquet") and not name.startswith((".", "_"))
 
 
@@ -674,7 +681,7 @@ def list_dir(fs: pafs.FileSystem, path: str) -> tuple[list[str], list[str]]:
     paths; nothing for a path that is not there."""
     infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     dirs = sorted(i.path for i in infos if i.type == pafs.FileType.Directory)
-    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and _data_file(i.base_name))
+    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and data_file(i.base_name))
     return dirs, files
 
 
@@ -738,7 +745,7 @@ def partition_files(root: "str | os.PathLike | DatasetRoot", table: str, *, node
             name = _base(ndir)
             if name.startswith("node=") and (node_dirs is None or name in node_dirs):
                 out.extend(list_dir(r.fs, ndir)[1])
-    kind = Path if isinstance(r.fs, pafs.LocalFileSystem) else PurePosixPath
+    kind = Path if r.local else PurePosixPath
     return [kind(f) for f in out]
 
 

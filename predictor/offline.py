@@ -510,7 +510,7 @@ def dataset_hash(root) -> str:
     infos = r.fs.get_file_info(pafs.FileSelector(r.path, recursive=True, allow_not_found=True))
     prefix = r.path.rstrip("/") + "/"
     files = [(i.path[len(prefix):], i) for i in infos
-             if i.type == pafs.FileType.File and ds._data_file(i.base_name) and i.path.startswith(prefix)]
+             if i.type == pafs.FileType.File and ds.data_file(i.base_name) and i.path.startswith(prefix)]
     files.sort(key=lambda f: f[0].split("/"))   # by path component, as pathlib sorts
     stats = tuple((rel, i.size, i.mtime_ns) for rel, i in files)
     key = (r.fs.type_name, r.path, stats)

@@ -149,7 +149,7 @@ class Archive:
 
     def _check_writable(self) -> None:
         uri = self.settings.uri
-        if "://" in uri and not uri.startswith("file://"):
+        if ds.remote(uri):
             # remote storage that does not answer would hang serve's start: asked first, with a deadline
             try:
                 ds.probe_storage(uri, ds.OPEN_TIMEOUT_S)
