@@ -64,7 +64,7 @@ from foreshock import schema as sch
 from foreshock.service.command import ARCHIVE_CHECKS, DEFAULTS
 from foreshock.service.decisions import DECISION_SCHEMA, incident_rows
 from foreshock.service.fastipc import EOS, BatchDecoder
-from foreshock.service.ingest import RawBatch, wire_schema
+from foreshock.service.validation import RawBatch, wire_schema
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ Two stages, so that thousands of nodes a second cost little (docs/scaling.md):
   one. A schema never seen before is compared field by field (recognised by a digest afterwards) and,
   where it differs, conformed (cast) with foreshock.schema.conform.
 - Once per scoring round, vectorised over every batch of a table received since the last round: the
-  values (rows of the right node, timestamps, NaN and infinities, negative counters). A batch that
-  fails is taken out of the round and its Rejection rides on the next ack of its stream. Nothing
-  unvalidated reaches the scorer.
+  values (rows of the right node, timestamps, NaN and infinities, negative counters), by the pure
+  functions of service/validation.py, here (`take_round`) or in the scoring worker (service/worker.py,
+  whose verdicts come back through `apply_verdicts`). A batch that fails is taken out of the round and
+  its Rejection rides on the next ack of its stream. Nothing unvalidated reaches the scorer.
 
 A batch with events (Xid 48/74/79/..., a link going down, NIC errors) or a lost GPU wakes the scoring
 loop at once instead of waiting for the next round; the round records fatal ones for the policy. Which Xids
@@ -43,20 +44,19 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from foreshock import schema as sch
 from foreshock import xid as xidcat
+from foreshock.service import validation
 from foreshock.service.fastipc import EOS, BatchDecoder
 from foreshock.service.jobs import ID_RE, NODE_RE
-from foreshock.service.nodes import FatalEvent, NodeBook, Topology
+from foreshock.service.nodes import FatalEvent, NodeBook, Topology, lost_gpus
+from foreshock.service.validation import RawBatch, decode_raw, wire_schema
 from foreshock.service.xidcontext import Sighting, XidContext
 
 log = logging.getLogger(__name__)
 
-COUNTER_UNITS = frozenset({"errors", "count", "bytes", "rows", "replays", "KiB", "J", "probes"})
 MAX_TABLES_PER_BATCH = 32
 # Tables whose batch the scoring loop acts on at once (a fatal Xid, a link down, a lost GPU, a topology
 # change): they skip the bulk drains and never wait for a close hold (steps.CloseHold).
@@ -101,13 +101,6 @@ class Session:
         return self.queued - self.checked
 
 
-@dataclass(frozen=True)
-class RawBatch:
-    """A table's IPC stream whose schema message is known good: decoded with its round's others."""
-    head: bytes        # the schema message
-    body: bytes        # the record batch message(s), without the end-of-stream marker
-
-
 @dataclass
 class Pending:
     """One accepted batch's decoded tables, waiting for the next round's value checks."""
@@ -130,31 +123,6 @@ class IngestLimits:
     max_future_seconds: float = 300.0
     credit_window: int = 16
     high_water: int = 20_000            # queued tables in the scoring backlog before acks are held back
-
-
-class _TableCheck:
-    """What to check in one schema-v1 table, derived from its declaration once."""
-
-    def __init__(self, table: str):
-        self.schema = sch.schema(table)
-        # The canonical in-memory schema: schema-v1 names and types, no unit/help metadata, one object
-        # shared by every batch so that combining thousands of them is cheap.
-        self.wire = pa.schema([pa.field(f.name, f.type, f.nullable) for f in self.schema])
-        self.keys = [f.name for f in self.schema if not f.nullable]
-        fields = sch.TABLES[table]
-        self.floats = [f.name for f in fields if pa.types.is_floating(f.type)]
-        self.signed_counters = [f.name for f in fields if f.unit in COUNTER_UNITS and
-                                (pa.types.is_signed_integer(f.type) or pa.types.is_floating(f.type))]
-        self.ts_columns = [f.name for f in fields if pa.types.is_timestamp(f.type)]
-
-
-_CHECKS = {name: _TableCheck(name) for name in sch.TABLES}
-
-
-def wire_schema(table: str) -> pa.Schema:
-    """The schema-v1 table's in-memory schema as every checked batch has it (names, types, nullability;
-    no unit/help metadata)."""
-    return _CHECKS[table].wire
 
 
 def _schema_key(buf: bytes) -> tuple[bytes, int] | None:
@@ -366,7 +334,7 @@ class Ingest:
                 continue
             if isinstance(t, RawBatch):
                 if name in good:  # the same table twice in one batch: decode both now
-                    t = self._decode_raw(name, t)
+                    t = decode_raw(name, t)
                     if t is None:
                         self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream")
                         continue
@@ -376,7 +344,7 @@ class Ingest:
             if t is not None and t.num_rows:
                 if name in good:
                     prev = good[name]
-                    prev = self._decode_raw(name, prev) if isinstance(prev, RawBatch) else prev
+                    prev = decode_raw(name, prev) if isinstance(prev, RawBatch) else prev
                     good[name] = pa.concat_tables([prev, t]) if prev is not None else t
                 else:
                     good[name] = t
@@ -405,8 +373,7 @@ class Ingest:
 
     def _decode(self, s: Session, rejections, sequence, name, version, buf, omitted=False) -> pa.Table | None:
         lim = self.limits
-        check = _CHECKS.get(name)
-        if check is None or name == "incidents":
+        if name not in sch.TABLES or name == "incidents":
             self._reject(rejections, sequence, name[:64], "unknown_table",
                          f"table {name[:64]!r} is not a telemetry table of schema v1")
             return None
@@ -448,16 +415,17 @@ class Ingest:
             self._reject(rejections, sequence, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream: {exc}")
             return None
         key = None if omitted else _schema_key(buf)
-        if t.schema.equals(check.wire, check_metadata=False):
+        wire = wire_schema(name)
+        if t.schema.equals(wire, check_metadata=False):
             if key is not None:
                 head = buf[:key[1]]
                 if len(self._good_schemas) < 4096:
                     head = self._good_schemas.setdefault(key[0], (name, head))[1]   # one object per schema
                 s.heads[name] = (head, True)
-            t = t.cast(check.wire)
+            t = t.cast(wire)
         else:
             try:
-                t = sch.conform(name, t).cast(check.wire)
+                t = sch.conform(name, t).cast(wire)
             except sch.SchemaError as exc:
                 self._reject(rejections, sequence, name, "bad_schema", str(exc))
                 return None
@@ -478,13 +446,7 @@ class Ingest:
             if good is not None and good[0] == name:
                 s.heads[name] = (good[1], True)
 
-    # -- the round's value checks --------------------------------------------------------------------
-    def _decode_raw(self, name: str, raw: RawBatch) -> pa.Table | None:
-        try:
-            return pa.ipc.open_stream(raw.head + raw.body + EOS).read_all().cast(_CHECKS[name].wire)
-        except Exception:
-            return None
-
+    # -- the round's value checks (service/validation.py) -------------------------------------------
     def _checked(self, items: list[Pending]) -> None:
         taken = self._taken
         for item in items:
@@ -494,94 +456,31 @@ class Ingest:
                 taken[cid] = item.sequence
 
     def take_round(self, items: list[Pending]) -> dict[str, pa.Table]:
-        """check_round, and each batch counted as checked on its stream."""
+        """Decode and check the values of every pending batch at once, per table; return what passed.
+        The verdicts go onto the batches' streams (Session.deferred), each batch counts as checked on
+        its stream, and what the events and topology say is acted on."""
         try:
-            return self.check_round(items)
+            now = self._clock()
+            checked = validation.check_round(items, now, self.limits, self._decoders)
+            for v in checked.verdicts:
+                self._defer(items[v.part], v.table, v.reason, v.detail)
+            out = checked.tables
+            with self._lock:
+                self.accepted_rows.update(checked.rows)
+            mark = self.context.mark() if self.context is not None else 0
+            self._side_effects(out, now)
+            if self.context is not None and self.context.mark() != mark:
+                held: dict[str, int] = {}
+                for item in items:
+                    cid = item.session.collector_id
+                    if cid and "events" in item.tables:
+                        held[cid] = min(held.get(cid, item.sequence), item.sequence)
+                self._holds.append((self.context.mark(), held))
+            if self.archive is not None:
+                self.archive.take_tables(out)
+            return out
         finally:
             self._checked(items)
-
-    def check_round(self, items: list[Pending]) -> dict[str, pa.Table]:
-        """Decode and check the values of every pending batch at once, per table; return what passed.
-        The verdicts go onto the batches' streams (Session.deferred); the streams' counts of checked
-        batches are take_round's, so that the scoring worker, whose batches stand for streams in
-        another process, can run the same checks."""
-        now = self._clock()
-        by_table: dict[str, list[tuple[Pending, object]]] = collections.defaultdict(list)
-        for item in items:
-            for name, t in item.tables.items():
-                by_table[name].append((item, t))
-        out: dict[str, pa.Table] = {}
-        for name, parts in by_table.items():
-            try:
-                table = self._round_table(name, parts, now)
-            except Exception:
-                log.exception("ingest: value checks of %d %s tables failed; dropping them", len(parts), name)
-                continue
-            if table is not None and table.num_rows:
-                out[name] = table
-                with self._lock:
-                    self.accepted_rows[name] += table.num_rows
-        mark = self.context.mark() if self.context is not None else 0
-        self._side_effects(out, now)
-        if self.context is not None and self.context.mark() != mark:
-            held: dict[str, int] = {}
-            for item in items:
-                cid = item.session.collector_id
-                if cid and "events" in item.tables:
-                    held[cid] = min(held.get(cid, item.sequence), item.sequence)
-            self._holds.append((self.context.mark(), held))
-        if self.archive is not None:
-            self.archive.take_tables(out)
-        return out
-
-    def _round_table(self, name: str, parts, now: int) -> pa.Table | None:
-        """One table of the round: raw batches decoded in one Arrow read (a stream of the schema message
-        and every batch's record batches), then the value checks over all rows at once."""
-        check, lim = _CHECKS[name], self.limits
-        raws = [(item, t) for item, t in parts if isinstance(t, RawBatch)]
-        ready = [(item, t) for item, t in parts if not isinstance(t, RawBatch)]
-        chunks: list[pa.Table] = []
-        owners: list[Pending] = []
-        lengths: list[int] = []
-        if raws:
-            try:
-                # Vectorised across batches (service/fastipc.py); a node's rows keep their order.
-                got = self._decoder(name).decode(raws[0][1].head, [r.body for _, r in raws],
-                                                 [item.node for item, _ in raws])
-            except Exception:
-                log.exception("ingest: decoding %d %s batches failed; one by one instead", len(raws), name)
-                got = None
-            if got is not None:   # else some stream held several batches: take them one by one
-                joined, order, sizes = got
-                chunks.append(joined)
-                owners += [raws[i][0] for i in order]
-                lengths += sizes
-            else:
-                for item, raw in raws:
-                    t = self._decode_raw(name, raw)
-                    if t is None:
-                        self._defer(item, name, "bad_ipc", f"table {name!r}: not an Arrow IPC stream")
-                        continue
-                    chunks.append(t)
-                    owners.append(item)
-                    lengths.append(t.num_rows)
-        for item, t in ready:
-            chunks.append(t)
-            owners.append(item)
-            lengths.append(t.num_rows)
-        if not chunks:
-            return None
-        table = pa.concat_tables(chunks) if len(chunks) > 1 else chunks[0]
-        # One chunk per column: the checks here and the scorer's kernels then run once, not per batch.
-        if any(c.num_chunks > 1 for c in table.columns):
-            table = table.combine_chunks()
-        return self._check_table(name, owners, table, np.asarray(lengths, dtype=np.int64), now)
-
-    def _decoder(self, name: str) -> BatchDecoder:
-        dec = self._decoders.get(name)
-        if dec is None:
-            dec = self._decoders[name] = BatchDecoder(_CHECKS[name].wire)
-        return dec
 
     def _defer(self, item: Pending, table: str, reason: str, detail: str) -> None:
         rejection = Rejection(item.sequence, table, reason, detail)
@@ -597,83 +496,6 @@ class Ingest:
                     self._undelivered.popitem(last=False)
                 return
         s.deferred.append(rejection)
-
-    def _check_table(self, name: str, items: list[Pending], table: pa.Table, lengths: np.ndarray,
-                     now: int) -> pa.Table | None:
-        check, lim = _CHECKS[name], self.limits
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
-        bad: dict[int, tuple[str, str]] = {}   # part index -> (reason, detail)
-        for i in np.flatnonzero(lengths > lim.max_table_rows).tolist():
-            bad[i] = ("oversized", f"table {name!r}: {int(lengths[i])} rows, at most {lim.max_table_rows}")
-
-        def per_part(fn):
-            """Run a check on each part (only when the whole-table check found something)."""
-            for i in range(len(items)):
-                if i not in bad:
-                    verdict = fn(table.slice(int(starts[i]), int(lengths[i])))
-                    if verdict:
-                        bad[i] = verdict
-
-        for col in check.keys:
-            if table.column(col).null_count:
-                per_part(lambda t, col=col: ("bad_schema", f"table {name!r}: column {col!r} must not be null")
-                         if t.column(col).null_count else None)
-        # Rows of another node: compare each row's node with its batch's node, in one pass.
-        node_codes = pc.dictionary_encode(table.column("node")).combine_chunks()
-        code_of = {n: i for i, n in enumerate(node_codes.dictionary.to_pylist())}
-        owners = [item.node for item in items]
-        row_owner = np.repeat(np.array([code_of.get(n, -2) for n in owners]), lengths)
-        codes = node_codes.indices.to_numpy(zero_copy_only=False)
-        codes = np.where(np.isnan(codes), -1, codes).astype(np.int64) if codes.dtype.kind == "f" else codes
-        mismatch = codes != row_owner
-        row_part = np.repeat(np.arange(len(items)), lengths)
-        for i in np.unique(row_part[mismatch]).tolist():
-            if i not in bad:
-                bad[i] = ("node_mismatch", f"table {name!r}: rows of another node in a batch from {owners[i]!r}")
-        for col in check.ts_columns:
-            mm = pc.min_max(table.column(col))
-            lo, hi = mm["min"], mm["max"]
-            if not hi.is_valid:
-                continue
-            future = now + lim.max_future_seconds * 1e9
-            past = now - lim.max_past_seconds * 1e9
-            if hi.value > future or (col == "ts" and lo.value < past):
-                def ts_check(t, col=col):
-                    m = pc.min_max(t.column(col))
-                    if not m["max"].is_valid:
-                        return None
-                    if m["max"].value > future:
-                        return ("ts_future", f"table {name!r}: {col} {(m['max'].value - now) / 1e9:.0f} s in the "
-                                f"future (at most {lim.max_future_seconds:.0f} s; check the node's clock)")
-                    if col == "ts" and m["min"].value < past:
-                        return ("ts_past", f"table {name!r}: ts {(now - m['min'].value) / 1e9:.0f} s in the past "
-                                f"(at most {lim.max_past_seconds:.0f} s)")
-                    return None
-                per_part(ts_check)
-        for col in check.floats:
-            c = table.column(col)
-            if c.null_count == len(c):
-                continue
-            if pc.any(pc.invert(pc.is_finite(c))).as_py():
-                per_part(lambda t, col=col: ("nan_value", f"table {name!r}: column {col!r} holds NaN or infinity "
-                                             "(a missing value is null)")
-                         if pc.any(pc.invert(pc.is_finite(t.column(col)))).as_py() else None)
-        for col in check.signed_counters:
-            c = table.column(col)
-            if c.null_count == len(c):
-                continue
-            lo_c = pc.min(c).as_py()
-            if lo_c is not None and lo_c < 0:
-                per_part(lambda t, col=col: ("negative_counter", f"table {name!r}: counter {col!r} is negative "
-                                             f"({pc.min(t.column(col)).as_py()})")
-                         if (pc.min(t.column(col)).as_py() or 0) < 0 else None)
-        if not bad:
-            return table
-        for i, (reason, detail) in bad.items():
-            self._defer(items[i], name, reason, detail)
-        keep = np.ones(len(items), dtype=bool)
-        keep[list(bad)] = False
-        return table.filter(pa.array(np.repeat(keep, lengths))) if keep.any() else None
 
     def apply_verdicts(self, items: list[Pending], reply: dict) -> None:
         """The scoring worker's answer on a drain (service/worker.py): each refused table's Rejection
@@ -740,10 +562,9 @@ class Ingest:
                     # No alarm either way; seen with its job's other nodes it is recorded as the job's event.
                     self.context.observe(Sighting(row["node"], when, xid, None))
         gpu = good.get("gpu")
-        if gpu is not None and pc.any(gpu.column("gpu_lost")).as_py():
-            lost = gpu.filter(gpu.column("gpu_lost")).select(["ts", "node", "gpu"])
-            for ts_i, row in zip(lost.column("ts").cast(pa.int64()).to_pylist(), lost.to_pylist()):
-                self.nodes.record_fatal(FatalEvent(row["node"], ts_i, "gpu_lost", f"GPU {row['gpu']} lost", now))
+        if gpu is not None:
+            for event in lost_gpus(gpu, now):
+                self.nodes.record_fatal(event)
 
     def stats(self) -> dict:
         return {"accepted_batches": self.accepted_batches, "duplicate_batches": self.duplicate_batches,

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from foreshock.service.domain import SignalRecord
 
@@ -41,6 +43,15 @@ class FatalEvent:
     kind: str
     description: str
     received_ns: int = 0
+
+
+def lost_gpus(gpu: pa.Table, received_ns: int) -> list[FatalEvent]:
+    """The fatal events a checked schema-v1 `gpu` table reports: each row with gpu_lost set."""
+    if not pc.any(gpu.column("gpu_lost")).as_py():
+        return []
+    lost = gpu.filter(gpu.column("gpu_lost")).select(["ts", "node", "gpu"])
+    return [FatalEvent(row["node"], ts_i, "gpu_lost", f"GPU {row['gpu']} lost", received_ns)
+            for ts_i, row in zip(lost.column("ts").cast(pa.int64()).to_pylist(), lost.to_pylist())]
 
 
 @dataclass

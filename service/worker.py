@@ -9,7 +9,7 @@ Split of the work:
 - The worker (`python -m foreshock.service.worker`: a fresh interpreter, see ScoringWorker; a socket
   pair is its pipe):
   fed the raw record-batch bytes of every other batch, it runs the same value checks
-  (`Ingest.take_round`) and `OnlineScorer.ingest`, and scores when a feature step closes. It answers
+  (service/validation.py) and `OnlineScorer.ingest`, and scores when a feature step closes. It answers
   each request with the verdicts (a Rejection per refused table, which rides on its stream's next ack),
   the rows taken, the GPUs it saw lost, and the scores.
 - `WorkerPipeline` is the round scheduler's pipeline (service/rounds.py) that carries drains to it.
@@ -35,16 +35,19 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from foreshock.service.ingest import Ingest, IngestLimits, Pending, RawBatch, wire_schema
-from foreshock.service.nodes import NodeBook
+from foreshock.service import validation
+from foreshock.service.ingest import IngestLimits, Pending
+from foreshock.service.nodes import lost_gpus
 from foreshock.service.rounds import Drain, Outcome
 from foreshock.service.scoring import ScoreResult
+from foreshock.service.validation import RawBatch, wire_schema
 
 log = logging.getLogger(__name__)
 
@@ -85,36 +88,23 @@ def pack(items: list[Pending]) -> dict:
     return {"owners": owners, "raw": raw, "decoded": decoded}
 
 
-class _Owner:
-    """Stands in for a batch's stream in the worker: collects the verdicts on it."""
-    __slots__ = ("deferred",)
-
-    def __init__(self):
-        self.deferred: list = []
-
-
-class _WorkerBook(NodeBook):
-    """The worker's node book only records what the service process must hear of."""
-
-    def __init__(self):
-        super().__init__()
-        self.lost: list = []
-
-    def record_fatal(self, event) -> None:
-        self.lost.append(event)
+@dataclass
+class _Batch:
+    """One batch of a drain as the worker has it: its node and its tables (validation.Received)."""
+    node: str
+    tables: dict[str, pa.Table | RawBatch] = field(default_factory=dict)
 
 
-def _unpack(req: dict, now_ns: int) -> list[Pending]:
-    owners = [_Owner() for _ in req["owners"]]
-    items = [Pending(owners[i], seq, node, {}, now_ns) for i, (seq, node) in enumerate(req["owners"])]
+def _unpack(req: dict) -> list[_Batch]:
+    batches = [_Batch(node) for _seq, node in req["owners"]]
     for name, head, joined, idx, lengths in req["raw"]:
         at = 0
         for i, n in zip(idx, lengths):
-            items[i].tables[name] = RawBatch(head, joined[at:at + n])   # bytes: cheap keys for fastipc
+            batches[i].tables[name] = RawBatch(head, joined[at:at + n])   # bytes: cheap keys for fastipc
             at += n
     for i, name, buf in req["decoded"]:
-        items[i].tables[name] = _decode(buf).cast(wire_schema(name))
-    return items
+        batches[i].tables[name] = _decode(buf).cast(wire_schema(name))
+    return batches
 
 
 def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state_path: str = "",
@@ -144,9 +134,8 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         threadpool_limits(1, user_api="openmp")
     except Exception:   # noqa: BLE001 - an optional tuning
         log.debug("threadpoolctl not available", exc_info=True)
-    book = _WorkerBook()
-    # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
-    ingest = Ingest(book, lambda p: 0, limits=IngestLimits(**limits))
+    value_limits = IngestLimits(**limits)
+    decoders: dict = {}   # kept from drain to drain: validation.check_round's
     restored = scorer.restore_state(state_path) if state_path else None
     conn.send_bytes(pickle.dumps(("ready", scorer.model_version, restored)))
     # Rows of the still-open step that came with a scoring request: held back until the answer is
@@ -174,11 +163,15 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         req["raw"] = [(name, head, blobs[k], idx, lengths) for name, head, k, idx, lengths in req["raw"]]
         t0 = time.perf_counter()
         now_ns = req["now_ns"]
-        items = _unpack(req, time.time_ns())
-        ingest.rejected.clear()
-        ingest.accepted_rows.clear()
-        book.lost.clear()
-        tables = ingest.check_round(items) if items else {}   # verdicts go back, not onto streams
+        batches = _unpack(req)
+        # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
+        checked_ns = time.time_ns()
+        checked = validation.check_round(batches, checked_ns, value_limits, decoders) if batches \
+            else validation.CheckedRound()
+        tables = checked.tables
+        # Drains carry no events or topology (the rounds check those in the service process): of what
+        # the service must act on, only a lost GPU can be in them.
+        lost = lost_gpus(tables["gpu"], checked_ns) if "gpu" in tables else []
         for name, buf in req.get("validated", []):
             t = _decode(buf)
             if name in tables:
@@ -208,10 +201,12 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
             except Exception as exc:
                 score_error = f"{type(exc).__name__}: {exc}"
                 log.exception("scoring round failed")
-        verdicts = [(i, r.table, r.reason, r.detail) for i, item in enumerate(items) for r in item.session.deferred]
+        # Each batch's verdicts together, in the order they were found, as its stream will hear them.
+        verdicts = [tuple(v) for v in sorted(checked.verdicts, key=lambda v: v.part)]
         conn.send_bytes(pickle.dumps(("done", {
-            "verdicts": verdicts, "rejected": dict(ingest.rejected), "rows": dict(ingest.accepted_rows),
-            "lost": list(book.lost), "score": score, "score_error": score_error, "ingest_errors": ingest_errors,
+            "verdicts": verdicts, "rejected": dict(collections.Counter(v[2] for v in verdicts)),
+            "rows": dict(checked.rows), "lost": lost, "score": score, "score_error": score_error,
+            "ingest_errors": ingest_errors,
             "seconds": time.perf_counter() - t0})))
         if state_path and req.get("score"):
             scorer.checkpoint(state_path, checkpoint_seconds)

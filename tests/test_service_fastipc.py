@@ -14,7 +14,8 @@ from foreshock import schema as sch
 from foreshock.collectors.simulated import SimpleNodeModel
 from foreshock.collectors.uplink import encode_table, split_stream
 from foreshock.service import fastipc
-from foreshock.service.ingest import Ingest, wire_schema
+from foreshock.service.ingest import Ingest
+from foreshock.service.validation import wire_schema
 from foreshock.service.nodes import NodeBook
 
 
