@@ -86,6 +86,7 @@ class OnlineScorer:
         self._index: dict[str, int] = {}
         self._state = ft.FeatureState.empty(0)
         self._next_step: int | None = None
+        self._last_step: int | None = None                 # the last step closed
         self._features = np.zeros((0, ft.N_FEATURES), dtype=np.float32)
         self._scored = np.zeros(0, dtype=bool)            # nodes past their first step (ft.scoreable)
         self._first_step = np.zeros(0, dtype=np.int64)     # each node's first step with telemetry (-1: none)
@@ -374,7 +375,7 @@ class OnlineScorer:
                 for i, s in zip(top, explained):
                     signals[i] = s
         manifest = getattr(self.model, "manifest", {}) or {}
-        end = (getattr(self, "_last_step", None))
+        end = self._last_step
         return ScoreBatch(nodes=nodes, probability=prob, signals=signals,
                           step_end_ns=None if end is None else (end + 1) * self.step_ns,
                           horizon_seconds=int(manifest.get("horizon_seconds", 0)),
@@ -398,7 +399,7 @@ class OnlineScorer:
                 "step_seconds": ft.STEP_SECONDS, "model_version": str((getattr(self.model, "manifest", {}) or {})
                                                                      .get("version", "")),
                 "saved_at_ns": time.time_ns(), "next_step": self._next_step,
-                "last_step": getattr(self, "_last_step", None), "nodes": list(self._nodes),
+                "last_step": self._last_step, "nodes": list(self._nodes),
                 "labels": self._labels, "group_codes": self._group_codes, "stage": stage_meta}
         arrays = {f"features.{k}": v for k, v in self._state.carried().items()}
         arrays.update({f"stage.{k}": v for k, v in stage_arrays.items()})

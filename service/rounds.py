@@ -9,7 +9,8 @@ serve` run this same scheduler; only the pipeline behind it differs. A round:
    local Ingest.take_round): a fatal Xid never waits on bulk telemetry or on the worker;
 2. when the pipeline is free and a drain is due (a step closes, events were checked, or the bulk has
    waited `drain_interval`), takes the bulk queue and submits one `Drain` to the pipeline: the bulk
-   batches, the checked event tables, and whether to score (a step is due, and up to which boundary);
+   batches, the checked event tables, and whether to score (a step is due, and up to which boundary:
+   the step schedule's answers, steps.StepSchedule, for a scorer with steps);
 3. applies the pipeline's answers (`Outcome`): the verdicts on the bulk batches (`on_verdicts`), the
    scores;
 4. runs the owner's after-round step (`on_round`: node book, Risk watchers, policy, directive expiry),
@@ -38,13 +39,12 @@ import pyarrow as pa
 
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.scoring import ScoreResult, Scorer
-from foreshock.service.steps import StepTracker
+from foreshock.service.steps import StepSchedule
 
 log = logging.getLogger(__name__)
 
 
 MAX_VALIDATED = 4096    # checked event/topology tables waiting for a pipeline that is busy
-EAGER_BEFORE_NS = 500_000_000   # RoundScheduler._drain_now: a step's last half second
 
 
 @dataclass
@@ -159,8 +159,7 @@ class InProcessPipeline:
                 log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
         if drain.score:
             try:
-                outcome.result = self.scorer.score(drain.now_ns) if drain.close_ns is None else \
-                    self.scorer.score(drain.now_ns, drain.close_ns)
+                outcome.result = self.scorer.score(drain.now_ns, drain.close_ns)
             except Exception as exc:
                 outcome.score_error = f"{type(exc).__name__}: {exc}"
                 log.exception("scoring round failed")
@@ -220,7 +219,6 @@ class RoundScheduler:
         self._subs: dict[int, Callable] = {}
         self._next = 0
         self._validated: list[tuple[str, object]] = []
-        self._last_score_ns = 0
         self._last = ScoreResult([], np.zeros(0), fresh=False)
         self.rounds: collections.Counter = collections.Counter()
         self.dropped_batches = 0
@@ -228,16 +226,20 @@ class RoundScheduler:
         self.score_errors = 0
         self.last_round_seconds = 0.0
         self.last_round_ns = 0
-        # Which feature step is complete, from the collectors' watermarks (ingest notes them).
-        step_ns = getattr(scorer, "step_ns", None)
-        self.steps = StepTracker(step_ns) if isinstance(step_ns, int) and step_ns > 0 else None
-        self.early_closes = 0
+        # When the scorer's steps close; None: a scorer without steps, which scores every round.
+        self.schedule = StepSchedule(scorer.step_ns, scorer.grace_ns) if scorer.step_ns else None
+        # The collectors' watermarks, which the receipt notes (ingest.Ingest's `steps`).
+        self.steps = self.schedule.tracker if self.schedule is not None else None
         self.hold = hold
         self.gate = gate
         self._unsettled: collections.deque = collections.deque()
         self._enqueued = 0          # bulk batches queued, and taken off the queue, since the start
         self._taken = 0
-        self._step_mark: int | None = None   # _enqueued when the watermarks completed the open step
+
+    @property
+    def early_closes(self) -> int:
+        """Steps closed because the watermarks said their rows were all in, before the grace period."""
+        return self.schedule.early_closes if self.schedule is not None else 0
 
     @property
     def worker(self):
@@ -278,7 +280,8 @@ class RoundScheduler:
             # Every batch queued from now on is past the step's end (the watermarks promise it): the
             # round that closes the step takes only the batches before this mark.
             with self._qlock:
-                self._step_mark = self._enqueued
+                if self.schedule is not None:
+                    self.schedule.completed(self._enqueued)
             if self.hold is not None:
                 self.hold.hold()   # released once the closing drain's answer has been acted on
         if why == "events" or self._why != "events":   # a pending event round is not downgraded
@@ -303,49 +306,6 @@ class RoundScheduler:
             self.wake("flush")
             time.sleep(0.02)
         return self._settled()
-
-    # -- steps ---------------------------------------------------------------------------------------
-    def _step_complete(self) -> bool:
-        """Every reporting node's watermark is past the open step's end."""
-        return self.steps is not None and self.steps.complete_boundary() is not None
-
-    def _step_due(self) -> bool:
-        due = getattr(self.scorer, "next_due_ns", None)
-        if due is None:
-            return True     # a scorer without steps scores every round
-        if self._step_complete():
-            return True
-        return due(self._last_score_ns) <= self._clock()
-
-    def _close_boundary(self, now_ns: int, drained_all: bool) -> int | None:
-        """The end of the last step a round at now_ns closes: by the grace period, or earlier when
-        the watermarks say the open step is complete and the round took every batch received (an
-        overloaded service, more than a drain behind, waits for the grace period as before). None for
-        a scorer without steps."""
-        boundary_of = getattr(self.scorer, "step_boundary_ns", None)
-        if boundary_of is None:
-            return None
-        boundary = boundary_of(now_ns)
-        if self.steps is not None and drained_all:
-            complete = self.steps.complete_boundary()
-            if complete is not None and complete > boundary:
-                self.early_closes += 1
-                return complete
-        return boundary
-
-    def _drain_now(self, now_ns: int) -> bool | None:
-        """In the last half second of a step, until the watermarks complete it or its grace period is
-        over, bulk drains follow the step instead of drain_interval: back to back while many nodes
-        still owe rows of it (so that little is left to take when it completes), and none once nearly
-        all are in (so that the pipeline is free when the last ones come). None: not in that window."""
-        if self.steps is None or self._step_complete():
-            return None
-        b = self.steps.boundary_ns
-        if b is None:
-            return None
-        if not b - EAGER_BEFORE_NS <= now_ns < b + getattr(self.scorer, "grace_ns", 0):
-            return None
-        return not self.steps.nearly_complete()
 
     # -- risk watchers -------------------------------------------------------------------------------
     def subscribe(self, callback: Callable) -> int:
@@ -408,30 +368,26 @@ class RoundScheduler:
                 self._after_round(self._last, now, why, time.perf_counter() - t0)
         # Telemetry only changes scores when a feature step closes, so bulk is drained once a
         # `drain_interval`, in big cheap batches; a round with events, or due at a step close, drains at once.
-        step = self._step_due()
-        closing = self._drain_now(now)
+        # A scorer without steps scores every round.
+        step = self.schedule.due(self._clock()) if self.schedule is not None else True
+        closing = self.schedule.eager(now) if self.schedule is not None else None
         if not self.pipeline.busy and (self._validated or step or (self._queue and (why == "flush" or (
                 closing if closing is not None else time.monotonic() - self._last_drain >= self.drain_interval)))):
             self._last_drain = time.monotonic()
             with self._qlock:
                 take = len(self._queue)
-                if step and self._step_complete() and self._step_mark is not None:
-                    take = min(take, max(0, self._step_mark - self._taken))
+                if self.schedule is not None:
+                    take = self.schedule.batches_now(take, self._taken, step)
                 items = [self._queue.popleft() for _ in range(min(take, self.max_drain))]
                 self._taken += len(items)
                 drained_all = take <= self.max_drain
             boundary = None
-            if step:
-                self._step_mark = None
-                boundary = self._close_boundary(now, drained_all=drained_all)
-                # A step the watermarks completed just before its end is not due again at the end of
-                # its grace period: the next close is the next step's.
-                self._last_score_ns = now if boundary is None else max(now, boundary)
+            if step and self.schedule is not None:
+                boundary = self.schedule.close(now, drained_all=drained_all)
             validated, self._validated = self._validated, []
             self.pipeline.submit(Drain(items, now, step, validated, time.perf_counter(), boundary))
-            if step and self.steps is not None and boundary is not None:
-                # Everything received so far is in this drain: the tracker watches the next step.
-                self.steps.closed(boundary)
+            if boundary is not None:
+                self.schedule.sent(boundary)
         fresh = None
         closed = False
         for drain, outcome in self.pipeline.answers():
@@ -462,17 +418,16 @@ class RoundScheduler:
         else:
             self._after_round(self._last, now, why, elapsed)
         self._acted(urgent)   # bulk batches carry no events: nobody waits on them
-        if closed and self.steps is not None and self.hold is not None:
+        if closed and self.schedule is not None and self.hold is not None:
             self.hold.release()   # the closing drain's answer has been acted on
         return fresh[0] if fresh is not None else self._last
 
     def _run(self) -> None:
-        due = getattr(self.scorer, "next_due_ns", None)
         while not self._stop.is_set():
             timeout = self.interval
-            if due is not None:
+            if self.schedule is not None:
                 now = self._clock()
-                timeout = min(timeout, max(0.0, (due(now) - now) / 1e9))
+                timeout = min(timeout, max(0.0, (self.schedule.next_due_ns(now) - now) / 1e9))
             deadline = self.gate.next_deadline_ns() if self.gate is not None else None
             if deadline is not None:
                 timeout = min(timeout, max(0.0, (deadline - self._clock()) / 1e9))

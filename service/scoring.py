@@ -34,13 +34,22 @@ class ScoreResult:
 
 
 class Scorer(Protocol):
+    """What the rounds (service/rounds.py) need of a scorer.
+
+    `step_ns`: the feature step it scores at; a round then scores only when a step closes
+    (steps.StepSchedule says when), and score() is given the end of the last step to close
+    (`close_ns`). None: a scorer without steps, which scores every round (close_ns None). `grace_ns`:
+    how long after a step's end its rows may still come."""
+
     model_version: str
     horizon_seconds: int
     manifest: dict
+    step_ns: int | None
+    grace_ns: int
 
     def ingest(self, table: str, data: pa.Table) -> None: ...
 
-    def score(self, now_ns: int) -> ScoreResult: ...
+    def score(self, now_ns: int, close_ns: int | None = None) -> ScoreResult: ...
 
 
 class NullScorer:
@@ -49,11 +58,13 @@ class NullScorer:
     model_version = "none"
     horizon_seconds = 0
     manifest: dict = {}
+    step_ns = None
+    grace_ns = 0
 
     def ingest(self, table: str, data: pa.Table) -> None:
         pass
 
-    def score(self, now_ns: int) -> ScoreResult:
+    def score(self, now_ns: int, close_ns: int | None = None) -> ScoreResult:
         return ScoreResult([], np.zeros(0))
 
 
@@ -80,6 +91,7 @@ class PredictorScorer:
         self._step_ns = self._online.step_ns
         self._grace_ns = int(grace_seconds * 1e9)
         self._last: ScoreResult | None = None
+        self._checkpoint_at: float | None = None   # restore_state starts the checkpoint period
 
     def threshold(self, budget: float | None) -> float | None:
         return risk.threshold_for_budget(self.manifest, budget)
@@ -131,7 +143,8 @@ class PredictorScorer:
         `force`: at shutdown). Returns the bytes written, None when not due; never raises: a failed
         write is logged and retried at the next call."""
         now = time.monotonic()
-        if not force and now - getattr(self, "_checkpoint_at", now) < every_seconds:
+        since = now - (self._checkpoint_at if self._checkpoint_at is not None else now)
+        if not force and since < every_seconds:
             return None
         self._checkpoint_at = now
         try:
@@ -139,14 +152,6 @@ class PredictorScorer:
         except Exception:   # noqa: BLE001 - a full disk must not stop scoring
             log.exception("writing the scorer checkpoint %s", path)
             return None
-
-    def next_due_ns(self, now_ns: int) -> int:
-        """When the next step closes: the round that should run then sees the crossing at once."""
-        return (now_ns // self._step_ns + 1) * self._step_ns + self._grace_ns
-
-    def step_boundary_ns(self, now_ns: int) -> int:
-        """The end of the last step a round at now_ns closes: the rows before it are what it scores."""
-        return ((now_ns - self._grace_ns) // self._step_ns) * self._step_ns
 
 
 def default_model_path() -> Path | None:

@@ -15,6 +15,12 @@ silent for `forget_steps` steps forgotten.
 
 `note()` runs on the gRPC event loop for every batch and costs a dict update and a set update.
 
+`StepSchedule` is the one place that answers, for the round scheduler (service/rounds.py), when a
+step closes: whether a close is due (the watermarks completed the open step, or its grace period is
+over), up to which boundary, which queued batches the closing drain takes, whether bulk drains follow
+the step in its last half second, and which rows the scorer needs before it scores (`rows_now`, which
+the scoring worker calls on the rows of a closing drain).
+
 `CloseHold`: while the round that closes a complete step runs (the worker's ingest of the step's last
 rows, scoring, the policy, the directive to the job), telemetry streams wait before their next batch
 without events, for at most `max_seconds`. Those batches are all past the step's end (the
@@ -29,6 +35,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+EAGER_BEFORE_NS = 500_000_000   # StepSchedule.eager: a step's last half second
 
 
 class StepTracker:
@@ -112,6 +123,106 @@ class StepTracker:
         with self._lock:
             return {"tracked_nodes": len(self._watermark), "waiting": len(self._waiting),
                     "boundary_ns": self._boundary, "untracked_nodes": self.untracked_nodes}
+
+
+class StepSchedule:
+    """When the scorer's feature steps close (module docstring). Steps are [k * step_ns, (k + 1) *
+    step_ns); a step closes `grace_ns` after its end, or as soon as the collectors' watermarks
+    (`tracker`, which the receipt notes every batch's into) say its rows are all in. Used by the round
+    scheduler's thread; only `tracker` is shared with the event loop."""
+
+    def __init__(self, step_ns: int, grace_ns: int):
+        self.tracker = StepTracker(step_ns)
+        self.step_ns = int(step_ns)
+        self.grace_ns = int(grace_ns)
+        self.early_closes = 0          # closes the watermarks brought before the grace period was over
+        self._closed_ns = 0            # when the last close ran (its boundary, if that is later)
+        self._mark: int | None = None  # bulk batches queued when the watermarks completed the open step
+
+    def next_due_ns(self, now_ns: int) -> int:
+        """When the step open at now_ns closes at the latest: the round that runs then sees a crossing
+        at once."""
+        return (now_ns // self.step_ns + 1) * self.step_ns + self.grace_ns
+
+    def complete(self) -> bool:
+        """Every reporting node's watermark is past the open step's end."""
+        return self.tracker.complete_boundary() is not None
+
+    def due(self, now_ns: int) -> bool:
+        """A round at now_ns closes a step: the watermarks completed one, or a grace period is over."""
+        return self.complete() or self.next_due_ns(self._closed_ns) <= now_ns
+
+    def completed(self, queued: int) -> None:
+        """The watermarks completed the open step when `queued` bulk batches had been queued since the
+        start: every batch queued after that is past the step's end (the watermarks promise it)."""
+        self._mark = queued
+
+    def batches_now(self, waiting: int, taken: int, due: bool) -> int:
+        """How many of the `waiting` bulk batches (`taken` already drained since the start) a round's
+        drain takes: at a close the watermarks brought, only those queued before the step completed."""
+        if due and self.complete() and self._mark is not None:
+            return min(waiting, max(0, self._mark - taken))
+        return waiting
+
+    def close(self, now_ns: int, drained_all: bool) -> int:
+        """The end of the last step a round at now_ns closes: by the grace period, or the open step's
+        end when the watermarks say it is complete and the round took every batch received (an
+        overloaded service, more than a drain behind, waits for the grace period)."""
+        self._mark = None
+        boundary = ((now_ns - self.grace_ns) // self.step_ns) * self.step_ns
+        if drained_all:
+            complete = self.tracker.complete_boundary()
+            if complete is not None and complete > boundary:
+                self.early_closes += 1
+                boundary = complete
+        # A step the watermarks completed just before its end is not due again at the end of its grace
+        # period: the next close is the next step's.
+        self._closed_ns = max(now_ns, boundary)
+        return boundary
+
+    def sent(self, boundary_ns: int) -> None:
+        """The drain that closes the steps up to boundary_ns has every batch received so far: the
+        watermarks now count for the next step."""
+        self.tracker.closed(boundary_ns)
+
+    def eager(self, now_ns: int) -> bool | None:
+        """In the last half second of a step, until the watermarks complete it or its grace period is
+        over, bulk drains follow the step instead of the drain interval: True (back to back) while many
+        nodes still owe rows of it, so that little is left to take when it completes; False (none) once
+        nearly all are in, so that the pipeline is free when the last ones come. None: not in that
+        window."""
+        if self.complete():
+            return None
+        b = self.tracker.boundary_ns
+        if b is None:
+            return None
+        if not b - EAGER_BEFORE_NS <= now_ns < b + self.grace_ns:
+            return None
+        return not self.tracker.nearly_complete()
+
+    @staticmethod
+    def rows_now(tables: list[tuple[str, pa.Table]], boundary_ns: int | None) -> tuple[list, list]:
+        """Of a closing drain's rows, those the closing step(s) need (ts before `boundary_ns`, the end of
+        the last step it closes), and the rest, which may wait until the scores are sent. Splitting by
+        time keeps every entity's rows in time order across the two. boundary_ns None: a scorer without
+        steps, which needs them all."""
+        if boundary_ns is None:
+            return tables, []
+        now, later = [], []
+        for name, data in tables:
+            if name == "inventory" or "ts" not in data.schema.names or data.num_rows == 0:
+                now.append((name, data))
+                continue
+            early = pc.less(pc.cast(data.column("ts"), pa.int64()), boundary_ns)
+            n_early = pc.sum(early).as_py() or 0
+            if n_early == data.num_rows:
+                now.append((name, data))
+            elif n_early == 0:
+                later.append((name, data))
+            else:
+                now.append((name, data.filter(early)))
+                later.append((name, data.filter(pc.invert(early))))
+        return now, later
 
 
 class CloseHold:

@@ -35,18 +35,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from foreshock.service import validation
 from foreshock.service.ingest import IngestLimits, Pending
 from foreshock.service.nodes import lost_gpus
 from foreshock.service.rounds import Drain, Outcome
 from foreshock.service.scoring import ScoreResult
+from foreshock.service.steps import StepSchedule
 from foreshock.service.validation import RawBatch, wire_schema
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         now_tables = list(tables.items())
         close_ns = req.get("close_ns")
         if req.get("score"):
-            now_tables, later = _split_at_close(now_tables, close_ns)
+            now_tables, later = StepSchedule.rows_now(now_tables, close_ns)
         else:
             later = []
         for name, data in held + now_tables:
@@ -210,29 +210,6 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
             "seconds": time.perf_counter() - t0})))
         if state_path and req.get("score"):
             scorer.checkpoint(state_path, checkpoint_seconds)
-
-
-def _split_at_close(tables: list[tuple[str, pa.Table]], boundary: int | None) -> tuple[list, list]:
-    """For a scoring request: the rows the closing step(s) need (ts before `boundary`, the end of the
-    last step it closes) and the rest, which may wait until the scores are sent. Splitting by time
-    keeps every entity's rows in time order across the two. boundary None: a scorer without steps."""
-    if boundary is None:
-        return tables, []
-    now, later = [], []
-    for name, data in tables:
-        if name == "inventory" or "ts" not in data.schema.names or data.num_rows == 0:
-            now.append((name, data))
-            continue
-        early = pc.less(pc.cast(data.column("ts"), pa.int64()), boundary)
-        n_early = pc.sum(early).as_py() or 0
-        if n_early == data.num_rows:
-            now.append((name, data))
-        elif n_early == 0:
-            later.append((name, data))
-        else:
-            now.append((name, data.filter(early)))
-            later.append((name, data.filter(pc.invert(early))))
-    return now, later
 
 
 class ScoringWorker:
@@ -273,7 +250,7 @@ class ScoringWorker:
 
     def start(self) -> None:
         parent, child = socket.socketpair()
-        limits = {k: getattr(self.limits, k) for k in IngestLimits.__dataclass_fields__}
+        limits = asdict(self.limits)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "foreshock.service.worker", str(child.fileno()), self.model_path,

@@ -21,7 +21,7 @@ class _Scorer(NullScorer):
     def ingest(self, table, data):
         self.order.append(("ingest", table))
 
-    def score(self, now_ns):
+    def score(self, now_ns, close_ns=None):
         if self.fail:
             raise RuntimeError("no scores this time")
         self.order.append(("score", now_ns))

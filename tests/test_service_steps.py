@@ -13,6 +13,9 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from foreshock import schema as sch
@@ -21,7 +24,7 @@ from foreshock.collectors.simulated import SimpleNodeModel, SimulatedSource
 from foreshock.collectors.uplink import StreamingUplink, encode_table
 from foreshock.service.scoring import NullScorer
 from foreshock.service.server import Settings, SettingsError, build_server
-from foreshock.service.steps import CloseHold, StepTracker
+from foreshock.service.steps import CloseHold, StepSchedule, StepTracker
 from foreshock.v1 import telemetry_pb2 as tpb
 from foreshock.v1 import telemetry_pb2_grpc
 from support import Clock
@@ -182,12 +185,6 @@ class _Scorer:
     step_ns, grace_ns = STEP, 250_000_000
     model_version, horizon_seconds, manifest = "none", 0, {}
 
-    def next_due_ns(self, now_ns):
-        return (now_ns // STEP + 1) * STEP + self.grace_ns
-
-    def step_boundary_ns(self, now_ns):
-        return ((now_ns - self.grace_ns) // STEP) * STEP
-
 
 class _Recorder:
     """A pipeline that keeps the drains it is given and never answers (the test plays the worker)."""
@@ -270,6 +267,42 @@ def test_a_step_closed_just_before_its_end_is_not_closed_again_when_its_grace_pe
     loop.run_round()
     (nxt,) = submitted()
     assert nxt.score and nxt.close_ns == B + STEP
+
+
+def test_the_schedule_closes_by_the_grace_period_or_at_once_when_the_watermarks_complete_the_step():
+    grace = 250_000_000
+    sched = StepSchedule(STEP, grace)
+    assert sched.due(B - 10 * S)              # nothing closed yet: the first round says which step is open
+    assert sched.close(B - 10 * S, drained_all=True) == B - STEP
+    sched.sent(B - STEP)
+    assert sched.tracker.boundary_ns == B and not sched.due(B - S) and sched.next_due_ns(B - S) == B + grace
+    assert sched.due(B + grace) and sched.eager(B - S) is None   # before the step's last half second
+    sched.tracker.note("a", B - 30 * S, NOW)
+    sched.tracker.note("b", B - 30 * S, NOW)
+    assert sched.eager(B - S // 4) is True               # the step's last half second, both still owe rows
+    sched.tracker.note("a", B + S, NOW)
+    assert sched.eager(B - S // 4) is False              # one of two: nearly complete, the pipeline kept free
+    sched.completed(queued=7)
+    assert sched.tracker.note("b", B + S, NOW) and sched.due(B - S // 4)
+    assert sched.batches_now(10, taken=3, due=True) == 4   # the batches queued before the step completed
+    assert sched.close(B - S // 4, drained_all=False) == B - STEP and sched.early_closes == 0   # behind: waits
+    assert sched.close(B - S // 4, drained_all=True) == B and sched.early_closes == 1
+    sched.sent(B)
+    assert sched.batches_now(10, taken=3, due=True) == 10 and not sched.due(B + grace)   # not closed again
+
+
+def test_a_closing_drain_takes_the_closing_steps_rows_first():
+    boundary = 1_000 * 60 * 10**9
+    ts = np.array([boundary - 5 * 10**9, boundary + 10**9, boundary - 10**9, boundary + 3 * 10**9])
+    gpu = pa.table({"ts": pa.array(ts).cast(pa.timestamp("ns", "UTC")), "node": ["n"] * 4, "gpu": [0, 0, 1, 1]})
+    inv = pa.table({"ts": pa.array(ts[:1]).cast(pa.timestamp("ns", "UTC")), "node": ["n"]})
+    old = pa.table({"ts": pa.array(ts[[0, 2]]).cast(pa.timestamp("ns", "UTC")), "node": ["n", "n"]})
+    now, later = StepSchedule.rows_now([("gpu", gpu), ("inventory", inv), ("events", old)], boundary)
+    assert [n for n, _ in now] == ["gpu", "inventory", "events"] and [n for n, _ in later] == ["gpu"]
+    assert pc.cast(now[0][1].column("ts"), pa.int64()).to_pylist() == [ts[0], ts[2]]   # order kept
+    assert pc.cast(later[0][1].column("ts"), pa.int64()).to_pylist() == [ts[1], ts[3]]
+    # a scorer without steps (the null scorer): everything at once
+    assert StepSchedule.rows_now([("gpu", gpu)], None) == ([("gpu", gpu)], [])
 
 
 # -- the close hold ----------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import urllib.request
 import grpc
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from foreshock.collectors.simulated import SimpleNodeModel
@@ -242,22 +241,6 @@ def test_the_scoring_worker_checks_scores_and_is_restarted_when_it_dies(model_di
     finally:
         p.stop(0)
     assert p.scoring.worker._proc is None
-
-
-def test_a_scoring_request_takes_the_closing_steps_rows_first():
-    from foreshock.service.worker import _split_at_close
-
-    boundary = 1_000 * 60 * 10**9
-    ts = np.array([boundary - 5 * 10**9, boundary + 10**9, boundary - 10**9, boundary + 3 * 10**9])
-    gpu = pa.table({"ts": pa.array(ts).cast(pa.timestamp("ns", "UTC")), "node": ["n"] * 4, "gpu": [0, 0, 1, 1]})
-    inv = pa.table({"ts": pa.array(ts[:1]).cast(pa.timestamp("ns", "UTC")), "node": ["n"]})
-    old = pa.table({"ts": pa.array(ts[[0, 2]]).cast(pa.timestamp("ns", "UTC")), "node": ["n", "n"]})
-    now, later = _split_at_close([("gpu", gpu), ("inventory", inv), ("events", old)], boundary)
-    assert [n for n, _ in now] == ["gpu", "inventory", "events"] and [n for n, _ in later] == ["gpu"]
-    assert pc.cast(now[0][1].column("ts"), pa.int64()).to_pylist() == [ts[0], ts[2]]   # order kept
-    assert pc.cast(later[0][1].column("ts"), pa.int64()).to_pylist() == [ts[1], ts[3]]
-    # a scorer without steps (the null scorer): everything at once
-    assert _split_at_close([("gpu", gpu)], None) == ([("gpu", gpu)], [])
 
 
 @pytest.mark.parametrize("scoring_process", [True, False], ids=["worker", "in-process"])
