@@ -18,7 +18,6 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 
-from foreshock import risk
 from foreshock.predictor.errors import ModelError
 from foreshock.service.domain import SignalRecord
 
@@ -51,6 +50,10 @@ class Scorer(Protocol):
 
     def score(self, now_ns: int, close_ns: int | None = None) -> ScoreResult: ...
 
+    def threshold(self, budget: float | None) -> float | None:
+        """The evacuation threshold for `budget` false evacuations per 1,000 node-days (None: the
+        model's recommended one); None when the model names none."""
+
 
 class NullScorer:
     """No model: telemetry is validated and counted, nothing is scored (the service says so at start)."""
@@ -66,6 +69,9 @@ class NullScorer:
 
     def score(self, now_ns: int, close_ns: int | None = None) -> ScoreResult:
         return ScoreResult([], np.zeros(0))
+
+    def threshold(self, budget: float | None) -> float | None:
+        return None
 
 
 class PredictorScorer:
@@ -94,7 +100,11 @@ class PredictorScorer:
         self._checkpoint_at: float | None = None   # restore_state starts the checkpoint period
 
     def threshold(self, budget: float | None) -> float | None:
-        return risk.threshold_for_budget(self.manifest, budget)
+        """The registry decides (registry.LoadedModel.threshold)."""
+        try:
+            return self.model.threshold(budget)
+        except ModelError:
+            return None   # the manifest names none: the service's owner picks its default
 
     def ingest(self, table: str, data: pa.Table) -> None:
         self._online.ingest(table, data)

@@ -27,7 +27,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from foreshock import risk
 from foreshock.config import parse_listen
 from foreshock.net import is_loopback
 from foreshock.service import store as store_mod
@@ -140,9 +139,7 @@ class ControlPlane:
         self.scorer = self._scorer(s)
         threshold = s.threshold
         if threshold is None:
-            pick = getattr(self.scorer, "threshold", None)
-            threshold = pick(s.false_evacuation_budget) if callable(pick) else \
-                risk.threshold_for_budget(self.scorer.manifest, s.false_evacuation_budget)
+            threshold = self.scorer.threshold(s.false_evacuation_budget)
         if threshold is None:
             threshold = 0.5
             if not isinstance(self.scorer, NullScorer):

@@ -215,3 +215,28 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
         for u in ups.values():
             u.close(0.5)
         plane.stop(0)
+
+
+def test_the_evacuation_threshold_for_a_budget_is_the_registrys(model_dir, tmp_path):
+    """The control plane asks its scorer, and the scorer asks the model registry: one rule decides the
+    threshold for a false-evacuation budget (foreshock/risk.py), whichever side reads it."""
+    from foreshock.predictor import registry
+    from foreshock.service.scoring import NullScorer, PredictorScorer
+
+    loaded = registry.load_model(model_dir)
+    tiered = tmp_path / "tiered"
+    registry.save_model(tiered, loaded.estimator, {"version": "test-tiered", "horizon_seconds": 1800,
+                                                   "thresholds": {"1": 0.7, "2": 0.5, "5": 0.3},
+                                                   "recommended_threshold": 0.45})
+    model = registry.load_model(tiered)
+    scorer = PredictorScorer(tiered)
+    for budget in (None, 0.5, 1.0, 3.0, 5.0):
+        assert scorer.threshold(budget) == model.threshold(budget)
+    assert [scorer.threshold(b) for b in (None, 0.5, 3.0)] == [0.45, 0.7, 0.5]
+    assert NullScorer().threshold(2.0) is None
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", model_path=str(tiered),
+                                                    false_evacuation_budget=5.0))
+    try:
+        assert plane.policy.settings.threshold == 0.3
+    finally:
+        plane.stop(0)
