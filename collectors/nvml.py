@@ -651,7 +651,6 @@ class NvmlSource(Source):
     def sweep(self, ts_ns: int) -> dict[str, pa.Table]:
         if not self._start():
             return {}
-        nv = self.backend
         gpu_rows, nvl_rows, link_rows, events = [], [], [], []
         for i, h in enumerate(self._handles):
             if h is None:

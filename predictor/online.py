@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -227,7 +227,7 @@ class OnlineScorer:
             self.stats["skipped_steps"] += int(skipped)
             self._next_step = close - self.max_catchup_steps
         steps = np.arange(self._next_step, close, dtype=np.int64)
-        frames, worst = [], {}
+        frames = []
         for table, parts in list(self._pending.items()):
             if not parts:
                 continue

@@ -57,7 +57,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from foreshock import config
 from foreshock import dataset as ds
 from foreshock.dataset import AtomicParquetFile   # the archive's seam onto storage (a test fills the disk here)
 from foreshock import schema as sch

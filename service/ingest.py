@@ -136,16 +136,6 @@ def _schema_key(buf: bytes) -> tuple[bytes, int] | None:
     return hashlib.blake2b(memoryview(buf)[: 8 + length], digest_size=16).digest(), 8 + length
 
 
-def _read_single_batch(buf: bytes, offset: int, schema: pa.Schema) -> pa.RecordBatch | None:
-    """The stream's one record batch, decoded against a known schema; None if the stream holds
-    anything else (several batches, dictionaries): the caller then reads it the general way."""
-    reader = pa.BufferReader(pa.py_buffer(buf)[offset:])
-    msg = pa.ipc.read_message(reader)
-    if msg.type != "record batch" or buf[offset + reader.tell():] != EOS:
-        return None
-    return pa.ipc.read_record_batch(msg, schema)
-
-
 class Ingest:
     """Validates batches; each scoring round takes the pending ones (`take_round`) fully checked."""
 

@@ -437,12 +437,13 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 urgent = _urgent(batch)
                 if hold.held and not urgent:
                     await hold.wait()   # a complete step is closing; events never wait (steps.CloseHold)
-                done = on_acted = None
                 if urgent:
                     done = loop.create_future()
 
                     def on_acted(done=done):   # from the scoring thread
                         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                else:
+                    done = on_acted = None
                 result = ingest.accept(session, batch.node, batch.collector_id, batch.sequence,
                                        [(t.table, t.schema_version, t.arrow_ipc, t.schema_omitted)
                                         for t in batch.tables], batch.watermark_ns, on_acted)

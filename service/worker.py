@@ -294,7 +294,7 @@ class ScoringWorker:
             try:
                 if conn.poll(min(left, 0.5)):
                     return pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError) as exc:
+            except (EOFError, OSError):
                 proc = self._proc
                 try:
                     code = proc.wait(2) if proc is not None else "?"

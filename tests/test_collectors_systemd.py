@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
-from pathlib import Path
 
 import pytest
 

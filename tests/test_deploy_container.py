@@ -20,7 +20,6 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,6 @@ from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
-from foreshock.predictor import leave_one_out as loo
 from foreshock.predictor import offline, registry, train
 
 SMALL = "4 GPU / 4 HCA"

@@ -9,8 +9,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from foreshock.predictor import registry, report
 
 REPO = Path(__file__).resolve().parents[1]

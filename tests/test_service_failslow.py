@@ -10,7 +10,6 @@ import math
 import random
 import socket
 import subprocess
-import time
 
 import grpc
 import pytest

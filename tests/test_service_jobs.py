@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from foreshock.service import domain
-from foreshock.service import store as store_mod
 from foreshock.service.server import Settings, SettingsError, build_server
 from foreshock.v1 import jobs_pb2 as pb
 from foreshock.v1 import jobs_pb2_grpc
