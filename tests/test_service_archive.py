@@ -40,7 +40,7 @@ from foreshock.simulator.live import LiveCluster
 from foreshock.simulator.topology import Topology
 from foreshock.v1 import jobs_pb2 as jpb
 from foreshock.v1 import jobs_pb2_grpc
-from support import Serve, wait_until
+from support import Clock, Serve, wait_until
 
 T = 10
 TELEMETRY = [t for t in sch.TABLES if t != "incidents"]
@@ -458,15 +458,23 @@ def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path,
     archived) before the scoring loop ends, not left behind: the loop's drains are made rare here, so
     every batch is still queued at stop."""
     archive = tmp_path / "archive"
+    clock = Clock(time.time_ns())
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scoring_process=scoring_process,
+                                                    scoring_clock=clock,
                                                     archive=ArchiveSettings(str(archive), fsync=False)))
-    plane.start()
+    # The rounds' clock stands a third into a feature step: after the first round's close no step comes
+    # due and no drain follows a step's last half second, wherever the wall clock's minute falls.
+    step = plane.scorer.step_ns
+    clock.now = clock.now // step * step + step // 3
     plane.scoring.drain_interval = 3600.0
+    plane.start()
     try:
+        # The first round closes the steps before the clock's (a scorer that has closed none is due):
+        # the batches must not be queued before it has run.
+        assert _wait(lambda: sum(plane.scoring.rounds.values()) > 0)
         up = StreamingUplink(plane.address, node="q1", backoff_initial=0.1).start()
-        now = time.time_ns()
         for k in range(5):
-            up.submit({"gpu": _gpu("q1", 8, now + k * 1_000_000_000)})
+            up.submit({"gpu": _gpu("q1", 8, clock.now + k * 1_000_000_000)})
         assert _wait(lambda: up.stats()["acked"] == 5)
         assert plane.scoring.backlog() == 5          # acknowledged, not yet taken
     finally:
