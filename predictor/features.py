@@ -325,15 +325,18 @@ def _push(ring: np.ndarray, head: int, block: np.ndarray) -> int:
     return (head + t) % r
 
 
-def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> tuple[np.ndarray, FeatureState]:
+def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
+            kernel: bool = True) -> tuple[np.ndarray, FeatureState]:
     """Features of a block of T consecutive steps for N nodes; updates `state` in place and returns it.
 
     x: [N, T, S] base + peer signals (ALL_NAMES order); steps: [T] the step indices (ts // step).
-    Returns ([N, T, N_FEATURES] float32, state).
+    Returns ([N, T, N_FEATURES] float32, state). `kernel`: a single step (the online scorer's every
+    round) runs in the compiled kernel where numba is importable; False: in numpy
+    (_compute_step_numpy, the written reference the kernel is tested against). Bit-identical either way.
     """
     n, t, _ = x.shape
     if t == 1:
-        return _compute_step(x[:, 0], steps, state), state
+        return _compute_step(x[:, 0], steps, state, kernel), state
     xt = np.ascontiguousarray(np.swapaxes(x, 0, 1))              # [T, N, S] time-major
     out = np.empty((t, n, N_FEATURES), dtype=np.float64)
     out[:, :, N_CORE:] = 0.0
@@ -470,12 +473,12 @@ def _positions(s) -> np.ndarray:
 _KERNEL_INDEX = None   # the kernel's column positions, built on first use
 
 
-def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray:
-    """compute() for one step: the compiled kernel (predictor/kernels.py) when numba is there, else
-    the numpy path below; bit-identical (tests/test_predictor_skew.py runs both)."""
+def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel: bool = True) -> np.ndarray:
+    """compute() for one step: the compiled kernel (predictor/kernels.py) when asked for and numba is
+    there, else the numpy path below; bit-identical (tests/test_predictor_speedpaths.py runs both)."""
     from foreshock.predictor import kernels
 
-    if not kernels.AVAILABLE or not USE_KERNELS:
+    if not (kernel and kernels.AVAILABLE):
         return _compute_step_numpy(x, steps, state)
     global _KERNEL_INDEX
     if _KERNEL_INDEX is None:
@@ -519,9 +522,6 @@ def _decayed_step(x: np.ndarray, state: FeatureState, out: np.ndarray) -> None:
     y = np.where(np.isnan(xd), 0.0, xd) + state.zd
     out[:, N_KERNEL:N_CORE] = y
     state.zd = DECAYED_KEEP * y
-
-
-USE_KERNELS = True   # tests switch it off to compare the two paths
 
 
 def kernel_threads() -> int:

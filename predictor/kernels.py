@@ -1,6 +1,6 @@
 """Compiled kernels (numba) for the online scorer's hot path: the tree walk and the one-step features.
 
-Both reproduce, bit for bit, arithmetic that is also written in numpy (registry._BinnedTrees and
+Both reproduce, bit for bit, arithmetic that is also written in numpy (treewalk._BinnedTrees and
 scikit-learn's predict_proba for the trees, features._compute_step_numpy for the features): the same
 IEEE operations on the same float64/float32 operands in the same order, no fast-math, no fused
 multiply-add, and anything transcendental (the EWMA bias correction's power) computed by numpy
@@ -9,7 +9,9 @@ outside the kernel. tests/test_predictor_speedpaths.py and tests/test_predictor_
 The kernels are `nogil`: callers split rows into blocks and run them on a thread pool (numba's own
 parallel layers are not safe to enter from several Python threads at once). Compiled once and cached
 on disk beside this file (numba's cache); `AVAILABLE` is False when numba cannot be imported, and
-the callers then use their numpy paths (slower, identical results).
+the callers then use their numpy paths (slower, identical results), as they do when built with
+`kernel=False` (features.compute, online.OnlineScorer, treewalk.FastPredictor): those paths are the
+written reference.
 """
 
 from __future__ import annotations

@@ -58,9 +58,12 @@ class ScoreBatch:
 class OnlineScorer:
     def __init__(self, model, *, max_nodes: int = 50_000, max_pending_rows: int = 5_000_000,
                  grace_seconds: float = 5.0, explain_top: int = 16, signals_per_node: int = 3,
-                 max_catchup_steps: int = 6 * 60, clock=time.time):
-        """model: a registry.LoadedModel (or anything with probability(X) and a manifest dict)."""
+                 max_catchup_steps: int = 6 * 60, clock=time.time, kernel: bool = True):
+        """model: a registry.LoadedModel (or anything with probability(X) and a manifest dict).
+        kernel: each round's features and peer totals in the compiled kernels (predictor/kernels.py)
+        where numba is importable; False: in numpy, the written reference (the same values)."""
         self.model = model
+        self.kernel = bool(kernel)
         manifest = getattr(model, "manifest", {}) or {}
         if int(manifest.get("step_seconds", ft.STEP_SECONDS)) != ft.STEP_SECONDS:
             raise ValueError(f"model step {manifest.get('step_seconds')} s differs from the code's {ft.STEP_SECONDS} s")
@@ -97,8 +100,9 @@ class OnlineScorer:
         # per explained signal, each node's worst entity key (-1: none yet); labels made when explained
         self._worst = {signal: np.zeros(0, dtype=np.int64) for signal in ex.ENTITY_SIGNALS}
         self.stats = collections.Counter()
-        from foreshock.predictor import kernels
-        kernels.warm_up()   # the first round is not the one that loads the compiled kernels ...
+        if self.kernel:
+            from foreshock.predictor import kernels
+            kernels.warm_up()   # the first round is not the one that loads the compiled kernels ...
         getattr(model, "fast_predictor", None)   # ... or builds and checks the model's fast path
 
     # -- input -----------------------------------------------------------------------------------
@@ -247,9 +251,10 @@ class OnlineScorer:
         for j in range(t):
             totals = {}
             for g, c in codes.items():
-                totals[g] = group_totals_lookup(c, present[:, j], own[:, j])
+                totals[g] = group_totals_lookup(c, present[:, j], own[:, j], kernel=self.kernel)
             peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
-        feats, self._state = ft.compute(np.concatenate([x, peers], axis=2), steps, self._state)
+        feats, self._state = ft.compute(np.concatenate([x, peers], axis=2), steps, self._state,
+                                        kernel=self.kernel)
         self._features = feats[:, -1]
         new = (self._first_step < 0) & present.any(axis=1)
         if new.any():
@@ -481,11 +486,13 @@ class OnlineScorer:
         return self._features[self._index[node]].copy()
 
 
-def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray):
-    """Per node: its group's (count, total [3], nonzero [3]) over the nodes present, self included."""
+def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray, *, kernel: bool = True):
+    """Per node: its group's (count, total [3], nonzero [3]) over the nodes present, self included.
+    kernel: the compiled kernel where numba is importable; False: the bincount path below, the written
+    reference (the same additions in the same order)."""
     from foreshock.predictor import kernels
 
-    if kernels.AVAILABLE and ft.USE_KERNELS and len(codes):
+    if kernel and kernels.AVAILABLE and len(codes):
         n = len(codes)
         cnt, tot, nz = np.empty(n), np.empty((n, own.shape[1])), np.empty((n, own.shape[1]))
         kernels.group_totals(np.ascontiguousarray(codes, dtype=np.int64), np.ascontiguousarray(present),

@@ -43,7 +43,7 @@ from foreshock.predictor import features as ft
 from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import model as mdl
-from foreshock.predictor import offline, registry
+from foreshock.predictor import offline, registry, treewalk
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         t_fit = time.perf_counter() - t_start - t_feat
         if progress:
             progress("fitting", 1, 1)
-        predictors = {"model": registry.fast_probability(model),
+        predictors = {"model": treewalk.fast_probability(model),
                       "rule": lambda X: rule.predict_proba(X)[:, 1],
                       "logistic": lambda X: logistic.predict_proba(X)[:, 1]}
         if isinstance(compared, registry.LoadedModel):

@@ -16,6 +16,9 @@ layout. Offsets (strings, lists, maps) are checked to start at 0 and end where t
 every batch and are rebased; the assembled arrays are validated in full (offsets, UTF-8) before they
 are used. Small groups, batches that are not exactly one record batch message, and anything else
 unusual go the general way (Arrow's own reader), so the result is the same table either way.
+
+`BatchDecoder(schema, fast=False)` decodes every batch the general way: the written reference the
+vectorised path is tested against (tests/test_service_fastipc.py).
 """
 
 from __future__ import annotations
@@ -207,10 +210,13 @@ def _assemble(M: np.ndarray, node: _Node, m: int) -> pa.Array | None:
 
 
 class BatchDecoder:
-    """Decodes a table's record batch messages, many at a time (`decode`). One per table schema."""
+    """Decodes a table's record batch messages, many at a time (`decode`). One per table schema.
+    fast: groups of batches with the same layout assembled at once (the module docstring); False:
+    every batch through Arrow's own reader (the same tables, slower)."""
 
-    def __init__(self, schema: pa.Schema):
+    def __init__(self, schema: pa.Schema, *, fast: bool = True):
         self.schema = schema
+        self.fast = bool(fast)
         self._layouts: dict[tuple[bytes, int], _Layout | None] = {}
         self.fast_batches = 0
         self.slow_batches = 0
@@ -266,7 +272,7 @@ class BatchDecoder:
         `keys` (each batch's node, say): when two batches with the same key would come out in another
         order than given, every row is put back in the given order (a node's rows keep theirs)."""
         raws = list(raws)
-        if not _LITTLE:
+        if not (self.fast and _LITTLE):   # the layouts are read as little-endian integers
             got = self._slow(head, raws)
             if got is None:
                 return None

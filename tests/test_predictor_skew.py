@@ -25,7 +25,8 @@ def telemetry():
     return tables, inv
 
 
-def test_online_features_equal_offline_features(tmp_path, telemetry):
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
+def test_online_features_equal_offline_features(tmp_path, telemetry, kernel):
     tables, inv = telemetry
     root = tmp_path / "data"
     w = dataset.DatasetWriter(root, fsync=False)
@@ -38,7 +39,7 @@ def test_online_features_equal_offline_features(tmp_path, telemetry):
     assert set(off) == set(NODES)
 
     model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
-    scorer = online.OnlineScorer(model, explain_top=0)
+    scorer = online.OnlineScorer(model, explain_top=0, kernel=kernel)
     scorer.ingest("inventory", inv)
     rng = np.random.default_rng(7)
     first = off["node-a"].steps[0]

@@ -15,7 +15,7 @@ from threadpoolctl import threadpool_limits
 from foreshock.predictor import features as ft
 from foreshock.predictor import kernels
 from foreshock.predictor import model as mdl
-from foreshock.predictor import registry, signals, synthetic
+from foreshock.predictor import registry, signals, synthetic, treewalk
 
 
 def _data(n, seed=0):
@@ -76,10 +76,10 @@ def test_fast_prediction_of_an_ensemble_of_calibrated_models():
 def test_fast_probability_for_training_and_evaluation(fitted):
     X, y, gbdt = fitted
     cal = mdl.PriorShift(CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y), 5.0).fit()
-    np.testing.assert_allclose(registry.fast_probability(cal)(X), cal.predict_proba(X)[:, 1], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(treewalk.fast_probability(cal)(X), cal.predict_proba(X)[:, 1], rtol=1e-12, atol=1e-15)
     rule = mdl.RuleBaseline().fit()
-    np.testing.assert_array_equal(registry.fast_probability(rule)(X), rule.predict_proba(X)[:, 1])
-    assert len(registry.fast_probability(cal)(X[:0])) == 0
+    np.testing.assert_array_equal(treewalk.fast_probability(rule)(X), rule.predict_proba(X)[:, 1])
+    assert len(treewalk.fast_probability(cal)(X[:0])) == 0
 
 
 def test_other_estimators_fall_back_to_predict_proba(fitted):
@@ -109,7 +109,7 @@ needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba not instal
 
 
 @needs_numba
-def test_the_compiled_walk_is_the_binned_walk_bit_for_bit(monkeypatch):
+def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
     model = registry.load_model()
     assert model.fast_predictor.compiled       # the shipped model runs in the compiled kernel
     rng = np.random.default_rng(8)
@@ -120,8 +120,7 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit(monkeypatch):
     X[5:10] = 0.0
     X = np.concatenate([X, model.fast_predictor.probe(X.shape[1])])   # on and around every threshold
     compiled = model.fast_predictor
-    monkeypatch.setattr(registry, "USE_KERNELS", False)
-    binned = registry.FastPredictor(model.estimator)
+    binned = treewalk.FastPredictor(model.estimator, kernel=False)
     assert not binned.compiled
     want = binned.members[0][0].decision(model.fast_predictor.trends.transform(X))
     for threads in (1, 2):
@@ -132,7 +131,7 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit(monkeypatch):
 
 
 @needs_numba
-def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit(monkeypatch):
+def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit():
     rng = np.random.default_rng(9)
     n, s = 2500, len(ft.ALL_NAMES)                     # over run_rows' split: two threads write the state
     states = {True: ft.FeatureState.empty(n), False: ft.FeatureState.empty(n)}
@@ -142,8 +141,7 @@ def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit(monkeypatch):
         x[:50] = np.nan                                # nodes that report nothing
         got = {}
         for use in (True, False):
-            monkeypatch.setattr(ft, "USE_KERNELS", use)
-            got[use] = ft.compute(x[:, None].copy(), np.array([500 + step]), states[use])[0]
+            got[use] = ft.compute(x[:, None].copy(), np.array([500 + step]), states[use], kernel=use)[0]
         np.testing.assert_array_equal(got[True], got[False])
     for name in ("cum", "cumv", "ring", "ringv", "gring", "z", "zr", "seen", "last_event"):
         np.testing.assert_array_equal(getattr(states[True], name), getattr(states[False], name), err_msg=name)
@@ -151,8 +149,7 @@ def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit(monkeypatch):
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "numpy"])
-def test_one_step_features_equal_block_features_in_any_mix(use_kernels, monkeypatch):
-    monkeypatch.setattr(ft, "USE_KERNELS", use_kernels)
+def test_one_step_features_equal_block_features_in_any_mix(use_kernels):
     rng = np.random.default_rng(5)
     n, t = 3, 140
     x = rng.poisson(0.4, (n, t, len(ft.ALL_NAMES))).astype(float) * 1.3
@@ -166,7 +163,7 @@ def test_one_step_features_equal_block_features_in_any_mix(use_kernels, monkeypa
     for size in [1] * 40 + [7, 1, 1, 30] + [1] * 35 + [3] * 5 + [1] * 100:
         if i >= t:
             break
-        f, state = ft.compute(x[:, i:i + size], np.arange(i, min(i + size, t)), state)
+        f, state = ft.compute(x[:, i:i + size], np.arange(i, min(i + size, t)), state, kernel=use_kernels)
         parts.append(f)
         i += size
     np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
@@ -308,7 +305,7 @@ def test_dataset_hash_is_remembered_only_for_the_same_files(tmp_path):
 
 
 @needs_numba
-def test_group_totals_kernel_is_the_bincount_path(monkeypatch):
+def test_group_totals_kernel_is_the_bincount_path():
     from foreshock.predictor import online
 
     rng = np.random.default_rng(10)
@@ -317,8 +314,6 @@ def test_group_totals_kernel_is_the_bincount_path(monkeypatch):
         present = rng.random(n) < 0.9
         own = (rng.poisson(2, (n, 3)) * rng.choice([0.0, 1.0, 1e6], (n, 3))).astype(float)
         got = online.group_totals_lookup(codes, present, own)
-        monkeypatch.setattr(ft, "USE_KERNELS", False)
-        want = online.group_totals_lookup(codes, present, own)
-        monkeypatch.setattr(ft, "USE_KERNELS", True)
+        want = online.group_totals_lookup(codes, present, own, kernel=False)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)

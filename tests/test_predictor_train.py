@@ -14,7 +14,7 @@ from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
 from foreshock.predictor import labels as lb
-from foreshock.predictor import registry
+from foreshock.predictor import registry, treewalk
 
 STEP_NS = 60 * 10**9
 
@@ -203,7 +203,7 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, tmp_path, caps
     # the training data of the base is recorded for evaluate's overlap rule
     assert stacked.manifest["training"]["base"]["data_hash"] == shipped.manifest["training"]["data_hash"]
     fast = stacked.fast_predictor
-    assert isinstance(fast, registry.BlendedFast) and fast.compiled
+    assert isinstance(fast, treewalk.BlendedFast) and fast.compiled
     X = np.nan_to_num(np.random.default_rng(1).standard_normal((300, len(stacked.feature_names))).astype(np.float32))
     X = np.concatenate([X, fast.probe(X.shape[1])])
     np.testing.assert_allclose(stacked.predict_proba(X), stacked.estimator.predict_proba(X), rtol=1e-9, atol=1e-12)

@@ -51,6 +51,11 @@ def test_simulated_sweeps_decode_as_arrow_reads_them(name):
     ref = _reference(head, bodies)
     for part, want in zip(_in_order(table, order, lengths, len(bodies)), ref):
         assert part.equals(pa.Table.from_batches([want]).cast(part.schema))
+    plain = fastipc.BatchDecoder(wire_schema(name), fast=False)      # the reference behind the seam
+    got = plain.decode(head, bodies)
+    assert plain.fast_batches == 0 and plain.slow_batches == len(bodies) and got[1] == list(range(len(bodies)))
+    for part, want in zip(_in_order(table, order, lengths, len(bodies)), _in_order(*got, len(bodies))):
+        assert part.equals(want)
 
 
 def _encode(table: pa.Table) -> tuple[bytes, bytes]:
