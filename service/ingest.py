@@ -458,7 +458,7 @@ class Ingest:
             with self._lock:
                 self.accepted_rows.update(checked.rows)
             mark = self.context.mark() if self.context is not None else 0
-            self._side_effects(out, now)
+            self.act_on_events(out, now)
             if self.context is not None and self.context.mark() != mark:
                 held: dict[str, int] = {}
                 for item in items:
@@ -504,7 +504,12 @@ class Ingest:
         for event in reply["lost"]:
             self.nodes.record_fatal(event)
 
-    def _side_effects(self, good: dict[str, pa.Table], now: int) -> None:
+    def act_on_events(self, good: dict[str, pa.Table], now: int) -> None:
+        """The events stage: what checked tables say that cannot wait for a step to close, acted on at
+        once. Inventory rows set each node's topology; fatal Xids (classified by foreshock/xid.py, a
+        collateral one first weighed by the Xid context with its job's other nodes) and lost GPUs
+        become fatal alarms; precursor Xids and link-downs are counted. `good`: table name -> the rows
+        that passed the value checks; `now`: the round's time (ns)."""
         inv = good.get("inventory")
         if inv is not None:
             for row in inv.select(["node", "site", "spine", "leaf_switch", "nvlink_domain", "job"]).to_pylist():

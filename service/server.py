@@ -198,7 +198,7 @@ class ControlPlane:
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
                              steps=self.scoring.steps, context=self.policy.context, archive=self.archive,
                              last_sequences=store_mod.load_sequences(self.store))
-        self._last_sequence_save = 0.0
+        self.sequences_saved_at = 0.0
         self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
         self.registry, self._round_hist = build_registry(self)
         self.port: int | None = None
@@ -310,13 +310,17 @@ class ControlPlane:
         if result.fresh and len(result.nodes) and self.scoring.watched:
             self.scoring.publish([self.nodes.risk[n] for n in result.nodes if n in self.nodes.risk])
         self.decisions.maybe_flush()
-        if time.monotonic() - self._last_sequence_save >= 1.0:
-            self._save_sequences(now_ns)
+        if time.monotonic() - self.sequences_saved_at >= 1.0:
+            self.save_sequences(now_ns)
         if result.fresh and self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds)
 
-    def _save_sequences(self, now_ns: int) -> None:
-        self._last_sequence_save = time.monotonic()
+    def save_sequences(self, now_ns: int) -> None:
+        """Save each collector's last checked batch sequence to the state store now (the round loop
+        does it at most once a second, and stop() once more; `sequences_saved_at` says when, on the
+        monotonic clock). A sequence that is no uint64 is refused alone, with a log line; a store
+        error is logged and the next round tries again."""
+        self.sequences_saved_at = time.monotonic()
         taken = self.ingest.taken_sequences()
         try:
             refused = store_mod.save_sequences(self.store, taken, now_ns)
@@ -487,7 +491,7 @@ class ControlPlane:
             self.actions.stop()
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
-        self._save_sequences(self.clock())
+        self.save_sequences(self.clock())
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

@@ -66,7 +66,7 @@ def test_the_inventorys_nvlink_domain_reaches_the_node_book():
     inv = sch.to_table("inventory", [
         {"ts": T0, "node": "tray-01", "site": "s0", "leaf_switch": "l0", "nvlink_domain": RACK},
         {"ts": T0, "node": "hgx-01", "site": "s0", "leaf_switch": "l0", "nvlink_domain": None}])
-    ingest._side_effects({"inventory": inv}, T0)
+    ingest.act_on_events({"inventory": inv}, T0)
     assert nodes.topo("tray-01") == Topology("s0", "", "l0", RACK)
     assert nodes.topo("hgx-01").nvlink_domain == "" and nodes.nodes_under("nvlink_domain", RACK) == {"tray-01"}
 

@@ -110,15 +110,17 @@ def test_serve_refuses_unsafe_settings(tmp_path):
 
 # -- telemetry sequences across a restart ------------------------------------------------------------
 def test_every_uint64_sequence_survives_a_restart_and_one_bad_stream_fails_alone(tmp_path):
+    from foreshock.service import store as store_mod
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
     top = (1 << 64) - 1
     sequences = {"c-top": top, "c-half": 1 << 63, "c-below": (1 << 63) - 1, "c-small": 7}
     plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
-    plane.ingest._taken = {**sequences, "c-impossible": 1 << 64}  # no uint64: refused alone
-    plane._save_sequences(time.time_ns())
-    plane.ingest._taken = {"c-half": 5}                            # never lowered
-    plane.stop(0)
+    now = time.time_ns()
+    # no uint64: refused alone, the others saved
+    assert store_mod.save_sequences(plane.store, {**sequences, "c-impossible": 1 << 64}, now) == ["c-impossible"]
+    assert store_mod.save_sequences(plane.store, {"c-half": 5}, now) == []   # never lowered
+    plane.stop(0)   # its own save on the way out lowers nothing either
     again = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
     try:
         assert {c: again.ingest.last_sequence(c) for c in sequences} == sequences

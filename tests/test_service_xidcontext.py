@@ -231,13 +231,13 @@ def test_a_batch_with_an_undecided_collateral_xid_is_not_saved_as_taken_until_it
             stream = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=30)
             assert _wait(lambda: plane.ingest.accepted_rows["events"] == 1 and plane.policy.context.pending() == 1)
             taken_at = time.monotonic()
-            assert _wait(lambda: plane._last_sequence_save > taken_at)   # a save ran while it waits ...
+            assert _wait(lambda: plane.sequences_saved_at > taken_at)   # a save ran while it waits ...
             assert plane.policy.context.pending() == 1
             assert store_mod.load_sequences(plane.store).get("c1", 0) == 0   # ... and did not record it
             clock.now += int(plane.policy.settings.xid_context_seconds * S)   # its window ends: decided
             assert _wait(lambda: "n1" in plane.policy.alarms)
             decided_at = time.monotonic()
-            assert _wait(lambda: plane._last_sequence_save > decided_at)
+            assert _wait(lambda: plane.sequences_saved_at > decided_at)
             assert store_mod.load_sequences(plane.store)["c1"] == 1
             assert [a.acked_sequence for a in stream] == [1]
     finally:
@@ -248,7 +248,7 @@ def test_a_job_event_still_open_when_the_service_stops_is_recorded(tmp_path):
     plane = build_server(Settings.insecure_loopback(tmp_path, scorer=NullScorer()))
     plane.jobs.register("J", [(i, f"n{i}", [0]) for i in range(4)], [])
     now = time.time_ns()
-    plane.ingest._side_effects({"events": sch.to_table("events", [
+    plane.ingest.act_on_events({"events": sch.to_table("events", [
         {"ts": now, "node": f"n{i}", "kind": "xid", "source": "kmsg", "severity": "fatal", "xid": 79, "gpu": 0}
         for i in range(4)])}, now=now)
     plane.policy.evaluate(now)               # declared; it would close a window after its last node
@@ -281,7 +281,7 @@ def world(tmp_path):
     ingest = Ingest(nodes, sink=lambda p: 0, context=policy.context)
 
     def events(rows):
-        ingest._side_effects({"events": sch.to_table("events", [
+        ingest.act_on_events({"events": sch.to_table("events", [
             {"node": "n", "source": "kmsg", "kind": "xid", "gpu": 0, **r} for r in rows])}, now=clock.now)
         return policy.evaluate(clock.now)
     yield clock, store, jobs, nodes, decisions, policy, events
@@ -441,9 +441,9 @@ def test_163_repeats_then_162_replayed_through_the_collector_leave_nothing_outst
     rows = src.sweep(T0)["events"].to_pylist()
     assert [(r["xid"], r["occurrences"]) for r in rows] == [(163, None), (163, 2), (162, None)]
     ingest = Ingest(nodes, sink=lambda p: 0, context=policy.context)
-    ingest._side_effects({"events": sch.to_table("events", rows)}, now=T0)
+    ingest.act_on_events({"events": sch.to_table("events", rows)}, now=T0)
     assert policy.context.outstanding() == []
     with open(log, "a") as fh:
         fh.write(f"[{1005:12.6f}] {_xid('0018:01:00', 163, 'PSHC disengaged')}\n")
-    ingest._side_effects({"events": src.sweep(T0 + 10 * S)["events"]}, now=T0 + 10 * S)
+    ingest.act_on_events({"events": src.sweep(T0 + 10 * S)["events"]}, now=T0 + 10 * S)
     assert [(n, c) for n, _, c, _ in policy.context.outstanding()] == [("gb", 163)]

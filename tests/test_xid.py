@@ -54,7 +54,7 @@ def _predictor_class(code, severity) -> tuple[str, bool]:
 def _service_decision(code, severity) -> str:
     book = NodeBook()
     ingest = Ingest(book, sink=lambda p: 0)
-    ingest._side_effects({"events": _events([{"kind": "xid", "severity": severity, "xid": code, "gpu": 0}])},
+    ingest.act_on_events({"events": _events([{"kind": "xid", "severity": severity, "xid": code, "gpu": 0}])},
                          now=0)
     if book.fatal:
         return "fatal"
@@ -247,7 +247,7 @@ def _replay(lines_by_node: dict[str, list[str]]):
     table = sch.to_table("events", rows)
     book = NodeBook()
     ingest = Ingest(book, sink=lambda p: 0)
-    ingest._side_effects({"events": table}, now=0)
+    ingest.act_on_events({"events": table}, now=0)
     base = sg.node_base_signals({"events": table})
     return book, base
 
@@ -333,7 +333,7 @@ def test_an_xid95_flood_is_a_bounded_number_of_rows_with_the_exact_count(tmp_pat
     table = sch.to_table("events", rows)
     assert _sum(sg.node_base_signals({"events": table}), "xid_fatal") == n_lines
     book = NodeBook()
-    Ingest(book, sink=lambda p: 0)._side_effects({"events": table}, now=0)
+    Ingest(book, sink=lambda p: 0).act_on_events({"events": table}, now=0)
     assert set(book.fatal) == {"n95"}
 
 
@@ -345,7 +345,7 @@ def test_a_precursor_flood_counts_every_line_in_the_service_and_the_predictor(tm
     assert len(rows) <= 2 + 300 / 60 and _occurrences(rows) == 5000
     table = sch.to_table("events", rows)
     ingest = Ingest(NodeBook(), sink=lambda p: 0)
-    ingest._side_effects({"events": table}, now=0)
+    ingest.act_on_events({"events": table}, now=0)
     assert ingest.precursors == 5000
     assert _sum(sg.node_base_signals({"events": table}), "xid_precursor") == 5000
 
