@@ -27,10 +27,8 @@ value checks have run (`take_tables`, `take_batches`, on the scoring thread) and
 it flushes (`take_decisions`), onto a queue bounded by `queue_bytes`; one writer thread decodes,
 buffers, sorts and writes. When the queue is full a submission is dropped and counted
 (`foreshock_archive_dropped_bytes_total`): the archive never holds back scoring or an ack, and the
-collectors' own spools hold the same rows. As a thread of the service process (the in-process API's
-default) its Python takes GIL time from the event loop and the scoring thread, which at 2,048 nodes on
-two cores lengthened the acks' and the fatal path's tails; `foreshock serve` runs this writer in a
-process of its own instead (`ArchiveSettings.process`, service/archive_process.py; docs/scaling.md).
+collectors' own spools hold the same rows. It does take CPU, and GIL time, in the service process
+(docs/scaling.md has the cost at 512 and 2,048 nodes).
 
 Failures: a root that cannot be written is refused at construction (ArchiveError, naming it:
 `foreshock serve` does not start). A write that fails later (a full disk, a lost mount or credential)
@@ -89,8 +87,6 @@ class ArchiveSettings:
     queue_bytes: int = DEFAULTS["archive_queue_bytes"]     # submissions waiting for the writer; beyond,
     #                                                        dropped and counted
     fsync: bool = True
-    process: bool = False   # the writer in a process of its own (service/archive_process.py), as
-    #                         `foreshock serve` runs it; False: a thread of the service process
 
     def __post_init__(self):
         if not self.uri:
@@ -149,7 +145,6 @@ class Archive:
         self.rows: collections.Counter = collections.Counter()   # table -> rows published
         self.files = 0
         self.written_bytes = 0
-        self.failure = ""   # the log line of the write that stopped the archive
 
     def _check_writable(self) -> None:
         uri = self.settings.uri
@@ -197,12 +192,6 @@ class Archive:
         for each table refused. The batches are decoded here, in the writer thread."""
         if items:
             self._put(("batches", items, refused), nbytes)
-
-    def take_groups(self, groups: list[tuple[str, bytes, list[bytes]]], nbytes: int) -> None:
-        """A drain's accepted record batches grouped by table and schema message (name, head, bodies),
-        as the archive's process receives them (service/archive_process.py)."""
-        if groups:
-            self._put(("groups", groups), nbytes)
 
     def take_decisions(self, rows: pa.Table) -> None:
         """Decision log rows (DECISION_SCHEMA) as written to the log; incidents are derived from them."""
@@ -281,9 +270,6 @@ class Archive:
         elif kind == "batches":
             for name, table in self._decode_batches(item[1], item[2]).items():
                 self._buffer(name, table)
-        elif kind == "groups":
-            for name, table in self._decode_groups(item[1], {}).items():
-                self._buffer(name, table)
         else:
             rows = item[1]
             self._buffer(DECISIONS, rows)
@@ -309,13 +295,7 @@ class Archive:
                     g[1].append(t.body)
                 else:
                     decoded[name].append(t)
-        return self._decode_groups([(name, head, bodies) for (name, _), (head, bodies) in groups.items()],
-                                   decoded)
-
-    def _decode_groups(self, groups, decoded: dict[str, list[pa.Table]]) -> dict[str, pa.Table]:
-        """Each (table, schema message, record batch bodies) decoded at once, with `decoded`'s tables."""
-        decoded = collections.defaultdict(list, decoded)
-        for name, head, bodies in groups:
+        for (name, _), (head, bodies) in groups.items():
             dec = self._decoders.get(name)
             if dec is None:
                 dec = self._decoders[name] = BatchDecoder(wire_schema(name))
@@ -413,10 +393,9 @@ class Archive:
         self._buffer_bytes.clear()
         self._since.clear()
         name, path = self._writing
-        self.failure = (f"archive: writing table {name} to {path} failed: {exc}; the archive stops here ({lost} "
-                        "bytes not written; scoring and the service state go on; restart the service to resume "
-                        "archiving)")
-        log.error("%s", self.failure)
+        log.error("archive: writing table %s to %s failed: %s; the archive stops here (%d bytes not written; "
+                  "scoring and the service state go on; restart the service to resume archiving)",
+                  name, path, exc, lost)
 
 
 def _conform(name: str, parts: list[pa.Table]) -> pa.Table:

@@ -177,8 +177,7 @@ def settings_from(cfg: dict):
         try:
             archive = ArchiveSettings(cfg["archive"], file_bytes=cfg["archive_file_bytes"],
                                       roll_seconds=cfg["archive_roll_seconds"],
-                                      buffer_bytes=cfg["archive_buffer_bytes"], queue_bytes=cfg["archive_queue_bytes"],
-                                      process=True)
+                                      buffer_bytes=cfg["archive_buffer_bytes"], queue_bytes=cfg["archive_queue_bytes"])
         except ArchiveError as exc:
             raise SettingsError(str(exc)) from None
     return Settings(

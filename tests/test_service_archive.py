@@ -33,7 +33,6 @@ from foreshock.collectors.uplink import StreamingUplink
 from foreshock.predictor import offline
 from foreshock.service import archive as archive_mod
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
-from foreshock.service.archive_process import ArchiveProcess
 from foreshock.service.decisions import DECISION_SCHEMA, read_decisions
 from foreshock.service.scoring import NullScorer
 from foreshock.service.server import Settings, SettingsError, build_server
@@ -208,15 +207,12 @@ def _gpu(node: str, n: int, ts0: int, nan: bool = False) -> pa.Table:
     return sch.to_table("gpu", rows)
 
 
-@pytest.mark.parametrize("process", [False, True])
-def test_the_scoring_worker_path_archives_what_its_value_checks_took(tmp_path, process):
+def test_the_scoring_worker_path_archives_what_its_value_checks_took(tmp_path):
     """With the scoring worker (as `foreshock serve` runs), bulk batches are archived from the stage that
-    applies the worker's verdicts: a batch the value checks refused is not archived, whether the writer
-    is a thread of the service or the archive process (`foreshock serve`'s)."""
+    applies the worker's verdicts: a batch the value checks refused is not archived."""
     archive = tmp_path / "archive"
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scoring_process=True,
-                                                    archive=ArchiveSettings(str(archive), fsync=False,
-                                                                            process=process)))
+                                                    archive=ArchiveSettings(str(archive), fsync=False)))
     plane.start()
     try:
         up = StreamingUplink(plane.address, node="w1", backoff_initial=0.1).start()
@@ -283,9 +279,8 @@ def test_a_killed_writers_unfinished_files_are_removed_once_two_roll_periods_old
     assert not dead.exists() and live.exists()
 
 
-@pytest.mark.parametrize("writer", [Archive, ArchiveProcess])
-def test_a_full_queue_drops_and_counts_and_never_waits(tmp_path, writer):
-    arc = writer(ArchiveSettings(str(tmp_path), queue_bytes=1 << 20, fsync=False))   # writer not started
+def test_a_full_queue_drops_and_counts_and_never_waits(tmp_path):
+    arc = Archive(ArchiveSettings(str(tmp_path), queue_bytes=1 << 20, fsync=False))   # writer not started
     t = _gpu("n1", 2000, time.time_ns())
     for _ in range(40):   # with nobody writing, a blocking queue would hang here
         arc.take_tables({"gpu": t})
@@ -374,79 +369,6 @@ def test_a_failed_write_drops_every_table_buffered_and_what_comes_after(tmp_path
     assert st["dropped_bytes"] == 2 * gpu.nbytes + events.nbytes and st["buffered_bytes"] == st["queued_bytes"] == 0
 
 
-def _drain_is_issued_and_logged(plane, tmp_path, node: str) -> None:
-    """The service state goes on: a drain is issued, stored and logged."""
-    with grpc.insecure_channel(plane.address) as ch:
-        jobs = jobs_pb2_grpc.JobsStub(ch)
-        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="j", ranks=[jpb.RankPlacement(rank=0, node=node)],
-                                                spare_nodes=["s0"], current_step=1), timeout=T)
-        (d,) = jobs.DrainNode(jpb.DrainNodeRequest(node=node, reason="archive test"), timeout=T).directives
-    plane.decisions.flush()
-    assert d.directive_id in read_decisions(tmp_path / "state" / "decisions").column("directive_id").to_pylist()
-
-
-def test_a_write_that_fails_in_the_archive_process_stops_the_archive_and_nothing_else(tmp_path, caplog):
-    """The archive process (`foreshock serve`'s writer) whose root is gone after start (a mount lost;
-    the ENOSPC seam above cannot reach another process): one log line in the service's log naming the
-    table, the path and the error, `foreshock_archive_up` 0, what comes after dropped and counted;
-    telemetry is still taken and the service state goes on."""
-    root = tmp_path / "archive"
-    plane = build_server(Settings.insecure_loopback(
-        tmp_path / "state", scorer=NullScorer(), decision_flush_seconds=0.0,
-        archive=ArchiveSettings(str(root), roll_seconds=1, fsync=False, process=True)))
-    plane.start()
-    try:
-        shutil.rmtree(root)
-        root.write_text("the mount is gone")
-        up = StreamingUplink(plane.address, node="p1", backoff_initial=0.1).start()
-        now = time.time_ns()
-        with caplog.at_level(logging.ERROR, logger="foreshock.service.archive"):
-            up.submit({"gpu": _gpu("p1", 8, now)})
-            assert _wait(lambda: not plane.archive.up, timeout=15)
-            dropped = plane.archive.stats()["dropped_bytes"]
-            for k in range(1, 4):
-                up.submit({"gpu": _gpu("p1", 8, now + k * 10**9)})
-            assert _wait(lambda: plane.ingest.accepted_rows["gpu"] == 32)
-            assert _wait(lambda: plane.archive.stats()["dropped_bytes"] > dropped)
-        up.close(5.0)
-        (line,) = [r.getMessage() for r in caplog.records if "archive" in r.getMessage()]
-        assert "table gpu" in line and str(root) in line and "the archive stops here" in line
-        text = _exposition(plane)
-        assert "foreshock_archive_up 0.0" in text and "foreshock_archive_errors_total 1.0" in text
-        assert plane.archive.stats()["queued_bytes"] == plane.archive.stats()["buffered_bytes"] == 0
-        _drain_is_issued_and_logged(plane, tmp_path, "p1")
-    finally:
-        plane.stop(0.5)
-
-
-def test_an_archive_process_that_dies_stops_the_archive_and_nothing_else(tmp_path, caplog):
-    """Killed (out of memory, say): said once, `foreshock_archive_up` 0, what it held and what comes
-    after dropped and counted; the service takes telemetry and stops as before."""
-    plane = build_server(Settings.insecure_loopback(
-        tmp_path / "state", scorer=NullScorer(), decision_flush_seconds=0.0,
-        archive=ArchiveSettings(str(tmp_path / "archive"), fsync=False, process=True)))
-    plane.start()
-    try:
-        up = StreamingUplink(plane.address, node="k1", backoff_initial=0.1).start()
-        now = time.time_ns()
-        up.submit({"gpu": _gpu("k1", 8, now)})
-        assert _wait(lambda: plane.archive.stats()["buffered_bytes"] > 0)
-        with caplog.at_level(logging.ERROR, logger="foreshock.service.archive"):
-            plane.archive._proc.kill()
-            assert _wait(lambda: not plane.archive.up)
-            st = plane.archive.stats()
-            assert st["errors"] == 1 and st["dropped_bytes"] > 0 and st["buffered_bytes"] == 0
-            up.submit({"gpu": _gpu("k1", 8, now + 10**9)})
-            assert _wait(lambda: plane.ingest.accepted_rows["gpu"] == 16)
-            assert _wait(lambda: plane.archive.stats()["dropped_bytes"] > st["dropped_bytes"])
-        up.close(5.0)
-        (line,) = [r.getMessage() for r in caplog.records if "archive" in r.getMessage()]
-        assert "archive process" in line and "exited with code -9" in line
-        _drain_is_issued_and_logged(plane, tmp_path, "k1")
-    finally:
-        plane.stop(0.5)
-
-
 def _exposition(plane) -> str:
     from prometheus_client import generate_latest
     return generate_latest(plane.registry).decode()
@@ -530,8 +452,8 @@ def test_the_readers_take_both_layouts_in_one_dataset(tmp_path):
     assert json.loads(meta[ds.NODES_KEY]) == ["a1", "a2"]
 
 
-@pytest.mark.parametrize("scoring_process,archive_process", [(False, False), (True, False), (True, True)])
-def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path, scoring_process, archive_process):
+@pytest.mark.parametrize("scoring_process", [False, True])
+def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path, scoring_process):
     """Telemetry acknowledged but still queued for its round when the service stops is taken (and so
     archived) before the scoring loop ends, not left behind: the loop's drains are made rare here, so
     every batch is still queued at stop."""
@@ -539,8 +461,7 @@ def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path,
     clock = Clock(time.time_ns())
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scoring_process=scoring_process,
                                                     scoring_clock=clock,
-                                                    archive=ArchiveSettings(str(archive), fsync=False,
-                                                                            process=archive_process)))
+                                                    archive=ArchiveSettings(str(archive), fsync=False)))
     # The rounds' clock stands a third into a feature step: after the first round's close no step comes
     # due and no drain follows a step's last half second, wherever the wall clock's minute falls.
     step = plane.scorer.step_ns
