@@ -84,7 +84,8 @@ def train_model(out: Path) -> Path:
 
 def serve(state: str, model: str, port_file: str) -> int:
     from foreshock.service.archive import ArchiveSettings
-    from foreshock.service.server import Settings, build_server, tune_gc, tune_malloc, tune_threads
+    from foreshock.service.server import Settings, build_server
+    from foreshock.service.tuning import tune_gc, tune_malloc, tune_threads
     # Small bounds, so that the archive sorts, writes and publishes all through the run (the defaults
     # would hold a 130 s run in memory and write it at the stop, outside the measured window).
     archive = ArchiveSettings(str(Path(state).parent / "archive"), buffer_bytes=32 << 20, roll_seconds=30) \

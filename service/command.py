@@ -198,7 +198,8 @@ def settings_from(cfg: dict):
 
 def run(args, file_data) -> int:
     from foreshock.service.scoring import ModelError
-    from foreshock.service.server import SettingsError, build_server, tune_gc, tune_malloc, tune_threads
+    from foreshock.service.server import SettingsError, build_server
+    from foreshock.service.tuning import tune_gc, tune_malloc, tune_threads
 
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
     cfg = config.resolve("serve", DEFAULTS, file_data=file_data, flags=flags, checks=CHECKS)

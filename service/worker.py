@@ -124,7 +124,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
     # thousands of objects, which would otherwise run full collections over the scorer's state.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    from foreshock.service.server import tune_malloc
+    from foreshock.service.tuning import tune_malloc
     tune_malloc()
     # One OpenMP thread: scikit-learn's predict (a model without the compiled path) runs many small
     # parallel regions, and on a machine whose cores the service and the collectors' streams keep busy
