@@ -240,7 +240,7 @@ def test_the_scoring_worker_checks_scores_and_is_restarted_when_it_dies(model_di
         s.close()
     finally:
         p.stop(0)
-    assert p.scoring.worker._proc is None
+    assert p.scoring.worker.pid is None and not p.scoring.worker.up   # stopped, the process reaped
 
 
 @pytest.mark.parametrize("scoring_process", [True, False], ids=["worker", "in-process"])
