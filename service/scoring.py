@@ -94,8 +94,6 @@ class PredictorScorer:
         # all in a second or two after it ends; a shorter grace than the scorer's default means an
         # earlier verdict on the step that crosses the threshold.
         self._online = online.OnlineScorer(self.model, grace_seconds=grace_seconds)
-        self._step_ns = self._online.step_ns
-        self._grace_ns = int(grace_seconds * 1e9)
         self._last: ScoreResult | None = None
         self._checkpoint_at: float | None = None   # restore_state starts the checkpoint period
 
@@ -111,11 +109,11 @@ class PredictorScorer:
 
     @property
     def step_ns(self) -> int:
-        return self._step_ns
+        return self._online.step_ns
 
     @property
     def grace_ns(self) -> int:
-        return self._grace_ns
+        return self._online.grace_ns
 
     def score(self, now_ns: int, close_ns: int | None = None) -> ScoreResult:
         """close_ns: also close the steps that end by then (their telemetry is all in: the
