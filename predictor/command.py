@@ -34,6 +34,9 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
+                  # labels.TRAINING_LABEL_HORIZON_S and EARLY_LABEL_WEIGHT (a test holds them equal; this
+                  # module does not import the predictor, so the CLI starts fast)
+                  "label_horizon_minutes": 360.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop"}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
@@ -42,6 +45,9 @@ EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": 
                      "ray_address": "", "on_corrupt": "stop"}
 EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray"),
                    "on_corrupt": config.Check(lambda v: v in ("stop", "skip"), "must be stop or skip")}
+# train.train checks the label horizon against the horizon and the label gap, which can come from flags too
+TRAIN_CHECKS = {**EXECUTOR_CHECKS, "label_horizon_minutes": config.between(1.0, 36 * 60.0),
+                "early_label_weight": config.Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")}
 
 
 def register(subparsers) -> None:
@@ -57,6 +63,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-iter", type=int, dest="max_iter")
     p.add_argument("--label-gap-hours", type=float, dest="label_gap_hours",
                    help="leave out of training the healthy-labelled steps this long before an incident (default 12)")
+    p.add_argument("--label-horizon-minutes", type=float, dest="label_horizon_minutes",
+                   help=f"train on 'fails within this long' (default {TRAIN_DEFAULTS['label_horizon_minutes']:g}; "
+                        "docs/predictor.md, Labels); probabilities and thresholds stay those of --horizon-minutes")
+    p.add_argument("--early-label-weight", type=float, dest="early_label_weight",
+                   help="weight of the training positives between the horizon and the label horizon "
+                        f"(default {TRAIN_DEFAULTS['early_label_weight']:g})")
     p.add_argument("--max-negatives", type=int, dest="max_negatives",
                    help="at most this many sampled negative training rows (default 250000)")
     p.add_argument("--seed", type=int)
@@ -159,7 +171,7 @@ def run_train(args, file_data) -> int:
     from foreshock.predictor import executors, train
 
     cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS),
-                         checks=EXECUTOR_CHECKS)
+                         checks=TRAIN_CHECKS)
     if not cfg["data"] or not cfg["out"]:
         print("foreshock train: --data DIR and --out MODEL_DIR are required", file=sys.stderr)
         return 2
@@ -173,7 +185,9 @@ def run_train(args, file_data) -> int:
                                    budget=cfg["budget"], val_fraction=cfg["val_fraction"], neg_rate=cfg["neg_rate"],
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
-                                   max_negatives=cfg["max_negatives"], progress=progress, command=command,
+                                   max_negatives=cfg["max_negatives"],
+                                   label_horizon_s=int(cfg["label_horizon_minutes"] * 60),
+                                   early_label_weight=cfg["early_label_weight"], progress=progress, command=command,
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
                                    ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"])
@@ -399,6 +413,9 @@ def _run_leave_one_out(cfg: dict, data: dict) -> int:
     try:
         rep = leave_one_out.leave_one_out(data["train_data"], data["data"], kind, only=cfg["only"] or None,
                                           max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
+                                          # the recipe `foreshock train` uses by default
+                                          label_horizon_s=int(TRAIN_DEFAULTS["label_horizon_minutes"] * 60),
+                                          early_label_weight=TRAIN_DEFAULTS["early_label_weight"],
                                           ray_address=cfg["ray_address"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)

@@ -23,6 +23,13 @@ from foreshock.predictor.groups import signature
 
 DEFAULT_HORIZON_S = 30 * 60
 DEFAULT_DOWN_S = 6 * 3600
+# What `foreshock train` learns to rank high: a node that fails within 6 hours, the steps beyond the
+# 30-min horizon at 0.3 the weight. HBM wear, failing cables and stragglers build for hours, and with
+# only the last 30 minutes positive the model learns that their early hours are not yet risk, so it
+# alarms late or, at a strict budget, not at all. Calibration and thresholds stay on the 30-min horizon.
+# Chosen on development worlds (docs/predictor.md, Labels; benchmarks/results/predictor-label-horizon-2026-12-04.md).
+TRAINING_LABEL_HORIZON_S = 6 * 3600
+EARLY_LABEL_WEIGHT = 0.3
 # Categories that show no precursor (failure-figures.md), used when has_precursor is not recorded
 # (operators' own incident records).
 NO_PRECURSOR_CATEGORIES = {"software_bug", "host_maintenance", "silent_data_corruption", "dependency",

@@ -4,7 +4,7 @@ Reads a dataset (foreshock/dataset.py layout; a directory or a URI pyarrow.fs ta
 incidents table (labels.py), and writes a model directory (registry.py).
 
 Split by time, never by row: the first (1 - val_fraction) of the dataset's time span trains the
-estimators (minus one horizon before the boundary, so that no training label looks into the
+estimators (minus one label horizon before the boundary, so that no training label looks into the
 validation slice); the rest calibrates the probabilities (Platt sigmoid, CalibratedClassifierCV over the
 frozen pipeline) and chooses the thresholds for each false-evacuation budget. Healthy training steps
 are subsampled (all positives kept; quiet negatives at `neg_rate`, negatives with any error signal at
@@ -60,7 +60,9 @@ def _hard(X: np.ndarray) -> np.ndarray:
 def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: float = 2.0,
           val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.04,
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
-          label_gap_hours: float = 12.0, max_negatives: int = 250_000, progress=None,
+          label_gap_hours: float = 12.0, max_negatives: int = 250_000,
+          label_horizon_s: int = lb.TRAINING_LABEL_HORIZON_S, early_label_weight: float = lb.EARLY_LABEL_WEIGHT,
+          progress=None,
           command: str | None = None, holdout: groups.HoldOut | None = None,
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop") -> dict:
@@ -74,7 +76,21 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     base: a model directory (the shipped model, for `foreshock train`) to stack the new model with
     (model.LogitBlend): the weights of the two are fitted on the validation slice's calibration
     sample, so a history with few incidents leans on the base model and one with many on its own.
-    A base of another feature version is skipped, and the manifest says why."""
+    A base of another feature version is skipped, and the manifest says why.
+
+    label_horizon_s: the training label's horizon (labels.TRAINING_LABEL_HORIZON_S). A positive training step is
+    one whose node fails within it; the steps between the horizon and it weigh `early_label_weight`.
+    Calibration and thresholds always use the horizon's labels, so the model's probability keeps its
+    meaning (P(failure within the horizon)); only what the trees learn to rank high changes. Raises
+    ValueError outside [horizon, horizon + label gap]: the label gap (and leave-one-out's hold-out
+    window, groups.incident_holdout) must cover it."""
+    label_horizon_s = int(label_horizon_s)
+    if not horizon_s <= label_horizon_s <= horizon_s + label_gap_hours * 3600:
+        raise ValueError(f"label horizon {label_horizon_s / 60:g} min: must be between the horizon "
+                         f"({horizon_s / 60:g} min) and the horizon plus the label gap "
+                         f"({horizon_s / 60 + label_gap_hours * 60:g} min)")
+    if not 0.0 < early_label_weight <= 1.0:
+        raise ValueError(f"early label weight {early_label_weight:g}: must be in (0, 1]")
     t_start = time.perf_counter()
     compared = _comparable(compare_with)
     # by default both are the shipped model: loaded (and its fast path built and checked) once
@@ -85,6 +101,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     rng = np.random.default_rng(seed)
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     h_ns = horizon_s * 1_000_000_000
+    label_h_ns = label_horizon_s * 1_000_000_000
     types = groups.node_types(ds.read_table(data_dir, "inventory"))
     rows_by_type: dict[str, int] = {}
     positives_by_family: dict[str, int] = {}
@@ -96,11 +113,12 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         first, last = fb.step_range
         span = (last + 1 - first) * offline.STEP_NS
         boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
-        train_X, train_y, val_nodes, cal_X, cal_y, cal_w, healthy, val_paths = [], [], [], [], [], [], [], []
+        train_X, train_y, train_w, val_nodes, cal_X, cal_y, cal_w, healthy, val_paths = [], [], [], [], [], [], [], [], []
         n_train_steps = n_val_steps = n_early = 0
         for nf in fb:
             node_inc = incidents.of_node(nf.node)
             y, excluded = lb.node_labels(nf.step_end_ns, node_inc, horizon_s)
+            y_label = lb.node_labels(nf.step_end_ns, node_inc, label_horizon_s)[0] if label_horizon_s > horizon_s else y
             usable = nf.scoreable & ~excluded
             e = nf.step_end_ns
             if holdout is not None:
@@ -109,8 +127,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                 held_positive += int((held & (y == 1)).sum())
                 usable &= ~held
             # only negatives: a step in the gap of one incident can be in the horizon of another
-            early = lb.before_horizon(e, node_inc, horizon_s, label_gap_hours * 3600.0) & (y == 0)
-            tr = usable & (e < boundary - h_ns)
+            early = lb.before_horizon(e, node_inc, horizon_s, label_gap_hours * 3600.0) & (y_label == 0)
+            tr = usable & (e < boundary - label_h_ns)
             n_early += int((tr & early).sum())
             tr &= ~early
             va = usable & (e >= boundary)
@@ -119,13 +137,14 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             X = nf.X
             hard = _hard(X)
             r = rng.random(len(X))
-            keep = tr & ((y == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
+            keep = tr & ((y_label == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
             train_X.append(X[keep])
-            train_y.append(y[keep])
+            train_y.append(y_label[keep])
+            train_w.append(np.where((y_label[keep] == 1) & (y[keep] == 0), early_label_weight, 1.0))
             node_type = types.get(nf.node, groups.UNKNOWN_TYPE)
             rows_by_type[node_type] = rows_by_type.get(node_type, 0) + int(keep.sum())
             for ts, category in zip(node_inc["ts"].to_numpy(np.int64), node_inc["category"]):
-                in_horizon = keep & (y == 1) & (e >= ts - h_ns) & (e < ts)
+                in_horizon = keep & (y_label == 1) & (e >= ts - label_h_ns) & (e < ts)
                 positives_by_family[category] = positives_by_family.get(category, 0) + int(in_horizon.sum())
             quiet = tr & (y == 0) & ~hard & (r < 0.002)
             healthy.append(X[quiet])
@@ -139,7 +158,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             np.save(val_path, X[va])
             val_nodes.append(ev.NodeScores(nf.node, e[va], y[va], np.ones(int(va.sum()), bool)))
             val_paths.append(val_path)
-        Xtr, ytr = np.concatenate(train_X), np.concatenate(train_y)
+        Xtr, ytr, wtr = np.concatenate(train_X), np.concatenate(train_y), np.concatenate(train_w)
         negatives = np.flatnonzero(ytr == 0)
         neg_kept_share = 1.0
         if len(negatives) > max_negatives:
@@ -148,8 +167,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             drop = rng.choice(negatives, len(negatives) - max_negatives, replace=False)
             keep_rows = np.ones(len(ytr), dtype=bool)
             keep_rows[drop] = False
-            Xtr, ytr = Xtr[keep_rows], ytr[keep_rows]
-        del train_X, train_y
+            Xtr, ytr, wtr = Xtr[keep_rows], ytr[keep_rows], wtr[keep_rows]
+        del train_X, train_y, train_w
         if ytr.sum() == 0:
             raise ValueError(f"{data_dir}: no positive training steps (no incidents in the first "
                              f"{1 - val_fraction:.0%} of the time span); simulate more days or a higher --rate-scale")
@@ -162,8 +181,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         t_feat = time.perf_counter() - t_start
         if progress:
             progress("fitting", 0, 1)
-        gbdt = mdl.make_model(max_iter=max_iter, random_state=seed).fit(Xtr, ytr)
-        logit = mdl.make_logistic().fit(Xtr, ytr)
+        gbdt = mdl.make_model(max_iter=max_iter, random_state=seed).fit(Xtr, ytr, gbdt__sample_weight=wtr)
+        logit = mdl.make_logistic().fit(Xtr, ytr, logreg__sample_weight=wtr)
         rule = mdl.RuleBaseline().fit()
         Xc, yc, wc = np.concatenate(cal_X), np.concatenate(cal_y), np.concatenate(cal_w)
         # the weights are meant for the calibrator only (the frozen estimator is already fitted)
@@ -239,7 +258,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             **ev.data_identity(data_dir, fb.nodes, first, last), "validation_from": ev.iso_time(boundary),
             "train_steps": n_train_steps, "validation_steps": n_val_steps,
             "train_rows_sampled": int(len(ytr)), "train_positive_rows": int(ytr.sum()),
-            # before the max_negatives cap; positive rows in the horizon of an incident, by its category
+            "label_horizon_seconds": int(label_horizon_s), "early_label_weight": float(early_label_weight),
+            # before the max_negatives cap; positive rows in the label horizon of an incident, by its category
             "train_rows_sampled_by_node_type": rows_by_type, "train_positive_rows_by_family": positives_by_family,
             # the base model's own training data is in this model too (evaluate's overlap rule reads it)
             **({"base": stacked["training"]} if stacked is not None and "training" in stacked else {}),

@@ -85,6 +85,34 @@ def test_train_refuses_a_missing_dataset(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_longer_label_horizon_trains_on_earlier_steps_and_keeps_the_horizons_probabilities(sim_data, tmp_path,
+                                                                                            capsys):
+    from foreshock.predictor import train
+
+    from foreshock.predictor import command
+
+    # the CLI's defaults are the labels module's recipe
+    assert command.TRAIN_DEFAULTS["label_horizon_minutes"] * 60 == lb.TRAINING_LABEL_HORIZON_S
+    assert command.TRAIN_DEFAULTS["early_label_weight"] == lb.EARLY_LABEL_WEIGHT
+    short = train.train(sim_data, tmp_path / "short", max_iter=5, compare_with=None, base=None,
+                        label_horizon_s=1800, early_label_weight=1.0)
+    long = train.train(sim_data, tmp_path / "long", max_iter=5, compare_with=None, base=None,
+                       label_horizon_s=4 * 3600, early_label_weight=0.25)
+    # earlier steps are positives too, and they do not move the boundary into the validation slice
+    assert long["training"]["train_positive_rows"] > short["training"]["train_positive_rows"]
+    assert long["training"]["label_horizon_seconds"] == 4 * 3600 and long["training"]["early_label_weight"] == 0.25
+    # thresholds and probabilities keep the 30-min horizon's meaning
+    assert long["horizon_seconds"] == short["horizon_seconds"] == 1800
+    # outside [horizon, horizon + label gap]: refused before any work, naming the setting
+    with pytest.raises(ValueError, match="label horizon 20 min"):
+        train.train(sim_data, tmp_path / "bad", label_horizon_s=1200)
+    with pytest.raises(ValueError, match="early label weight 0"):
+        train.train(sim_data, tmp_path / "bad", label_horizon_s=3600, early_label_weight=0.0)
+    assert not (tmp_path / "bad").exists()
+    rc = cli.main(["train", "--data", str(sim_data), "--out", str(tmp_path / "bad"), "--early-label-weight", "2"])
+    assert rc == 2 and "early_label_weight" in capsys.readouterr().err
+
+
 def _incidents(rows):
     return lb.Incidents.from_table(sch.to_table("incidents", rows))
 
