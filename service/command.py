@@ -16,6 +16,7 @@ import threading
 from foreshock import config
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
+from foreshock.service.shardmap import SHARD_NAME_RE
 
 # [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
 # defaults and ranges are ActionSettings' own.
@@ -51,6 +52,8 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    "shard": "",                 # this instance's shard in shard_map: it serves that shard's nodes only
+    "shard_map": "",             # the shard map (TOML, service/shardmap.py); with shard, never alone
     **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
     "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
     "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
@@ -86,6 +89,8 @@ CHECKS = {
     "grace": config.at_least(0),
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
+    "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
+                          "must be a shard name (letters, digits, '.', '_', '-'; at most 63)"),
 }
 
 
@@ -147,6 +152,10 @@ def register(subparsers) -> None:
                    help="nodes of one job or NVLink domain with the same Xid that make one job event (3)")
     p.add_argument("--xid-context-fraction", type=float,
                    help="... or this share of the job's nodes, whichever is fewer, at least 2 (0.25)")
+    p.add_argument("--shard", metavar="NAME",
+                   help="serve only the nodes of the leaf switches this shard owns in --shard-map; another "
+                        "shard's collectors are redirected there (docs/scaling.md, sharding)")
+    p.add_argument("--shard-map", metavar="FILE", help="the shard map (TOML): shard -> address, leaves or selector")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
@@ -171,6 +180,17 @@ def settings_from(cfg: dict):
         tokens = load_token_file(cfg["token_file"]) if cfg["token_file"] else {}
     except ServiceError as exc:
         raise SettingsError(str(exc)) from None
+    shard_map = None
+    if cfg["shard"] or cfg["shard_map"]:
+        from foreshock.service.shardmap import ShardMapError, load
+        if not (cfg["shard"] and cfg["shard_map"]):
+            raise SettingsError("--shard and --shard-map go together: name this instance's shard and the map "
+                                f"it is in (got shard {cfg['shard']!r}, shard_map {cfg['shard_map']!r})")
+        try:
+            shard_map = load(cfg["shard_map"])
+            shard_map.shard(cfg["shard"])
+        except ShardMapError as exc:
+            raise SettingsError(str(exc)) from None
     archive = None
     if cfg["archive"]:
         from foreshock.service.archive import ArchiveError, ArchiveSettings
@@ -187,6 +207,7 @@ def settings_from(cfg: dict):
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
+        shard=cfg["shard"], shard_map=shard_map,
         actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],

@@ -26,6 +26,12 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events | flush (a stream ends)
   foreshock_scoring_duration_seconds                   histogram of a round (drain + score + policy)
   foreshock_model_info{version,horizon_seconds,path}   1
+  foreshock_shard_info{shard,address}                  1: this instance's shard and its address in the map
+                                                       (`serve --shard`; absent without one)
+  foreshock_shard_redirected_streams_total{to_shard}   telemetry streams of another shard's node, refused
+                                                       with that shard named (service/shardmap.py)
+  foreshock_shard_unplaced_streams_total               telemetry streams of a node the map places in no
+                                                       shard, in two, or that named no leaf switch
   foreshock_connected_collectors                       open telemetry streams
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
@@ -192,6 +198,8 @@ class ControlPlaneCollector:
         info.add_metric([p.scorer.model_version, str(p.scorer.horizon_seconds),
                          str(getattr(p.scorer, "model_path", ""))], 1.0)
         yield info
+        if p.shard_gate is not None:
+            yield from _shard(p.shard_gate)
         yield GaugeMetricFamily("foreshock_connected_collectors", "Open telemetry streams.", value=ing.connected())
         watchers = GaugeMetricFamily("foreshock_connected_job_watchers", "Open WatchDirectives streams.",
                                      labels=["job"])
@@ -286,6 +294,22 @@ def _archive_families(a: dict):
                             value=a["queued_bytes"])
     yield GaugeMetricFamily("foreshock_archive_buffered_bytes", "Bytes buffered for the archive's next files.",
                             value=a["buffered_bytes"])
+
+
+def _shard(gate):
+    info = GaugeMetricFamily("foreshock_shard_info", "This instance's shard (serve --shard) and its address in "
+                                                     "the shard map.", labels=["shard", "address"])
+    info.add_metric([gate.shard.name, gate.shard.address], 1.0)
+    yield info
+    redirected = CounterMetricFamily("foreshock_shard_redirected_streams",
+                                     "Telemetry streams of another shard's node, refused with that shard named.",
+                                     labels=["to_shard"])
+    for name in gate.map.names():
+        if name != gate.shard.name:
+            redirected.add_metric([name], gate.redirected.get(name, 0))
+    yield redirected
+    yield CounterMetricFamily("foreshock_shard_unplaced_streams", "Telemetry streams of a node the shard map "
+                              "places in no shard, in two, or that named no leaf switch.", value=gate.unplaced)
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

@@ -41,6 +41,7 @@ from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.rounds import InProcessPipeline, RoundScheduler
 from foreshock.service.scoring import ModelError, NullScorer, PredictorScorer, default_model_path
+from foreshock.service.shardmap import ShardGate, ShardMap, ShardMapError, labels_of
 from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
 from foreshock.service.steps import CloseHold
 from foreshock.service.steptimes import FailSlowSettings, StepTimes
@@ -100,6 +101,8 @@ class Settings:
     #                                          service/actions.py, docs/actions.md)
     archive: ArchiveSettings | None = None   # write everything taken in, the decisions and the incidents
     #                                          to a Parquet dataset (service/archive.py); None: no archive
+    shard: str = ""                          # this instance's shard: it takes the telemetry of the nodes the
+    shard_map: ShardMap | None = None        # shard map places here only (service/shardmap.py); "": all
     scorer_checkpoint_seconds: float = 300.0   # how often the online scorer's state (baselines, day-long
     #                                          counts, counter positions) is written to state_dir, so a
     #                                          restart does not start every node's 3-day baseline over
@@ -120,6 +123,13 @@ class ControlPlane:
     def __init__(self, settings: Settings):
         self.settings = s = settings
         self._validate(s)
+        # A map that does not fit the topology given stops the service here, naming the offenders.
+        try:
+            self.shard_gate = ShardGate(s.shard_map, s.shard) if s.shard else None
+            if s.shard and s.topology:
+                s.shard_map.check_inventory({node: labels_of(t) for node, t in s.topology.items()})
+        except ShardMapError as exc:
+            raise SettingsError(str(exc)) from None
         # Checked before anything is opened: a drain or taint that can never run stops the service here.
         try:
             action_backends = backends_from(s.actions) if s.actions.enabled else []
@@ -261,6 +271,9 @@ class ControlPlane:
             if not (s.tokens or s.tls_client_ca):
                 raise SettingsError("no credentials: give tokens or a client CA (mutual TLS), "
                                     "or every call would be refused")
+        if bool(s.shard) != (s.shard_map is not None):
+            raise SettingsError("shard and shard_map go together: a shard is named in a map "
+                                f"(shard {s.shard!r}, shard_map {'given' if s.shard_map else 'none'})")
         if not 1 <= s.scorer_checkpoint_seconds <= 86_400:
             raise SettingsError(f"scorer_checkpoint_seconds {s.scorer_checkpoint_seconds} must be in [1, 86400] seconds")
         if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
@@ -443,9 +456,10 @@ class ControlPlane:
             self.metrics_port = self._http.server_port
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
-        log.info("foreshock control plane on %s (port %d), %s; model %s; threshold %.3f; state %s%s",
+        log.info("foreshock control plane on %s (port %d), %s; model %s; threshold %.3f; state %s%s%s",
                  self.settings.listen, self.port, mode, self.scorer.model_version, self.policy.settings.threshold,
-                 self.state_dir, f"; archive {self.settings.archive.uri}" if self.archive is not None else "")
+                 self.state_dir, f"; archive {self.settings.archive.uri}" if self.archive is not None else "",
+                 f"; shard {self.settings.shard} of {self.settings.shard_map.source}" if self.shard_gate else "")
         if self.settings.insecure:
             log.warning("running INSECURE on loopback: every caller has every role (demo and tests only)")
         return self.port

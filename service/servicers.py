@@ -4,8 +4,9 @@ Nothing here decides anything: validation lives in jobs.py / ingest.py, decision
 state in store.py. A request that is no valid protobuf of its method's type gets INVALID_ARGUMENT
 (UndecodableRequests, on every method, ours and the health and reflection services), logged at most
 once a minute per method and peer address. Slow domain calls (SQLite commits) run in a worker thread
-so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
-(proto/foreshock/v1/*.proto).
+so the event loop keeps serving thousands of telemetry streams. A shard (`serve --shard`) refuses the
+telemetry of another shard's node with FAILED_PRECONDITION and the right shard in the trailing metadata
+(service/shardmap.py). Services: foreshock.v1.Telemetry, Risk, Jobs (proto/foreshock/v1/*.proto).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from foreshock.ratelimit import LogLimiter
-from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
+from foreshock.service import shardmap
+from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError, WrongShard
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
 from foreshock.service.domain import Directive
@@ -382,6 +384,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         principal = self.plane.authenticator.principal(context)
         ingest = self.plane.ingest
         hold = self.plane.hold
+        gate = self.plane.shard_gate
+        stream_labels = shardmap.labels_from_metadata(context.invocation_metadata()) if gate is not None else None
+        placed = None   # (node, the topology it was admitted under): admitted again only when either changes
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
         Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
@@ -434,6 +439,8 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
 
         try:
             while (batch := await context.read()) is not grpc.aio.EOF:
+                if gate is not None and batch.node:
+                    placed = await self._admit(context, gate, batch, stream_labels, placed)
                 urgent = _urgent(batch)
                 if hold.held and not urgent:
                     await hold.wait()   # a complete step is closing; events never wait (steps.CloseHold)
@@ -481,3 +488,23 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             for waiter in list(waiters):
                 waiter.cancel()
             ingest.close_session(session)
+
+    async def _admit(self, context, gate, batch, stream_labels, placed):
+        """Refuse the stream (FAILED_PRECONDITION, before the batch is taken or acknowledged) unless
+        this shard serves the batch's node; returns what it was admitted under (shardmap.ShardGate)."""
+        node = batch.node
+        inventory = next((t.arrow_ipc for t in batch.tables if t.table == "inventory" and not t.schema_omitted), None)
+        labels = shardmap.labels_in_inventory(inventory, node) if inventory is not None else None
+        topo = self.plane.nodes.topology.get(node)
+        if labels is None:
+            if placed == (node, topo):
+                return placed
+            labels = shardmap.labels_of(topo) if topo is not None else stream_labels
+        try:
+            gate.admit(node, labels)
+        except WrongShard as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err), trailing_metadata=(
+                (shardmap.SHARD_KEY, err.shard), (shardmap.ADDRESS_KEY, err.address)))
+        except ServiceError as err:
+            await _abort(context, err)
+        return node, topo
