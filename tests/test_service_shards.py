@@ -1,0 +1,300 @@
+"""Shards (`foreshock serve --shard NAME --shard-map FILE`, service/shardmap.py): the map's bad input
+refused with the offender named; two real control planes on loopback ports, each taking only its
+shard's nodes and sending another shard's collector on with FAILED_PRECONDITION and the right shard in
+the trailing metadata; real uplinks that follow that redirect, and that move when the map file changes,
+losing no sweep on the way."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+from support import wait_until
+
+from foreshock import schema as sch
+from foreshock.collectors.uplink import StreamingUplink, UplinkError, encode_table
+from foreshock.service.nodes import Topology
+from foreshock.service.scoring import NullScorer
+from foreshock.service.server import Settings, SettingsError, build_server
+from foreshock.service.shardmap import (ADDRESS_KEY, LABEL_KEYS, SHARD_KEY, ShardMapError, ShardMapFile, load,
+                                        parse)
+from foreshock.v1 import telemetry_pb2 as tpb
+from foreshock.v1 import telemetry_pb2_grpc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _map_text(a: str, b: str, a_leaves=("leaf-01",), b_leaves=("leaf-02",)) -> str:
+    def leaves(xs):
+        return ", ".join(f'"{x}"' for x in xs)
+    return (f'[shards.a]\naddress = "{a}"\nleaves = [{leaves(a_leaves)}]\n'
+            f'[shards.b]\naddress = "{b}"\nleaves = [{leaves(b_leaves)}]\n')
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _gpu(node: str):
+    return sch.to_table("gpu", [{"ts": dt.datetime.now(dt.timezone.utc), "node": node, "gpu": 0, "gpu_lost": False}])
+
+
+def _rows(name: str, table) -> tpb.TableRows:
+    return tpb.TableRows(table=name, schema_version=sch.SCHEMA_VERSION, arrow_ipc=encode_table(name, table))
+
+
+# -- the map's bad input --------------------------------------------------------------------------------
+def test_a_leaf_in_two_shards_is_refused_naming_the_leaf_both_shards_and_the_file(tmp_path):
+    f = _write(tmp_path / "map.toml", _map_text("h:1", "h:2", a_leaves=("leaf-01", "leaf-07"),
+                                                b_leaves=("leaf-07",)))
+    with pytest.raises(ShardMapError, match=r"map\.toml.*\[shards\.b\] leaves: leaf 'leaf-07' is in two shards: a, b"):
+        load(f)
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"shards": {"a": {"address": "h:1", "leaves": ["l1"], "selector": {"nvlink_domain": "x"}}}},
+     r"\[shards\.a\] selector nvlink_domain: not a label a selector may use"),
+    ({"shards": {"a": {"address": "h:1"}}}, r"\[shards\.a\]: owns nothing"),
+    ({"shards": {"a": {"address": "h:1", "leaves": ["l1"]}, "b": {"address": "h:1", "leaves": ["l2"]}}},
+     r"\[shards\.b\] address: 'h:1' is shard 'a'"),
+    ({"shards": {"a": {"address": "nohost", "leaves": ["l1"]}}}, r"\[shards\.a\] address: 'nohost'"),
+    ({"shards": {"a": {"address": "h:1", "leafs": ["l1"]}}}, r"\[shards\.a\] leafs: unknown key"),
+    ({"shard": {}}, r"m\.toml: shard: unknown key"),
+    ({"shards": {"a b": {"address": "h:1", "leaves": ["l1"]}}}, r"\[shards\.a b\]: a shard name"),
+])
+def test_bad_map_entries_are_refused_naming_the_key(data, match):
+    with pytest.raises(ShardMapError, match=match):
+        parse(data, "m.toml")
+
+
+def test_inventory_check_names_unknown_leaves_nodes_in_two_shards_and_unowned_leaves():
+    m = parse({"shards": {
+        "a": {"address": "h:1", "leaves": ["leaf-01", "leaf-09"]},
+        "b": {"address": "h:2", "selector": {"site": "dc2"}}}}, "m.toml")
+    inventory = {
+        "n1": {"leaf_switch": "leaf-01", "site": "dc1"},
+        "n2": {"leaf_switch": "leaf-01", "site": "dc2"},     # a by its leaf, b by its site
+        "n3": {"leaf_switch": "leaf-03", "site": "dc1"},     # nobody's
+        "n4": {"leaf_switch": "leaf-04", "site": "dc2"},     # b's
+    }
+    with pytest.raises(ShardMapError) as err:
+        m.check_inventory(inventory)
+    text = str(err.value)
+    assert "leaves the inventory does not have: leaf-09" in text
+    assert "nodes in two shards: n2 (a, b)" in text
+    assert "leaves no shard owns: leaf-03" in text
+    assert "leaf-04" not in text and "n1" not in text
+    m.check_inventory({k: v for k, v in inventory.items() if k in ("n1", "n4")} | {"n5": {"leaf_switch": "leaf-09"}})
+    assert m.shard_of("n4", "leaf-04", {"site": "dc2"}).name == "b"
+    with pytest.raises(ShardMapError, match=r"node 'n3' \(leaf switch 'leaf-03', site 'dc1'\) is in no shard"):
+        m.shard_of("n3", "leaf-03", {"site": "dc1"})
+
+
+def test_a_plane_refuses_a_map_that_does_not_fit_its_topology_and_an_unknown_shard(tmp_path):
+    m = load(_write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2")))
+    topology = {"n1": Topology(leaf_switch="leaf-01"), "n9": Topology(leaf_switch="leaf-09")}
+    with pytest.raises(SettingsError, match="leaves no shard owns: leaf-09"):
+        build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), shard="a", shard_map=m,
+                                                topology=topology))
+    with pytest.raises(SettingsError, match=r"no shard 'c' \(it has a, b\)"):
+        build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), shard="c", shard_map=m))
+    assert not (tmp_path / "s").exists()   # refused before anything was made
+
+
+def test_serve_with_an_unknown_shard_exits_2_naming_it(tmp_path):
+    f = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORESHOCK_")}
+    out = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--no-model",
+                          "--state", str(tmp_path / "s"), "--shard", "c", "--shard-map", str(f)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert f"shard map {f}: no shard 'c' (it has a, b)" in out.stderr
+
+
+# -- two shards on loopback ------------------------------------------------------------------------------
+@pytest.fixture
+def shards(tmp_path):
+    """Shards a (leaf-01) and b (leaf-02) of one map, two real control planes on loopback ports."""
+    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    path = _write(tmp_path / "shards.toml", _map_text(addresses["a"], addresses["b"]))
+    m = load(path)
+    planes = {}
+    try:
+        for name in "ab":
+            planes[name] = build_server(Settings.insecure_loopback(
+                tmp_path / name, scorer=NullScorer(), listen=addresses[name], shard=name, shard_map=m))
+            planes[name].start()
+        yield planes, path
+    finally:
+        for p in planes.values():
+            p.stop(0.2)
+
+
+def test_a_shard_refuses_another_shards_node_naming_the_right_shard_and_takes_nothing(shards):
+    planes, _ = shards
+    a, b = planes["a"], planes["b"]
+    batch = tpb.SweepBatch(node="n-b1", collector_id="c-b1", sequence=1, tables=[_rows("gpu", _gpu("n-b1"))])
+    with grpc.insecure_channel(a.address) as ch:
+        call = telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(
+            iter([batch]), timeout=10, metadata=((LABEL_KEYS["leaf_switch"], "leaf-02"),))
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    e = err.value
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "node 'n-b1' on leaf switch 'leaf-02' belongs to shard 'b' at " + b.address in e.details()
+    assert dict(e.trailing_metadata())[SHARD_KEY] == "b"
+    assert dict(e.trailing_metadata())[ADDRESS_KEY] == b.address
+    assert a.ingest.accepted_batches == 0 and a.ingest.last_sequence("c-b1") is None
+    # a node whose leaf nobody said: refused too, saying so, not taken
+    batch.node = "n-x"
+    with grpc.insecure_channel(a.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "node 'n-x'" in err.value.details() and "names no leaf switch" in err.value.details()
+    assert SHARD_KEY not in dict(err.value.trailing_metadata() or ())
+    metrics = generate_latest(a.registry).decode()
+    assert f'foreshock_shard_info{{address="{a.settings.shard_map.shard("a").address}",shard="a"}} 1.0' in metrics
+    assert 'foreshock_shard_redirected_streams_total{to_shard="b"} 1.0' in metrics
+    assert "foreshock_shard_unplaced_streams_total 1.0" in metrics
+    # a's service goes on: its own node is taken
+    batch.node, batch.collector_id = "n-a1", "c-a1"
+    batch.tables[0].CopyFrom(_rows("gpu", _gpu("n-a1")))
+    with grpc.insecure_channel(a.address) as ch:
+        acks = list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(
+            iter([batch]), timeout=10, metadata=((LABEL_KEYS["leaf_switch"], "leaf-01"),)))
+    assert acks and acks[-1].acked_sequence == 1 and a.ingest.last_sequence("c-a1") == 1
+
+
+def test_an_inventory_row_in_the_batch_places_the_node(shards):
+    """Without labels in the metadata, the node's inventory row (the demo and simulator send one first)
+    is what places it."""
+    planes, _ = shards
+    inv = sch.to_table("inventory", [{"ts": dt.datetime.now(dt.timezone.utc), "node": "n-b2",
+                                      "leaf_switch": "leaf-02", "site": "dc1"}])
+    batch = tpb.SweepBatch(node="n-b2", collector_id="c-b2", sequence=1, tables=[_rows("inventory", inv)])
+    with grpc.insecure_channel(planes["a"].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=10))
+    assert dict(err.value.trailing_metadata())[SHARD_KEY] == "b"
+    with grpc.insecure_channel(planes["b"].address) as ch:
+        acks = list(telemetry_pb2_grpc.TelemetryStub(ch).StreamSweeps(iter([batch]), timeout=10))
+    assert acks[-1].acked_sequence == 1
+    assert wait_until(lambda: planes["b"].nodes.topo("n-b2").leaf_switch == "leaf-02")
+
+
+def test_an_uplink_with_a_stale_map_is_redirected_to_its_shard_and_loses_no_sweep(shards, tmp_path):
+    planes, _ = shards
+    a, b = planes["a"], planes["b"]
+    # The collector's copy of the map still places leaf-02 in shard a.
+    stale = _write(tmp_path / "stale.toml", _map_text(a.address, b.address, a_leaves=("leaf-01", "leaf-02"),
+                                                      b_leaves=("leaf-03",)))
+    up = StreamingUplink("", node="n-b1", shard_map=ShardMapFile(stale), labels={"leaf_switch": "leaf-02"},
+                         backoff_initial=0.05, backoff_max=0.2, connect_timeout=2)
+    assert up.target == a.address
+    up.start()
+    try:
+        for _ in range(5):
+            assert up.submit({"gpu": _gpu("n-b1")})
+        assert wait_until(lambda: up.stats()["acked"] == 5, timeout=15), up.stats()
+        stats = up.stats()
+        assert (stats["target"], stats["shard"], stats["redirects"], stats["dropped_oldest"]) == (b.address, "b", 1, 0)
+        assert b.ingest.last_sequence(up.collector_id) == 5
+        assert a.ingest.last_sequence(up.collector_id) is None and a.ingest.accepted_batches == 0
+        assert wait_until(lambda: b.ingest.accepted_rows["gpu"] == 5)
+    finally:
+        up.close(2)
+
+
+def test_redirects_are_bounded_when_the_shards_maps_disagree(tmp_path):
+    """Two shards each sure the node is the other's: the uplink follows at most max_redirects in a row,
+    then backs off; its queue keeps its bound and nothing is acknowledged that no one took."""
+    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    maps = {"a": load(_write(tmp_path / "a.toml", _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-01",),
+                                                            b_leaves=("leaf-02",)))),
+            "b": load(_write(tmp_path / "b.toml", _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",),
+                                                            b_leaves=("leaf-01",))))}
+    planes = {}
+    try:
+        for name in "ab":
+            planes[name] = build_server(Settings.insecure_loopback(
+                tmp_path / name, scorer=NullScorer(), listen=addresses[name], shard=name, shard_map=maps[name]))
+            planes[name].start()
+        up = StreamingUplink("", node="n1", shard_map=ShardMapFile(tmp_path / "a.toml"),
+                             labels={"leaf_switch": "leaf-02"}, max_redirects=2, max_queue=3,
+                             backoff_initial=0.3, backoff_max=0.3, connect_timeout=2).start()
+        try:
+            for _ in range(5):
+                up.submit({"gpu": _gpu("n1")})
+            assert wait_until(lambda: up.stats()["reconnects"] >= 3, timeout=15)
+            time.sleep(0.5)
+            s = up.stats()
+            # each cycle: 2 redirects followed at once, the 3rd refused and backed off (a reconnect), then
+            # from the map's shard again; never a tight loop
+            assert 2 <= s["redirects"] <= 2 * (s["reconnects"] + 1), s
+            assert (s["acked"], s["dropped_oldest"]) == (0, 2), s
+            assert all(p.ingest.accepted_batches == 0 for p in planes.values())
+        finally:
+            up.close(0.5)
+        assert up.stats()["unsent_at_close"] == 3   # the queue's bound, all kept to the end
+    finally:
+        for p in planes.values():
+            p.stop(0.2)
+
+
+def test_an_uplink_moves_when_its_map_file_changes(tmp_path):
+    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    planes = {}
+    try:
+        for name in "ab":   # unsharded planes: only the collector's map decides here
+            planes[name] = build_server(Settings.insecure_loopback(tmp_path / name, scorer=NullScorer(),
+                                                                   listen=addresses[name]))
+            planes[name].start()
+        path = _write(tmp_path / "map.toml", _map_text(addresses["a"], addresses["b"]))
+        up = StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-01"},
+                             backoff_initial=0.05, backoff_max=0.2, connect_timeout=2).start()
+        try:
+            up.submit({"gpu": _gpu("n1")})
+            assert wait_until(lambda: up.stats()["acked"] == 1, timeout=10)
+            assert planes["a"].ingest.last_sequence(up.collector_id) == 1
+            _write(path, _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+            st = path.stat()
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # a new mtime, whatever the clock
+            assert wait_until(lambda: up.stats()["target"] == addresses["b"], timeout=10)
+            for _ in range(3):
+                up.submit({"gpu": _gpu("n1")})
+            assert wait_until(lambda: up.stats()["acked"] == 4, timeout=10)
+            assert planes["b"].ingest.last_sequence(up.collector_id) == 4
+            assert planes["a"].ingest.last_sequence(up.collector_id) == 1
+            assert (up.stats()["shard"], up.stats()["shard_moves"]) == ("b", 1)
+            # a map that no longer parses leaves the last good one in force, and says so
+            path.write_text("[shards.a]\naddress = 1\n")
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+            up.shard_map.request_reload()
+            assert up.shard_map.current().shard("b").address == addresses["b"]
+            assert up.shard_map.failed_reloads >= 1
+        finally:
+            up.close(1)
+    finally:
+        for p in planes.values():
+            p.stop(0.2)
+
+
+def test_an_uplink_refuses_a_map_that_does_not_place_its_node(tmp_path):
+    path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    with pytest.raises(UplinkError, match=r"node 'n1' \(leaf switch 'leaf-77'\) is in no shard"):
+        StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-77"})
+    with pytest.raises(UplinkError, match="the map names the target"):
+        StreamingUplink("127.0.0.1:1", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-01"})
