@@ -121,9 +121,29 @@ def _tls(cfg: dict):
     return cfg["tls_ca"] or None
 
 
-def _uplink(cfg: dict, node: str):
+PLACEMENT_KEYS = ("leaf_switch", "site", "spine")   # the node's labels a shard map places it by
+
+
+def _shard_map(cfg: dict, node: str):
+    """The shard map file of a sharded control plane, with this node placed in one of its shards (or
+    ValueError naming the file, the node and its leaf); None without one."""
+    if not cfg["shard_map"]:
+        return None
+    if cfg["service"]:
+        raise ValueError("--service and --shard-map are exclusive: a sharded control plane's address is the "
+                         "node's shard's, from the map")
+    from foreshock.service.shardmap import ShardMapError, ShardMapFile
     try:
-        from foreshock.collectors.uplink import StreamingUplink
+        shard_map = ShardMapFile(cfg["shard_map"])
+        shard_map.current().shard_of(node, cfg["leaf_switch"], {k: cfg[k] for k in PLACEMENT_KEYS})
+    except ShardMapError as exc:
+        raise ValueError(str(exc) + ("" if cfg["leaf_switch"] else " (give --leaf-switch)")) from None
+    return shard_map
+
+
+def _uplink(cfg: dict, node: str, shard_map=None):
+    try:
+        from foreshock.collectors.uplink import StreamingUplink, UplinkError
     except ModuleNotFoundError as exc:
         if exc.name == "foreshock.collectors.uplink":
             raise SystemExit("foreshock collect: --service needs foreshock.collectors.uplink, "
@@ -134,17 +154,9 @@ def _uplink(cfg: dict, node: str):
         with open(cfg["token_file"], encoding="utf-8") as fh:
             token = fh.read().strip()
     tls = _tls(cfg)
-    shard_map = None
-    if cfg["shard_map"]:
-        from foreshock.service.shardmap import ShardMapError, ShardMapFile
-        try:
-            shard_map = ShardMapFile(cfg["shard_map"])
-        except ShardMapError as exc:
-            raise ValueError(str(exc)) from None
-    from foreshock.collectors.uplink import UplinkError
     try:
         uplink = StreamingUplink(cfg["service"], node=node, tls=tls, token=token, shard_map=shard_map,
-                                 labels={k: cfg[k] for k in ("leaf_switch", "site", "spine")})
+                                 labels={k: cfg[k] for k in PLACEMENT_KEYS})
     except UplinkError as exc:
         raise ValueError(str(exc)) from None
     uplink.start()
@@ -161,6 +173,7 @@ def build_collector(cfg: dict, *, once: bool = False):
 
     node = cfg["node"] or socket.gethostname()
     _tls(cfg)  # refuse bad TLS settings before anything is opened
+    shard_map = _shard_map(cfg, node) if not once else None   # and a map that does not place the node
     # A missing default path is a machine without that hardware (the source reports "absent"); a path
     # the operator named that does not exist is a mistake to say, not an empty sweep.
     for key, users in (("sysfs", ("rdma", "netdev")), ("procfs", ("host_net",)), ("kmsg", ("kmsg",))):
@@ -174,10 +187,7 @@ def build_collector(cfg: dict, *, once: bool = False):
     writer = DatasetWriter(cfg["out"], rotate_seconds=cfg["rotate_seconds"],
                            max_buffer_rows=cfg["max_buffer_rows"], max_bytes=cfg["spool_max_bytes"] or None,
                            min_free_bytes=cfg["min_free_bytes"], fsync=cfg["fsync"])
-    if cfg["service"] and cfg["shard_map"]:
-        raise ValueError("--service and --shard-map are exclusive: a sharded control plane's address is its "
-                         "shard's, from the map")
-    uplink = _uplink(cfg, node) if (cfg["service"] or cfg["shard_map"]) and not once else None
+    uplink = _uplink(cfg, node, shard_map) if (cfg["service"] or shard_map) and not once else None
     return Collector(node, sources, writer, uplink=uplink)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -298,3 +299,62 @@ def test_an_uplink_refuses_a_map_that_does_not_place_its_node(tmp_path):
         StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-77"})
     with pytest.raises(UplinkError, match="the map names the target"):
         StreamingUplink("127.0.0.1:1", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-01"})
+
+
+# -- `foreshock collect --shard-map`, a real process ------------------------------------------------------
+def _collect(tmp_path, *flags) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORESHOCK_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "foreshock", "collect", "--sources", "simulated", "--interval", "0.1",
+         "--metrics-listen", "", "--node", "n1", "--out", str(tmp_path / "spool"), "--sim-gpus", "1",
+         "--sim-hcas", "1", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--leaf-switch", "leaf-77"], "node 'n1' (leaf switch 'leaf-77') is in no shard"),
+    ([], "node 'n1' (leaf switch '') is in no shard (give --leaf-switch)"),
+    (["--leaf-switch", "leaf-01", "--service", "127.0.0.1:1"], "--service and --shard-map are exclusive"),
+])
+def test_collect_refuses_a_map_that_does_not_place_its_node_before_opening_anything(tmp_path, flags, message):
+    path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    proc = _collect(tmp_path, "--shard-map", str(path), *flags)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and message in err, err
+    assert not (tmp_path / "spool").exists()
+
+
+def test_collect_moves_to_the_shard_the_map_names_after_sighup(tmp_path):
+    """The new map has the old one's size and mtime, so only SIGHUP can make the collector read it."""
+    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    planes = {}
+    proc = None
+    try:
+        for name in "ab":   # unsharded planes: only the collector's map decides here
+            planes[name] = build_server(Settings.insecure_loopback(tmp_path / name, scorer=NullScorer(),
+                                                                   listen=addresses[name]))
+            planes[name].start()
+        path = _write(tmp_path / "map.toml", _map_text(addresses["a"], addresses["b"]))
+        stamp = path.stat()
+        proc = _collect(tmp_path, "--shard-map", str(path), "--leaf-switch", "leaf-01")
+        a, b = planes["a"].ingest, planes["b"].ingest
+        assert wait_until(lambda: a.accepted_rows["gpu"] >= 3, timeout=30), proc.stderr
+        _write(path, _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        assert path.stat().st_size == stamp.st_size
+        time.sleep(1.5)
+        assert b.accepted_rows["gpu"] == 0   # not read again yet
+        proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: b.accepted_rows["gpu"] >= 3, timeout=15)
+        moved_at = a.accepted_rows["gpu"]
+        time.sleep(0.5)
+        assert a.accepted_rows["gpu"] == moved_at   # a hears no more from it
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "now places it in shard b" in err
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for p in planes.values():
+            p.stop(0.2)
