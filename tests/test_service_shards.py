@@ -20,6 +20,8 @@ from prometheus_client import generate_latest
 from support import wait_until
 
 from foreshock import schema as sch
+from foreshock.collectors import metrics as collector_metrics
+from foreshock.collectors.collector import Collector
 from foreshock.collectors.uplink import StreamingUplink, UplinkError, encode_table
 from foreshock.service.nodes import Topology
 from foreshock.service.scoring import NullScorer
@@ -170,6 +172,8 @@ def test_a_shard_refuses_another_shards_node_naming_the_right_shard_and_takes_no
     assert f'foreshock_shard_info{{address="{a.settings.shard_map.shard("a").address}",shard="a"}} 1.0' in metrics
     assert 'foreshock_shard_redirected_streams_total{to_shard="b"} 1.0' in metrics
     assert "foreshock_shard_unplaced_streams_total 1.0" in metrics
+    lint = subprocess.run(["promtool", "check", "metrics"], input=metrics, capture_output=True, text=True, timeout=30)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
     # a's service goes on: its own node is taken
     batch.node, batch.collector_id = "n-a1", "c-a1"
     batch.tables[0].CopyFrom(_rows("gpu", _gpu("n-a1")))
@@ -215,6 +219,12 @@ def test_an_uplink_with_a_stale_map_is_redirected_to_its_shard_and_loses_no_swee
         assert b.ingest.last_sequence(up.collector_id) == 5
         assert a.ingest.last_sequence(up.collector_id) is None and a.ingest.accepted_batches == 0
         assert wait_until(lambda: b.ingest.accepted_rows["gpu"] == 5)
+        # the collector's /metrics says where it streams, and that it was sent there
+        text = collector_metrics.render(Collector("n-b1", [], None, uplink=up)).decode()
+        assert f'foreshock_collector_uplink_target_info{{shard="b",target="{b.address}"}} 1.0' in text
+        assert "foreshock_collector_uplink_redirects_total 1.0" in text
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
     finally:
         up.close(2)
 
