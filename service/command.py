@@ -54,6 +54,7 @@ DEFAULTS = {
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
     "shard": "",                 # this instance's shard in shard_map: it serves that shard's nodes only
     "shard_map": "",             # the shard map (TOML, service/shardmap.py); with shard, never alone
+    "shard_inventory": "",       # a dataset with an inventory table the map is checked against at start
     **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
     "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
     "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
@@ -156,9 +157,27 @@ def register(subparsers) -> None:
                    help="serve only the nodes of the leaf switches this shard owns in --shard-map; another "
                         "shard's collectors are redirected there (docs/scaling.md, sharding)")
     p.add_argument("--shard-map", metavar="FILE", help="the shard map (TOML): shard -> address, leaves or selector")
+    p.add_argument("--shard-inventory", metavar="DIR",
+                   help="a dataset with the cluster's inventory table (the archive, foreshock simulate's output): "
+                        "refuse at start a map with leaves it lacks, nodes in two shards or leaves no shard owns")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
+
+
+def inventory_labels(root: str) -> dict[str, dict[str, str]]:
+    """Each node's placement labels in the latest inventory row of the dataset at `root`; ShardMapError
+    naming the dataset when it has none or cannot be read."""
+    from foreshock.dataset import read_table
+    from foreshock.service.shardmap import PLACEMENT_LABELS, ShardMapError
+
+    try:
+        rows = read_table(root, "inventory", columns=["node", "ts", *PLACEMENT_LABELS]).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise ShardMapError(f"shard inventory {root}: {exc}") from None
+    if not rows:
+        raise ShardMapError(f"shard inventory {root}: no inventory rows (a dataset with an inventory table)")
+    return {row["node"]: {k: row[k] or "" for k in PLACEMENT_LABELS} for row in rows}   # sorted by ts: the last wins
 
 
 def settings_from(cfg: dict):
@@ -189,8 +208,12 @@ def settings_from(cfg: dict):
         try:
             shard_map = load(cfg["shard_map"])
             shard_map.shard(cfg["shard"])
+            if cfg["shard_inventory"]:
+                shard_map.check_inventory(inventory_labels(cfg["shard_inventory"]))
         except ShardMapError as exc:
             raise SettingsError(str(exc)) from None
+    elif cfg["shard_inventory"]:
+        raise SettingsError("--shard-inventory checks a shard map: give --shard and --shard-map too")
     archive = None
     if cfg["archive"]:
         from foreshock.service.archive import ArchiveError, ArchiveSettings

@@ -368,3 +368,37 @@ def test_collect_moves_to_the_shard_the_map_names_after_sighup(tmp_path):
             proc.communicate()
         for p in planes.values():
             p.stop(0.2)
+
+
+def test_serve_checks_the_map_against_an_inventory_dataset_naming_the_offenders(tmp_path):
+    from foreshock import config
+    from foreshock.dataset import DatasetWriter
+    from foreshock.service import command
+
+    now = dt.datetime.now(dt.timezone.utc)
+    writer = DatasetWriter(tmp_path / "ds", fsync=False)
+    writer.append_table("inventory", sch.to_table("inventory", [
+        {"ts": now, "node": "n1", "leaf_switch": "leaf-01"}, {"ts": now, "node": "n2", "leaf_switch": "leaf-02"},
+        {"ts": now, "node": "n3", "leaf_switch": "leaf-03"}]))
+    writer.close()
+    f = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-09")))
+
+    def settings(**flags):
+        cfg = config.resolve("serve", command.DEFAULTS, env={}, flags={
+            "no_model": True, "insecure": True, "state": str(tmp_path / "s"), **flags})
+        return command.settings_from(cfg)
+
+    with pytest.raises(SettingsError) as err:
+        settings(shard="a", shard_map=str(f), shard_inventory=str(tmp_path / "ds"))
+    assert "leaves the inventory does not have: leaf-09" in str(err.value)
+    assert "leaves no shard owns: leaf-03" in str(err.value)
+    with pytest.raises(SettingsError, match="no inventory rows"):
+        settings(shard="a", shard_map=str(f), shard_inventory=str(tmp_path / "empty"))
+    with pytest.raises(SettingsError, match="--shard and --shard-map go together"):
+        settings(shard_map=str(f))
+    with pytest.raises(SettingsError, match="give --shard and --shard-map too"):
+        settings(shard_inventory=str(tmp_path / "ds"))
+    fits = _write(tmp_path / "fits.toml", _map_text("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-03")))
+    s = settings(shard="b", shard_map=str(fits), shard_inventory=str(tmp_path / "ds"))
+    assert (s.shard, s.shard_map.shard("b").leaves) == ("b", frozenset({"leaf-02", "leaf-03"}))
+    assert not (tmp_path / "s").exists()
