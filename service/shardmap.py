@@ -58,6 +58,9 @@ ADDRESS_KEY = "foreshock-shard-address"
 LABEL_KEYS = {label: "foreshock-" + label.replace("_", "-") for label in PLACEMENT_LABELS}
 
 MAX_NAMES = 10   # offending names an error lists before it says how many more
+# An inventory table a shard decodes on the event loop to place a node: one node's rows are a few KB;
+# a bigger one is left to ingest's round (the node is then placed by what else is known of it).
+MAX_PLACING_INVENTORY_BYTES = 64 << 10
 
 
 class ShardMapError(ValueError):
@@ -261,9 +264,10 @@ class ShardMapFile:
                 self.failed_reloads += 1
                 log.error("%s; the map read before stays in force", exc)
                 return self._map
-            if fresh != self._map:
-                self.reloads += 1
-                log.info("shard map %s: read again (%d shards)", self.path, len(fresh.shards))
+            if fresh == self._map:
+                return self._map   # the same map: its readers have nothing to redo
+            self.reloads += 1
+            log.info("shard map %s: read again (%d shards)", self.path, len(fresh.shards))
             self._map = fresh
             return fresh
 
@@ -286,9 +290,12 @@ def labels_from_metadata(metadata) -> dict[str, str]:
 
 def labels_in_inventory(arrow_ipc: bytes, node: str) -> dict[str, str] | None:
     """The placement labels of `node` in a whole schema-v1 inventory table (Arrow IPC); None when it
-    does not parse or has no row of the node (ingest then says why, in the batch's ack)."""
+    does not parse, is over MAX_PLACING_INVENTORY_BYTES or has no row of the node (ingest then says
+    why, in the batch's ack)."""
     import pyarrow as pa
 
+    if len(arrow_ipc) > MAX_PLACING_INVENTORY_BYTES:
+        return None
     try:
         rows = pa.ipc.open_stream(arrow_ipc).read_all().select(["node", *PLACEMENT_LABELS]).to_pylist()
     except Exception:  # noqa: BLE001 - bytes a collector sent; ingest refuses them with the reason

@@ -402,3 +402,15 @@ def test_serve_checks_the_map_against_an_inventory_dataset_naming_the_offenders(
     s = settings(shard="b", shard_map=str(fits), shard_inventory=str(tmp_path / "ds"))
     assert (s.shard, s.shard_map.shard("b").leaves) == ("b", frozenset({"leaf-02", "leaf-03"}))
     assert not (tmp_path / "s").exists()
+
+
+def test_a_reread_of_an_unchanged_map_keeps_the_redirect(tmp_path):
+    """SIGHUP on a map that did not change must not send the uplink back to a shard that redirected it."""
+    path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    f = ShardMapFile(path)
+    first = f.current()
+    f.request_reload()
+    assert f.current() is first and f.reloads == 0
+    _write(path, _map_text("127.0.0.1:1", "127.0.0.1:3"))
+    f.request_reload()
+    assert f.current().shard("b").address == "127.0.0.1:3" and f.reloads == 1
