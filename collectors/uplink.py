@@ -9,6 +9,10 @@ per-field unit/help metadata, documentation only, stays home: it would triple th
     uplink.submit({"gpu": table, "rdma_port": table2})   # O(1); never waits on the network
     uplink.close(5.0)
 
+    # a sharded control plane: the node's shard from the map, by its leaf switch
+    uplink = StreamingUplink("", node="gpu-017", shard_map=ShardMapFile("/etc/foreshock/shards.toml"),
+                             labels={"leaf_switch": "leaf-03"}, tls="/etc/foreshock/ca.pem", token=tok)
+
 - Bounded: `submit` puts the sweep in a queue of `max_queue` sweeps; when full the oldest is dropped
   and counted (`stats()["dropped_oldest"]`). Sequence numbers are given at submit, so the service sees
   the gap.
