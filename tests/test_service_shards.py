@@ -1,7 +1,8 @@
 """Shards (`foreshock serve --shard NAME --shard-map FILE`, service/shardmap.py): the map's bad input
-refused with the offender named; two real control planes on loopback ports, each taking only its
-shard's nodes and sending another shard's collector on with FAILED_PRECONDITION and the right shard in
-the trailing metadata; real uplinks that follow that redirect, and that move when the map file changes,
+refused with the offender named; two real control planes on loopback ports (in process, and as two
+`foreshock serve` processes), each taking only its shard's nodes and sending another shard's collector
+on with FAILED_PRECONDITION and the right shard in the trailing metadata; real uplinks and a real
+`foreshock collect` that follow that redirect, and that move when the map file changes (mtime, SIGHUP),
 losing no sweep on the way."""
 
 from __future__ import annotations
@@ -414,3 +415,43 @@ def test_a_reread_of_an_unchanged_map_keeps_the_redirect(tmp_path):
     _write(path, _map_text("127.0.0.1:1", "127.0.0.1:3"))
     f.request_reload()
     assert f.current().shard("b").address == "127.0.0.1:3" and f.reloads == 1
+
+
+def test_two_serve_processes_and_an_uplink_sent_from_a_to_b(tmp_path):
+    """`foreshock serve --shard` as real processes: each says its shard on /metrics, and a collector whose
+    stale map names shard a for its leaf ends up streaming every sweep to b."""
+    import urllib.request
+
+    from support import Serve
+
+    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    path = _write(tmp_path / "shards.toml", _map_text(addresses["a"], addresses["b"]))
+    stale = _write(tmp_path / "stale.toml", _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-01", "leaf-02"),
+                                                      b_leaves=("leaf-03",)))
+    serves = {}
+    try:
+        for name in "ab":
+            serves[name] = Serve(tmp_path / name, "--listen", addresses[name], "--shard", name, "--shard-map", str(path))
+        assert all(serves[n].address == addresses[n] for n in "ab")
+        up = StreamingUplink("", node="n-b1", shard_map=ShardMapFile(stale), labels={"leaf_switch": "leaf-02"},
+                             backoff_initial=0.05, backoff_max=0.2, connect_timeout=5).start()
+        try:
+            for _ in range(4):
+                up.submit({"gpu": _gpu("n-b1")})
+            assert wait_until(lambda: up.stats()["acked"] == 4, timeout=20), up.stats()
+            assert (up.stats()["target"], up.stats()["redirects"]) == (addresses["b"], 1)
+        finally:
+            up.close(2)
+
+        def scrape(name):
+            return urllib.request.urlopen(f"http://{serves[name].metrics}/metrics", timeout=10).read().decode()
+        a_text, b_text = scrape("a"), scrape("b")
+        assert f'foreshock_shard_info{{address="{addresses["a"]}",shard="a"}} 1.0' in a_text
+        assert 'foreshock_shard_redirected_streams_total{to_shard="b"} 1.0' in a_text
+        assert 'foreshock_ingest_rows_total{table="gpu"} 4.0' in b_text
+        assert 'foreshock_ingest_rows_total{table="gpu"}' not in a_text or \
+            'foreshock_ingest_rows_total{table="gpu"} 0.0' in a_text
+        assert all(serves[n].term() == 0 for n in "ab")
+    finally:
+        for s in serves.values():
+            s.kill()
