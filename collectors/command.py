@@ -23,6 +23,8 @@ import time
 
 from foreshock import config
 
+from foreshock.service.shardmap import LABEL_VALUE_RE, PLACEMENT_LABELS
+
 from .repeats import DEFAULT_WINDOW_SECONDS, MAX_WINDOW_SECONDS
 
 log = logging.getLogger("foreshock.collectors")
@@ -67,6 +69,9 @@ CHECKS = {
     "sim_hcas": config.at_least(0),
     "seed": config.at_least(0),
     "xid_fold_seconds": config.between(0, MAX_WINDOW_SECONDS),
+    # the placement labels travel as gRPC metadata (collectors/uplink.py)
+    **{key: config.Check(lambda v: bool(LABEL_VALUE_RE.match(v)), "must be at most 256 printable ASCII "
+                         "characters without spaces") for key in PLACEMENT_LABELS},
 }
 
 
@@ -121,7 +126,6 @@ def _tls(cfg: dict):
     return cfg["tls_ca"] or None
 
 
-PLACEMENT_KEYS = ("leaf_switch", "site", "spine")   # the node's labels a shard map places it by
 
 
 def _shard_map(cfg: dict, node: str):
@@ -135,7 +139,7 @@ def _shard_map(cfg: dict, node: str):
     from foreshock.service.shardmap import ShardMapError, ShardMapFile
     try:
         shard_map = ShardMapFile(cfg["shard_map"])
-        shard_map.current().shard_of(node, cfg["leaf_switch"], {k: cfg[k] for k in PLACEMENT_KEYS})
+        shard_map.current().shard_of(node, cfg["leaf_switch"], {k: cfg[k] for k in PLACEMENT_LABELS})
     except ShardMapError as exc:
         raise ValueError(str(exc) + ("" if cfg["leaf_switch"] else " (give --leaf-switch)")) from None
     return shard_map
@@ -156,7 +160,7 @@ def _uplink(cfg: dict, node: str, shard_map=None):
     tls = _tls(cfg)
     try:
         uplink = StreamingUplink(cfg["service"], node=node, tls=tls, token=token, shard_map=shard_map,
-                                 labels={k: cfg[k] for k in PLACEMENT_KEYS})
+                                 labels={k: cfg[k] for k in PLACEMENT_LABELS})
     except UplinkError as exc:
         raise ValueError(str(exc)) from None
     uplink.start()

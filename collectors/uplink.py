@@ -55,7 +55,7 @@ import pyarrow as pa
 
 from foreshock import schema as sch
 from foreshock.net import Endpoint, PlaintextRefused, client_credentials
-from foreshock.service.shardmap import ADDRESS_KEY, LABEL_KEYS, SHARD_KEY, ShardMapError
+from foreshock.service.shardmap import ADDRESS_KEY, LABEL_KEYS, LABEL_VALUE_RE, SHARD_KEY, ShardMapError
 from foreshock.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,9 @@ class StreamingUplink:
         unknown = sorted(set(labels or {}) - set(LABEL_KEYS))
         if unknown:
             raise UplinkError(f"uplink label {unknown[0]!r}: not a placement label ({', '.join(LABEL_KEYS)})")
+        for label, value in (labels or {}).items():
+            if not isinstance(value, str) or not LABEL_VALUE_RE.match(value):
+                raise UplinkError(f"uplink label {label} {value!r}: at most 256 printable ASCII characters, no spaces")
         self.labels = {k: v for k, v in (labels or {}).items() if v}
         self.shard_map = shard_map
         self._map_seen = None              # the ShardMap the target was last taken from

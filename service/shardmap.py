@@ -50,6 +50,8 @@ SELECTOR_LABELS = ("site", "spine")
 # Everything a node is placed by: its leaf switch and the selector labels.
 PLACEMENT_LABELS = ("leaf_switch",) + SELECTOR_LABELS
 SHARD_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# A label's value as a collector may send it: gRPC metadata carries printable ASCII only.
+LABEL_VALUE_RE = re.compile(r"^[\x21-\x7e]{0,256}$")
 
 # gRPC metadata. The redirect, in a refusal's trailing metadata: the shard the node belongs to and its
 # address. A collector's labels, in its stream's call metadata: label -> metadata key.

@@ -308,6 +308,8 @@ def test_an_uplink_refuses_a_map_that_does_not_place_its_node(tmp_path):
     path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
     with pytest.raises(UplinkError, match=r"node 'n1' \(leaf switch 'leaf-77'\) is in no shard"):
         StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-77"})
+    with pytest.raises(UplinkError, match="uplink label site 'dc\\u00e9'"):
+        StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-01", "site": "dc\u00e9"})
     with pytest.raises(UplinkError, match="the map names the target"):
         StreamingUplink("127.0.0.1:1", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-01"})
 
@@ -325,6 +327,7 @@ def _collect(tmp_path, *flags) -> subprocess.Popen:
     (["--leaf-switch", "leaf-77"], "node 'n1' (leaf switch 'leaf-77') is in no shard"),
     ([], "node 'n1' (leaf switch '') is in no shard (give --leaf-switch)"),
     (["--leaf-switch", "leaf-01", "--service", "127.0.0.1:1"], "--service and --shard-map are exclusive"),
+    (["--leaf-switch", "leaf 01"], "leaf_switch from flag --leaf-switch: must be at most 256 printable ASCII"),
 ])
 def test_collect_refuses_a_map_that_does_not_place_its_node_before_opening_anything(tmp_path, flags, message):
     path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
