@@ -274,6 +274,7 @@ def run(args, file_data) -> int:
         tune_threads()
         host = cfg["listen"].rpartition(":")[0]
         print(f"foreshock serve: listening on {host}:{port}"
+              + (f" as shard {cfg['shard']}" if cfg["shard"] else "")
               + (f", metrics on {cfg['metrics_listen'].rpartition(':')[0]}:{plane.metrics_port}"
                  if plane.metrics_port else "")
               + (" (INSECURE: plaintext, loopback only, no credentials checked)" if cfg["insecure"] else ""),

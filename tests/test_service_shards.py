@@ -436,6 +436,7 @@ def test_two_serve_processes_and_an_uplink_sent_from_a_to_b(tmp_path):
         for name in "ab":
             serves[name] = Serve(tmp_path / name, "--listen", addresses[name], "--shard", name, "--shard-map", str(path))
         assert all(serves[n].address == addresses[n] for n in "ab")
+        assert f"listening on {addresses['a']} as shard a, metrics on" in serves["a"].banner
         up = StreamingUplink("", node="n-b1", shard_map=ShardMapFile(stale), labels={"leaf_switch": "leaf-02"},
                              backoff_initial=0.05, backoff_max=0.2, connect_timeout=5).start()
         try:
