@@ -22,7 +22,6 @@ import threading
 import time
 
 from foreshock import config
-
 from foreshock.service.shardmap import LABEL_VALUE_RE, PLACEMENT_LABELS
 
 from .repeats import DEFAULT_WINDOW_SECONDS, MAX_WINDOW_SECONDS
@@ -124,8 +123,6 @@ def _tls(cfg: dict):
             raise ValueError("mutual TLS needs --tls-ca, --tls-cert and --tls-key together")
         return (cfg["tls_ca"], cfg["tls_cert"], cfg["tls_key"])
     return cfg["tls_ca"] or None
-
-
 
 
 def _shard_map(cfg: dict, node: str):
