@@ -4,8 +4,8 @@ Nothing here decides anything: validation lives in jobs.py / ingest.py, decision
 state in store.py. A request that is no valid protobuf of its method's type gets INVALID_ARGUMENT
 (UndecodableRequests, on every method, ours and the health and reflection services), logged at most
 once a minute per method and peer address. Slow domain calls (SQLite commits) run in a worker thread
-so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
-(proto/foreshock/v1/*.proto).
+so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs,
+Coordinator (proto/foreshock/v1/*.proto), and what a coordinator's standby answers (StandbyHandler).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
 from foreshock.service.domain import Directive
-from foreshock.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2
-from foreshock.v1 import telemetry_pb2_grpc
+from foreshock.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, jobs_pb2, jobs_pb2_grpc, risk_pb2
+from foreshock.v1 import risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -481,3 +481,89 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             for waiter in list(waiters):
                 waiter.cancel()
             ingest.close_session(session)
+
+
+def shard_events_from_proto(events) -> list:
+    from foreshock.service.coordinator import EventKind, ShardEvent
+    from foreshock.service.domain import SignalRecord
+    from foreshock.service.nodes import Topology
+
+    out = []
+    for e in events:
+        try:
+            kind = EventKind(e.kind)
+        except ValueError:
+            raise InvalidArgument(f"event {e.sequence} (node {e.node!r}): kind {e.kind} is not a ShardEventKind") from None
+        out.append(ShardEvent(
+            e.sequence, kind, e.node, e.risk,
+            tuple(SignalRecord(s.name, s.value, s.contribution, s.description) for s in e.signals),
+            e.ts_ns, e.fatal_kind, e.description,
+            Topology(site=e.site, leaf_switch=e.leaf_switch, nvlink_domain=e.nvlink_domain)))
+    return out
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Coordinator.ForwardAlarms: each request's events applied (service/coordinator.py), then acked."""
+
+    def __init__(self, plane):
+        self.plane = plane
+
+    async def ForwardAlarms(self, request_iterator, context):
+        principal = self.plane.authenticator.principal(context)
+        shard = None
+        try:
+            async for request in request_iterator:
+                if shard is None:
+                    shard = request.shard
+                    if principal is None or not principal.may_forward_for(shard):
+                        raise PermissionDenied(f"credential for {principal.subject if principal else '?'!r} may "
+                                               f"not forward for shard {shard!r}")
+                elif request.shard != shard:
+                    raise InvalidArgument(f"one stream forwards for one shard: {shard!r}, then {request.shard!r}")
+                events = shard_events_from_proto(request.events)
+                acked = await asyncio.to_thread(self.plane.coordinator.receive, shard, request.epoch,
+                                                request.model_version, events)
+                yield coordinator_pb2.ForwardAck(epoch=request.epoch, acked_sequence=acked)
+        except ServiceError as err:
+            await _abort(context, err)
+
+
+STANDBY_SERVICES = ("foreshock.v1.Jobs", "foreshock.v1.Risk", "foreshock.v1.Coordinator")
+
+
+class StandbyHandler(grpc.GenericRpcHandler):
+    """What a coordinator's standby answers to every Jobs, Risk and Coordinator call: UNAVAILABLE, saying
+    that it is the standby and who leads, so that clients retry (another address, or this one later)."""
+
+    def __init__(self, holder):
+        self.holder = holder   # () -> what the leader wrote in the lease file
+        self._kinds = {}
+        for module, name in ((jobs_pb2, "Jobs"), (risk_pb2, "Risk"), (coordinator_pb2, "Coordinator")):
+            for m in module.DESCRIPTOR.services_by_name[name].methods:
+                self._kinds[f"/foreshock.v1.{name}/{m.name}"] = (m.client_streaming, m.server_streaming)
+
+    def service(self, handler_call_details):
+        kind = self._kinds.get(handler_call_details.method)
+        if kind is None:
+            return None
+        method = handler_call_details.method
+
+        async def refuse(context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{method}: this coordinator is the standby; the leader holds the lease "
+                                f"({self.holder() or 'holder unknown'}): retry, or call the other coordinator")
+
+        async def unary(request, context):
+            await refuse(context)
+
+        async def streaming(request, context):
+            await refuse(context)
+            yield b""   # never reached: makes this an async generator
+
+        client_streaming, server_streaming = kind
+        if server_streaming:
+            factory = (grpc.stream_stream_rpc_method_handler if client_streaming
+                       else grpc.unary_stream_rpc_method_handler)
+            return factory(streaming)
+        factory = grpc.stream_unary_rpc_method_handler if client_streaming else grpc.unary_unary_rpc_method_handler
+        return factory(unary)
