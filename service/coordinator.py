@@ -262,7 +262,9 @@ class Coordinator:
                     changed[e.node] = self._apply(shard, e, now)
                 self.store.record_shard_events(shard, epoch, fresh[-1].sequence, model_version,
                                                [st.row() for st in changed.values()], now)
-                self.policy.evaluate(now)
+                # Risk summaries move no alarm; the next round sees the spares' new risks.
+                if any(e.kind != EventKind.RISK for e in fresh):
+                    self.policy.evaluate(now)
             self._progress[shard] = (epoch, fresh[-1].sequence, model_version)
             self.events_applied[shard] = self.events_applied.get(shard, 0) + len(fresh)
             return fresh[-1].sequence

@@ -46,7 +46,8 @@ from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.rounds import InProcessPipeline, RoundScheduler
 from foreshock.service.scoring import ModelError, NullScorer, PredictorScorer, default_model_path
 from foreshock.service.servicers import (
-    CoordinatorServicer, JobsServicer, RiskServicer, StandbyHandler, TelemetryServicer, UndecodableRequests)
+    CoordinatorServicer, JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests, shard_jobs_handler,
+    standby_handler)
 from foreshock.service.steps import CloseHold
 from foreshock.service.steptimes import FailSlowSettings, StepTimes
 from foreshock.service.worker import ScoringWorker, WorkerPipeline
@@ -420,6 +421,8 @@ class ControlPlane:
     def _served_names(self) -> tuple[str, ...]:
         if self.settings.coordinator is not None:   # the jobs coordinator takes no telemetry
             return SERVICE_NAMES[1:] + (COORDINATOR_SERVICE,)
+        if self.settings.forward is not None:       # a shard serves no Jobs API
+            return SERVICE_NAMES[:2]
         return SERVICE_NAMES
 
     async def _serve(self, listen: str | None = None) -> int:
@@ -429,7 +432,11 @@ class ControlPlane:
         else:
             coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), server)
         risk_pb2_grpc.add_RiskServicer_to_server(RiskServicer(self), server)
-        jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
+        if self.settings.forward is None:
+            jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
+        else:   # one writer of directives: the coordinator
+            server.add_generic_rpc_handlers([shard_jobs_handler(self.settings.forward.shard,
+                                                                ",".join(self.settings.forward.addresses))])
         names = self._served_names()
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -447,7 +454,7 @@ class ControlPlane:
         """A coordinator waiting for the lease: UNAVAILABLE to every call, NOT_SERVING to health checks
         (a Kubernetes readiness probe keeps the Service's traffic on the leader)."""
         server = self._grpc_server()
-        server.add_generic_rpc_handlers([StandbyHandler(self.lease.holder)])
+        server.add_generic_rpc_handlers([standby_handler(self.lease.holder)])
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         port = self._bind(server, self.settings.listen)

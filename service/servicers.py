@@ -5,7 +5,8 @@ state in store.py. A request that is no valid protobuf of its method's type gets
 (UndecodableRequests, on every method, ours and the health and reflection services), logged at most
 once a minute per method and peer address. Slow domain calls (SQLite commits) run in a worker thread
 so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs,
-Coordinator (proto/foreshock/v1/*.proto), and what a coordinator's standby answers (StandbyHandler).
+Coordinator (proto/foreshock/v1/*.proto), and `Refusing`: what a coordinator's standby answers, and a
+forwarding shard to the Jobs API.
 """
 
 from __future__ import annotations
@@ -528,18 +529,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await _abort(context, err)
 
 
-STANDBY_SERVICES = ("foreshock.v1.Jobs", "foreshock.v1.Risk", "foreshock.v1.Coordinator")
+class Refusing(grpc.GenericRpcHandler):
+    """Every method of the named services (foreshock.v1 names: "Jobs", "Risk", "Coordinator") answered
+    with one status and a message that says why and where to go: a coordinator's standby (UNAVAILABLE,
+    clients retry), or the Jobs API of a shard that forwards to the coordinator (FAILED_PRECONDITION)."""
 
+    MODULES = {"Jobs": jobs_pb2, "Risk": risk_pb2, "Coordinator": coordinator_pb2}
 
-class StandbyHandler(grpc.GenericRpcHandler):
-    """What a coordinator's standby answers to every Jobs, Risk and Coordinator call: UNAVAILABLE, saying
-    that it is the standby and who leads, so that clients retry (another address, or this one later)."""
-
-    def __init__(self, holder):
-        self.holder = holder   # () -> what the leader wrote in the lease file
+    def __init__(self, services, code: grpc.StatusCode, message):
+        self.code = code
+        self.message = message   # () -> str, read per call (who leads can change)
         self._kinds = {}
-        for module, name in ((jobs_pb2, "Jobs"), (risk_pb2, "Risk"), (coordinator_pb2, "Coordinator")):
-            for m in module.DESCRIPTOR.services_by_name[name].methods:
+        for name in services:
+            for m in self.MODULES[name].DESCRIPTOR.services_by_name[name].methods:
                 self._kinds[f"/foreshock.v1.{name}/{m.name}"] = (m.client_streaming, m.server_streaming)
 
     def service(self, handler_call_details):
@@ -549,9 +551,7 @@ class StandbyHandler(grpc.GenericRpcHandler):
         method = handler_call_details.method
 
         async def refuse(context):
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{method}: this coordinator is the standby; the leader holds the lease "
-                                f"({self.holder() or 'holder unknown'}): retry, or call the other coordinator")
+            await context.abort(self.code, f"{method}: {self.message()}")
 
         async def unary(request, context):
             await refuse(context)
@@ -567,3 +567,18 @@ class StandbyHandler(grpc.GenericRpcHandler):
             return factory(streaming)
         factory = grpc.stream_unary_rpc_method_handler if client_streaming else grpc.unary_unary_rpc_method_handler
         return factory(unary)
+
+
+def standby_handler(holder) -> Refusing:
+    """What a coordinator's standby answers to every Jobs, Risk and Coordinator call: UNAVAILABLE, saying
+    that it is the standby and who leads (`holder()`: what the leader wrote in the lease file)."""
+    return Refusing(("Jobs", "Risk", "Coordinator"), grpc.StatusCode.UNAVAILABLE,
+                    lambda: f"this coordinator is the standby; the leader holds the lease "
+                            f"({holder() or 'holder unknown'}): retry, or call the other coordinator")
+
+
+def shard_jobs_handler(shard: str, coordinators: str) -> Refusing:
+    """The Jobs API of a shard that forwards its alarms: the coordinator's, not this instance's."""
+    return Refusing(("Jobs",), grpc.StatusCode.FAILED_PRECONDITION,
+                    lambda: f"this is shard {shard}, which forwards its alarms to the jobs coordinator; "
+                            f"jobs register and watch directives there ({coordinators})")

@@ -325,6 +325,11 @@ def test_a_shard_forwards_what_its_policy_sees_and_the_coordinator_acts_on_it(tm
                                 backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
     shard.start()
     try:
+        with pytest.raises(grpc.RpcError) as refused:   # one writer of directives: jobs go to the coordinator
+            _register(shard.address)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"shard shard-a, which forwards its alarms to the jobs coordinator; jobs register and watch " \
+               f"directives there ({coordinator.address})" in refused.value.details()
         _register(coordinator.address)
         now = time.time_ns()
         for node in ("n0", "n1", "s0", "s1"):
