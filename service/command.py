@@ -198,7 +198,7 @@ def settings_from(cfg: dict):
 
     model_path = None
     scorer = None
-    if cfg["no_model"]:
+    if cfg["no_model"] or cfg["coordinator"]:   # the coordinator loads no model: the shards score
         from foreshock.service.scoring import NullScorer
         scorer = NullScorer()
     else:
@@ -229,7 +229,6 @@ def settings_from(cfg: dict):
                                               expected_model_version=cfg["coordinator_model_version"])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        scorer, model_path = None, None   # the shards score
     elif cfg["lease_file"]:
         raise SettingsError("--lease-file is the coordinator's: give --coordinator too")
     if cfg["coordinator_address"]:

@@ -9,6 +9,11 @@ It builds the domain objects (store, job directory, node book, ingest, round sch
 log, archive, metrics), each given at construction what it calls, and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
 runs on its own event-loop thread, so callers (tests, `foreshock serve`, the migrator's tests) use it
 from plain synchronous code. docs/service.md lists the settings and the API.
+
+Two roles past one instance (docs/scaling.md): with `coordinator` settings it is the jobs coordinator,
+which builds all of that only once it holds the lease (service/coordinator.py LeaderLock) and serves as
+the standby until then; with `forward` settings it is a scoring shard whose rounds go to the
+coordinator (service/forwarder.py) and whose Jobs API refuses.
 """
 
 from __future__ import annotations
