@@ -1,11 +1,12 @@
 """A jobs coordinator (ControlPlane, insecure on loopback) in a process of its own that kills itself with
 SIGKILL in the middle of its first directive, for tests/test_service_coordinator.py:
 
-    python tests/coordinator_child.py STATE LEASE after_commit|before_commit
+    python tests/coordinator_child.py STATE LEASE after_commit|before_commit|after_job_ack
 
 after_commit: the shard's batch and the directive it led to are committed (and announced to watchers),
 and the process dies before the shard hears the ack. before_commit: it dies once the policy has issued
-the directive inside the batch's transaction, which is never committed. It prints
+the directive inside the batch's transaction, which is never committed. after_job_ack: it dies once the
+job's ACCEPTED ack of the directive is committed, before the job hears the answer. It prints
 `listening on 127.0.0.1:PORT` once it serves, then `leader` once it holds the lease.
 """
 
@@ -17,6 +18,7 @@ import sys
 import time
 
 from foreshock.service import coordinator as coordinator_mod
+from foreshock.service import jobs as jobs_mod
 from foreshock.service import policy as policy_mod
 from foreshock.service.coordinator import CoordinatorSettings
 from foreshock.service.server import Settings, build_server
@@ -46,6 +48,13 @@ def main(state: str, lease: str, when: str) -> None:
                 die()
             return issued
         policy_mod.EvacuationPolicy.evaluate = evaluate_then_die
+    elif when == "after_job_ack":
+        ack = jobs_mod.JobDirectory.ack
+
+        def ack_then_die(self, *args, **kwargs):
+            ack(self, *args, **kwargs)
+            die()
+        jobs_mod.JobDirectory.ack = ack_then_die
     else:
         raise SystemExit(f"unknown moment {when!r}")
     plane = build_server(Settings.insecure_loopback(state, coordinator=CoordinatorSettings(lease, lock_poll_seconds=0.1),

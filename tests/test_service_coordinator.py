@@ -97,10 +97,11 @@ def _job_client(addresses: str) -> ServiceClient:
     return ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3)
 
 
-@pytest.mark.parametrize("moment", ["after_commit", "before_commit"])
+@pytest.mark.parametrize("moment", ["after_commit", "before_commit", "after_job_ack"])
 def test_no_directive_twice_none_lost_across_a_takeover(tmp_path, moment):
     """The leader dies in the middle of the shard's fatal event: once it has committed the directive
-    (and announced it) but before the shard has its ack, or before the commit. The standby, a real
+    (and announced it) but before the shard has its ack, or before the commit, or once the job's
+    ACCEPTED ack is committed, before the job hears the answer. The standby, a real
     `foreshock serve --coordinator` on the same lease and state, takes over; the shard's forwarder and the
     job's client find it; the job sees the directive once, by id, and a later fatal event still makes one."""
     state, lease = tmp_path / "state", tmp_path / "lease"
@@ -138,7 +139,8 @@ def test_no_directive_twice_none_lost_across_a_takeover(tmp_path, moment):
                       description="Xid 79 on GPU 3")
         forwarder.start()   # the three in one batch: the one the leader dies in
 
-        assert leader.wait(15) == -9, "the leader did not die in the middle of the directive"
+        assert wait_until(lambda: take(lambda: leader.poll() is not None), 15)   # the job acks what it sees
+        assert leader.returncode == -9, "the leader did not die in the middle of the directive"
         assert wait_until(lambda: _serving(standby.address), 15), "the standby did not take over"
         assert wait_until(lambda: forwarder.buffered() == 0, 15), "the standby did not ack the shard's events"
         assert wait_until(lambda: take(lambda: len(accepted) >= 1), 15), "the job never saw the directive"
@@ -158,7 +160,12 @@ def test_no_directive_twice_none_lost_across_a_takeover(tmp_path, moment):
         assert "coordinator leader on" in took_over
         standby.metrics = took_over.split("metrics on ")[1].split()[0]
         duplicate = standby.metric('foreshock_coordinator_events_total{result="duplicate",shard="shard-a"}')
-        assert duplicate == (3 if moment == "after_commit" else 0)
+        if moment == "after_commit":
+            assert duplicate == 3          # the batch the leader died in, sent again and known
+        elif moment == "before_commit":
+            assert duplicate == 0          # nothing of it was committed: applied by the standby
+        else:
+            assert {d.from_node: d.state for d in issued}["n0"] == jobs_pb2.DIRECTIVE_STATE_ACCEPTED
     finally:
         if forwarder is not None:
             forwarder.stop(0)
