@@ -8,6 +8,7 @@ and closes the state. docs/service.md describes every setting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -36,6 +37,7 @@ FORWARD_KEYS = {
     "forward_ack_timeout_seconds": "ack_timeout_seconds", "forward_stream_seconds": "stream_seconds",
     "forward_summary_seconds": "summary_seconds", "forward_tls_ca": "tls_ca",
 }
+FORWARD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardSettings)}
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ DEFAULTS = {
     "coordinator_model_version": "",   # the model shards should score with; "": the first shard's
     "coordinator_address": "",   # HOST:PORT[,HOST:PORT]: a shard, forwarding its alarms to the coordinator
     "forward_token_file": "",    # a file holding this shard's bearer token for the coordinator
-    **{key: getattr(ForwardSettings(("127.0.0.1:1",), "x"), name) for key, name in FORWARD_KEYS.items()},
+    **{key: FORWARD_DEFAULTS[name] for key, name in FORWARD_KEYS.items()},
 }
 # The archive's ranges: service/archive.py's ArchiveSettings holds its values to these too.
 ARCHIVE_CHECKS = {

@@ -32,16 +32,15 @@ import grpc
 from foreshock import config
 from foreshock.net import Endpoint, PlaintextRefused, client_credentials
 from foreshock.ratelimit import LogLimiter
+from foreshock.service.coordinator import MAX_EVENTS, MAX_SIGNALS, MAX_TEXT
 from foreshock.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 1024   # events per ForwardRequest: service/coordinator.py MAX_EVENTS
-
 # [serve] keys of the forwarder -> their ranges, declared once; ForwardSettings holds its values to them.
 CHECKS: dict[str, config.Check] = {
     "buffer_events": config.between(100, 10_000_000),
-    "batch_events": config.between(1, MAX_BATCH),
+    "batch_events": config.between(1, MAX_EVENTS),
     "ack_timeout_seconds": config.between(0.1, 300),
     "stream_seconds": config.between(1, 86_400),
     "backoff_initial_seconds": config.between(0.01, 60),
@@ -129,9 +128,9 @@ class AlarmForwarder:
         """Queue one event (a coordinator_pb2.ShardEventKind); returns its sequence. Never blocks."""
         ev = coordinator_pb2.ShardEvent(
             kind=kind, node=node, risk=float(risk), ts_ns=int(ts_ns), fatal_kind=fatal_kind,
-            description=description[:1024],
+            description=description[:MAX_TEXT],
             signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
-                                       description=s.description) for s in list(signals)[:16]])
+                                       description=s.description) for s in list(signals)[:MAX_SIGNALS]])
         if topology is not None:
             ev.leaf_switch, ev.site, ev.nvlink_domain = topology.leaf_switch, topology.site, topology.nvlink_domain
         with self._cv:
