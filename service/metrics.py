@@ -58,6 +58,13 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
   foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
                                                        the archive (`serve --archive`, service/archive.py)
+  foreshock_coordinator_shard_model_mismatch{shard,model}  1 while a shard scores with another model than the
+                                                       coordinator expects (the jobs coordinator only)
+  foreshock_coordinator_events_total{shard,result}     shards' events applied | duplicate (sent again, known)
+  foreshock_coordinator_leader                         1 (a coordinator's standby serves no metrics)
+  foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
+  foreshock_forwarder_dropped_events_total{kind}, foreshock_forwarder_reconnects_total
+                                                       a shard's stream to the coordinator (service/forwarder.py)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 """
 
@@ -274,6 +281,10 @@ class ControlPlaneCollector:
         yield outstanding
         if p.archive is not None:
             yield from _archive_families(p.archive.stats())
+        if p.coordinator is not None:
+            yield from _coordinator_families(p.coordinator)
+        if p.forwarder is not None:
+            yield from _forwarder_families(p.forwarder)
 
 
 def _archive_families(a: dict):
@@ -310,6 +321,37 @@ def _shard(gate):
     yield redirected
     yield CounterMetricFamily("foreshock_shard_unplaced_streams", "Telemetry streams of a node the shard map "
                               "places in no shard, in two, or that named no leaf switch.", value=gate.unplaced)
+def _coordinator_families(c):
+    mismatch = GaugeMetricFamily("foreshock_coordinator_shard_model_mismatch",
+                                 "1 while the shard scores with another model than the coordinator expects "
+                                 "(--coordinator-model-version, or the first shard's).", labels=["shard", "model"])
+    events = CounterMetricFamily("foreshock_coordinator_events", "Shards' events: applied, or sent again and "
+                                 "known (duplicate).", labels=["shard", "result"])
+    for shard, (_, _, version) in sorted(c.shards().items()):
+        mismatch.add_metric([shard, version], 1.0 if c.mismatch.get(shard) else 0.0)
+    for shard in sorted(set(c.events_applied) | set(c.events_duplicate)):
+        events.add_metric([shard, "applied"], c.events_applied.get(shard, 0))
+        events.add_metric([shard, "duplicate"], c.events_duplicate.get(shard, 0))
+    yield mismatch
+    yield events
+    yield GaugeMetricFamily("foreshock_coordinator_leader", "1 while this coordinator holds the lease (a "
+                            "standby serves no metrics).", value=1.0)
+
+
+def _forwarder_families(f):
+    yield GaugeMetricFamily("foreshock_forwarder_connected", "1 while the stream to the coordinator is up.",
+                            value=1.0 if f.connected else 0.0)
+    yield GaugeMetricFamily("foreshock_forwarder_buffered_events", "Events the coordinator has not acked yet.",
+                            value=f.buffered())
+    yield CounterMetricFamily("foreshock_forwarder_acked_events", "Events the coordinator acked (durable there).",
+                              value=f.acked_total)
+    dropped = CounterMetricFamily("foreshock_forwarder_dropped_events", "Events dropped because the buffer was "
+                                  "full (risk summaries first).", labels=["kind"])
+    for kind in ("alarm", "cleared", "fatal", "risk"):
+        dropped.add_metric([kind], f.dropped_total.get(kind, 0))
+    yield dropped
+    yield CounterMetricFamily("foreshock_forwarder_reconnects", "Streams to the coordinator that broke or were "
+                              "refused (a standby), each followed by the next address.", value=f.reconnects_total)
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

@@ -49,7 +49,8 @@ class Serve:
             raise AssertionError(f"serve did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
         self.banner = line
         self.address = line.split("listening on ")[1].split(",")[0].split(" ")[0]
-        self.metrics = line.split("metrics on ")[1].split(" ")[0]
+        # a coordinator's standby serves no metrics until it leads
+        self.metrics = line.split("metrics on ")[1].split(" ")[0] if "metrics on " in line else None
 
     def metric(self, name: str, timeout: float = 10.0) -> float:
         text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=timeout).read().decode()
