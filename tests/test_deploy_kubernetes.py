@@ -561,6 +561,37 @@ def test_network_policies_let_through_only_the_planned_flows():
                                           for f in rule["from"] if "podSelector" in f}
 
 
+@pytest.mark.parametrize("configmap,kind,name", [("foreshock-shard-config", "StatefulSet", "foreshock-shard"),
+                                                  ("foreshock-coordinator-config", "Deployment", "foreshock-coordinator")])
+def test_sharded_settings_paths_and_ports_match_their_pods(configmap, kind, name):
+    """Every path a shard's or a coordinator's settings name is on a mount of its pod: the secrets on
+    read-only secret volumes, the state (and the lease) on the writable one; the ports are the pod's."""
+    cfg = _toml(sharded("ConfigMap")[configmap])["serve"]
+    workload = sharded(kind)[name]
+    pod = workload["spec"]["template"]["spec"]
+    container = _container(workload)
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+
+    def volume_at(path: str) -> tuple[dict, dict]:
+        (mount,) = [m for where, m in mounts.items() if Path(path).is_relative_to(where) and where != "/tmp"]
+        return mount, volumes.get(mount["name"], {})
+
+    for key in ("tls_cert", "tls_key", "token_file", "coordinator_tls_ca", "coordinator_token_file"):
+        if key in cfg:
+            mount, volume = volume_at(cfg[key])
+            assert mount.get("readOnly") is True and "secret" in volume, key
+    for key in ("state", "lease_file"):
+        if key in cfg:
+            mount, volume = volume_at(cfg[key])
+            assert not mount.get("readOnly") and ("persistentVolumeClaim" in volume or mount["name"] in claims), key
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(cfg["listen"].rpartition(":")[2]) == ports["grpc"]
+    assert int(cfg["metrics_listen"].rpartition(":")[2]) == ports["metrics"]
+    assert cfg.get("grace", 0) < pod["terminationGracePeriodSeconds"]
+
+
 def _sharded_settings(section: str, configmap: str, env: dict[str, str]) -> dict:
     from foreshock.config import resolve
 
