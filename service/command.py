@@ -17,9 +17,9 @@ import threading
 from foreshock import config
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
-from foreshock.service.shardmap import SHARD_NAME_RE
 from foreshock.service.forwarder import CHECKS as FORWARD_CHECKS
 from foreshock.service.forwarder import ForwardSettings
+from foreshock.service.shardmap import SHARD_NAME_RE
 
 # [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
 # defaults and ranges are ActionSettings' own.
@@ -240,6 +240,9 @@ def settings_from(cfg: dict):
     except ServiceError as exc:
         raise SettingsError(str(exc)) from None
     shard_map = None
+    if cfg["coordinator"] and (cfg["shard"] or cfg["shard_map"]):
+        raise SettingsError("--coordinator and --shard/--shard-map are exclusive: the coordinator takes no "
+                            "telemetry, the shards do")
     if cfg["shard"] or cfg["shard_map"]:
         from foreshock.service.shardmap import ShardMapError, load
         if not (cfg["shard"] and cfg["shard_map"]):
@@ -277,9 +280,11 @@ def settings_from(cfg: dict):
     elif cfg["lease_file"]:
         raise SettingsError("--lease-file is the coordinator's: give --coordinator too")
     if cfg["coordinator_address"]:
-        import socket
-
         from foreshock.service.forwarder import ForwardError, parse_addresses
+        if not cfg["shard"]:
+            # The coordinator keys every forwarded event by shard name and checks the token's role
+            # against it: a shard has a name only from the map it is served in.
+            raise SettingsError("--coordinator-address is a shard's: give --shard NAME and --shard-map FILE too")
         token = ""
         if cfg["forward_token_file"]:
             try:
@@ -288,7 +293,7 @@ def settings_from(cfg: dict):
                 raise SettingsError(f"forward_token_file {cfg['forward_token_file']}: {exc.strerror}") from None
         try:
             forward = ForwardSettings(parse_addresses(cfg["coordinator_address"]),
-                                      shard=cfg.get("shard") or socket.gethostname(), token=token,
+                                      shard=cfg["shard"], token=token,
                                       **{name: cfg[key] for key, name in FORWARD_KEYS.items()})
         except ForwardError as exc:
             raise SettingsError(str(exc)) from None

@@ -321,6 +321,8 @@ def _shard(gate):
     yield redirected
     yield CounterMetricFamily("foreshock_shard_unplaced_streams", "Telemetry streams of a node the shard map "
                               "places in no shard, in two, or that named no leaf switch.", value=gate.unplaced)
+
+
 def _coordinator_families(c):
     mismatch = GaugeMetricFamily("foreshock_coordinator_shard_model_mismatch",
                                  "1 while the shard scores with another model than the coordinator expects "

@@ -322,6 +322,11 @@ class ControlPlane:
         if s.coordinator is not None and s.forward is not None:
             raise SettingsError("coordinator and coordinator_address are exclusive: the coordinator forwards "
                                 "to no one")
+        if s.coordinator is not None and s.shard:
+            raise SettingsError("coordinator and shard are exclusive: the coordinator takes no telemetry")
+        if s.forward is not None and s.shard and s.forward.shard != s.shard:
+            # The coordinator would file this shard's events under another shard's name.
+            raise SettingsError(f"forward shard {s.forward.shard!r} is not this instance's shard {s.shard!r}")
         if not 1 <= s.scorer_checkpoint_seconds <= 86_400:
             raise SettingsError(f"scorer_checkpoint_seconds {s.scorer_checkpoint_seconds} must be in [1, 86400] seconds")
         if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
@@ -597,7 +602,8 @@ class ControlPlane:
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
         role = "jobs coordinator (leader), " if self.coordinator is not None else \
-            (f"shard {self.settings.forward.shard} forwarding to {','.join(self.settings.forward.addresses)}, "
+            (f"forwarding to {','.join(self.settings.forward.addresses)}"
+             + ("" if self.shard_gate else f" as shard {self.settings.forward.shard}") + ", "
              if self.forwarder is not None else "")
         log.info("foreshock control plane on %s (port %d), %s%s; model %s; threshold %.3f; state %s%s%s",
                  self.settings.listen, self.port, role, mode, self.scorer.model_version,

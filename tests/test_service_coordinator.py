@@ -309,6 +309,9 @@ def test_plaintext_to_a_remote_coordinator_is_refused():
     (["--lease-file", "/tmp/x"], "--lease-file is the coordinator's: give --coordinator too"),
     (["--coordinator", "--lease-file", "/tmp/x", "--coordinator-address", "127.0.0.1:1"], "exclusive"),
     (["--coordinator-address", "127.0.0.1:1", "--forward-buffer-events", "5"], "forward_buffer_events"),
+    (["--coordinator-address", "127.0.0.1:1"], "--coordinator-address is a shard's: give --shard NAME"),
+    (["--coordinator", "--lease-file", "/tmp/x", "--shard", "a", "--shard-map", "/tmp/x"],
+     "--coordinator and --shard/--shard-map are exclusive"),
 ])
 def test_serve_refuses_bad_coordinator_flags(tmp_path, flags, message):
     run = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--no-model",
