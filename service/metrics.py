@@ -61,11 +61,16 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_coordinator_shard_model_mismatch{shard,model}  1 while a shard scores with another model than the
                                                        coordinator expects (the jobs coordinator only)
   foreshock_coordinator_events_total{shard,result}     shards' events applied | duplicate (sent again, known)
-  foreshock_coordinator_leader                         1 (a coordinator's standby serves no metrics)
+  foreshock_coordinator_leader                         1 while this coordinator holds the lease, 0 on its
+                                                       standby, whose /metrics has only this and process_*
   foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
   foreshock_forwarder_dropped_events_total{kind}, foreshock_forwarder_reconnects_total
                                                        a shard's stream to the coordinator (service/forwarder.py)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
+
+The same HTTP listener (`serve_http`) answers GET /readyz: 200 while the instance serves (a coordinator:
+while it leads), 503 otherwise. Kubernetes' gRPC readiness probe speaks plaintext only and the gRPC port
+is TLS, so the probe that keeps a Service's traffic on the coordinator's leader reads this instead.
 """
 
 from __future__ import annotations
@@ -336,8 +341,26 @@ def _coordinator_families(c):
         events.add_metric([shard, "duplicate"], c.events_duplicate.get(shard, 0))
     yield mismatch
     yield events
-    yield GaugeMetricFamily("foreshock_coordinator_leader", "1 while this coordinator holds the lease (a "
-                            "standby serves no metrics).", value=1.0)
+    yield _leader_family(True)
+
+
+def _leader_family(leading: bool) -> GaugeMetricFamily:
+    return GaugeMetricFamily("foreshock_coordinator_leader", "1 while this coordinator holds the lease and "
+                             "serves, 0 while it is the standby.", value=1.0 if leading else 0.0)
+
+
+class StandbyCollector:
+    """A coordinator's standby opens no state, so it has none of the leader's families: only that it
+    does not lead."""
+
+    def collect(self):
+        yield _leader_family(False)
+
+
+def standby_registry() -> CollectorRegistry:
+    registry = new_registry()
+    registry.register(StandbyCollector())
+    return registry
 
 
 def _forwarder_families(f):
@@ -362,3 +385,45 @@ def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:
     hist = Histogram("foreshock_scoring_duration_seconds", "Duration of a scoring round (drain, score, policy).",
                      buckets=SCORING_BUCKETS, registry=registry)
     return registry, hist
+
+
+def serve_http(listen: str, registry_of, ready):
+    """The metrics listener: /readyz from `ready()`, everything else the exposition of `registry_of()`
+    (read per request: a coordinator's registry changes when it takes the lease). Returns the server,
+    serving on a daemon thread."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    from foreshock.config import parse_listen
+
+    apps: dict[CollectorRegistry, object] = {}
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/readyz":
+            ok = ready()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"ready\n" if ok else b"not ready: a coordinator's standby, or not serving yet\n"]
+        registry = registry_of()
+        exposition = apps.get(registry)
+        if exposition is None:
+            exposition = apps[registry] = make_wsgi_app(registry)
+        return exposition(environ, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):   # a scrape every few seconds is no news
+            pass
+
+    class Server(ThreadingWSGIServer):
+        pass
+
+    addr, port = parse_listen(listen)
+    if ":" in addr:
+        import socket
+        Server.address_family = socket.AF_INET6
+    httpd = make_server(addr, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=httpd.serve_forever, name="foreshock-metrics-http", daemon=True).start()
+    return httpd

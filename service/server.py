@@ -45,7 +45,7 @@ from foreshock.service.decisions import DecisionLog
 from foreshock.service.forwarder import AlarmForwarder, ForwardSettings, ShardReporter
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
-from foreshock.service.metrics import build_registry
+from foreshock.service.metrics import build_registry, serve_http, standby_registry
 from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.rounds import InProcessPipeline, RoundScheduler
@@ -540,6 +540,7 @@ class ControlPlane:
             raise RuntimeError("control plane already started")
         if not self._built:
             self.port = self._start_loop(self._serve_standby)
+            self._start_http()
             log.info("coordinator standby on %s (port %d): waiting for the lease %s (%s)", self.settings.listen,
                      self.port, self.settings.coordinator.lease_file, self.lease.holder() or "no holder yet")
             self._lease_thread = threading.Thread(target=self._await_lease, name="foreshock-lease", daemon=True)
@@ -594,11 +595,7 @@ class ControlPlane:
         if self.settings.history_dir:
             self._history_thread = threading.Thread(target=self._history_loop, name="foreshock-history", daemon=True)
             self._history_thread.start()
-        if self.settings.metrics_listen:
-            from prometheus_client import start_http_server
-            addr, mport = parse_listen(self.settings.metrics_listen)
-            self._http, _ = start_http_server(mport, addr=addr, registry=self.registry)
-            self.metrics_port = self._http.server_port
+        self._start_http()
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
         role = "jobs coordinator (leader), " if self.coordinator is not None else \
@@ -612,6 +609,21 @@ class ControlPlane:
                  f"; shard {self.settings.shard} of {self.settings.shard_map.source}" if self.shard_gate else "")
         if self.settings.insecure:
             log.warning("running INSECURE on loopback: every caller has every role (demo and tests only)")
+
+    def _start_http(self) -> None:
+        """/metrics and /readyz, once: a coordinator's standby starts it, and keeps it when it leads."""
+        if self._http is not None or not self.settings.metrics_listen:
+            return
+        standby = standby_registry() if self.settings.coordinator is not None else None
+        self._http = serve_http(self.settings.metrics_listen,
+                                lambda: self.registry if self._leading else (standby or self.registry),
+                                lambda: self._leading)
+        self.metrics_port = self._http.server_port
+
+    def _stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
 
     @property
     def _scores_here(self) -> bool:
@@ -646,6 +658,7 @@ class ControlPlane:
         if self._thread is not None:
             self._thread.join(grace + 10)
         if not self._built:   # a standby that never led: it opened nothing
+            self._stop_http()
             return
         self._history_stop.set()
         if self._history_thread is not None:
@@ -662,9 +675,7 @@ class ControlPlane:
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
         self.save_sequences(self.clock())
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+        self._stop_http()
         self.decisions.close()
         if self.archive is not None:
             self.archive.close()   # after the decision log, whose last rows it takes

@@ -118,6 +118,8 @@ def test_no_directive_twice_none_lost_across_a_takeover(tmp_path, moment):
                 jobs_pb2_grpc.JobsStub(ch).ListDirectives(jobs_pb2.ListDirectivesRequest(job_id="j1"), timeout=2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in refused.value.details()
         assert not _serving(standby.address)
+        # Kubernetes' readiness probe reads /readyz: the standby is up, exports that it does not lead
+        assert standby.ready() == 503 and standby.metric("foreshock_coordinator_leader") == 0
 
         _register(leader_address)
         client = _job_client(f"{leader_address},{standby.address}")
@@ -158,7 +160,8 @@ def test_no_directive_twice_none_lost_across_a_takeover(tmp_path, moment):
         assert forwarder.acked_total == 4 and sum(forwarder.dropped_total.values()) == 0
         took_over = standby.proc.stdout.readline()
         assert "coordinator leader on" in took_over
-        standby.metrics = took_over.split("metrics on ")[1].split()[0]
+        assert took_over.split("metrics on ")[1].split()[0] == standby.metrics   # the same listener
+        assert standby.ready() == 200 and standby.metric("foreshock_coordinator_leader") == 1
         duplicate = standby.metric('foreshock_coordinator_events_total{result="duplicate",shard="shard-a"}')
         if moment == "after_commit":
             assert duplicate == 3          # the batch the leader died in, sent again and known
