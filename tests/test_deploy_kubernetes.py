@@ -28,7 +28,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from foreshock.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"
@@ -577,7 +576,7 @@ def test_sharded_settings_paths_and_ports_match_their_pods(configmap, kind, name
         (mount,) = [m for where, m in mounts.items() if Path(path).is_relative_to(where) and where != "/tmp"]
         return mount, volumes.get(mount["name"], {})
 
-    for key in ("tls_cert", "tls_key", "token_file", "coordinator_tls_ca", "coordinator_token_file"):
+    for key in ("tls_cert", "tls_key", "token_file", "forward_tls_ca", "forward_token_file"):
         if key in cfg:
             mount, volume = volume_at(cfg[key])
             assert mount.get("readOnly") is True and "secret" in volume, key
@@ -599,9 +598,6 @@ def _sharded_settings(section: str, configmap: str, env: dict[str, str]) -> dict
     return resolve(section, module.DEFAULTS, file_data=_toml(doc), env=env, checks=getattr(module, "CHECKS", None))
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="issue 19: `foreshock serve` has no shard, shard_map, coordinator, lease_file or "
-                          "coordinator_* settings, nor `foreshock collect` a shard_map, in this branch yet")
 @pytest.mark.parametrize("section,configmap,env", [
     ("serve", "foreshock-shard-config", {"FORESHOCK_SERVE_SHARD": "shard-0"}),
     ("serve", "foreshock-coordinator-config", {}),
@@ -610,8 +606,8 @@ def _sharded_settings(section: str, configmap: str, env: dict[str, str]) -> dict
                                                "FORESHOCK_COLLECT_SERVICE": ""}),
 ])
 def test_sharded_settings_resolve_through_the_real_command(section, configmap, env):
-    """The settings resolve as the commands resolve them, once the commands have them: a strict xfail,
-    so the day they exist this turns into a failure and the names above are checked for real."""
+    """The settings resolve as the commands resolve them: a key the command does not have, or a value
+    out of its range, is a ConfigError naming it."""
     _sharded_settings(section, configmap, env)
 
 

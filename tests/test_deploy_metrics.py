@@ -278,21 +278,52 @@ def exported(procfs_fixture, tmp_path_factory) -> dict[str, set[str]]:
     """Series names from a real scrape of the collector's and the control plane's /metrics endpoints."""
     from foreshock.collectors import metrics
 
-    with running_exporters(procfs_fixture, tmp_path_factory.mktemp("exported")) as (collector, plane):
+    with running_exporters(procfs_fixture, tmp_path_factory.mktemp("exported")) as (collector, plane), \
+            sharded_roles(tmp_path_factory.mktemp("sharded")) as (shard, coordinator):
         http, _thread = metrics.serve(collector, "127.0.0.1:0")
         try:
-            return {"collector": _scrape(http.server_port), "service": _scrape(plane.metrics_port)}
+            got = {"collector": _scrape(http.server_port), "single": _scrape(plane.metrics_port),
+                   "shard": _scrape(shard.metrics_port), "coordinator": _scrape(coordinator.metrics_port)}
         finally:
             http.shutdown()
             http.server_close()
+    got["service"] = got["single"] | got["shard"] | got["coordinator"]
+    return got
 
 
-# Metrics the rules or the dashboard ask for that no component exports yet, each with why; a strict xfail
-# below turns into a failure the day the metric appears, so this list cannot go stale.
-AWAITED: dict[str, str] = {
-    "foreshock_shard_info": "issue 19: each shard (serve --shard NAME) exports its name",
-    "foreshock_coordinator_leader": "issue 19: the coordinator (serve --coordinator) exports 1 while it holds the lease",
-}
+@contextlib.contextmanager
+def sharded_roles(base: Path):
+    """The control plane's two sharded roles, started on loopback: a jobs coordinator, and a shard of a
+    two-shard map that forwards to it."""
+    import time
+
+    from foreshock.service import shardmap
+    from foreshock.service.coordinator import CoordinatorSettings
+    from foreshock.service.forwarder import ForwardSettings
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, build_server
+
+    (base / "shards.toml").write_text('[shards.shard-0]\naddress = "127.0.0.1:1"\nleaves = ["leaf-a"]\n'
+                                      '[shards.shard-1]\naddress = "127.0.0.1:2"\nleaves = ["leaf-b"]\n')
+    coordinator = build_server(Settings.insecure_loopback(
+        base / "coordinator", metrics_listen="127.0.0.1:0",
+        coordinator=CoordinatorSettings(str(base / "lease"), lock_poll_seconds=0.05)))
+    shard = None
+    try:
+        coordinator.start()
+        deadline = time.monotonic() + 20
+        while not coordinator.leading and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shard = build_server(Settings.insecure_loopback(
+            base / "shard", scorer=NullScorer(), metrics_listen="127.0.0.1:0", shard="shard-0",
+            shard_map=shardmap.load(base / "shards.toml"),
+            forward=ForwardSettings((coordinator.address,), "shard-0")))
+        shard.start()
+        yield shard, coordinator
+    finally:
+        if shard is not None:
+            shard.stop(0)
+        coordinator.stop(0)
 
 
 def test_exported_names_come_from_both_components(exported):
@@ -316,7 +347,7 @@ def test_both_components_export_the_standard_process_and_platform_metrics(export
 def test_rules_use_only_exported_metrics(exported):
     """Foreshock's own rules and alerts read only what Foreshock exports; the join rules may read
     node_exporter's and dcgm-exporter's series too, and every one of those they are allowed is read."""
-    known = exported["collector"] | exported["service"] | PROMETHEUS_OWN | recorded_names() | set(AWAITED)
+    known = exported["collector"] | exported["service"] | PROMETHEUS_OWN | recorded_names()
     own = {g["name"] for g in rule_groups()} - {JOIN_GROUP}
     for name, expr in rule_exprs(own):
         unknown = metric_names(expr) - known
@@ -335,16 +366,15 @@ def test_dashboard_uses_only_exported_metrics(exported):
     for where, expr in dashboard_exprs():
         names = metric_names(expr)
         used |= names
-        unknown = names - known - set(AWAITED)
+        unknown = names - known
         assert not unknown, f"dashboard {where} queries {sorted(unknown)}, which nothing exports"
-    used |= {n for _, expr in rule_exprs() for n in metric_names(expr)}
-    assert set(AWAITED) <= used, "an awaited metric neither the rules nor the dashboard use: drop it from AWAITED"
 
 
-@pytest.mark.parametrize("name", sorted(AWAITED))
-def test_awaited_metric_is_exported(name, exported, request):
-    request.applymarker(pytest.mark.xfail(strict=True, reason=AWAITED[name]))
-    assert name in exported["collector"] | exported["service"]
+@pytest.mark.parametrize("name, role", [("foreshock_shard_info", "shard"),
+                                        ("foreshock_coordinator_leader", "coordinator"),
+                                        ("foreshock_model_info", "shard")])
+def test_the_sharded_roles_export_what_the_rules_read(name, role, exported):
+    assert name in exported[role]
 
 
 # -- a real Prometheus over the real exporters ----------------------------------------------------------
@@ -449,10 +479,14 @@ SHARD_SCRAPE = RULES.parent / "prometheus-shards.yml"
 
 @contextlib.contextmanager
 def serve_processes(base: Path, count: int):
-    """`count` real `foreshock serve` processes on loopback (insecure, no model: what is checked here is
-    what Prometheus makes of several targets, not the scores). Yields each one's (gRPC port, metrics port)."""
+    """`count` real `foreshock serve --shard shard-I` processes on loopback (insecure, no model: what is
+    checked here is what Prometheus makes of several targets, not the scores), shard-I owning leaf-I.
+    Yields each one's (gRPC port, metrics port)."""
     import time
 
+    shard_map = base / "shards.toml"
+    shard_map.write_text("".join(f'[shards.shard-{i}]\naddress = "127.0.0.1:{i + 1}"\nleaves = ["leaf-{i}"]\n'
+                                 for i in range(count)))
     procs, ports = [], []
     try:
         for i in range(count):
@@ -460,11 +494,12 @@ def serve_processes(base: Path, count: int):
             with open(log, "w") as out:
                 procs.append((subprocess.Popen(
                     [sys.executable, "-m", "foreshock", "serve", "--insecure", "--no-model",
+                     "--shard", f"shard-{i}", "--shard-map", str(shard_map),
                      "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--state", str(base / f"state-{i}")],
                     stdout=out, stderr=subprocess.STDOUT, env={**_clean_env(), "PYTHONUNBUFFERED": "1"}), log))
         deadline = time.monotonic() + 30
         for proc, log in procs:
-            while not (m := re.search(r"listening on 127\.0\.0\.1:(\d+), metrics on 127\.0\.0\.1:(\d+)", log.read_text())):
+            while not (m := re.search(r"listening on 127\.0\.0\.1:(\d+)(?: as shard \S+)?, metrics on 127\.0\.0\.1:(\d+)", log.read_text())):
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
                 time.sleep(0.1)
             ports.append((int(m.group(1)), int(m.group(2))))
@@ -482,7 +517,7 @@ def _clean_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def collectors_on(procfs_fixture: Path, base: Path, service_port: int, nodes: list[str]):
+def collectors_on(procfs_fixture: Path, base: Path, service_port: int, nodes: list[str], leaf_switch: str):
     """Real collectors (procfs fixture) streaming to the control plane at `service_port`, one per node."""
     import time
 
@@ -495,7 +530,7 @@ def collectors_on(procfs_fixture: Path, base: Path, service_port: int, nodes: li
             cfg = resolve("collect", command.DEFAULTS, env={}, flags={
                 "sources": ["netdev"], "sysfs": str(procfs_fixture / "sys"), "procfs": str(base),
                 "node": node, "out": str(base / f"out-{node}"), "metrics_listen": "",
-                "service": f"127.0.0.1:{service_port}"})
+                "service": f"127.0.0.1:{service_port}", "leaf_switch": leaf_switch})
             collector = command.build_collector(cfg)
             built.append(collector)
             collector.sweep_once()
@@ -510,7 +545,7 @@ def collectors_on(procfs_fixture: Path, base: Path, service_port: int, nodes: li
 @pytest.mark.prometheus
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (run tests/setup.sh)")
 def test_shard_rules_aggregate_two_running_instances_on_a_real_prometheus(procfs_fixture, tmp_path):
-    """Two real `foreshock serve` processes scraped as the foreshock-shard job of
+    """Two real `foreshock serve --shard` processes scraped as the foreshock-shard job of
     deploy/prometheus/prometheus-shards.yml, with the rules loaded (intervals shortened to 1 s): `up` has
     both targets and the cross-shard recording rules are computed over both targets' series (one
     collector streams to the first, two to the second, and the cluster-wide sum is 3). Of Foreshock's
@@ -519,8 +554,8 @@ def test_shard_rules_aggregate_two_running_instances_on_a_real_prometheus(procfs
     import time
 
     with serve_processes(tmp_path, 2) as ports, \
-            collectors_on(procfs_fixture, tmp_path, ports[0][0], ["gpu-001"]), \
-            collectors_on(procfs_fixture, tmp_path, ports[1][0], ["gpu-101", "gpu-102"]):
+            collectors_on(procfs_fixture, tmp_path, ports[0][0], ["gpu-001"], "leaf-0"), \
+            collectors_on(procfs_fixture, tmp_path, ports[1][0], ["gpu-101", "gpu-102"], "leaf-1"):
         rules = yaml.safe_load(RULES.read_text())
         for group in rules["groups"]:
             group["interval"] = "1s"
@@ -569,7 +604,11 @@ def test_shard_rules_aggregate_two_running_instances_on_a_real_prometheus(procfs
             assert alerts <= {("ForeshockCoordinatorNoLeader", "pending"), ("ForeshockCoordinatorNoLeader", "firing")}
             checked = 0
             for where, expr in dashboard_exprs():
-                if 'job="foreshock-shard"' in expr and not metric_names(expr) & set(AWAITED):
+                if 'job="foreshock-shard"' in expr:
+                    # a rate needs two scrapes of its series: the first query may come after one
+                    wait_until = time.monotonic() + 15
+                    while not _query(port, grafana_to_promql(expr)) and time.monotonic() < wait_until:
+                        time.sleep(0.5)
                     assert _query(port, grafana_to_promql(expr)), f"{where}: no data"
                     checked += 1
             assert checked >= 1
