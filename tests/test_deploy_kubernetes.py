@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import tomllib
@@ -384,7 +385,8 @@ def test_sharded_kustomization_lists_every_manifest_on_the_single_layout():
         {p.name for p in SHARDED.glob("patch-*.yaml")}
     assert "images" not in kustomization, "the image is set once, in ../kubernetes"
     for _, _, doc in SHARDED_DOCS:
-        assert doc["metadata"].get("namespace") == NAMESPACE, doc["metadata"]["name"]
+        cluster_scoped = doc["kind"] in ("ClusterRole", "ClusterRoleBinding")
+        assert doc["metadata"].get("namespace") == (None if cluster_scoped else NAMESPACE), doc["metadata"]["name"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "foreshock"
 
 
@@ -512,9 +514,13 @@ def test_shards_and_coordinators_are_locked_down_and_bounded(kind, name):
                 assert ref["name"] in sharded("ConfigMap"), ref
 
 
-def test_sharded_layout_commits_no_secret_and_no_api_rights():
+def test_sharded_layout_commits_no_secret_and_no_api_rights_but_reading_nodes():
+    """The one API right: the collectors' init container reads its node's leaf-switch label."""
     assert not sharded("Secret")
-    assert not (sharded("Role") or sharded("RoleBinding") or sharded("ClusterRole") or sharded("ClusterRoleBinding"))
+    assert not (sharded("Role") or sharded("RoleBinding"))
+    assert [r["rules"] for r in sharded("ClusterRole").values()] == \
+        [[{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]]
+    assert [b["subjects"][0]["name"] for b in sharded("ClusterRoleBinding").values()] == ["foreshock-collector"]
     for account in sharded("ServiceAccount").values():
         assert account["automountServiceAccountToken"] is False
     secrets = {v["secret"]["secretName"] for w in [*sharded("StatefulSet").values(), *sharded("Deployment").values()]
@@ -603,6 +609,7 @@ def _sharded_settings(section: str, configmap: str, env: dict[str, str]) -> dict
     ("serve", "foreshock-coordinator-config", {}),
     # the collectors' settings of ../kubernetes with the environment patch-collector-shard-map.yaml adds
     ("collect", "foreshock-collector-config", {"FORESHOCK_COLLECT_SHARD_MAP": "/etc/foreshock/shards.toml",
+                                               "FORESHOCK_COLLECT_LEAF_SWITCH": "leaf-01",
                                                "FORESHOCK_COLLECT_SERVICE": ""}),
 ])
 def test_sharded_settings_resolve_through_the_real_command(section, configmap, env):
@@ -646,6 +653,37 @@ def test_kustomize_renders_the_sharded_layout_on_the_single_one():
     pod = daemonset["spec"]["template"]["spec"]
     assert _projected_configmaps(pod, "config") == ["foreshock-collector-config", "foreshock-shards"]
     assert not [v for v in pod["volumes"] if v["name"] == "config" and "configMap" in v]
+    assert {c["image"] for c in pod["initContainers"]} == {image}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
+def test_collectors_take_their_leaf_switch_from_their_nodes_label():
+    """The downward API gives no node labels: an init container, the only one with an API token, reads
+    the node's foreshock.io/leaf-switch into a file the collector's entrypoint puts in its environment;
+    its service account may get nodes and nothing more."""
+    rendered = _render(SHARDED)
+    (daemonset,) = [d for d in rendered if d["kind"] == "DaemonSet"]
+    pod = daemonset["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (collector,) = pod["containers"]
+    script = init["command"][-1]
+    compile(script, "leaf-switch", "exec")
+    assert "foreshock.io/leaf-switch" in script and "_request_timeout" in script
+    (written,) = re.findall(r'pathlib.Path\("([^"]+)"\)', script)
+    assert f'FORESHOCK_COLLECT_LEAF_SWITCH="$(cat {written})" exec foreshock collect' in collector["command"][-1]
+    assert "args" not in collector
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert Path(written).parent.as_posix() == mounts["placement"]["mountPath"]
+    assert "emptyDir" in volumes["placement"]
+    assert pod["automountServiceAccountToken"] is False
+    assert "api-token" in mounts and "api-token" not in {m["name"] for m in collector["volumeMounts"]}
+    (role,) = [d for d in rendered if d["kind"] == "ClusterRole"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    (binding,) = [d for d in rendered if d["kind"] == "ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": daemonset["metadata"]["namespace"]}]
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
@@ -659,5 +697,5 @@ def test_the_image_and_release_label_set_in_the_single_layout_reach_the_sharded_
     assert sorted(d["metadata"]["name"] for d in rendered if d["metadata"]["labels"].get("release") == "monitoring") == \
         ["foreshock", "foreshock-collector", "foreshock-coordinator", "foreshock-shard"]
     images = {c["image"] for d in rendered if d["kind"] in ("DaemonSet", "StatefulSet", "Deployment")
-              for c in d["spec"]["template"]["spec"]["containers"]}
+              for c in d["spec"]["template"]["spec"]["containers"] + d["spec"]["template"]["spec"].get("initContainers", [])}
     assert images == {"registry.example.com/foreshock/foreshock:9.9.9"}
