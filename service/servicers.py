@@ -511,6 +511,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             await _abort(context, err)
         return node, topo
 
+
 def shard_events_from_proto(events) -> list:
     from foreshock.service.coordinator import EventKind, ShardEvent
     from foreshock.service.domain import SignalRecord
