@@ -5,8 +5,9 @@ as collectors open them) with two real `foreshock collect` processes among them,
 whose ranks are 4 processes of the migrator's ServiceClient (registering, watching, acknowledging;
 no torch world: the directive's path is what is tested here, the world change is the migrator's own
 tests'). An Xid 95 on one node of the job ends in a directive every rank sees, through the
-coordinator; then a shard is killed and started again, its collectors resume into it, and a second
-Xid 95, on a node of that shard, still ends in a directive to the job."""
+coordinator; then a shard is killed and started again, its collectors hold their sweeps meanwhile
+and send every one of them to it once it is back, and a second Xid 95, on a node of that shard,
+still ends in a directive to the job."""
 
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def _listing(*addresses: str) -> str:
     return "no coordinator answered"
 
 
+def _uplink(metrics: str, name: str) -> float:
+    """A collector's foreshock_collector_uplink_NAME, from its /metrics."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    (value,) = [float(ln.split()[-1]) for ln in text.splitlines()
+                if ln.startswith(f"foreshock_collector_uplink_{name} ")]
+    return value
+
+
 def _accepted(shard: Serve) -> float:
     return shard.metric('foreshock_ingest_batches_total{result="accepted"}')
 
@@ -130,10 +140,11 @@ def test_a_fault_reaches_the_job_through_the_coordinator_and_a_restarted_shard_s
         assert wait_until(lambda: all("watching" in r.lines for r in ranks), 30), [r.proc.stderr for r in ranks]
 
         # Two real collectors on s-1's leaves: the ones that must buffer and resume across its restart.
+        collector_metrics = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
         for k in range(2):
             others.append(subprocess.Popen(
                 [sys.executable, "-m", "foreshock", "collect", "--sources", "simulated", "--interval", "0.2",
-                 "--metrics-listen", "", "--node", f"collector-{k}", "--out", str(tmp_path / f"spool-{k}"),
+                 "--metrics-listen", collector_metrics[k], "--node", f"collector-{k}", "--out", str(tmp_path / f"spool-{k}"),
                  "--sim-gpus", "1", "--sim-hcas", "1", "--shard-map", str(tmp_path / "shards.toml"),
                  "--leaf-switch", SHARDS["s-1"][k]], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 text=True))
@@ -152,11 +163,20 @@ def test_a_fault_reaches_the_job_through_the_coordinator_and_a_restarted_shard_s
             assert _accepted(s) >= len(before[name]) * 5, name
 
         # s-1 dies (no drain: SIGKILL) and starts again on its state; its collectors buffer meanwhile.
+        acked_before = [_uplink(m, "acked_sweeps_total") for m in collector_metrics]
         shards["s-1"].proc.send_signal(signal.SIGKILL)
         shards["s-1"].proc.wait(10)
+        assert wait_until(lambda: all(_uplink(m, "queued_sweeps") >= 3 for m in collector_metrics), 20), \
+            "the collectors did not hold their sweeps while their shard was down"
+        held = [_uplink(m, "queued_sweeps") for m in collector_metrics]
         restarted = shard("s-1")
         started.append(restarted)
-        assert wait_until(lambda: _accepted(restarted) >= 2, 30), "the collectors did not resume into s-1"
+        # Resumed: everything held was sent to the restarted shard and acknowledged, nothing dropped.
+        assert wait_until(lambda: all(_uplink(m, "acked_sweeps_total") >= a + h
+                                      for m, a, h in zip(collector_metrics, acked_before, held)), 30), \
+            "the collectors did not resume into s-1"
+        assert [_uplink(m, "dropped_sweeps_total") for m in collector_metrics] == [0, 0]
+        assert _accepted(restarted) >= sum(held)
         assert all(p.poll() is None for p in others[:2]), "a collector gave up while its shard was down"
 
         gen = _generate(tmp_path, "gen-after", addresses["s-1"], [second], 6.0, {second: 2.0})
