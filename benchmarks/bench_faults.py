@@ -297,7 +297,7 @@ def fuzz_grpc(per_method: int, seed: int = 0) -> dict:
     from foreshock.service.auth import PERMISSIONS
     from foreshock.service.scoring import NullScorer
     from foreshock.service.server import Settings, build_server
-    from foreshock.v1 import jobs_pb2, risk_pb2, telemetry_pb2
+    from foreshock.v1 import coordinator_pb2, jobs_pb2, risk_pb2, telemetry_pb2
 
     valid = {
         "RegisterJob": jobs_pb2.RegisterJobRequest(job_id="j", ranks=[jobs_pb2.RankPlacement(rank=0, node="n1")]),
@@ -309,6 +309,8 @@ def fuzz_grpc(per_method: int, seed: int = 0) -> dict:
         "DrainNode": jobs_pb2.DrainNodeRequest(node="n1"), "GetNodeRisk": risk_pb2.GetNodeRiskRequest(node="n1"),
         "ListRiskiest": risk_pb2.ListRiskiestRequest(limit=3), "WatchRisk": risk_pb2.WatchRiskRequest(nodes=["n1"]),
         "StreamSweeps": telemetry_pb2.SweepBatch(node="n1", collector_id="c", sequence=1), "Check": health_pb2.HealthCheckRequest(),
+        # served by a jobs coordinator only: a plain instance answers UNIMPLEMENTED, never UNKNOWN
+        "ForwardAlarms": coordinator_pb2.ForwardRequest(shard="a", epoch=1, model_version="m"),
     }
     streaming = {"WatchDirectives", "WatchRisk"}
     rng = random.Random(seed)
@@ -329,7 +331,7 @@ def fuzz_grpc(per_method: int, seed: int = 0) -> dict:
                     raw = _flip(rng, template) if k % 2 else bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
                     sent += 1
                     try:
-                        if name == "StreamSweeps":
+                        if name in ("StreamSweeps", "ForwardAlarms"):
                             list(ch.stream_stream(method)(iter([raw]), timeout=2))
                         elif name in streaming:
                             list(ch.unary_stream(method)(raw, timeout=0.3))

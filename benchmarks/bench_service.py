@@ -205,7 +205,7 @@ def _ipc(name, rows):
 
 
 async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[str, float],
-                    ramp: list[str], result: dict):
+                    ramp: list[str], result: dict, leaves: dict[str, str] | None = None):
     import grpc
 
     from foreshock.collectors.simulated import SimpleNodeModel
@@ -269,7 +269,9 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
     async def one(i: int, node: str):
         pending: dict[int, float] = {}
         kept = {"schemas": False}
-        call = methods[i % len(methods)](timeout=seconds + 120)
+        # A shard places a stream by the leaf switch its collector names (service/shardmap.py LABEL_KEYS).
+        metadata = (("foreshock-leaf-switch", leaves[node]),) if leaves else None
+        call = methods[i % len(methods)](timeout=seconds + 120, metadata=metadata)
 
         async def reader(call):
             try:
@@ -319,7 +321,7 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
                 # As a collector does: a new stream (schemas whole again), the sweep again.
                 counters["reopened"] = counters.get("reopened", 0) + 1
                 call.cancel()
-                call = methods[(i + counters["reopened"]) % len(methods)](timeout=seconds + 120)
+                call = methods[(i + counters["reopened"]) % len(methods)](timeout=seconds + 120, metadata=metadata)
                 kept["schemas"] = False
                 rt = asyncio.create_task(reader(call))
                 if "Xid 95" in msg.decode("latin-1"):
@@ -353,10 +355,10 @@ async def _generate(address: str, nodes: list[str], seconds: float, fatal: dict[
                   ack_rtt_p50_ms=float(np.percentile(rt, 50) * 1e3), ack_rtt_p99_ms=float(np.percentile(rt, 99) * 1e3))
 
 
-def generate(address, nodes_json, seconds, fatal_json, ramp_json, out) -> int:
+def generate(address, nodes_json, seconds, fatal_json, ramp_json, out, leaves_json="{}") -> int:
     result: dict = {}
     asyncio.run(_generate(address, json.loads(nodes_json), float(seconds), json.loads(fatal_json),
-                          json.loads(ramp_json), result))
+                          json.loads(ramp_json), result, json.loads(leaves_json)))
     Path(out).write_text(json.dumps(result))
     return 0
 
@@ -485,11 +487,44 @@ def stop_processes(gens: list[subprocess.Popen], server: subprocess.Popen) -> No
             pass
 
 
-def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: int) -> dict:
+def job_client(address: str, victims: list[str], spares: list[str], seconds: float):
+    """One job per victim (so the per-job concurrency limit never holds a measurement back), each with
+    a spare of its own, registered at `address` and watched: the directives' arrival times by node as
+    they come, acknowledged COMPLETED; and the function that stops watching."""
     import grpc
 
     from foreshock.v1 import jobs_pb2 as pb
     from foreshock.v1 import jobs_pb2_grpc
+    ch = grpc.insecure_channel(address)
+    jobs = jobs_pb2_grpc.JobsStub(ch)
+    received: dict[str, tuple[float, object]] = {}
+    streams = []
+    for i, victim in enumerate(victims):
+        jid = f"job-{i:03d}"
+        jobs.RegisterJob(pb.RegisterJobRequest(job_id=jid, ranks=[pb.RankPlacement(rank=0, node=victim)],
+                                               spare_nodes=[spares[i]], current_step=1), timeout=10)
+        stream = jobs.WatchDirectives(pb.WatchDirectivesRequest(job_id=jid, rank=0), timeout=seconds)
+
+        def drain(stream=stream, jid=jid):
+            try:
+                for d in stream:
+                    if d.from_node not in received and d.state == pb.DIRECTIVE_STATE_PENDING:
+                        received[d.from_node] = (time.time(), d)
+                        jobs.AckDirective(pb.AckDirectiveRequest(job_id=jid, directive_id=d.directive_id,
+                                                                 rank=0, phase=pb.ACK_PHASE_COMPLETED), timeout=10)
+            except grpc.RpcError:
+                pass
+        threading.Thread(target=drain, daemon=True).start()
+        streams.append(stream)
+
+    def close():
+        for stream in streams:
+            stream.cancel()
+        ch.close()
+    return received, close
+
+
+def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp_victims: int) -> dict:
     gens: list[subprocess.Popen] = []
     server, ports = start_service(tmp)
     try:
@@ -501,28 +536,7 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
         ramp_nodes = nodes[fatal_victims:fatal_victims + ramp_victims]
         spares = nodes[-(fatal_victims + ramp_victims):]
         fatal_at = {n: 6.0 + 1.5 * i for i, n in enumerate(fatal_nodes)}
-        ch = grpc.insecure_channel(address)
-        jobs = jobs_pb2_grpc.JobsStub(ch)
-        received: dict[str, tuple[float, object]] = {}
-        watchers = []
-        for i, victim in enumerate(fatal_nodes + ramp_nodes):
-            jid = f"job-{i:03d}"
-            jobs.RegisterJob(pb.RegisterJobRequest(job_id=jid, ranks=[pb.RankPlacement(rank=0, node=victim)],
-                                                   spare_nodes=[spares[i]], current_step=1), timeout=10)
-            stream = jobs.WatchDirectives(pb.WatchDirectivesRequest(job_id=jid, rank=0), timeout=seconds + 120)
-
-            def drain(stream=stream, jid=jid):
-                try:
-                    for d in stream:
-                        if d.from_node not in received and d.state == pb.DIRECTIVE_STATE_PENDING:
-                            received[d.from_node] = (time.time(), d)
-                            jobs.AckDirective(pb.AckDirectiveRequest(job_id=jid, directive_id=d.directive_id,
-                                                                     rank=0, phase=pb.ACK_PHASE_COMPLETED), timeout=10)
-                except grpc.RpcError:
-                    pass
-            t = threading.Thread(target=drain, daemon=True)
-            t.start()
-            watchers.append((stream, t))
+        received, close_jobs = job_client(address, fatal_nodes + ramp_nodes, spares, seconds + 120)
         gens, outs = start_generators(tmp, address, nodes, seconds, fatal_at, ramp_nodes)
         # Sample the service every second for the whole run; the steady window is from 15 s after the
         # first accepted batch (connection storm over) to 5 s before the generators stop sending.
@@ -563,9 +577,7 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
             g.wait(seconds + 180)
         gen = [json.loads(o.read_text()) for o in outs]
         time.sleep(1.0)
-        for stream, _ in watchers:
-            stream.cancel()
-        ch.close()
+        close_jobs()
         archive = _metrics(ports["metrics"], ["foreshock_archive_up", "foreshock_archive_files_total",
                                               "foreshock_archive_written_bytes_total",
                                               "foreshock_archive_dropped_bytes_total",
@@ -573,31 +585,7 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
     finally:
         stop_processes(gens, server)
     files = sorted((tmp / "archive").rglob("*.parquet")) if (tmp / "archive").is_dir() else []
-    sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items() if v is not None}
-    fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
-    step_last = {}
-    for g in gen:
-        for k, v in g.get("step_last_sent", {}).items():
-            step_last[int(k)] = max(step_last.get(int(k), 0.0), v)
-    ramp_sent = {n: v for g in gen for n, v in g.get("ramp_sent", {}).items()}
-    risk_complete, risk_own, risk_end = [], [], []
-    by_close: dict[int, list[float]] = {}
-    for n in ramp_nodes:
-        if n in received and ramp_sent.get(n):
-            got, d = received[n]
-            # The step that crossed: the last one whose last sample of this node went before the
-            # directive came (the next step's last sample comes a minute later).
-            sent = ramp_sent[n]
-            lasts = [(ts, at) for (ts, at), (nts, _) in zip(sent, sent[1:] + [(1 << 62, 0.0)])
-                     if ts // (60 * S) != nts // (60 * S) and at <= got]
-            if not lasts:
-                continue
-            ts, at = lasts[-1]
-            step = ts // (60 * S)
-            risk_own.append(got - at)
-            risk_complete.append(got - step_last.get(step, at))
-            by_close.setdefault(step, []).append(risk_complete[-1] * 1e3)
-            risk_end.append(got - (step + 1) * 60)
+    fatal_lat, risk_complete, risk_own, risk_end, by_close = latencies(gen, received, ramp_nodes)
     return {
         "nodes": n_nodes, "window_s": w1 - w0,
         "accepted_series": accepted_series, "offered_per_s": n_nodes, "accepted_per_s": (acc1 - acc0) / (w1 - w0), "accepted_total": (acc0, acc1),
@@ -623,6 +611,39 @@ def _run_in(tmp: Path, n_nodes: int, seconds: float, *, fatal_victims: int, ramp
         "archive_up_files_bytes_dropped_buffered": archive,
         "archive_files_after_stop": [f.stat().st_size for f in files],
     }
+
+
+def latencies(gen: list[dict], received: dict[str, tuple[float, object]], ramp_nodes: list[str]):
+    """From the generators' results and the job client's (arrival time, directive) per node: the fatal
+    latencies, and the risk latencies from the step's last sample (any node), from the crossing node's
+    own last sample of the step, from the step's end, and those from the step's last sample per close
+    (seconds)."""
+    sent_at = {k: v for g in gen for k, v in g["fatal_sent"].items() if v is not None}
+    fatal_lat = [received[n][0] - sent_at[n] for n in sent_at if n in received]
+    step_last = {}
+    for g in gen:
+        for k, v in g.get("step_last_sent", {}).items():
+            step_last[int(k)] = max(step_last.get(int(k), 0.0), v)
+    ramp_sent = {n: v for g in gen for n, v in g.get("ramp_sent", {}).items()}
+    risk_complete, risk_own, risk_end = [], [], []
+    by_close: dict[int, list[float]] = {}
+    for n in ramp_nodes:
+        if n in received and ramp_sent.get(n):
+            got, d = received[n]
+            # The step that crossed: the last one whose last sample of this node went before the
+            # directive came (the next step's last sample comes a minute later).
+            sent = ramp_sent[n]
+            lasts = [(ts, at) for (ts, at), (nts, _) in zip(sent, sent[1:] + [(1 << 62, 0.0)])
+                     if ts // (60 * S) != nts // (60 * S) and at <= got]
+            if not lasts:
+                continue
+            ts, at = lasts[-1]
+            step = ts // (60 * S)
+            risk_own.append(got - at)
+            risk_complete.append(got - step_last.get(step, at))
+            by_close.setdefault(step, []).append(risk_complete[-1] * 1e3)
+            risk_end.append(got - (step + 1) * 60)
+    return fatal_lat, risk_complete, risk_own, risk_end, by_close
 
 
 def ingest_only(n: int = 1000) -> None:
@@ -710,7 +731,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "--serve":
         return serve(*argv[1:4])
     if argv and argv[0] == "--generate":
-        return generate(*argv[1:7])
+        return generate(*argv[1:8])
     p = argparse.ArgumentParser(prog="bench service")
     p.add_argument("--nodes", type=int, default=2048)
     p.add_argument("--seconds", type=float, default=200.0,

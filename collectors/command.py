@@ -4,8 +4,10 @@ Settings resolve through foreshock.config: defaults < the TOML file's [collect] 
 FORESHOCK_COLLECT_<KEY> environment variables < flags. The service sweeps every --interval seconds,
 writes the Parquet dataset under --out (rotated every --rotate-seconds, bounded by --spool-max-bytes and
 --min-free-bytes), serves its health on --metrics-listen, optionally streams each sweep to the control
-plane (--service HOST:PORT, through foreshock.collectors.uplink.StreamingUplink), and on SIGTERM/SIGINT
-finishes the sweep in progress, flushes every buffered row to Parquet and exits 0.
+plane (--service HOST:PORT, or the address of its shard in --shard-map, through
+foreshock.collectors.uplink.StreamingUplink), and on SIGTERM/SIGINT finishes the sweep in progress,
+flushes every buffered row to Parquet and exits 0. SIGHUP reads the shard map again (so does a change of
+its mtime).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 
 from foreshock import config
+from foreshock.service.shardmap import LABEL_VALUE_RE, PLACEMENT_LABELS
 
 from .repeats import DEFAULT_WINDOW_SECONDS, MAX_WINDOW_SECONDS
 
@@ -39,6 +42,10 @@ DEFAULTS = {
     "max_buffer_rows": 500_000,
     "metrics_listen": "127.0.0.1:9465",   # the control plane's is 9464 (docs/operations.md)
     "service": "",
+    "shard_map": "",             # a sharded control plane: stream to this node's shard (service/shardmap.py)
+    "leaf_switch": "",           # this node's leaf switch, which places it in a shard ...
+    "site": "",                  # ... and the labels a shard map's selector may use
+    "spine": "",
     "tls_ca": "",
     "tls_cert": "",
     "tls_key": "",
@@ -61,6 +68,9 @@ CHECKS = {
     "sim_hcas": config.at_least(0),
     "seed": config.at_least(0),
     "xid_fold_seconds": config.between(0, MAX_WINDOW_SECONDS),
+    # the placement labels travel as gRPC metadata (collectors/uplink.py)
+    **{key: config.Check(lambda v: bool(LABEL_VALUE_RE.match(v)), "must be at most 256 printable ASCII "
+                         "characters without spaces") for key in PLACEMENT_LABELS},
 }
 
 
@@ -81,6 +91,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-buffer-rows", type=int, help="close the interval early at this many rows")
     p.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus endpoint ('' to disable)")
     p.add_argument("--service", help="HOST:PORT of the control plane to stream to (optional)")
+    p.add_argument("--shard-map", metavar="FILE",
+                   help="a sharded control plane's shard map (TOML): stream to this node's shard, and move when "
+                        "the file changes or on SIGHUP (instead of --service)")
+    p.add_argument("--leaf-switch", help="this node's leaf switch: places it in a shard of --shard-map")
+    p.add_argument("--site", help="this node's site, for a shard map's selector")
+    p.add_argument("--spine", help="this node's spine group, for a shard map's selector")
     p.add_argument("--tls-ca", help="CA bundle for --service TLS")
     p.add_argument("--tls-cert", help="client certificate for mutual TLS (with --tls-key)")
     p.add_argument("--tls-key", help="client key for mutual TLS")
@@ -109,9 +125,26 @@ def _tls(cfg: dict):
     return cfg["tls_ca"] or None
 
 
-def _uplink(cfg: dict, node: str):
+def _shard_map(cfg: dict, node: str):
+    """The shard map file of a sharded control plane, with this node placed in one of its shards (or
+    ValueError naming the file, the node and its leaf); None without one."""
+    if not cfg["shard_map"]:
+        return None
+    if cfg["service"]:
+        raise ValueError("--service and --shard-map are exclusive: a sharded control plane's address is the "
+                         "node's shard's, from the map")
+    from foreshock.service.shardmap import ShardMapError, ShardMapFile
     try:
-        from foreshock.collectors.uplink import StreamingUplink
+        shard_map = ShardMapFile(cfg["shard_map"])
+        shard_map.current().shard_of(node, cfg["leaf_switch"], {k: cfg[k] for k in PLACEMENT_LABELS})
+    except ShardMapError as exc:
+        raise ValueError(str(exc) + ("" if cfg["leaf_switch"] else " (give --leaf-switch)")) from None
+    return shard_map
+
+
+def _uplink(cfg: dict, node: str, shard_map=None):
+    try:
+        from foreshock.collectors.uplink import StreamingUplink, UplinkError
     except ModuleNotFoundError as exc:
         if exc.name == "foreshock.collectors.uplink":
             raise SystemExit("foreshock collect: --service needs foreshock.collectors.uplink, "
@@ -122,7 +155,11 @@ def _uplink(cfg: dict, node: str):
         with open(cfg["token_file"], encoding="utf-8") as fh:
             token = fh.read().strip()
     tls = _tls(cfg)
-    uplink = StreamingUplink(cfg["service"], node=node, tls=tls, token=token)
+    try:
+        uplink = StreamingUplink(cfg["service"], node=node, tls=tls, token=token, shard_map=shard_map,
+                                 labels={k: cfg[k] for k in PLACEMENT_LABELS})
+    except UplinkError as exc:
+        raise ValueError(str(exc)) from None
     uplink.start()
     return uplink
 
@@ -137,6 +174,7 @@ def build_collector(cfg: dict, *, once: bool = False):
 
     node = cfg["node"] or socket.gethostname()
     _tls(cfg)  # refuse bad TLS settings before anything is opened
+    shard_map = _shard_map(cfg, node) if not once else None   # and a map that does not place the node
     # A missing default path is a machine without that hardware (the source reports "absent"); a path
     # the operator named that does not exist is a mistake to say, not an empty sweep.
     for key, users in (("sysfs", ("rdma", "netdev")), ("procfs", ("host_net",)), ("kmsg", ("kmsg",))):
@@ -150,7 +188,7 @@ def build_collector(cfg: dict, *, once: bool = False):
     writer = DatasetWriter(cfg["out"], rotate_seconds=cfg["rotate_seconds"],
                            max_buffer_rows=cfg["max_buffer_rows"], max_bytes=cfg["spool_max_bytes"] or None,
                            min_free_bytes=cfg["min_free_bytes"], fsync=cfg["fsync"])
-    uplink = _uplink(cfg, node) if cfg["service"] and not once else None
+    uplink = _uplink(cfg, node, shard_map) if (cfg["service"] or shard_map) and not once else None
     return Collector(node, sources, writer, uplink=uplink)
 
 
@@ -203,6 +241,9 @@ def serve_forever(collector, cfg: dict) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    shard_map = getattr(collector.uplink, "shard_map", None)
+    if shard_map is not None:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _s, _f: shard_map.request_reload())
     server = None
     if cfg["metrics_listen"]:
         from .metrics import serve

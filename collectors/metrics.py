@@ -10,7 +10,9 @@ foreshock_collector_bytes_dropped_total, foreshock_collector_write_errors_total,
 foreshock_collector_buffered_rows, foreshock_collector_spool_bytes, foreshock_collector_sweeps_total,
 foreshock_collector_last_sweep_duration_seconds, foreshock_collector_rejected_tables_total,
 foreshock_collector_uplink_batches_total{result}, and with an uplink: foreshock_collector_uplink_connected,
-_uplink_queued_sweeps, _uplink_dropped_sweeps_total, _uplink_acked_sweeps_total.
+_uplink_queued_sweeps, _uplink_dropped_sweeps_total, _uplink_acked_sweeps_total,
+_uplink_target_info{target,shard} (shard "" without a shard map), _uplink_redirects_total (a shard sent
+the node to another) and _uplink_shard_moves_total (the shard map moved it).
 
 Served by prometheus-client on a private registry (never the global one), so tests can read it directly;
 it also carries process_*, python_info and python_gc_* (foreshock/exposition.py).
@@ -89,6 +91,14 @@ class CollectorMetrics:
                                       value=s.uplink.get("dropped_oldest", 0))
             yield CounterMetricFamily(P + "uplink_acked_sweeps", "Sweeps the control plane acknowledged.",
                                       value=s.uplink.get("acked", 0))
+            target = GaugeMetricFamily(P + "uplink_target_info", "Where the uplink streams: the control plane's "
+                                       "address and, with a shard map, the shard.", labels=["target", "shard"])
+            target.add_metric([str(s.uplink.get("target", "")), str(s.uplink.get("shard", ""))], 1.0)
+            yield target
+            yield CounterMetricFamily(P + "uplink_redirects", "Streams a shard refused as another shard's, "
+                                      "followed to the shard it named.", value=s.uplink.get("redirects", 0))
+            yield CounterMetricFamily(P + "uplink_shard_moves", "Times a changed shard map placed the node in "
+                                      "another shard.", value=s.uplink.get("shard_moves", 0))
 
 
 def registry_for(collector) -> CollectorRegistry:

@@ -9,6 +9,10 @@ per-field unit/help metadata, documentation only, stays home: it would triple th
     uplink.submit({"gpu": table, "rdma_port": table2})   # O(1); never waits on the network
     uplink.close(5.0)
 
+    # a sharded control plane: the node's shard from the map, by its leaf switch
+    uplink = StreamingUplink("", node="gpu-017", shard_map=ShardMapFile("/etc/foreshock/shards.toml"),
+                             labels={"leaf_switch": "leaf-03"}, tls="/etc/foreshock/ca.pem", token=tok)
+
 - Bounded: `submit` puts the sweep in a queue of `max_queue` sweeps; when full the oldest is dropped
   and counted (`stats()["dropped_oldest"]`). Sequence numbers are given at submit, so the service sees
   the gap.
@@ -25,6 +29,15 @@ per-field unit/help metadata, documentation only, stays home: it would triple th
   batches (TableRows.schema_omitted): the schema is about 80 % of a sweep's bytes.
 - Plaintext only to a loopback address; otherwise `tls` (a CA file path, or (ca, cert, key) paths for
   mutual TLS, or grpc.ChannelCredentials) is required. `token` goes as `authorization: Bearer`.
+- Shards (docs/scaling.md): with `shard_map` (a service.shardmap.ShardMapFile) the target is the address
+  of the shard the map places the node in, by its `labels` (leaf_switch, and site/spine for selectors),
+  which every stream also carries as call metadata. A shard that refuses the node as another's
+  (FAILED_PRECONDITION with the right shard's address in the trailing metadata) is left for that address
+  at once, at most `max_redirects` times in a row without an ack (shards whose maps disagree would
+  bounce it for ever); then the usual backoff, from the map's address again. When the map file changes
+  (its mtime, or SIGHUP through `ShardMapFile.request_reload`), a stream to a shard the map no longer
+  names ends and the next goes to the new one. The queue keeps taking sweeps meanwhile, within its bound;
+  unacknowledged ones are re-sent to whichever shard takes the stream.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import pyarrow as pa
 
 from foreshock import schema as sch
 from foreshock.net import Endpoint, PlaintextRefused, client_credentials
+from foreshock.service.shardmap import ADDRESS_KEY, LABEL_KEYS, LABEL_VALUE_RE, SHARD_KEY, ShardMapError
 from foreshock.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -91,25 +105,50 @@ class StreamingUplink:
                  collector_id: str | None = None, connect_timeout: float = 5.0, ack_timeout: float = 10.0,
                  stream_seconds: float = 600.0, backoff_initial: float = 0.5, backoff_max: float = 30.0,
                  initial_credits: int = 4, max_batch_bytes: int = 8 << 20, server_name: str | None = None,
-                 final_ack_timeout: float = 4.0):
-        if not target or ":" not in target:
-            raise UplinkError(f"uplink target {target!r} must be HOST:PORT")
+                 final_ack_timeout: float = 4.0, shard_map=None, labels: dict[str, str] | None = None,
+                 max_redirects: int = 4):
         if not node:
             raise UplinkError("uplink node must be named")
-        self.target = target
         self.node = node
+        unknown = sorted(set(labels or {}) - set(LABEL_KEYS))
+        if unknown:
+            raise UplinkError(f"uplink label {unknown[0]!r}: not a placement label ({', '.join(LABEL_KEYS)})")
+        for label, value in (labels or {}).items():
+            if not isinstance(value, str) or not LABEL_VALUE_RE.match(value):
+                raise UplinkError(f"uplink label {label} {value!r}: at most 256 printable ASCII characters, no spaces")
+        self.labels = {k: v for k, v in (labels or {}).items() if v}
+        self.shard_map = shard_map
+        self._map_seen = None              # the ShardMap the target was last taken from
+        self.shard = ""                    # the shard streamed to, as the map or a redirect names it
+        self._map_target = self._map_shard = ""   # where the map places the node
+        self._redirect: tuple[str, str] | None = None   # (shard, address) a shard sent this node to
+        self._redirects_in_row = 0
+        self.max_redirects = max(0, int(max_redirects))
+        if shard_map is not None:
+            if target:
+                raise UplinkError(f"uplink target {target!r} and a shard map: the map names the target; give one")
+            try:
+                target = shard_map.current().shard_of(node, self.labels.get("leaf_switch", ""), self.labels).address
+            except ShardMapError as exc:
+                raise UplinkError(str(exc)) from None
+        if not target or ":" not in target:
+            raise UplinkError(f"uplink target {target!r} must be HOST:PORT")
+        self.target = target
         try:
-            creds = client_credentials(tls)
+            self._creds = client_credentials(tls)
         except OSError as exc:
             raise UplinkError(f"uplink TLS file {exc.filename}: {exc.strerror}") from None
         options = [("grpc.max_send_message_length", max_batch_bytes + (1 << 20)),
                    ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
+        self._options = tuple(options)
+        self._token = token
         try:
-            self._endpoint = Endpoint(target, creds, tuple(options), token)
+            self._endpoint = self._endpoint_to(target)
         except PlaintextRefused:
             raise UplinkError(f"uplink to {target}: plaintext is allowed to loopback addresses only; give tls") from None
+        self._fixed_target = target
         self.collector_id = collector_id or f"{node}-{uuid.uuid4().hex[:12]}"
         self.max_queue = int(max_queue)
         self.connect_timeout = connect_timeout
@@ -135,6 +174,7 @@ class StreamingUplink:
         self.last_error: str = ""
         self.acked_sequence = 0
         self._session_q: queue.Queue | None = None
+        self._next_target()
 
     # -- the sampling side (never blocks) --------------------------------------------------------------
     def submit(self, tables: dict[str, pa.Table], watermark_ns: int = 0) -> bool:
@@ -167,9 +207,10 @@ class StreamingUplink:
             out = dict(self._counts)
             out["queued"] = len(self._pending)
         out.update(connected=self._connected, acked_sequence=self.acked_sequence,
-                   rejected=dict(self.rejections), last_error=self.last_error, collector_id=self.collector_id)
+                   rejected=dict(self.rejections), last_error=self.last_error, collector_id=self.collector_id,
+                   target=self.target, shard=self.shard)
         for k in ("submitted", "dropped_oldest", "sent", "acked", "resent", "reconnects", "oversized",
-                  "unsent_at_close"):
+                  "unsent_at_close", "redirects", "shard_moves"):
             out.setdefault(k, 0)
         return out
 
@@ -248,10 +289,74 @@ class StreamingUplink:
             del inflight[s]
         self._counts["acked"] += len(done)
         self.acked_sequence = max(self.acked_sequence, item.acked_sequence)
+        self._redirects_in_row = 0   # a shard took the stream: the redirects led somewhere
+
+    # -- where to stream -------------------------------------------------------------------------------
+    def _endpoint_to(self, target: str) -> Endpoint:
+        return Endpoint(target, self._creds, self._options, self._token)
+
+    def _next_target(self) -> str:
+        """The address the next stream goes to: a shard's redirect while the map is unchanged since it
+        came, else the map's shard for this node, else the fixed target."""
+        if self.shard_map is not None:
+            current = self.shard_map.current()
+            if current is not self._map_seen:
+                moved = self._map_seen is not None
+                self._map_seen = current
+                try:
+                    placed = current.shard_of(self.node, self.labels.get("leaf_switch", ""), self.labels)
+                except ShardMapError as exc:
+                    log.error("uplink %s: %s; streaming on to %s", self.node, exc, self.target)
+                else:
+                    if moved and placed.address != self._map_target:
+                        self._counts["shard_moves"] += 1
+                        log.info("uplink %s: the shard map now places it in shard %s at %s", self.node,
+                                 placed.name, placed.address)
+                    self._map_target, self._map_shard = placed.address, placed.name
+                    self._redirect = None   # the map's newer word replaces what a shard said before
+        if self._redirect is not None:
+            self.shard = self._redirect[0]
+            return self._redirect[1]
+        self.shard = self._map_shard
+        return self._map_target or self._fixed_target
+
+    def _redirected(self, exc: grpc.RpcError, target: str) -> bool:
+        """Whether `exc` is a shard sending this node elsewhere; if so, it is the next stream's target."""
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        metadata = dict(exc.trailing_metadata() or ())
+        shard, address = metadata.get(SHARD_KEY, ""), metadata.get(ADDRESS_KEY, "")
+        if not address or address == target:
+            return False
+        try:
+            self._endpoint_to(address)
+        except PlaintextRefused:
+            log.error("uplink %s: %s sent it to %s, which is no loopback address, and no tls is given",
+                      self.node, target, address)
+            return False
+        self._redirects_in_row += 1
+        if self._redirects_in_row > self.max_redirects:
+            log.error("uplink %s: redirected %d times in a row without an ack, last to shard %s at %s: the "
+                      "shards' maps disagree; backing off, then from the map's shard again", self.node,
+                      self._redirects_in_row, shard, address)
+            self._redirect, self._redirects_in_row = None, 0
+            return False
+        self._redirect = (shard, address)
+        self._counts["redirects"] += 1
+        log.warning("uplink %s: redirected (%s); following", self.node, exc.details())
+        return True
 
     def _run(self) -> None:
         backoff = self.backoff_initial
         while not self._stop.is_set():
+            target = self._next_target()   # idle too, so that stats() says where the next sweep goes
+            if target != self.target:
+                try:
+                    self.target, self._endpoint = target, self._endpoint_to(target)
+                except PlaintextRefused:
+                    log.error("uplink %s: the shard map names %s, which is no loopback address, and no tls is "
+                              "given; streaming on to %s", self.node, target, self.target)
+                    self._map_target = self.target
             if not self._have_work.wait(0.5):
                 continue
             t0 = time.monotonic()
@@ -261,6 +366,8 @@ class StreamingUplink:
             if clean:
                 backoff = self.backoff_initial
                 continue
+            if self._redirect is not None and self._redirect[1] != self.target:
+                continue   # straight to the shard named (bounded by max_redirects in _redirected)
             self._counts["reconnects"] += 1
             if time.monotonic() - t0 > 30:  # it had been up a while: start the backoff over
                 backoff = self.backoff_initial
@@ -291,7 +398,8 @@ class StreamingUplink:
                     yield item
 
             call = telemetry_pb2_grpc.TelemetryStub(channel).StreamSweeps(
-                requests(), timeout=self.stream_seconds, metadata=self._endpoint.metadata)
+                requests(), timeout=self.stream_seconds, metadata=self._endpoint.metadata + tuple(
+                    (LABEL_KEYS[k], v) for k, v in self.labels.items()))
 
             def read():
                 try:
@@ -307,7 +415,12 @@ class StreamingUplink:
             credits = self.initial_credits
             heads: dict[str, bytes] | None = None   # set once the server says it keeps schemas
             last_ack = time.monotonic()
+            map_checked = time.monotonic()
             while not self._stop.is_set():
+                if self.shard_map is not None and time.monotonic() - map_checked >= 1.0:
+                    map_checked = time.monotonic()
+                    if self._next_target() != self.target:
+                        return True   # the map moved this node: the next stream goes to its new shard
                 # Send what the credits allow.
                 while len(inflight) < max(1, credits):
                     with self._lock:
@@ -343,6 +456,8 @@ class StreamingUplink:
                         return True
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not inflight:
                         return True  # the stream's own deadline: rotate
+                    if self._redirected(exc, self.target):
+                        return False
                     self.last_error = f"{exc.code().name}: {exc.details()}"
                     log.warning("uplink to %s: %s", self.target, self.last_error)
                     return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED

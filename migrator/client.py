@@ -3,7 +3,8 @@
 Two background threads, so the training loop never waits on the network: a watcher holds the
 WatchDirectives stream (re-opened every `watch_window_s` and after any error, with exponential backoff
 and jitter; the service re-delivers unacknowledged directives after a reconnect, and DirectiveBook
-drops the duplicates), and a sender drains a bounded queue of acknowledgements and step reports. The
+drops the duplicates; `service` may list several addresses, a jobs coordinator and its standby, and
+every call moves to the next one when the one it used answers UNAVAILABLE), and a sender drains a bounded queue of acknowledgements and step reports. The
 sender also sends this rank's step times (`record_step_time`, kept in a ring of `STEP_TIME_BUFFER`) in
 blocks of steps aligned on step numbers (`step_block`), so that every rank of a job sends the same
 steps at about the same time and the service judges each step with all of them; at least every
@@ -84,14 +85,23 @@ def directive_from_proto(msg: jobs_pb2.Directive) -> Directive | None:
                      generation=msg.generation, deadline=deadline)
 
 
-def endpoint(config: MigratorConfig) -> Endpoint:
-    """The control plane as the job reaches it: TLS when a CA file is given, its bearer token."""
+def endpoints(config: MigratorConfig) -> list[Endpoint]:
+    """The control plane as the job reaches it, one Endpoint per address it lists: TLS when a CA file is
+    given, its bearer token."""
     options = (("grpc.keepalive_time_ms", 10_000), ("grpc.max_receive_message_length", 4 << 20))
-    try:
-        return Endpoint(config.service, client_credentials(config.tls_ca), options, config.token or None)
-    except PlaintextRefused:
-        raise MigratorConfigError(f"service {config.service}: plaintext is allowed to loopback only; "
-                                  "set FORESHOCK_TLS_CA for a remote control plane") from None
+    credentials = client_credentials(config.tls_ca)
+    out = []
+    for address in config.services or (config.service,):
+        try:
+            out.append(Endpoint(address, credentials, options, config.token or None))
+        except PlaintextRefused:
+            raise MigratorConfigError(f"service {address}: plaintext is allowed to loopback only; "
+                                      "set FORESHOCK_TLS_CA for a remote control plane") from None
+    return out
+
+
+def endpoint(config: MigratorConfig) -> Endpoint:
+    return endpoints(config)[0]
 
 
 def open_channel(config: MigratorConfig) -> grpc.Channel:
@@ -104,10 +114,13 @@ class ServiceClient:
     def __init__(self, config: MigratorConfig, *, watch_window_s: float = 30.0,
                  backoff_initial_s: float = 0.1, backoff_max_s: float = 5.0, queue_size: int = 1024) -> None:
         self.config = config
-        reach = endpoint(config)
-        self._channel = reach.open()
-        self._stub = jobs_pb2_grpc.JobsStub(self._channel)
-        self._metadata = reach.metadata
+        reaches = endpoints(config)
+        # One channel per address; calls go to one of them until it answers UNAVAILABLE (a coordinator's
+        # standby, or the leader gone), then to the next (_fail_over).
+        self._channels = [reach.open() for reach in reaches]
+        self._stubs = [jobs_pb2_grpc.JobsStub(channel) for channel in self._channels]
+        self._current = 0
+        self._metadata = reaches[0].metadata
         self._timeout = config.rpc_timeout_s
         self._watch_window = watch_window_s
         self._backoff = (backoff_initial_s, backoff_max_s)
@@ -146,6 +159,16 @@ class ServiceClient:
     def deregister(self) -> None:
         self._call("DeregisterJob", jobs_pb2.DeregisterJobRequest(job_id=self.config.job_id))
 
+    @property
+    def _stub(self) -> jobs_pb2_grpc.JobsStub:
+        return self._stubs[self._current % len(self._stubs)]
+
+    def _fail_over(self, code) -> None:
+        """After UNAVAILABLE, the next address the service lists (if it lists several)."""
+        if code == grpc.StatusCode.UNAVAILABLE and len(self._stubs) > 1:
+            self._current += 1
+            log.info("control plane: trying %s", self.config.services[self._current % len(self._stubs)])
+
     def _call(self, name: str, request):
         try:
             resp = getattr(self._stub, name)(request, timeout=self._timeout, metadata=self._metadata)
@@ -153,6 +176,7 @@ class ServiceClient:
             return resp
         except grpc.RpcError as exc:
             self._set_health(False, f"{name}: {exc.code().name} {exc.details()}")
+            self._fail_over(exc.code())
             return None
         except Exception as exc:  # noqa: BLE001 - never raise into the training loop
             self._set_health(False, f"{name}: {exc!r}")
@@ -230,7 +254,8 @@ class ServiceClient:
         for thread in (self._watch_thread, self._sender):
             if thread is not None:
                 thread.join(timeout=2.0)
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     # --- background threads ----------------------------------------------------------------
     def _sleep_backoff(self, attempt: int) -> None:
@@ -271,6 +296,7 @@ class ServiceClient:
                     log.warning("WatchDirectives refused for job %s rank %s: %s %s (retrying)",
                                 self.config.job_id, rank, code.name, exc.details())
                 failures += 1
+                self._fail_over(code)
                 self._sleep_backoff(failures)
             except Exception as exc:  # noqa: BLE001
                 self._set_health(False, f"WatchDirectives: {exc!r}")
@@ -301,6 +327,7 @@ class ServiceClient:
                 self.sent_step_times += len(steps)
             except grpc.RpcError as exc:
                 self.dropped_step_times += len(steps)
+                self._fail_over(exc.code())
                 if exc.code() in _RETRYABLE:
                     self._set_health(False, f"ReportStepTimes: {exc.code().name} {exc.details()}")
                 else:   # refused (a move the service has not applied yet, bad values): said, not retried
@@ -369,6 +396,7 @@ class ServiceClient:
                                 exc.code().name, exc.details())
                     return
                 self._set_health(False, f"AckDirective: {exc.code().name}")
+                self._fail_over(exc.code())
             except Exception as exc:  # noqa: BLE001
                 self._set_health(False, f"AckDirective: {exc!r}")
             if self._stop.is_set():

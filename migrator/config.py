@@ -35,7 +35,8 @@ class MigratorConfig:
     role: str = "rank"
     rank: int = -1                   # -1 for a spare until it is given a rank
     world_size: int = 0
-    service: str = ""                # empty: no control plane (directives only from a local source)
+    service: str = ""                # HOST:PORT[,HOST:PORT]; empty: no control plane (directives only from a
+    #                                  local source)
     token: str = ""
     tls_ca: str = ""                 # PEM file of the CA; empty with a loopback address: insecure
     spare_nodes: tuple[str, ...] = ()
@@ -62,8 +63,8 @@ class MigratorConfig:
             raise MigratorConfigError(f"rank {self.rank} (FORESHOCK_RANK/RANK) is not in "
                                       f"[0, world size {self.world_size}) (FORESHOCK_WORLD_SIZE/WORLD_SIZE)")
         _split_address("store (FORESHOCK_STORE or MASTER_ADDR:MASTER_PORT)", self.store)
-        if self.service:
-            _split_address("service (FORESHOCK_SERVICE)", self.service)
+        for address in self.services:
+            _split_address("service (FORESHOCK_SERVICE)", address)
         for name in ("rpc_timeout_s", "transfer_timeout_s", "standby_poll_s", "report_interval_s",
                      "step_report_interval_s", "spare_heartbeat_s"):
             if not getattr(self, name) > 0:
@@ -71,6 +72,12 @@ class MigratorConfig:
         if not self.step_report_interval_s <= 3600:
             raise MigratorConfigError(f"step_report_interval_s (FORESHOCK_STEP_REPORT_INTERVAL_S) must be "
                                       f"at most 3600 s, got {self.step_report_interval_s!r}")
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        """The control plane's addresses: HOST:PORT, or several, comma-separated (a jobs coordinator and
+        its standby, tried in turn while one answers UNAVAILABLE)."""
+        return tuple(a.strip() for a in self.service.split(",") if a.strip())
 
     @property
     def store_host(self) -> str:

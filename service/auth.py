@@ -8,6 +8,8 @@ Roles (least privilege, docs/service.md):
   These two roles need a subject: a bare `collector` or `job` is refused where it is read (token file,
   certificate CN), never taken as the wildcard, so a forgotten subject cannot grant every node or job.
 - `operator`: everything in Risk and Jobs, including CancelDirective, DrainNode and listing every job.
+- `shard`: Coordinator.ForwardAlarms only, for the shard named by its subject (`shard:leaf-group-3`): a
+  scoring shard forwarding its alarms to the jobs coordinator (service/coordinator.py).
 Health checking and server reflection are open (probes and grpcurl need no secret; they reveal no data).
 
 A caller is identified by `authorization: Bearer <token>` metadata (tokens are compared by their
@@ -32,8 +34,8 @@ from foreshock.service.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-ROLES = ("collector", "job", "operator")
-SCOPED_ROLES = frozenset({"collector", "job"})   # act for the node / job of their subject only
+ROLES = ("collector", "job", "operator", "shard")
+SCOPED_ROLES = frozenset({"collector", "job", "shard"})   # act for the node / job / shard of their subject only
 WILDCARD = "*"                                   # the subject that acts for every node / job
 PACKAGE = "/foreshock.v1."
 
@@ -52,6 +54,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "/foreshock.v1.Jobs/ListDirectives": frozenset({"job", "operator"}),
     "/foreshock.v1.Jobs/CancelDirective": frozenset({"operator"}),
     "/foreshock.v1.Jobs/DrainNode": frozenset({"operator"}),
+    "/foreshock.v1.Coordinator/ForwardAlarms": frozenset({"shard"}),
 }
 
 
@@ -79,6 +82,9 @@ class Principal:
 
     def may_report_node(self, node: str) -> bool:
         return "collector" in self.roles and self.subject in (WILDCARD, node)
+
+    def may_forward_for(self, shard: str) -> bool:
+        return "shard" in self.roles and self.subject in (WILDCARD, shard)
 
     @property
     def is_operator(self) -> bool:

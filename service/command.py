@@ -8,6 +8,7 @@ and closes the state. docs/service.md describes every setting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -16,6 +17,9 @@ import threading
 from foreshock import config
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
+from foreshock.service.forwarder import CHECKS as FORWARD_CHECKS
+from foreshock.service.forwarder import ForwardSettings
+from foreshock.service.shardmap import SHARD_NAME_RE
 
 # [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
 # defaults and ranges are ActionSettings' own.
@@ -27,6 +31,14 @@ ACTION_KEYS = {
     "action_fleet_size": "fleet_size", "action_max_attempts": "max_attempts",
     "action_backoff_seconds": "backoff_seconds", "action_recheck_seconds": "recheck_seconds",
 }
+# [serve] keys of a shard's forwarder to the jobs coordinator (service/forwarder.py) -> ForwardSettings
+# fields; their defaults and ranges are ForwardSettings' own.
+FORWARD_KEYS = {
+    "forward_buffer_events": "buffer_events", "forward_batch_events": "batch_events",
+    "forward_ack_timeout_seconds": "ack_timeout_seconds", "forward_stream_seconds": "stream_seconds",
+    "forward_summary_seconds": "summary_seconds", "forward_tls_ca": "tls_ca",
+}
+FORWARD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardSettings)}
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +63,9 @@ DEFAULTS = {
     "scoring_process": True,     # decode, value checks and scoring in a worker process (a second core)
     "close_hold_seconds": 0.5,   # telemetry streams wait at most this long while a step closes; 0: never
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
+    "shard": "",                 # this instance's shard in shard_map: it serves that shard's nodes only
+    "shard_map": "",             # the shard map (TOML, service/shardmap.py); with shard, never alone
+    "shard_inventory": "",       # a dataset with an inventory table the map is checked against at start
     **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
     "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
     "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
@@ -65,6 +80,12 @@ DEFAULTS = {
     "archive_buffer_bytes": 256 << 20,   # rows in memory, every table's together; over it, the largest
     #                                      table's go into its file as a run sorted by node
     "archive_queue_bytes": 256 << 20,    # waiting for the archive's writer; beyond, dropped and counted
+    "coordinator": False,        # the jobs coordinator: Jobs API, directives, per-job policy; no telemetry
+    "lease_file": "",            # the coordinator's lock file on the volume it shares with its standby
+    "coordinator_model_version": "",   # the model shards should score with; "": the first shard's
+    "coordinator_address": "",   # HOST:PORT[,HOST:PORT]: a shard, forwarding its alarms to the coordinator
+    "forward_token_file": "",    # a file holding this shard's bearer token for the coordinator
+    **{key: FORWARD_DEFAULTS[name] for key, name in FORWARD_KEYS.items()},
 }
 # The archive's ranges: service/archive.py's ArchiveSettings holds its values to these too.
 ARCHIVE_CHECKS = {
@@ -86,6 +107,9 @@ CHECKS = {
     "grace": config.at_least(0),
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
+    "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
+                          "must be a shard name (letters, digits, '.', '_', '-'; at most 63)"),
+    **{key: FORWARD_CHECKS[name] for key, name in FORWARD_KEYS.items() if name in FORWARD_CHECKS},
 }
 
 
@@ -147,9 +171,53 @@ def register(subparsers) -> None:
                    help="nodes of one job or NVLink domain with the same Xid that make one job event (3)")
     p.add_argument("--xid-context-fraction", type=float,
                    help="... or this share of the job's nodes, whichever is fewer, at least 2 (0.25)")
+    p.add_argument("--shard", metavar="NAME",
+                   help="serve only the nodes of the leaf switches this shard owns in --shard-map; another "
+                        "shard's collectors are redirected there (docs/scaling.md, sharding)")
+    p.add_argument("--shard-map", metavar="FILE", help="the shard map (TOML): shard -> address, leaves or selector")
+    p.add_argument("--shard-inventory", metavar="DIR",
+                   help="a dataset with the cluster's inventory table (the archive, foreshock simulate's output): "
+                        "refuse at start a map with leaves it lacks, nodes in two shards or leaves no shard owns")
+    p.add_argument("--coordinator", action="store_const", const=True,
+                   help="run as the jobs coordinator of a sharded control plane: the Jobs API, the directive "
+                        "store and the per-job policy, fed by the shards' alarms; no telemetry (docs/scaling.md)")
+    p.add_argument("--lease-file", metavar="PATH",
+                   help="the coordinator's lock file, on the volume shared with its standby (beside --state): "
+                        "whoever holds it leads, the other waits and takes over")
+    p.add_argument("--coordinator-model-version",
+                   help="the model version shards should score with (a shard with another is reported, not "
+                        "refused); default: the first shard's")
+    p.add_argument("--coordinator-address", metavar="HOST:PORT[,HOST:PORT]",
+                   help="a scoring shard: forward alarms, fatal events and risks to this jobs coordinator (and "
+                        "its standby) instead of issuing directives here")
+    p.add_argument("--forward-buffer-events", type=int,
+                   help="events held for the coordinator until it acks them (100000); beyond, the oldest "
+                        "risk summaries, then alarms, are dropped and counted")
+    p.add_argument("--forward-ack-timeout-seconds", type=float,
+                   help="a batch the coordinator has not acked this long ends the stream; the next address "
+                        "is tried (5)")
+    p.add_argument("--forward-summary-seconds", type=float,
+                   help="how often every scored node's risk goes to the coordinator (15)")
+    p.add_argument("--forward-tls-ca", help="CA of the coordinator's certificate (PEM)")
+    p.add_argument("--forward-token-file", help="file holding this shard's bearer token (role shard:NAME)")
     p.add_argument("--no-scoring-process", dest="scoring_process", action="store_const", const=False,
                    help="score in the service process instead of a worker process (one core)")
     p.set_defaults(run=run)
+
+
+def inventory_labels(root: str) -> dict[str, dict[str, str]]:
+    """Each node's placement labels in the latest inventory row of the dataset at `root`; ShardMapError
+    naming the dataset when it has none or cannot be read."""
+    from foreshock.dataset import read_table
+    from foreshock.service.shardmap import PLACEMENT_LABELS, ShardMapError
+
+    try:
+        rows = read_table(root, "inventory", columns=["node", "ts", *PLACEMENT_LABELS]).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise ShardMapError(f"shard inventory {root}: {exc}") from None
+    if not rows:
+        raise ShardMapError(f"shard inventory {root}: no inventory rows (a dataset with an inventory table)")
+    return {row["node"]: {k: row[k] or "" for k in PLACEMENT_LABELS} for row in rows}   # sorted by ts: the last wins
 
 
 def settings_from(cfg: dict):
@@ -160,7 +228,7 @@ def settings_from(cfg: dict):
 
     model_path = None
     scorer = None
-    if cfg["no_model"]:
+    if cfg["no_model"] or cfg["coordinator"]:   # the coordinator loads no model: the shards score
         from foreshock.service.scoring import NullScorer
         scorer = NullScorer()
     else:
@@ -171,6 +239,24 @@ def settings_from(cfg: dict):
         tokens = load_token_file(cfg["token_file"]) if cfg["token_file"] else {}
     except ServiceError as exc:
         raise SettingsError(str(exc)) from None
+    shard_map = None
+    if cfg["coordinator"] and (cfg["shard"] or cfg["shard_map"]):
+        raise SettingsError("--coordinator and --shard/--shard-map are exclusive: the coordinator takes no "
+                            "telemetry, the shards do")
+    if cfg["shard"] or cfg["shard_map"]:
+        from foreshock.service.shardmap import ShardMapError, load
+        if not (cfg["shard"] and cfg["shard_map"]):
+            raise SettingsError("--shard and --shard-map go together: name this instance's shard and the map "
+                                f"it is in (got shard {cfg['shard']!r}, shard_map {cfg['shard_map']!r})")
+        try:
+            shard_map = load(cfg["shard_map"])
+            shard_map.shard(cfg["shard"])
+            if cfg["shard_inventory"]:
+                shard_map.check_inventory(inventory_labels(cfg["shard_inventory"]))
+        except ShardMapError as exc:
+            raise SettingsError(str(exc)) from None
+    elif cfg["shard_inventory"]:
+        raise SettingsError("--shard-inventory checks a shard map: give --shard and --shard-map too")
     archive = None
     if cfg["archive"]:
         from foreshock.service.archive import ArchiveError, ArchiveSettings
@@ -180,13 +266,46 @@ def settings_from(cfg: dict):
                                       buffer_bytes=cfg["archive_buffer_bytes"], queue_bytes=cfg["archive_queue_bytes"])
         except ArchiveError as exc:
             raise SettingsError(str(exc)) from None
+    coordinator = forward = None
+    if cfg["coordinator"]:
+        from foreshock.service.coordinator import CoordinatorSettings
+        if cfg["coordinator_address"]:
+            raise SettingsError("--coordinator and --coordinator-address are exclusive: the coordinator "
+                                "forwards to no one")
+        try:
+            coordinator = CoordinatorSettings(cfg["lease_file"],
+                                              expected_model_version=cfg["coordinator_model_version"])
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+    elif cfg["lease_file"]:
+        raise SettingsError("--lease-file is the coordinator's: give --coordinator too")
+    if cfg["coordinator_address"]:
+        from foreshock.service.forwarder import ForwardError, parse_addresses
+        if not cfg["shard"]:
+            # The coordinator keys every forwarded event by shard name and checks the token's role
+            # against it: a shard has a name only from the map it is served in.
+            raise SettingsError("--coordinator-address is a shard's: give --shard NAME and --shard-map FILE too")
+        token = ""
+        if cfg["forward_token_file"]:
+            try:
+                token = open(cfg["forward_token_file"]).read().strip()
+            except OSError as exc:
+                raise SettingsError(f"forward_token_file {cfg['forward_token_file']}: {exc.strerror}") from None
+        try:
+            forward = ForwardSettings(parse_addresses(cfg["coordinator_address"]),
+                                      shard=cfg["shard"], token=token,
+                                      **{name: cfg[key] for key, name in FORWARD_KEYS.items()})
+        except ForwardError as exc:
+            raise SettingsError(str(exc)) from None
     return Settings(
+        coordinator=coordinator, forward=forward,
         state_dir=cfg["state"], archive=archive, listen=cfg["listen"], metrics_listen=cfg["metrics_listen"],
         model_path=model_path, scorer=scorer, insecure=cfg["insecure"], tls_cert=cfg["tls_cert"],
         tls_key=cfg["tls_key"], tls_client_ca=cfg["tls_client_ca"], tokens=tokens,
         threshold=cfg["threshold"] or None, false_evacuation_budget=cfg["budget"] or None,
         score_interval=cfg["score_interval"], scoring_process=bool(cfg["scoring_process"]),
         close_hold_seconds=cfg["close_hold_seconds"], history_dir=cfg["history"],
+        shard=cfg["shard"], shard_map=shard_map,
         actions=ActionSettings(**{name: cfg[key] for key, name in ACTION_KEYS.items()}),
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
@@ -230,12 +349,19 @@ def run(args, file_data) -> int:
         tune_threads()
         host = cfg["listen"].rpartition(":")[0]
         print(f"foreshock serve: listening on {host}:{port}"
+              + (f" as shard {cfg['shard']}" if cfg["shard"] else "")
               + (f", metrics on {cfg['metrics_listen'].rpartition(':')[0]}:{plane.metrics_port}"
                  if plane.metrics_port else "")
-              + (" (INSECURE: plaintext, loopback only, no credentials checked)" if cfg["insecure"] else ""),
+              + (" (INSECURE: plaintext, loopback only, no credentials checked)" if cfg["insecure"] else "")
+              + ("" if plane.leading else f" (coordinator standby: waiting for the lease {cfg['lease_file']})"),
               flush=True)
-        while not stop.wait(1.0):
-            pass
+        leading = plane.leading
+        while not stop.wait(0.2):
+            if plane.leading and not leading:
+                leading = True
+                print(f"foreshock serve: coordinator leader on {host}:{port} (took the lease {cfg['lease_file']})"
+                      + (f", metrics on {cfg['metrics_listen'].rpartition(':')[0]}:{plane.metrics_port}"
+                         if plane.metrics_port else ""), flush=True)
         plane.stop(grace=cfg["grace"])
         return 0
     finally:

@@ -39,3 +39,12 @@ class AlreadyExists(ServiceError):
 
 class ResourceExhausted(ServiceError):
     code = "RESOURCE_EXHAUSTED"
+
+
+class WrongShard(FailedPrecondition):
+    """A node this shard does not serve (service/shardmap.py): `shard` and `address` name the one that does."""
+
+    def __init__(self, message: str, shard: str, address: str):
+        super().__init__(message)
+        self.shard = shard
+        self.address = address

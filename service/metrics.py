@@ -26,6 +26,12 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events | flush (a stream ends)
   foreshock_scoring_duration_seconds                   histogram of a round (drain + score + policy)
   foreshock_model_info{version,horizon_seconds,path}   1
+  foreshock_shard_info{shard,address}                  1: this instance's shard and its address in the map
+                                                       (`serve --shard`; absent without one)
+  foreshock_shard_redirected_streams_total{to_shard}   telemetry streams of another shard's node, refused
+                                                       with that shard named (service/shardmap.py)
+  foreshock_shard_unplaced_streams_total               telemetry streams of a node the map places in no
+                                                       shard, in two, or that named no leaf switch
   foreshock_connected_collectors                       open telemetry streams
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
@@ -52,7 +58,19 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
   foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
                                                        the archive (`serve --archive`, service/archive.py)
+  foreshock_coordinator_shard_model_mismatch{shard,model}  1 while a shard scores with another model than the
+                                                       coordinator expects (the jobs coordinator only)
+  foreshock_coordinator_events_total{shard,result}     shards' events applied | duplicate (sent again, known)
+  foreshock_coordinator_leader                         1 while this coordinator holds the lease, 0 on its
+                                                       standby, whose /metrics has only this and process_*
+  foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
+  foreshock_forwarder_dropped_events_total{kind}, foreshock_forwarder_reconnects_total
+                                                       a shard's stream to the coordinator (service/forwarder.py)
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
+
+The same HTTP listener (`serve_http`) answers GET /readyz: 200 while the instance serves (a coordinator:
+while it leads), 503 otherwise. Kubernetes' gRPC readiness probe speaks plaintext only and the gRPC port
+is TLS, so the probe that keeps a Service's traffic on the coordinator's leader reads this instead.
 """
 
 from __future__ import annotations
@@ -192,6 +210,8 @@ class ControlPlaneCollector:
         info.add_metric([p.scorer.model_version, str(p.scorer.horizon_seconds),
                          str(getattr(p.scorer, "model_path", ""))], 1.0)
         yield info
+        if p.shard_gate is not None:
+            yield from _shard(p.shard_gate)
         yield GaugeMetricFamily("foreshock_connected_collectors", "Open telemetry streams.", value=ing.connected())
         watchers = GaugeMetricFamily("foreshock_connected_job_watchers", "Open WatchDirectives streams.",
                                      labels=["job"])
@@ -266,6 +286,10 @@ class ControlPlaneCollector:
         yield outstanding
         if p.archive is not None:
             yield from _archive_families(p.archive.stats())
+        if p.coordinator is not None:
+            yield from _coordinator_families(p.coordinator)
+        if p.forwarder is not None:
+            yield from _forwarder_families(p.forwarder)
 
 
 def _archive_families(a: dict):
@@ -288,9 +312,118 @@ def _archive_families(a: dict):
                             value=a["buffered_bytes"])
 
 
+def _shard(gate):
+    info = GaugeMetricFamily("foreshock_shard_info", "This instance's shard (serve --shard) and its address in "
+                                                     "the shard map.", labels=["shard", "address"])
+    info.add_metric([gate.shard.name, gate.shard.address], 1.0)
+    yield info
+    redirected = CounterMetricFamily("foreshock_shard_redirected_streams",
+                                     "Telemetry streams of another shard's node, refused with that shard named.",
+                                     labels=["to_shard"])
+    for name in gate.map.names():
+        if name != gate.shard.name:
+            redirected.add_metric([name], gate.redirected.get(name, 0))
+    yield redirected
+    yield CounterMetricFamily("foreshock_shard_unplaced_streams", "Telemetry streams of a node the shard map "
+                              "places in no shard, in two, or that named no leaf switch.", value=gate.unplaced)
+
+
+def _coordinator_families(c):
+    mismatch = GaugeMetricFamily("foreshock_coordinator_shard_model_mismatch",
+                                 "1 while the shard scores with another model than the coordinator expects "
+                                 "(--coordinator-model-version, or the first shard's).", labels=["shard", "model"])
+    events = CounterMetricFamily("foreshock_coordinator_events", "Shards' events: applied, or sent again and "
+                                 "known (duplicate).", labels=["shard", "result"])
+    for shard, (_, _, version) in sorted(c.shards().items()):
+        mismatch.add_metric([shard, version], 1.0 if c.mismatch.get(shard) else 0.0)
+    for shard in sorted(set(c.events_applied) | set(c.events_duplicate)):
+        events.add_metric([shard, "applied"], c.events_applied.get(shard, 0))
+        events.add_metric([shard, "duplicate"], c.events_duplicate.get(shard, 0))
+    yield mismatch
+    yield events
+    yield _leader_family(True)
+
+
+def _leader_family(leading: bool) -> GaugeMetricFamily:
+    return GaugeMetricFamily("foreshock_coordinator_leader", "1 while this coordinator holds the lease and "
+                             "serves, 0 while it is the standby.", value=1.0 if leading else 0.0)
+
+
+class StandbyCollector:
+    """A coordinator's standby opens no state, so it has none of the leader's families: only that it
+    does not lead."""
+
+    def collect(self):
+        yield _leader_family(False)
+
+
+def standby_registry() -> CollectorRegistry:
+    registry = new_registry()
+    registry.register(StandbyCollector())
+    return registry
+
+
+def _forwarder_families(f):
+    yield GaugeMetricFamily("foreshock_forwarder_connected", "1 while the stream to the coordinator is up.",
+                            value=1.0 if f.connected else 0.0)
+    yield GaugeMetricFamily("foreshock_forwarder_buffered_events", "Events the coordinator has not acked yet.",
+                            value=f.buffered())
+    yield CounterMetricFamily("foreshock_forwarder_acked_events", "Events the coordinator acked (durable there).",
+                              value=f.acked_total)
+    dropped = CounterMetricFamily("foreshock_forwarder_dropped_events", "Events dropped because the buffer was "
+                                  "full (risk summaries first).", labels=["kind"])
+    for kind in ("alarm", "cleared", "fatal", "risk"):
+        dropped.add_metric([kind], f.dropped_total.get(kind, 0))
+    yield dropped
+    yield CounterMetricFamily("foreshock_forwarder_reconnects", "Streams to the coordinator that broke or were "
+                              "refused (a standby), each followed by the next address.", value=f.reconnects_total)
+
+
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:
     registry = new_registry()
     registry.register(ControlPlaneCollector(plane))
     hist = Histogram("foreshock_scoring_duration_seconds", "Duration of a scoring round (drain, score, policy).",
                      buckets=SCORING_BUCKETS, registry=registry)
     return registry, hist
+
+
+def serve_http(listen: str, registry_of, ready):
+    """The metrics listener: /readyz from `ready()`, everything else the exposition of `registry_of()`
+    (read per request: a coordinator's registry changes when it takes the lease). Returns the server,
+    serving on a daemon thread."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    from foreshock.config import parse_listen
+
+    apps: dict[CollectorRegistry, object] = {}
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/readyz":
+            ok = ready()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"ready\n" if ok else b"not ready: a coordinator's standby, or not serving yet\n"]
+        registry = registry_of()
+        exposition = apps.get(registry)
+        if exposition is None:
+            exposition = apps[registry] = make_wsgi_app(registry)
+        return exposition(environ, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args):   # a scrape every few seconds is no news
+            pass
+
+    class Server(ThreadingWSGIServer):
+        pass
+
+    addr, port = parse_listen(listen)
+    if ":" in addr:
+        import socket
+        Server.address_family = socket.AF_INET6
+    httpd = make_server(addr, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=httpd.serve_forever, name="foreshock-metrics-http", daemon=True).start()
+    return httpd

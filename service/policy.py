@@ -214,6 +214,40 @@ class EvacuationPolicy:
             if alarm.fatal and now_ns - alarm.since_ns > s.fatal_hold_seconds * 1e9:
                 del self.alarms[node]
 
+    # -- alarms a shard decided (the jobs coordinator, service/coordinator.py) ----------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by each round; a caller that changes alarms and then evaluates holds it across both."""
+        return self._lock
+
+    def raise_alarm(self, node: str, since_ns: int, risk: float, reason: str, *, log_it: bool = True) -> None:
+        """A risk alarm that a shard's policy decided (its scores, its hysteresis): held until cleared."""
+        with self._lock:
+            alarm = self.alarms.get(node)
+            if alarm is not None:
+                alarm.risk = max(alarm.risk, risk) if alarm.fatal else risk
+                return
+            self.alarms[node] = Alarm(since_ns, risk, reason=reason)
+            if log_it:
+                self.decisions.record("alarm", node=node, risk=risk, threshold=self.settings.threshold,
+                                      reason=reason, ts_ns=since_ns)
+
+    def clear_alarm(self, node: str, risk: float, now_ns: int, reason: str) -> None:
+        with self._lock:
+            alarm = self.alarms.get(node)
+            if alarm is None or alarm.fatal:
+                return
+            del self.alarms[node]
+            self.decisions.record("cleared", node=node, risk=risk, threshold=self.settings.threshold,
+                                  reason=reason, ts_ns=now_ns)
+            for key in [k for k in self._said if k[0] == node]:
+                del self._said[key]
+
+    def fatal_acted(self, node: str, ts_ns: int) -> None:
+        """The fatal event at `ts_ns` was decided on before (by the instance this one took over from)."""
+        with self._lock:
+            self._fatal_seen[node] = ts_ns
+
     # -- fail-slow -----------------------------------------------------------------------------------
     def _update_fail_slow(self, now_ns: int) -> dict[tuple[str, str], FailSlow]:
         if self.step_times is None:

@@ -9,12 +9,19 @@ It builds the domain objects (store, job directory, node book, ingest, round sch
 log, archive, metrics), each given at construction what it calls, and the asyncio gRPC server (Telemetry, Risk, Jobs, health checking, reflection) that
 runs on its own event-loop thread, so callers (tests, `foreshock serve`, the migrator's tests) use it
 from plain synchronous code. docs/service.md lists the settings and the API.
+
+Two roles past one instance (docs/scaling.md): with `coordinator` settings it is the jobs coordinator,
+which builds all of that only once it holds the lease (service/coordinator.py LeaderLock) and serves as
+the standby until then; with `forward` settings it is a scoring shard whose rounds go to the
+coordinator (service/forwarder.py) and whose Jobs API refuses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,19 +40,25 @@ from foreshock.service.actions import ActionSettings, NodeActions, backends_from
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
 from foreshock.service.auth import (
     Authenticator, AuthInterceptor, Principal, server_credentials)
+from foreshock.service.coordinator import Coordinator, CoordinatorSettings, LeaderLock
 from foreshock.service.decisions import DecisionLog
+from foreshock.service.forwarder import AlarmForwarder, ForwardSettings, ShardReporter
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
-from foreshock.service.metrics import build_registry
+from foreshock.service.metrics import build_registry, serve_http, standby_registry
 from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.rounds import InProcessPipeline, RoundScheduler
 from foreshock.service.scoring import ModelError, NullScorer, PredictorScorer, default_model_path
-from foreshock.service.servicers import JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests
+from foreshock.service.shardmap import ShardGate, ShardMap, ShardMapError, labels_of
+from foreshock.service.servicers import (
+    CoordinatorServicer, JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests, shard_jobs_handler,
+    standby_handler)
 from foreshock.service.steps import CloseHold
 from foreshock.service.steptimes import FailSlowSettings, StepTimes
 from foreshock.service.worker import ScoringWorker, WorkerPipeline
-from foreshock.v1 import jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from foreshock.v1 import coordinator_pb2, coordinator_pb2_grpc, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc
+from foreshock.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +67,7 @@ SERVICE_NAMES = (
     risk_pb2.DESCRIPTOR.services_by_name["Risk"].full_name,
     jobs_pb2.DESCRIPTOR.services_by_name["Jobs"].full_name,
 )
+COORDINATOR_SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
 class SettingsError(ValueError):
@@ -100,9 +114,15 @@ class Settings:
     #                                          service/actions.py, docs/actions.md)
     archive: ArchiveSettings | None = None   # write everything taken in, the decisions and the incidents
     #                                          to a Parquet dataset (service/archive.py); None: no archive
+    shard: str = ""                          # this instance's shard: it takes the telemetry of the nodes the
+    shard_map: ShardMap | None = None        # shard map places here only (service/shardmap.py); "": all
     scorer_checkpoint_seconds: float = 300.0   # how often the online scorer's state (baselines, day-long
     #                                          counts, counter positions) is written to state_dir, so a
     #                                          restart does not start every node's 3-day baseline over
+    coordinator: CoordinatorSettings | None = None   # the jobs coordinator (service/coordinator.py): no
+    #                                          telemetry; Jobs and the shards' alarms while it holds the lease
+    forward: ForwardSettings | None = None   # a scoring shard: alarms to the coordinator (service/forwarder.py)
+    #                                          instead of directives here
 
     @classmethod
     def insecure_loopback(cls, state_dir, **overrides) -> "Settings":
@@ -120,6 +140,42 @@ class ControlPlane:
     def __init__(self, settings: Settings):
         self.settings = s = settings
         self._validate(s)
+        # A map that does not fit the topology given stops the service here, naming the offenders.
+        try:
+            self.shard_gate = ShardGate(s.shard_map, s.shard) if s.shard else None
+            if s.shard and s.topology:
+                s.shard_map.check_inventory({node: labels_of(t) for node, t in s.topology.items()})
+        except ShardMapError as exc:
+            raise SettingsError(str(exc)) from None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server = None
+        self._health = None
+        self._http = None
+        self._stopped = False
+        self._last_expiry_ns = 0
+        self._history_stop = threading.Event()
+        self._history_thread: threading.Thread | None = None
+        self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
+        self.coordinator: Coordinator | None = None
+        self.forwarder: AlarmForwarder | None = None
+        self.reporter: ShardReporter | None = None
+        self._built = False
+        self._leading = False
+        if s.coordinator is not None:
+            # The state is opened by the lease's holder only (start()): a standby that read it early
+            # would act on a copy the leader has moved on from.
+            self.lease = LeaderLock(s.coordinator.lease_file)
+            self._lease_stop = threading.Event()
+            self._lease_thread: threading.Thread | None = None
+            return
+        self._build()
+
+    def _build(self) -> None:
+        """Every domain object, the state opened: at construction, or when a coordinator takes the lease."""
+        s = self.settings
         # Checked before anything is opened: a drain or taint that can never run stops the service here.
         try:
             action_backends = backends_from(s.actions) if s.actions.enabled else []
@@ -198,21 +254,20 @@ class ControlPlane:
                              steps=self.scoring.steps, context=self.policy.context, archive=self.archive,
                              last_sequences=store_mod.load_sequences(self.store))
         self.sequences_saved_at = 0.0
-        self.authenticator = Authenticator(s.tokens, insecure=s.insecure)
+        if s.coordinator is not None:
+            self.coordinator = Coordinator(s.coordinator, self.store, self.jobs, self.nodes, self.policy, self.clock)
+            self.coordinator.restore()
+        if s.forward is not None:
+            try:
+                self.forwarder = AlarmForwarder(s.forward, model_version=self.scorer.model_version)
+            except (ValueError, OSError) as exc:
+                raise SettingsError(f"coordinator_address: {exc}") from None
+            self.reporter = ShardReporter(self.forwarder, self.nodes, self.policy,
+                                          summary_seconds=s.forward.summary_seconds)
         self.registry, self._round_hist = build_registry(self)
-        self.port: int | None = None
-        self.metrics_port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server = None
-        self._health = None
-        self._http = None
-        self._stopped = False
-        self._last_expiry_ns = 0
-        self._history_stop = threading.Event()
-        self._history_thread: threading.Thread | None = None
         if history_scores is not None:
             self.nodes.set_history(*history_scores)
+        self._built = True
 
     @staticmethod
     def _history_scores(history_dir: str, now_ns: int) -> tuple[dict[str, float], float]:
@@ -261,6 +316,17 @@ class ControlPlane:
             if not (s.tokens or s.tls_client_ca):
                 raise SettingsError("no credentials: give tokens or a client CA (mutual TLS), "
                                     "or every call would be refused")
+        if bool(s.shard) != (s.shard_map is not None):
+            raise SettingsError("shard and shard_map go together: a shard is named in a map "
+                                f"(shard {s.shard!r}, shard_map {'given' if s.shard_map else 'none'})")
+        if s.coordinator is not None and s.forward is not None:
+            raise SettingsError("coordinator and coordinator_address are exclusive: the coordinator forwards "
+                                "to no one")
+        if s.coordinator is not None and s.shard:
+            raise SettingsError("coordinator and shard are exclusive: the coordinator takes no telemetry")
+        if s.forward is not None and s.shard and s.forward.shard != s.shard:
+            # The coordinator would file this shard's events under another shard's name.
+            raise SettingsError(f"forward shard {s.forward.shard!r} is not this instance's shard {s.shard!r}")
         if not 1 <= s.scorer_checkpoint_seconds <= 86_400:
             raise SettingsError(f"scorer_checkpoint_seconds {s.scorer_checkpoint_seconds} must be in [1, 86400] seconds")
         if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
@@ -273,6 +339,8 @@ class ControlPlane:
     def _scorer(s: Settings):
         if s.scorer is not None:
             return s.scorer
+        if s.coordinator is not None:   # the shards score; the coordinator acts on what they forward
+            return NullScorer()
         if s.model_path:
             return PredictorScorer(s.model_path, grace_seconds=s.scorer_grace_seconds)
         path = default_model_path()
@@ -302,6 +370,8 @@ class ControlPlane:
             self.policy.evaluate(now_ns, result.nodes, result.probability)
         else:
             self.policy.evaluate(now_ns)   # fatal events only: the scores have not moved
+        if self.reporter is not None:
+            self.reporter.after_round(now_ns)
         if now_ns - self._last_expiry_ns >= 1_000_000_000:
             self._last_expiry_ns = now_ns
             self.jobs.expire(now_ns)
@@ -344,7 +414,7 @@ class ControlPlane:
         return store_mod.job_count(self.store)
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    async def _serve(self) -> int:
+    def _grpc_server(self):
         s = self.settings
         options = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -358,51 +428,83 @@ class ControlPlane:
             ("grpc.http2.bdp_probe", 0),
         ]
         # Credentials are checked before the request's bytes are looked at: the decode check runs inside.
-        server = grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator), UndecodableRequests()],
-                                 options=options)
-        telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(self), server)
+        return grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator), UndecodableRequests()],
+                               options=options)
+
+    def _bind(self, server, listen: str) -> int:
+        s = self.settings
+        if s.insecure:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca or None))
+        if not port:
+            raise SettingsError(f"listen {listen!r}: could not bind")
+        return port
+
+    def _served_names(self) -> tuple[str, ...]:
+        if self.settings.coordinator is not None:   # the jobs coordinator takes no telemetry
+            return SERVICE_NAMES[1:] + (COORDINATOR_SERVICE,)
+        if self.settings.forward is not None:       # a shard serves no Jobs API
+            return SERVICE_NAMES[:2]
+        return SERVICE_NAMES
+
+    async def _serve(self, listen: str | None = None) -> int:
+        server = self._grpc_server()
+        if self.settings.coordinator is None:
+            telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(self), server)
+        else:
+            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), server)
         risk_pb2_grpc.add_RiskServicer_to_server(RiskServicer(self), server)
-        jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
+        if self.settings.forward is None:
+            jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
+        else:   # one writer of directives: the coordinator
+            server.add_generic_rpc_handlers([shard_jobs_handler(self.settings.forward.shard,
+                                                                ",".join(self.settings.forward.addresses))])
+        names = self._served_names()
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(SERVICE_NAMES + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                                             reflection.SERVICE_NAME), server)
-        if s.insecure:
-            port = server.add_insecure_port(s.listen)
-        else:
-            port = server.add_secure_port(s.listen, server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca or None))
-        if not port:
-            raise SettingsError(f"listen {s.listen!r}: could not bind")
+        reflection.enable_server_reflection(names + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                                     reflection.SERVICE_NAME), server)
+        port = self._bind(server, listen or self.settings.listen)
         await server.start()
         self.hold.bind(asyncio.get_running_loop())
-        for name in ("",) + SERVICE_NAMES:
+        for name in ("",) + names:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         return port
 
-    def start(self) -> int:
-        """Start serving; returns the bound gRPC port."""
-        if self._thread is not None:
-            raise RuntimeError("control plane already started")
+    async def _serve_standby(self) -> int:
+        """A coordinator waiting for the lease: UNAVAILABLE to every call, NOT_SERVING to health checks
+        (a Kubernetes readiness probe keeps the Service's traffic on the leader)."""
+        server = self._grpc_server()
+        server.add_generic_rpc_handlers([standby_handler(self.lease.holder)])
+        self._health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = self._bind(server, self.settings.listen)
+        await server.start()
+        for name in ("",) + self._served_names():
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server = server
+        return port
+
+    async def _become_leader(self) -> int:
+        """The standby's server gives the port over to the leader's (the same address, so clients that
+        retried there find the leader)."""
+        await self._server.stop(0)
+        host = self.settings.listen.rpartition(":")[0]
+        return await self._serve(f"{host}:{self.port}")
+
+    def _start_loop(self, serve) -> int:
+        """The gRPC event loop's thread, serving what `serve` (a coroutine function) starts; its port."""
         ready = threading.Event()
         outcome: dict[str, Any] = {}
-        if self.archive is not None:
-            self.archive.start()
-        worker = self.scoring.worker
-        if worker is not None:
-            # loading and checking the model takes seconds: say so, or the service looks hung
-            log.info("scoring worker: loading the model before listening")
-            t0 = time.monotonic()
-            worker.start()
-            worker.wait_ready()
-            log.info("scoring worker: ready in %.1f s", time.monotonic() - t0)
 
         def run():
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
             self._loop = loop
             try:
-                outcome["port"] = loop.run_until_complete(self._serve())
+                outcome["port"] = loop.run_until_complete(serve())
             except BaseException as exc:  # reported to start()'s caller
                 outcome["error"] = exc
                 ready.set()
@@ -423,11 +525,68 @@ class ControlPlane:
         if "error" in outcome:
             self._thread.join(5)
             self._thread = None
+            raise outcome["error"]
+        return outcome["port"]
+
+    @property
+    def leading(self) -> bool:
+        """This instance serves (a coordinator: holds the lease and has opened the state)."""
+        return self._leading
+
+    def start(self) -> int:
+        """Start serving; returns the bound gRPC port. A coordinator serves as the standby until it holds
+        the lease, then takes over on the same port (`leading` says which)."""
+        if self._thread is not None:
+            raise RuntimeError("control plane already started")
+        if not self._built:
+            self.port = self._start_loop(self._serve_standby)
+            self._start_http()
+            log.info("coordinator standby on %s (port %d): waiting for the lease %s (%s)", self.settings.listen,
+                     self.port, self.settings.coordinator.lease_file, self.lease.holder() or "no holder yet")
+            self._lease_thread = threading.Thread(target=self._await_lease, name="foreshock-lease", daemon=True)
+            self._lease_thread.start()
+            return self.port
+        if self.archive is not None:
+            self.archive.start()
+        worker = self.scoring.worker
+        if worker is not None:
+            # loading and checking the model takes seconds: say so, or the service looks hung
+            log.info("scoring worker: loading the model before listening")
+            t0 = time.monotonic()
+            worker.start()
+            worker.wait_ready()
+            log.info("scoring worker: ready in %.1f s", time.monotonic() - t0)
+        try:
+            self.port = self._start_loop(self._serve)
+        except BaseException:
             if worker is not None:
                 worker.stop()
-            raise outcome["error"]
-        self.port = outcome["port"]
+            raise
+        self._start_rest()
+        self._leading = True
+        return self.port
+
+    def _await_lease(self) -> None:
+        self.lease.identity = f"{self.settings.listen.rpartition(':')[0]}:{self.port} on {socket.gethostname()}"
+        if not self.lease.acquire(self._lease_stop, self.settings.coordinator.lock_poll_seconds):
+            return
+        log.warning("coordinator: took the lease %s; opening the state and serving the Jobs API",
+                    self.settings.coordinator.lease_file)
+        try:
+            self._build()
+            asyncio.run_coroutine_threadsafe(self._become_leader(), self._loop).result(30)
+        except Exception:
+            # Half a leader is worse than none: the lease goes with the process, to the standby.
+            log.exception("coordinator: could not take over; exiting so that the standby can")
+            logging.shutdown()
+            os._exit(3)
+        self._start_rest()
+        self._leading = True
+
+    def _start_rest(self) -> None:
         self.scoring.start()
+        if self.forwarder is not None:
+            self.forwarder.start()
         if self.actions is not None:
             self.actions.start()
             log.info("node actions: %s; breaker at most %d nodes (%.3g of a fleet of %d)",
@@ -436,19 +595,35 @@ class ControlPlane:
         if self.settings.history_dir:
             self._history_thread = threading.Thread(target=self._history_loop, name="foreshock-history", daemon=True)
             self._history_thread.start()
-        if self.settings.metrics_listen:
-            from prometheus_client import start_http_server
-            addr, mport = parse_listen(self.settings.metrics_listen)
-            self._http, _ = start_http_server(mport, addr=addr, registry=self.registry)
-            self.metrics_port = self._http.server_port
+        self._start_http()
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
-        log.info("foreshock control plane on %s (port %d), %s; model %s; threshold %.3f; state %s%s",
-                 self.settings.listen, self.port, mode, self.scorer.model_version, self.policy.settings.threshold,
-                 self.state_dir, f"; archive {self.settings.archive.uri}" if self.archive is not None else "")
+        role = "jobs coordinator (leader), " if self.coordinator is not None else \
+            (f"forwarding to {','.join(self.settings.forward.addresses)}"
+             + ("" if self.shard_gate else f" as shard {self.settings.forward.shard}") + ", "
+             if self.forwarder is not None else "")
+        log.info("foreshock control plane on %s (port %d), %s%s; model %s; threshold %.3f; state %s%s%s",
+                 self.settings.listen, self.port, role, mode, self.scorer.model_version,
+                 self.policy.settings.threshold, self.state_dir,
+                 f"; archive {self.settings.archive.uri}" if self.archive is not None else "",
+                 f"; shard {self.settings.shard} of {self.settings.shard_map.source}" if self.shard_gate else "")
         if self.settings.insecure:
             log.warning("running INSECURE on loopback: every caller has every role (demo and tests only)")
-        return self.port
+
+    def _start_http(self) -> None:
+        """/metrics and /readyz, once: a coordinator's standby starts it, and keeps it when it leads."""
+        if self._http is not None or not self.settings.metrics_listen:
+            return
+        standby = standby_registry() if self.settings.coordinator is not None else None
+        self._http = serve_http(self.settings.metrics_listen,
+                                lambda: self.registry if self._leading else (standby or self.registry),
+                                lambda: self._leading)
+        self.metrics_port = self._http.server_port
+
+    def _stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
 
     @property
     def _scores_here(self) -> bool:
@@ -465,6 +640,10 @@ class ControlPlane:
         if self._stopped:
             return
         self._stopped = True
+        if self.settings.coordinator is not None:
+            self._lease_stop.set()   # a standby stops waiting; a takeover under way finishes first
+            if self._lease_thread is not None:
+                self._lease_thread.join(60)
         loop = self._loop
         if loop is not None and self._server is not None and not loop.is_closed():
             async def shutdown():
@@ -478,6 +657,9 @@ class ControlPlane:
             loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(grace + 10)
+        if not self._built:   # a standby that never led: it opened nothing
+            self._stop_http()
+            return
         self._history_stop.set()
         if self._history_thread is not None:
             self._history_thread.join(5)
@@ -485,19 +667,21 @@ class ControlPlane:
         if not self.scoring.drain_backlog(5.0):
             log.warning("stopping with %d telemetry batches not yet taken", self.scoring.backlog())
         self.scoring.stop()
+        if self.forwarder is not None:   # the last round's events, given a moment to be acked
+            self.forwarder.stop(flush_seconds=min(grace, 2.0))
         self.policy.close_context(self.clock())
         if self.actions is not None:
             self.actions.stop()
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
         self.save_sequences(self.clock())
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+        self._stop_http()
         self.decisions.close()
         if self.archive is not None:
             self.archive.close()   # after the decision log, whose last rows it takes
         self.store.close()
+        if self.settings.coordinator is not None:
+            self.lease.release()   # after the state is closed: the standby opens it next
 
     def __enter__(self):
         self.start()

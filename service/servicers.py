@@ -4,8 +4,11 @@ Nothing here decides anything: validation lives in jobs.py / ingest.py, decision
 state in store.py. A request that is no valid protobuf of its method's type gets INVALID_ARGUMENT
 (UndecodableRequests, on every method, ours and the health and reflection services), logged at most
 once a minute per method and peer address. Slow domain calls (SQLite commits) run in a worker thread
-so the event loop keeps serving thousands of telemetry streams. Services: foreshock.v1.Telemetry, Risk, Jobs
-(proto/foreshock/v1/*.proto).
+so the event loop keeps serving thousands of telemetry streams. A shard (`serve --shard`) refuses the
+telemetry of another shard's node with FAILED_PRECONDITION and the right shard in the trailing metadata
+(service/shardmap.py). Services: foreshock.v1.Telemetry, Risk, Jobs,
+Coordinator (proto/foreshock/v1/*.proto), and `Refusing`: what a coordinator's standby answers, and a
+forwarding shard to the Jobs API.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from foreshock.ratelimit import LogLimiter
-from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError
+from foreshock.service import shardmap
+from foreshock.service.errors import InvalidArgument, NotFound, PermissionDenied, ServiceError, WrongShard
 from foreshock.service.ingest import URGENT_TABLES
 from foreshock.service.jobs import check_node
 from foreshock.service.domain import Directive
-from foreshock.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, risk_pb2, risk_pb2_grpc, telemetry_pb2
-from foreshock.v1 import telemetry_pb2_grpc
+from foreshock.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, jobs_pb2, jobs_pb2_grpc, risk_pb2
+from foreshock.v1 import risk_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +386,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         principal = self.plane.authenticator.principal(context)
         ingest = self.plane.ingest
         hold = self.plane.hold
+        gate = self.plane.shard_gate
+        stream_labels = shardmap.labels_from_metadata(context.invocation_metadata()) if gate is not None else None
+        placed = None   # (node, the topology it was admitted under): admitted again only when either changes
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
         Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
@@ -434,6 +441,8 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
 
         try:
             while (batch := await context.read()) is not grpc.aio.EOF:
+                if gate is not None and batch.node:
+                    placed = await self._admit(context, gate, batch, stream_labels, placed)
                 urgent = _urgent(batch)
                 if hold.held and not urgent:
                     await hold.wait()   # a complete step is closing; events never wait (steps.CloseHold)
@@ -481,3 +490,123 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             for waiter in list(waiters):
                 waiter.cancel()
             ingest.close_session(session)
+
+    async def _admit(self, context, gate, batch, stream_labels, placed):
+        """Refuse the stream (FAILED_PRECONDITION, before the batch is taken or acknowledged) unless
+        this shard serves the batch's node; returns what it was admitted under (shardmap.ShardGate)."""
+        node = batch.node
+        inventory = next((t.arrow_ipc for t in batch.tables if t.table == "inventory" and not t.schema_omitted), None)
+        labels = shardmap.labels_in_inventory(inventory, node) if inventory is not None else None
+        topo = self.plane.nodes.topology.get(node)
+        if labels is None:
+            if placed == (node, topo):
+                return placed
+            labels = shardmap.labels_of(topo) if topo is not None else stream_labels
+        try:
+            gate.admit(node, labels)
+        except WrongShard as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err), trailing_metadata=(
+                (shardmap.SHARD_KEY, err.shard), (shardmap.ADDRESS_KEY, err.address)))
+        except ServiceError as err:
+            await _abort(context, err)
+        return node, topo
+
+
+def shard_events_from_proto(events) -> list:
+    from foreshock.service.coordinator import EventKind, ShardEvent
+    from foreshock.service.domain import SignalRecord
+    from foreshock.service.nodes import Topology
+
+    out = []
+    for e in events:
+        try:
+            kind = EventKind(e.kind)
+        except ValueError:
+            raise InvalidArgument(f"event {e.sequence} (node {e.node!r}): kind {e.kind} is not a ShardEventKind") from None
+        out.append(ShardEvent(
+            e.sequence, kind, e.node, e.risk,
+            tuple(SignalRecord(s.name, s.value, s.contribution, s.description) for s in e.signals),
+            e.ts_ns, e.fatal_kind, e.description,
+            Topology(site=e.site, leaf_switch=e.leaf_switch, nvlink_domain=e.nvlink_domain)))
+    return out
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Coordinator.ForwardAlarms: each request's events applied (service/coordinator.py), then acked."""
+
+    def __init__(self, plane):
+        self.plane = plane
+
+    async def ForwardAlarms(self, request_iterator, context):
+        principal = self.plane.authenticator.principal(context)
+        shard = None
+        try:
+            async for request in request_iterator:
+                if shard is None:
+                    shard = request.shard
+                    if principal is None or not principal.may_forward_for(shard):
+                        raise PermissionDenied(f"credential for {principal.subject if principal else '?'!r} may "
+                                               f"not forward for shard {shard!r}")
+                elif request.shard != shard:
+                    raise InvalidArgument(f"one stream forwards for one shard: {shard!r}, then {request.shard!r}")
+                events = shard_events_from_proto(request.events)
+                acked = await asyncio.to_thread(self.plane.coordinator.receive, shard, request.epoch,
+                                                request.model_version, events)
+                yield coordinator_pb2.ForwardAck(epoch=request.epoch, acked_sequence=acked)
+        except ServiceError as err:
+            await _abort(context, err)
+
+
+class Refusing(grpc.GenericRpcHandler):
+    """Every method of the named services (foreshock.v1 names: "Jobs", "Risk", "Coordinator") answered
+    with one status and a message that says why and where to go: a coordinator's standby (UNAVAILABLE,
+    clients retry), or the Jobs API of a shard that forwards to the coordinator (FAILED_PRECONDITION)."""
+
+    MODULES = {"Jobs": jobs_pb2, "Risk": risk_pb2, "Coordinator": coordinator_pb2}
+
+    def __init__(self, services, code: grpc.StatusCode, message):
+        self.code = code
+        self.message = message   # () -> str, read per call (who leads can change)
+        self._kinds = {}
+        for name in services:
+            for m in self.MODULES[name].DESCRIPTOR.services_by_name[name].methods:
+                self._kinds[f"/foreshock.v1.{name}/{m.name}"] = (m.client_streaming, m.server_streaming)
+
+    def service(self, handler_call_details):
+        kind = self._kinds.get(handler_call_details.method)
+        if kind is None:
+            return None
+        method = handler_call_details.method
+
+        async def refuse(context):
+            await context.abort(self.code, f"{method}: {self.message()}")
+
+        async def unary(request, context):
+            await refuse(context)
+
+        async def streaming(request, context):
+            await refuse(context)
+            yield b""   # never reached: makes this an async generator
+
+        client_streaming, server_streaming = kind
+        if server_streaming:
+            factory = (grpc.stream_stream_rpc_method_handler if client_streaming
+                       else grpc.unary_stream_rpc_method_handler)
+            return factory(streaming)
+        factory = grpc.stream_unary_rpc_method_handler if client_streaming else grpc.unary_unary_rpc_method_handler
+        return factory(unary)
+
+
+def standby_handler(holder) -> Refusing:
+    """What a coordinator's standby answers to every Jobs, Risk and Coordinator call: UNAVAILABLE, saying
+    that it is the standby and who leads (`holder()`: what the leader wrote in the lease file)."""
+    return Refusing(("Jobs", "Risk", "Coordinator"), grpc.StatusCode.UNAVAILABLE,
+                    lambda: f"this coordinator is the standby; the leader holds the lease "
+                            f"({holder() or 'holder unknown'}): retry, or call the other coordinator")
+
+
+def shard_jobs_handler(shard: str, coordinators: str) -> Refusing:
+    """The Jobs API of a shard that forwards its alarms: the coordinator's, not this instance's."""
+    return Refusing(("Jobs",), grpc.StatusCode.FAILED_PRECONDITION,
+                    lambda: f"this is shard {shard}, which forwards its alarms to the jobs coordinator; "
+                            f"jobs register and watch directives there ({coordinators})")

@@ -74,6 +74,14 @@ CREATE TABLE IF NOT EXISTS node_actions(
   alarm_since_ns INTEGER NOT NULL, requested_at_ns INTEGER NOT NULL, updated_at_ns INTEGER NOT NULL,
   attempts INTEGER NOT NULL, next_try_ns INTEGER NOT NULL, done TEXT NOT NULL, detail TEXT NOT NULL,
   unsure INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS shard_progress(
+  shard TEXT PRIMARY KEY, epoch INTEGER NOT NULL, sequence INTEGER NOT NULL, model_version TEXT NOT NULL,
+  updated_at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS shard_nodes(
+  node TEXT PRIMARY KEY, shard TEXT NOT NULL, risk REAL NOT NULL, scored_at_ns INTEGER NOT NULL,
+  alarm INTEGER NOT NULL, alarm_since_ns INTEGER NOT NULL, reason TEXT NOT NULL, signals TEXT NOT NULL,
+  fatal_ts_ns INTEGER NOT NULL, fatal_kind TEXT NOT NULL, fatal_description TEXT NOT NULL,
+  fatal_recorded_ns INTEGER NOT NULL, leaf_switch TEXT NOT NULL, site TEXT NOT NULL, nvlink_domain TEXT NOT NULL);
 """
 
 
@@ -398,6 +406,26 @@ class StateStore:
                              int(a.unsure))
                             for a in rows])
             db.executemany("DELETE FROM node_actions WHERE node=?", [(n,) for n in dropped])
+
+    # -- shards' events (the jobs coordinator, service/coordinator.py) -------------------------------
+    def shard_progress(self) -> dict[str, tuple[int, int, str]]:
+        """shard -> (epoch, last sequence applied, model version)."""
+        with self._lock:
+            rows = self._db.execute("SELECT shard, epoch, sequence, model_version FROM shard_progress").fetchall()
+        return {shard: (epoch, seq, version) for shard, epoch, seq, version in rows}
+
+    def record_shard_events(self, shard: str, epoch: int, sequence: int, model_version: str, nodes: list[tuple],
+                            now_ns: int) -> None:
+        """One shard's events applied up to `sequence`, and the shard_nodes rows they changed, in one
+        write (a savepoint of the caller's batch, so the directives they lead to commit with them)."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO shard_progress VALUES (?,?,?,?,?)",
+                       (shard, epoch, sequence, model_version, now_ns))
+            db.executemany("INSERT OR REPLACE INTO shard_nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", nodes)
+
+    def shard_nodes(self) -> list[tuple]:
+        with self._lock:
+            return self._db.execute("SELECT * FROM shard_nodes ORDER BY node").fetchall()
 
     def last_directive_time(self, nodes: Iterable[str] | None = None) -> dict[str, int]:
         """Per from_node, the latest time a directive was issued or changed state (for cool-down)."""

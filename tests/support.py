@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 
@@ -49,13 +50,20 @@ class Serve:
             raise AssertionError(f"serve did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
         self.banner = line
         self.address = line.split("listening on ")[1].split(",")[0].split(" ")[0]
-        self.metrics = line.split("metrics on ")[1].split(" ")[0]
+        self.metrics = line.split("metrics on ")[1].split(" ")[0] if "metrics on " in line else None
 
     def metric(self, name: str, timeout: float = 10.0) -> float:
         text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=timeout).read().decode()
         got = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ")]
         assert got, f"{name} not exported"
         return got[0]
+
+    def ready(self) -> int:
+        """GET /readyz's status: 200 serving (a coordinator: leading), 503 not."""
+        try:
+            return urllib.request.urlopen(f"http://{self.metrics}/readyz", timeout=10).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
 
     def term(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -146,9 +146,15 @@ def test_runtime_stage_is_non_root_and_matches_the_manifests():
     entrypoint = [rest for word, rest in runtime if word == "ENTRYPOINT"]
     assert entrypoint == ['["foreshock"]']
     kube = REPO / "deploy" / "kubernetes"
-    statefulset = yaml.safe_load((kube / "serve-statefulset.yaml").read_text())
-    assert statefulset["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
+    sharded = REPO / "deploy" / "kubernetes-sharded"
     exposed = {int(p) for word, rest in runtime if word == "EXPOSE" for p in rest.split()}
+    # the single control plane's and the sharded one's (shards, coordinators) run the image's user
+    for path in (kube / "serve-statefulset.yaml", sharded / "shard-statefulset.yaml",
+                 sharded / "coordinator-deployment.yaml"):
+        workload = yaml.safe_load(path.read_text())
+        assert workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid), path.name
+        served = {p["containerPort"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        assert served <= exposed, path.name
     ports = set()
     for name in ("serve-statefulset.yaml", "collector-daemonset.yaml"):
         doc = yaml.safe_load((kube / name).read_text())

@@ -36,7 +36,7 @@ OTHER_EXPORTERS = {"node_uname_info": "node_exporter's uname collector",
                    "DCGM_FI_DEV_GPU_TEMP": "dcgm-exporter's default counters"}
 JOIN_GROUP = "foreshock.joins"
 # Grafana's built-in variables and the dashboard's own, replaced before promtool sees a query.
-GRAFANA_VALUES = {"__rate_interval": "5m", "__interval": "1m", "__range": "6h", "node": ".*"}
+GRAFANA_VALUES = {"__rate_interval": "5m", "__interval": "1m", "__range": "6h", "node": ".*", "shard": ".*"}
 
 
 # -- PromQL metric names ------------------------------------------------------------------------------
@@ -149,8 +149,18 @@ def test_dashboard_is_well_formed_and_covers_the_issue():
     titles = {p["title"] for p in panels}
     for wanted in ("Risk level heatmap by node", "Risk level heatmap by leaf switch", "Top risky nodes",
                    "Top risky nodes: their signals", "Directives by kind and outcome", "Source success by node",
-                   "Nodes taken out, held back, and the breaker's cap"):
+                   "Nodes taken out, held back, and the breaker's cap",
+                   # issue 19: the sharded control plane
+                   "Shards up", "Coordinators leading", "Nodes scored by shard", "Model by shard"):
         assert wanted in titles
+    # Panels that break a figure down by shard take the shard's name from foreshock_shard_info, filtered
+    # by the dashboard's shard variable; the shards' target labels name pods, not shards.
+    shard_panels = [p for p in panels if p["type"] != "row"
+                    and any("by (shard)" in t["expr"] or "by (le, shard)" in t["expr"] for t in p["targets"])]
+    assert len(shard_panels) >= 3
+    for p in shard_panels:
+        assert any('shard=~"$shard"' in t["expr"] for t in p["targets"]), p["title"]
+    assert variables["shard"]["definition"] == "label_values(foreshock_shard_info, shard)"
 
 
 def _colour_steps(config: dict) -> list[tuple[str, float | None]] | None:
@@ -268,18 +278,52 @@ def exported(procfs_fixture, tmp_path_factory) -> dict[str, set[str]]:
     """Series names from a real scrape of the collector's and the control plane's /metrics endpoints."""
     from foreshock.collectors import metrics
 
-    with running_exporters(procfs_fixture, tmp_path_factory.mktemp("exported")) as (collector, plane):
+    with running_exporters(procfs_fixture, tmp_path_factory.mktemp("exported")) as (collector, plane), \
+            sharded_roles(tmp_path_factory.mktemp("sharded")) as (shard, coordinator):
         http, _thread = metrics.serve(collector, "127.0.0.1:0")
         try:
-            return {"collector": _scrape(http.server_port), "service": _scrape(plane.metrics_port)}
+            got = {"collector": _scrape(http.server_port), "single": _scrape(plane.metrics_port),
+                   "shard": _scrape(shard.metrics_port), "coordinator": _scrape(coordinator.metrics_port)}
         finally:
             http.shutdown()
             http.server_close()
+    got["service"] = got["single"] | got["shard"] | got["coordinator"]
+    return got
 
 
-# Metrics the dashboard asks for that no component exports yet, each with why; a strict xfail below
-# turns into a failure the day the metric appears, so this list cannot go stale.
-AWAITED: dict[str, str] = {}
+@contextlib.contextmanager
+def sharded_roles(base: Path):
+    """The control plane's two sharded roles, started on loopback: a jobs coordinator, and a shard of a
+    two-shard map that forwards to it."""
+    import time
+
+    from foreshock.service import shardmap
+    from foreshock.service.coordinator import CoordinatorSettings
+    from foreshock.service.forwarder import ForwardSettings
+    from foreshock.service.scoring import NullScorer
+    from foreshock.service.server import Settings, build_server
+
+    (base / "shards.toml").write_text('[shards.shard-0]\naddress = "127.0.0.1:1"\nleaves = ["leaf-a"]\n'
+                                      '[shards.shard-1]\naddress = "127.0.0.1:2"\nleaves = ["leaf-b"]\n')
+    coordinator = build_server(Settings.insecure_loopback(
+        base / "coordinator", metrics_listen="127.0.0.1:0",
+        coordinator=CoordinatorSettings(str(base / "lease"), lock_poll_seconds=0.05)))
+    shard = None
+    try:
+        coordinator.start()
+        deadline = time.monotonic() + 20
+        while not coordinator.leading and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shard = build_server(Settings.insecure_loopback(
+            base / "shard", scorer=NullScorer(), metrics_listen="127.0.0.1:0", shard="shard-0",
+            shard_map=shardmap.load(base / "shards.toml"),
+            forward=ForwardSettings((coordinator.address,), "shard-0")))
+        shard.start()
+        yield shard, coordinator
+    finally:
+        if shard is not None:
+            shard.stop(0)
+        coordinator.stop(0)
 
 
 def test_exported_names_come_from_both_components(exported):
@@ -322,15 +366,15 @@ def test_dashboard_uses_only_exported_metrics(exported):
     for where, expr in dashboard_exprs():
         names = metric_names(expr)
         used |= names
-        unknown = names - known - set(AWAITED)
+        unknown = names - known
         assert not unknown, f"dashboard {where} queries {sorted(unknown)}, which nothing exports"
-    assert set(AWAITED) <= used, "an awaited metric the dashboard no longer uses: drop it from AWAITED"
 
 
-@pytest.mark.parametrize("name", sorted(AWAITED))
-def test_awaited_metric_is_exported(name, exported, request):
-    request.applymarker(pytest.mark.xfail(strict=True, reason=AWAITED[name]))
-    assert name in exported["collector"] | exported["service"]
+@pytest.mark.parametrize("name, role", [("foreshock_shard_info", "shard"),
+                                        ("foreshock_coordinator_leader", "coordinator"),
+                                        ("foreshock_model_info", "shard")])
+def test_the_sharded_roles_export_what_the_rules_read(name, role, exported):
+    assert name in exported[role]
 
 
 # -- a real Prometheus over the real exporters ----------------------------------------------------------
@@ -416,7 +460,8 @@ def _check_on_prometheus(tmp_path: Path, collector_port: int, serve_port: int, c
         checked = 0
         for where, expr in dashboard_exprs():
             names = metric_names(expr)
-            if names and names <= collector_names | {"up"} and not re.search("drop|error", expr):
+            # the sharded control plane's jobs are not scraped here (the test after this one has them)
+            if names and names <= collector_names | {"up"} and not re.search("drop|error|foreshock-shard", expr):
                 assert _query(port, grafana_to_promql(expr).replace("[5m]", "[1m]")), f"{where}: no data"
                 checked += 1
         assert checked >= 5
@@ -426,3 +471,151 @@ def _check_on_prometheus(tmp_path: Path, collector_port: int, serve_port: int, c
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# -- a real Prometheus over two running control planes, scraped as shards ------------------------------
+SHARD_SCRAPE = RULES.parent / "prometheus-shards.yml"
+
+
+@contextlib.contextmanager
+def serve_processes(base: Path, count: int):
+    """`count` real `foreshock serve --shard shard-I` processes on loopback (insecure, no model: what is
+    checked here is what Prometheus makes of several targets, not the scores), shard-I owning leaf-I.
+    Yields each one's (gRPC port, metrics port)."""
+    import time
+
+    shard_map = base / "shards.toml"
+    shard_map.write_text("".join(f'[shards.shard-{i}]\naddress = "127.0.0.1:{i + 1}"\nleaves = ["leaf-{i}"]\n'
+                                 for i in range(count)))
+    procs, ports = [], []
+    try:
+        for i in range(count):
+            log = base / f"serve-{i}.log"
+            with open(log, "w") as out:
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "foreshock", "serve", "--insecure", "--no-model",
+                     "--shard", f"shard-{i}", "--shard-map", str(shard_map),
+                     "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--state", str(base / f"state-{i}")],
+                    stdout=out, stderr=subprocess.STDOUT, env={**_clean_env(), "PYTHONUNBUFFERED": "1"}), log))
+        deadline = time.monotonic() + 30
+        for proc, log in procs:
+            while not (m := re.search(r"listening on 127\.0\.0\.1:(\d+)(?: as shard \S+)?, metrics on 127\.0\.0\.1:(\d+)", log.read_text())):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.1)
+            ports.append((int(m.group(1)), int(m.group(2))))
+        yield ports
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            proc.wait(timeout=30)
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+    return {k: v for k, v in os.environ.items() if not k.startswith("FORESHOCK_")}
+
+
+@contextlib.contextmanager
+def collectors_on(procfs_fixture: Path, base: Path, service_port: int, nodes: list[str], leaf_switch: str):
+    """Real collectors (procfs fixture) streaming to the control plane at `service_port`, one per node."""
+    import time
+
+    from foreshock.collectors import command
+    from foreshock.config import resolve
+
+    built = []
+    try:
+        for node in nodes:
+            cfg = resolve("collect", command.DEFAULTS, env={}, flags={
+                "sources": ["netdev"], "sysfs": str(procfs_fixture / "sys"), "procfs": str(base),
+                "node": node, "out": str(base / f"out-{node}"), "metrics_listen": "",
+                "service": f"127.0.0.1:{service_port}", "leaf_switch": leaf_switch})
+            collector = command.build_collector(cfg)
+            built.append(collector)
+            collector.sweep_once()
+        yield built
+    finally:
+        for collector in built:
+            collector.close()
+            if collector.uplink is not None:
+                collector.uplink.close(2.0)
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (run tests/setup.sh)")
+def test_shard_rules_aggregate_two_running_instances_on_a_real_prometheus(procfs_fixture, tmp_path):
+    """Two real `foreshock serve --shard` processes scraped as the foreshock-shard job of
+    deploy/prometheus/prometheus-shards.yml, with the rules loaded (intervals shortened to 1 s): `up` has
+    both targets and the cross-shard recording rules are computed over both targets' series (one
+    collector streams to the first, two to the second, and the cluster-wide sum is 3). Of Foreshock's
+    alerts only "no coordinator leader" is pending, since shards run and no coordinator is scraped; the
+    single control plane's "not scraped" alert stays quiet where shards run."""
+    import time
+
+    with serve_processes(tmp_path, 2) as ports, \
+            collectors_on(procfs_fixture, tmp_path, ports[0][0], ["gpu-001"], "leaf-0"), \
+            collectors_on(procfs_fixture, tmp_path, ports[1][0], ["gpu-101", "gpu-102"], "leaf-1"):
+        rules = yaml.safe_load(RULES.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+        (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+        config = yaml.safe_load(SHARD_SCRAPE.read_text())
+        config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config["rule_files"] = [str(tmp_path / "rules.yaml")]
+        jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+        targets = [f"127.0.0.1:{metrics}" for _, metrics in ports]
+        jobs["foreshock-shard"]["static_configs"] = [{"targets": targets}]
+        del jobs["foreshock-coordinator"]
+        config["scrape_configs"] = list(jobs.values())
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = _free_port()
+        log = tmp_path / "prometheus.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                     f"--web.listen-address=127.0.0.1:{port}"],
+                                    stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + 25
+            total = []
+            while time.monotonic() < deadline:
+                try:
+                    total = _query(port, "foreshock:connected_collectors:sum == 3")
+                    # an alert group evaluated before the first scrapes sees no shard yet; wait for one after
+                    others = _query(port, 'ALERTS{alertname=~"Foreshock.*", alertname!="ForeshockCoordinatorNoLeader"}')
+                    if total and _query(port, "foreshock:shards_up:count == 2") and not others:
+                        break
+                except OSError:
+                    pass
+                assert proc.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.5)
+            assert total, "no cross-shard sum of 3 in 25 s:\n" + \
+                json.dumps(_query(port, 'foreshock_connected_collectors or up')) + log.read_text()[-2000:]
+            up = _query(port, 'up{job="foreshock-shard"}')
+            assert sorted(r["metric"]["instance"] for r in up) == sorted(targets)
+            assert all(float(r["value"][1]) == 1 for r in up)
+            per_target = {r["metric"]["instance"]: float(r["value"][1])
+                          for r in _query(port, 'foreshock_connected_collectors{job="foreshock-shard"}')}
+            assert per_target == {targets[0]: 1.0, targets[1]: 2.0}
+            assert [float(r["value"][1]) for r in _query(port, "foreshock:shard_model_versions:count")] == [1.0]
+            alerts = {(r["metric"]["alertname"], r["metric"]["alertstate"])
+                      for r in _query(port, 'ALERTS{alertname=~"Foreshock.*"}')}
+            assert alerts <= {("ForeshockCoordinatorNoLeader", "pending"), ("ForeshockCoordinatorNoLeader", "firing")}
+            checked = 0
+            for where, expr in dashboard_exprs():
+                if 'job="foreshock-shard"' in expr:
+                    # a rate needs two scrapes of its series: the first query may come after one
+                    wait_until = time.monotonic() + 15
+                    while not _query(port, grafana_to_promql(expr)) and time.monotonic() < wait_until:
+                        time.sleep(0.5)
+                    assert _query(port, grafana_to_promql(expr)), f"{where}: no data"
+                    checked += 1
+            assert checked >= 1
+            import urllib.request
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as resp:
+                groups = json.load(resp)["data"]["groups"]
+            assert all(r["health"] == "ok" for g in groups for r in g["rules"]), groups
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

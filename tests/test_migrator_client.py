@@ -181,3 +181,20 @@ def test_tls_and_bearer_tokens(tmp_path):
             bad.close()
     finally:
         p.stop(grace=0.1)
+
+
+def test_the_service_may_list_a_coordinator_and_its_standby(plane):
+    """FORESHOCK_SERVICE=A,B: a call answered UNAVAILABLE (nobody at A here) moves to B."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    c = _client(f"{nobody},{plane.address}")
+    try:
+        end = time.monotonic() + 10
+        while c.register({0: "n0", 1: "n1"}, ["n9"]) is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert c.healthy and plane.jobs.job("j1").spares == ("n9",)
+    finally:
+        c.close()
+    with pytest.raises(MigratorConfigError, match="service \\(FORESHOCK_SERVICE\\): expected HOST:PORT, got 'nohost'"):
+        _config(f"{plane.address},nohost")

@@ -1,0 +1,325 @@
+"""The jobs coordinator (`foreshock serve --coordinator`): leadership by a file lock, and the shards' events
+applied to the per-job policy.
+
+Past one instance the service shards by leaf switch (docs/scaling.md); the jobs, the directive store and
+the per-job policy stay in one place, the coordinator, the one writer of directives. Shards forward what
+their policy sees over Coordinator.ForwardAlarms (proto/foreshock/v1/coordinator.proto; the shard's side
+is service/forwarder.py):
+
+- `LeaderLock`: leadership is an exclusive `flock` on a file of the volume the leader and its standby
+  both mount, beside the SQLite state they share. The kernel (or the file server) drops the lock when the
+  holder dies, so a standby blocked on it takes over without a protocol of ours to get wrong; only the
+  holder opens the state.
+- `Coordinator.receive`: one batch of a shard's events, applied once. An event's id is (shard, epoch,
+  sequence); the last applied per shard is kept in the state (store.py `shard_progress`), so a batch the
+  shard sends again after a reconnect (to this instance or to the standby that took over) applies
+  nothing twice. The events, each node's state as they leave it (`shard_nodes`) and the directives the
+  policy issues on them are one transaction; the ack the servicer sends after it means all of it is
+  durable. `restore` reads the node states back when an instance takes over, and runs the policy: a
+  leader killed between its commit and its ack loses nothing, and one killed before its commit loses
+  nothing either (the shard has not been acked, so it sends the events again).
+- A shard that scores with a model other than the one expected (`expected_model_version`, or the first
+  one seen) is counted and logged, not refused: during a rolling model update shards differ for a while.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import json
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from foreshock.service.domain import SignalRecord
+from foreshock.service.errors import FailedPrecondition, InvalidArgument
+from foreshock.service.jobs import check_id, check_node, check_text
+from foreshock.service.nodes import FatalEvent, Topology
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS = 1024            # events in one ForwardRequest (coordinator.proto)
+MAX_SIGNALS = 16             # signals kept per event
+MAX_TEXT = 1024              # a description or reason, characters
+MAX_UINT63 = (1 << 63) - 1   # epochs and sequences are kept in SQLite's signed 64-bit INTEGER
+
+
+class EventKind(enum.IntEnum):
+    """coordinator.proto's ShardEventKind, by number (tests/test_service_coordinator.py checks it)."""
+    ALARM = 1
+    CLEARED = 2
+    FATAL = 3
+    RISK = 4
+
+
+@dataclass(frozen=True)
+class ShardEvent:
+    sequence: int
+    kind: EventKind
+    node: str
+    risk: float = 0.0
+    signals: tuple[SignalRecord, ...] = ()
+    ts_ns: int = 0
+    fatal_kind: str = ""
+    description: str = ""
+    topology: Topology = Topology()
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    lease_file: str                      # the lock file on the volume the leader and its standby share
+    expected_model_version: str = ""     # "": the first shard's model is the one expected
+    lock_poll_seconds: float = 0.5       # how often a standby tries the lock (and sees a stop)
+
+    def __post_init__(self):
+        if not self.lease_file:
+            raise ValueError("coordinator lease_file is empty: give --lease-file PATH on the shared volume")
+        if not (isinstance(self.lock_poll_seconds, (int, float)) and 0.01 <= self.lock_poll_seconds <= 60):
+            raise ValueError(f"coordinator lock_poll_seconds {self.lock_poll_seconds!r} must be in [0.01, 60]")
+
+
+class LeaderLock:
+    """An exclusive flock on `path`, held for the life of the process that takes it.
+
+    flock, not fcntl's POSIX record locks: those belong to the process and any close of the file by it
+    drops them, flock's to the open file, so two instances in one process (tests) exclude each other
+    too. On NFS, Linux carries flock as a whole-file POSIX lock, which NLM (v3) or the protocol (v4)
+    releases when the holder's lease runs out: the takeover then waits that long.
+    """
+
+    def __init__(self, path: str | Path, identity: str = ""):
+        self.path = Path(path)
+        self.identity = identity
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, stop: threading.Event, poll_seconds: float) -> bool:
+        """Block until the lock is ours (True) or `stop` is set (False)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise FailedPrecondition(f"lease file {self.path}: {exc.strerror}") from None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if stop.wait(poll_seconds):
+                    os.close(fd)
+                    return False
+        self._fd = fd
+        # Who leads, for the standby's UNAVAILABLE message and for people; the lock, not this, decides.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{self.identity} pid {os.getpid()}\n".encode(), 0)
+        os.fsync(fd)
+        return True
+
+    def holder(self) -> str:
+        """What the holder wrote (best effort: "" when unreadable or not yet written)."""
+        try:
+            return self.path.read_text(errors="replace").strip()[:200]
+        except OSError:
+            return ""
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def check_events(shard: str, epoch: int, events: list[ShardEvent]) -> None:
+    """Refuse a batch that is not one shard's well-formed events, naming what is wrong."""
+    check_id("shard", shard)
+    if not 0 < epoch <= MAX_UINT63:
+        raise InvalidArgument(f"shard {shard!r}: epoch {epoch} must be in [1, 2^63)")
+    if len(events) > MAX_EVENTS:
+        raise InvalidArgument(f"shard {shard!r}: {len(events)} events in one request; at most {MAX_EVENTS}")
+    last = 0
+    for e in events:
+        if not last < e.sequence <= MAX_UINT63:
+            raise InvalidArgument(f"shard {shard!r}: event sequence {e.sequence} does not follow {last}")
+        last = e.sequence
+        check_node(f"shard {shard!r} event {e.sequence} node", e.node)
+        if not (math.isfinite(e.risk) and 0.0 <= e.risk <= 1.0):
+            raise InvalidArgument(f"shard {shard!r} event {e.sequence}: risk {e.risk} must be in [0, 1]")
+        if len(e.signals) > MAX_SIGNALS:
+            raise InvalidArgument(f"shard {shard!r} event {e.sequence}: {len(e.signals)} signals; at most {MAX_SIGNALS}")
+        check_text(f"shard {shard!r} event {e.sequence} description", e.description, MAX_TEXT)
+        for name in ("leaf_switch", "site", "nvlink_domain"):
+            check_text(f"shard {shard!r} event {e.sequence} {name}", getattr(e.topology, name), 253)
+
+
+@dataclass
+class _NodeState:
+    """A node as the shards' events left it: one shard_nodes row."""
+    node: str
+    shard: str
+    risk: float = 0.0
+    scored_at_ns: int = 0
+    alarm: bool = False
+    alarm_since_ns: int = 0
+    reason: str = ""
+    signals: tuple[SignalRecord, ...] = ()
+    fatal_ts_ns: int = 0
+    fatal_kind: str = ""
+    fatal_description: str = ""
+    fatal_recorded_ns: int = 0
+    topology: Topology = Topology()
+
+    def row(self) -> tuple:
+        t = self.topology
+        return (self.node, self.shard, self.risk, self.scored_at_ns, int(self.alarm), self.alarm_since_ns,
+                self.reason, json.dumps([s.__dict__ for s in self.signals]), self.fatal_ts_ns, self.fatal_kind,
+                self.fatal_description, self.fatal_recorded_ns, t.leaf_switch, t.site, t.nvlink_domain)
+
+    @classmethod
+    def from_row(cls, r) -> "_NodeState":
+        (node, shard, risk, scored, alarm, since, reason, signals, fts, fkind, fdesc, frec, leaf, site, dom) = r
+        return cls(node, shard, risk, scored, bool(alarm), since, reason,
+                   tuple(SignalRecord(**s) for s in json.loads(signals)), fts, fkind, fdesc, frec,
+                   Topology(site=site, leaf_switch=leaf, nvlink_domain=dom))
+
+
+class Coordinator:
+    """The shards' events into the node book and the policy, once each, durably."""
+
+    def __init__(self, settings: CoordinatorSettings, store, jobs, nodes, policy, clock):
+        self.settings = settings
+        self.store = store
+        self.jobs = jobs
+        self.nodes = nodes
+        self.policy = policy
+        self.clock = clock
+        self._lock = threading.Lock()        # one batch at a time, whichever shard's stream sent it
+        self._progress: dict[str, tuple[int, int, str]] = {}
+        self._state: dict[str, _NodeState] = {}
+        self.expected_model = settings.expected_model_version
+        self.mismatch: dict[str, bool] = {}  # shard -> scores with another model than expected
+        self.events_applied: dict[str, int] = {}
+        self.events_duplicate: dict[str, int] = {}
+
+    # -- takeover ------------------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Read back what the shards' events left (an instance that takes over) and act on it: the
+        policy issues what a leader killed after its commit decided (the store's one-active-directive
+        index keeps it from issuing one twice). Returns the nodes restored."""
+        with self.policy.lock, self._lock:
+            self._progress = self.store.shard_progress()
+            acted = self.store.last_directive_time()
+            for row in self.store.shard_nodes():
+                st = _NodeState.from_row(row)
+                self._state[st.node] = st
+                self._to_book(st)
+                if st.alarm:
+                    self.policy.raise_alarm(st.node, st.alarm_since_ns, st.risk, st.reason, log_it=False)
+                if st.fatal_ts_ns and acted.get(st.node, -1) >= st.fatal_recorded_ns:
+                    self.policy.fatal_acted(st.node, st.fatal_ts_ns)   # decided on before the takeover
+            now = self.clock()
+            self.policy.evaluate(now)
+        if self._state:
+            log.info("coordinator: restored %d nodes' state from %d shards", len(self._state), len(self._progress))
+        return len(self._state)
+
+    def _to_book(self, st: _NodeState) -> None:
+        self.nodes.set_topology(st.node, st.topology)
+        if st.scored_at_ns:
+            self.nodes.update_risk([st.node], _array(st.risk), [st.signals], st.scored_at_ns)
+        if st.fatal_ts_ns:
+            self.nodes.record_fatal(FatalEvent(st.node, st.fatal_ts_ns, st.fatal_kind, st.fatal_description,
+                                               st.fatal_recorded_ns))
+
+    # -- the shards' events --------------------------------------------------------------------------
+    def receive(self, shard: str, epoch: int, model_version: str, events: list[ShardEvent]) -> int:
+        """Apply a shard's batch (the events not applied before) and return the sequence up to which
+        everything of this epoch is durable: what the shard may forget."""
+        check_events(shard, epoch, events)
+        check_text(f"shard {shard!r} model_version", model_version, 256)
+        self._check_model(shard, model_version)
+        # The policy's lock first, as a scoring round takes it, then the store's (inside issuing()).
+        with self.policy.lock, self._lock:
+            done_epoch, done_seq, _ = self._progress.get(shard, (0, 0, ""))
+            if epoch < done_epoch:
+                raise FailedPrecondition(f"shard {shard!r}: epoch {epoch} is older than {done_epoch}, which a "
+                                         "newer instance of the shard forwards under; this one is stale")
+            if epoch > done_epoch:
+                done_seq = 0
+            fresh = [e for e in events if e.sequence > done_seq]
+            self.events_duplicate[shard] = self.events_duplicate.get(shard, 0) + len(events) - len(fresh)
+            if not fresh:
+                return done_seq
+            now = self.clock()
+            changed: dict[str, _NodeState] = {}
+            with self.jobs.issuing():   # the events, the node rows and the directives: one commit
+                for e in fresh:
+                    changed[e.node] = self._apply(shard, e, now)
+                self.store.record_shard_events(shard, epoch, fresh[-1].sequence, model_version,
+                                               [st.row() for st in changed.values()], now)
+                # Risk summaries move no alarm; the next round sees the spares' new risks.
+                if any(e.kind != EventKind.RISK for e in fresh):
+                    self.policy.evaluate(now)
+            self._progress[shard] = (epoch, fresh[-1].sequence, model_version)
+            self.events_applied[shard] = self.events_applied.get(shard, 0) + len(fresh)
+            return fresh[-1].sequence
+
+    def _apply(self, shard: str, e: ShardEvent, now_ns: int) -> _NodeState:
+        st = self._state.get(e.node)
+        if st is None:
+            st = self._state[e.node] = _NodeState(e.node, shard)
+        st.shard = shard   # a node moves with its leaf when the shard map changes
+        st.topology = e.topology
+        self.nodes.set_topology(e.node, e.topology)
+        st.risk = e.risk
+        st.scored_at_ns = max(st.scored_at_ns, e.ts_ns, 1)
+        if e.signals or e.kind != EventKind.RISK:
+            st.signals = e.signals
+        self.nodes.update_risk([e.node], _array(e.risk), [st.signals], st.scored_at_ns)
+        if e.kind == EventKind.RISK:
+            self.nodes.seen(e.node, e.ts_ns)
+        elif e.kind == EventKind.ALARM:
+            if not st.alarm:
+                st.alarm, st.alarm_since_ns = True, e.ts_ns or now_ns
+            st.reason = e.description or f"risk {e.risk:.3g} at or above the shard's threshold"
+            self.policy.raise_alarm(e.node, st.alarm_since_ns, e.risk, f"{st.reason} (shard {shard})")
+        elif e.kind == EventKind.CLEARED:
+            st.alarm, st.alarm_since_ns, st.reason = False, 0, ""
+            self.policy.clear_alarm(e.node, e.risk, now_ns, f"risk {e.risk:.2f}: cleared by shard {shard}")
+        elif e.kind == EventKind.FATAL:
+            st.fatal_ts_ns, st.fatal_kind = e.ts_ns or now_ns, e.fatal_kind or "fatal"
+            st.fatal_description = e.description or st.fatal_kind
+            st.fatal_recorded_ns = now_ns
+            self.nodes.record_fatal(FatalEvent(e.node, st.fatal_ts_ns, st.fatal_kind, st.fatal_description, now_ns))
+        return st
+
+    def _check_model(self, shard: str, version: str) -> None:
+        if not self.expected_model:
+            self.expected_model = version
+            log.info("coordinator: expecting model %s (the first shard's, %s)", version, shard)
+        differs = version != self.expected_model
+        if differs != self.mismatch.get(shard, False):
+            if differs:
+                log.warning("shard %s scores with model %s, not %s as expected: its risks are taken as they "
+                            "are (foreshock_coordinator_shard_model_mismatch)", shard, version, self.expected_model)
+            elif shard in self.mismatch:
+                log.info("shard %s scores with the expected model %s again", shard, version)
+        self.mismatch[shard] = differs
+
+    def shards(self) -> dict[str, tuple[int, int, str]]:
+        with self._lock:
+            return dict(self._progress)
+
+
+def _array(value: float):
+    import numpy as np
+    return np.asarray([value], dtype=np.float64)
+
+
+__all__ = ["Coordinator", "CoordinatorSettings", "LeaderLock", "ShardEvent", "EventKind", "check_events",
+           "MAX_EVENTS"]

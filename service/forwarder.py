@@ -1,0 +1,315 @@
+"""A shard's side of Coordinator.ForwardAlarms: its policy's alarms, fatal events and each node's latest risk,
+sent to the jobs coordinator over one acked stream (proto/foreshock/v1/coordinator.proto; the
+coordinator's side is service/coordinator.py).
+
+- `AlarmForwarder` numbers each event (from 1 under an epoch, the forwarder's start time), keeps it until
+  the coordinator acks it (an ack means the coordinator has committed it and what it decided on it),
+  and sends it again on the next stream after a break: the coordinator knows an event it has applied by
+  its (shard, epoch, sequence) and applies it once. The buffer is bounded (`buffer_events`): when it is
+  full the oldest risk summary goes first (the next summary carries the node's latest risk), then the
+  oldest alarm; each drop is counted and logged, never a crash. Every stream has a deadline
+  (`stream_seconds`, then a new one at once), and so has every batch: one not acked within
+  `ack_timeout_seconds` ends the stream, and the forwarder tries the next of its coordinator addresses
+  (the standby, which answers UNAVAILABLE until it leads), with backoff.
+- `ShardReporter` turns a shard's rounds into events: a node that enters risk alarm (ALARM), leaves it
+  (CLEARED), a fatal event (FATAL), and every `summary_seconds` every scored node's risk and topology
+  (RISK), by which the coordinator ranks spares and finds a fabric incident across shards.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from foreshock import config
+from foreshock.net import Endpoint, PlaintextRefused, client_credentials
+from foreshock.ratelimit import LogLimiter
+from foreshock.service.coordinator import MAX_EVENTS, MAX_SIGNALS, MAX_TEXT
+from foreshock.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# [serve] keys of the forwarder -> their ranges, declared once; ForwardSettings holds its values to them.
+CHECKS: dict[str, config.Check] = {
+    "buffer_events": config.between(100, 10_000_000),
+    "batch_events": config.between(1, MAX_EVENTS),
+    "ack_timeout_seconds": config.between(0.1, 300),
+    "stream_seconds": config.between(1, 86_400),
+    "backoff_initial_seconds": config.between(0.01, 60),
+    "backoff_max_seconds": config.between(0.01, 600),
+    "summary_seconds": config.between(1, 3600),
+}
+
+
+class ForwardError(ValueError):
+    """Forwarder settings that cannot work; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    addresses: tuple[str, ...]           # the coordinator and its standby, HOST:PORT each
+    shard: str                           # this shard's name: the events' ids are (shard, epoch, sequence)
+    buffer_events: int = 100_000         # events not yet acked; beyond, the oldest summary (then alarm) drops
+    batch_events: int = 256              # events per request
+    ack_timeout_seconds: float = 5.0     # a batch not acked this long ends the stream (next address)
+    stream_seconds: float = 600.0        # each stream's deadline; the next opens at once
+    backoff_initial_seconds: float = 0.1
+    backoff_max_seconds: float = 5.0
+    summary_seconds: float = 15.0        # every scored node's risk and topology, this often
+    tls_ca: str = ""                     # the coordinator's CA (PEM); "": plaintext, loopback only
+    token: str = field(default="", repr=False)   # a shard:NAME bearer token; "": none (mutual TLS, insecure)
+
+    def __post_init__(self):
+        if not self.addresses:
+            raise ForwardError("coordinator_address is empty: give HOST:PORT[,HOST:PORT] (the coordinator, "
+                               "then its standby)")
+        for a in self.addresses:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ForwardError(f"coordinator_address {a!r} is not HOST:PORT")
+        if not self.shard:
+            raise ForwardError("shard is empty: a forwarding shard needs a name (--shard NAME)")
+        for key, check in CHECKS.items():
+            value = getattr(self, key)
+            if isinstance(value, float) and not math.isfinite(value) or not check.ok(value):
+                raise ForwardError(f"forward {key} {value!r}: {check.allowed}")
+
+
+def parse_addresses(spec: str) -> tuple[str, ...]:
+    """"a:1,b:2" -> ("a:1", "b:2")."""
+    return tuple(a.strip() for a in spec.split(",") if a.strip())
+
+
+class AlarmForwarder:
+    """Construct, `start()`, then `put(...)` events from any thread; `stop()` at the end.
+
+    Counters (read by service/metrics.py): `acked_total`, `dropped_total` (per kind name),
+    `reconnects_total`, `connected`, and `buffered()`."""
+
+    def __init__(self, settings: ForwardSettings, *, model_version: str, clock=time.time_ns):
+        self.settings = settings
+        self.model_version = model_version
+        credentials = client_credentials(settings.tls_ca or None)   # OSError names an unreadable CA file
+        try:
+            self._endpoints = [Endpoint(a, credentials, (("grpc.keepalive_time_ms", 10_000),), settings.token or None)
+                               for a in settings.addresses]
+        except PlaintextRefused as exc:
+            raise ForwardError(f"coordinator_address {exc}; give the coordinator's CA (forward_tls_ca)") from None
+        self.epoch = clock()
+        self._seq = 0
+        self._alarms: collections.deque = collections.deque()   # (sequence, ShardEvent) not acked
+        self._risk: collections.deque = collections.deque()     # RISK summaries not acked
+        self._cv = threading.Condition()
+        self._sent_upto = 0
+        self._acked = 0
+        self._in_flight: collections.deque = collections.deque()   # (last sequence of a batch, sent at)
+        self._stream = 0           # the stream the request generator belongs to
+        self._call = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._log = LogLimiter(log)
+        self.acked_total = 0
+        self.dropped_total: dict[str, int] = {}
+        self.reconnects_total = 0
+        self.connected = False
+        self.address = settings.addresses[0]
+
+    # -- events in -----------------------------------------------------------------------------------
+    def put(self, kind: int, node: str, *, risk: float = 0.0, ts_ns: int = 0, signals=(), fatal_kind: str = "",
+            description: str = "", topology=None) -> int:
+        """Queue one event (a coordinator_pb2.ShardEventKind); returns its sequence. Never blocks."""
+        ev = coordinator_pb2.ShardEvent(
+            kind=kind, node=node, risk=float(risk), ts_ns=int(ts_ns), fatal_kind=fatal_kind,
+            description=description[:MAX_TEXT],
+            signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
+                                       description=s.description) for s in list(signals)[:MAX_SIGNALS]])
+        if topology is not None:
+            ev.leaf_switch, ev.site, ev.nvlink_domain = topology.leaf_switch, topology.site, topology.nvlink_domain
+        with self._cv:
+            self._seq += 1
+            ev.sequence = self._seq
+            (self._risk if kind == coordinator_pb2.SHARD_EVENT_KIND_RISK else self._alarms).append(ev)
+            while len(self._alarms) + len(self._risk) > self.settings.buffer_events:
+                self._drop_oldest()
+            self._cv.notify_all()
+            return ev.sequence
+
+    def _drop_oldest(self) -> None:
+        victim = (self._risk or self._alarms).popleft()
+        name = coordinator_pb2.ShardEventKind.Name(victim.kind).removeprefix("SHARD_EVENT_KIND_").lower()
+        self.dropped_total[name] = self.dropped_total.get(name, 0) + 1
+        self._log.warning("drop", "forwarder buffer full (%d events, the coordinator at %s not acking): "
+                          "dropped the oldest %s event (node %s); %s dropped so far",
+                          self.settings.buffer_events, self.address, name, victim.node, self.dropped_total)
+
+    def buffered(self) -> int:
+        with self._cv:
+            return len(self._alarms) + len(self._risk)
+
+    # -- the stream ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="foreshock-forwarder", daemon=True)
+            self._thread.start()
+
+    def stop(self, flush_seconds: float = 2.0) -> None:
+        """Stop, after waiting up to `flush_seconds` for what is buffered to be acked."""
+        end = time.monotonic() + flush_seconds
+        while self.buffered() and time.monotonic() < end and self.connected:
+            time.sleep(0.02)
+        self._stop.set()
+        with self._cv:
+            call = self._call
+            self._cv.notify_all()
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(10)
+        left = self.buffered()
+        if left:
+            log.warning("forwarder stopped with %d events the coordinator has not acked", left)
+
+    def _requests(self, stream: int):
+        s = self.settings
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop.is_set() or stream != self._stream:
+                        return
+                    if self._in_flight and time.monotonic() - self._in_flight[0][1] > s.ack_timeout_seconds:
+                        self._log.warning(("ack", self.address), "coordinator %s: no ack in %.1f s; reconnecting",
+                                          self.address, s.ack_timeout_seconds)
+                        if self._call is not None:
+                            self._call.cancel()
+                        return
+                    batch = []
+                    for ev in heapq.merge(self._alarms, self._risk, key=lambda e: e.sequence):
+                        if ev.sequence > self._sent_upto:
+                            batch.append(ev)
+                            if len(batch) >= s.batch_events:
+                                break
+                    if batch:
+                        break
+                    self._cv.wait(0.1)
+                self._sent_upto = batch[-1].sequence
+                self._in_flight.append((self._sent_upto, time.monotonic()))
+            yield coordinator_pb2.ForwardRequest(shard=s.shard, epoch=self.epoch, model_version=self.model_version,
+                                                 events=batch)
+
+    def _on_ack(self, ack) -> None:
+        if ack.epoch != self.epoch:
+            return
+        with self._cv:
+            upto = ack.acked_sequence
+            if upto <= self._acked:
+                return
+            for q in (self._alarms, self._risk):
+                while q and q[0].sequence <= upto:
+                    q.popleft()
+                    self.acked_total += 1
+            while self._in_flight and self._in_flight[0][0] <= upto:
+                self._in_flight.popleft()
+            self._acked = upto
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        s = self.settings
+        failures, index = 0, 0
+        while not self._stop.is_set():
+            endpoint = self._endpoints[index % len(self._endpoints)]
+            self.address = endpoint.target
+            channel = endpoint.open()
+            with self._cv:
+                self._stream += 1
+                stream = self._stream
+                self._sent_upto = self._acked   # what was sent and not acked goes again
+                self._in_flight.clear()
+            try:
+                call = coordinator_pb2_grpc.CoordinatorStub(channel).ForwardAlarms(
+                    self._requests(stream), timeout=s.stream_seconds, metadata=endpoint.metadata)
+                with self._cv:
+                    self._call = call
+                if self._stop.is_set():
+                    call.cancel()
+                for ack in call:
+                    if not self.connected:
+                        log.info("forwarding to the coordinator at %s", endpoint.target)
+                    self.connected = True
+                    failures = 0
+                    self._on_ack(ack)
+                failures = 0
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if self._stop.is_set():
+                    break
+                self.connected = False
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and failures == 0:
+                    continue   # the stream's window ended: the next one at once, same address
+                self._log.warning(("rpc", endpoint.target, code), "coordinator %s: %s %s; trying %s",
+                                  endpoint.target, code.name, (exc.details() or "")[:200],
+                                  self._endpoints[(index + 1) % len(self._endpoints)].target)
+                failures += 1
+                index += 1
+                self.reconnects_total += 1
+                delay = min(s.backoff_max_seconds, s.backoff_initial_seconds * 2 ** min(failures - 1, 16))
+                self._stop.wait(delay * random.uniform(0.5, 1.0))
+            finally:
+                with self._cv:
+                    self._stream += 1    # the request generator of this stream ends
+                    self._call = None
+                    self._cv.notify_all()
+                channel.close()
+        self.connected = False
+
+
+class ShardReporter:
+    """A shard's policy state after each round -> the forwarder's events (see the module docstring)."""
+
+    def __init__(self, forwarder: AlarmForwarder, nodes, policy, *, summary_seconds: float,
+                 monotonic=time.monotonic):
+        self.forwarder = forwarder
+        self.nodes = nodes
+        self.policy = policy
+        self.summary_seconds = summary_seconds
+        self._monotonic = monotonic
+        self._sent: dict[str, tuple] = {}   # node -> ("alarm",) or ("fatal", event ts)
+        self._summary_at = -math.inf
+
+    def after_round(self, now_ns: int) -> None:
+        put, K = self.forwarder.put, coordinator_pb2
+        with self.policy.lock:
+            alarms = {n: (a.fatal, a.since_ns, a.risk, a.reason) for n, a in self.policy.alarms.items()}
+        for node, (fatal, since_ns, risk, reason) in sorted(alarms.items()):
+            topo = self.nodes.topo(node)
+            if fatal:
+                ev = self.nodes.fatal.get(node)
+                key = ("fatal", ev.ts_ns if ev else since_ns)
+                if self._sent.get(node) != key:
+                    put(K.SHARD_EVENT_KIND_FATAL, node, risk=risk, ts_ns=key[1], topology=topo,
+                        fatal_kind=ev.kind if ev else "fatal", description=ev.description if ev else reason)
+                    self._sent[node] = key
+            elif self._sent.get(node) != ("alarm",):
+                rec = self.nodes.risk.get(node)
+                put(K.SHARD_EVENT_KIND_ALARM, node, risk=risk, ts_ns=since_ns, topology=topo, description=reason,
+                    signals=rec.signals if rec else ())
+                self._sent[node] = ("alarm",)
+        for node in [n for n in self._sent if n not in alarms]:
+            if self._sent.pop(node) == ("alarm",):
+                put(K.SHARD_EVENT_KIND_CLEARED, node, risk=self.nodes.probability(node) or 0.0, ts_ns=now_ns,
+                    topology=self.nodes.topo(node))
+        if self._monotonic() - self._summary_at >= self.summary_seconds:
+            self._summary_at = self._monotonic()
+            for r in self.nodes.snapshot():
+                put(K.SHARD_EVENT_KIND_RISK, r.node, risk=r.probability, ts_ns=r.scored_at_ns,
+                    topology=self.nodes.topo(r.node))
+
+
+__all__ = ["AlarmForwarder", "ForwardSettings", "ForwardError", "ShardReporter", "CHECKS", "parse_addresses"]

@@ -1,0 +1,368 @@
+"""The jobs coordinator and a shard's forwarder on loopback (service/coordinator.py, service/forwarder.py):
+a leader killed in the middle of a directive and its standby taking over on the shared state, with the
+job's client (the migrator's) and the shard's forwarder moving to it; no directive issued twice, none
+lost. Then the forwarder across a coordinator outage, its bounded buffer, redelivery known by id, a
+shard with another model, and the bad input the coordinator refuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import Serve, wait_until
+
+from foreshock.migrator import Ack, AckPhase, MigratorConfig, ServiceClient
+from foreshock.migrator.directives import DirectiveBook
+from foreshock.service.coordinator import (
+    CoordinatorSettings, EventKind, LeaderLock, ShardEvent, check_events)
+from foreshock.service.errors import InvalidArgument
+from foreshock.service.forwarder import AlarmForwarder, ForwardError, ForwardSettings
+from foreshock.service.server import Settings, build_server
+from foreshock.v1 import coordinator_pb2, coordinator_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+
+HERE = Path(__file__).parent
+K = coordinator_pb2
+
+
+def _forwarder(*addresses, shard="shard-a", model="m1", **kw) -> AlarmForwarder:
+    settings = ForwardSettings(tuple(addresses), shard, backoff_initial_seconds=0.05, backoff_max_seconds=0.3,
+                               ack_timeout_seconds=2.0, **kw)
+    return AlarmForwarder(settings, model_version=model)
+
+
+def _coordinator(tmp_path, expected_model: str = "", **settings) -> "object":
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", coordinator=CoordinatorSettings(str(tmp_path / "lease"), expected_model_version=expected_model,
+                                                            lock_poll_seconds=0.05),
+        threshold=0.5, policy={"stale_seconds": 3600.0}, **settings))
+    plane.start()
+    assert wait_until(lambda: plane.leading, 10)
+    return plane
+
+
+def _serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="foreshock.v1.Jobs"), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _directives(address: str) -> list:
+    with grpc.insecure_channel(address) as ch:
+        return list(jobs_pb2_grpc.JobsStub(ch).ListDirectives(jobs_pb2.ListDirectivesRequest(job_id="j1"),
+                                                              timeout=5).directives)
+
+
+def _register(address: str) -> None:
+    with grpc.insecure_channel(address) as ch:
+        jobs_pb2_grpc.JobsStub(ch).RegisterJob(jobs_pb2.RegisterJobRequest(
+            job_id="j1", ranks=[jobs_pb2.RankPlacement(rank=0, node="n0"), jobs_pb2.RankPlacement(rank=1, node="n1")],
+            spare_nodes=["s0", "s1"], max_concurrent_evacuations=2), timeout=5)
+
+
+def test_event_kinds_mirror_the_proto():
+    assert {k.name: int(k) for k in EventKind} == {
+        name.removeprefix("SHARD_EVENT_KIND_"): number for name, number in K.ShardEventKind.items() if number}
+
+
+def test_the_lease_is_held_by_one_and_passed_on_when_it_is_let_go(tmp_path):
+    first, second = LeaderLock(tmp_path / "lease", "first"), LeaderLock(tmp_path / "lease", "second")
+    stop = threading.Event()
+    assert first.acquire(stop, 0.01)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(second.acquire(stop, 0.01)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not got and "first" in second.holder()
+    first.release()
+    waiter.join(5)
+    assert got == [True] and "second" in second.holder()
+    stop.set()
+    assert not LeaderLock(tmp_path / "lease").acquire(stop, 0.01)   # a standby told to stop gives up
+    second.release()
+
+
+def _job_client(addresses: str) -> ServiceClient:
+    config = MigratorConfig.from_env({}, job_id="j1", rank=0, world_size=2, node="n0", store="127.0.0.1:1",
+                                     service=addresses, rpc_timeout_s=1.0)
+    return ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3)
+
+
+@pytest.mark.parametrize("moment", ["after_commit", "before_commit", "after_job_ack"])
+def test_no_directive_twice_none_lost_across_a_takeover(tmp_path, moment):
+    """The leader dies in the middle of the shard's fatal event: once it has committed the directive
+    (and announced it) but before the shard has its ack, or before the commit, or once the job's
+    ACCEPTED ack is committed, before the job hears the answer. The standby, a real
+    `foreshock serve --coordinator` on the same lease and state, takes over; the shard's forwarder and the
+    job's client find it; the job sees the directive once, by id, and a later fatal event still makes one."""
+    state, lease = tmp_path / "state", tmp_path / "lease"
+    leader = subprocess.Popen([sys.executable, str(HERE / "coordinator_child.py"), str(state), str(lease), moment],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    standby = client = forwarder = None
+    try:
+        leader_address = leader.stdout.readline().split("listening on ")[1].strip()
+        assert leader.stdout.readline().strip() == "leader"
+        standby = Serve(state, "--coordinator", "--lease-file", str(lease))
+        assert "coordinator standby" in standby.banner
+        with grpc.insecure_channel(standby.address) as ch:   # the standby says what it is
+            with pytest.raises(grpc.RpcError) as refused:
+                jobs_pb2_grpc.JobsStub(ch).ListDirectives(jobs_pb2.ListDirectivesRequest(job_id="j1"), timeout=2)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in refused.value.details()
+        assert not _serving(standby.address)
+        # Kubernetes' readiness probe reads /readyz: the standby is up, exports that it does not lead
+        assert standby.ready() == 503 and standby.metric("foreshock_coordinator_leader") == 0
+
+        _register(leader_address)
+        client = _job_client(f"{leader_address},{standby.address}")
+        client.watch(0)
+        book, accepted = DirectiveBook(), []
+
+        def take(seen):
+            for d in client.poll():
+                if book.offer(d):
+                    accepted.append(d)
+                    client.ack(Ack(d.directive_id, 0, AckPhase.ACCEPTED))
+            return seen()
+
+        forwarder = _forwarder(leader_address, standby.address)
+        now = time.time_ns()
+        for spare in ("s0", "s1"):
+            forwarder.put(K.SHARD_EVENT_KIND_RISK, spare, risk=0.01, ts_ns=now)
+        forwarder.put(K.SHARD_EVENT_KIND_FATAL, "n0", risk=0.3, ts_ns=now, fatal_kind="xid",
+                      description="Xid 79 on GPU 3")
+        forwarder.start()   # the three in one batch: the one the leader dies in
+
+        assert wait_until(lambda: take(lambda: leader.poll() is not None), 15)   # the job acks what it sees
+        assert leader.returncode == -9, "the leader did not die in the middle of the directive"
+        assert wait_until(lambda: _serving(standby.address), 15), "the standby did not take over"
+        assert wait_until(lambda: forwarder.buffered() == 0, 15), "the standby did not ack the shard's events"
+        assert wait_until(lambda: take(lambda: len(accepted) >= 1), 15), "the job never saw the directive"
+
+        forwarder.put(K.SHARD_EVENT_KIND_FATAL, "n1", risk=0.3, ts_ns=time.time_ns(), fatal_kind="gpu_lost",
+                      description="GPU 1 lost")
+        assert wait_until(lambda: take(lambda: len(accepted) >= 2), 15), "no directive after the takeover"
+        time.sleep(0.5)   # anything issued twice would have come by now
+        take(lambda: True)
+
+        issued = _directives(standby.address)
+        assert sorted(d.from_node for d in issued) == ["n0", "n1"]      # none twice, none lost
+        assert sorted(d.directive_id for d in issued) == sorted(d.directive_id for d in accepted)
+        assert [d.from_node for d in accepted] == ["n0", "n1"] and {d.to_node for d in accepted} == {"s0", "s1"}
+        assert forwarder.acked_total == 4 and sum(forwarder.dropped_total.values()) == 0
+        took_over = standby.proc.stdout.readline()
+        assert "coordinator leader on" in took_over
+        assert took_over.split("metrics on ")[1].split()[0] == standby.metrics   # the same listener
+        assert standby.ready() == 200 and standby.metric("foreshock_coordinator_leader") == 1
+        duplicate = standby.metric('foreshock_coordinator_events_total{result="duplicate",shard="shard-a"}')
+        if moment == "after_commit":
+            assert duplicate == 3          # the batch the leader died in, sent again and known
+        elif moment == "before_commit":
+            assert duplicate == 0          # nothing of it was committed: applied by the standby
+        else:
+            assert {d.from_node: d.state for d in issued}["n0"] == jobs_pb2.DIRECTIVE_STATE_ACCEPTED
+    finally:
+        if forwarder is not None:
+            forwarder.stop(0)
+        if client is not None:
+            client.close()
+        if standby is not None:
+            assert standby.term() == 0
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait(10)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_forwarder_buffers_through_an_outage_drops_summaries_first_and_delivers_the_rest(tmp_path, caplog):
+    port = _free_port()
+    forwarder = _forwarder(f"127.0.0.1:{port}", buffer_events=100, batch_events=32)
+    forwarder.start()
+    plane = None
+    try:
+        now = time.time_ns()
+        for i in range(90):
+            forwarder.put(K.SHARD_EVENT_KIND_RISK, f"r{i:03d}", risk=0.01, ts_ns=now)
+        for i in range(30):
+            forwarder.put(K.SHARD_EVENT_KIND_ALARM, f"a{i:03d}", risk=0.9, ts_ns=now, description="risk 0.9")
+        assert wait_until(lambda: forwarder.reconnects_total >= 2, 10)   # nobody there: it keeps trying
+        assert forwarder.buffered() == 100 and forwarder.dropped_total == {"risk": 20}
+        assert "forwarder buffer full" in caplog.text and "dropped the oldest risk event" in caplog.text
+
+        plane = _coordinator(tmp_path, listen=f"127.0.0.1:{port}")
+        assert wait_until(lambda: forwarder.buffered() == 0, 15), "the buffer was not delivered"
+        assert forwarder.connected and forwarder.acked_total == 100
+        assert sorted(plane.policy.alarms) == [f"a{i:03d}" for i in range(30)]
+        assert sorted(n for n in plane.nodes.risk if n.startswith("r")) == [f"r{i:03d}" for i in range(20, 90)]
+        assert plane.coordinator.events_applied == {"shard-a": 100}
+    finally:
+        forwarder.stop(0)
+        if plane is not None:
+            plane.stop(0.5)
+
+
+def test_events_sent_again_apply_once_and_a_stale_epoch_is_refused(tmp_path):
+    plane = _coordinator(tmp_path)
+    try:
+        c = plane.coordinator
+        events = [ShardEvent(1, EventKind.RISK, "n1", 0.1, ts_ns=1), ShardEvent(2, EventKind.ALARM, "n2", 0.9, ts_ns=2)]
+        assert c.receive("a", 100, "m1", events) == 2
+        assert c.receive("a", 100, "m1", events) == 2                        # sent again: known
+        assert c.receive("a", 100, "m1", events + [ShardEvent(3, EventKind.CLEARED, "n2", 0.1)]) == 3
+        assert (c.events_applied, c.events_duplicate) == ({"a": 3}, {"a": 4})
+        assert "n2" not in plane.policy.alarms
+        assert c.receive("a", 200, "m1", [ShardEvent(1, EventKind.ALARM, "n3", 0.9, ts_ns=5)]) == 1   # a restart
+        assert "n3" in plane.policy.alarms
+        with pytest.raises(Exception, match="epoch 100 is older than 200"):
+            c.receive("a", 100, "m1", [ShardEvent(4, EventKind.RISK, "n1", 0.2)])
+    finally:
+        plane.stop(0.5)
+
+
+def test_a_shard_with_another_model_is_reported_not_refused(tmp_path, caplog):
+    plane = _coordinator(tmp_path, expected_model="m1")
+    first, other = _forwarder(plane.address, shard="a", model="m1"), _forwarder(plane.address, shard="b", model="m2")
+    try:
+        for f, node in ((first, "n1"), (other, "n2")):
+            f.put(K.SHARD_EVENT_KIND_ALARM, node, risk=0.9, ts_ns=time.time_ns())
+            f.start()
+        assert wait_until(lambda: first.buffered() == other.buffered() == 0, 10)
+        assert plane.coordinator.mismatch == {"a": False, "b": True}
+        assert sorted(plane.policy.alarms) == ["n1", "n2"]
+        assert "shard b scores with model m2, not m1 as expected" in caplog.text
+        from prometheus_client import generate_latest
+        text = generate_latest(plane.registry).decode()
+        assert 'foreshock_coordinator_shard_model_mismatch{model="m2",shard="b"} 1.0' in text
+        assert 'foreshock_coordinator_shard_model_mismatch{model="m1",shard="a"} 0.0' in text
+    finally:
+        first.stop(0)
+        other.stop(0)
+        plane.stop(0.5)
+
+
+@pytest.mark.parametrize("events, message", [
+    ([ShardEvent(1, EventKind.RISK, "bad node!", 0.1)], "'bad node!' is not a valid node name"),
+    ([ShardEvent(1, EventKind.RISK, "n1", float("nan"))], "risk nan must be in"),
+    ([ShardEvent(1, EventKind.RISK, "n1", 1.5)], "risk 1.5 must be in"),
+    ([ShardEvent(2, EventKind.RISK, "n1", 0.1), ShardEvent(2, EventKind.RISK, "n2", 0.1)], "sequence 2 does not follow 2"),
+    ([ShardEvent(0, EventKind.RISK, "n1", 0.1)], "sequence 0 does not follow 0"),
+    ([ShardEvent(i + 1, EventKind.RISK, "n1", 0.1) for i in range(1025)], "1025 events in one request; at most 1024"),
+])
+def test_bad_events_are_refused_naming_what_is_wrong(events, message):
+    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace("[", r"\[")):
+        check_events("shard-a", 1, events)
+
+
+def test_bad_shard_name_and_epoch_are_refused():
+    with pytest.raises(InvalidArgument, match="shard 'a b' is not a valid id"):
+        check_events("a b", 1, [])
+    with pytest.raises(InvalidArgument, match="epoch 0 must be in"):
+        check_events("a", 0, [])
+
+
+def test_an_unknown_event_kind_is_refused_over_grpc(tmp_path):
+    plane = _coordinator(tmp_path)
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            call = coordinator_pb2_grpc.CoordinatorStub(ch).ForwardAlarms(iter([coordinator_pb2.ForwardRequest(
+                shard="a", epoch=1, model_version="m", events=[coordinator_pb2.ShardEvent(sequence=1, kind=9, node="n")])]),
+                timeout=5)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(call)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kind 9 is not a ShardEventKind" in refused.value.details()
+    finally:
+        plane.stop(0.5)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"addresses": ()}, "coordinator_address is empty"),
+    ({"addresses": ("nohost",)}, "'nohost' is not HOST:PORT"),
+    ({"shard": ""}, "shard is empty"),
+    ({"buffer_events": 10}, r"forward buffer_events 10: must be in \[100, 1e\+07\]"),
+    ({"ack_timeout_seconds": float("inf")}, "forward ack_timeout_seconds inf"),
+])
+def test_bad_forwarder_settings_are_refused_naming_them(kw, message):
+    args = {"addresses": ("127.0.0.1:1",), "shard": "a", **kw}
+    with pytest.raises(ForwardError, match=message):
+        ForwardSettings(args.pop("addresses"), args.pop("shard"), **args)
+
+
+def test_plaintext_to_a_remote_coordinator_is_refused():
+    with pytest.raises(ForwardError, match="plaintext is allowed to loopback addresses only"):
+        AlarmForwarder(ForwardSettings(("10.1.2.3:7443",), "a"), model_version="m")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator"], "lease_file is empty"),
+    (["--lease-file", "/tmp/x"], "--lease-file is the coordinator's: give --coordinator too"),
+    (["--coordinator", "--lease-file", "/tmp/x", "--coordinator-address", "127.0.0.1:1"], "exclusive"),
+    (["--coordinator-address", "127.0.0.1:1", "--forward-buffer-events", "5"], "forward_buffer_events"),
+    (["--coordinator-address", "127.0.0.1:1"], "--coordinator-address is a shard's: give --shard NAME"),
+    (["--coordinator", "--lease-file", "/tmp/x", "--shard", "a", "--shard-map", "/tmp/x"],
+     "--coordinator and --shard/--shard-map are exclusive"),
+])
+def test_serve_refuses_bad_coordinator_flags(tmp_path, flags, message):
+    run = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--no-model",
+                          "--state", str(tmp_path), "--listen", "127.0.0.1:0", "--metrics-listen", "", *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-1000:]
+
+
+def test_a_shard_forwards_what_its_policy_sees_and_the_coordinator_acts_on_it(tmp_path):
+    """A scoring instance with --coordinator-address: its rounds' fatal events, risk alarms and their
+    clearing, and its nodes' risks go to the coordinator, whose policy issues the directives."""
+    import numpy as np
+
+    from foreshock.service.nodes import FatalEvent, Topology
+    from foreshock.service.scoring import NullScorer
+
+    coordinator = _coordinator(tmp_path)
+    shard = build_server(Settings.insecure_loopback(
+        tmp_path / "shard", scorer=NullScorer(), threshold=0.5,
+        forward=ForwardSettings((coordinator.address,), "shard-a", summary_seconds=1.0,
+                                backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
+    shard.start()
+    try:
+        with pytest.raises(grpc.RpcError) as refused:   # one writer of directives: jobs go to the coordinator
+            _register(shard.address)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"shard shard-a, which forwards its alarms to the jobs coordinator; jobs register and watch " \
+               f"directives there ({coordinator.address})" in refused.value.details()
+        _register(coordinator.address)
+        now = time.time_ns()
+        for node in ("n0", "n1", "s0", "s1"):
+            shard.nodes.set_topology(node, Topology(site="x", leaf_switch="leaf-" + node[-1]))
+        shard.nodes.update_risk(["n0", "n1", "s0", "s1"], np.array([0.1, 0.1, 0.01, 0.01]), [()] * 4, now)
+        assert wait_until(lambda: coordinator.nodes.probability("s1") == 0.01, 10), "no risk summary came"
+        assert coordinator.nodes.topo("s1").leaf_switch == "leaf-1"
+
+        shard.nodes.record_fatal(FatalEvent("n0", now, "xid", "Xid 79 on GPU 3"))
+        assert wait_until(lambda: [d.from_node for d in _directives(coordinator.address)] == ["n0"], 10)
+
+        shard.policy.evaluate(time.time_ns(), ["n1"], np.array([0.9]))    # a shard's round: n1 above threshold
+        assert wait_until(lambda: sorted(d.from_node for d in _directives(coordinator.address)) == ["n0", "n1"], 10)
+        issued = {d.from_node: d for d in _directives(coordinator.address)}
+        assert issued["n0"].cause == jobs_pb2.DIRECTIVE_CAUSE_FATAL and issued["n1"].cause == jobs_pb2.DIRECTIVE_CAUSE_RISK
+        assert "(shard shard-a)" in coordinator.policy.alarms["n1"].reason
+
+        shard.policy.evaluate(time.time_ns(), ["n1"], np.array([0.1]))    # and under clear_below again
+        assert wait_until(lambda: "n1" not in coordinator.policy.alarms, 10)
+        assert shard.forwarder.buffered() == 0 or wait_until(lambda: shard.forwarder.buffered() == 0, 5)
+    finally:
+        shard.stop(0.5)
+        coordinator.stop(0.5)
