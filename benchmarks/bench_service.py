@@ -467,19 +467,27 @@ def start_generators(tmp: Path, address: str, nodes: list[str], seconds: float, 
 
 
 def stop_processes(gens: list[subprocess.Popen], server: subprocess.Popen) -> None:
-    """The generators killed (still running only when the run failed), the service stopped as a
-    supervisor stops it, killed if it takes over 30 s, and its worker if that outlived it."""
+    """The generators killed (still running only when the run failed), then the service stopped
+    (stop_services)."""
     for g in gens:
         if g.poll() is None:
             g.kill()
             g.wait()
-    workers = children(server.pid)
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+    stop_services([server])
+
+
+def stop_services(procs: list[subprocess.Popen]) -> None:
+    """As a supervisor stops them: SIGTERM, a kill past 30 s, and any scoring worker left behind."""
+    workers = [pid for p in procs for pid in children(p.pid)]
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     for pid in workers:
         try:
             os.kill(pid, signal.SIGKILL)

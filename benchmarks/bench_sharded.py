@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -59,25 +58,6 @@ def start_serve(tmp: Path, name: str, *flags: str) -> tuple[subprocess.Popen, in
             raise RuntimeError(f"{name} did not start:\n{log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.1)
     return proc, int(m.group(1))
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """As a supervisor stops them: SIGTERM, a kill past 30 s, and any scoring worker left behind."""
-    workers = [pid for p in procs for pid in bs.children(p.pid)]
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    for pid in workers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def run(model: Path, *, sharded: bool, n_nodes: int, seconds: float, shards: int, fatal: int, ramp: int) -> dict:
@@ -148,7 +128,7 @@ def run(model: Path, *, sharded: bool, n_nodes: int, seconds: float, shards: int
             if g.poll() is None:
                 g.kill()
                 g.wait()
-        stop(procs)
+        bs.stop_services(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
