@@ -321,7 +321,7 @@ class OnlineScorer:
             raise ValueError(f"remote totals: step {step!r} is not a whole number")
         step = int(step)
         if self._last_step is not None:
-            if step < self._last_step + 1 - self.remote_lag_steps:
+            if step < self.oldest_remote_step():
                 raise ValueError(f"remote totals: step {step} is older than any step still to close "
                                  f"can use (next {self._last_step + 1}, lag {self.remote_lag_steps})")
             if step > self._last_step + self.max_catchup_steps:
@@ -339,6 +339,10 @@ class OnlineScorer:
                          for label, row in rows.items() if label}
         self._remote_totals[step] = parsed
         _trim(self._remote_totals)
+
+    def oldest_remote_step(self) -> int | None:
+        """The oldest step whose remote totals a step still to close can use (None: none closed yet)."""
+        return None if self._last_step is None else self._last_step + 1 - self.remote_lag_steps
 
     def _remote_for(self, step: int):
         if not self._remote_totals:

@@ -69,7 +69,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_peer_totals_steps_total{result}           a shard's closed steps by what their job and site peer
                                                        features summed: remote (the other shards' totals of
                                                        the step), lagged (of an earlier step, within the lag),
-                                                       missing (this shard's nodes only); refused: bad totals
+                                                       missing (this shard's nodes only); late: sums that
+                                                       came after every step that could use them closed;
+                                                       refused: bad totals
   foreshock_forwarder_peer_totals_total{direction}     steps of peer totals sent to the coordinator | the
                                                        other shards' sums received
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
@@ -394,10 +396,11 @@ def _forwarder_families(f):
 def _peer_totals_families(stats: dict):
     steps = CounterMetricFamily("foreshock_peer_totals_steps", "Closed steps by what their job and site peer "
                                 "features summed: the other shards' totals of the step (remote), of an earlier "
-                                "step (lagged), none (missing: this shard's nodes only); totals refused.",
+                                "step (lagged), none (missing: this shard's nodes only); sums that came too "
+                                "late to be used for any step (late); totals refused.",
                                 labels=["result"])
     steps.add_metric(["remote"], stats.get("used", 0) - stats.get("lagged", 0))
-    for result in ("lagged", "missing", "refused"):
+    for result in ("lagged", "missing", "late", "refused"):
         steps.add_metric([result], stats.get(result, 0))
     yield steps
 

@@ -134,9 +134,14 @@ class PredictorScorer:
         return ScoreResult(self._last.nodes, self._last.probability, signals, totals=totals) if totals else self._last
 
     def set_peer_totals(self, peer_totals: list) -> None:
-        """The other shards' sums [(step, {group: {label: row}})], as the coordinator sent them. Totals the
-        scorer refuses (predictor/online.py set_remote_totals) are logged and counted, and change nothing."""
+        """The other shards' sums [(step, {group: {label: row}})], as the coordinator sent them. Sums that
+        came too late for any step still to close are counted (late) and dropped; totals the scorer
+        refuses (predictor/online.py set_remote_totals) are logged and counted, and change nothing."""
         for step, groups in peer_totals:
+            oldest = self._online.oldest_remote_step()
+            if oldest is not None and isinstance(step, int) and step < oldest:
+                self._online.stats["remote_totals_late"] += 1
+                continue
             try:
                 self._online.set_remote_totals(step, groups)
             except ValueError as exc:
@@ -145,8 +150,10 @@ class PredictorScorer:
 
     def peer_stats(self) -> dict[str, int]:
         """How each closed step's job and site peers were computed: with the other shards' totals of the
-        step (used, less lagged), of an earlier step (lagged), without (missing); totals refused."""
-        return {k: int(self._online.stats[f"remote_totals_{k}"]) for k in ("used", "lagged", "missing", "refused")}
+        step (used, less lagged), of an earlier step (lagged), without (missing); sums that came too
+        late to be used, and totals refused."""
+        return {k: int(self._online.stats[f"remote_totals_{k}"])
+                for k in ("used", "lagged", "missing", "late", "refused")}
 
     # -- checkpoint (the owner calls these: the scoring worker, or the service when it scores itself) --
     def restore_state(self, path: str | Path) -> str | None:

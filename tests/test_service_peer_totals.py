@@ -150,7 +150,10 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path):
         clock.now += STEP      # one more round hands the last sums to the scorers
         assert wait_until(lambda: all(s.peer_stats()["used"] == 2 for _, s, _ in shards.values()), 15)
         plane_a, scorer_a, _ = shards["shard-a"]
-        assert scorer_a.peer_stats() == {"used": 2, "lagged": 2, "missing": 1, "refused": 0}
+        assert scorer_a.peer_stats() == {"used": 2, "lagged": 2, "missing": 1, "late": 0, "refused": 0}
+        # sums that come after every step that could use them closed are counted, not refused
+        scorer_a.set_peer_totals([(steps[0], {"job": {"job-1": [2.0] + [0.0] * (ft.TOTALS_WIDTH - 1)}})])
+        assert scorer_a.peer_stats()["late"] == 1 and scorer_a.peer_stats()["refused"] == 0
         assert coordinator.coordinator.peer_totals.steps_received == {"shard-a": 3, "shard-b": 3}
         from prometheus_client import generate_latest
         text = generate_latest(plane_a.registry).decode()
