@@ -163,3 +163,39 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path):
         for plane, _, _ in shards.values():
             plane.stop(0.5)
         coordinator.stop(0.5)
+
+
+def test_the_scoring_worker_sends_its_totals_and_takes_the_others(tmp_path):
+    """The same exchange when the scorer runs in the scoring worker process (serve's default with a model)."""
+    from foreshock.service.worker import ScoringWorker, _encode, pack
+
+    model_dir = synthetic.tiny_model_dir(tmp_path / "m")
+    tables = {n: synthetic.node_tables(n, 9, seed=i, interval_s=20) for i, n in enumerate(NODES)}
+    inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
+    steps = list(_steps(tables))[:3]
+    worker = ScoringWorker(str(model_dir), grace_seconds=2.0, share_totals=True, timeout=60)
+    worker.start()
+    try:
+        def drain(step, peer_totals):
+            lo, hi = step * STEP, (step + 1) * STEP
+            validated = [("inventory", _encode("inventory", inv.filter(pc.is_in(inv.column("node"),
+                                                                                  pa.array(SHARD_A)))))]
+            for name in tables["node-a"]:
+                part = pa.concat_tables([tables[n][name] for n in SHARD_A])
+                ts = pc.cast(part.column("ts"), pa.int64())
+                validated.append((name, _encode(name, part.filter(pc.and_(pc.greater_equal(ts, lo),
+                                                                          pc.less(ts, hi))))))
+            return worker.call({"now_ns": hi + 3_000_000_000, "score": True, "validated": validated,
+                                "close_ns": hi, "peer_totals": peer_totals, **pack([])})
+
+        reply = drain(steps[0], [])
+        assert reply["score_error"] == "" and reply["peer_stats"]["missing"] == 1
+        ((step, groups),) = reply["score"][4]
+        assert step == steps[0] and groups["job"]["job-1"][0] == 2 and "site-a" in groups["site"]
+        other = {"job": {"job-1": groups["job"]["job-1"]}}               # as if shard B's were the same
+        bad = {"job": {"job-1": [1.0, 2.0]}}
+        reply = drain(steps[1], [(steps[0], bad), (steps[0], other)])
+        assert reply["peer_stats"] == {"used": 1, "lagged": 1, "missing": 1, "late": 0, "refused": 1}
+        assert [s for s, _ in reply["score"][4]] == [steps[1]]
+    finally:
+        worker.stop()
