@@ -57,6 +57,8 @@ CHECKS: dict[str, config.Check] = {
 }
 
 
+# Half a 60 s step at the default poll period: the other shards' totals normally follow within the
+# grace period of the step's close, and a coordinator that has none (a shard down) is not asked all step.
 TOTALS_POLLS = 30
 
 
