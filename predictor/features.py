@@ -57,6 +57,9 @@ ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
 IDX = {n: i for i, n in enumerate(ALL_NAMES)}
 PEER_GROUPS = ("leaf_switch", "job", "site")
+# The peer groups whose nodes a sharded deployment spreads over shards: a shard owns whole leaf
+# switches (service/shardmap.py), so only these need the other shards' totals (docs/scaling.md).
+CROSS_SHARD_GROUPS = ("job", "site")
 
 # count signals not worth windowing on their own (denominators, raw traffic: used through ratios/peers).
 # RDMA out-of-sequence packets are among them: with adaptive routing a QP's packets take different
@@ -659,6 +662,32 @@ class GroupTotals:
     count: np.ndarray   # [G, ...]
     total: np.ndarray   # [G, ..., 3]
     nonzero: np.ndarray  # [G, ..., 3]
+
+
+# One group's totals at one step as a flat row: [count, the totals of PEER_INPUTS, their nonzero counts]
+# (offline.PeerTotals stores its rows so; shards exchange them so, service/coordinator.py).
+TOTALS_WIDTH = 1 + 2 * len(PEER_INPUTS)
+
+
+def check_totals_row(row, where: str) -> np.ndarray:
+    """A totals row from outside (another shard's) as float64 [TOTALS_WIDTH]; ValueError naming `where`
+    and the fault when it cannot be one: wrong length, not finite, negative, more nonzero than nodes."""
+    try:
+        a = np.asarray(row, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: not numbers") from None
+    if a.shape != (TOTALS_WIDTH,):
+        raise ValueError(f"{where}: {a.size} values, a totals row has {TOTALS_WIDTH} "
+                         f"(count, {len(PEER_INPUTS)} totals, {len(PEER_INPUTS)} nonzero counts)")
+    k = len(PEER_INPUTS)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{where}: values not finite")
+    if a[0] < 1 or a[0] != np.floor(a[0]):
+        raise ValueError(f"{where}: count {a[0]} is not a positive whole number")
+    nz = a[1 + k:]
+    if (nz < 0).any() or (nz > a[0]).any() or (nz != np.floor(nz)).any():
+        raise ValueError(f"{where}: nonzero counts {nz.tolist()} not whole numbers within 0..{a[0]:g}")
+    return a
 
 
 def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarray],

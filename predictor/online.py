@@ -14,6 +14,16 @@ as well. Everything is bounded: nodes
 (`max_nodes`), rows waiting for their step to close (`max_pending_rows`: the oldest are dropped and
 counted), and per-node history (features.HISTORY steps plus a few scalars).
 
+In a sharded deployment (docs/scaling.md) a scorer holds only some nodes of a job or a site. With
+`share_totals` it keeps, per closed step, its nodes' totals of every job and site group
+(`take_local_totals`, for the coordinator to sum across shards), and `set_remote_totals` gives it the
+other shards' sums, which it adds to its own for the job and site peer signals. They arrive after the
+step they describe has closed here, so step s uses the other shards' totals of the latest step in
+s - remote_lag_steps .. s (with the default 1, normally s - 1), and its own nodes alone when none are
+that recent (`stats["remote_totals_missing"]`; `"remote_totals_lagged"` counts steps that used an
+earlier step's). Without remote totals, as outside a sharded deployment, the features are the offline
+ones exactly.
+
 Explanations (explain.py) are computed for the `explain_top` riskiest nodes of a round; the others
 get an empty signal list.
 """
@@ -58,10 +68,14 @@ class ScoreBatch:
 class OnlineScorer:
     def __init__(self, model, *, max_nodes: int = 50_000, max_pending_rows: int = 5_000_000,
                  grace_seconds: float = 5.0, explain_top: int = 16, signals_per_node: int = 3,
-                 max_catchup_steps: int = 6 * 60, clock=time.time, kernel: bool = True):
+                 max_catchup_steps: int = 6 * 60, clock=time.time, kernel: bool = True,
+                 share_totals: bool = False, remote_lag_steps: int = 1):
         """model: a registry.LoadedModel (or anything with probability(X) and a manifest dict).
         kernel: each round's features and peer totals in the compiled kernels (predictor/kernels.py)
-        where numba is importable; False: in numpy, the written reference (the same values)."""
+        where numba is importable; False: in numpy, the written reference (the same values).
+        share_totals: keep each closed step's job and site totals for take_local_totals (a shard);
+        remote_lag_steps: how many steps older than the step closing the other shards' totals may be
+        (0 .. REMOTE_KEEP_STEPS - 1; see the module docstring)."""
         self.model = model
         self.kernel = bool(kernel)
         manifest = getattr(model, "manifest", {}) or {}
@@ -74,6 +88,14 @@ class OnlineScorer:
         self.explain_top = int(explain_top)
         self.signals_per_node = int(signals_per_node)
         self.max_catchup_steps = int(max_catchup_steps)
+        if not 0 <= int(remote_lag_steps) < REMOTE_KEEP_STEPS:
+            raise ValueError(f"remote_lag_steps {remote_lag_steps!r}: 0 .. {REMOTE_KEEP_STEPS - 1}")
+        self.remote_lag_steps = int(remote_lag_steps)
+        self.share_totals = bool(share_totals)
+        # step -> group -> label -> totals row (ft.TOTALS_WIDTH): this scorer's own (to send), and the
+        # other shards' sums (received); each holds the last REMOTE_KEEP_STEPS steps
+        self._local_totals: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+        self._remote_totals: dict[int, dict[str, dict[str, np.ndarray]]] = {}
         self._clock = clock
         ref = manifest.get("reference_features")
         self.reference = (np.asarray(ref, dtype=np.float32) if ref is not None
@@ -252,6 +274,13 @@ class OnlineScorer:
             totals = {}
             for g, c in codes.items():
                 totals[g] = group_totals_lookup(c, present[:, j], own[:, j], kernel=self.kernel)
+            step = int(steps[j])
+            if self.share_totals:
+                self._keep_local_totals(step, codes, present[:, j], own[:, j])
+            remote = self._remote_for(step)
+            if remote is not None:
+                for g in ft.CROSS_SHARD_GROUPS:
+                    totals[g] = self._add_remote(g, codes[g], totals[g], remote.get(g, {}))
             peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
         feats, self._state = ft.compute(np.concatenate([x, peers], axis=2), steps, self._state,
                                         kernel=self.kernel)
@@ -263,6 +292,86 @@ class OnlineScorer:
         self._last_step = int(steps[-1])
         self._next_step = int(close)
         return t
+
+    # -- totals across shards ---------------------------------------------------------------------
+    def _keep_local_totals(self, step: int, codes: dict[str, np.ndarray], present: np.ndarray,
+                           own: np.ndarray) -> None:
+        kept = {}
+        for g in ft.CROSS_SHARD_GROUPS:
+            cnt, tot, nz = group_sums(codes[g], present, own)
+            label_of = {code: label for label, code in self._group_codes[g].items()}
+            kept[g] = {label_of[c]: np.concatenate([[cnt[c]], tot[c], nz[c]])
+                       for c in np.flatnonzero(cnt).tolist()}
+        self._local_totals[step] = kept
+        _trim(self._local_totals)
+
+    def take_local_totals(self) -> list[tuple[int, dict[str, dict[str, np.ndarray]]]]:
+        """The job and site totals of this scorer's nodes at each step closed since the last call
+        (oldest first; at most REMOTE_KEEP_STEPS): [(step, {group: {label: totals row}})]."""
+        out = sorted(self._local_totals.items())
+        self._local_totals.clear()
+        return out
+
+    def set_remote_totals(self, step: int, totals: dict) -> None:
+        """The other shards' summed totals at `step`: {group: {label: row}}, group one of
+        ft.CROSS_SHARD_GROUPS, row ft.TOTALS_WIDTH numbers. Replaces what an earlier call gave for the
+        step. Raises ValueError naming the fault (a group, a label's row, a step too old to be used or
+        too far ahead of this scorer's steps) and changes nothing."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise ValueError(f"remote totals: step {step!r} is not a whole number")
+        step = int(step)
+        if self._last_step is not None:
+            if step < self.oldest_remote_step():
+                raise ValueError(f"remote totals: step {step} is older than any step still to close "
+                                 f"can use (next {self._last_step + 1}, lag {self.remote_lag_steps})")
+            if step > self._last_step + self.max_catchup_steps:
+                raise ValueError(f"remote totals: unknown step {step}, {step - self._last_step} steps "
+                                 f"past this scorer's last closed step {self._last_step}")
+        if not isinstance(totals, dict):
+            raise ValueError(f"remote totals of step {step}: expected {{group: {{label: row}}}}")
+        parsed: dict[str, dict[str, np.ndarray]] = {}
+        for g, rows in totals.items():
+            if g not in ft.CROSS_SHARD_GROUPS:
+                raise ValueError(f"remote totals of step {step}: group {g!r} is not one of {ft.CROSS_SHARD_GROUPS}")
+            if not isinstance(rows, dict):
+                raise ValueError(f"remote totals of step {step}, group {g}: expected {{label: row}}")
+            parsed[g] = {str(label): ft.check_totals_row(row, f"remote totals of step {step}, {g} {label!r}")
+                         for label, row in rows.items() if label}
+        self._remote_totals[step] = parsed
+        _trim(self._remote_totals)
+
+    def oldest_remote_step(self) -> int | None:
+        """The oldest step whose remote totals a step still to close can use (None: none closed yet)."""
+        return None if self._last_step is None else self._last_step + 1 - self.remote_lag_steps
+
+    def _remote_for(self, step: int):
+        if not self._remote_totals:
+            if self.share_totals:
+                self.stats["remote_totals_missing"] += 1
+            return None
+        for r in range(step, step - self.remote_lag_steps - 1, -1):
+            if r in self._remote_totals:
+                self.stats["remote_totals_used"] += 1
+                if r != step:
+                    self.stats["remote_totals_lagged"] += 1
+                return self._remote_totals[r]
+        self.stats["remote_totals_missing"] += 1
+        return None
+
+    def _add_remote(self, group: str, codes: np.ndarray, local, remote: dict[str, np.ndarray]):
+        """local (count, total, nonzero) per node plus the remote row of each node's group (by label)."""
+        if not remote:
+            return local
+        label_codes = self._group_codes[group]
+        by_code = np.zeros((len(label_codes) + 1, ft.TOTALS_WIDTH))   # the last row: no group, zeros
+        for label, row in remote.items():
+            c = label_codes.get(label)
+            if c is not None:
+                by_code[c] = row
+        rows = by_code[np.where(codes >= 0, codes, len(label_codes))]
+        k = len(ft.PEER_INPUTS)
+        cnt, tot, nz = local
+        return cnt + rows[:, 0], tot + rows[:, 1:1 + k], nz + rows[:, 1 + k:]
 
     def _close_table(self, table: str, parts: list[sg.Samples], close: int) -> list[sg.StepSignals]:
         """The (node, step) signals of one table's rows of the closing steps; the rest stays pending.
@@ -486,6 +595,27 @@ class OnlineScorer:
         return self._features[self._index[node]].copy()
 
 
+REMOTE_KEEP_STEPS = 4
+
+
+def _trim(by_step: dict) -> None:
+    for step in sorted(by_step)[:-REMOTE_KEEP_STEPS]:
+        del by_step[step]
+
+
+def group_sums(codes: np.ndarray, present: np.ndarray, own: np.ndarray):
+    """Per group code: (count [G], total [G, I], nonzero [G, I]) over the nodes present."""
+    ok = (codes >= 0) & present
+    g = int(codes.max()) + 1 if len(codes) and codes.max() >= 0 else 1
+    cnt = np.bincount(codes[ok], minlength=g).astype(np.float64)
+    tot = np.zeros((g, own.shape[1]))
+    nz = np.zeros((g, own.shape[1]))
+    for c in range(own.shape[1]):
+        tot[:, c] = np.bincount(codes[ok], weights=own[ok, c], minlength=g)
+        nz[:, c] = np.bincount(codes[ok], weights=(own[ok, c] > 0).astype(np.float64), minlength=g)
+    return cnt, tot, nz
+
+
 def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray, *, kernel: bool = True):
     """Per node: its group's (count, total [3], nonzero [3]) over the nodes present, self included.
     kernel: the compiled kernel where numba is importable; False: the bincount path below, the written
@@ -498,14 +628,7 @@ def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray,
         kernels.group_totals(np.ascontiguousarray(codes, dtype=np.int64), np.ascontiguousarray(present),
                              np.ascontiguousarray(own, dtype=np.float64), cnt, tot, nz)
         return cnt, tot, nz
-    ok = (codes >= 0) & present
-    g = int(codes.max()) + 1 if len(codes) and codes.max() >= 0 else 1
-    cnt = np.bincount(codes[ok], minlength=g).astype(np.float64)
-    tot = np.zeros((g, own.shape[1]))
-    nz = np.zeros((g, own.shape[1]))
-    for c in range(own.shape[1]):
-        tot[:, c] = np.bincount(codes[ok], weights=own[ok, c], minlength=g)
-        nz[:, c] = np.bincount(codes[ok], weights=(own[ok, c] > 0).astype(np.float64), minlength=g)
+    cnt, tot, nz = group_sums(codes, present, own)
     safe = np.where(codes >= 0, codes, 0)
     return cnt[safe], tot[safe], nz[safe]
 

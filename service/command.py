@@ -37,6 +37,7 @@ FORWARD_KEYS = {
     "forward_buffer_events": "buffer_events", "forward_batch_events": "batch_events",
     "forward_ack_timeout_seconds": "ack_timeout_seconds", "forward_stream_seconds": "stream_seconds",
     "forward_summary_seconds": "summary_seconds", "forward_tls_ca": "tls_ca",
+    "forward_totals_poll_seconds": "totals_poll_seconds",
 }
 FORWARD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardSettings)}
 

@@ -18,6 +18,11 @@ is service/forwarder.py):
   durable. `restore` reads the node states back when an instance takes over, and runs the policy: a
   leader killed between its commit and its ack loses nothing, and one killed before its commit loses
   nothing either (the shard has not been acked, so it sends the events again).
+- `PeerTotalsBook`: the job and site peer totals each shard sends per closed feature step, summed for
+  the other shards: each ack carries a shard the others' sums of the newest step all of them have sent
+  (docs/scaling.md, "Peer features across shards"). Memory only, the last MAX_TOTALS_STEPS steps per
+  shard: totals are a few steps' worth of use, and a takeover starts them over (the shards' scorers use
+  their own nodes' meanwhile).
 - A shard that scores with a model other than the one expected (`expected_model_version`, or the first
   one seen) is counted and logged, not refused: during a rolling model update shards differ for a while.
 """
@@ -45,6 +50,8 @@ MAX_EVENTS = 1024            # events in one ForwardRequest (coordinator.proto)
 MAX_SIGNALS = 16             # signals kept per event
 MAX_TEXT = 1024              # a description or reason, characters
 MAX_UINT63 = (1 << 63) - 1   # epochs and sequences are kept in SQLite's signed 64-bit INTEGER
+MAX_TOTALS_STEPS = 4         # steps of peer totals in one request, and kept per shard (the scorers use the last 1-2)
+MAX_TOTALS_GROUPS = 65_536   # job and site groups of one request, over its steps
 
 
 class EventKind(enum.IntEnum):
@@ -157,6 +164,87 @@ def check_events(shard: str, epoch: int, events: list[ShardEvent]) -> None:
             check_text(f"shard {shard!r} event {e.sequence} {name}", getattr(e.topology, name), 253)
 
 
+def check_step_totals(shard: str, steps: list[tuple[int, list[tuple[str, str, list[float]]]]]):
+    """A request's peer totals [(step, [(group, name, values)])] -> {step: {(group, name): row}}, or
+    InvalidArgument naming the shard, the step and the group at fault."""
+    from foreshock.predictor import features as ft
+
+    if len(steps) > MAX_TOTALS_STEPS:
+        raise InvalidArgument(f"shard {shard!r}: totals of {len(steps)} steps in one request; at most {MAX_TOTALS_STEPS}")
+    if sum(len(groups) for _, groups in steps) > MAX_TOTALS_GROUPS:
+        raise InvalidArgument(f"shard {shard!r}: more than {MAX_TOTALS_GROUPS} groups of totals in one request")
+    out: dict[int, dict[tuple[str, str], object]] = {}
+    for step, groups in steps:
+        if not 0 < step <= MAX_UINT63:
+            raise InvalidArgument(f"shard {shard!r}: totals step {step} must be in [1, 2^63)")
+        if step in out:
+            raise InvalidArgument(f"shard {shard!r}: totals of step {step} twice in one request")
+        rows = out[step] = {}
+        for group, name, values in groups:
+            if group not in ft.CROSS_SHARD_GROUPS:
+                raise InvalidArgument(f"shard {shard!r} totals of step {step}: group {group!r} is not one of "
+                                      f"{ft.CROSS_SHARD_GROUPS}")
+            check_text(f"shard {shard!r} totals of step {step} {group} name", name, 253)
+            if not name or (group, name) in rows:
+                raise InvalidArgument(f"shard {shard!r} totals of step {step}: {group} {name!r} empty or twice")
+            try:
+                rows[(group, name)] = ft.check_totals_row(values, f"shard {shard!r} totals of step {step}, {group} {name!r}")
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+    return out
+
+
+class PeerTotalsBook:
+    """Each shard's job and site totals by step (the last MAX_TOTALS_STEPS), and what each has been given."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._steps: dict[str, dict[int, dict[tuple[str, str], object]]] = {}
+        self._given: dict[str, int] = {}     # shard -> the newest step whose others' sums it was sent
+        self.steps_received: dict[str, int] = {}
+        self.sums_sent: dict[str, int] = {}
+
+    def put(self, shard: str, checked: dict[int, dict[tuple[str, str], object]]) -> None:
+        """A shard's totals, as check_step_totals returned them."""
+        if not checked:
+            return
+        with self._lock:
+            mine = self._steps.setdefault(shard, {})
+            mine.update(checked)
+            for step in sorted(mine)[:-MAX_TOTALS_STEPS]:
+                del mine[step]
+            self.steps_received[shard] = self.steps_received.get(shard, 0) + len(checked)
+            # A shard that stopped sending would hold every other shard's sums back at its last step:
+            # past the window it no longer counts as one of the others.
+            newest = max(max(d) for d in self._steps.values() if d)
+            for other in [o for o, d in self._steps.items() if not d or max(d) <= newest - MAX_TOTALS_STEPS]:
+                log.info("coordinator: shard %s sent no peer totals for %d steps; summed without it",
+                         other, MAX_TOTALS_STEPS)
+                del self._steps[other]
+                self._given.pop(other, None)
+
+    def others(self, shard: str):
+        """(step, {group: {name: row}}): the other shards' totals summed at the newest step every one of
+        them has sent and `shard` was not given yet; None when there is none."""
+        with self._lock:
+            others = [d for o, d in self._steps.items() if o != shard]
+            if not others:
+                return None
+            common = set.intersection(*(set(d) for d in others))
+            fresh = [s for s in common if s > self._given.get(shard, 0)]
+            if not fresh:
+                return None
+            step = max(fresh)
+            sums: dict[str, dict[str, object]] = {}
+            for d in others:
+                for (group, name), row in d[step].items():
+                    got = sums.setdefault(group, {})
+                    got[name] = row + got[name] if name in got else row.copy()
+            self._given[shard] = step
+            self.sums_sent[shard] = self.sums_sent.get(shard, 0) + 1
+            return step, sums
+
+
 @dataclass
 class _NodeState:
     """A node as the shards' events left it: one shard_nodes row."""
@@ -205,6 +293,7 @@ class Coordinator:
         self.mismatch: dict[str, bool] = {}  # shard -> scores with another model than expected
         self.events_applied: dict[str, int] = {}
         self.events_duplicate: dict[str, int] = {}
+        self.peer_totals = PeerTotalsBook()
 
     # -- takeover ------------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -322,4 +411,4 @@ def _array(value: float):
 
 
 __all__ = ["Coordinator", "CoordinatorSettings", "LeaderLock", "ShardEvent", "EventKind", "check_events",
-           "MAX_EVENTS"]
+           "check_step_totals", "PeerTotalsBook", "MAX_EVENTS", "MAX_TOTALS_STEPS", "MAX_TOTALS_GROUPS"]

@@ -11,6 +11,13 @@ coordinator's side is service/coordinator.py).
   (`stream_seconds`, then a new one at once), and so has every batch: one not acked within
   `ack_timeout_seconds` ends the stream, and the forwarder tries the next of its coordinator addresses
   (the standby, which answers UNAVAILABLE until it leads), with backoff.
+- Peer totals ride the same stream beside the events (`put_totals`: the job and site totals of the
+  steps the shard's scorer closed; each ack may bring the other shards' sums, `take_peer_totals`). They
+  are not events: the newest MAX_TOTALS_STEPS steps wait for the next request, older ones go, and each
+  is sent once (a stream that breaks loses them: the scorer uses its own nodes' until the next arrive).
+  The coordinator answers only on a request, and a shard that sends its step first hears of the others'
+  only later: until the sums of the step it sent last come, an empty request asks again every
+  `totals_poll_seconds`, at most TOTALS_POLLS times a step.
 - `ShardReporter` turns a shard's rounds into events: a node that enters risk alarm (ALARM), leaves it
   (CLEARED), a fatal event (FATAL), and every `summary_seconds` every scored node's risk and topology
   (RISK), by which the coordinator ranks spares and finds a fabric incident across shards.
@@ -32,7 +39,7 @@ import grpc
 from foreshock import config
 from foreshock.net import Endpoint, PlaintextRefused, client_credentials
 from foreshock.ratelimit import LogLimiter
-from foreshock.service.coordinator import MAX_EVENTS, MAX_SIGNALS, MAX_TEXT
+from foreshock.service.coordinator import MAX_EVENTS, MAX_SIGNALS, MAX_TEXT, MAX_TOTALS_STEPS
 from foreshock.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,7 +53,13 @@ CHECKS: dict[str, config.Check] = {
     "backoff_initial_seconds": config.between(0.01, 60),
     "backoff_max_seconds": config.between(0.01, 600),
     "summary_seconds": config.between(1, 3600),
+    "totals_poll_seconds": config.between(0.05, 60),
 }
+
+
+# Half a 60 s step at the default poll period: the other shards' totals normally follow within the
+# grace period of the step's close, and a coordinator that has none (a shard down) is not asked all step.
+TOTALS_POLLS = 30
 
 
 class ForwardError(ValueError):
@@ -64,6 +77,7 @@ class ForwardSettings:
     backoff_initial_seconds: float = 0.1
     backoff_max_seconds: float = 5.0
     summary_seconds: float = 15.0        # every scored node's risk and topology, this often
+    totals_poll_seconds: float = 1.0     # asks again this often for the others' sums of the step it sent last
     tls_ca: str = ""                     # the coordinator's CA (PEM); "": plaintext, loopback only
     token: str = field(default="", repr=False)   # a shard:NAME bearer token; "": none (mutual TLS, insecure)
 
@@ -111,6 +125,12 @@ class AlarmForwarder:
         self._sent_upto = 0
         self._acked = 0
         self._in_flight: collections.deque = collections.deque()   # (last sequence of a batch, sent at)
+        self._totals: dict[int, coordinator_pb2.StepTotals] = {}   # steps of this shard's totals not sent yet
+        self._peer_totals: coordinator_pb2.StepTotals | None = None   # the others' sums not taken yet
+        self._totals_step = 0      # the newest step of this shard's totals sent ...
+        self._peer_step = 0        # ... and of the others' sums received
+        self._polls = 0            # empty requests asking for the sums of _totals_step
+        self._requested_at = 0.0
         self._stream = 0           # the stream the request generator belongs to
         self._call = None
         self._stop = threading.Event()
@@ -119,6 +139,8 @@ class AlarmForwarder:
         self.acked_total = 0
         self.dropped_total: dict[str, int] = {}
         self.reconnects_total = 0
+        self.totals_sent_total = 0
+        self.peer_totals_received_total = 0
         self.connected = False
         self.address = settings.addresses[0]
 
@@ -149,6 +171,30 @@ class AlarmForwarder:
         self._log.warning("drop", "forwarder buffer full (%d events, the coordinator at %s not acking): "
                           "dropped the oldest %s event (node %s); %s dropped so far",
                           self.settings.buffer_events, self.address, name, victim.node, self.dropped_total)
+
+    def put_totals(self, steps) -> None:
+        """This shard's job and site totals, [(step, {group: {name: row}})] (OnlineScorer.take_local_totals),
+        for the next request. Never blocks."""
+        with self._cv:
+            for step, groups in steps:
+                self._totals[int(step)] = coordinator_pb2.StepTotals(step=int(step), groups=[
+                    coordinator_pb2.GroupTotals(group=g, name=name, values=[float(v) for v in row])
+                    for g, rows in sorted(groups.items()) for name, row in sorted(rows.items())])
+            for step in sorted(self._totals)[:-MAX_TOTALS_STEPS]:
+                del self._totals[step]
+            self._cv.notify_all()
+
+    def take_peer_totals(self):
+        """The other shards' sums the coordinator sent last, (step, {group: {name: [values]}}), once; None
+        when none came since the last call."""
+        with self._cv:
+            got, self._peer_totals = self._peer_totals, None
+        if got is None:
+            return None
+        groups: dict[str, dict[str, list[float]]] = {}
+        for g in got.groups:
+            groups.setdefault(g.group, {})[g.name] = list(g.values)
+        return got.step, groups
 
     def buffered(self) -> int:
         with self._cv:
@@ -196,18 +242,33 @@ class AlarmForwarder:
                             batch.append(ev)
                             if len(batch) >= s.batch_events:
                                 break
-                    if batch:
+                    if batch or self._totals:
                         break
-                    self._cv.wait(0.1)
-                self._sent_upto = batch[-1].sequence
-                self._in_flight.append((self._sent_upto, time.monotonic()))
+                    if (self._peer_step < self._totals_step and self._polls < TOTALS_POLLS and not self._in_flight
+                            and time.monotonic() - self._requested_at >= s.totals_poll_seconds):
+                        self._polls += 1
+                        break
+                    self._cv.wait(min(0.1, s.totals_poll_seconds))
+                totals = [self._totals[step] for step in sorted(self._totals)]
+                self._totals.clear()
+                if totals:
+                    self.totals_sent_total += len(totals)
+                    self._totals_step, self._polls = max(self._totals_step, totals[-1].step), 0
+                self._requested_at = time.monotonic()
+                if batch:
+                    self._sent_upto = batch[-1].sequence
+                    self._in_flight.append((self._sent_upto, time.monotonic()))
             yield coordinator_pb2.ForwardRequest(shard=s.shard, epoch=self.epoch, model_version=self.model_version,
-                                                 events=batch)
+                                                 events=batch, totals=totals)
 
     def _on_ack(self, ack) -> None:
         if ack.epoch != self.epoch:
             return
         with self._cv:
+            if ack.HasField("peer_totals") and ack.peer_totals.step:
+                self._peer_totals = ack.peer_totals
+                self._peer_step = max(self._peer_step, ack.peer_totals.step)
+                self.peer_totals_received_total += 1
             upto = ack.acked_sequence
             if upto <= self._acked:
                 return

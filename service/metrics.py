@@ -66,6 +66,14 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
   foreshock_forwarder_dropped_events_total{kind}, foreshock_forwarder_reconnects_total
                                                        a shard's stream to the coordinator (service/forwarder.py)
+  foreshock_peer_totals_steps_total{result}           a shard's closed steps by what their job and site peer
+                                                       features summed: remote (the other shards' totals of
+                                                       the step), lagged (of an earlier step, within the lag),
+                                                       missing (this shard's nodes only); late: sums that
+                                                       came after every step that could use them closed;
+                                                       refused: bad totals
+  foreshock_forwarder_peer_totals_total{direction}     steps of peer totals sent to the coordinator | the
+                                                       other shards' sums received
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 
 The same HTTP listener (`serve_http`) answers GET /readyz: 200 while the instance serves (a coordinator:
@@ -290,6 +298,7 @@ class ControlPlaneCollector:
             yield from _coordinator_families(p.coordinator)
         if p.forwarder is not None:
             yield from _forwarder_families(p.forwarder)
+            yield from _peer_totals_families(p.scoring.peer_stats)
 
 
 def _archive_families(a: dict):
@@ -377,6 +386,23 @@ def _forwarder_families(f):
     yield dropped
     yield CounterMetricFamily("foreshock_forwarder_reconnects", "Streams to the coordinator that broke or were "
                               "refused (a standby), each followed by the next address.", value=f.reconnects_total)
+    totals = CounterMetricFamily("foreshock_forwarder_peer_totals", "Steps of job and site peer totals sent to "
+                                 "the coordinator, and the other shards' sums received.", labels=["direction"])
+    totals.add_metric(["sent"], f.totals_sent_total)
+    totals.add_metric(["received"], f.peer_totals_received_total)
+    yield totals
+
+
+def _peer_totals_families(stats: dict):
+    steps = CounterMetricFamily("foreshock_peer_totals_steps", "Closed steps by what their job and site peer "
+                                "features summed: the other shards' totals of the step (remote), of an earlier "
+                                "step (lagged), none (missing: this shard's nodes only); sums that came too "
+                                "late to be used for any step (late); totals refused.",
+                                labels=["result"])
+    steps.add_metric(["remote"], stats.get("used", 0) - stats.get("lagged", 0))
+    for result in ("lagged", "missing", "late", "refused"):
+        steps.add_metric([result], stats.get(result, 0))
+    yield steps
 
 
 def build_registry(plane) -> tuple[CollectorRegistry, Histogram]:

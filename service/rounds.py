@@ -56,6 +56,7 @@ class Drain:
     validated: list = field(default_factory=list)   # (table, Pipeline.carry(table)): checked event tables
     submitted: float = 0.0
     close_ns: int | None = None     # the end of the last step this drain closes; None: a scorer without steps
+    peer_totals: list = field(default_factory=list)   # a shard's: the other shards' sums, for the scorer first
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Outcome:
     ingest_errors: int = 0
     verdicts: dict | None = None        # the worker's verdicts, for on_verdicts (ingest.apply_verdicts);
     #                                     None: the checks ran in this process and put them on the streams
+    peer_stats: dict | None = None      # a shard scorer's PredictorScorer.peer_stats() after the drain
 
 
 class Pipeline(Protocol):
@@ -151,6 +153,8 @@ class InProcessPipeline:
         for name, t in drain.validated:
             tables[name] = pa.concat_tables([tables[name], t.cast(tables[name].schema)]) if name in tables else t
         outcome = Outcome()
+        if drain.peer_totals:
+            self.scorer.set_peer_totals(drain.peer_totals)
         for name, data in tables.items():
             try:
                 self.scorer.ingest(name, data)
@@ -163,6 +167,8 @@ class InProcessPipeline:
             except Exception as exc:
                 outcome.score_error = f"{type(exc).__name__}: {exc}"
                 log.exception("scoring round failed")
+            if hasattr(self.scorer, "peer_stats"):
+                outcome.peer_stats = self.scorer.peer_stats()
         self._answers.append((drain, outcome))
 
     def start(self, wake: Callable[[], None]) -> None:
@@ -235,6 +241,10 @@ class RoundScheduler:
         self._unsettled: collections.deque = collections.deque()
         self._enqueued = 0          # bulk batches queued, and taken off the queue, since the start
         self._taken = 0
+        # A shard's peer totals exchange (forwarder.AlarmForwarder: take_peer_totals, put_totals): the
+        # other shards' sums go to the scorer with the next drain, its own go out after each step
+        self.totals = None
+        self.peer_stats: dict[str, int] = {}
 
     @property
     def early_closes(self) -> int:
@@ -385,7 +395,9 @@ class RoundScheduler:
             if step and self.schedule is not None:
                 boundary = self.schedule.close(now, drained_all=drained_all)
             validated, self._validated = self._validated, []
-            self.pipeline.submit(Drain(items, now, step, validated, time.perf_counter(), boundary))
+            peer = self.totals.take_peer_totals() if self.totals is not None else None
+            self.pipeline.submit(Drain(items, now, step, validated, time.perf_counter(), boundary,
+                                       peer_totals=[peer] if peer is not None else []))
             if boundary is not None:
                 self.schedule.sent(boundary)
         fresh = None
@@ -405,6 +417,10 @@ class RoundScheduler:
             if outcome.score_error:
                 self.score_errors += 1
             r = outcome.result
+            if outcome.peer_stats is not None:
+                self.peer_stats = outcome.peer_stats
+            if r is not None and r.totals and self.totals is not None:
+                self.totals.put_totals(r.totals)
             if r is not None:
                 self._last = ScoreResult(r.nodes, r.probability, r.signals, fresh=False)
                 if r.fresh:

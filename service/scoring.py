@@ -30,6 +30,9 @@ class ScoreResult:
     probability: np.ndarray
     signals: list[list[SignalRecord]] = field(default_factory=list)
     fresh: bool = True          # False: no step closed since the last round, the same scores again
+    # a shard's: its nodes' job and site peer totals of the steps closed this round, for the coordinator
+    # [(step, {group: {label: row}})] (predictor/online.py take_local_totals); empty elsewhere
+    totals: list = field(default_factory=list)
 
 
 class Scorer(Protocol):
@@ -77,7 +80,9 @@ class NullScorer:
 class PredictorScorer:
     """foreshock.predictor's OnlineScorer behind the Scorer protocol."""
 
-    def __init__(self, model_path: str | Path, *, grace_seconds: float = 2.0):
+    def __init__(self, model_path: str | Path, *, grace_seconds: float = 2.0, share_totals: bool = False):
+        """share_totals: a shard's scorer, which sends its job and site peer totals and takes the other
+        shards' (docs/scaling.md, "Peer features across shards")."""
         try:
             from foreshock.predictor import online, registry
         except ImportError as exc:
@@ -93,7 +98,7 @@ class PredictorScorer:
         # Collectors sweep every second and the service answers within a round, so a step's rows are
         # all in a second or two after it ends; a shorter grace than the scorer's default means an
         # earlier verdict on the step that crosses the threshold.
-        self._online = online.OnlineScorer(self.model, grace_seconds=grace_seconds)
+        self._online = online.OnlineScorer(self.model, grace_seconds=grace_seconds, share_totals=share_totals)
         self._last: ScoreResult | None = None
         self._checkpoint_at: float | None = None   # restore_state starts the checkpoint period
 
@@ -125,7 +130,30 @@ class PredictorScorer:
         signals = [[SignalRecord(str(s.name), float(s.value), float(s.contribution), str(s.description))
                     for s in node_signals] for node_signals in batch.signals]
         self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
-        return self._last
+        totals = self._online.take_local_totals()
+        return ScoreResult(self._last.nodes, self._last.probability, signals, totals=totals) if totals else self._last
+
+    def set_peer_totals(self, peer_totals: list) -> None:
+        """The other shards' sums [(step, {group: {label: row}})], as the coordinator sent them. Sums that
+        came too late for any step still to close are counted (late) and dropped; totals the scorer
+        refuses (predictor/online.py set_remote_totals) are logged and counted, and change nothing."""
+        for step, groups in peer_totals:
+            oldest = self._online.oldest_remote_step()
+            if oldest is not None and isinstance(step, int) and step < oldest:
+                self._online.stats["remote_totals_late"] += 1
+                continue
+            try:
+                self._online.set_remote_totals(step, groups)
+            except ValueError as exc:
+                self._online.stats["remote_totals_refused"] += 1
+                log.warning("peer totals from the coordinator refused: %s", exc)
+
+    def peer_stats(self) -> dict[str, int]:
+        """How each closed step's job and site peers were computed: with the other shards' totals of the
+        step (used, less lagged), of an earlier step (lagged), without (missing); sums that came too
+        late to be used, and totals refused."""
+        return {k: int(self._online.stats[f"remote_totals_{k}"])
+                for k in ("used", "lagged", "missing", "late", "refused")}
 
     # -- checkpoint (the owner calls these: the scoring worker, or the service when it scores itself) --
     def restore_state(self, path: str | Path) -> str | None:

@@ -238,7 +238,7 @@ class ControlPlane:
             pipeline = WorkerPipeline(ScoringWorker(
                 self.scorer.model_path, grace_seconds=s.scorer_grace_seconds, limits=s.ingest,
                 timeout=s.worker_timeout, state_path=str(self.scorer_state_path),
-                checkpoint_seconds=s.scorer_checkpoint_seconds))
+                checkpoint_seconds=s.scorer_checkpoint_seconds, share_totals=s.forward is not None))
         else:
             pipeline = InProcessPipeline(self.scorer, prepare=self._take_round)
             if isinstance(self.scorer, PredictorScorer):
@@ -264,6 +264,7 @@ class ControlPlane:
                 raise SettingsError(f"coordinator_address: {exc}") from None
             self.reporter = ShardReporter(self.forwarder, self.nodes, self.policy,
                                           summary_seconds=s.forward.summary_seconds)
+            self.scoring.totals = self.forwarder
         self.registry, self._round_hist = build_registry(self)
         if history_scores is not None:
             self.nodes.set_history(*history_scores)
@@ -342,14 +343,14 @@ class ControlPlane:
         if s.coordinator is not None:   # the shards score; the coordinator acts on what they forward
             return NullScorer()
         if s.model_path:
-            return PredictorScorer(s.model_path, grace_seconds=s.scorer_grace_seconds)
+            return PredictorScorer(s.model_path, grace_seconds=s.scorer_grace_seconds, share_totals=s.forward is not None)
         path = default_model_path()
         if path is None or not Path(path).exists():
             log.warning("no model given and no shipped default model found (%s): telemetry is validated "
                         "but not scored; the Jobs API and DrainNode work", path)
             return NullScorer()
         try:
-            return PredictorScorer(path, grace_seconds=s.scorer_grace_seconds)
+            return PredictorScorer(path, grace_seconds=s.scorer_grace_seconds, share_totals=s.forward is not None)
         except ModelError as exc:
             log.warning("the default model does not load (%s): running without scoring", exc)
             return NullScorer()

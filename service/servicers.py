@@ -538,6 +538,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.plane = plane
 
     async def ForwardAlarms(self, request_iterator, context):
+        from foreshock.service.coordinator import check_step_totals
         principal = self.plane.authenticator.principal(context)
         shard = None
         try:
@@ -550,9 +551,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 elif request.shard != shard:
                     raise InvalidArgument(f"one stream forwards for one shard: {shard!r}, then {request.shard!r}")
                 events = shard_events_from_proto(request.events)
-                acked = await asyncio.to_thread(self.plane.coordinator.receive, shard, request.epoch,
+                # checked before the events apply: a request with bad totals changes nothing
+                totals = check_step_totals(shard, [(t.step, [(g.group, g.name, list(g.values)) for g in t.groups])
+                                                   for t in request.totals])
+                coordinator = self.plane.coordinator
+                acked = await asyncio.to_thread(coordinator.receive, shard, request.epoch,
                                                 request.model_version, events)
-                yield coordinator_pb2.ForwardAck(epoch=request.epoch, acked_sequence=acked)
+                coordinator.peer_totals.put(shard, totals)
+                ack = coordinator_pb2.ForwardAck(epoch=request.epoch, acked_sequence=acked)
+                sums = coordinator.peer_totals.others(shard)
+                if sums is not None:
+                    ack.peer_totals.step = sums[0]
+                    ack.peer_totals.groups.extend(
+                        coordinator_pb2.GroupTotals(group=g, name=name, values=row.tolist())
+                        for g, rows in sorted(sums[1].items()) for name, row in sorted(rows.items()))
+                yield ack
         except ServiceError as err:
             await _abort(context, err)
 

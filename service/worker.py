@@ -108,7 +108,7 @@ def _unpack(req: dict) -> list[_Batch]:
 
 
 def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state_path: str = "",
-                checkpoint_seconds: float = 300.0) -> None:
+                checkpoint_seconds: float = 300.0, share_totals: bool = False) -> None:
     """The worker process: load the model (and the scorer's checkpoint at `state_path`, when there is
     one), then answer requests until the pipe closes. The checkpoint is written every
     `checkpoint_seconds`, after a scoring answer has gone, and at a stop."""
@@ -116,7 +116,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
     logging.basicConfig(level=logging.WARNING, format="foreshock scoring worker: %(levelname)s %(message)s")
     from foreshock.service.scoring import ModelError, PredictorScorer
     try:
-        scorer = PredictorScorer(model_path, grace_seconds=grace_seconds)
+        scorer = PredictorScorer(model_path, grace_seconds=grace_seconds, share_totals=share_totals)
     except ModelError as exc:
         conn.send_bytes(pickle.dumps(("error", str(exc))))
         return
@@ -179,6 +179,8 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
             else:
                 tables[name] = t
         ingest_errors = 0
+        if req.get("peer_totals"):
+            scorer.set_peer_totals(req["peer_totals"])
         now_tables = list(tables.items())
         close_ns = req.get("close_ns")
         if req.get("score"):
@@ -197,7 +199,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         if req.get("score"):
             try:
                 r = scorer.score(now_ns, close_ns)
-                score = (r.nodes, r.probability, r.signals, r.fresh)
+                score = (r.nodes, r.probability, r.signals, r.fresh, r.totals)
             except Exception as exc:
                 score_error = f"{type(exc).__name__}: {exc}"
                 log.exception("scoring round failed")
@@ -206,7 +208,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         conn.send_bytes(pickle.dumps(("done", {
             "verdicts": verdicts, "rejected": dict(collections.Counter(v[2] for v in verdicts)),
             "rows": dict(checked.rows), "lost": lost, "score": score, "score_error": score_error,
-            "ingest_errors": ingest_errors,
+            "ingest_errors": ingest_errors, "peer_stats": scorer.peer_stats() if share_totals else None,
             "seconds": time.perf_counter() - t0})))
         if state_path and req.get("score"):
             scorer.checkpoint(state_path, checkpoint_seconds)
@@ -222,8 +224,9 @@ class ScoringWorker:
 
     def __init__(self, model_path: str, *, grace_seconds: float = 2.0, limits: IngestLimits | None = None,
                  timeout: float = 60.0, start_timeout: float = 120.0, state_path: str = "",
-                 checkpoint_seconds: float = 300.0):
+                 checkpoint_seconds: float = 300.0, share_totals: bool = False):
         self.model_path = str(model_path)
+        self.share_totals = bool(share_totals)
         self.state_path = str(state_path)
         self.checkpoint_seconds = float(checkpoint_seconds)
         self.restored: str | None = None   # what the worker's scorer carried on from, as it said
@@ -255,7 +258,7 @@ class ScoringWorker:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "foreshock.service.worker", str(child.fileno()), self.model_path,
                  repr(float(self.grace_seconds)), json.dumps(limits), self.state_path,
-                 repr(self.checkpoint_seconds)],
+                 repr(self.checkpoint_seconds), "share-totals" if self.share_totals else ""],
                 pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
         finally:
             child.close()
@@ -420,9 +423,11 @@ class WorkerPipeline:
     def _outcome(reply: dict) -> Outcome:
         result = None
         if reply["score"] is not None:
-            nodes, prob, signals, is_fresh = reply["score"]
-            result = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=is_fresh)
-        return Outcome(result, reply["score_error"], reply["ingest_errors"], verdicts=reply)
+            nodes, prob, signals, is_fresh, totals = reply["score"]
+            result = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=is_fresh,
+                                 totals=totals)
+        return Outcome(result, reply["score_error"], reply["ingest_errors"], verdicts=reply,
+                       peer_stats=reply.get("peer_stats"))
 
     def _feed(self) -> None:
         while True:
@@ -435,7 +440,8 @@ class WorkerPipeline:
             t0 = time.perf_counter()
             try:
                 reply = self.worker.call({"now_ns": drain.now_ns, "score": drain.score, "validated": drain.validated,
-                                          "close_ns": drain.close_ns, **pack(drain.items)})
+                                          "close_ns": drain.close_ns, "peer_totals": drain.peer_totals,
+                                          **pack(drain.items)})
             except WorkerError as exc:
                 reply = None
                 if self._stop.is_set():
@@ -480,4 +486,4 @@ class WorkerPipeline:
 
 if __name__ == "__main__":
     worker_main(Connection(int(sys.argv[1])), sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4]),
-                sys.argv[5], float(sys.argv[6]))
+                sys.argv[5], float(sys.argv[6]), sys.argv[7] == "share-totals")

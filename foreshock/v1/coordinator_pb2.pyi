@@ -47,22 +47,44 @@ class ShardEvent(_message.Message):
     nvlink_domain: str
     def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[ShardEventKind, str]] = ..., node: _Optional[str] = ..., risk: _Optional[float] = ..., signals: _Optional[_Iterable[_Union[_common_pb2.Signal, _Mapping]]] = ..., ts_ns: _Optional[int] = ..., fatal_kind: _Optional[str] = ..., description: _Optional[str] = ..., leaf_switch: _Optional[str] = ..., site: _Optional[str] = ..., nvlink_domain: _Optional[str] = ...) -> None: ...
 
+class GroupTotals(_message.Message):
+    __slots__ = ("group", "name", "values")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    name: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, group: _Optional[str] = ..., name: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepTotals(_message.Message):
+    __slots__ = ("step", "groups")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupTotals]
+    def __init__(self, step: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupTotals, _Mapping]]] = ...) -> None: ...
+
 class ForwardRequest(_message.Message):
-    __slots__ = ("shard", "epoch", "model_version", "events")
+    __slots__ = ("shard", "epoch", "model_version", "events", "totals")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
     shard: str
     epoch: int
     model_version: str
     events: _containers.RepeatedCompositeFieldContainer[ShardEvent]
-    def __init__(self, shard: _Optional[str] = ..., epoch: _Optional[int] = ..., model_version: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ShardEvent, _Mapping]]] = ...) -> None: ...
+    totals: _containers.RepeatedCompositeFieldContainer[StepTotals]
+    def __init__(self, shard: _Optional[str] = ..., epoch: _Optional[int] = ..., model_version: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ShardEvent, _Mapping]]] = ..., totals: _Optional[_Iterable[_Union[StepTotals, _Mapping]]] = ...) -> None: ...
 
 class ForwardAck(_message.Message):
-    __slots__ = ("epoch", "acked_sequence")
+    __slots__ = ("epoch", "acked_sequence", "peer_totals")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOTALS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     acked_sequence: int
-    def __init__(self, epoch: _Optional[int] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+    peer_totals: StepTotals
+    def __init__(self, epoch: _Optional[int] = ..., acked_sequence: _Optional[int] = ..., peer_totals: _Optional[_Union[StepTotals, _Mapping]] = ...) -> None: ...
