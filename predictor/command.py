@@ -413,9 +413,6 @@ def _run_leave_one_out(cfg: dict, data: dict) -> int:
     try:
         rep = leave_one_out.leave_one_out(data["train_data"], data["data"], kind, only=cfg["only"] or None,
                                           max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
-                                          # the recipe `foreshock train` uses by default
-                                          label_horizon_s=int(TRAIN_DEFAULTS["label_horizon_minutes"] * 60),
-                                          early_label_weight=TRAIN_DEFAULTS["early_label_weight"],
                                           ray_address=cfg["ray_address"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)

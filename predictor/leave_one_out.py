@@ -119,8 +119,8 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
             try:
                 manifests[run] = train.train(train_dir, root / f"model-{k:03d}", max_iter=max_iter, seed=seed,
                                              prior_scale=prior_scale, label_gap_hours=label_gap_hours,
-                                             label_horizon_s=label_horizon_s,
-                                             early_label_weight=early_label_weight, holdout=holdout, executor=executor, ray_address=ray_address)
+                                             label_horizon_s=label_horizon_s, early_label_weight=early_label_weight,
+                                             holdout=holdout, executor=executor, ray_address=ray_address)
             except ValueError as exc:
                 if run == EVERYTHING:
                     raise
