@@ -18,10 +18,13 @@ registers with a zero cluster UUID: its NVLink stays inside the node, and its nv
 The services the fabric depends on (FABRIC_SERVICES): `nvidia-fabricmanager` programs the NVSwitches
 (on HGX/DGX nodes it runs on the node itself; on NVL72 it runs on the switch trays, and the compute
 trays see it only through the GPUs' fabric state and the health mask's GFM bits), and `nvidia-imex`
-shares GPU memory across the nodes of a compute domain. IMEX is judged only while a compute domain
-uses the node: an idle node's IMEX daemon may be stopped or waiting for peers, and an alarm on it then
-is false. The inventory has no compute-domain label yet, so nothing judges IMEX: its state is recorded
-(`systemd_unit`), and the judgement waits for that label.
+shares GPU memory across the nodes of a compute domain. Who judges them and when (service/fabricunits.py):
+the Fabric Manager wherever its unit is installed and not masked, since a node has it installed
+because its NVSwitches need it; IMEX (COMPUTE_DOMAIN_SERVICES) only while a compute domain uses the
+node, because an idle node's IMEX daemon may rightly be stopped or waiting for peers, and an alarm on
+it then is false. A unit serves in the ActiveStates of SERVING_STATES and does not in those of
+NOT_SERVING_STATES (systemd's ActiveState values, org.freedesktop.systemd1(5)); any other value is
+one this code does not know.
 """
 
 from __future__ import annotations
@@ -156,7 +159,19 @@ GPU_COLUMNS: tuple[str, ...] = (
 
 # systemd units the NVLink fabric depends on, with what each does (see the module docstring for who
 # judges them, and when).
+FABRIC_MANAGER = "nvidia-fabricmanager.service"
+IMEX = "nvidia-imex.service"
 FABRIC_SERVICES: dict[str, str] = {
-    "nvidia-fabricmanager.service": "programs the NVSwitches and registers the GPUs with the fabric",
-    "nvidia-imex.service": "exports and imports GPU memory across the nodes of a compute domain",
+    FABRIC_MANAGER: "programs the NVSwitches and registers the GPUs with the fabric",
+    IMEX: "exports and imports GPU memory across the nodes of a compute domain",
 }
+# Judged only while a compute domain uses the node.
+COMPUTE_DOMAIN_SERVICES = frozenset({IMEX})
+
+# systemd's ActiveState values: `reloading` and `refreshing` keep serving; `activating` (a start, or an
+# automatic restart's wait) and `deactivating` do not serve yet or any more; `maintenance` is a
+# `systemctl clean` of a stopped unit.
+SERVING_STATES = frozenset({"active", "reloading", "refreshing"})
+NOT_SERVING_STATES = frozenset({"inactive", "failed", "activating", "deactivating", "maintenance"})
+# LoadState of a unit an administrator has switched off for good (`systemctl mask`): not judged.
+MASKED = "masked"

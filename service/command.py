@@ -17,6 +17,7 @@ import threading
 from foreshock import config
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
+from foreshock.service.fabricunits import HOLD_SECONDS, MAX_HOLD_SECONDS, MIN_HOLD_SECONDS
 from foreshock.service.forwarder import CHECKS as FORWARD_CHECKS
 from foreshock.service.forwarder import ForwardSettings
 from foreshock.service.shardmap import SHARD_NAME_RE
@@ -75,6 +76,7 @@ DEFAULTS = {
     "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
     "xid_context_min_nodes": 3,
     "xid_context_fraction": 0.25,
+    "fabric_service_hold_seconds": HOLD_SECONDS,   # a fabric service not serving this long is down
     "archive": "",               # a directory or URI: everything taken in, as Parquet (service/archive.py)
     "archive_file_bytes": 128 << 20,     # a file is published once it holds this many Parquet bytes ...
     "archive_roll_seconds": 900.0,       # ... or once its table's oldest rows not published waited this long
@@ -106,6 +108,7 @@ CHECKS = {
     "max_concurrent": config.at_least(1),
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
+    "fabric_service_hold_seconds": config.between(MIN_HOLD_SECONDS, MAX_HOLD_SECONDS),
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
     "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
@@ -172,6 +175,9 @@ def register(subparsers) -> None:
                    help="nodes of one job or NVLink domain with the same Xid that make one job event (3)")
     p.add_argument("--xid-context-fraction", type=float,
                    help="... or this share of the job's nodes, whichever is fewer, at least 2 (0.25)")
+    p.add_argument("--fabric-service-hold-seconds", type=float,
+                   help="nvidia-fabricmanager or nvidia-imex not serving this long (every sample of it) is a "
+                        "finding: a restart is not (60; 10..3600)")
     p.add_argument("--shard", metavar="NAME",
                    help="serve only the nodes of the leaf switches this shard owns in --shard-map; another "
                         "shard's collectors are redirected there (docs/scaling.md, sharding)")
@@ -311,7 +317,8 @@ def settings_from(cfg: dict):
         policy={"cooldown_seconds": cfg["cooldown_seconds"], "default_max_concurrent": cfg["max_concurrent"],
                 "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
                 "xid_context_min_nodes": cfg["xid_context_min_nodes"],
-                "xid_context_fraction": cfg["xid_context_fraction"]},
+                "xid_context_fraction": cfg["xid_context_fraction"],
+                "fabric_service_hold_seconds": cfg["fabric_service_hold_seconds"]},
         fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],
                    "min_steps": cfg["fail_slow_min_steps"], "window": cfg["fail_slow_window"]})
 

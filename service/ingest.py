@@ -49,6 +49,7 @@ import pyarrow as pa
 from foreshock import schema as sch
 from foreshock import xid as xidcat
 from foreshock.service import validation
+from foreshock.service.fabricunits import FabricServices, unit_rows
 from foreshock.service.fastipc import EOS, BatchDecoder
 from foreshock.service.jobs import ID_RE, NODE_RE
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology, lost_gpus
@@ -142,8 +143,10 @@ class Ingest:
     def __init__(self, nodes: NodeBook, sink: Callable[[Pending], int], *,
                  limits: IngestLimits | None = None, wake: Callable[[str], None] | None = None,
                  clock=time.time_ns, steps=None, context: XidContext | None = None, archive=None,
-                 last_sequences: Mapping[str, int] | None = None):
+                 last_sequences: Mapping[str, int] | None = None, units: FabricServices | None = None):
         self.nodes = nodes
+        # Takes the fabric's services' states (service/fabricunits.py); None: they are not judged.
+        self.units = units
         # Xids read in context (service/xidcontext.py); None: every fatal Xid is its node's fault at once.
         self.context = context
         # Gets every batch once its value checks have passed (service/archive.py), handed over by reference.
@@ -503,10 +506,13 @@ class Ingest:
             self.accepted_rows.update(reply["rows"])
         for event in reply["lost"]:
             self.nodes.record_fatal(event)
+        if self.units is not None and reply.get("units"):
+            self.units.observe(reply["units"], self._clock())
 
     def act_on_events(self, good: dict[str, pa.Table], now: int) -> None:
         """The events stage: what checked tables say that cannot wait for a step to close, acted on at
-        once. Inventory rows set each node's topology; fatal Xids (classified by foreshock/xid.py, a
+        once. Inventory rows set each node's topology; the fabric's services' states go to their judge
+        (service/fabricunits.py); fatal Xids (classified by foreshock/xid.py, a
         collateral one first weighed by the Xid context with its job's other nodes) and lost GPUs
         become fatal alarms; precursor Xids and link-downs are counted. `good`: table name -> the rows
         that passed the value checks; `now`: the round's time (ns)."""
@@ -516,6 +522,9 @@ class Ingest:
                 self.nodes.set_topology(row["node"], Topology(row["site"] or "", row["spine"] or "",
                                                               row["leaf_switch"] or "", row["nvlink_domain"] or "",
                                                               row["job"] or ""))
+        units = good.get("systemd_unit")
+        if units is not None and self.units is not None:
+            self.units.observe(unit_rows(units), now)
         ev = good.get("events")
         if ev is not None:
             ts_ns = ev.column("ts").cast(pa.int64()).to_pylist()

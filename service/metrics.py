@@ -54,6 +54,14 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_xid_context_sightings_total{outcome}       collateral Xids decided: job_event | node_fault | overflow
   foreshock_xid_context_pending                        collateral Xids waiting for their window
   foreshock_xid_outstanding{node,device,xid}           1 while an Xid that another cancels holds (163 until 162)
+  foreshock_fabric_service_up{node,unit,state,judged}  1 while a fabric service (nvidia-fabricmanager,
+                                                       nvidia-imex) serves, else 0; state: its ActiveState;
+                                                       judged false: IMEX on an idle node, a masked unit
+  foreshock_fabric_service_down{node,unit}             1 while a judged fabric service has not served for the
+                                                       hold (a finding), 0 while it is judged and not
+                                                       (service/fabricunits.py); no series when not judged
+  foreshock_fabric_service_rows_total{result}          systemd_unit rows: taken | old | unknown_state |
+                                                       unknown_unit | not_installed | overflow
   foreshock_archive_up, foreshock_archive_errors_total, foreshock_archive_dropped_bytes_total,
   foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
   foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
@@ -292,6 +300,7 @@ class ControlPlaneCollector:
         for node, device, code, _ in ctx.outstanding():
             outstanding.add_metric([node, device, str(code)], 1.0)
         yield outstanding
+        yield from _fabric_service_families(p.policy.units)
         if p.archive is not None:
             yield from _archive_families(p.archive.stats())
         if p.coordinator is not None:
@@ -299,6 +308,27 @@ class ControlPlaneCollector:
         if p.forwarder is not None:
             yield from _forwarder_families(p.forwarder)
             yield from _peer_totals_families(p.scoring.peer_stats)
+
+
+def _fabric_service_families(units):
+    up = GaugeMetricFamily("foreshock_fabric_service_up", "1 while a fabric service (nvidia-fabricmanager, "
+                           "nvidia-imex) serves, else 0; state: its ActiveState (unknown: none systemd defines); "
+                           "judged false: IMEX on a node no compute domain uses, or a masked unit.",
+                           labels=["node", "unit", "state", "judged"])
+    down = GaugeMetricFamily("foreshock_fabric_service_down", "1 while a judged fabric service has not served "
+                             "for the hold: a finding; 0 while judged and not.", labels=["node", "unit"])
+    for u in sorted(units.snapshot(), key=lambda u: (u.node, u.unit)):
+        up.add_metric([u.node, u.unit, u.state, "true" if u.judged else "false"], 1.0 if u.serving else 0.0)
+        if u.judged:
+            down.add_metric([u.node, u.unit], 1.0 if u.down else 0.0)
+    yield up
+    yield down
+    rows = CounterMetricFamily("foreshock_fabric_service_rows", "systemd_unit rows of the fabric's services: "
+                               "taken, unknown_state (taken as not serving), or not taken: old (an earlier sample), "
+                               "unknown_unit, not_installed, overflow.", labels=["result"])
+    for result, n in units.row_counts().items():
+        rows.add_metric([result], n)
+    yield rows
 
 
 def _archive_families(a: dict):

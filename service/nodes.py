@@ -1,9 +1,10 @@
 """What the control plane knows about each node: topology labels, liveness, latest risk, fatal events.
 
-Topology (site, spine, leaf switch, NVLink domain, the job label) comes from the schema-v1 `inventory` table the collectors (or the
-simulator) stream, or from a topology file given to `foreshock serve`; the policy reads it to find a
-fault's blast radius. Risk is written once per scoring round for every scored node at once (arrays in,
-dicts out), so readers (the Risk API, the metrics collector) see one consistent round.
+Topology (site, spine, leaf switch, NVLink domain, the job label) comes from the schema-v1 `inventory`
+table the collectors (or the simulator) stream, or from a topology file given to `foreshock serve`; the
+policy reads it to find a fault's blast radius. Risk is written once per scoring round for every scored
+node at once (arrays in, dicts out), so readers (the Risk API, the metrics collector) see one
+consistent round.
 """
 
 from __future__ import annotations

@@ -28,7 +28,12 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    `min_steps_ahead`, so every rank hears of it before the boundary comes.
 7. Node actions (with `actions`, service/actions.py): every node due under rules 1-3, whether or not
    a job runs there, is handed over to be drained (Slurm) or tainted (Kubernetes), under a breaker.
-8. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
+8. The fabric's services (service/fabricunits.py): nvidia-fabricmanager not serving for the hold on a
+   node where it is installed, or nvidia-imex on a node a compute domain uses (a job, registered or the
+   inventory's label, on two or more nodes of one NVLink domain: `compute_domain_of`), is
+   logged as `fabric_service_down` / `fabric_service_cleared` and exported; no alarm, no directive, no
+   node action. A node whose Fabric Manager is down is refused as a spare (new CUDA contexts fail there).
+9. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
    ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
    on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
    FAIL_SLOW. A fabric incident does not hold it back: the rule compares ranks of one job, not nodes.
@@ -40,12 +45,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from foreshock import fabric
 from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
+from foreshock.service.fabricunits import HOLD_SECONDS, FabricServices, check_hold
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
 from foreshock.service.steptimes import FailSlow, StepTimes
@@ -74,8 +82,10 @@ class PolicySettings:
     xid_context_seconds: float = 5.0        # a collateral Xid waits this long for its job's other nodes; 0: off
     xid_context_min_nodes: int = 3          # nodes of one job or NVLink domain that make a job event ...
     xid_context_fraction: float = 0.25      # ... or this share of them, whichever is fewer (at least 2)
+    fabric_service_hold_seconds: float = HOLD_SECONDS   # a fabric service not serving this long is down
 
     def __post_init__(self):
+        self.fabric_service_hold_seconds = check_hold(self.fabric_service_hold_seconds)
         XidContext(self.xid_context_seconds, self.xid_context_min_nodes, self.xid_context_fraction)  # range checks
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"policy threshold {self.threshold} must be in (0, 1]")
@@ -121,6 +131,7 @@ class EvacuationPolicy:
         self._lock = threading.RLock()
         self.context = XidContext(settings.xid_context_seconds, settings.xid_context_min_nodes,
                                   settings.xid_context_fraction)
+        self.units = FabricServices(settings.fabric_service_hold_seconds)
         jobs.on_deregister.append(lambda job: self.context.remember_job(job.job_id, job.nodes(), jobs.now()))
 
     # -- Xids in context -----------------------------------------------------------------------------
@@ -170,6 +181,43 @@ class EvacuationPolicy:
                                   nodes=sorted(ev.nodes), reason=ev.describe(), ts_ns=now_ns, xid=ev.xid,
                                   sightings=ev.sightings, first_ns=ev.first_ns, last_ns=ev.last_ns,
                                   scope_name=name, scope_nodes=ev.size)
+
+    # -- the fabric's services -----------------------------------------------------------------------
+    def compute_domain_of(self) -> Callable[[str], str]:
+        """The compute domain using each node now, named ("" for none): a job with ranks on two or more
+        nodes of one multi-node NVLink domain uses it there (its ranks share GPU memory across those
+        nodes, which IMEX provides), whether registered here or named by the inventory's `job` label."""
+        topologies = self.nodes.topologies()
+        placements = {("registered job", job.job_id): job.nodes() for job in self.jobs.store.jobs()}
+        for node, topo in topologies.items():
+            if topo.job:
+                placements.setdefault(("job", topo.job), set()).add(node)
+        using: dict[str, str] = {}
+        for (what, job_id), nodes in sorted(placements.items()):
+            by_domain: dict[str, list[str]] = defaultdict(list)
+            for node in nodes:
+                topo = topologies.get(node)
+                if topo is not None and topo.nvlink_domain:
+                    by_domain[topo.nvlink_domain].append(node)
+            for domain, members in by_domain.items():
+                if len(members) > 1:
+                    for node in members:
+                        using.setdefault(node, f"{what} {job_id} (NVLink domain {domain})")
+        return lambda node: using.get(node, "")
+
+    def _judge_units(self, now_ns: int) -> None:
+        for change in self.units.judge(now_ns, self.compute_domain_of):
+            u = change.unit
+            fields = dict(unit=u.unit, active_state=u.state, sub_state=u.sub_state, result=u.result,
+                          n_restarts=u.n_restarts, since_ns=u.down_since_ns, compute_domain=u.domain)
+            if change.raised:
+                log.warning("fabric service down: %s", change.reason)
+                self.decisions.record("fabric_service_down", node=u.node, reason=change.reason, ts_ns=now_ns,
+                                      **fields)
+            else:
+                log.info("fabric service finding cleared: %s", change.reason)
+                self.decisions.record("fabric_service_cleared", node=u.node, reason=change.reason, ts_ns=now_ns,
+                                      **fields)
 
     # -- alarms --------------------------------------------------------------------------------------
     def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:
@@ -341,6 +389,8 @@ class EvacuationPolicy:
                 why = f"risk {risk:.3g}"
             elif fatal is not None and now_ns - fatal.ts_ns < s.fatal_hold_seconds * 1e9:
                 why = "recent fatal event"
+            elif self.units.down(spare, fabric.FABRIC_MANAGER):
+                why = "nvidia-fabricmanager down (new CUDA contexts fail)"
             elif seen is not None and now_ns - seen > s.stale_seconds * 1e9:
                 why = "telemetry stale"
             elif topo.leaf_switch and topo.leaf_switch in suspect:
@@ -426,6 +476,7 @@ class EvacuationPolicy:
                  probability: np.ndarray | None = None) -> list[Directive]:
         """One policy round after a scoring round; returns the directives it issued."""
         with self._lock:
+            self._judge_units(now_ns)
             self._update_alarms(now_ns, nodes, probability)
             covered = self._update_incidents(now_ns)
             due = [(n, a) for n, a in self.alarms.items()

@@ -252,7 +252,7 @@ class ControlPlane:
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
                              steps=self.scoring.steps, context=self.policy.context, archive=self.archive,
-                             last_sequences=store_mod.load_sequences(self.store))
+                             last_sequences=store_mod.load_sequences(self.store), units=self.policy.units)
         self.sequences_saved_at = 0.0
         if s.coordinator is not None:
             self.coordinator = Coordinator(s.coordinator, self.store, self.jobs, self.nodes, self.policy, self.clock)

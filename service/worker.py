@@ -11,7 +11,7 @@ Split of the work:
   fed the raw record-batch bytes of every other batch, it runs the same value checks
   (service/validation.py) and `OnlineScorer.ingest`, and scores when a feature step closes. It answers
   each request with the verdicts (a Rejection per refused table, which rides on its stream's next ack),
-  the rows taken, the GPUs it saw lost, and the scores.
+  the rows taken, the GPUs it saw lost, the fabric's services' states, and the scores.
 - `WorkerPipeline` is the round scheduler's pipeline (service/rounds.py) that carries drains to it.
 
 The pipe between them carries one request at a time (bounded: the service's backlog is the only
@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from foreshock.service import validation
+from foreshock.service.fabricunits import unit_rows
 from foreshock.service.ingest import IngestLimits, Pending
 from foreshock.service.nodes import lost_gpus
 from foreshock.service.rounds import Drain, Outcome
@@ -170,8 +171,10 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
             else validation.CheckedRound()
         tables = checked.tables
         # Drains carry no events or topology (the rounds check those in the service process): of what
-        # the service must act on, only a lost GPU can be in them.
+        # the service must act on, only a lost GPU and the fabric's services' states can be in them.
         lost = lost_gpus(tables["gpu"], checked_ns) if "gpu" in tables else []
+        # The fabric's services' states, for the service process's judge (service/fabricunits.py).
+        units = unit_rows(tables["systemd_unit"]) if "systemd_unit" in tables else []
         for name, buf in req.get("validated", []):
             t = _decode(buf)
             if name in tables:
@@ -207,7 +210,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
         verdicts = [tuple(v) for v in sorted(checked.verdicts, key=lambda v: v.part)]
         conn.send_bytes(pickle.dumps(("done", {
             "verdicts": verdicts, "rejected": dict(collections.Counter(v[2] for v in verdicts)),
-            "rows": dict(checked.rows), "lost": lost, "score": score, "score_error": score_error,
+            "rows": dict(checked.rows), "lost": lost, "units": units, "score": score, "score_error": score_error,
             "ingest_errors": ingest_errors, "peer_stats": scorer.peer_stats() if share_totals else None,
             "seconds": time.perf_counter() - t0})))
         if state_path and req.get("score"):

@@ -1,11 +1,12 @@
 """Helpers the tests share (conftest.py puts this folder on the import path): waiting on a condition
-that a real process or thread brings about, a clock the test sets, and `foreshock serve` as a real
-process. Fixtures the tests share (a control plane on a loopback port) are in conftest.py."""
+that a real process or thread brings about, a clock the test sets, `foreshock serve` as a real
+process, and a stand-in for `systemctl` that the systemd source runs. Fixtures the tests share (a control plane on a loopback port) are in conftest.py."""
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -73,3 +74,54 @@ class Serve:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+# A stand-in for systemctl: `show ... -- UNIT...` prints each unit's block from $DIR/<unit>, or a
+# not-found one; $DIR/behaviour, when there is one, runs first (an exit, a sleep).
+FAKE_SYSTEMCTL = """#!/bin/sh
+DIR="$(dirname "$0")"
+echo "$*" >> "$DIR/calls"
+[ -f "$DIR/behaviour" ] && . "$DIR/behaviour"
+first=1
+seen=0
+for a in "$@"; do
+  if [ "$seen" = 1 ]; then
+    [ "$first" = 1 ] || echo
+    first=0
+    if [ -f "$DIR/$a" ]; then cat "$DIR/$a"; else sed "s/{unit}/$a/" "$DIR/not-found"; fi
+  fi
+  [ "$a" = "--" ] && seen=1
+done
+exit 0
+"""
+# `systemctl show` blocks, in systemctl's own order of the properties (not the order asked for).
+UNIT_RUNNING = "Result=success\nNRestarts=0\nId={unit}\nLoadState=loaded\nActiveState=active\nSubState=running\n"
+UNIT_FAILED = "Result=exit-code\nNRestarts=5\nId={unit}\nLoadState=loaded\nActiveState=failed\nSubState=failed\n"
+UNIT_NOT_FOUND = "Result=success\nNRestarts=0\nId={unit}\nLoadState=not-found\nActiveState=inactive\nSubState=dead\n"
+
+
+class FakeSystemctl:
+    """FAKE_SYSTEMCTL in `directory` (created): `path` to run, `unit(name, block)` sets what a unit shows
+    (`block` formatted with the unit's name; None: not installed), `behaviour(script)`, `calls()`."""
+
+    def __init__(self, directory):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        exe = self.dir / "systemctl"
+        exe.write_text(FAKE_SYSTEMCTL)
+        (self.dir / "not-found").write_text(UNIT_NOT_FOUND)
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+        self.path = str(exe)
+
+    def unit(self, name: str, block: str | None) -> None:
+        if block is None:
+            (self.dir / name).unlink(missing_ok=True)
+        else:
+            (self.dir / name).write_text(block.format(unit=name))
+
+    def behaviour(self, script: str) -> None:
+        (self.dir / "behaviour").write_text(script)
+
+    def calls(self) -> list[str]:
+        p = self.dir / "calls"
+        return p.read_text().splitlines() if p.exists() else []

@@ -3,67 +3,24 @@
 from __future__ import annotations
 
 import shutil
-import stat
 
 import pytest
 
+from foreshock import fabric
 from foreshock.collectors.base import ParseError
 from foreshock.collectors.registry import SourceConfig, build_sources
 from foreshock.collectors.systemd import SystemdSource, parse_systemctl_show, unit_row
+from support import UNIT_FAILED, UNIT_NOT_FOUND, UNIT_RUNNING, FakeSystemctl
 
 S = 1_000_000_000
-FM, IMEX = "nvidia-fabricmanager.service", "nvidia-imex.service"
+FM, IMEX = fabric.FABRIC_MANAGER, fabric.IMEX
 
-# systemctl show prints the properties in its own order, not the order asked for.
-RUNNING = "Result=success\nNRestarts=0\nId={unit}\nLoadState=loaded\nActiveState=active\nSubState=running\n"
-FAILED = "Result=exit-code\nNRestarts=5\nId={unit}\nLoadState=loaded\nActiveState=failed\nSubState=failed\n"
-NOT_FOUND = "Result=success\nNRestarts=0\nId={unit}\nLoadState=not-found\nActiveState=inactive\nSubState=dead\n"
-
-FAKE = """#!/bin/sh
-# A stand-in for systemctl: `show ... -- UNIT...` prints each unit's block from $DIR/<unit>, or a not-found one.
-DIR="$(dirname "$0")"
-echo "$*" >> "$DIR/calls"
-[ -f "$DIR/behaviour" ] && . "$DIR/behaviour"
-first=1
-seen=0
-for a in "$@"; do
-  if [ "$seen" = 1 ]; then
-    [ "$first" = 1 ] || echo
-    first=0
-    if [ -f "$DIR/$a" ]; then cat "$DIR/$a"; else sed "s/{unit}/$a/" "$DIR/not-found"; fi
-  fi
-  [ "$a" = "--" ] && seen=1
-done
-exit 0
-"""
+RUNNING, FAILED, NOT_FOUND = UNIT_RUNNING, UNIT_FAILED, UNIT_NOT_FOUND
 
 
 @pytest.fixture
 def systemctl(tmp_path):
-    d = tmp_path / "bin"
-    d.mkdir()
-    exe = d / "systemctl"
-    exe.write_text(FAKE)
-    (d / "not-found").write_text(NOT_FOUND)
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
-
-    class Fake:
-        path = str(exe)
-
-        @staticmethod
-        def unit(name, block):
-            (d / name).write_text(block.format(unit=name))
-
-        @staticmethod
-        def behaviour(script):
-            (d / "behaviour").write_text(script)
-
-        @staticmethod
-        def calls():
-            p = d / "calls"
-            return p.read_text().splitlines() if p.exists() else []
-
-    return Fake
+    return FakeSystemctl(tmp_path / "bin")
 
 
 def _rows(src, ts):
