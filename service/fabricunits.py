@@ -208,6 +208,11 @@ class FabricServices:
         return f"{rec.unit} on {rec.node}: no compute domain uses the node now (an idle node's IMEX is not judged)"
 
     # -- readers -------------------------------------------------------------------------------------
+    @property
+    def judged_ns(self) -> int:
+        """When the last judgement ran (the policy's clock); 0: none yet."""
+        return self._judged_ns
+
     def down(self, node: str, unit: str) -> bool:
         rec = self._units.get((node, unit))
         return rec is not None and rec.down

@@ -110,7 +110,7 @@ def _unit(plane, node: str, unit: str):
 def _taken(plane, node: str, unit: str, ts: int) -> bool:
     """The plane has taken the node's sample at `ts` and judged it since."""
     u = _unit(plane, node, unit)
-    return u is not None and u.ts_ns >= ts and plane.policy.units._judged_ns > u.received_ns
+    return u is not None and u.ts_ns >= ts and plane.policy.units.judged_ns > u.received_ns
 
 
 def _sweeps(nodes: Nodes, start: int, count: int) -> int:
