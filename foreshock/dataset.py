@@ -22,6 +22,9 @@ one level up, a file per table and date holding every node, sorted by node then 
 
     ROOT/table=<table>/date=<YYYY-MM-DD>/part-<first ts ns>-<writer id>-<n>.parquet
 
+and `foreshock archive compact` merges a closed date's files there, with a record beside them while it
+works (COMPACTION_RECORD_PREFIX) that list_dir honours, so every reader here counts each row once.
+
 The readers here go through pyarrow's filesystem layer (pyarrow.fs): a dataset is a local directory,
 relative to the cwd, or any URI pyarrow.fs.FileSystem.from_uri takes (file://, s3://, gs://, hdfs://);
 DatasetRoot holds the filesystem and the path, and every listing and read below goes through it.
