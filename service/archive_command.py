@@ -103,6 +103,8 @@ def _finish(summary, dry_run: bool, what: str) -> int:
 
 
 def run_compact(args, file_data) -> int:
+    import pyarrow as pa
+
     from foreshock.service.archive_maintenance import MaintenanceError, compact
 
     cfg = _settings(args, file_data)
@@ -112,10 +114,15 @@ def run_compact(args, file_data) -> int:
     except MaintenanceError as exc:
         print(f"foreshock archive compact: {exc}", file=sys.stderr)
         return 2
+    except (OSError, pa.ArrowException) as exc:   # storage that fails while the dates are listed
+        print(f"foreshock archive compact: archive {cfg['archive']!r}: {exc}", file=sys.stderr)
+        return 1
     return _finish(summary, args.dry_run, "compact")
 
 
 def run_prune(args, file_data) -> int:
+    import pyarrow as pa
+
     from foreshock import schema as sch
     from foreshock.service.archive import DECISIONS
     from foreshock.service.archive_maintenance import MaintenanceError, prune
@@ -131,4 +138,7 @@ def run_prune(args, file_data) -> int:
     except MaintenanceError as exc:
         print(f"foreshock archive prune: {exc}", file=sys.stderr)
         return 2
+    except (OSError, pa.ArrowException) as exc:   # storage that fails while the dates are listed
+        print(f"foreshock archive prune: archive {cfg['archive']!r}: {exc}", file=sys.stderr)
+        return 1
     return _finish(summary, args.dry_run, "prune")

@@ -102,7 +102,7 @@ class _Group:
     nodes: frozenset[str]
 
 
-def _open(uri: str) -> ds.DatasetRoot:
+def _open(uri: "str | ds.DatasetRoot") -> ds.DatasetRoot:
     try:
         return ds.open_dataset_root(uri)
     except ds.DatasetError as exc:
@@ -114,7 +114,10 @@ def _one_run(root: ds.DatasetRoot):
     if not root.local:
         yield
         return
-    fd = os.open(root.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(root.path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise MaintenanceError(f"archive {root}: {exc.strerror}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -151,7 +154,7 @@ def _mib(nbytes: int) -> str:
 
 
 # -- compaction ------------------------------------------------------------------------------------
-def compact(uri: str, *, file_bytes: int, settle_seconds: float, dry_run: bool = False,
+def compact(uri: "str | ds.DatasetRoot", *, file_bytes: int, settle_seconds: float, dry_run: bool = False,
             now: float | None = None, fsync: bool = True,
             report: Callable[[str], None] = print) -> Summary:
     """Merge the small files of every closed date directory of every table (module docstring);
@@ -325,7 +328,7 @@ def _delete(root: ds.DatasetRoot, directory: str, paths: Iterable[str]) -> None:
 
 
 # -- retention -------------------------------------------------------------------------------------
-def prune(uri: str, *, keep_days: int, table_keep_days: Mapping[str, int] | None = None,
+def prune(uri: "str | ds.DatasetRoot", *, keep_days: int, table_keep_days: Mapping[str, int] | None = None,
           dry_run: bool = False, now: float | None = None,
           report: Callable[[str], None] = print) -> Summary:
     """Drop every date directory whose rows are all older than its table's days to keep

@@ -14,6 +14,7 @@ import time
 
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
@@ -108,6 +109,40 @@ def test_a_closed_days_small_files_become_one_sorted_file_that_reads_back_the_sa
     assert am.compact(str(root), file_bytes=128 << 20, settle_seconds=0, now=NOW, fsync=False,
                       report=lines.append).dates == 4
     _same(before, _read(root))
+
+
+def test_other_readers_read_the_compacted_day_the_same(two_days):
+    root = two_days
+
+    def hive(table):
+        return pads.dataset(str(root / f"table={table}"), format="parquet", partitioning="hive").to_table() \
+            .sort_by([("date", "ascending"), ("node", "ascending"), ("ts", "ascending")])
+
+    before = {t: hive(t) for t in ("events", "decisions")}
+    am.compact(str(root), file_bytes=128 << 20, settle_seconds=3600, now=NOW, fsync=False, report=lambda s: None)
+    for t, table in before.items():
+        assert hive(t).equals(table), t
+
+
+def test_through_a_uri_and_on_storage_without_rename(two_days):
+    """A file:// URI, and a pyarrow filesystem that is not the local one (as an object store is: no
+    dot-named file, no rename, no lock; an object is there once written whole)."""
+    root = two_days
+    before = _read(root)
+    got = am.compact(f"file://{root}", file_bytes=128 << 20, settle_seconds=3600, now=NOW, fsync=False,
+                     report=lambda s: None)
+    assert got.dates == 4 and got.errors == 0
+    _same(before, _read(root))
+    remote = ds.DatasetRoot(pafs.SubTreeFileSystem(str(root.parent), pafs.LocalFileSystem()), root.name,
+                            "mock://bucket/archive")
+    got = am.compact(remote, file_bytes=128 << 20, settle_seconds=0, now=NOW, fsync=False, report=lambda s: None)
+    assert got.dates == 4 and got.errors == 0 and len(_data_files(root, "gpu", "2026-12-02")) == 1
+    _same(before, _read(root))
+    lines = []
+    got = am.prune(remote, keep_days=1, table_keep_days={"incidents": 0}, now=NOW, report=lines.append)
+    assert got.dates == 3 and ds.table_dates(root, "gpu") == ["2026-12-02"]
+    assert ds.table_dates(root, "incidents") == ["2026-12-01", "2026-12-02"]
+    assert any(line.startswith("dropped table=gpu/date=2026-12-01") for line in lines)
 
 
 def test_the_file_size_target_makes_several_files_of_about_that_size(two_days):
