@@ -15,9 +15,11 @@ from foreshock.service.command import DEFAULTS as SERVE_DEFAULTS
 
 KEEP_DAYS_MAX = 36_500
 
+# `archive` and `file_bytes` default to [serve]'s archive and archive_file_bytes (_settings): a config
+# file names the archive and its file size once for the service and its cron jobs.
 DEFAULTS = {
-    "archive": "",                 # the archive's directory or URI, as given to `foreshock serve --archive`
-    "file_bytes": SERVE_DEFAULTS["archive_file_bytes"],   # compacted files' size: serve's own by default
+    "archive": "",                 # the archive's directory or URI, as `foreshock serve --archive` writes it
+    "file_bytes": SERVE_DEFAULTS["archive_file_bytes"],   # the size compacted files are grouped to
     "settle_seconds": 3600.0,      # a date is compacted once it ended this long ago (UTC): late rows are in
     "keep_days": 0,                # a date is dropped once all its rows are older than this; 0: kept forever
     "table_keep_days": [],         # TABLE=DAYS for a table kept otherwise (incidents=0, decisions=365)
@@ -36,10 +38,11 @@ def register(subparsers) -> None:
     c = sub.add_parser("compact", help="merge the small files of each closed date into files of --file-bytes")
     p_ = sub.add_parser("prune", help="drop the dates older than the days each table keeps")
     for q in (c, p_):
-        q.add_argument("--archive", metavar="DIR_OR_URI", help="the archive (what serve --archive writes)")
+        q.add_argument("--archive", metavar="DIR_OR_URI",
+                       help="the archive (default: [serve] archive of the config file)")
         q.add_argument("--dry-run", action="store_true", help="say what it would do, and do nothing")
     c.add_argument("--file-bytes", type=int,
-                   help="size of the compacted files (default: serve's --archive-file-bytes default, 128 MiB)")
+                   help="size of the compacted files (default: [serve] archive_file_bytes, 128 MiB)")
     c.add_argument("--settle-seconds", type=float,
                    help="compact a date once it ended this long ago, UTC (3600)")
     p_.add_argument("--keep-days", type=int, help="drop a date once all its rows are older than this (0: never)")
@@ -50,10 +53,12 @@ def register(subparsers) -> None:
 
 
 def _settings(args, file_data) -> dict:
+    serve = config.resolve("serve", SERVE_DEFAULTS, file_data=file_data)
+    defaults = {**DEFAULTS, "archive": serve["archive"], "file_bytes": serve["archive_file_bytes"]}
     flags = {k: getattr(args, k, None) for k in DEFAULTS}
-    cfg = config.resolve("archive", DEFAULTS, file_data=file_data, flags=flags, checks=CHECKS)
+    cfg = config.resolve("archive", defaults, file_data=file_data, flags=flags, checks=CHECKS)
     if not cfg["archive"]:
-        raise config.ConfigError("archive: none given (--archive DIR_OR_URI, or archive in [archive])")
+        raise config.ConfigError("archive: none given (--archive DIR_OR_URI, or archive in [archive] or [serve])")
     return cfg
 
 

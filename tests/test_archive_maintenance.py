@@ -299,8 +299,8 @@ def test_the_command_compacts_and_prunes_and_says_so(tmp_path, capsys):
     assert len(_data_files(root, "gpu", "2021-03-01")) == 1
     assert cli.main(["archive", "prune", "--archive", str(root)]) == 0
     assert "nothing to drop" in capsys.readouterr().out
-    cfg = tmp_path / "f.toml"
-    cfg.write_text(f'[archive]\narchive = "{root}"\nkeep_days = 30\ntable_keep_days = ["incidents=0"]\n')
+    cfg = tmp_path / "f.toml"       # the archive named once, in [serve], for the service and its cron jobs
+    cfg.write_text(f'[serve]\narchive = "{root}"\n[archive]\nkeep_days = 30\ntable_keep_days = ["incidents=0"]\n')
     assert cli.main(["archive", "prune", "--config", str(cfg)]) == 0
     assert "dropped table=gpu/date=2021-03-01" in capsys.readouterr().out
     assert ds.table_dates(root, "gpu") == [] and ds.table_dates(root, "incidents") == ["2021-03-01"]
