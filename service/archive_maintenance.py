@@ -22,7 +22,7 @@ The project's readers (dataset.list_dir) take a directory with a record as the r
 sources until every output is in place, its outputs alone from then on, so they read each row once
 whenever they list. A crash, or an error, leaves:
 
-  - before 1: nothing, or a `.part-*.tmp` of an output (readers skip it);
+  - before 1 is in place: nothing, or the record's dot-named temporary file, which the next run deletes;
   - between 1 and the last output published: the record and some outputs, which readers leave out for
     the sources; the next run undoes it (deletes those outputs and their dot-named files, then the
     record) and compacts again; an error in this process undoes it at once;
@@ -193,7 +193,9 @@ def compact(uri: "str | ds.DatasetRoot", *, file_bytes: int, settle_seconds: flo
                         written = _compact_date(root, directory, groups, fsync)
                     except (OSError, pa.ArrowException) as exc:
                         out.errors += 1
-                        log.error("archive compaction of %s failed, undone: %s", root.show(directory), exc)
+                        log.error("archive compaction of %s failed: %s (undone if its outputs were not all "
+                                  "in place, else the next run deletes the sources left; readers count each "
+                                  "row once meanwhile)", root.show(directory), exc)
                         continue
                     report(f"compacted table={table}/date={date}: {before} files ({_mib(nbytes)}) into "
                            f"{len(groups)} ({_mib(written)})")
@@ -212,6 +214,11 @@ def _settle(root: ds.DatasetRoot, directory: str, dry_run: bool, out: Summary,
     fs = root.fs
     infos = _files(fs, directory)
     for info in infos:
+        if info.base_name.startswith(".") and info.base_name.endswith(".tmp") \
+                and ds.compaction_record(info.base_name[1:-len(".tmp")]):
+            if not dry_run:   # a record never put in place: its compaction had not begun
+                fs.delete_file(info.path)
+            continue
         if not ds.compaction_record(info.base_name):
             continue
         record = ds.read_compaction_record(fs, info.path)

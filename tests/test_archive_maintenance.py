@@ -226,6 +226,18 @@ def test_a_crash_while_writing_the_outputs_loses_nothing_and_the_next_run_undoes
     _same(before, _read(root))
 
 
+def test_a_crash_while_writing_the_record_leaves_nothing_the_next_run_keeps(two_days):
+    root = two_days
+    d = root / "table=gpu" / "date=2026-12-01"
+    torn = d / f".{ds.compaction_record_name('abcdef01')}.tmp"
+    torn.write_text('{"writer": "abcd')
+    before = _read(root)
+    got = am.compact(str(root), file_bytes=128 << 20, settle_seconds=3600, now=NOW, fsync=False, report=lambda s: None)
+    assert got.dates == 4 and got.errors == 0 and not torn.exists()
+    assert len(_data_files(root, "gpu", "2026-12-01")) == 1
+    _same(before, _read(root))
+
+
 def test_an_error_while_writing_undoes_the_compaction_at_once(two_days, monkeypatch):
     root = two_days
     before = _read(root)
