@@ -44,7 +44,9 @@ def _write_rolls(root, date: str, rolls: int) -> None:
             for i, node in enumerate(NODES) for j in range(3)])
         gpu = sch.to_table("gpu", [
             {"ts": t0 + j * 10**9 + i * 10**6, "node": node, "gpu": j % 8, "temperature_c": 40.0 + k,
-             "power_w": 300.0 + j, "gpu_lost": False} for i, node in enumerate(NODES[::-1]) for j in range(20)])
+             "power_w": 300.0 + j, "gpu_lost": False} for i, node in enumerate(NODES[::-1]) for j in range(20)]
+            # the same node and time in every file (a collector's re-sent sweep): readers keep their file order
+            + [{"ts": start_ns + 7, "node": "n1", "gpu": 0, "temperature_c": float(k), "gpu_lost": False}])
         decisions = pa.Table.from_pylist([
             {"ts": dt.datetime.fromtimestamp((t0 + i * 10**6) / 1e9, dt.timezone.utc), "kind": "alarm",
              "node": node, "reason": "fatal: Xid 79 on GPU 0"} for i, node in enumerate(NODES)], schema=DECISION_SCHEMA)
