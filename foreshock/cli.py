@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "foreshock.predictor.command",
     "foreshock.predictor.history_command",
     "foreshock.service.command",
+    "foreshock.service.archive_command",
     "foreshock.goodput",
     "foreshock.demo",
 )

@@ -22,6 +22,9 @@ one level up, a file per table and date holding every node, sorted by node then 
 
     ROOT/table=<table>/date=<YYYY-MM-DD>/part-<first ts ns>-<writer id>-<n>.parquet
 
+and `foreshock archive compact` merges a closed date's files there, with a record beside them while it
+works (COMPACTION_RECORD_PREFIX) that list_dir honours, so every reader here counts each row once.
+
 The readers here go through pyarrow's filesystem layer (pyarrow.fs): a dataset is a local directory,
 relative to the cwd, or any URI pyarrow.fs.FileSystem.from_uri takes (file://, s3://, gs://, hdfs://);
 DatasetRoot holds the filesystem and the path, and every listing and read below goes through it.
@@ -73,6 +76,28 @@ def _quote(value: str) -> str:
 
 def partition_dir(root: Path, table: str, date: str, node: str) -> Path:
     return Path(root) / f"table={table}" / f"date={date}" / f"node={_quote(node)}"
+
+
+def date_dir(root: str, table: str, date: str) -> str:
+    """The archive's directory of one table and date (a path of the dataset's filesystem)."""
+    return f"{root}/table={table}/date={date}"
+
+
+def part_file_name(first_ts_ns: int, token: str) -> str:
+    """A data file's name in either layout: `part-<first ts ns, 19 digits>-<token>.parquet`, where the
+    token is `<writer id>-<n>` (8 hex digits, the writer's nth file) or a journal's (`j<writer id>-<n>`)."""
+    return f"part-{first_ts_ns:019d}-{token}.parquet"
+
+
+def new_writer_id() -> str:
+    """A writer's id in its files' names: 8 hex digits, new for each writer (part_file_name)."""
+    return uuid.uuid4().hex[:8]
+
+
+def part_writer(name: str) -> str:
+    """The writer id in a data file's name (part_file_name); "" for a name not of that form."""
+    parts = name.split("-")
+    return parts[2] if len(parts) == 4 and parts[0] == "part" else ""
 
 
 @dataclass
@@ -265,7 +290,7 @@ class DatasetWriter:
         # column_encoding={"port_xmit_bytes": "DELTA_BINARY_PACKED"} with use_dictionary=[...].
         self.parquet_options = dict(parquet_options or {})
         self._clock = clock
-        self._id = uuid.uuid4().hex[:8]
+        self._id = new_writer_id()
         self._seq = 0
         self._lock = threading.Lock()
         self._rows: dict[str, list[dict]] = collections.defaultdict(list)
@@ -440,7 +465,7 @@ class DatasetWriter:
             with self._lock:
                 self._seq += 1
                 token = f"{self._id}-{self._seq:06d}"
-        name = f"part-{first_ts:019d}-{token}.parquet"
+        name = part_file_name(first_ts, token)
         final = directory / name
         if skip_existing and final.exists():
             return None
@@ -676,12 +701,61 @@ def _base(path: str) -> str:
     return path.rpartition("/")[2]
 
 
+# A compaction of an archive date directory (service/archive_maintenance.py) under way, or cut short:
+# `_compaction-<writer id>.json` beside the files, {"writer": id, "sources": [file names], "outputs": n},
+# written before its first output and removed after its last source. Its outputs are the files named
+# with its writer id (part_writer). Until all n are in place a reader takes the sources and none of the
+# outputs; from then on the outputs and none of the sources: each row once, whenever the listing is made.
+COMPACTION_RECORD_PREFIX = "_compaction-"
+COMPACTION_RECORD_SUFFIX = ".json"
+
+
+def compaction_record_name(writer: str) -> str:
+    return f"{COMPACTION_RECORD_PREFIX}{writer}{COMPACTION_RECORD_SUFFIX}"
+
+
+def compaction_record(name: str) -> bool:
+    return name.startswith(COMPACTION_RECORD_PREFIX) and name.endswith(COMPACTION_RECORD_SUFFIX)
+
+
+def read_compaction_record(fs: pafs.FileSystem, path: str) -> dict:
+    """A compaction record's contents; FileNotFoundError once its compaction has finished, ValueError
+    for one that is not a record."""
+    with fs.open_input_stream(path) as f:
+        record = json.loads(f.read())
+    if not (isinstance(record, dict) and isinstance(record.get("writer"), str)
+            and isinstance(record.get("sources"), list) and isinstance(record.get("outputs"), int)):
+        raise ValueError(f"{path}: not a compaction record")
+    return record
+
+
+def compaction_complete(record: dict, names: Iterable[str]) -> bool:
+    """Whether every output of the compaction is among these file names (so its sources are replaced)."""
+    return sum(part_writer(n) == record["writer"] for n in names) >= record["outputs"]
+
+
 def list_dir(fs: pafs.FileSystem, path: str) -> tuple[list[str], list[str]]:
     """(subdirectories, data files) directly in the directory `path` of `fs`, each sorted, as full
-    paths; nothing for a path that is not there."""
+    paths; nothing for a path that is not there. A compaction under way counts its rows once
+    (COMPACTION_RECORD_PREFIX)."""
     infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     dirs = sorted(i.path for i in infos if i.type == pafs.FileType.Directory)
     files = sorted(i.path for i in infos if i.type == pafs.FileType.File and data_file(i.base_name))
+    for info in infos:
+        if info.type == pafs.FileType.File and compaction_record(info.base_name):
+            try:
+                record = read_compaction_record(fs, info.path)
+            except FileNotFoundError:   # it finished since the listing: its sources are gone
+                return list_dir(fs, path)
+            except (OSError, ValueError, pa.ArrowException) as exc:
+                log.warning("%s: unreadable compaction record, ignored: %s", info.path, exc)
+                continue
+            names = [_base(f) for f in files]
+            if compaction_complete(record, names):
+                gone = set(record["sources"])
+                files = [f for f in files if _base(f) not in gone]
+            else:
+                files = [f for f in files if part_writer(_base(f)) != record["writer"]]
     return dirs, files
 
 

@@ -49,7 +49,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +67,7 @@ from foreshock.service.validation import RawBatch, wire_schema
 log = logging.getLogger(__name__)
 
 ROW_GROUP_ROWS = 128 * 1024   # rows sorted by node: a read of one node skips the others' row groups
+PARQUET_OPTIONS = {"compression": ds.COMPRESSION, "use_dictionary": True, "write_statistics": True}
 TICK_SECONDS = 1.0            # how often the writer looks at the buffers' age when nothing comes
 DECISIONS = "decisions"
 
@@ -119,7 +119,7 @@ class Archive:
             self.fs, self.root = ds.filesystem_of(settings.uri)
         except ds.DatasetError as exc:
             raise ArchiveError(f"archive {exc}") from None
-        self._id = uuid.uuid4().hex[:8]
+        self._id = ds.new_writer_id()
         self._seq = 0
         self._check_writable()
         self._remove_stale()
@@ -339,7 +339,7 @@ class Archive:
             part = part.sort_by([("node", "ascending"), ("ts", "ascending")])
             f = self._open.get((name, date))
             if f is None:
-                directory = f"{self.root}/table={name}/date={date}"
+                directory = ds.date_dir(self.root, name, date)
                 if directory not in self._dirs:
                     self._writing = (name, directory)
                     self.fs.create_dir(directory, recursive=True)
@@ -347,9 +347,8 @@ class Archive:
                 self._seq += 1
                 first = pc.min(part.column("ts")).value
                 f = self._open[(name, date)] = _Open(AtomicParquetFile(
-                    f"{directory}/part-{first:019d}-{self._id}-{self._seq:06d}.parquet", part.schema,
-                    filesystem=self.fs, fsync=self.settings.fsync, compression=ds.COMPRESSION,
-                    use_dictionary=True, write_statistics=True))
+                    f"{directory}/{ds.part_file_name(first, f'{self._id}-{self._seq:06d}')}", part.schema,
+                    filesystem=self.fs, fsync=self.settings.fsync, **PARQUET_OPTIONS))
             self._writing = (name, f.file.path)
             f.file.write(part, ROW_GROUP_ROWS)
             f.nodes.update(pc.unique(part.column("node")).to_pylist())

@@ -90,11 +90,12 @@ DEFAULTS = {
     "forward_token_file": "",    # a file holding this shard's bearer token for the coordinator
     **{key: FORWARD_DEFAULTS[name] for key, name in FORWARD_KEYS.items()},
 }
+ARCHIVE_ROLL_SECONDS_MAX = 86_400   # a writer's file in progress untouched for twice this is a dead one's
 # The archive's ranges: service/archive.py's ArchiveSettings holds its values to these too.
 ARCHIVE_CHECKS = {
     "archive_file_bytes": config.between(1 << 20, 16 << 30),
     "archive_buffer_bytes": config.between(1 << 20, 64 << 30),
-    "archive_roll_seconds": config.between(1, 86_400),
+    "archive_roll_seconds": config.between(1, ARCHIVE_ROLL_SECONDS_MAX),
     "archive_queue_bytes": config.between(1 << 20, 16 << 30),
 }
 # close_hold_seconds and score_interval's upper bound are checked by server.Settings, which owns them;
