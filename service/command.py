@@ -3,7 +3,8 @@
 Settings: defaults < `[serve]` in the TOML config < FORESHOCK_SERVE_<KEY> environment variables < flags
 (foreshock/config.py). It prints `foreshock serve: listening on HOST:PORT` once it serves, and on
 SIGTERM/SIGINT stops accepting calls, gives in-flight ones `--grace` seconds, flushes the decision log
-and closes the state; under `--shard`, SIGHUP reads the shard map again (so does a change of its mtime).
+and closes the state; under `--shard`, SIGHUP reads the shard map again (so does a change of its mtime;
+without `--shard` SIGHUP is ignored).
 docs/service.md describes every setting.
 """
 
@@ -323,8 +324,9 @@ def run(args, file_data) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    if plane.shard_map_file is not None:
-        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _s, _f: plane.request_shard_map_reload())
+    # SIGHUP (`systemctl reload`) reads a shard's map again; without --shard it has nothing to do, and
+    # must not stop the service as its default action would.
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _s, _f: plane.request_shard_map_reload())
     try:
         try:
             port = plane.start()
