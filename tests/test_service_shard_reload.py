@@ -4,7 +4,8 @@ control planes on loopback ports follow one map file; rewriting it moves leaf-01
 moved away is refused on its open stream's next batch with the new owner's address, and its risk, its
 alarm and its per-node metrics leave a; b takes it at once, and a takes the node moved in. A new
 version that does not parse, drops the shard or does not fit the inventory is refused, counted, and
-the map in force stays. A real `foreshock serve` process reads the map again on SIGHUP."""
+the map in force stays. A shard that forwards to a jobs coordinator clears there the alarm of a node it
+no longer serves. A real `foreshock serve` process reads the map again on SIGHUP."""
 
 from __future__ import annotations
 
@@ -230,6 +231,40 @@ def test_a_followed_map_must_name_the_shard_and_fit_the_topology_from_the_start(
         build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), shard="a",
                                                 shard_map=ShardMapFile(path), shard_map_check_seconds=0))
     assert not (tmp_path / "s").exists()
+
+
+def test_a_forwarding_shard_tells_the_coordinator_a_node_it_no_longer_serves_is_cleared(tmp_path):
+    """The coordinator holds a shard's risk alarm until that shard clears it; a node moved away is
+    cleared with its last risk, so no alarm is left that no shard will ever clear."""
+    from foreshock.service.coordinator import CoordinatorSettings
+    from foreshock.service.forwarder import ForwardSettings
+
+    coordinator = build_server(Settings.insecure_loopback(
+        tmp_path / "coordinator", threshold=0.5,
+        coordinator=CoordinatorSettings(str(tmp_path / "lease"), lock_poll_seconds=0.05)))
+    coordinator.start()
+    address = f"127.0.0.1:{_free_port()}"
+    path = tmp_path / "shards.toml"
+    path.write_text(_map_text(address, "127.0.0.1:1"))
+    shard = None
+    try:
+        assert wait_until(lambda: coordinator.leading, 10)
+        shard = build_server(Settings.insecure_loopback(
+            tmp_path / "a", scorer=_Scorer(), listen=address, shard="a", shard_map=ShardMapFile(path),
+            shard_map_check_seconds=0.1, threshold=0.5,
+            forward=ForwardSettings((coordinator.address,), "a", summary_seconds=1.0,
+                                    backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
+        shard.start()
+        assert _stream(address, "n-hot", "leaf-01", [1])[-1].acked_sequence == 1
+        assert wait_until(lambda: "n-hot" in coordinator.policy.alarms, 10)
+        _rewrite(path, _map_text(address, "127.0.0.1:1", a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        assert wait_until(lambda: "n-hot" not in coordinator.policy.alarms, 10)
+        assert coordinator.nodes.probability("n-hot") == pytest.approx(0.9)   # its last risk, not 0
+        assert shard.nodes.probability("n-hot") is None
+    finally:
+        if shard is not None:
+            shard.stop(0.5)
+        coordinator.stop(0.5)
 
 
 def test_changes_and_digest_say_what_moved_and_ignore_what_does_not_matter():
