@@ -3,7 +3,9 @@
 Settings: defaults < `[serve]` in the TOML config < FORESHOCK_SERVE_<KEY> environment variables < flags
 (foreshock/config.py). It prints `foreshock serve: listening on HOST:PORT` once it serves, and on
 SIGTERM/SIGINT stops accepting calls, gives in-flight ones `--grace` seconds, flushes the decision log
-and closes the state. docs/service.md describes every setting.
+and closes the state; under `--shard`, SIGHUP reads the shard map again (so does a change of its mtime;
+without `--shard` SIGHUP is ignored).
+docs/service.md describes every setting.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ DEFAULTS = {
     "history": "",               # a dataset with incidents: the node history score, hourly; "": none
     "shard": "",                 # this instance's shard in shard_map: it serves that shard's nodes only
     "shard_map": "",             # the shard map (TOML, service/shardmap.py); with shard, never alone
-    "shard_inventory": "",       # a dataset with an inventory table the map is checked against at start
+    "shard_inventory": "",       # a dataset with an inventory table each version of the map is checked against
     **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
     "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
     "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
@@ -182,10 +184,12 @@ def register(subparsers) -> None:
     p.add_argument("--shard", metavar="NAME",
                    help="serve only the nodes of the leaf switches this shard owns in --shard-map; another "
                         "shard's collectors are redirected there (docs/scaling.md, sharding)")
-    p.add_argument("--shard-map", metavar="FILE", help="the shard map (TOML): shard -> address, leaves or selector")
+    p.add_argument("--shard-map", metavar="FILE", help="the shard map (TOML): shard -> address, leaves or selector; "
+                   "read again when it changes or on SIGHUP")
     p.add_argument("--shard-inventory", metavar="DIR",
                    help="a dataset with the cluster's inventory table (the archive, foreshock simulate's output): "
-                        "refuse at start a map with leaves it lacks, nodes in two shards or leaves no shard owns")
+                        "refuse a map (at start, or a new version while serving) with leaves it lacks, nodes in "
+                        "two shards or leaves no shard owns")
     p.add_argument("--coordinator", action="store_const", const=True,
                    help="run as the jobs coordinator of a sharded control plane: the Jobs API, the directive "
                         "store and the per-job policy, fed by the shards' alarms; no telemetry (docs/scaling.md)")
@@ -213,21 +217,6 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def inventory_labels(root: str) -> dict[str, dict[str, str]]:
-    """Each node's placement labels in the latest inventory row of the dataset at `root`; ShardMapError
-    naming the dataset when it has none or cannot be read."""
-    from foreshock.dataset import read_table
-    from foreshock.service.shardmap import PLACEMENT_LABELS, ShardMapError
-
-    try:
-        rows = read_table(root, "inventory", columns=["node", "ts", *PLACEMENT_LABELS]).to_pylist()
-    except (OSError, ValueError) as exc:
-        raise ShardMapError(f"shard inventory {root}: {exc}") from None
-    if not rows:
-        raise ShardMapError(f"shard inventory {root}: no inventory rows (a dataset with an inventory table)")
-    return {row["node"]: {k: row[k] or "" for k in PLACEMENT_LABELS} for row in rows}   # sorted by ts: the last wins
-
-
 def settings_from(cfg: dict):
     from foreshock.service.auth import load_token_file
     from foreshock.service.errors import ServiceError
@@ -252,15 +241,12 @@ def settings_from(cfg: dict):
         raise SettingsError("--coordinator and --shard/--shard-map are exclusive: the coordinator takes no "
                             "telemetry, the shards do")
     if cfg["shard"] or cfg["shard_map"]:
-        from foreshock.service.shardmap import ShardMapError, load
+        from foreshock.service.shardmap import ShardMapError, ShardMapFile, shard_check
         if not (cfg["shard"] and cfg["shard_map"]):
             raise SettingsError("--shard and --shard-map go together: name this instance's shard and the map "
                                 f"it is in (got shard {cfg['shard']!r}, shard_map {cfg['shard_map']!r})")
-        try:
-            shard_map = load(cfg["shard_map"])
-            shard_map.shard(cfg["shard"])
-            if cfg["shard_inventory"]:
-                shard_map.check_inventory(inventory_labels(cfg["shard_inventory"]))
+        try:   # followed while serving: every new version is held to the same checks (SIGHUP: now)
+            shard_map = ShardMapFile(cfg["shard_map"], check=shard_check(cfg["shard"], cfg["shard_inventory"]))
         except ShardMapError as exc:
             raise SettingsError(str(exc)) from None
     elif cfg["shard_inventory"]:
@@ -346,6 +332,9 @@ def run(args, file_data) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP (`systemctl reload`) reads a shard's map again; without --shard it has nothing to do, and
+    # must not stop the service as its default action would.
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _s, _f: plane.request_shard_map_reload())
     try:
         try:
             port = plane.start()

@@ -32,6 +32,12 @@ collectors do. Tested against a private registry and `promtool check metrics`.
                                                        with that shard named (service/shardmap.py)
   foreshock_shard_unplaced_streams_total               telemetry streams of a node the map places in no
                                                        shard, in two, or that named no leaf switch
+  foreshock_shard_map_info{digest}                     1: the map in force, by ShardMap.digest
+  foreshock_shard_map_reloads_total, foreshock_shard_map_reload_failures_total
+                                                       new versions of the map file taken | refused (`serve
+                                                       --shard` follows its --shard-map; service/shardmap.py)
+  foreshock_shard_map_refused                          1 while the file's latest version is refused
+  foreshock_shard_moved_away_nodes_total               nodes a new map moved elsewhere, forgotten here
   foreshock_connected_collectors                       open telemetry streams
   foreshock_connected_job_watchers{job}                open WatchDirectives streams
   foreshock_registered_jobs                            jobs registered
@@ -227,7 +233,7 @@ class ControlPlaneCollector:
                          str(getattr(p.scorer, "model_path", ""))], 1.0)
         yield info
         if p.shard_gate is not None:
-            yield from _shard(p.shard_gate)
+            yield from _shard(p.shard_gate, p.shard_map_file)
         yield GaugeMetricFamily("foreshock_connected_collectors", "Open telemetry streams.", value=ing.connected())
         watchers = GaugeMetricFamily("foreshock_connected_job_watchers", "Open WatchDirectives streams.",
                                      labels=["job"])
@@ -351,20 +357,35 @@ def _archive_families(a: dict):
                             value=a["buffered_bytes"])
 
 
-def _shard(gate):
+def _shard(gate, followed):
+    shard_map, shard = gate.map, gate.shard
     info = GaugeMetricFamily("foreshock_shard_info", "This instance's shard (serve --shard) and its address in "
                                                      "the shard map.", labels=["shard", "address"])
-    info.add_metric([gate.shard.name, gate.shard.address], 1.0)
+    info.add_metric([shard.name, shard.address], 1.0)
     yield info
     redirected = CounterMetricFamily("foreshock_shard_redirected_streams",
                                      "Telemetry streams of another shard's node, refused with that shard named.",
                                      labels=["to_shard"])
-    for name in gate.map.names():
-        if name != gate.shard.name:
-            redirected.add_metric([name], gate.redirected.get(name, 0))
+    counted = dict(gate.redirected)
+    for name in sorted((set(shard_map.names()) - {shard.name}) | set(counted)):
+        redirected.add_metric([name], counted.get(name, 0))
     yield redirected
     yield CounterMetricFamily("foreshock_shard_unplaced_streams", "Telemetry streams of a node the shard map "
                               "places in no shard, in two, or that named no leaf switch.", value=gate.unplaced)
+    map_info = GaugeMetricFamily("foreshock_shard_map_info", "1: the shard map in force, by its digest (a hash of "
+                                 "what it says; every shard should hold the same).", labels=["digest"])
+    map_info.add_metric([shard_map.digest], 1.0)
+    yield map_info
+    yield CounterMetricFamily("foreshock_shard_map_reloads", "New versions of the shard map file taken while "
+                              "serving.", value=followed.reloads if followed is not None else 0)
+    yield CounterMetricFamily("foreshock_shard_map_reload_failures", "New versions of the shard map file refused "
+                              "(unreadable, invalid, without this shard, not fitting the inventory); the map "
+                              "in force stayed.", value=followed.failed_reloads if followed is not None else 0)
+    yield GaugeMetricFamily("foreshock_shard_map_refused", "1 while the shard map file's latest version is refused "
+                            "and an older map stays in force.",
+                            value=1.0 if followed is not None and followed.refused else 0.0)
+    yield CounterMetricFamily("foreshock_shard_moved_away_nodes", "Nodes a new shard map moved to another shard "
+                              "(or to none): redirected, and forgotten here.", value=gate.moved_away)
 
 
 def _coordinator_families(c):

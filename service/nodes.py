@@ -131,7 +131,10 @@ class NodeBook:
             return list(self.risk.values())
 
     def forget(self, nodes: Iterable[str]) -> None:
+        """What is held of these nodes (another shard serves them now): they leave the Risk API and the
+        per-node metrics. A fatal event stays: the policy's fatal alarm holds its time out on it."""
         with self._lock:
             for n in nodes:
                 self.risk.pop(n, None)
                 self.last_seen_ns.pop(n, None)
+                self.topology.pop(n, None)

@@ -19,6 +19,7 @@ coordinator (service/forwarder.py) and whose Jobs API refuses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -50,7 +51,7 @@ from foreshock.service.nodes import NodeBook, Topology
 from foreshock.service.policy import EvacuationPolicy, PolicySettings
 from foreshock.service.rounds import InProcessPipeline, RoundScheduler
 from foreshock.service.scoring import ModelError, NullScorer, PredictorScorer, default_model_path
-from foreshock.service.shardmap import ShardGate, ShardMap, ShardMapError, labels_of
+from foreshock.service.shardmap import ShardGate, ShardMap, ShardMapError, ShardMapFile, changes, labels_of, shard_check
 from foreshock.service.servicers import (
     CoordinatorServicer, JobsServicer, RiskServicer, TelemetryServicer, UndecodableRequests, shard_jobs_handler,
     standby_handler)
@@ -115,7 +116,10 @@ class Settings:
     archive: ArchiveSettings | None = None   # write everything taken in, the decisions and the incidents
     #                                          to a Parquet dataset (service/archive.py); None: no archive
     shard: str = ""                          # this instance's shard: it takes the telemetry of the nodes the
-    shard_map: ShardMap | None = None        # shard map places here only (service/shardmap.py); "": all
+    shard_map: ShardMap | ShardMapFile | None = None   # shard map places here only (service/shardmap.py);
+    #                                          "": all. A ShardMapFile is followed: its new versions are
+    #                                          taken while serving (request_shard_map_reload: at once)
+    shard_map_check_seconds: float = 2.0     # how often a followed shard map file's mtime is looked at
     scorer_checkpoint_seconds: float = 300.0   # how often the online scorer's state (baselines, day-long
     #                                          counts, counter positions) is written to state_dir, so a
     #                                          restart does not start every node's 3-day baseline over
@@ -140,11 +144,21 @@ class ControlPlane:
     def __init__(self, settings: Settings):
         self.settings = s = settings
         self._validate(s)
-        # A map that does not fit the topology given stops the service here, naming the offenders.
+        # A map that does not fit the topology given stops the service here, naming the offenders; a
+        # followed file's later versions are held to the same, and refused while they do not fit.
+        self.shard_map_file = s.shard_map if isinstance(s.shard_map, ShardMapFile) else None
+        self._shard_map_wake = threading.Event()
+        self._shard_map_thread: threading.Thread | None = None
         try:
-            self.shard_gate = ShardGate(s.shard_map, s.shard) if s.shard else None
-            if s.shard and s.topology:
-                s.shard_map.check_inventory({node: labels_of(t) for node, t in s.topology.items()})
+            check = shard_check(s.shard, inventory={node: labels_of(t) for node, t in s.topology.items()})
+            if self.shard_map_file is not None:
+                self.shard_map_file.add_check(check)
+                self.shard_gate = ShardGate(self.shard_map_file.current(), s.shard)
+            elif s.shard:
+                check(s.shard_map)
+                self.shard_gate = ShardGate(s.shard_map, s.shard)
+            else:
+                self.shard_gate = None
         except ShardMapError as exc:
             raise SettingsError(str(exc)) from None
         self.port: int | None = None
@@ -328,6 +342,8 @@ class ControlPlane:
         if s.forward is not None and s.shard and s.forward.shard != s.shard:
             # The coordinator would file this shard's events under another shard's name.
             raise SettingsError(f"forward shard {s.forward.shard!r} is not this instance's shard {s.shard!r}")
+        if not 0.05 <= s.shard_map_check_seconds <= 3_600:
+            raise SettingsError(f"shard_map_check_seconds {s.shard_map_check_seconds} must be in [0.05, 3600] seconds")
         if not 1 <= s.scorer_checkpoint_seconds <= 86_400:
             raise SettingsError(f"scorer_checkpoint_seconds {s.scorer_checkpoint_seconds} must be in [1, 86400] seconds")
         if not 0 < s.score_interval <= 60:  # written so that NaN fails it too
@@ -364,6 +380,13 @@ class ControlPlane:
 
     def _after_round(self, result, now_ns: int, why: str, elapsed: float) -> None:
         t0 = time.perf_counter()
+        departed = {}
+        if self.shard_gate is not None:
+            departed = self.shard_gate.take_departed()
+            if departed:
+                self._release_departed(departed, now_ns)
+            if result.fresh and self.shard_gate.gone:
+                result = self._served(result, self.shard_gate.gone)
         if result.fresh and len(result.nodes):
             signals = result.signals if result.signals else [[] for _ in result.nodes]
             self.nodes.update_risk(result.nodes, result.probability, signals, now_ns)
@@ -372,7 +395,9 @@ class ControlPlane:
         else:
             self.policy.evaluate(now_ns)   # fatal events only: the scores have not moved
         if self.reporter is not None:
-            self.reporter.after_round(now_ns)
+            self.reporter.after_round(now_ns)   # before the forgetting: a moved node's CLEARED has its risk
+        if departed:
+            self.nodes.forget(departed)
         if now_ns - self._last_expiry_ns >= 1_000_000_000:
             self._last_expiry_ns = now_ns
             self.jobs.expire(now_ns)
@@ -384,6 +409,66 @@ class ControlPlane:
             self.save_sequences(now_ns)
         if result.fresh and self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds)
+
+    # -- the shard map ---------------------------------------------------------------------------------
+    @staticmethod
+    def _served(result, gone):
+        """The round's scores without the nodes a new shard map moved away: the scorer keeps every node
+        it has seen, and another shard scores these now."""
+        keep = [i for i, n in enumerate(result.nodes) if n not in gone]
+        if len(keep) == len(result.nodes):
+            return result
+        return dataclasses.replace(result, nodes=[result.nodes[i] for i in keep], probability=result.probability[keep],
+                                   signals=[result.signals[i] for i in keep] if result.signals else result.signals)
+
+    def _release_departed(self, departed: dict[str, str], now_ns: int) -> None:
+        """Nodes the shard map moved away: their risk alarms end here (logged, and forwarded as cleared),
+        as nothing here will score them again; a fatal alarm holds its time out."""
+        shards = {s.name: s.address for s in self.shard_gate.map.shards}
+        with self.policy.lock:
+            for node, owner in sorted(departed.items()):
+                where = (f"shard {owner}" + (f" at {shards[owner]}" if owner in shards else "")) if owner else "no shard"
+                self.policy.clear_alarm(node, self.nodes.probability(node) or 0.0, now_ns,
+                                        f"the shard map moved the node to {where}")
+
+    def follow_shard_map(self) -> bool:
+        """Take the followed shard map file's new version, if there is one that passes (the file's
+        checks); returns whether one was taken. The shard-map thread calls it; so may a test."""
+        if self.shard_map_file is None:
+            return False
+        fresh = self.shard_map_file.current()
+        gate = self.shard_gate
+        old = gate.map
+        if fresh is old:
+            return False
+        moved = gate.take(fresh)
+        by_shard: dict[str, int] = {}
+        for owner in moved.values():
+            by_shard[owner or "no shard"] = by_shard.get(owner or "no shard", 0) + 1
+        log.warning("shard map %s: took the new map %s (was %s); shard %s: %s; %d nodes moved away%s%s",
+                    self.shard_map_file.path, fresh.digest, old.digest, gate.name, changes(old, fresh, gate.name),
+                    len(moved), (" (" + ", ".join(f"{n} to {o}" for o, n in sorted(by_shard.items())) + ": their "
+                                 "next batch is redirected, their state here forgotten)") if moved else "",
+                    (", e.g. " + ", ".join(sorted(moved)[:10])) if moved else "")
+        return True
+
+    def request_shard_map_reload(self) -> None:
+        """Read the followed shard map file again now, whatever its mtime (SIGHUP; safe from a signal
+        handler)."""
+        if self.shard_map_file is not None:
+            self.shard_map_file.request_reload()
+            self._shard_map_wake.set()
+
+    def _shard_map_loop(self) -> None:
+        while not self._stopped:
+            self._shard_map_wake.wait(self.settings.shard_map_check_seconds)
+            self._shard_map_wake.clear()
+            if self._stopped:
+                return
+            try:
+                self.follow_shard_map()
+            except Exception:  # noqa: BLE001 - the map in force stays; the next look tries again
+                log.exception("shard map %s: taking the new version", self.shard_map_file.path)
 
     def save_sequences(self, now_ns: int) -> None:
         """Save each collector's last checked batch sequence to the state store now (the round loop
@@ -596,6 +681,10 @@ class ControlPlane:
         if self.settings.history_dir:
             self._history_thread = threading.Thread(target=self._history_loop, name="foreshock-history", daemon=True)
             self._history_thread.start()
+        if self.shard_map_file is not None:
+            self._shard_map_thread = threading.Thread(target=self._shard_map_loop, name="foreshock-shard-map",
+                                                      daemon=True)
+            self._shard_map_thread.start()
         self._start_http()
         mode = "INSECURE (plaintext, loopback only, no credentials checked)" if self.settings.insecure else \
             ("mutual TLS" if self.settings.tls_client_ca else "TLS")
@@ -607,7 +696,8 @@ class ControlPlane:
                  self.settings.listen, self.port, role, mode, self.scorer.model_version,
                  self.policy.settings.threshold, self.state_dir,
                  f"; archive {self.settings.archive.uri}" if self.archive is not None else "",
-                 f"; shard {self.settings.shard} of {self.settings.shard_map.source}" if self.shard_gate else "")
+                 f"; shard {self.settings.shard} of {self.shard_gate.map.source}"
+                 + (" (followed)" if self.shard_map_file is not None else "") if self.shard_gate else "")
         if self.settings.insecure:
             log.warning("running INSECURE on loopback: every caller has every role (demo and tests only)")
 
@@ -664,6 +754,9 @@ class ControlPlane:
         self._history_stop.set()
         if self._history_thread is not None:
             self._history_thread.join(5)
+        self._shard_map_wake.set()
+        if self._shard_map_thread is not None:
+            self._shard_map_thread.join(5)
         # nothing new arrives now: what collectors were acknowledged for is taken (and archived) first
         if not self.scoring.drain_backlog(5.0):
             log.warning("stopping with %d telemetry batches not yet taken", self.scoring.backlog())

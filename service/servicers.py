@@ -388,7 +388,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         hold = self.plane.hold
         gate = self.plane.shard_gate
         stream_labels = shardmap.labels_from_metadata(context.invocation_metadata()) if gate is not None else None
-        placed = None   # (node, the topology it was admitted under): admitted again only when either changes
+        placed = None   # (node, its topology, the gate's map generation): admitted again when any changes
         session = ingest.open_session(context.peer(), principal.subject if principal else "")
         last = 0
         Ack, Rej = telemetry_pb2.SweepAck, telemetry_pb2.Rejection
@@ -498,8 +498,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         inventory = next((t.arrow_ipc for t in batch.tables if t.table == "inventory" and not t.schema_omitted), None)
         labels = shardmap.labels_in_inventory(inventory, node) if inventory is not None else None
         topo = self.plane.nodes.topology.get(node)
+        generation = gate.generation   # a map taken after this is judged on the next batch
         if labels is None:
-            if placed == (node, topo):
+            if placed == (node, topo, generation):
                 return placed
             labels = shardmap.labels_of(topo) if topo is not None else stream_labels
         try:
@@ -509,7 +510,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 (shardmap.SHARD_KEY, err.shard), (shardmap.ADDRESS_KEY, err.address)))
         except ServiceError as err:
             await _abort(context, err)
-        return node, topo
+        return node, topo, generation
 
 
 def shard_events_from_proto(events) -> list:

@@ -27,17 +27,25 @@ the map names that the inventory does not have, and leaves (and nodes without a 
 collector of another shard with FAILED_PRECONDITION and the right shard in the trailing metadata
 (SHARD_KEY, ADDRESS_KEY); a collector sends its labels as call metadata (LABEL_KEYS) so a shard can place
 it before any inventory arrives. `ShardMapFile` is the map of a file that may change under a running
-collector (re-read when its mtime changes, or when asked on SIGHUP).
+collector or shard (re-read when its mtime changes, or when asked on SIGHUP; a shard also refuses a
+version that `shard_check` refuses: one that drops the shard, or does not fit the inventory).
+
+A shard that takes a new map re-places every node it admitted (`ShardGate.take`): the nodes the map
+now puts elsewhere are `departed` once (for the service to forget them: their risk, alarms and
+per-node metrics) and `gone` until they are admitted here again, and their next batch is refused with
+the new owner's address, so their collectors move. `changes` says in words what moved.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import re
 import threading
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +104,15 @@ class ShardMap:
 
     def names(self) -> list[str]:
         return [s.name for s in self.shards]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The map's identity: a hash of what it says (not of the file's bytes, so comments and order
+        do not change it), the same in every shard that holds the same map."""
+        h = hashlib.sha256()
+        for s in sorted(self.shards, key=lambda s: s.name):
+            h.update(repr((s.name, s.address, sorted(s.leaves), s.selector)).encode())
+        return h.hexdigest()[:12]
 
     def shard(self, name: str) -> Shard:
         """The shard called `name`; ShardMapError naming it and the map's shards if there is none."""
@@ -229,18 +246,33 @@ def load(path: str | os.PathLike) -> ShardMap:
 
 
 class ShardMapFile:
-    """The map in a file that may change while a collector runs: `current()` re-reads it when its mtime
-    (or size) changed, or after `request_reload()` (SIGHUP). A new version that does not load is logged,
-    naming the file, and the last good map stays in force. The first load's error is raised."""
+    """The map in a file that may change while a collector or a shard runs: `current()` re-reads it when
+    its mtime (or size) changed, or after `request_reload()` (SIGHUP); the cost when nothing changed is
+    one stat(). A new version that does not load, or that a check refuses (`check`, `add_check`: a
+    callable raising ShardMapError), is logged naming the file and why, and the last good map stays in
+    force (`refused` says why until a later version is taken). The first version's error is raised."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, check: Callable[[ShardMap], None] | None = None):
         self.path = Path(path)
         self._lock = threading.Lock()
         self._reload = False
+        self._checks = [check] if check is not None else []
         self._stamp = self._stat()
-        self._map = load(self.path)
+        self._map = self._read()
         self.reloads = 0   # new versions taken
         self.failed_reloads = 0
+        self.refused = ""  # why the file's latest version is not in force; "": it is
+
+    def add_check(self, check: Callable[[ShardMap], None]) -> None:
+        """Refuse, from now on, versions `check` raises ShardMapError for; the map in force must pass it."""
+        check(self._map)
+        self._checks.append(check)
+
+    def _read(self) -> ShardMap:
+        fresh = load(self.path)
+        for check in self._checks:
+            check(fresh)
+        return fresh
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -262,16 +294,78 @@ class ShardMapFile:
             self._stamp = stamp
             try:
                 fresh = load(self.path)
+                if fresh == self._map:
+                    self.refused = ""
+                    return self._map   # the same map: its readers have nothing to redo
+                for check in self._checks:
+                    check(fresh)
             except ShardMapError as exc:
                 self.failed_reloads += 1
-                log.error("%s; the map read before stays in force", exc)
+                self.refused = str(exc)
+                log.error("%s; the map read before (%s) stays in force", exc, self._map.digest)
                 return self._map
-            if fresh == self._map:
-                return self._map   # the same map: its readers have nothing to redo
             self.reloads += 1
-            log.info("shard map %s: read again (%d shards)", self.path, len(fresh.shards))
+            self.refused = ""
+            log.info("shard map %s: read again (%d shards, digest %s)", self.path, len(fresh.shards), fresh.digest)
             self._map = fresh
             return fresh
+
+
+def inventory_labels(root: str) -> dict[str, dict[str, str]]:
+    """Each node's placement labels in the latest inventory row of the dataset at `root`; ShardMapError
+    naming the dataset when it has none or cannot be read."""
+    from foreshock.dataset import read_table
+
+    try:
+        rows = read_table(root, "inventory", columns=["node", "ts", *PLACEMENT_LABELS]).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise ShardMapError(f"shard inventory {root}: {exc}") from None
+    if not rows:
+        raise ShardMapError(f"shard inventory {root}: no inventory rows (a dataset with an inventory table)")
+    return {row["node"]: {k: row[k] or "" for k in PLACEMENT_LABELS} for row in rows}   # sorted by ts: the last wins
+
+
+def shard_check(name: str, inventory_root: str = "",
+                inventory: Mapping[str, Mapping[str, str]] | None = None) -> Callable[[ShardMap], None]:
+    """What a shard holds every version of its map to: it names shard `name`, and it fits the inventory
+    (the dataset at `inventory_root`, read again each time, so a new leaf there counts; and/or a fixed
+    node -> labels mapping). A ShardMapFile check: ShardMapError naming the file and the offenders."""
+    def check(m: ShardMap) -> None:
+        m.shard(name)
+        if inventory_root:
+            m.check_inventory(inventory_labels(inventory_root))
+        if inventory:
+            m.check_inventory(inventory)
+    return check
+
+
+def changes(old: ShardMap, new: ShardMap, name: str) -> str:
+    """What `new` changes for shard `name` against `old`, in words for a log line: the leaves and the
+    selector it took and gave up, its address, and the shards added, removed or moved elsewhere."""
+    mine_old, mine_new = old.shard(name), new.shard(name)
+    parts = []
+    came, went = mine_new.leaves - mine_old.leaves, mine_old.leaves - mine_new.leaves
+    if came:
+        parts.append(f"leaves moved in: {_names(came)}")
+    if went:
+        owners = {leaf: next((s.name for s in new.shards if leaf in s.leaves), "no shard") for leaf in went}
+        parts.append("leaves moved out: " + _names(f"{leaf} (to {owners[leaf]})" for leaf in went))
+    if mine_old.selector != mine_new.selector:
+        def sel(selector):
+            return "{" + ", ".join(f"{k} = {v!r}" for k, v in selector) + "}" if selector else "none"
+        parts.append(f"selector {sel(mine_old.selector)} -> {sel(mine_new.selector)}")
+    if mine_old.address != mine_new.address:
+        parts.append(f"its address {mine_old.address} -> {mine_new.address}")
+    before = {s.name: s for s in old.shards}
+    after = {s.name: s for s in new.shards}
+    if set(after) - set(before):
+        parts.append(f"shards added: {_names(set(after) - set(before))}")
+    if set(before) - set(after):
+        parts.append(f"shards removed: {_names(set(before) - set(after))}")
+    moved = {n for n in set(before) & set(after) if n != name and before[n] != after[n]}
+    if moved:
+        parts.append(f"shards changed: {_names(moved)}")
+    return "; ".join(parts) or "nothing for this shard"
 
 
 def labels_of(topology) -> dict[str, str]:
@@ -312,38 +406,112 @@ class ShardGate:
     """This shard's admission rule for telemetry: a node is taken only if the map places it here.
 
     A node is placed by the freshest labels there are: an inventory row of it in the batch, else the
-    topology this service holds for it, else the labels its collector's stream carries. A node of
-    another shard is refused with WrongShard (FAILED_PRECONDITION, the right shard and its address); a
-    node the map cannot place (no shard, two shards, no labels at all) with FailedPrecondition saying
-    why. Refused telemetry is never acknowledged, so its collector keeps it for the right shard."""
+    topology this service holds for it, else the labels its collector's stream carries (else, for a
+    node that a new map moved away, the labels it was last admitted under). A node of another shard is
+    refused with WrongShard (FAILED_PRECONDITION, the right shard and its address); a node the map
+    cannot place (no shard, two shards, no labels at all) with FailedPrecondition saying why. Refused
+    telemetry is never acknowledged, so its collector keeps it for the right shard.
+
+    `take(new_map)` puts a new map in force (see the module docstring); `generation` counts the maps
+    taken, so a stream admitted under an older one is placed again."""
 
     def __init__(self, shard_map: ShardMap, name: str):
-        self.map = shard_map
-        self.shard = shard_map.shard(name)
+        self.name = name
+        self._in_force = (shard_map, shard_map.shard(name))   # one object: admit reads the pair at once
+        self.generation = 0
         self._lock = threading.Lock()
         self.redirected: dict[str, int] = {}   # the right shard -> streams sent there
         self.unplaced = 0                      # streams of nodes the map places nowhere (or twice)
+        self._placed: dict[str, dict[str, str]] = {}   # node -> the labels it was last admitted under
+        # Nodes a new map moved away, until admitted here again (their labels, to redirect a stream
+        # that names none); read without the lock by the rounds, so replaced rather than changed.
+        self.gone: dict[str, dict[str, str]] = {}
+        self._departed: dict[str, str] = {}   # node -> its new shard ("" none), not yet forgotten
+        self.moved_away = 0                   # nodes that new maps moved away
+
+    @property
+    def map(self) -> ShardMap:
+        return self._in_force[0]
+
+    @property
+    def shard(self) -> Shard:
+        return self._in_force[1]
 
     def admit(self, node: str, labels: Mapping[str, str]) -> None:
         from foreshock.service.errors import FailedPrecondition, WrongShard
 
+        shard_map, shard = self._in_force
+        if not any(labels.get(k) for k in PLACEMENT_LABELS):
+            labels = self.gone.get(node, labels)
         leaf = labels.get("leaf_switch") or ""
         if not any(labels.get(k) for k in PLACEMENT_LABELS):
             with self._lock:
                 self.unplaced += 1
             raise FailedPrecondition(
-                f"node {node!r}: shard {self.shard.name!r} cannot tell which shard serves it: no inventory from "
+                f"node {node!r}: shard {shard.name!r} cannot tell which shard serves it: no inventory from "
                 f"it yet and its stream names no leaf switch (a collector of a sharded control plane is given "
                 f"--leaf-switch, or sends its inventory first)")
         try:
-            owner = self.map.shard_of(node, leaf, labels)
+            owner = shard_map.shard_of(node, leaf, labels)
         except ShardMapError as exc:
             with self._lock:
                 self.unplaced += 1
-            raise FailedPrecondition(f"{exc}: shard {self.shard.name!r} takes none of its telemetry") from None
-        if owner is not self.shard:
+            raise FailedPrecondition(f"{exc}: shard {shard.name!r} takes none of its telemetry") from None
+        if owner.name != shard.name:
             with self._lock:
                 self.redirected[owner.name] = self.redirected.get(owner.name, 0) + 1
             raise WrongShard(f"node {node!r} on leaf switch {leaf!r} belongs to shard {owner.name!r} at "
-                             f"{owner.address}, not to this shard {self.shard.name!r}: stream to {owner.address}",
+                             f"{owner.address}, not to this shard {shard.name!r}: stream to {owner.address}",
                              owner.name, owner.address)
+        placed = {k: labels.get(k) or "" for k in PLACEMENT_LABELS}
+        with self._lock:
+            self._placed[node] = placed
+            if self._in_force[0] is not shard_map:
+                # A map taken since this node was placed: this batch is taken, the stream's next one is
+                # placed again; meanwhile the new map judges the node as take() judged the others.
+                moved = self._owners(self._in_force[0], [node])
+                if moved:
+                    self._moved(moved)
+                    return
+            if node in self.gone:
+                self.gone = {n: v for n, v in self.gone.items() if n != node}
+                self._departed.pop(node, None)
+
+    def take(self, new_map: ShardMap) -> dict[str, str]:
+        """Put `new_map` in force (it names this shard: ShardMapError if not). Returns the nodes admitted
+        here that it places elsewhere, node -> their shard ("": none): they are `gone` from now on, and
+        `take_departed` hands them over once."""
+        shard = new_map.shard(self.name)
+        with self._lock:
+            moved = self._owners(new_map, list(self._placed))
+            self._moved(moved)
+            self._in_force = (new_map, shard)
+            self.generation += 1
+        return moved
+
+    def _owners(self, shard_map: ShardMap, nodes: list[str]) -> dict[str, str]:
+        """Those of `nodes` (admitted here) that `shard_map` places elsewhere -> their shard ("": none)."""
+        out = {}
+        for node in nodes:
+            labels = self._placed[node]
+            try:
+                owner = shard_map.shard_of(node, labels["leaf_switch"], labels).name
+            except ShardMapError:
+                owner = ""
+            if owner != self.name:
+                out[node] = owner
+        return out
+
+    def _moved(self, moved: dict[str, str]) -> None:
+        if moved:
+            self.gone = {**self.gone, **{node: self._placed.pop(node) for node in moved}}
+            self._departed.update(moved)
+            self.moved_away += len(moved)
+
+    def take_departed(self) -> dict[str, str]:
+        """The nodes moved away since the last call, node -> their new shard ("": none), once each."""
+        if not self._departed:
+            return {}
+        with self._lock:
+            out, self._departed = self._departed, {}
+        return out

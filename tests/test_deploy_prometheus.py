@@ -24,7 +24,8 @@ ALL_RULE_TESTS = sorted((PROM / "tests").glob("*.test.yaml"))
 REQUIRED_ALERTS = {"ForeshockNodeRiskHigh", "ForeshockEvacuationFailed", "ForeshockCollectorDown",
                    "ForeshockIngestRejected",
                    "ForeshockShardDown", "ForeshockShardNotScraped", "ForeshockCoordinatorNoLeader",
-                   "ForeshockCoordinatorTwoLeaders", "ForeshockShardModelMismatch"}
+                   "ForeshockCoordinatorTwoLeaders", "ForeshockShardModelMismatch", "ForeshockShardMapRefused",
+                   "ForeshockShardMapsDiffer"}
 
 pytestmark = pytest.mark.skipif(shutil.which("promtool") is None,
                                 reason="promtool is not installed (run tests/setup.sh)")

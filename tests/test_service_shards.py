@@ -404,7 +404,7 @@ def test_serve_checks_the_map_against_an_inventory_dataset_naming_the_offenders(
         settings(shard_inventory=str(tmp_path / "ds"))
     fits = _write(tmp_path / "fits.toml", _map_text("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-03")))
     s = settings(shard="b", shard_map=str(fits), shard_inventory=str(tmp_path / "ds"))
-    assert (s.shard, s.shard_map.shard("b").leaves) == ("b", frozenset({"leaf-02", "leaf-03"}))
+    assert (s.shard, s.shard_map.current().shard("b").leaves) == ("b", frozenset({"leaf-02", "leaf-03"}))
     assert not (tmp_path / "s").exists()
 
 
