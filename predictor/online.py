@@ -649,8 +649,9 @@ class _StepAccumulator:
     are order-free), so merging parts' reductions gives what one reduction of all the rows gives:
     sums add (unknown only if unknown in every part), maxima and minima combine with fmax/fmin. A
     per-entity maximum of sums ("emax": the worst GPU's count) cannot be merged from node values, so
-    each entity's partial sum and count are kept too and the maximum is taken when the step closes.
-    Dense arrays by node and entity code: merging a part costs the part's size.
+    each entity's partial sum and count are kept too and the maximum is taken when the step closes;
+    likewise each entity's running maximum for a minimum over entities ("emin_max": the coolest GPU's
+    peak). Dense arrays by node and entity code: merging a part costs the part's size.
     """
 
     def __init__(self, table: str, n_nodes: int):
@@ -662,6 +663,9 @@ class _StepAccumulator:
         # across nodes: GPU 3 has one code on every node)
         self.entity = {j: [np.zeros((0, 0)), np.zeros((0, 0))]
                        for j, (_sig, _col, how) in enumerate(self.spec) if how == "emax"}
+        # per emin_max column: [node, entity code] maximum so far (NaN: no known value yet)
+        self.entity_peak = {j: np.zeros((0, 0)) for j, (_sig, _col, how) in enumerate(self.spec)
+                            if how == "emin_max"}
         self._column_of = np.zeros(0, dtype=np.int64)   # entity code -> column (-1: none yet)
         self._columns = 0
         self.valid = True
@@ -678,7 +682,7 @@ class _StepAccumulator:
         nodes = reduced.keys // sg.STEP_SHIFT
         self._grow_nodes(int(nodes.max()) + 1)
         for j, (_sig, _column, how) in enumerate(self.spec):
-            if how == "emax":
+            if how in ("emax", "emin_max"):
                 continue
             cur, new = self.vals[nodes, j], reduced.values[:, j]
             if how == "sum":
@@ -688,7 +692,7 @@ class _StepAccumulator:
             else:
                 self.vals[nodes, j] = np.fmin(cur, new)
         self.touched[nodes] = True
-        if self.entity:
+        if self.entity or self.entity_peak:
             keys, starts, order = sg.group_keys(part.key)
             node, code = keys // sg.NODE_SHIFT, keys % sg.NODE_SHIFT
             # entity codes count every table's entities; this table's few get columns of their own
@@ -713,6 +717,16 @@ class _StepAccumulator:
                         acc[k] = grown
                 acc[0][node, code] += total     # one row per entity after grouping: plain fancy adds
                 acc[1][node, code] += count
+            for j, peak in self.entity_peak.items():
+                v = part.cols[self.spec[j][1]]
+                v = v if order is None else v[order]
+                rows = max(peak.shape[0], int(node.max()) + 1)
+                cols = max(peak.shape[1], int(code.max()) + 1)
+                if (rows, cols) != peak.shape:
+                    grown = np.full((rows, cols), np.nan)
+                    grown[:peak.shape[0], :peak.shape[1]] = peak
+                    self.entity_peak[j] = peak = grown
+                peak[node, code] = np.fmax(peak[node, code], np.fmax.reduceat(v, starts))
 
     def frame(self, step: int, n_nodes: int) -> sg.StepSignals:
         """The step's signals of every node that reported in it, as reduce_steps gives them."""
@@ -731,4 +745,12 @@ class _StepAccumulator:
                     np.fmax(w, known[:, c], out=w)
                 worst[:len(total)] = w
             values[:, j] = worst[idx]
+        for j, peak in self.entity_peak.items():
+            coolest = np.full(len(self.touched), np.nan)
+            if peak.size:
+                c = peak[:, 0].copy()
+                for k in range(1, peak.shape[1]):
+                    np.fmin(c, peak[:, k], out=c)
+                coolest[:len(peak)] = c
+            values[:, j] = coolest[idx]
         return sg.StepSignals(idx.astype(np.int64) * sg.STEP_SHIFT + int(step), self.names, values)

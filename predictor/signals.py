@@ -79,7 +79,7 @@ BASE_SIGNALS: tuple[BaseSignal, ...] = (
     _g("pcie_width_deficit", "PCIe lanes below the link's maximum width", "lanes"),
     _g("pcie_gen_deficit", "PCIe generations below the link's maximum", "gens"),
     _g("temp_max", "hottest GPU temperature", "degC"),
-    _g("temp_spread", "temperature gap between the hottest and coolest GPU", "degC"),
+    _g("temp_spread", "temperature gap between the hottest and coolest GPU (each at its peak in the step)", "degC"),
     _g("hbm_temp_max", "hottest HBM temperature", "degC"),
     _g("thermal_throttle_frac", "share of GPU samples in thermal or hardware slowdown", "ratio"),
     _g("sm_clock_min", "lowest SM clock", "MHz"),
@@ -227,7 +227,7 @@ REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("remap_pending", "remap_pending", "max"), ("remap_failure", "remap_failure", "max"),
         ("pcie_replay", "pcie_replay", "emax"), ("pcie_width_deficit", "pcie_width_deficit", "max"),
         ("pcie_gen_deficit", "pcie_gen_deficit", "max"), ("temp_max", "temperature_c", "max"),
-        ("_temp_min", "temperature_c", "min"), ("hbm_temp_max", "hbm_temperature_c", "max"),
+        ("_temp_coolest_peak", "temperature_c", "emin_max"), ("hbm_temp_max", "hbm_temperature_c", "max"),
         ("_throttled", "throttled", "sum"), ("_gpu_samples", "one", "sum"),
         ("sm_clock_min", "sm_clock_mhz", "min"), ("gpu_lost", "gpu_lost", "max"),
         ("remap_rows_total", "remap_rows_total", "max"),
@@ -728,6 +728,13 @@ def reduce_steps(table: str, s: Samples) -> StepSignals:
 
     Sums are of integer-valued columns (deltas, counts), so their order does not matter; max and min
     are order-free. A sum over only unknown values is unknown (NaN), not 0.
+
+    Reducers (REDUCTIONS): "sum", "max", "min" over the step's rows; "emax" the largest per-entity sum
+    (the worst GPU's count); "emin_max" the smallest per-entity maximum (the coolest GPU's peak).
+    A signal that compares entities takes each entity's own peak, never a maximum and a minimum from
+    different samples: with several samples per step, a gauge's swing over time (load changing on
+    every GPU at once) would read as a gap between devices, and the feature would depend on the
+    sampling interval.
     """
     spec = REDUCTIONS[table]
     names = tuple(sig for sig, _, _ in spec)
@@ -759,6 +766,8 @@ def reduce_steps(table: str, s: Samples) -> StepSignals:
             out[:, j] = np.fmax.reduceat(v, starts)
         elif how == "min":
             out[:, j] = np.fmin.reduceat(v, starts)
+        elif how == "emin_max":
+            out[:, j] = np.fmin.reduceat(np.fmax.reduceat(v, ent_starts), ent_group_starts)
         else:  # pragma: no cover - the table above is fixed
             raise ValueError(how)
     return StepSignals(keys, names, out)
@@ -793,7 +802,7 @@ def finish(blocks: list[StepSignals]) -> StepSignals:
 
     with np.errstate(invalid="ignore", divide="ignore"):
         derived = {
-            "temp_spread": get("temp_max") - get("_temp_min"),
+            "temp_spread": get("temp_max") - get("_temp_coolest_peak"),
             "thermal_throttle_frac": get("_throttled") / get("_gpu_samples"),
             "ib_port_down_frac": get("_ib_down") / get("_ib_samples"),
             "eth_down_frac": get("_eth_nocarrier") / get("_eth_samples"),

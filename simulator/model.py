@@ -133,6 +133,12 @@ MARGINAL = {
 APP_XID_PER_NODE_DAY = 0.03
 APP_XIDS = (13, 31, 43)  # drawn at APP_XID_PER_NODE_DAY; their class and text: foreshock/xid.py
 PROBE_PEERS_PER_SITE = 1
+# The driver raises Xid 92 when a GPU's corrected-ECC rate passes XID92_RATE_PER_S, judged once per
+# window of its own, not at the collector's sampling interval (the window's length is an assumption:
+# NVIDIA documents the Xid, not the window). Judged at every sample instead, a finer interval sees
+# more noise-driven rising edges: seven times the Xid 92 events at 15 s as at 60 s.
+XID92_RATE_PER_S = 0.25
+XID92_WINDOW_S = 60.0
 LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
 PMA_CLEAR = "pma_clear"   # a reset of the narrow IB PMA error counters only (a fabric manager's clear)
 PMA_ERROR_COUNTERS = frozenset(n for n, w in sch.IB_PORT_COUNTERS.items() if w < 32)
@@ -293,6 +299,10 @@ class ClusterModel:
         self.remap_failed = np.zeros((N, G), dtype=bool)
         self.generation = np.zeros((N, G), dtype=np.int64)
         self.ce_hot = np.zeros((N, G), dtype=bool)
+        # the corrected-ECC counts and sample spans of the samples before a block in the Xid 92 window
+        self.xid92_samples = max(1, int(round(XID92_WINDOW_S / self.interval_s)))
+        self.ce_window = np.zeros((N, G, self.xid92_samples - 1), dtype=np.int64)
+        self.dt_window = np.full((N, self.xid92_samples - 1), self.interval_s)
         self.last_ts = np.full(N, start_ns - int(interval_s * NS), dtype=np.int64)
 
     @staticmethod
@@ -792,6 +802,36 @@ class ClusterModel:
     def _event_base(self, blk: Block, r: int, ts_ns: int) -> dict:
         return {"ts": int(ts_ns), "node": self.topo.names[int(blk.nodes[r])], "source": "simulator"}
 
+    def _xid92_state(self, nodes: np.ndarray, ts: np.ndarray, prev0: np.ndarray, ce: np.ndarray,
+                     dt: np.ndarray) -> np.ndarray:
+        """Whether each GPU's corrected-ECC rate is past the Xid 92 rate at each sample (B, G, T): judged
+        at the first sample after each XID92_WINDOW_S boundary, over the window's samples, and held in
+        between. At a 60 s interval every sample is such a sample."""
+        rate = self._ce_rate_over_window(nodes, ce, dt)
+        w = int(XID92_WINDOW_S * NS)
+        prev = np.concatenate([prev0[:, None], np.broadcast_to(ts[None, :-1], (len(prev0), len(ts) - 1))], axis=1)
+        judged = (ts[None, :] // w) != (prev // w)                                   # (B, T)
+        at = np.maximum.accumulate(np.where(judged, np.arange(len(ts))[None, :], -1), axis=1)
+        hot = np.take_along_axis(rate > XID92_RATE_PER_S, np.maximum(at, 0)[:, None, :], axis=2)
+        return np.where((at < 0)[:, None, :], self.ce_hot[nodes][:, :, None], hot)
+
+    def _ce_rate_over_window(self, nodes: np.ndarray, ce: np.ndarray, dt: np.ndarray) -> np.ndarray:
+        """Corrected ECC per second at each sample (B, G, T) over the last `xid92_samples` samples (the
+        Xid 92 window), the ones before the block taken from the carried window."""
+        k = self.xid92_samples
+        if k == 1:
+            return ce / np.maximum(dt[:, None, :], 1e-9)
+        ce_ext = np.concatenate([self.ce_window[nodes], ce.astype(np.int64)], axis=2)
+        dt_ext = np.concatenate([self.dt_window[nodes], dt], axis=1)
+        self.ce_window[nodes] = ce_ext[:, :, -(k - 1):]
+        self.dt_window[nodes] = dt_ext[:, -(k - 1):]
+        cs = np.concatenate([np.zeros(ce_ext.shape[:2] + (1,), np.int64), np.cumsum(ce_ext, axis=2)], axis=2)
+        ds = np.concatenate([np.zeros((dt_ext.shape[0], 1)), np.cumsum(dt_ext, axis=1)], axis=1)
+        T = ce.shape[2]
+        counts = cs[:, :, k:k + T] - cs[:, :, :T]
+        spans = ds[:, k:k + T] - ds[:, :T]
+        return counts / np.maximum(spans[:, None, :], 1e-9)
+
     def _xid(self, blk: Block, r: int, gpu: int, t: int, xid: int, ts_ns: int | None = None, pid: bool = False):
         ts_ns = int(blk.ts[t]) if ts_ns is None else int(ts_ns)
         bus = self.topo.gpu_bus_id(gpu)
@@ -963,7 +1003,7 @@ class ClusterModel:
         self.energy[nodes] = energy[:, :, -1]
 
         # Derived driver events: a new remapped row is Xid 63 (and a pending remap); a jump in the
-        # corrected-ECC rate past 15/min is Xid 92 (on its rising edge).
+        # corrected-ECC rate over the driver's window past XID92_RATE_PER_S is Xid 92 (on its rising edge).
         remap = gpu_c["remapped_rows_correctable"]
         dremap = np.broadcast_to(d.get("remapped_rows_correctable", 0), (B, G, T))
         pending = np.logical_or.accumulate(np.concatenate(
@@ -975,7 +1015,7 @@ class ClusterModel:
             self._xid(blk, int(r), int(g), int(t), 63)
         ce = blk.deltas.get("ecc_corrected_volatile")
         if ce is not None:
-            hot = ce / np.maximum(dt[:, None, :], 1e-9) > 0.25
+            hot = self._xid92_state(nodes, ts, blk.prev0, ce, dt)
             edge = hot & ~np.concatenate([self.ce_hot[nodes][:, :, None], hot[:, :, :-1]], axis=2)
             self.ce_hot[nodes] = hot[:, :, -1]
             for r, g, t in zip(*np.nonzero(edge)):

@@ -11,6 +11,7 @@ import pytest
 from foreshock import schema as sch
 from foreshock.predictor import features as ft
 from foreshock.predictor import labels as lb
+from foreshock.predictor import online
 from foreshock.predictor import signals as sg
 
 T0 = 1_780_000_040  # seconds; 20 s into a step
@@ -110,8 +111,33 @@ def test_gpu_rows_many_samples_per_step_reduce_per_gpu_then_across():
     assert len(base) == 1
     r = base.row(0)
     assert r["ecc_sbe"] == 15   # the worst GPU's count: GPU 1 counted 15, GPU 0 none
-    assert r["temp_max"] == 65 and r["temp_spread"] == 15
+    # the gap between the GPUs' own peaks (65 and 55), not the hottest sample minus the coolest (50)
+    assert r["temp_max"] == 65 and r["temp_spread"] == 10
     assert r["thermal_throttle_frac"] == pytest.approx(3 / 12)
+
+
+def test_the_temperature_gap_does_not_depend_on_the_sampling_interval():
+    """Two GPUs 10 degC apart whose load swings together: the gap is 10 whether a step holds one
+    sample of each or twelve, and whether the rows arrive in one batch or one row at a time (online)."""
+    def rows(samples):
+        out = []
+        for k in range(samples):
+            swing = 20.0 * (k % 2)   # the job's load moves every GPU at once
+            for g in range(2):
+                out.append({"ts": _ts(T0 - 20 + k * 60 // samples), "node": "n1", "gpu": g,
+                            "temperature_c": 50.0 + 10 * g + swing, "gpu_lost": False})
+        return out
+    for samples in (1, 12):
+        base = sg.node_base_signals({"gpu": sch.to_table("gpu", rows(samples))})
+        assert len(base) == 1 and base.row(0)["temp_spread"] == 10, samples
+    stage = sg.SampleStage()
+    acc = online._StepAccumulator("gpu", 1)
+    for r in rows(12):
+        part = stage.samples("gpu", sch.to_table("gpu", [r]))
+        acc.merge(sg.reduce_steps("gpu", part), part)
+    step = int(part.step[0])
+    frame = sg.finish([acc.frame(step, 1)])
+    assert frame.values[0, sg.BASE_INDEX["temp_spread"]] == 10
 
 
 def test_events_are_counted_by_class():

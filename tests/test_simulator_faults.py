@@ -349,3 +349,15 @@ def pd_isnull(v):
     import pandas as pd
 
     return pd.isnull(v)
+
+
+def test_xid92_follows_the_ecc_rate_not_the_sampling_interval():
+    """The driver judges the corrected-ECC rate on its own window: a failing HBM raises about as many
+    Xid 92 events sampled every 5 or 15 s as every 60 s (judged at every sample: 16, 104 and 501)."""
+    counts = {}
+    for interval_s in (60.0, 15.0, 5.0):
+        events = _simulate([_episode("hbm", lead_h=6.0, fail_h=10.0)], interval_s=interval_s)["events"]
+        xid92 = events.filter(pc.equal(events.column("xid"), 92))
+        assert xid92.num_rows and set(xid92.column("node").to_pylist()) <= {"node-001", "node-002"}
+        counts[interval_s] = xid92.num_rows
+    assert counts[15.0] <= 1.5 * counts[60.0] and counts[5.0] <= 1.5 * counts[60.0], counts
