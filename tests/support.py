@@ -1,17 +1,34 @@
 """Helpers the tests share (conftest.py puts this folder on the import path): waiting on a condition
 that a real process or thread brings about, a clock the test sets, `foreshock serve` as a real
-process, and a stand-in for `systemctl` that the systemd source runs. Fixtures the tests share (a control plane on a loopback port) are in conftest.py."""
+process, a stand-in for `systemctl` that the systemd source runs, a free loopback port and a two-shard
+map. Fixtures the tests share (a control plane on a loopback port) are in conftest.py."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_shard_map(a: str, b: str, a_leaves=("leaf-01",), b_leaves=("leaf-02",)) -> str:
+    """A shard map (service/shardmap.py) of shards a and b at addresses a and b, owning these leaves."""
+    def leaves(xs):
+        return ", ".join(f'"{x}"' for x in xs)
+    return (f'[shards.a]\naddress = "{a}"\nleaves = [{leaves(a_leaves)}]\n'
+            f'[shards.b]\naddress = "{b}"\nleaves = [{leaves(b_leaves)}]\n')
 
 
 def wait_until(pred, timeout: float = 15.0, step: float = 0.05):

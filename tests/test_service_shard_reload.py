@@ -13,7 +13,6 @@ import datetime as dt
 import os
 import queue
 import signal
-import socket
 import threading
 
 import grpc
@@ -21,7 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from prometheus_client import generate_latest
-from support import Serve, wait_until
+from support import Serve, free_port, two_shard_map, wait_until
 
 from foreshock import schema as sch
 from foreshock.collectors.uplink import encode_table
@@ -32,19 +31,6 @@ from foreshock.service.shardmap import (ADDRESS_KEY, LABEL_KEYS, SHARD_KEY, Shar
                                         load, parse)
 from foreshock.v1 import telemetry_pb2 as tpb
 from foreshock.v1 import telemetry_pb2_grpc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _map_text(a: str, b: str, a_leaves=("leaf-01",), b_leaves=("leaf-02",)) -> str:
-    def leaves(xs):
-        return ", ".join(f'"{x}"' for x in xs)
-    return (f'[shards.a]\naddress = "{a}"\nleaves = [{leaves(a_leaves)}]\n'
-            f'[shards.b]\naddress = "{b}"\nleaves = [{leaves(b_leaves)}]\n')
 
 
 def _rewrite(path, text, step: int = 1) -> None:
@@ -89,9 +75,9 @@ class _Scorer(NullScorer):
 @pytest.fixture
 def shards(tmp_path):
     """Shards a (leaf-01) and b (leaf-02), each following the one map file (looked at every 0.1 s)."""
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
     path = tmp_path / "shards.toml"
-    path.write_text(_map_text(addresses["a"], addresses["b"]))
+    path.write_text(two_shard_map(addresses["a"], addresses["b"]))
     planes = {}
     try:
         for name in "ab":
@@ -136,7 +122,7 @@ def test_a_node_moved_away_is_redirected_and_forgotten_and_one_moved_in_is_taken
         old = a.shard_gate.map.digest
         assert f'foreshock_shard_map_info{{digest="{old}"}} 1.0' in text
 
-        _rewrite(path, _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        _rewrite(path, two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
         assert wait_until(lambda: a.shard_gate.map.digest != old and b.shard_gate.map.digest != old)
         new = a.shard_gate.map.digest
         assert b.shard_gate.map.digest == new == load(path).digest
@@ -195,7 +181,7 @@ def test_a_new_map_that_cannot_be_used_is_refused_and_the_map_in_force_stays(sha
         ("[shards.a]\naddress = 1\n", "address"),                                      # not a map
         (f'[shards.b]\naddress = "{addresses["b"]}"\nleaves = ["leaf-01", "leaf-02"]\n',
          "no shard 'a' (it has b)"),                                                     # drops shard a
-        (_map_text(addresses["a"], addresses["b"], a_leaves=("leaf-01",), b_leaves=("leaf-03",)),
+        (two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-01",), b_leaves=("leaf-03",)),
          "leaves no shard owns: leaf-02"),                                               # n-fixed-2
     ]
     for i, (text, why) in enumerate(bad, start=1):
@@ -211,7 +197,7 @@ def test_a_new_map_that_cannot_be_used_is_refused_and_the_map_in_force_stays(sha
         _stream(a.address, "n-2", "leaf-02", [1])
     assert dict(err.value.trailing_metadata())[SHARD_KEY] == "b"
     # the same map again: in force, nothing taken, nothing refused
-    _rewrite(path, _map_text(addresses["a"], addresses["b"]), step=9)
+    _rewrite(path, two_shard_map(addresses["a"], addresses["b"]), step=9)
     assert wait_until(lambda: a.shard_map_file.refused == "")
     assert a.shard_gate.map is first and a.shard_map_file.reloads == 0
     assert "foreshock_shard_map_refused 0.0" in metrics()
@@ -219,7 +205,7 @@ def test_a_new_map_that_cannot_be_used_is_refused_and_the_map_in_force_stays(sha
 
 def test_a_followed_map_must_name_the_shard_and_fit_the_topology_from_the_start(tmp_path):
     path = tmp_path / "map.toml"
-    path.write_text(_map_text("127.0.0.1:1", "127.0.0.1:2"))
+    path.write_text(two_shard_map("127.0.0.1:1", "127.0.0.1:2"))
     with pytest.raises(SettingsError, match=r"no shard 'c' \(it has a, b\)"):
         build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), shard="c",
                                                 shard_map=ShardMapFile(path)))
@@ -243,9 +229,9 @@ def test_a_forwarding_shard_tells_the_coordinator_a_node_it_no_longer_serves_is_
         tmp_path / "coordinator", threshold=0.5,
         coordinator=CoordinatorSettings(str(tmp_path / "lease"), lock_poll_seconds=0.05)))
     coordinator.start()
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     path = tmp_path / "shards.toml"
-    path.write_text(_map_text(address, "127.0.0.1:1"))
+    path.write_text(two_shard_map(address, "127.0.0.1:1"))
     shard = None
     try:
         assert wait_until(lambda: coordinator.leading, 10)
@@ -257,7 +243,7 @@ def test_a_forwarding_shard_tells_the_coordinator_a_node_it_no_longer_serves_is_
         shard.start()
         assert _stream(address, "n-hot", "leaf-01", [1])[-1].acked_sequence == 1
         assert wait_until(lambda: "n-hot" in coordinator.policy.alarms, 10)
-        _rewrite(path, _map_text(address, "127.0.0.1:1", a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        _rewrite(path, two_shard_map(address, "127.0.0.1:1", a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
         assert wait_until(lambda: "n-hot" not in coordinator.policy.alarms, 10)
         assert coordinator.nodes.probability("n-hot") == pytest.approx(0.9)   # its last risk, not 0
         assert shard.nodes.probability("n-hot") is None
@@ -290,9 +276,9 @@ def test_serve_reads_its_map_again_on_sighup(tmp_path):
     """The new map has the old one's size and mtime, so only SIGHUP makes the shard read it."""
     import urllib.request
 
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
     path = tmp_path / "shards.toml"
-    path.write_text(_map_text(addresses["a"], addresses["b"]))
+    path.write_text(two_shard_map(addresses["a"], addresses["b"]))
     stamp = path.stat()
     first = load(path).digest
     serve = Serve(tmp_path / "a", "--listen", addresses["a"], "--shard", "a", "--shard-map", str(path))
@@ -300,7 +286,7 @@ def test_serve_reads_its_map_again_on_sighup(tmp_path):
         def text():
             return urllib.request.urlopen(f"http://{serve.metrics}/metrics", timeout=10).read().decode()
         assert f'foreshock_shard_map_info{{digest="{first}"}} 1.0' in text()
-        path.write_text(_map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        path.write_text(two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
         os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
         moved = load(path).digest
         serve.proc.send_signal(signal.SIGHUP)

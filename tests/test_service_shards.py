@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import time
 import grpc
 import pytest
 from prometheus_client import generate_latest
-from support import wait_until
+from support import free_port, two_shard_map, wait_until
 
 from foreshock import schema as sch
 from foreshock.collectors import metrics as collector_metrics
@@ -31,19 +30,6 @@ from foreshock.service.shardmap import (ADDRESS_KEY, LABEL_KEYS, SHARD_KEY, Shar
                                         parse)
 from foreshock.v1 import telemetry_pb2 as tpb
 from foreshock.v1 import telemetry_pb2_grpc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _map_text(a: str, b: str, a_leaves=("leaf-01",), b_leaves=("leaf-02",)) -> str:
-    def leaves(xs):
-        return ", ".join(f'"{x}"' for x in xs)
-    return (f'[shards.a]\naddress = "{a}"\nleaves = [{leaves(a_leaves)}]\n'
-            f'[shards.b]\naddress = "{b}"\nleaves = [{leaves(b_leaves)}]\n')
 
 
 def _write(path, text):
@@ -61,7 +47,7 @@ def _rows(name: str, table) -> tpb.TableRows:
 
 # -- the map's bad input --------------------------------------------------------------------------------
 def test_a_leaf_in_two_shards_is_refused_naming_the_leaf_both_shards_and_the_file(tmp_path):
-    f = _write(tmp_path / "map.toml", _map_text("h:1", "h:2", a_leaves=("leaf-01", "leaf-07"),
+    f = _write(tmp_path / "map.toml", two_shard_map("h:1", "h:2", a_leaves=("leaf-01", "leaf-07"),
                                                 b_leaves=("leaf-07",)))
     with pytest.raises(ShardMapError, match=r"map\.toml.*\[shards\.b\] leaves: leaf 'leaf-07' is in two shards: a, b"):
         load(f)
@@ -107,7 +93,7 @@ def test_inventory_check_names_unknown_leaves_nodes_in_two_shards_and_unowned_le
 
 
 def test_a_plane_refuses_a_map_that_does_not_fit_its_topology_and_an_unknown_shard(tmp_path):
-    m = load(_write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2")))
+    m = load(_write(tmp_path / "map.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2")))
     topology = {"n1": Topology(leaf_switch="leaf-01"), "n9": Topology(leaf_switch="leaf-09")}
     with pytest.raises(SettingsError, match="leaves no shard owns: leaf-09"):
         build_server(Settings.insecure_loopback(tmp_path / "s", scorer=NullScorer(), shard="a", shard_map=m,
@@ -118,7 +104,7 @@ def test_a_plane_refuses_a_map_that_does_not_fit_its_topology_and_an_unknown_sha
 
 
 def test_serve_with_an_unknown_shard_exits_2_naming_it(tmp_path):
-    f = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    f = _write(tmp_path / "map.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORESHOCK_")}
     out = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--no-model",
                           "--state", str(tmp_path / "s"), "--shard", "c", "--shard-map", str(f)],
@@ -131,8 +117,8 @@ def test_serve_with_an_unknown_shard_exits_2_naming_it(tmp_path):
 @pytest.fixture
 def shards(tmp_path):
     """Shards a (leaf-01) and b (leaf-02) of one map, two real control planes on loopback ports."""
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
-    path = _write(tmp_path / "shards.toml", _map_text(addresses["a"], addresses["b"]))
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
+    path = _write(tmp_path / "shards.toml", two_shard_map(addresses["a"], addresses["b"]))
     m = load(path)
     planes = {}
     try:
@@ -205,7 +191,7 @@ def test_an_uplink_with_a_stale_map_is_redirected_to_its_shard_and_loses_no_swee
     planes, _ = shards
     a, b = planes["a"], planes["b"]
     # The collector's copy of the map still places leaf-02 in shard a.
-    stale = _write(tmp_path / "stale.toml", _map_text(a.address, b.address, a_leaves=("leaf-01", "leaf-02"),
+    stale = _write(tmp_path / "stale.toml", two_shard_map(a.address, b.address, a_leaves=("leaf-01", "leaf-02"),
                                                       b_leaves=("leaf-03",)))
     up = StreamingUplink("", node="n-b1", shard_map=ShardMapFile(stale), labels={"leaf_switch": "leaf-02"},
                          backoff_initial=0.05, backoff_max=0.2, connect_timeout=2)
@@ -233,10 +219,10 @@ def test_an_uplink_with_a_stale_map_is_redirected_to_its_shard_and_loses_no_swee
 def test_redirects_are_bounded_when_the_shards_maps_disagree(tmp_path):
     """Two shards each sure the node is the other's: the uplink follows at most max_redirects in a row,
     then backs off; its queue keeps its bound and nothing is acknowledged that no one took."""
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
-    maps = {"a": load(_write(tmp_path / "a.toml", _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-01",),
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
+    maps = {"a": load(_write(tmp_path / "a.toml", two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-01",),
                                                             b_leaves=("leaf-02",)))),
-            "b": load(_write(tmp_path / "b.toml", _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",),
+            "b": load(_write(tmp_path / "b.toml", two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-02",),
                                                             b_leaves=("leaf-01",))))}
     planes = {}
     try:
@@ -267,21 +253,21 @@ def test_redirects_are_bounded_when_the_shards_maps_disagree(tmp_path):
 
 
 def test_an_uplink_moves_when_its_map_file_changes(tmp_path):
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
     planes = {}
     try:
         for name in "ab":   # unsharded planes: only the collector's map decides here
             planes[name] = build_server(Settings.insecure_loopback(tmp_path / name, scorer=NullScorer(),
                                                                    listen=addresses[name]))
             planes[name].start()
-        path = _write(tmp_path / "map.toml", _map_text(addresses["a"], addresses["b"]))
+        path = _write(tmp_path / "map.toml", two_shard_map(addresses["a"], addresses["b"]))
         up = StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-01"},
                              backoff_initial=0.05, backoff_max=0.2, connect_timeout=2).start()
         try:
             up.submit({"gpu": _gpu("n1")})
             assert wait_until(lambda: up.stats()["acked"] == 1, timeout=10)
             assert planes["a"].ingest.last_sequence(up.collector_id) == 1
-            _write(path, _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+            _write(path, two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
             st = path.stat()
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # a new mtime, whatever the clock
             assert wait_until(lambda: up.stats()["target"] == addresses["b"], timeout=10)
@@ -305,7 +291,7 @@ def test_an_uplink_moves_when_its_map_file_changes(tmp_path):
 
 
 def test_an_uplink_refuses_a_map_that_does_not_place_its_node(tmp_path):
-    path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    path = _write(tmp_path / "map.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2"))
     with pytest.raises(UplinkError, match=r"node 'n1' \(leaf switch 'leaf-77'\) is in no shard"):
         StreamingUplink("", node="n1", shard_map=ShardMapFile(path), labels={"leaf_switch": "leaf-77"})
     with pytest.raises(UplinkError, match="uplink label site 'dc\\u00e9'"):
@@ -330,7 +316,7 @@ def _collect(tmp_path, *flags) -> subprocess.Popen:
     (["--leaf-switch", "leaf 01"], "leaf_switch from flag --leaf-switch: must be at most 256 printable ASCII"),
 ])
 def test_collect_refuses_a_map_that_does_not_place_its_node_before_opening_anything(tmp_path, flags, message):
-    path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    path = _write(tmp_path / "map.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2"))
     proc = _collect(tmp_path, "--shard-map", str(path), *flags)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and message in err, err
@@ -339,7 +325,7 @@ def test_collect_refuses_a_map_that_does_not_place_its_node_before_opening_anyth
 
 def test_collect_moves_to_the_shard_the_map_names_after_sighup(tmp_path):
     """The new map has the old one's size and mtime, so only SIGHUP can make the collector read it."""
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
     planes = {}
     proc = None
     try:
@@ -347,12 +333,12 @@ def test_collect_moves_to_the_shard_the_map_names_after_sighup(tmp_path):
             planes[name] = build_server(Settings.insecure_loopback(tmp_path / name, scorer=NullScorer(),
                                                                    listen=addresses[name]))
             planes[name].start()
-        path = _write(tmp_path / "map.toml", _map_text(addresses["a"], addresses["b"]))
+        path = _write(tmp_path / "map.toml", two_shard_map(addresses["a"], addresses["b"]))
         stamp = path.stat()
         proc = _collect(tmp_path, "--shard-map", str(path), "--leaf-switch", "leaf-01")
         a, b = planes["a"].ingest, planes["b"].ingest
         assert wait_until(lambda: a.accepted_rows["gpu"] >= 3, timeout=30), proc.stderr
-        _write(path, _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        _write(path, two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
         os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
         assert path.stat().st_size == stamp.st_size
         time.sleep(1.5)
@@ -385,7 +371,7 @@ def test_serve_checks_the_map_against_an_inventory_dataset_naming_the_offenders(
         {"ts": now, "node": "n1", "leaf_switch": "leaf-01"}, {"ts": now, "node": "n2", "leaf_switch": "leaf-02"},
         {"ts": now, "node": "n3", "leaf_switch": "leaf-03"}]))
     writer.close()
-    f = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-09")))
+    f = _write(tmp_path / "map.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-09")))
 
     def settings(**flags):
         cfg = config.resolve("serve", command.DEFAULTS, env={}, flags={
@@ -402,7 +388,7 @@ def test_serve_checks_the_map_against_an_inventory_dataset_naming_the_offenders(
         settings(shard_map=str(f))
     with pytest.raises(SettingsError, match="give --shard and --shard-map too"):
         settings(shard_inventory=str(tmp_path / "ds"))
-    fits = _write(tmp_path / "fits.toml", _map_text("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-03")))
+    fits = _write(tmp_path / "fits.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2", b_leaves=("leaf-02", "leaf-03")))
     s = settings(shard="b", shard_map=str(fits), shard_inventory=str(tmp_path / "ds"))
     assert (s.shard, s.shard_map.current().shard("b").leaves) == ("b", frozenset({"leaf-02", "leaf-03"}))
     assert not (tmp_path / "s").exists()
@@ -410,12 +396,12 @@ def test_serve_checks_the_map_against_an_inventory_dataset_naming_the_offenders(
 
 def test_a_reread_of_an_unchanged_map_keeps_the_redirect(tmp_path):
     """SIGHUP on a map that did not change must not send the uplink back to a shard that redirected it."""
-    path = _write(tmp_path / "map.toml", _map_text("127.0.0.1:1", "127.0.0.1:2"))
+    path = _write(tmp_path / "map.toml", two_shard_map("127.0.0.1:1", "127.0.0.1:2"))
     f = ShardMapFile(path)
     first = f.current()
     f.request_reload()
     assert f.current() is first and f.reloads == 0
-    _write(path, _map_text("127.0.0.1:1", "127.0.0.1:3"))
+    _write(path, two_shard_map("127.0.0.1:1", "127.0.0.1:3"))
     f.request_reload()
     assert f.current().shard("b").address == "127.0.0.1:3" and f.reloads == 1
 
@@ -427,9 +413,9 @@ def test_two_serve_processes_and_an_uplink_sent_from_a_to_b(tmp_path):
 
     from support import Serve
 
-    addresses = {name: f"127.0.0.1:{_free_port()}" for name in "ab"}
-    path = _write(tmp_path / "shards.toml", _map_text(addresses["a"], addresses["b"]))
-    stale = _write(tmp_path / "stale.toml", _map_text(addresses["a"], addresses["b"], a_leaves=("leaf-01", "leaf-02"),
+    addresses = {name: f"127.0.0.1:{free_port()}" for name in "ab"}
+    path = _write(tmp_path / "shards.toml", two_shard_map(addresses["a"], addresses["b"]))
+    stale = _write(tmp_path / "stale.toml", two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-01", "leaf-02"),
                                                       b_leaves=("leaf-03",)))
     serves = {}
     try:
