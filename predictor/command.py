@@ -34,19 +34,23 @@ from foreshock import config
 TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0, "val_fraction": 0.3,
                   "neg_rate": 0.01, "hard_neg_rate": 0.04, "max_iter": 150, "seed": 0,
                   "prior_scale": 1.0, "label_gap_hours": 12.0, "max_negatives": 250_000,
-                  # labels.TRAINING_LABEL_HORIZON_S and EARLY_LABEL_WEIGHT (a test holds them equal; this
-                  # module does not import the predictor, so the CLI starts fast)
-                  "label_horizon_minutes": 360.0, "early_label_weight": 0.3,
+                  # labels.TRAINING_LABEL_HORIZON_S (0 here, None there: the horizon) and EARLY_LABEL_WEIGHT
+                  # (a test holds them equal; this module does not import the predictor, so the CLI starts fast)
+                  "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop"}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
-                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"], "executor": "local",
+                     "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
+                     "label_horizon_minutes": TRAIN_DEFAULTS["label_horizon_minutes"], "executor": "local",
                      "ray_address": "", "on_corrupt": "stop"}
 EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray"),
                    "on_corrupt": config.Check(lambda v: v in ("stop", "skip"), "must be stop or skip")}
 # train.train checks the label horizon against the horizon and the label gap, which can come from flags too
-TRAIN_CHECKS = {**EXECUTOR_CHECKS, "label_horizon_minutes": config.between(1.0, 36 * 60.0),
+LABEL_HORIZON_CHECK = {"label_horizon_minutes": config.Check(lambda v: v == 0 or 1.0 <= v <= 36 * 60.0,
+                                                             "must be 0 (the horizon) or between 1 and 2160")}
+EVALUATE_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK}
+TRAIN_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK,
                 "early_label_weight": config.Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")}
 
 
@@ -64,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--label-gap-hours", type=float, dest="label_gap_hours",
                    help="leave out of training the healthy-labelled steps this long before an incident (default 12)")
     p.add_argument("--label-horizon-minutes", type=float, dest="label_horizon_minutes",
-                   help=f"train on 'fails within this long' (default {TRAIN_DEFAULTS['label_horizon_minutes']:g}; "
+                   help="train on 'fails within this long' (default 0: the horizon; the shipped model 360, "
                         "docs/predictor.md, Labels); probabilities and thresholds stay those of --horizon-minutes")
     p.add_argument("--early-label-weight", type=float, dest="early_label_weight",
                    help="weight of the training positives between the horizon and the label horizon "
@@ -96,6 +100,8 @@ def register(subparsers) -> None:
     e.add_argument("--only", help="leave-one-out: hold out only these (comma-separated; each is a training run)")
     e.add_argument("--max-iter", type=int, dest="max_iter", help="leave-one-out: boosting iterations of each "
                    f"training run (default {TRAIN_DEFAULTS['max_iter']}, as foreshock train)")
+    e.add_argument("--label-horizon-minutes", type=float, dest="label_horizon_minutes",
+                   help="leave-one-out: each training run's label horizon, as foreshock train's (default 0: the horizon)")
     _executor_flags(e)
     e.set_defaults(run=run_evaluate)
     t = subparsers.add_parser("thresholds", help="re-choose a model's thresholds on a fleet's own history "
@@ -186,7 +192,7 @@ def run_train(args, file_data) -> int:
                                    hard_neg_rate=cfg["hard_neg_rate"], max_iter=cfg["max_iter"], seed=cfg["seed"],
                                    prior_scale=cfg["prior_scale"], label_gap_hours=cfg["label_gap_hours"],
                                    max_negatives=cfg["max_negatives"],
-                                   label_horizon_s=int(cfg["label_horizon_minutes"] * 60),
+                                   label_horizon_s=int(cfg["label_horizon_minutes"] * 60) or None,
                                    early_label_weight=cfg["early_label_weight"], progress=progress, command=command,
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
@@ -260,7 +266,7 @@ def run_evaluate(args, file_data) -> int:
     from foreshock.predictor import evaluate, executors, registry, report
 
     cfg = config.resolve("evaluate", EVALUATE_DEFAULTS, file_data=file_data, flags=_flags(args, EVALUATE_DEFAULTS),
-                         checks=EXECUTOR_CHECKS)
+                         checks=EVALUATE_CHECKS)
     if not cfg["data"]:
         print("foreshock evaluate: --data DIR is required", file=sys.stderr)
         return 2
@@ -273,8 +279,10 @@ def run_evaluate(args, file_data) -> int:
         return 2
     if cfg["leave_one_out"]:
         return _run_leave_one_out(cfg, data)
-    if cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]:
-        print("foreshock evaluate: --train-data, --only and --max-iter go with --leave-one-out", file=sys.stderr)
+    if (cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]
+            or cfg["label_horizon_minutes"] != EVALUATE_DEFAULTS["label_horizon_minutes"]):
+        print("foreshock evaluate: --train-data, --only, --max-iter and --label-horizon-minutes go with "
+              "--leave-one-out", file=sys.stderr)
         return 2
     try:
         with _Progress() as progress:
@@ -413,6 +421,7 @@ def _run_leave_one_out(cfg: dict, data: dict) -> int:
     try:
         rep = leave_one_out.leave_one_out(data["train_data"], data["data"], kind, only=cfg["only"] or None,
                                           max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
+                                          label_horizon_s=int(cfg["label_horizon_minutes"] * 60) or None,
                                           ray_address=cfg["ray_address"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)

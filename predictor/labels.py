@@ -23,12 +23,13 @@ from foreshock.predictor.groups import signature
 
 DEFAULT_HORIZON_S = 30 * 60
 DEFAULT_DOWN_S = 6 * 3600
-# What `foreshock train` learns to rank high: a node that fails within 6 hours, the steps beyond the
-# 30-min horizon at 0.3 the weight. HBM wear, failing cables and stragglers build for hours, and with
-# only the last 30 minutes positive the model learns that their early hours are not yet risk, so it
-# alarms late or, at a strict budget, not at all. Calibration and thresholds stay on the 30-min horizon.
-# Chosen on development worlds (docs/predictor.md, Labels; benchmarks/results/predictor-label-horizon-2026-12-04.md).
-TRAINING_LABEL_HORIZON_S = 6 * 3600
+# What `foreshock train` learns to rank high by default (None): a node that fails within the horizon. A longer
+# training label (`--label-horizon-minutes 360`, the steps beyond the horizon at EARLY_LABEL_WEIGHT)
+# warns earlier when the training world is large (the shipped model: 512 nodes x 28 days), but trained
+# on a 128-node world its budget-2 threshold gave 20 times the budget on another world, where the
+# horizon's label held it; a user's own history is that size or smaller. Calibration and thresholds
+# always stay on the horizon (docs/predictor.md, Labels; benchmarks/results/predictor-label-horizon-2026-12-04.md).
+TRAINING_LABEL_HORIZON_S: int | None = None
 EARLY_LABEL_WEIGHT = 0.3
 # Categories that show no precursor (failure-figures.md), used when has_precursor is not recorded
 # (operators' own incident records).

@@ -82,7 +82,7 @@ def _training_summary(manifest: dict) -> dict:
 
 def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = None, max_iter: int = 150,
                   seed: int = 0, prior_scale: float = 1.0, label_gap_hours: float = 12.0,
-                  label_horizon_s: int = lb.TRAINING_LABEL_HORIZON_S, early_label_weight: float = lb.EARLY_LABEL_WEIGHT,
+                  label_horizon_s: int | None = lb.TRAINING_LABEL_HORIZON_S, early_label_weight: float = lb.EARLY_LABEL_WEIGHT,
                   log: Callable[[str], None] = lambda line: None, work_dir=None, executor: str = "local",
                   ray_address: str | None = None) -> dict:
     """Train without each group of `kind` (and once on everything), evaluate all on `eval_dir`.

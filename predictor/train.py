@@ -61,7 +61,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           val_fraction: float = 0.3, neg_rate: float = 0.01, hard_neg_rate: float = 0.04,
           cal_neg_rate: float = 0.05, max_iter: int = 150, seed: int = 0, prior_scale: float = 1.0,
           label_gap_hours: float = 12.0, max_negatives: int = 250_000,
-          label_horizon_s: int = lb.TRAINING_LABEL_HORIZON_S, early_label_weight: float = lb.EARLY_LABEL_WEIGHT,
+          label_horizon_s: int | None = lb.TRAINING_LABEL_HORIZON_S, early_label_weight: float = lb.EARLY_LABEL_WEIGHT,
           progress=None,
           command: str | None = None, holdout: groups.HoldOut | None = None,
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
@@ -78,13 +78,13 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     sample, so a history with few incidents leans on the base model and one with many on its own.
     A base of another feature version is skipped, and the manifest says why.
 
-    label_horizon_s: the training label's horizon (labels.TRAINING_LABEL_HORIZON_S). A positive training step is
+    label_horizon_s: the training label's horizon (None: the horizon; labels.TRAINING_LABEL_HORIZON_S). A positive training step is
     one whose node fails within it; the steps between the horizon and it weigh `early_label_weight`.
     Calibration and thresholds always use the horizon's labels, so the model's probability keeps its
     meaning (P(failure within the horizon)); only what the trees learn to rank high changes. Raises
     ValueError outside [horizon, horizon + label gap]: the label gap (and leave-one-out's hold-out
     window, groups.incident_holdout) must cover it."""
-    label_horizon_s = int(label_horizon_s)
+    label_horizon_s = horizon_s if label_horizon_s is None else int(label_horizon_s)
     if not horizon_s <= label_horizon_s <= horizon_s + label_gap_hours * 3600:
         raise ValueError(f"label horizon {label_horizon_s / 60:g} min: must be between the horizon "
                          f"({horizon_s / 60:g} min) and the horizon plus the label gap "

@@ -66,9 +66,7 @@ def later_data(tmp_path_factory, serial_features):
 @pytest.fixture(scope="module")
 def model_dir(train_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("model") / "m"
-    # the 30-min label: three days leave too little before the split for the 6-h training label, and
-    # this model is here to fill every table of the report, not to test the recipe
-    train.train(train_data, out, max_iter=20, label_horizon_s=1800, early_label_weight=1.0)
+    train.train(train_data, out, max_iter=20)
     return out
 
 
@@ -117,6 +115,16 @@ def test_a_later_time_range_of_the_same_nodes_is_not_an_overlap(later_data, mode
     ov = json.loads(js.read_text())["overlap"]
     assert ov["overlaps"] is False and ov["same_node_names"] is True and ov["time_ranges_intersect"] is False
     assert 'class="overlap"' not in page.read_text()
+
+
+def test_a_label_horizon_goes_with_leave_one_out_and_is_range_checked(train_data, tmp_path, capsys):
+    base = ["evaluate", "--data", str(train_data), "--json", str(tmp_path / "e.json")]
+    assert cli.main(base + ["--label-horizon-minutes", "360"]) == 2
+    assert "go with --leave-one-out" in capsys.readouterr().err
+    assert cli.main(base + ["--leave-one-out", "family", "--train-data", str(train_data),
+                            "--label-horizon-minutes", "0.5"]) == 2
+    assert "0 (the horizon) or between 1 and 2160" in capsys.readouterr().err
+    assert not (tmp_path / "e.json").exists()
 
 
 def test_the_overlap_rule_and_manifests_that_predate_node_names():

@@ -80,6 +80,15 @@ def test_train_compares_with_a_model_of_other_features_by_saying_why_not(sim_dat
     assert f"not compared with {old}" in out
 
 
+@pytest.mark.parametrize("minutes", ["0.5", "-30", "3000"])
+def test_train_refuses_a_label_horizon_out_of_range_before_reading_anything(tmp_path, capsys, minutes):
+    assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m"),
+                     "--label-horizon-minutes", minutes]) == 2
+    err = capsys.readouterr().err
+    assert "label_horizon_minutes" in err and "0 (the horizon) or between 1 and 2160" in err
+    assert not (tmp_path / "m").exists()
+
+
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
     assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -92,7 +101,7 @@ def test_a_longer_label_horizon_trains_on_earlier_steps_and_keeps_the_horizons_p
     from foreshock.predictor import command
 
     # the CLI's defaults are the labels module's recipe
-    assert command.TRAIN_DEFAULTS["label_horizon_minutes"] * 60 == lb.TRAINING_LABEL_HORIZON_S
+    assert (command.TRAIN_DEFAULTS["label_horizon_minutes"] * 60 or None) == lb.TRAINING_LABEL_HORIZON_S
     assert command.TRAIN_DEFAULTS["early_label_weight"] == lb.EARLY_LABEL_WEIGHT
     short = train.train(sim_data, tmp_path / "short", max_iter=5, compare_with=None, base=None,
                         label_horizon_s=1800, early_label_weight=1.0)
