@@ -271,12 +271,16 @@ class OnlineScorer:
         peers = np.empty((n, t, len(ft.PEER_SIGNALS)))
         own = ft.peer_inputs(x)                                   # [N, T, 3]
         for j in range(t):
-            totals = {}
+            totals, shared = {}, {}
             for g, c in codes.items():
-                totals[g] = group_totals_lookup(c, present[:, j], own[:, j], kernel=self.kernel)
+                if self.share_totals and g in ft.CROSS_SHARD_GROUPS:
+                    shared[g] = group_sums(c, present[:, j], own[:, j])
+                    totals[g] = per_node_totals(c, *shared[g])
+                else:
+                    totals[g] = group_totals_lookup(c, present[:, j], own[:, j], kernel=self.kernel)
             step = int(steps[j])
             if self.share_totals:
-                self._keep_local_totals(step, codes, present[:, j], own[:, j])
+                self._keep_local_totals(step, shared)
             remote = self._remote_for(step)
             if remote is not None:
                 for g in ft.CROSS_SHARD_GROUPS:
@@ -294,11 +298,11 @@ class OnlineScorer:
         return t
 
     # -- totals across shards ---------------------------------------------------------------------
-    def _keep_local_totals(self, step: int, codes: dict[str, np.ndarray], present: np.ndarray,
-                           own: np.ndarray) -> None:
+    def _keep_local_totals(self, step: int, sums: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Keeps this step's group_sums of the CROSS_SHARD_GROUPS, by group label, for take_local_totals."""
         kept = {}
         for g in ft.CROSS_SHARD_GROUPS:
-            cnt, tot, nz = group_sums(codes[g], present, own)
+            cnt, tot, nz = sums[g]
             label_of = {code: label for label, code in self._group_codes[g].items()}
             kept[g] = {label_of[c]: np.concatenate([[cnt[c]], tot[c], nz[c]])
                        for c in np.flatnonzero(cnt).tolist()}
@@ -628,7 +632,12 @@ def group_totals_lookup(codes: np.ndarray, present: np.ndarray, own: np.ndarray,
         kernels.group_totals(np.ascontiguousarray(codes, dtype=np.int64), np.ascontiguousarray(present),
                              np.ascontiguousarray(own, dtype=np.float64), cnt, tot, nz)
         return cnt, tot, nz
-    cnt, tot, nz = group_sums(codes, present, own)
+    return per_node_totals(codes, *group_sums(codes, present, own))
+
+
+def per_node_totals(codes: np.ndarray, cnt: np.ndarray, tot: np.ndarray, nz: np.ndarray):
+    """group_sums indexed per node: each node's group's row (a node in no group, code -1, gets group 0's
+    row, which peer_signals ignores for it)."""
     safe = np.where(codes >= 0, codes, 0)
     return cnt[safe], tot[safe], nz[safe]
 
@@ -640,6 +649,20 @@ def _by_step(samples: sg.Samples) -> list[sg.Samples]:
     if samples.step.min() == samples.step.max():
         return [samples]
     return [samples.select(samples.step == s) for s in np.unique(samples.step).tolist()]
+
+
+def _across_entities(per_entity: np.ndarray, combine, n_nodes: int) -> np.ndarray:
+    """combine (np.fmax, np.fmin) over the entity columns of a [node, entity] array: per node, NaN where
+    no entity is known or the node has no row. A node has a handful of entities: one ufunc per entity
+    column over all nodes is far cheaper than numpy's reduce along the short last axis (the same
+    result)."""
+    out = np.full(n_nodes, np.nan)
+    if per_entity.size:
+        r = per_entity[:, 0].copy()
+        for c in range(1, per_entity.shape[1]):
+            combine(r, per_entity[:, c], out=r)
+        out[:len(per_entity)] = r
+    return out
 
 
 class _StepAccumulator:
@@ -733,24 +756,10 @@ class _StepAccumulator:
         self._grow_nodes(n_nodes)
         idx = np.flatnonzero(self.touched)
         values = self.vals[idx]
+        n = len(self.touched)
         for j, (total, count) in self.entity.items():
-            worst = np.full(len(self.touched), np.nan)
-            if total.size:
-                # an entity with no known value is unknown; never seen entities have count 0 too.
-                # A node has a handful of entities: one fmax per entity column over all nodes is
-                # far cheaper than numpy's reduce along the short last axis (the same maxima).
-                known = np.where(count > 0, total, np.nan)
-                w = known[:, 0].copy()
-                for c in range(1, known.shape[1]):
-                    np.fmax(w, known[:, c], out=w)
-                worst[:len(total)] = w
-            values[:, j] = worst[idx]
+            # an entity with no known value is unknown; never seen entities have count 0 too
+            values[:, j] = _across_entities(np.where(count > 0, total, np.nan), np.fmax, n)[idx]
         for j, peak in self.entity_peak.items():
-            coolest = np.full(len(self.touched), np.nan)
-            if peak.size:
-                c = peak[:, 0].copy()
-                for k in range(1, peak.shape[1]):
-                    np.fmin(c, peak[:, k], out=c)
-                coolest[:len(peak)] = c
-            values[:, j] = coolest[idx]
+            values[:, j] = _across_entities(peak, np.fmin, n)[idx]
         return sg.StepSignals(idx.astype(np.int64) * sg.STEP_SHIFT + int(step), self.names, values)

@@ -135,8 +135,8 @@ APP_XIDS = (13, 31, 43)  # drawn at APP_XID_PER_NODE_DAY; their class and text: 
 PROBE_PEERS_PER_SITE = 1
 # The driver raises Xid 92 when a GPU's corrected-ECC rate passes XID92_RATE_PER_S, judged once per
 # window of its own, not at the collector's sampling interval (the window's length is an assumption:
-# NVIDIA documents the Xid, not the window). Judged at every sample instead, a finer interval sees
-# more noise-driven rising edges: seven times the Xid 92 events at 15 s as at 60 s.
+# NVIDIA documents the Xid, not the window), so the Xid's count does not grow with a finer interval
+# (benchmarks/results/predictor-sampling-interval-2026-12-04.md).
 XID92_RATE_PER_S = 0.25
 XID92_WINDOW_S = 60.0
 LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
@@ -1013,13 +1013,15 @@ class ClusterModel:
         self.remap_pending[nodes] = pending[:, :, -1]
         for r, g, t in zip(*np.nonzero(dremap > 0)):
             self._xid(blk, int(r), int(g), int(t), 63)
+        # a block without corrected ECC still moves the driver's window on: its samples count as zero
         ce = blk.deltas.get("ecc_corrected_volatile")
-        if ce is not None:
-            hot = self._xid92_state(nodes, ts, blk.prev0, ce, dt)
-            edge = hot & ~np.concatenate([self.ce_hot[nodes][:, :, None], hot[:, :, :-1]], axis=2)
-            self.ce_hot[nodes] = hot[:, :, -1]
-            for r, g, t in zip(*np.nonzero(edge)):
-                self._xid(blk, int(r), int(g), int(t), 92)
+        if ce is None:
+            ce = np.zeros((B, G, T), np.int64)
+        hot = self._xid92_state(nodes, ts, blk.prev0, ce, dt)
+        edge = hot & ~np.concatenate([self.ce_hot[nodes][:, :, None], hot[:, :, :-1]], axis=2)
+        self.ce_hot[nodes] = hot[:, :, -1]
+        for r, g, t in zip(*np.nonzero(edge)):
+            self._xid(blk, int(r), int(g), int(t), 92)
         failure = self.remap_failed[nodes][:, :, None] | blk.remap_failure
         self.remap_failed[nodes] = failure[:, :, -1]
         for r, t, g, x in app_xids:
