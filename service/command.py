@@ -19,7 +19,9 @@ import threading
 from foreshock import config
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
-from foreshock.service.fabricunits import HOLD_SECONDS, MAX_HOLD_SECONDS, MIN_HOLD_SECONDS
+from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_SECONDS, HOLD_SECONDS,
+                                           MAX_CRASH_LOOP_RESTARTS, MAX_CRASH_LOOP_WINDOW_SECONDS, MAX_HOLD_SECONDS,
+                                           MIN_CRASH_LOOP_RESTARTS, MIN_CRASH_LOOP_WINDOW_SECONDS, MIN_HOLD_SECONDS)
 from foreshock.service.forwarder import CHECKS as FORWARD_CHECKS
 from foreshock.service.forwarder import ForwardSettings
 from foreshock.service.shardmap import SHARD_NAME_RE
@@ -79,6 +81,8 @@ DEFAULTS = {
     "xid_context_min_nodes": 3,
     "xid_context_fraction": 0.25,
     "fabric_service_hold_seconds": HOLD_SECONDS,   # a fabric service not serving this long is down
+    "fabric_service_crash_loop_restarts": CRASH_LOOP_RESTARTS,   # one restarted this often ...
+    "fabric_service_crash_loop_window_seconds": CRASH_LOOP_WINDOW_SECONDS,   # ... within this is crash-looping
     "archive": "",               # a directory or URI: everything taken in, as Parquet (service/archive.py)
     "archive_file_bytes": 128 << 20,     # a file is published once it holds this many Parquet bytes ...
     "archive_roll_seconds": 900.0,       # ... or once its table's oldest rows not published waited this long
@@ -112,6 +116,9 @@ CHECKS = {
     "sustain_seconds": config.at_least(0),
     "grace": config.at_least(0),
     "fabric_service_hold_seconds": config.between(MIN_HOLD_SECONDS, MAX_HOLD_SECONDS),
+    "fabric_service_crash_loop_restarts": config.between(MIN_CRASH_LOOP_RESTARTS, MAX_CRASH_LOOP_RESTARTS),
+    "fabric_service_crash_loop_window_seconds": config.between(MIN_CRASH_LOOP_WINDOW_SECONDS,
+                                                               MAX_CRASH_LOOP_WINDOW_SECONDS),
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
     "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
@@ -181,6 +188,11 @@ def register(subparsers) -> None:
     p.add_argument("--fabric-service-hold-seconds", type=float,
                    help="nvidia-fabricmanager or nvidia-imex not serving this long (every sample of it) is a "
                         "finding: a restart is not (60; 10..3600)")
+    p.add_argument("--fabric-service-crash-loop-restarts", type=int,
+                   help="nvidia-fabricmanager or nvidia-imex restarted by systemd this many times (its NRestarts) "
+                        "within --fabric-service-crash-loop-window-seconds is crash-looping (3; 2..1000)")
+    p.add_argument("--fabric-service-crash-loop-window-seconds", type=float,
+                   help="... and the finding clears once it has not restarted for this long (600; 60..86400)")
     p.add_argument("--shard", metavar="NAME",
                    help="serve only the nodes of the leaf switches this shard owns in --shard-map; another "
                         "shard's collectors are redirected there (docs/scaling.md, sharding)")
@@ -305,7 +317,9 @@ def settings_from(cfg: dict):
                 "sustain_seconds": cfg["sustain_seconds"], "xid_context_seconds": cfg["xid_context_seconds"],
                 "xid_context_min_nodes": cfg["xid_context_min_nodes"],
                 "xid_context_fraction": cfg["xid_context_fraction"],
-                "fabric_service_hold_seconds": cfg["fabric_service_hold_seconds"]},
+                "fabric_service_hold_seconds": cfg["fabric_service_hold_seconds"],
+                "fabric_service_crash_loop_restarts": cfg["fabric_service_crash_loop_restarts"],
+                "fabric_service_crash_loop_window_seconds": cfg["fabric_service_crash_loop_window_seconds"]},
         fail_slow={"enabled": bool(cfg["fail_slow"]), "ratio": cfg["fail_slow_ratio"],
                    "min_steps": cfg["fail_slow_min_steps"], "window": cfg["fail_slow_window"]})
 

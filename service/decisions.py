@@ -11,7 +11,8 @@ each directive the state has and the log lacks, marked `"recovered": true` in `d
 Kinds: alarm, cleared, evacuate, shrink, checkpoint_exit, cooldown, deferred_max_concurrent,
 fabric_incident, fabric_incident_cleared, held_fabric_incident, xid_job_event (one Xid on many nodes of
 a job or NVLink domain at once, service/xidcontext.py), fabric_service_down, fabric_service_cleared
-(nvidia-fabricmanager or nvidia-imex not serving, service/fabricunits.py), drain, ack (accepted, completed, ...),
+(nvidia-fabricmanager or nvidia-imex not serving, service/fabricunits.py), fabric_service_crash_loop,
+fabric_service_crash_loop_cleared (one that systemd keeps restarting), drain, ack (accepted, completed, ...),
 cancelled, expired; node_action_held, _taken, _failed, _released (service/actions.py).
 `incident_rows()` turns fatal and fabric-incident decisions into schema-v1 `incidents` rows, so the log
 doubles as incident data for retraining.

@@ -68,6 +68,12 @@ collectors do. Tested against a private registry and `promtool check metrics`.
                                                        (service/fabricunits.py); no series when not judged
   foreshock_fabric_service_rows_total{result}          systemd_unit rows: taken | old | unknown_state |
                                                        unknown_unit | not_installed | overflow
+  foreshock_fabric_service_crash_looping{node,unit}    1 while a judged fabric service restarted
+                                                       crash_loop_restarts times within the window (a
+                                                       finding), 0 while judged and not; no series when not
+                                                       judged or its systemd reports no NRestarts
+  foreshock_fabric_service_restart_samples_total{result}  taken rows' n_restarts: first | same | grew |
+                                                       reset | missing | absurd
   foreshock_archive_up, foreshock_archive_errors_total, foreshock_archive_dropped_bytes_total,
   foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
   foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
@@ -323,18 +329,31 @@ def _fabric_service_families(units):
                            labels=["node", "unit", "state", "judged"])
     down = GaugeMetricFamily("foreshock_fabric_service_down", "1 while a judged fabric service has not served "
                              "for the hold: a finding; 0 while judged and not.", labels=["node", "unit"])
+    looping = GaugeMetricFamily("foreshock_fabric_service_crash_looping", "1 while a judged fabric service has "
+                                "restarted the crash-loop rule's number of times within its window: a finding; "
+                                "0 while judged and not (no series without an NRestarts).", labels=["node", "unit"])
     for u in sorted(units.snapshot(), key=lambda u: (u.node, u.unit)):
         up.add_metric([u.node, u.unit, u.state, "true" if u.judged else "false"], 1.0 if u.serving else 0.0)
         if u.judged:
             down.add_metric([u.node, u.unit], 1.0 if u.down else 0.0)
+            if u.count is not None:
+                looping.add_metric([u.node, u.unit], 1.0 if u.crash_looping else 0.0)
     yield up
     yield down
+    yield looping
     rows = CounterMetricFamily("foreshock_fabric_service_rows", "systemd_unit rows of the fabric's services: "
                                "taken, unknown_state (taken as not serving), or not taken: old (an earlier sample), "
                                "unknown_unit, not_installed, overflow.", labels=["result"])
     for result, n in units.row_counts().items():
         rows.add_metric([result], n)
     yield rows
+    restarts = CounterMetricFamily("foreshock_fabric_service_restart_samples", "n_restarts of the taken "
+                                   "systemd_unit rows: first (a baseline), same, grew, reset (lower: restarted "
+                                   "by hand or rebooted), missing (null: systemd < 235), absurd (no count, or "
+                                   "grew impossibly fast).", labels=["result"])
+    for result, n in units.restart_counts().items():
+        restarts.add_metric([result], n)
+    yield restarts
 
 
 def _archive_families(a: dict):

@@ -31,8 +31,10 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 8. The fabric's services (service/fabricunits.py): nvidia-fabricmanager not serving for the hold on a
    node where it is installed, or nvidia-imex on a node a compute domain uses (a job, registered or the
    inventory's label, on two or more nodes of one NVLink domain: `compute_domain_of`), is
-   logged as `fabric_service_down` / `fabric_service_cleared` and exported; no alarm, no directive, no
-   node action. A node whose Fabric Manager is down is refused as a spare (new CUDA contexts fail there).
+   logged as `fabric_service_down` / `fabric_service_cleared` and exported; one that systemd restarted
+   `fabric_service_crash_loop_restarts` times within the window, as `fabric_service_crash_loop` /
+   `fabric_service_crash_loop_cleared`; no alarm, no directive, no node action. A node whose Fabric
+   Manager is down or crash-looping is refused as a spare (new CUDA contexts fail there).
 9. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
    ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
    on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
@@ -53,7 +55,8 @@ import numpy as np
 from foreshock import fabric
 from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
-from foreshock.service.fabricunits import HOLD_SECONDS, FabricServices, check_hold
+from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_SECONDS, HOLD_SECONDS,
+                                           FabricServices, check_crash_loop, check_hold)
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
 from foreshock.service.steptimes import FailSlow, StepTimes
@@ -83,9 +86,13 @@ class PolicySettings:
     xid_context_min_nodes: int = 3          # nodes of one job or NVLink domain that make a job event ...
     xid_context_fraction: float = 0.25      # ... or this share of them, whichever is fewer (at least 2)
     fabric_service_hold_seconds: float = HOLD_SECONDS   # a fabric service not serving this long is down
+    fabric_service_crash_loop_restarts: int = CRASH_LOOP_RESTARTS   # restarted this often ...
+    fabric_service_crash_loop_window_seconds: float = CRASH_LOOP_WINDOW_SECONDS   # ... within this: crash-looping
 
     def __post_init__(self):
         self.fabric_service_hold_seconds = check_hold(self.fabric_service_hold_seconds)
+        self.fabric_service_crash_loop_restarts, self.fabric_service_crash_loop_window_seconds = check_crash_loop(
+            self.fabric_service_crash_loop_restarts, self.fabric_service_crash_loop_window_seconds)
         XidContext(self.xid_context_seconds, self.xid_context_min_nodes, self.xid_context_fraction)  # range checks
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"policy threshold {self.threshold} must be in (0, 1]")
@@ -131,7 +138,9 @@ class EvacuationPolicy:
         self._lock = threading.RLock()
         self.context = XidContext(settings.xid_context_seconds, settings.xid_context_min_nodes,
                                   settings.xid_context_fraction)
-        self.units = FabricServices(settings.fabric_service_hold_seconds)
+        self.units = FabricServices(settings.fabric_service_hold_seconds,
+                                    crash_loop_restarts=settings.fabric_service_crash_loop_restarts,
+                                    crash_loop_window_seconds=settings.fabric_service_crash_loop_window_seconds)
         jobs.on_deregister.append(lambda job: self.context.remember_job(job.job_id, job.nodes(), jobs.now()))
 
     # -- Xids in context -----------------------------------------------------------------------------
@@ -208,16 +217,14 @@ class EvacuationPolicy:
     def _judge_units(self, now_ns: int) -> None:
         for change in self.units.judge(now_ns, self.compute_domain_of):
             u = change.unit
-            fields = dict(unit=u.unit, active_state=u.state, sub_state=u.sub_state, result=u.result,
-                          n_restarts=u.n_restarts, since_ns=u.down_since_ns, compute_domain=u.domain)
+            fields = {**dict(unit=u.unit, active_state=u.state, sub_state=u.sub_state, result=u.result,
+                             n_restarts=u.n_restarts, since_ns=u.down_since_ns, compute_domain=u.domain),
+                      **change.details}
             if change.raised:
-                log.warning("fabric service down: %s", change.reason)
-                self.decisions.record("fabric_service_down", node=u.node, reason=change.reason, ts_ns=now_ns,
-                                      **fields)
+                log.warning("fabric service %s: %s", change.finding.replace("_", " "), change.reason)
             else:
                 log.info("fabric service finding cleared: %s", change.reason)
-                self.decisions.record("fabric_service_cleared", node=u.node, reason=change.reason, ts_ns=now_ns,
-                                      **fields)
+            self.decisions.record(change.kind, node=u.node, reason=change.reason, ts_ns=now_ns, **fields)
 
     # -- alarms --------------------------------------------------------------------------------------
     def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:
@@ -391,6 +398,8 @@ class EvacuationPolicy:
                 why = "recent fatal event"
             elif self.units.down(spare, fabric.FABRIC_MANAGER):
                 why = "nvidia-fabricmanager down (new CUDA contexts fail)"
+            elif self.units.crash_looping(spare, fabric.FABRIC_MANAGER):
+                why = "nvidia-fabricmanager crash-looping (new CUDA contexts fail while it restarts)"
             elif seen is not None and now_ns - seen > s.stale_seconds * 1e9:
                 why = "telemetry stale"
             elif topo.leaf_switch and topo.leaf_switch in suspect:

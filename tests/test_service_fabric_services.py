@@ -3,8 +3,11 @@
 asked over gRPC (the Jobs API) and /metrics' registry, and whose decision log is read back. An idle
 node's IMEX down is recorded and judged by no one; the same node inside a compute domain (a job,
 registered or the inventory's label, on two or more nodes of one NVLink domain) is a finding. A Fabric Manager down for
-the hold is a finding and its node no spare; a restart's samples are not. Unknown states and units have
-a clear outcome, and the service goes on."""
+the hold is a finding and its node no spare; a restart's samples are not. A unit that systemd restarts
+over and over, sampled active between its crashes, is crash-looping by the growth of its NRestarts (a
+finding of its own, its node no spare), one restarted once is not, and the finding clears after a quiet
+window; a lower count (a reset) is no growth, a missing one judges nothing. Unknown states and units,
+and counts that cannot be, have a clear outcome, and the service goes on."""
 
 from __future__ import annotations
 
@@ -40,9 +43,19 @@ RACK = "0c1d2e3f-0000-4000-8000-000000000001/7"
 _wait = functools.partial(wait_until, timeout=30.0)
 
 
-def _state(active: str, sub: str = "", result: str = "success") -> str:
-    return (f"Result={result}\nNRestarts=0\nId={{unit}}\nLoadState=loaded\nActiveState={active}\n"
-            f"SubState={sub}\n")
+def _state(active: str, sub: str = "", result: str = "success", restarts: int | None = 0) -> str:
+    """A unit's `systemctl show` block; restarts None: no NRestarts line (systemd older than 235)."""
+    count = "" if restarts is None else f"NRestarts={restarts}\n"
+    return f"Result={result}\n{count}Id={{unit}}\nLoadState=loaded\nActiveState={active}\nSubState={sub}\n"
+
+
+def _up(restarts: int | None) -> str:
+    return _state("active", "running", restarts=restarts)
+
+
+def _restarting(restarts: int | None) -> str:
+    """Sampled between a crash and systemd's automatic restart (Restart=on-failure)."""
+    return _state("activating", "auto-restart", "exit-code", restarts=restarts)
 
 
 ACTIVATING = _state("activating", "auto-restart", "exit-code")
@@ -118,6 +131,18 @@ def _sweeps(nodes: Nodes, start: int, count: int) -> int:
     ts = start
     for k in range(count):
         ts = start + k * 10 * S
+        nodes.sweep(ts)
+    return ts
+
+
+def _replay(nodes: Nodes, unit: str, start: int, steps: list[dict[str, str]]) -> int:
+    """One poll per step, 10 s apart from `start`, each node's unit first set to its block in the step;
+    returns the last poll's time."""
+    ts = start
+    for k, blocks in enumerate(steps):
+        ts = start + k * 10 * S
+        for node, block in blocks.items():
+            nodes.fakes[node].unit(unit, block)
         nodes.sweep(ts)
     return ts
 
@@ -323,3 +348,168 @@ def test_the_hold_is_range_checked_where_it_is_declared():
     cfg = resolve("serve", command.DEFAULTS, env={}, flags={"fabric_service_hold_seconds": 120.0}, checks=command.CHECKS)
     settings = command.settings_from({**cfg, "no_model": True, "insecure": True})
     assert settings.policy["fabric_service_hold_seconds"] == 120.0
+
+
+# -- crash-looping: judged from the growth of NRestarts ---------------------------------------------
+def _looping(plane, node: str) -> list[dict]:
+    return [r for r in _decisions(plane, "fabric_service_crash_loop") if r["node"] == node]
+
+
+def _loop_metric(node: str, unit: str, value: float) -> str:
+    return f'foreshock_fabric_service_crash_looping{{node="{node}",unit="{unit}"}} {value}'
+
+
+def test_a_fabric_manager_restarting_over_and_over_is_crash_looping_though_sampled_active(plane, cluster):
+    nodes = cluster(["hgx-0", "hgx-1"])
+    start = time.time_ns() - 800 * S
+    # hgx-0 crashes every 30 s and systemd restarts it within the poll: two samples of three say active,
+    # none of its runs not serving comes near the hold. hgx-1 crashes once and runs on.
+    steps = [{"hgx-0": _up(0), "hgx-1": _up(0)}, {"hgx-0": _up(0), "hgx-1": _up(0)},
+             {"hgx-0": _restarting(1), "hgx-1": _restarting(1)}, {"hgx-0": _up(1), "hgx-1": _up(1)},
+             {"hgx-0": _up(1), "hgx-1": _up(1)}, {"hgx-0": _restarting(2), "hgx-1": _up(1)},
+             {"hgx-0": _up(2), "hgx-1": _up(1)}, {"hgx-0": _up(2), "hgx-1": _up(1)}]
+    last = _replay(nodes, FM, start, steps)
+    assert _wait(lambda: _taken(plane, "hgx-0", FM, last) and _taken(plane, "hgx-1", FM, last))
+    assert _decisions(plane, "fabric_service_crash_loop") == []        # two restarts: not yet
+    text = _metrics(plane)
+    assert _loop_metric("hgx-0", FM, 0.0) in text and _loop_metric("hgx-1", FM, 0.0) in text
+
+    # The third restart within the window (10 minutes) makes it a finding; the samples never made it down.
+    third = _replay(nodes, FM, last + 10 * S, [{"hgx-0": _restarting(3), "hgx-1": _up(1)}])
+    assert _wait(lambda: _decisions(plane, "fabric_service_crash_loop"))
+    [loop] = _decisions(plane, "fabric_service_crash_loop")
+    details = json.loads(loop["details"])
+    assert loop["node"] == "hgx-0" and details["unit"] == FM and details["n_restarts"] == 3
+    assert (details["restarts_in_window"], details["window_seconds"]) == (3, 600.0)
+    assert (details["since_ns"], details["last_restart_ns"]) == (start + 20 * S, third)
+    assert "restarted 3 times within 600 s" in loop["reason"] and "refused as a spare" in loop["reason"]
+    assert _decisions(plane, "fabric_service_down") == []
+    text = _metrics(plane)
+    assert _loop_metric("hgx-0", FM, 1.0) in text and _loop_metric("hgx-1", FM, 0.0) in text
+    assert 'foreshock_fabric_service_down{node="hgx-0",unit="nvidia-fabricmanager.service"} 0.0' in text
+    lint = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
+                          capture_output=True, text=True, timeout=30)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    assert plane.policy.alarms == {}
+
+    # Meanwhile hgx-0 is no spare: a job on hgx-1 drained with it as its only spare falls back.
+    with grpc.insecure_channel(plane.address) as ch:
+        jobs = jobs_pb2_grpc.JobsStub(ch)
+        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="j", ranks=[jpb.RankPlacement(rank=0, node="hgx-1", gpus=[0])],
+                                                spare_nodes=["hgx-0"], current_step=5), timeout=T)
+        [d] = jobs.DrainNode(jpb.DrainNodeRequest(node="hgx-1", reason="test"), timeout=T).directives
+        assert d.kind == jpb.DIRECTIVE_KIND_CHECKPOINT_EXIT and "hgx-0: nvidia-fabricmanager crash-looping" in d.reason
+
+    # It stops restarting: the finding holds until the count has not grown for the window, then clears.
+    quiet = [{"hgx-0": _up(3), "hgx-1": _up(1)}] * 59
+    last = _replay(nodes, FM, third + 10 * S, quiet)                     # 590 s after the third restart
+    assert _wait(lambda: _taken(plane, "hgx-0", FM, last))
+    assert _decisions(plane, "fabric_service_crash_loop_cleared") == []
+    last = _replay(nodes, FM, last + 10 * S, quiet[:1])                  # 600 s
+    assert _wait(lambda: _decisions(plane, "fabric_service_crash_loop_cleared"))
+    [cleared] = _decisions(plane, "fabric_service_crash_loop_cleared")
+    assert cleared["node"] == "hgx-0" and "has not restarted for 600 s" in cleared["reason"]
+    assert json.loads(cleared["details"])["restarts_in_window"] == 0
+    assert _loop_metric("hgx-0", FM, 0.0) in _metrics(plane)
+    assert _looping(plane, "hgx-1") == [] and _decisions(plane, "fabric_service_down") == []
+    counts = plane.policy.units.restart_counts()
+    assert (counts["first"], counts["grew"], counts["reset"], counts["absurd"]) == (2, 4, 0, 0)
+
+
+def test_a_reset_is_no_growth_a_missing_count_judges_nothing_and_an_impossible_one_is_counted(plane, cluster,
+                                                                                              caplog):
+    nodes = cluster(["hgx-2", "hgx-3", "hgx-4"])
+    start = time.time_ns() - 500 * S
+    steps = [
+        # hgx-2: its first count is a baseline (when those 4 restarts happened is not known); one restart;
+        # an operator's `systemctl restart` starts NRestarts at 0 again; one more restart.
+        {"hgx-2": _up(4), "hgx-3": _up(None), "hgx-4": _up(0)},
+        {"hgx-2": _up(4), "hgx-3": _restarting(None), "hgx-4": _up(0)},
+        {"hgx-2": _restarting(5), "hgx-3": _up(None), "hgx-4": _up(4_000_000_000)},   # hgx-4: 4e9 in 10 s
+        {"hgx-2": _up(0), "hgx-3": _restarting(None), "hgx-4": _up(4_000_000_000)},
+        {"hgx-2": _up(0), "hgx-3": _up(None), "hgx-4": _up(0)},                # back: a reset, no growth
+        {"hgx-2": _restarting(1), "hgx-3": _restarting(None), "hgx-4": _up(0)},
+        {"hgx-2": _up(1), "hgx-3": _up(None), "hgx-4": _up(0)},
+    ]
+    with caplog.at_level("WARNING", "foreshock.service.fabricunits"):
+        last = _replay(nodes, FM, start, steps)
+        assert _wait(lambda: all(_taken(plane, n, FM, last) for n in ("hgx-2", "hgx-3", "hgx-4")))
+    time.sleep(1.5)                                                    # a judgement or more later
+    assert _decisions(plane, "fabric_service_crash_loop") == []
+    assert "grew faster than 100 a second" in caplog.text and "hgx-4" in caplog.text
+    counts = plane.policy.units.restart_counts()
+    assert (counts["reset"], counts["absurd"], counts["missing"], counts["grew"]) == (2, 1, 7, 2)
+    text = _metrics(plane)
+    assert 'foreshock_fabric_service_restart_samples_total{result="reset"} 2.0' in text
+    assert 'foreshock_fabric_service_restart_samples_total{result="missing"} 7.0' in text
+    assert _loop_metric("hgx-2", FM, 0.0) in text and _loop_metric("hgx-4", FM, 0.0) in text
+    # Without NRestarts the judgement is not made: no crash-loop series, and no error anywhere.
+    assert 'foreshock_fabric_service_crash_looping{node="hgx-3"' not in text
+    assert all(src.errors == 0 for c in nodes.collectors.values() for src in c.sources)
+
+    # The reset took nothing away either: a third restart within the window, across it, is a loop.
+    last = _replay(nodes, FM, last + 10 * S, [{"hgx-2": _restarting(2), "hgx-3": _up(None), "hgx-4": _up(0)}])
+    assert _wait(lambda: _looping(plane, "hgx-2"))
+    assert json.loads(_looping(plane, "hgx-2")[0]["details"])["restarts_in_window"] == 3
+    assert [r["node"] for r in _decisions(plane, "fabric_service_crash_loop")] == ["hgx-2"]
+
+
+def test_a_crash_looping_imex_is_judged_only_while_a_compute_domain_uses_the_node(plane, cluster):
+    nodes = cluster(["tray-0", "tray-1"])
+    for n in nodes.collectors:
+        nodes.send(n, "inventory", [_inventory(n)])
+    start = time.time_ns() - 400 * S
+    steps = [{"tray-0": (_up if k % 2 else _restarting)(k), "tray-1": _up(0)} for k in range(6)]
+    last = _replay(nodes, IMEX, start, steps)                         # five restarts in 50 s, on an idle tray
+    assert _wait(lambda: _taken(plane, "tray-0", IMEX, last))
+    time.sleep(1.5)
+    assert _decisions(plane, "fabric_service_crash_loop") == []
+    assert "foreshock_fabric_service_crash_looping{" not in _metrics(plane)    # nothing judged
+    with grpc.insecure_channel(plane.address) as ch:
+        jobs = jobs_pb2_grpc.JobsStub(ch)
+        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="mnnvl", ranks=[
+            jpb.RankPlacement(rank=0, node="tray-0", gpus=[0]), jpb.RankPlacement(rank=1, node="tray-1", gpus=[0])]),
+            timeout=T)
+        assert _wait(lambda: _looping(plane, "tray-0"))
+        [loop] = _looping(plane, "tray-0")
+        details = json.loads(loop["details"])
+        assert details["unit"] == IMEX and details["restarts_in_window"] == 5
+        assert details["compute_domain"] == f"registered job mnnvl (NVLink domain {RACK})"
+        assert _loop_metric("tray-0", IMEX, 1.0) in _metrics(plane)
+        assert _loop_metric("tray-1", IMEX, 0.0) in _metrics(plane)
+        jobs.DeregisterJob(jpb.DeregisterJobRequest(job_id="mnnvl"), timeout=T)
+        assert _wait(lambda: _decisions(plane, "fabric_service_crash_loop_cleared"))
+        [cleared] = _decisions(plane, "fabric_service_crash_loop_cleared")
+        assert cleared["node"] == "tray-0" and "no compute domain uses the node" in cleared["reason"]
+
+
+def test_the_crash_loop_rule_is_range_checked_where_it_is_declared():
+    for restarts, window in ((1, 600), (1001, 600), (3.0, 600), (True, 600), (3, 59), (3, 86_401),
+                             (3, float("nan"))):
+        name = "restarts" if window == 600 else "window_seconds"
+        with pytest.raises(ValueError, match=f"fabric_service_crash_loop_{name}"):
+            PolicySettings(fabric_service_crash_loop_restarts=restarts,
+                           fabric_service_crash_loop_window_seconds=window)
+        with pytest.raises(ValueError, match=f"fabric_service_crash_loop_{name}"):
+            FabricServices(crash_loop_restarts=restarts, crash_loop_window_seconds=window)
+    for flags in ({"fabric_service_crash_loop_restarts": 1}, {"fabric_service_crash_loop_window_seconds": 30.0}):
+        with pytest.raises(ConfigError, match=next(iter(flags))):
+            resolve("serve", command.DEFAULTS, env={}, flags=flags, checks=command.CHECKS)
+    cfg = resolve("serve", command.DEFAULTS, env={}, checks=command.CHECKS,
+                  flags={"fabric_service_crash_loop_restarts": 5, "fabric_service_crash_loop_window_seconds": 1800.0})
+    settings = command.settings_from({**cfg, "no_model": True, "insecure": True})
+    assert (settings.policy["fabric_service_crash_loop_restarts"],
+            settings.policy["fabric_service_crash_loop_window_seconds"]) == (5, 1800.0)
+    defaults = FabricServices()
+    assert (defaults.loop_restarts, defaults.loop_window_ns) == (3, 600 * S)
+
+
+def test_observe_counts_a_restart_count_that_is_none_and_goes_on():
+    # Counts the wire cannot carry (the schema's uint32 refuses a negative one at receipt, as bad_schema)
+    # can still reach `observe` from a caller of its own: counted, never raised.
+    units = FabricServices()
+    rows = [("n", FM, k * 10 * S, "loaded", "active", "running", "success", n)
+            for k, n in enumerate((0, -1, "7", 2.5, 1 << 32, 0))]
+    units.observe(rows, 0)
+    assert units.restart_counts()["absurd"] == 4 and units.restart_counts()["same"] == 1
+    assert units.judge(10 * S, lambda: (lambda node: "")) == [] and not units.crash_looping("n", FM)

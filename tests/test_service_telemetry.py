@@ -146,6 +146,10 @@ CASES = [
                                           "gpu": [0], "gpu_lost": [False], "bogus": [1]}))]),
     ("bad_schema", [_rows("gpu", pa.table({"ts": pa.array([0], pa.timestamp("ns", tz="UTC")), "node": ["n1"],
                                           "gpu": ["zero"], "gpu_lost": [False]}))]),
+    # A negative NRestarts: the column is uint32, so the cast at receipt refuses it.
+    ("bad_schema", [_rows("systemd_unit", pa.table({"ts": pa.array([0], pa.timestamp("ns", tz="UTC")),
+                                                    "node": ["n1"], "unit": ["nvidia-fabricmanager.service"],
+                                                    "n_restarts": pa.array([-1], pa.int64())}))]),
     ("node_mismatch", [_rows("gpu", _gpu(node="n2"))]),
     ("ts_future", [_rows("gpu", _gpu(ts=NOW + dt.timedelta(hours=2)))]),
     ("ts_past", [_rows("gpu", _gpu(ts=NOW - dt.timedelta(days=30)))]),
