@@ -203,7 +203,9 @@ class ArchiveProcess:
         self._supervisor = threading.Thread(target=self._supervise, name="foreshock-archive-supervisor",
                                             daemon=True)
         self._supervisor.start()
-        self._ready.wait(START_SECONDS)
+        if not self._ready.wait(START_SECONDS):
+            log.error("archive: the archive process (pid %s) did not report within %.0f s; until it does, what "
+                      "is taken is dropped and counted", self.pid, START_SECONDS)
         # what was queued before the start goes to the archive process once it takes submissions
         self._sender.start()
         return self
