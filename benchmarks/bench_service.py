@@ -5,7 +5,9 @@
     BENCH_CLOSE_HOLD=0 ...        the service without its close hold (`--close-hold-seconds`), to compare
     BENCH_ARCHIVE=1 ...           the service with its archive (`--archive`, service/archive.py) in the
                                   run's temporary directory (32 MiB buffer, files every 30 s), to compare
-                                  the scoring path with and without
+                                  the scoring path with and without; its writer in a process of its own,
+                                  as `foreshock serve` runs it (service/archive_process.py)
+    BENCH_ARCHIVE=thread ...      the same with the writer a thread of the service process
 
 Three processes: the service (build_server, insecure loopback, a small model trained here through the
 predictor's registry), a load generator (grpc.aio: one bidirectional stream per node, as real
@@ -88,8 +90,9 @@ def serve(state: str, model: str, port_file: str) -> int:
     from foreshock.service.tuning import tune_gc, tune_malloc, tune_threads
     # Small bounds, so that the archive sorts, writes and publishes all through the run (the defaults
     # would hold a 130 s run in memory and write it at the stop, outside the measured window).
-    archive = ArchiveSettings(str(Path(state).parent / "archive"), buffer_bytes=32 << 20, roll_seconds=30) \
-        if os.environ.get("BENCH_ARCHIVE") == "1" else None
+    mode = os.environ.get("BENCH_ARCHIVE", "0")
+    archive = ArchiveSettings(str(Path(state).parent / "archive"), buffer_bytes=32 << 20, roll_seconds=30,
+                              process=mode == "1") if mode in ("1", "thread") else None
     plane = build_server(Settings.insecure_loopback(
         state, model_path=model, metrics_listen="127.0.0.1:0", scorer_grace_seconds=GRACE, fsync=True,
         scoring_process=os.environ.get("BENCH_SERVICE_IN_PROCESS") != "1",
@@ -374,7 +377,8 @@ def _proc(pid: int) -> tuple[float, int, int]:
 
 
 def children(pid: int) -> list[int]:
-    """The process's children (the service's: its scoring worker); none once it has gone."""
+    """The process's children (the service's: its scoring worker, and its archive process with
+    BENCH_ARCHIVE=1); none once it has gone."""
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
@@ -382,7 +386,7 @@ def children(pid: int) -> list[int]:
 
 
 def _proc_tree_cpu(pid: int) -> tuple[float, int]:
-    """CPU seconds and RSS of the service's child processes (the scoring worker)."""
+    """CPU seconds and RSS of the service's child processes (the scoring worker, the archive process)."""
     cpu, rss = 0.0, 0
     for c in children(pid):
         try:
@@ -703,8 +707,9 @@ def report(r: dict) -> None:
           f"{r['backlog_first_last_max']}")
     print(f"  accepted counter each second: {[int(x) for x in r['accepted_series']]}")
     print(f"  service CPU {100 * r['server_cpu_share_of_one_core']:.0f}% of one core (main process) + "
-          f"{100 * r['worker_cpu_share_of_one_core']:.0f}% (scoring worker); RSS {r['server_rss_mib']:.0f} MiB "
-          f"(peak {r['server_peak_rss_mib']:.0f} MiB) + {r['worker_rss_mib']:.0f} MiB (worker); "
+          f"{100 * r['worker_cpu_share_of_one_core']:.0f}% (child processes: scoring worker, archive); "
+          f"RSS {r['server_rss_mib']:.0f} MiB (peak {r['server_peak_rss_mib']:.0f} MiB) + "
+          f"{r['worker_rss_mib']:.0f} MiB (children); "
           f"scoring round mean {r['scoring_round_mean_ms']:.2f} ms")
     print(f"  load generator CPU {100 * r['gen_cpu_share_of_one_core']:.0f}% of one core (2 processes); "
           f"load average at the end {', '.join(f'{x:.1f}' for x in r['loadavg'])}")

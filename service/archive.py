@@ -27,8 +27,10 @@ value checks have run (`take_tables`, `take_batches`, on the scoring thread) and
 it flushes (`take_decisions`), onto a queue bounded by `queue_bytes`; one writer thread decodes,
 buffers, sorts and writes. When the queue is full a submission is dropped and counted
 (`foreshock_archive_dropped_bytes_total`): the archive never holds back scoring or an ack, and the
-collectors' own spools hold the same rows. It does take CPU, and GIL time, in the service process
-(docs/scaling.md has the cost at 512 and 2,048 nodes).
+collectors' own spools hold the same rows. `foreshock serve` runs this writer in a process of its own
+(`ArchiveSettings.process`, service/archive_process.py), so that its CPU and its Python's GIL time are
+not the service process's; with `process=False` it is a thread of the service process
+(benchmarks/results/archive-process-2026-12-05.md compares the two).
 
 Failures: a root that cannot be written is refused at construction (ArchiveError, naming it:
 `foreshock serve` does not start). A write that fails later (a full disk, a lost mount or credential)
@@ -87,6 +89,8 @@ class ArchiveSettings:
     queue_bytes: int = DEFAULTS["archive_queue_bytes"]     # submissions waiting for the writer; beyond,
     #                                                        dropped and counted
     fsync: bool = True
+    process: bool = True    # the writer in a process of its own (service/archive_process.py), as
+    #                         `foreshock serve` runs it; False: a thread of the service process
 
     def __post_init__(self):
         if not self.uri:
@@ -113,16 +117,19 @@ class _Open:
 class Archive:
     """The writer: `take_*` from any thread (by reference, never blocks), `start()`, `close()` (writes it all)."""
 
-    def __init__(self, settings: ArchiveSettings):
+    def __init__(self, settings: ArchiveSettings, *, writer_id: str = "", dead_writers=()):
+        """`writer_id`: the id in this writer's file names (a new one when empty); `dead_writers`: ids of
+        writers known dead (an archive process that died), whose unfinished files are removed now
+        rather than two roll periods on."""
         self.settings = settings
         try:
             self.fs, self.root = ds.filesystem_of(settings.uri)
         except ds.DatasetError as exc:
             raise ArchiveError(f"archive {exc}") from None
-        self._id = ds.new_writer_id()
+        self._id = writer_id or ds.new_writer_id()
         self._seq = 0
         self._check_writable()
-        self._remove_stale()
+        self._remove_stale(dead_writers)
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self.queued_bytes = 0
@@ -145,6 +152,7 @@ class Archive:
         self.rows: collections.Counter = collections.Counter()   # table -> rows published
         self.files = 0
         self.written_bytes = 0
+        self.open_bytes = 0   # rows (Arrow bytes) in files being written, not yet published
 
     def _check_writable(self) -> None:
         uri = self.settings.uri
@@ -163,17 +171,19 @@ class Archive:
         except (OSError, pa.ArrowException) as exc:
             raise ArchiveError(f"archive {self.settings.uri!r} cannot be written: {exc}") from None
 
-    def _remove_stale(self) -> None:
+    def _remove_stale(self, dead=()) -> None:
         """A killed writer's files in progress (dot-names, which readers skip): a live writer's is
-        written at least every roll period, so one untouched for two is dead. Local roots only (on an
-        object store an unfinished upload is invisible, and the store's lifecycle rules expire it)."""
+        written at least every roll period, so one untouched for two is dead, and so is any of a
+        writer in `dead`. Local roots only (on an object store an unfinished upload is invisible, and
+        the store's lifecycle rules expire it)."""
         if not isinstance(self.fs, pafs.LocalFileSystem):
             return
         cutoff = time.time() - 2 * self.settings.roll_seconds
+        dead = set(dead)
         removed = 0
         for tmp in Path(self.root).glob("table=*/date=*/.part-*.parquet.tmp"):
             try:
-                if tmp.stat().st_mtime < cutoff:
+                if ds.part_writer(tmp.name[1:-len(".tmp")]) in dead or tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
                     removed += 1
             except OSError:
@@ -187,16 +197,29 @@ class Archive:
         if tables:
             self._put(("tables", dict(tables)), sum(t.nbytes for t in tables.values()))
 
-    def take_batches(self, items: list, refused, nbytes: int) -> None:
+    def take_batches(self, items: list, refused, nbytes: int, packed: dict | None = None) -> None:
         """A drain's batches (ingest.Pending) with the value checks' verdicts: (item index, table, ...)
-        for each table refused. The batches are decoded here, in the writer thread."""
+        for each table refused. The batches are decoded here, in the writer thread (`packed`, the
+        scoring worker's request for them, is the archive process's: service/archive_process.py)."""
         if items:
             self._put(("batches", items, refused), nbytes)
+
+    def take_groups(self, groups: list[tuple[str, bytes, list[bytes]]], nbytes: int) -> None:
+        """A drain's accepted record batches grouped by table and schema message (table, schema
+        message, record batch bodies), as the archive process receives them (service/archive_process.py)."""
+        if groups:
+            self._put(("groups", groups), nbytes)
 
     def take_decisions(self, rows: pa.Table) -> None:
         """Decision log rows (DECISION_SCHEMA) as written to the log; incidents are derived from them."""
         if rows.num_rows:
             self._put(("decisions", rows), rows.nbytes)
+
+    def count_unreadable(self, nbytes: int) -> None:
+        """A submission that could not be read before it reached the queue: an error, its bytes dropped."""
+        with self._cv:
+            self.errors += 1
+            self.dropped_bytes += nbytes
 
     def _put(self, item, nbytes: int) -> None:
         with self._cv:
@@ -231,7 +254,8 @@ class Archive:
         with self._cv:
             return {"up": self.up, "errors": self.errors, "dropped_bytes": self.dropped_bytes,
                     "rows": dict(self.rows), "files": self.files, "written_bytes": self.written_bytes,
-                    "queued_bytes": self.queued_bytes, "buffered_bytes": self.buffered_bytes}
+                    "queued_bytes": self.queued_bytes, "buffered_bytes": self.buffered_bytes,
+                    "open_bytes": self.open_bytes + self._flushing}
 
     # -- the writer thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -270,6 +294,9 @@ class Archive:
         elif kind == "batches":
             for name, table in self._decode_batches(item[1], item[2]).items():
                 self._buffer(name, table)
+        elif kind == "groups":
+            for name, table in self._decode_groups(item[1], {}).items():
+                self._buffer(name, table)
         else:
             rows = item[1]
             self._buffer(DECISIONS, rows)
@@ -295,7 +322,13 @@ class Archive:
                     g[1].append(t.body)
                 else:
                     decoded[name].append(t)
-        for (name, _), (head, bodies) in groups.items():
+        return self._decode_groups([(name, head, bodies) for (name, _), (head, bodies) in groups.items()],
+                                   decoded)
+
+    def _decode_groups(self, groups, decoded: dict[str, list[pa.Table]]) -> dict[str, pa.Table]:
+        """Each (table, schema message, record batch bodies) decoded at once, with `decoded`'s tables."""
+        decoded = collections.defaultdict(list, decoded)
+        for name, head, bodies in groups:
             dec = self._decoders.get(name)
             if dec is None:
                 dec = self._decoders[name] = BatchDecoder(wire_schema(name))
@@ -353,6 +386,8 @@ class Archive:
             f.file.write(part, ROW_GROUP_ROWS)
             f.nodes.update(pc.unique(part.column("node")).to_pylist())
             f.nbytes += size
+            with self._cv:
+                self.open_bytes += size
             f.rows += part.num_rows
             self._flushing -= size
             if f.file.size >= self.settings.file_bytes:
@@ -367,6 +402,7 @@ class Archive:
             size = f.file.commit({ds.NODES_KEY: json.dumps(sorted(f.nodes)).encode()})
             del self._open[key]
             with self._cv:
+                self.open_bytes -= f.nbytes
                 self.rows[name] += f.rows
                 self.files += 1
                 self.written_bytes += size
@@ -384,6 +420,7 @@ class Archive:
             self.errors += 1
             lost = sum(f.nbytes for f in files) + self._flushing + self.buffered_bytes + self.queued_bytes
             self._flushing = 0
+            self.open_bytes = 0
             self.dropped_bytes += lost
             self._queue.clear()
             self.queued_bytes = 0

@@ -501,7 +501,8 @@ class Ingest:
         for i, table, reason, detail in reply["verdicts"]:
             self._defer(items[i], table, reason, detail)
         if self.archive is not None:
-            self.archive.take_batches(items, reply["verdicts"], sum(item.nbytes for item in items))
+            self.archive.take_batches(items, reply["verdicts"], sum(item.nbytes for item in items),
+                                      packed=reply.get("packed"))
         with self._lock:
             self.accepted_rows.update(reply["rows"])
         for event in reply["lost"]:

@@ -76,8 +76,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
                                                        reset | missing | absurd
   foreshock_archive_up, foreshock_archive_errors_total, foreshock_archive_dropped_bytes_total,
   foreshock_archive_rows_total{table}, foreshock_archive_files_total, foreshock_archive_written_bytes_total,
-  foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes
-                                                       the archive (`serve --archive`, service/archive.py)
+  foreshock_archive_queued_bytes, foreshock_archive_buffered_bytes, foreshock_archive_restarts_total
+                                                       the archive (`serve --archive`, service/archive.py,
+                                                       service/archive_process.py)
   foreshock_coordinator_shard_model_mismatch{shard,model}  1 while a shard scores with another model than the
                                                        coordinator expects (the jobs coordinator only)
   foreshock_coordinator_events_total{shard,result}     shards' events applied | duplicate (sent again, known)
@@ -358,7 +359,8 @@ def _fabric_service_families(units):
 
 def _archive_families(a: dict):
     yield GaugeMetricFamily("foreshock_archive_up", "1 while the archive writes; 0 once a write failed "
-                            "(a full disk): it stops, scoring goes on.", value=1.0 if a["up"] else 0.0)
+                            "(a full disk): it stops, scoring goes on; 0 too while a dead archive process waits "
+                            "to be started again.", value=1.0 if a["up"] else 0.0)
     yield CounterMetricFamily("foreshock_archive_errors", "Archive writes that failed, and submissions it "
                               "could not read.", value=a["errors"])
     yield CounterMetricFamily("foreshock_archive_dropped_bytes", "Bytes taken in that the archive did not "
@@ -370,7 +372,9 @@ def _archive_families(a: dict):
     yield CounterMetricFamily("foreshock_archive_files", "Parquet files written to the archive.", value=a["files"])
     yield CounterMetricFamily("foreshock_archive_written_bytes", "Parquet bytes written to the archive.",
                               value=a["written_bytes"])
-    yield GaugeMetricFamily("foreshock_archive_queued_bytes", "Bytes waiting for the archive's writer thread.",
+    yield CounterMetricFamily("foreshock_archive_restarts", "Archive processes that died and were started "
+                              "again (what each held is counted as dropped).", value=a.get("restarts", 0))
+    yield GaugeMetricFamily("foreshock_archive_queued_bytes", "Bytes waiting for the archive's writer.",
                             value=a["queued_bytes"])
     yield GaugeMetricFamily("foreshock_archive_buffered_bytes", "Bytes buffered for the archive's next files.",
                             value=a["buffered_bytes"])

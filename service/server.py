@@ -39,6 +39,7 @@ from foreshock.net import is_loopback
 from foreshock.service import store as store_mod
 from foreshock.service.actions import ActionSettings, NodeActions, backends_from
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
+from foreshock.service.archive_process import ArchiveProcess
 from foreshock.service.auth import (
     Authenticator, AuthInterceptor, Principal, server_credentials)
 from foreshock.service.coordinator import Coordinator, CoordinatorSettings, LeaderLock
@@ -200,7 +201,8 @@ class ControlPlane:
             if s.history_dir else None
         # An archive that cannot be written stops the service before it serves, naming it.
         try:
-            self.archive = Archive(s.archive) if s.archive is not None else None
+            self.archive = None if s.archive is None else \
+                (ArchiveProcess if s.archive.process else Archive)(s.archive)
         except ArchiveError as exc:
             raise SettingsError(str(exc)) from None
         self.state_dir = Path(s.state_dir)

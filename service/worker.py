@@ -441,10 +441,11 @@ class WorkerPipeline:
                     return
                 drain = self._feed_q.pop(0)
             t0 = time.perf_counter()
+            packed = pack(drain.items)
             try:
                 reply = self.worker.call({"now_ns": drain.now_ns, "score": drain.score, "validated": drain.validated,
                                           "close_ns": drain.close_ns, "peer_totals": drain.peer_totals,
-                                          **pack(drain.items)})
+                                          **packed})
             except WorkerError as exc:
                 reply = None
                 if self._stop.is_set():
@@ -463,6 +464,9 @@ class WorkerPipeline:
                             log.exception("scoring worker restart failed")
             if reply is not None:
                 self._failing = 0
+                # the drain's batches as joined for the worker, for the archive process to send on as
+                # they are (ingest.apply_verdicts; service/archive_process.py)
+                reply["packed"] = packed
             self.worker_seconds += time.perf_counter() - t0
             self._replies.append((drain, None if reply is None else self._outcome(reply)))
             with self._feed_cv:

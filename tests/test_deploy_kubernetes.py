@@ -87,8 +87,18 @@ def sharded_files() -> list[Path]:
 
 
 SHARDED_DOCS = [(path.name, i, doc) for path in sharded_files() for i, doc in enumerate(load_docs(path))]
+ARCHIVE = REPO / "deploy" / "kubernetes-archive"
+
+
+def archive_files() -> list[Path]:
+    """The archive layout's own objects; patch-*.yaml are patches of ../kubernetes, checked rendered."""
+    return sorted(p for p in ARCHIVE.glob("*.yaml") if p.name != "kustomization.yaml" and not p.name.startswith("patch-"))
+
+
+ARCHIVE_DOCS = [(path.name, i, doc) for path in archive_files() for i, doc in enumerate(load_docs(path))]
 EVERY_DOC = [(f"kubernetes/{n}", i, d) for n, i, d in ALL_DOCS] + \
-    [(f"kubernetes-sharded/{n}", i, d) for n, i, d in SHARDED_DOCS]
+    [(f"kubernetes-sharded/{n}", i, d) for n, i, d in SHARDED_DOCS] + \
+    [(f"kubernetes-archive/{n}", i, d) for n, i, d in ARCHIVE_DOCS]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -699,3 +709,96 @@ def test_the_image_and_release_label_set_in_the_single_layout_reach_the_sharded_
     images = {c["image"] for d in rendered if d["kind"] in ("DaemonSet", "StatefulSet", "Deployment")
               for c in d["spec"]["template"]["spec"]["containers"] + d["spec"]["template"]["spec"].get("initContainers", [])}
     assert images == {"registry.example.com/foreshock/foreshock:9.9.9"}
+
+
+def archived(kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for _, _, doc in ARCHIVE_DOCS if doc["kind"] == kind}
+
+
+def test_archive_kustomization_lists_every_manifest_on_the_single_layout():
+    kustomization = yaml.safe_load((ARCHIVE / "kustomization.yaml").read_text())
+    resources = kustomization["resources"]
+    assert len(resources) == len(set(resources)), "a resource is listed twice"
+    assert set(resources) == {"../kubernetes"} | {p.name for p in archive_files()}
+    assert {p["path"] for p in kustomization["patches"]} == {p.name for p in ARCHIVE.glob("patch-*.yaml")}
+    assert "images" not in kustomization, "the image is set once, in ../kubernetes"
+    for _, _, doc in ARCHIVE_DOCS:
+        assert doc["metadata"].get("namespace") == NAMESPACE, doc["metadata"]["name"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "foreshock"
+
+
+def test_archive_upkeep_runs_as_the_control_plane_with_only_the_archive_writable(monkeypatch):
+    """Compact, then prune, in one pod: the control plane's uid (its files), a read-only root, no
+    capabilities, no API token, no network; writable only the archive volume and a small /tmp; the
+    command lines parse with the real CLI and the settings resolve through the real command."""
+    from foreshock import cli
+    from foreshock.service import archive_command
+
+    cron = archived("CronJob")["foreshock-archive-maintenance"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid" and cron["spec"]["timeZone"] == "Etc/UTC"
+    job = cron["spec"]["jobTemplate"]["spec"]
+    pod = job["template"]["spec"]
+    serve_pod = objects("StatefulSet")["foreshock-serve"]["spec"]["template"]["spec"]
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True and security["seccompProfile"] == {"type": "RuntimeDefault"}
+    for key in ("runAsUser", "runAsGroup", "fsGroup"):
+        assert security[key] == serve_pod["securityContext"][key], key
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    assert archived("ServiceAccount")[pod["serviceAccountName"]]["automountServiceAccountToken"] is False
+    assert pod["restartPolicy"] == "Never"
+    (init,), (main,) = pod["initContainers"], pod["containers"]
+    assert [init["args"], main["args"]] == [["archive", "compact"], ["archive", "prune"]]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["archive"]["persistentVolumeClaim"]["claimName"] in archived("PersistentVolumeClaim")
+    assert "emptyDir" in volumes["tmp"] and volumes["config"]["configMap"]["name"] in objects("ConfigMap")
+    for container in (init, main):
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+        assert set(container["resources"]["requests"]) == set(container["resources"]["limits"]) == {"cpu", "memory"}
+        writable = {m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
+        assert writable == {"archive", "tmp"}, writable
+        args = cli.build_parser().parse_args(container["args"])
+        assert callable(args.run) and args.run.__module__ == archive_command.__name__
+        for var in container["env"]:
+            monkeypatch.setenv(var["name"], var["value"])
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        config = tomllib.loads(objects("ConfigMap")[volumes["config"]["configMap"]["name"]]["data"]["foreshock.toml"])
+        cfg = archive_command._settings(args, config)
+        assert cfg["archive"] == mounts["archive"]
+        assert cfg["keep_days"] == 90 and cfg["table_keep_days"] == ["incidents=0", "decisions=730"]
+    (policy,) = archived("NetworkPolicy").values()
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= job["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "ingress" not in policy["spec"] and "egress" not in policy["spec"]
+    # the ReadWriteOnce volume is where the control plane runs: the upkeep goes there
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"].items() <= \
+        objects("StatefulSet")["foreshock-serve"]["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with its built-in kustomize) is not installed")
+def test_kustomize_renders_the_archive_layout_on_the_single_one():
+    """../kubernetes with the archive volume on the control plane, where [serve] archive names it, and
+    the upkeep on the same claim with the base's image; every rendered object validates."""
+    rendered = _render(ARCHIVE)
+    single = _render(KUBE)
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == \
+        sorted({(d["kind"], d["metadata"]["name"]) for d in single}
+               | {(d["kind"], d["metadata"]["name"]) for _, _, d in ARCHIVE_DOCS})
+    (statefulset,) = [d for d in rendered if d["kind"] == "StatefulSet"]
+    (cron,) = [d for d in rendered if d["kind"] == "CronJob"]
+    serve = _container(statefulset)
+    env = {e["name"]: e["value"] for e in serve.get("env", []) if "value" in e}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in statefulset["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    mounts = {m["name"]: m["mountPath"] for m in serve["volumeMounts"]}
+    (archive_volume,) = [name for name, claim in claims.items() if claim == "foreshock-archive"]
+    assert env["FORESHOCK_SERVE_ARCHIVE"] == mounts[archive_volume]
+    assert env["NUMBA_CACHE_DIR"] and serve["args"] == ["serve"]   # the base's container, patched, not replaced
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert {c["image"] for c in pod["initContainers"] + pod["containers"]} == {serve["image"]} != {"foreshock"}
+    for doc in rendered:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "foreshock", doc["metadata"]["name"]
+        for version in VERSIONS:
+            validate(doc, version)

@@ -20,10 +20,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMD = REPO / "deploy" / "systemd"
 UNITS = ("foreshock-collect.service", "foreshock-serve.service")
+MAINTENANCE = "foreshock-archive-maintenance.service"   # a oneshot its timer starts, beside the two daemons
+TIMER = "foreshock-archive-maintenance.timer"
 INSTALLED_BINARY = "/opt/foreshock/venv/bin/foreshock"
 LOCAL_BINARY = REPO / ".venv" / "bin" / "foreshock"
 # systemd-analyze security rates exposure 0 (locked down) to 10 (unprotected); "OK" is below 4.
-MAX_EXPOSURE = {"foreshock-collect.service": 2.5, "foreshock-serve.service": 1.8}
+MAX_EXPOSURE = {"foreshock-collect.service": 2.5, "foreshock-serve.service": 1.8, MAINTENANCE: 1.0}
 
 pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                 reason="systemd-analyze is not installed (tests/setup.sh installs it)")
@@ -58,7 +60,7 @@ def unit_sections(unit: str) -> configparser.ConfigParser:
     return parser
 
 
-@pytest.mark.parametrize("unit", UNITS)
+@pytest.mark.parametrize("unit", UNITS + (MAINTENANCE,))
 def test_unit_verifies_cleanly(unit, tmp_path):
     assert LOCAL_BINARY.exists(), "the foreshock entry point is not installed in .venv"
     rc, ours = verify(render(unit, tmp_path))
@@ -84,7 +86,7 @@ def test_verify_catches_a_missing_binary(tmp_path):
     assert rc != 0 and any("not executable" in line for line in ours), ours
 
 
-@pytest.mark.parametrize("unit", UNITS)
+@pytest.mark.parametrize("unit", UNITS + (MAINTENANCE,))
 def test_security_exposure_is_low(unit, tmp_path):
     path = render(unit, tmp_path)
     proc = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(path)],
@@ -122,3 +124,40 @@ def test_unit_sandbox_and_restart(unit):
     else:
         assert env[1:] == []
     assert set(service["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
+
+
+def test_the_timer_verifies_with_the_service_it_starts(tmp_path):
+    render(MAINTENANCE, tmp_path)
+    timer = tmp_path / TIMER
+    timer.write_text((SYSTEMD / TIMER).read_text())
+    rc, ours = verify(timer)
+    assert rc == 0 and not ours, "\n".join(ours)
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str
+    parser.read_string(timer.read_text())
+    assert "Unit" not in parser["Timer"], "the timer starts the service of its own name"
+    assert parser["Timer"]["Persistent"] == "true" and parser["Install"]["WantedBy"] == "timers.target"
+
+
+def test_archive_maintenance_is_the_services_user_with_only_the_archive_writable():
+    """Compact, then prune, as foreshock-serve.service's own dynamic user (the files are that user's),
+    with the archive the one writable path, no network and no capabilities."""
+    text = (SYSTEMD / MAINTENANCE).read_text()
+    service = unit_sections(MAINTENANCE)["Service"]
+    assert re.findall(r"^ExecStart=(.+)$", text, re.M) == [f"{INSTALLED_BINARY} archive compact",
+                                                           f"{INSTALLED_BINARY} archive prune"]
+    assert service["Type"] == "oneshot" and "Restart" not in service
+    serve = unit_sections("foreshock-serve.service")["Service"]
+    assert serve["DynamicUser"] == "yes" and "User" not in serve   # its user is named after the unit
+    for key, value in {"DynamicUser": "yes", "User": "foreshock-serve", "Group": "foreshock-serve",
+                       "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
+                       "PrivateTmp": "yes", "PrivateNetwork": "yes", "CapabilityBoundingSet": "",
+                       "RestrictAddressFamilies": "AF_UNIX"}.items():
+        assert service.get(key) == value, f"{key}={service.get(key)}"
+    assert service["StateDirectory"] == "foreshock/archive"
+    assert service["ReadWritePaths"] == "/var/lib/foreshock/archive" == service["WorkingDirectory"]
+    env = re.findall(r"^Environment=(.+)$", text, re.M)
+    assert env == ["FORESHOCK_CONFIG=/etc/foreshock/foreshock.toml"]
+    # the path the service is told to write, in the example configuration and the drop-in of operations.md
+    assert 'archive = "/var/lib/foreshock/archive"' in (SYSTEMD / "foreshock.toml").read_text()
+    assert "StateDirectory=foreshock/archive" in (REPO / "docs" / "operations.md").read_text()

@@ -33,6 +33,7 @@ from foreshock.collectors.uplink import StreamingUplink
 from foreshock.predictor import offline
 from foreshock.service import archive as archive_mod
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
+from foreshock.service.archive_process import ArchiveProcess
 from foreshock.service.decisions import DECISION_SCHEMA, read_decisions
 from foreshock.service.scoring import NullScorer
 from foreshock.service.server import Settings, SettingsError, build_server
@@ -207,12 +208,15 @@ def _gpu(node: str, n: int, ts0: int, nan: bool = False) -> pa.Table:
     return sch.to_table("gpu", rows)
 
 
-def test_the_scoring_worker_path_archives_what_its_value_checks_took(tmp_path):
+@pytest.mark.parametrize("process", [True, False])
+def test_the_scoring_worker_path_archives_what_its_value_checks_took(tmp_path, process):
     """With the scoring worker (as `foreshock serve` runs), bulk batches are archived from the stage that
-    applies the worker's verdicts: a batch the value checks refused is not archived."""
+    applies the worker's verdicts: a batch the value checks refused is not archived, whether the writer
+    is the archive process (`foreshock serve`'s) or a thread of the service."""
     archive = tmp_path / "archive"
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scoring_process=True,
-                                                    archive=ArchiveSettings(str(archive), fsync=False)))
+                                                    archive=ArchiveSettings(str(archive), fsync=False,
+                                                                            process=process)))
     plane.start()
     try:
         up = StreamingUplink(plane.address, node="w1", backoff_initial=0.1).start()
@@ -279,8 +283,9 @@ def test_a_killed_writers_unfinished_files_are_removed_once_two_roll_periods_old
     assert not dead.exists() and live.exists()
 
 
-def test_a_full_queue_drops_and_counts_and_never_waits(tmp_path):
-    arc = Archive(ArchiveSettings(str(tmp_path), queue_bytes=1 << 20, fsync=False))   # writer not started
+@pytest.mark.parametrize("writer", [Archive, ArchiveProcess])
+def test_a_full_queue_drops_and_counts_and_never_waits(tmp_path, writer):
+    arc = writer(ArchiveSettings(str(tmp_path), queue_bytes=1 << 20, fsync=False))   # writer not started
     t = _gpu("n1", 2000, time.time_ns())
     for _ in range(40):   # with nobody writing, a blocking queue would hang here
         arc.take_tables({"gpu": t})
@@ -316,12 +321,14 @@ class DiskFull(ds.AtomicParquetFile):
 
 def test_a_full_disk_stops_the_archive_and_nothing_else(tmp_path, monkeypatch, caplog):
     """ENOSPC injected at the filesystem seam (the one write helper): the archive stops with a metric
-    and a log line; telemetry is still taken, the decision log and the directives go on."""
+    and a log line; telemetry is still taken, the decision log and the directives go on. The writer is
+    a thread here, where the seam reaches it (the archive process: tests/test_service_archive_process.py
+    and the real full filesystem below)."""
 
     monkeypatch.setattr(archive_mod, "AtomicParquetFile", DiskFull)   # the archive's seam; the state's untouched
     plane = build_server(Settings.insecure_loopback(
         tmp_path / "state", scorer=NullScorer(), decision_flush_seconds=0.0,
-        archive=ArchiveSettings(str(tmp_path / "archive"), roll_seconds=1, fsync=False)))
+        archive=ArchiveSettings(str(tmp_path / "archive"), roll_seconds=1, fsync=False, process=False)))
     plane.start()
     try:
         up = StreamingUplink(plane.address, node="f1", backoff_initial=0.1).start()
@@ -452,8 +459,8 @@ def test_the_readers_take_both_layouts_in_one_dataset(tmp_path):
     assert json.loads(meta[ds.NODES_KEY]) == ["a1", "a2"]
 
 
-@pytest.mark.parametrize("scoring_process", [False, True])
-def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path, scoring_process):
+@pytest.mark.parametrize("scoring_process,archive_process", [(False, False), (True, False), (True, True)])
+def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path, scoring_process, archive_process):
     """Telemetry acknowledged but still queued for its round when the service stops is taken (and so
     archived) before the scoring loop ends, not left behind: the loop's drains are made rare here, so
     every batch is still queued at stop."""
@@ -461,7 +468,8 @@ def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path,
     clock = Clock(time.time_ns())
     plane = build_server(Settings.insecure_loopback(tmp_path / "state", scoring_process=scoring_process,
                                                     scoring_clock=clock,
-                                                    archive=ArchiveSettings(str(archive), fsync=False)))
+                                                    archive=ArchiveSettings(str(archive), fsync=False,
+                                                                            process=archive_process)))
     # The rounds' clock stands a third into a feature step: after the first round's close no step comes
     # due and no drain follows a step's last half second, wherever the wall clock's minute falls.
     step = plane.scorer.step_ns
