@@ -151,6 +151,22 @@ def _inventory(node: str, **labels) -> dict:
     return {"ts": time.time_ns(), "node": node, "leaf_switch": "leaf-1", "nvlink_domain": RACK, **labels}
 
 
+def _assert_lints_clean(text: str) -> None:
+    lint = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
+                          capture_output=True, text=True, timeout=30)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def _assert_no_spare(plane, why: str) -> None:
+    """A job on hgx-1 drained with hgx-0 as its only spare falls back to a checkpoint-exit, saying why."""
+    with grpc.insecure_channel(plane.address) as ch:
+        jobs = jobs_pb2_grpc.JobsStub(ch)
+        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="j", ranks=[jpb.RankPlacement(rank=0, node="hgx-1", gpus=[0])],
+                                                spare_nodes=["hgx-0"], current_step=5), timeout=T)
+        [d] = jobs.DrainNode(jpb.DrainNodeRequest(node="hgx-1", reason="test"), timeout=T).directives
+        assert d.kind == jpb.DIRECTIVE_KIND_CHECKPOINT_EXIT and not d.to_node
+        assert why in d.reason
+
 def test_idle_imex_down_is_recorded_not_judged_and_a_compute_domain_on_the_node_makes_it_a_finding(plane, cluster):
     nodes = cluster(["tray-0", "tray-1", "tray-2", "tray-3"])
     fakes = nodes.fakes
@@ -245,19 +261,11 @@ def test_fabric_manager_down_past_the_hold_is_a_finding_and_no_spare_but_a_resta
     text = _metrics(plane)
     assert 'foreshock_fabric_service_down{node="hgx-0",unit="nvidia-fabricmanager.service"} 1.0' in text
     assert 'foreshock_fabric_service_down{node="hgx-1",unit="nvidia-fabricmanager.service"} 0.0' in text
-    lint = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
-                          capture_output=True, text=True, timeout=30)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+    _assert_lints_clean(text)
     assert plane.policy.alarms == {}
 
     # The node is no spare meanwhile: a job on hgx-1 drained with hgx-0 as its only spare falls back.
-    with grpc.insecure_channel(plane.address) as ch:
-        jobs = jobs_pb2_grpc.JobsStub(ch)
-        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="j", ranks=[jpb.RankPlacement(rank=0, node="hgx-1", gpus=[0])],
-                                                spare_nodes=["hgx-0"], current_step=5), timeout=T)
-        [d] = jobs.DrainNode(jpb.DrainNodeRequest(node="hgx-1", reason="test"), timeout=T).directives
-        assert d.kind == jpb.DIRECTIVE_KIND_CHECKPOINT_EXIT and not d.to_node
-        assert "hgx-0: nvidia-fabricmanager down" in d.reason
+    _assert_no_spare(plane, "hgx-0: nvidia-fabricmanager down")
 
     # It serves again: the finding clears.
     fm0.unit(FM, UNIT_RUNNING)
@@ -387,18 +395,11 @@ def test_a_fabric_manager_restarting_over_and_over_is_crash_looping_though_sampl
     text = _metrics(plane)
     assert _loop_metric("hgx-0", FM, 1.0) in text and _loop_metric("hgx-1", FM, 0.0) in text
     assert 'foreshock_fabric_service_down{node="hgx-0",unit="nvidia-fabricmanager.service"} 0.0' in text
-    lint = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text,
-                          capture_output=True, text=True, timeout=30)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+    _assert_lints_clean(text)
     assert plane.policy.alarms == {}
 
     # Meanwhile hgx-0 is no spare: a job on hgx-1 drained with it as its only spare falls back.
-    with grpc.insecure_channel(plane.address) as ch:
-        jobs = jobs_pb2_grpc.JobsStub(ch)
-        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="j", ranks=[jpb.RankPlacement(rank=0, node="hgx-1", gpus=[0])],
-                                                spare_nodes=["hgx-0"], current_step=5), timeout=T)
-        [d] = jobs.DrainNode(jpb.DrainNodeRequest(node="hgx-1", reason="test"), timeout=T).directives
-        assert d.kind == jpb.DIRECTIVE_KIND_CHECKPOINT_EXIT and "hgx-0: nvidia-fabricmanager crash-looping" in d.reason
+    _assert_no_spare(plane, "hgx-0: nvidia-fabricmanager crash-looping")
 
     # It stops restarting: the finding holds until the count has not grown for the window, then clears.
     quiet = [{"hgx-0": _up(3), "hgx-1": _up(1)}] * 59
