@@ -90,3 +90,13 @@ def small_world(tmp_path_factory) -> Path:
     assert cli.main(["simulate", "--nodes", "12", "--days", "2", "--interval", "60", "--seed", "5",
                      "--rate-scale", "200", "--workers", "1", "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def small_world_model(small_world, tmp_path_factory) -> tuple[Path, dict]:
+    """(the model directory, its manifest) that train.train gives on small_world with 15 boosting
+    iterations and the defaults otherwise: the reference other ways of training must reproduce.
+    Trained once per run; read only."""
+    from foreshock.predictor import train
+    out = tmp_path_factory.mktemp("small-world-model") / "m"
+    return out, train.train(small_world, out, max_iter=15)
