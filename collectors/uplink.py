@@ -233,6 +233,9 @@ class StreamingUplink:
             time.sleep(0.02)
         self._stop.set()
         self._have_work.set()
+        q = self._session_q
+        if q is not None:
+            q.put_nowait(_WAKE)  # the sender half-closes at once instead of at its next poll
         if self._thread is not None:
             self._thread.join(max(0.5, deadline - time.monotonic() + 2.0))
         with self._lock:

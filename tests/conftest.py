@@ -90,3 +90,29 @@ def small_world(tmp_path_factory) -> Path:
     assert cli.main(["simulate", "--nodes", "12", "--days", "2", "--interval", "60", "--seed", "5",
                      "--rate-scale", "200", "--workers", "1", "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def small_world_model(small_world, tmp_path_factory) -> tuple[Path, dict]:
+    """(the model directory, its manifest) that train.train gives on small_world with 15 boosting
+    iterations and the defaults otherwise: the reference other ways of training must reproduce.
+    Trained once per run; read only."""
+    from foreshock.predictor import train
+    out = tmp_path_factory.mktemp("small-world-model") / "m"
+    return out, train.train(small_world, out, max_iter=15)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(path) -> path: predictor.synthetic.tiny_model_dir's model at `path`, fitted once per
+    run and copied, so that each test still has a model directory of its own."""
+    import shutil
+
+    from foreshock.predictor import synthetic
+    fitted = synthetic.tiny_model_dir(tmp_path_factory.mktemp("tiny-model") / "m")
+
+    def copy(path: Path) -> Path:
+        shutil.copytree(fitted, path)
+        return path
+
+    return copy

@@ -99,7 +99,8 @@ def _same_features(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-def test_train_and_evaluate_on_a_file_uri_give_what_the_plain_path_gives(data, tmp_path, capsys, monkeypatch):
+def test_train_and_evaluate_on_a_file_uri_give_what_the_plain_path_gives(data, small_world_model, tmp_path, capsys,
+                                                                         monkeypatch):
     uri = f"file://{data}"
     r = ds.open_dataset_root(uri)
     assert r.path == str(data) and r.local and str(r) == uri
@@ -109,7 +110,7 @@ def test_train_and_evaluate_on_a_file_uri_give_what_the_plain_path_gives(data, t
     assert offline.dataset_hash(uri) == offline.dataset_hash(data)
     # the process pool's workers get the root pickled, its filesystem with it, and read there
     _same_features(_features(data, workers=1), _features(uri, workers=2))
-    a = train.train(data, tmp_path / "plain", max_iter=15)
+    plain, a = small_world_model
     b = train.train(uri, tmp_path / "uri", max_iter=15)
     for key in ("thresholds", "recommended_threshold", "threshold_curves", "metrics"):   # as JSON: NaN == NaN
         assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key
@@ -119,7 +120,7 @@ def test_train_and_evaluate_on_a_file_uri_give_what_the_plain_path_gives(data, t
     reports = []
     for given in (data.name, uri):
         js = tmp_path / f"e{len(reports)}.json"
-        rc = cli.main(["evaluate", "--data", given, "--model", str(tmp_path / "plain"), "--json", str(js)])
+        rc = cli.main(["evaluate", "--data", given, "--model", str(plain), "--json", str(js)])
         assert rc == 0, capsys.readouterr().err
         reports.append(json.loads(js.read_text()))
     assert reports[1]["data"] == uri

@@ -45,9 +45,9 @@ def _cols(suffix=None, prefix=None):
             if (suffix and n.endswith(suffix)) or (prefix and n.startswith(prefix))]
 
 
-def test_a_restored_scorer_carries_on(tmp_path, telemetry):
+def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
     tables, inv, first = telemetry
-    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
     steady = online.OnlineScorer(model, explain_top=0)
     before = online.OnlineScorer(model, explain_top=0)
     for s in (steady, before):
@@ -81,9 +81,9 @@ def test_a_restored_scorer_carries_on(tmp_path, telemetry):
     assert sick[ft.FEATURE_NAMES.index("ecc_sbe_30m_vs_baseline")] > 1
 
 
-def test_a_cold_scorer_differs_so_the_checkpoint_matters(tmp_path, telemetry):
+def test_a_cold_scorer_differs_so_the_checkpoint_matters(tmp_path, telemetry, tiny_model_dir):
     tables, inv, first = telemetry
-    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
     steady, cold = online.OnlineScorer(model, explain_top=0), online.OnlineScorer(model, explain_top=0)
     for s in (steady, cold):
         s.ingest("inventory", inv)
@@ -96,9 +96,9 @@ def test_a_cold_scorer_differs_so_the_checkpoint_matters(tmp_path, telemetry):
     assert steady.features_of("node-b")[col] != cold.features_of("node-b")[col]
 
 
-def test_a_bad_state_file_is_refused_and_changes_nothing(tmp_path, telemetry):
+def test_a_bad_state_file_is_refused_and_changes_nothing(tmp_path, telemetry, tiny_model_dir):
     tables, inv, first = telemetry
-    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
     scorer = online.OnlineScorer(model, explain_top=0)
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"not an npz")
@@ -129,10 +129,10 @@ def test_a_bad_state_file_is_refused_and_changes_nothing(tmp_path, telemetry):
     assert scorer.nodes == NODES
 
 
-def test_the_service_sets_an_unusable_checkpoint_aside_and_starts_cold(tmp_path, caplog):
+def test_the_service_sets_an_unusable_checkpoint_aside_and_starts_cold(tmp_path, caplog, tiny_model_dir):
     from foreshock.service.scoring import PredictorScorer
 
-    scorer = PredictorScorer(synthetic.tiny_model_dir(tmp_path / "m"))
+    scorer = PredictorScorer(tiny_model_dir(tmp_path / "m"))
     state = tmp_path / "scorer-state.npz"
     assert scorer.restore_state(state) is None            # none yet: nothing said, nothing moved
     state.write_bytes(b"\x00" * 64)

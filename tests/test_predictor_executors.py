@@ -72,20 +72,21 @@ def test_ray_builds_the_same_features_as_the_process_pool_and_in_process(data, r
             assert np.array_equal(serial[node][1], other[node][1], equal_nan=True), node
 
 
-def test_train_and_evaluate_on_ray_give_the_local_model_and_figures(data, ray_head, tmp_path, capsys):
-    local = train.train(data, tmp_path / "local", max_iter=15)
+def test_train_and_evaluate_on_ray_give_the_local_model_and_figures(data, small_world_model, ray_head, tmp_path,
+                                                                    capsys):
+    local_dir, local = small_world_model
     on_ray = train.train(data, tmp_path / "ray", max_iter=15, executor="ray", ray_address=ray_head)
     assert on_ray["thresholds"] == local["thresholds"]
     assert on_ray["threshold_curves"] == local["threshold_curves"]
     # the same figures (json: NaN compares equal as text)
     assert json.dumps(on_ray["metrics"], sort_keys=True) == json.dumps(local["metrics"], sort_keys=True)
-    a, b = registry.load_model(tmp_path / "local"), registry.load_model(tmp_path / "ray")
+    a, b = registry.load_model(local_dir), registry.load_model(tmp_path / "ray")
     X = np.random.default_rng(0).normal(size=(64, len(a.feature_names))).astype(np.float32)
     assert np.array_equal(a.probability(X), b.probability(X))
     reports = []
     for extra in ([], ["--executor", "ray", "--ray-address", ray_head]):
         js = tmp_path / f"e{len(reports)}.json"
-        rc = cli.main(["evaluate", "--data", str(data), "--model", str(tmp_path / "local"), "--json", str(js),
+        rc = cli.main(["evaluate", "--data", str(data), "--model", str(local_dir), "--json", str(js),
                        *extra])
         assert rc == 0, capsys.readouterr().err
         reports.append(json.loads(js.read_text()))

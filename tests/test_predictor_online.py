@@ -14,8 +14,8 @@ STEP_NS = ft.STEP_SECONDS * 1_000_000_000
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return registry.load_model(synthetic.tiny_model_dir(tmp_path_factory.mktemp("m") / "m"))
+def model(tmp_path_factory, tiny_model_dir):
+    return registry.load_model(tiny_model_dir(tmp_path_factory.mktemp("m") / "m"))
 
 
 def _slice(table: pa.Table, lo: int, hi: int) -> pa.Table:

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from foreshock.predictor import features as ft
-from foreshock.predictor import registry, synthetic
+from foreshock.predictor import registry
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return synthetic.tiny_model_dir(tmp_path_factory.mktemp("model") / "m")
+def model_dir(tmp_path_factory, tiny_model_dir):
+    return tiny_model_dir(tmp_path_factory.mktemp("model") / "m")
 
 
 def test_save_and_load_round_trip(model_dir):

@@ -18,8 +18,8 @@ STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return registry.load_model(synthetic.tiny_model_dir(tmp_path_factory.mktemp("m") / "m"))
+def model(tmp_path_factory, tiny_model_dir):
+    return registry.load_model(tiny_model_dir(tmp_path_factory.mktemp("m") / "m"))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def telemetry():
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
-def test_online_features_equal_offline_features(tmp_path, telemetry, kernel):
+def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tiny_model_dir):
     tables, inv = telemetry
     root = tmp_path / "data"
     w = dataset.DatasetWriter(root, fsync=False)
@@ -38,7 +38,7 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel):
         off = {nf.node: nf for nf in fb}
     assert set(off) == set(NODES)
 
-    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
     scorer = online.OnlineScorer(model, explain_top=0, kernel=kernel)
     scorer.ingest("inventory", inv)
     rng = np.random.default_rng(7)

@@ -213,7 +213,7 @@ def test_feature_workers_give_the_serial_features_in_node_order(tmp_path):
     assert offline.feature_workers(None, nodes=4) == 1   # too small a dataset to start workers
 
 
-def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path):
+def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path, tiny_model_dir):
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -223,7 +223,7 @@ def test_online_rounds_give_the_same_features_however_rows_are_batched(tmp_path)
     nodes = ["node-a", "node-b"]
     tables = {n: synthetic.node_tables(n, 36, seed=i, interval_s=20, ecc_ramp_from=6 if i else None)
               for i, n in enumerate(nodes)}
-    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
     t0 = synthetic.T0_NS - synthetic.T0_NS % step_ns
 
     def rows(name, lo, hi):

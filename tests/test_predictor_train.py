@@ -28,11 +28,23 @@ def sim_data(tmp_path_factory):
     return out
 
 
-def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, tmp_path, capsys):
-    model_dir = tmp_path / "model"
-    rc = cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "20"])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
+@pytest.fixture(scope="module")
+def trained(sim_data, tmp_path_factory):
+    """`foreshock train` with its defaults (stacked with the shipped model, compared with it) on sim_data:
+    (the model directory, stdout, stderr). Two tests read this one run; neither writes to it."""
+    import contextlib
+    import io
+
+    model_dir = tmp_path_factory.mktemp("trained") / "model"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "10"])
+    assert rc == 0, err.getvalue()
+    return model_dir, out.getvalue(), err.getvalue()
+
+
+def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, trained, tmp_path, capsys):
+    model_dir, out, err = trained
     # stderr is no terminal here: progress comes as plain lines, each phase to its end
     assert "base signals: 8/8 (100 %)" in err and "features: 8/8 (100 %)" in err, err
     m = registry.load_model(model_dir)
@@ -221,15 +233,13 @@ def test_evaluate_refuses_a_dataset_without_incidents_and_summarises_a_quiet_one
     assert quiet["incidents"] == 0 and np.isnan(quiet["incident_recall_precursor"])
 
 
-def test_train_stacks_with_the_shipped_model_by_default(sim_data, tmp_path, capsys):
+def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_path, capsys):
     """A user's history seldom holds enough incidents to learn from: `foreshock train` stacks its model
     with the shipped one (model.LogitBlend), the weights fitted on the validation slice, and the
     stacked model keeps the compiled fast path; `--base ''` trains from the history alone."""
     from foreshock.predictor import model as mdl
 
-    stacked_dir, alone_dir = tmp_path / "stacked", tmp_path / "alone"
-    assert cli.main(["train", "--data", str(sim_data), "--out", str(stacked_dir), "--max-iter", "10"]) == 0
-    out = capsys.readouterr().out
+    (stacked_dir, out, _), alone_dir = trained, tmp_path / "alone"
     shipped = registry.load_model(registry.default_model_path())
     stacked = registry.load_model(stacked_dir)
     info = stacked.manifest["estimator"]["stacked_with_base"]

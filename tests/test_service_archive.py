@@ -161,7 +161,7 @@ def test_train_on_the_archive_gives_the_model_of_the_data_the_service_was_sent(t
     from foreshock.predictor.train import train
     sim, archive = tmp_path / "sim", tmp_path / "archive"
     start = dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0) - dt.timedelta(hours=23)
-    subprocess.run([sys.executable, "-m", "foreshock.cli", "simulate", "--world", "clean", "--nodes", "24",
+    subprocess.run([sys.executable, "-m", "foreshock.cli", "simulate", "--world", "clean", "--nodes", "12",
                     "--days", "0.9", "--interval", "60", "--seed", "3", "--rate-scale", "300", "--workers", "1",
                     "--start", start.strftime("%Y-%m-%dT%H:%M:%SZ"), "--out", str(sim)], check=True,
                    capture_output=True, timeout=300)
@@ -189,8 +189,9 @@ def test_train_on_the_archive_gives_the_model_of_the_data_the_service_was_sent(t
     incidents = ds.read_table(sim, "incidents")
     assert incidents.num_rows >= 5
     ds.write_parquet_atomic(incidents, _mkdir(archive / "table=incidents" / "date=2026-01-01") / "part-0.parquet")
-    a = train(sim, tmp_path / "model-sim", prior_scale=300, seed=0)
-    b = train(archive, tmp_path / "model-archive", prior_scale=300, seed=0)
+    # the two models must agree, not be good: a short boosting run shows that as well as a long one
+    a = train(sim, tmp_path / "model-sim", prior_scale=300, seed=0, max_iter=20)
+    b = train(archive, tmp_path / "model-archive", prior_scale=300, seed=0, max_iter=20)
     for key in ("thresholds", "recommended_threshold", "threshold_curves", "metrics"):   # as JSON: NaN == NaN
         assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key
     for key in ("nodes", "incidents", "train_steps", "train_rows_sampled", "train_positive_rows"):

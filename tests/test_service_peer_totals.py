@@ -79,8 +79,8 @@ def test_bad_totals_over_grpc_are_refused_and_apply_no_event(tmp_path):
         plane.stop(0.5)
 
 
-def test_two_shards_scorers_get_each_others_totals_through_the_coordinator(tmp_path):
-    model = registry.load_model(synthetic.tiny_model_dir(tmp_path / "m"))
+def test_two_shards_scorers_get_each_others_totals_through_the_coordinator(tmp_path, tiny_model_dir):
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
     tables = {n: synthetic.node_tables(n, 12, seed=i, interval_s=20) for i, n in enumerate(NODES)}
     inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
     plane = _coordinator(tmp_path)
@@ -115,7 +115,7 @@ def test_two_shards_scorers_get_each_others_totals_through_the_coordinator(tmp_p
         plane.stop(0.5)
 
 
-def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path):
+def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path, tiny_model_dir):
     """Two shard instances (in-process scorers, rounds on a clock the test moves) forwarding to a real
     coordinator: each step's totals go up after the step closes, the other shard's come back and the
     next step's job peers use them (the scorer's counts and the metric say so)."""
@@ -125,7 +125,7 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path):
     from foreshock.service.scoring import PredictorScorer
     from foreshock.service.server import Settings, build_server
 
-    model_dir = synthetic.tiny_model_dir(tmp_path / "m")
+    model_dir = tiny_model_dir(tmp_path / "m")
     tables = {n: synthetic.node_tables(n, 12, seed=i, interval_s=20) for i, n in enumerate(NODES)}
     inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
     steps = list(_steps(tables))[:3]
@@ -165,11 +165,11 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path):
         coordinator.stop(0.5)
 
 
-def test_the_scoring_worker_sends_its_totals_and_takes_the_others(tmp_path):
+def test_the_scoring_worker_sends_its_totals_and_takes_the_others(tmp_path, tiny_model_dir):
     """The same exchange when the scorer runs in the scoring worker process (serve's default with a model)."""
     from foreshock.service.worker import ScoringWorker, _encode, pack
 
-    model_dir = synthetic.tiny_model_dir(tmp_path / "m")
+    model_dir = tiny_model_dir(tmp_path / "m")
     tables = {n: synthetic.node_tables(n, 9, seed=i, interval_s=20) for i, n in enumerate(NODES)}
     inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
     steps = list(_steps(tables))[:3]
