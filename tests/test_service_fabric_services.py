@@ -157,6 +157,16 @@ def _assert_lints_clean(text: str) -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
+def _register_rack_job(ch) -> "jobs_pb2_grpc.JobsStub":
+    """Registers job mnnvl with a rank on tray-0 and one on tray-1 (a compute domain on the rack's
+    NVLink domain); returns the Jobs stub."""
+    jobs = jobs_pb2_grpc.JobsStub(ch)
+    jobs.RegisterJob(jpb.RegisterJobRequest(job_id="mnnvl", ranks=[
+        jpb.RankPlacement(rank=0, node="tray-0", gpus=[0]), jpb.RankPlacement(rank=1, node="tray-1", gpus=[0])]),
+        timeout=T)
+    return jobs
+
+
 def _assert_no_spare(plane, why: str) -> None:
     """A job on hgx-1 drained with hgx-0 as its only spare falls back to a checkpoint-exit, saying why."""
     with grpc.insecure_channel(plane.address) as ch:
@@ -166,6 +176,7 @@ def _assert_no_spare(plane, why: str) -> None:
         [d] = jobs.DrainNode(jpb.DrainNodeRequest(node="hgx-1", reason="test"), timeout=T).directives
         assert d.kind == jpb.DIRECTIVE_KIND_CHECKPOINT_EXIT and not d.to_node
         assert why in d.reason
+
 
 def test_idle_imex_down_is_recorded_not_judged_and_a_compute_domain_on_the_node_makes_it_a_finding(plane, cluster):
     nodes = cluster(["tray-0", "tray-1", "tray-2", "tray-3"])
@@ -192,10 +203,7 @@ def test_idle_imex_down_is_recorded_not_judged_and_a_compute_domain_on_the_node_
 
     # A multi-node job across the rack's trays: a compute domain uses tray-0 and tray-1 now.
     with grpc.insecure_channel(plane.address) as ch:
-        jobs = jobs_pb2_grpc.JobsStub(ch)
-        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="mnnvl", ranks=[
-            jpb.RankPlacement(rank=0, node="tray-0", gpus=[0]), jpb.RankPlacement(rank=1, node="tray-1", gpus=[0])]),
-            timeout=T)
+        jobs = _register_rack_job(ch)
         assert _wait(lambda: _decisions(plane, "fabric_service_down"))
         [down] = _decisions(plane, "fabric_service_down")
         details = json.loads(down["details"])
@@ -467,10 +475,7 @@ def test_a_crash_looping_imex_is_judged_only_while_a_compute_domain_uses_the_nod
     assert _decisions(plane, "fabric_service_crash_loop") == []
     assert "foreshock_fabric_service_crash_looping{" not in _metrics(plane)    # nothing judged
     with grpc.insecure_channel(plane.address) as ch:
-        jobs = jobs_pb2_grpc.JobsStub(ch)
-        jobs.RegisterJob(jpb.RegisterJobRequest(job_id="mnnvl", ranks=[
-            jpb.RankPlacement(rank=0, node="tray-0", gpus=[0]), jpb.RankPlacement(rank=1, node="tray-1", gpus=[0])]),
-            timeout=T)
+        jobs = _register_rack_job(ch)
         assert _wait(lambda: _looping(plane, "tray-0"))
         [loop] = _looping(plane, "tray-0")
         details = json.loads(loop["details"])
