@@ -69,7 +69,18 @@ from foreshock.service.validation import RawBatch, wire_schema
 log = logging.getLogger(__name__)
 
 ROW_GROUP_ROWS = 128 * 1024   # rows sorted by node: a read of one node skips the others' row groups
-PARQUET_OPTIONS = {"compression": ds.COMPRESSION, "use_dictionary": True, "write_statistics": True}
+
+
+def parquet_options(schema: pa.Schema) -> dict:
+    """pyarrow.parquet writer keywords for an archive file of `schema`: the dataset's compression,
+    statistics, and dictionary encoding on the string columns only (node names, kinds, units: few
+    values). A day's timestamps and counters are nearly all distinct: dictionary-encoded they overflow
+    the dictionary page into a fallback that compresses worse than plain encoding
+    (benchmarks/results/archive-compaction-2026-12-04.md)."""
+    strings = [f.name for f in schema
+               if pa.types.is_string(f.type) or pa.types.is_large_string(f.type) or pa.types.is_dictionary(f.type)]
+    return {"compression": ds.COMPRESSION, "use_dictionary": strings, "write_statistics": True}
+
 TICK_SECONDS = 1.0            # how often the writer looks at the buffers' age when nothing comes
 DECISIONS = "decisions"
 
@@ -381,7 +392,7 @@ class Archive:
                 first = pc.min(part.column("ts")).value
                 f = self._open[(name, date)] = _Open(AtomicParquetFile(
                     f"{directory}/{ds.part_file_name(first, f'{self._id}-{self._seq:06d}')}", part.schema,
-                    filesystem=self.fs, fsync=self.settings.fsync, **PARQUET_OPTIONS))
+                    filesystem=self.fs, fsync=self.settings.fsync, **parquet_options(part.schema)))
             self._writing = (name, f.file.path)
             f.file.write(part, ROW_GROUP_ROWS)
             f.nodes.update(pc.unique(part.column("node")).to_pylist())

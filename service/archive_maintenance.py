@@ -3,7 +3,7 @@ run by `foreshock archive compact|prune` (service/archive_command.py; docs/servi
 
 The layout, the file names and the compaction record are foreshock/dataset.py's (date_dir,
 part_file_name, COMPACTION_RECORD_PREFIX); the files are written as the archive writes them
-(PARQUET_OPTIONS, ROW_GROUP_ROWS, the node names in the footer under NODES_KEY), by the project's one
+(parquet_options, ROW_GROUP_ROWS, the node names in the footer under NODES_KEY), by the project's one
 atomic Parquet writer (dataset.AtomicParquetFile), through pyarrow.fs, so a URI works as a path does.
 
 Compaction merges the small files of a closed date directory (its date ended `settle_seconds` ago)
@@ -65,7 +65,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from foreshock import dataset as ds
-from foreshock.service.archive import PARQUET_OPTIONS, ROW_GROUP_ROWS
+from foreshock.service.archive import ROW_GROUP_ROWS, parquet_options
 from foreshock.service.command import ARCHIVE_ROLL_SECONDS_MAX
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ def _compact_date(root: ds.DatasetRoot, directory: str, groups: list[_Group], fs
             data = data.sort_by([("node", "ascending"), ("ts", "ascending")])
             name = ds.part_file_name(pc.min(data.column("ts")).value, f"{writer}-{n:06d}")
             f = ds.AtomicParquetFile(f"{directory}/{name}", group.schema, filesystem=fs, fsync=fsync,
-                                     **PARQUET_OPTIONS)
+                                     **parquet_options(group.schema))
             try:
                 f.write(data, ROW_GROUP_ROWS)
             except BaseException:

@@ -491,3 +491,22 @@ def test_stop_takes_and_archives_what_collectors_were_acknowledged_for(tmp_path,
         up.close(0.5)
     assert plane.scoring.backlog() == 0
     assert ds.read_table(archive, "gpu").num_rows == 40
+
+
+def test_archive_files_dictionary_encode_their_strings_and_not_their_timestamps(tmp_path):
+    """Node names repeat, timestamps do not: a dictionary on `ts` overflows into a fallback that
+    compresses worse than plain, so only the string columns get one."""
+    from foreshock.service.archive import parquet_options
+
+    rows = [{"ts": 1_764_547_200_000_000_000 + i * 1_000_003, "node": f"node-{i % 16:03d}", "kind": "xid",
+             "source": "nvml", "xid": 13, "gpu": i % 8, "message": "Xid 13"} for i in range(4096)]
+    table = sch.to_table("events", rows)
+    path = tmp_path / "part.parquet"
+    f = ds.AtomicParquetFile(str(path), table.schema, fsync=False, **parquet_options(table.schema))
+    f.write(table, 1024)
+    f.commit()
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    encodings = {meta.column(i).path_in_schema: set(meta.column(i).encodings) for i in range(meta.num_columns)}
+    assert {"RLE_DICTIONARY", "PLAIN_DICTIONARY"} & encodings["node"]
+    assert not {"RLE_DICTIONARY", "PLAIN_DICTIONARY"} & encodings["ts"]
+    assert pq.read_table(path).equals(table)
