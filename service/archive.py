@@ -125,7 +125,26 @@ class _Open:
         self.rows = 0
 
 
-class Archive:
+class BoundedSubmissions:
+    """What both archive front ends (Archive here, ArchiveProcess) share: submissions queued up to
+    `settings.queue_bytes` under `self._cv`, never waited for. A submission the owner refuses
+    (`_refuses`, asked under the lock) or one over the bound is dropped and counted."""
+
+    def _refuses(self) -> bool:
+        raise NotImplementedError
+
+    def _put(self, item, nbytes: int) -> None:
+        with self._cv:
+            if self._refuses() or self.queued_bytes + nbytes > self.settings.queue_bytes:
+                # Never wait for the archive: the scoring path goes on, the loss is counted.
+                self.dropped_bytes += nbytes
+                return
+            self._queue.append((item, nbytes))
+            self.queued_bytes += nbytes
+            self._cv.notify()
+
+
+class Archive(BoundedSubmissions):
     """The writer: `take_*` from any thread (by reference, never blocks), `start()`, `close()` (writes it all)."""
 
     def __init__(self, settings: ArchiveSettings, *, writer_id: str = "", dead_writers=()):
@@ -232,15 +251,8 @@ class Archive:
             self.errors += 1
             self.dropped_bytes += nbytes
 
-    def _put(self, item, nbytes: int) -> None:
-        with self._cv:
-            if not self.up or self._closing or self.queued_bytes + nbytes > self.settings.queue_bytes:
-                # Never wait for the writer: the scoring path goes on, the loss is counted.
-                self.dropped_bytes += nbytes
-                return
-            self._queue.append((item, nbytes))
-            self.queued_bytes += nbytes
-            self._cv.notify()
+    def _refuses(self) -> bool:
+        return not self.up or self._closing
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> "Archive":

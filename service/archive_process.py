@@ -58,7 +58,7 @@ from multiprocessing.connection import Connection
 import pyarrow as pa
 
 from foreshock import dataset as ds
-from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
+from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings, BoundedSubmissions
 
 log = logging.getLogger("foreshock.service.archive")
 
@@ -129,7 +129,7 @@ class _Dropped(Exception):
     """A submission the sender drops: no archive process takes it."""
 
 
-class ArchiveProcess:
+class ArchiveProcess(BoundedSubmissions):
     """Archive's interface, its writer in the archive process: `take_*` from any thread (by reference,
     never blocks), `start()`, `close()` (writes it all), `stats()`, `up`."""
 
@@ -181,16 +181,8 @@ class ArchiveProcess:
         with self._cv:
             return self._live and self._child.get("up", False)
 
-    def _put(self, item, nbytes: int) -> None:
-        with self._cv:
-            if (self._stopped or self._closing or self.queued_bytes + nbytes > self.settings.queue_bytes
-                    or (self._started and not self._live)):
-                # Never wait for the archive: the scoring path goes on, the loss is counted.
-                self.dropped_bytes += nbytes
-                return
-            self._queue.append((item, nbytes))
-            self.queued_bytes += nbytes
-            self._cv.notify()
+    def _refuses(self) -> bool:
+        return self._stopped or self._closing or (self._started and not self._live)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> "ArchiveProcess":
