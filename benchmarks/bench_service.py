@@ -68,7 +68,7 @@ def train_model(out: Path) -> Path:
     from foreshock.predictor import registry
     rng = np.random.default_rng(0)
     n = 3000
-    X = np.abs(rng.normal(0, 0.01, (n, ft.N_FEATURES))).astype(np.float32)
+    X = np.abs(rng.normal(0, 0.01, (n, ft.N_MODEL))).astype(np.float32)
     pos = rng.random(n) < 0.3
     for name in ("pcie_replay_1m", "pcie_replay_5m", "pcie_replay_30m"):
         col = ft.FEATURE_NAMES.index(name)

@@ -1,7 +1,7 @@
 """`foreshock train` and `foreshock evaluate`: the offline loop a reliability engineer runs.
 
     foreshock train --data DIR_OR_URI --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
-                    [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|'']
+                    [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|''] [--no-novelty]
                     [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
                        [--executor local|ray] [--ray-address HOST:PORT]
@@ -38,12 +38,12 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   # (a test holds them equal; this module does not import the predictor, so the CLI starts fast)
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
-                  "on_corrupt": "stop"}
+                  "on_corrupt": "stop", "novelty": True}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
                      "label_horizon_minutes": TRAIN_DEFAULTS["label_horizon_minutes"], "executor": "local",
-                     "ray_address": "", "on_corrupt": "stop"}
+                     "ray_address": "", "on_corrupt": "stop", "novelty": True}
 EXECUTOR_CHECKS = {"executor": config.Check(lambda v: v in ("local", "ray"), "must be local or ray"),
                    "on_corrupt": config.Check(lambda v: v in ("stop", "skip"), "must be stop or skip")}
 # train.train checks the label horizon against the horizon and the label gap, which can come from flags too
@@ -86,6 +86,9 @@ def register(subparsers) -> None:
                    help="stack the new model with this one, the weights of the two fitted on the validation slice, "
                         "so that a history with few incidents leans on a model trained on more (default "
                         "'shipped': the shipped default model; '' to train from this history alone)")
+    p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
+                   help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
+                        "sets the risk and the thresholds")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -102,6 +105,8 @@ def register(subparsers) -> None:
                    f"training run (default {TRAIN_DEFAULTS['max_iter']}, as foreshock train)")
     e.add_argument("--label-horizon-minutes", type=float, dest="label_horizon_minutes",
                    help="leave-one-out: each training run's label horizon, as foreshock train's (default 0: the horizon)")
+    e.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
+                   help="leave-one-out: train each model without the novelty alarm, as foreshock train --no-novelty")
     _executor_flags(e)
     e.set_defaults(run=run_evaluate)
     t = subparsers.add_parser("thresholds", help="re-choose a model's thresholds on a fleet's own history "
@@ -196,7 +201,8 @@ def run_train(args, file_data) -> int:
                                    early_label_weight=cfg["early_label_weight"], progress=progress, command=command,
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
-                                   ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"])
+                                   ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"],
+                                   novelty=cfg["novelty"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2
@@ -213,6 +219,15 @@ def run_train(args, file_data) -> int:
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
           f"{_pct(v['incident_recall_precursor'])}, median lead {v['median_lead_minutes']:.1f} min, "
           f"{v['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days, PR-AUC {v['pr_auc']:.3f}")
+    nov = manifest.get("novelty")
+    if nov:
+        w = nov["validation_without"]
+        print(f"novelty alarm beside it: scales from {nov['healthy_rows']:,} healthy training rows; the model alone "
+              f"on the same slice: recall (precursor) {_pct(w['incident_recall_precursor'])}, "
+              f"{w['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days (--no-novelty "
+              f"trains without it)")
+    elif tr.get("novelty_skipped"):
+        print(f"no novelty alarm: {tr['novelty_skipped']}")
     b = manifest["estimator"].get("stacked_with_base")
     if b and "skipped" in b:
         print(f"not stacked with {b['path']}: {b['skipped']}")
@@ -280,9 +295,9 @@ def run_evaluate(args, file_data) -> int:
     if cfg["leave_one_out"]:
         return _run_leave_one_out(cfg, data)
     if (cfg["train_data"] or cfg["only"] or cfg["max_iter"] != EVALUATE_DEFAULTS["max_iter"]
-            or cfg["label_horizon_minutes"] != EVALUATE_DEFAULTS["label_horizon_minutes"]):
-        print("foreshock evaluate: --train-data, --only, --max-iter and --label-horizon-minutes go with "
-              "--leave-one-out", file=sys.stderr)
+            or cfg["label_horizon_minutes"] != EVALUATE_DEFAULTS["label_horizon_minutes"] or not cfg["novelty"]):
+        print("foreshock evaluate: --train-data, --only, --max-iter, --label-horizon-minutes and --no-novelty "
+              "go with --leave-one-out", file=sys.stderr)
         return 2
     try:
         with _Progress() as progress:
@@ -422,7 +437,7 @@ def _run_leave_one_out(cfg: dict, data: dict) -> int:
         rep = leave_one_out.leave_one_out(data["train_data"], data["data"], kind, only=cfg["only"] or None,
                                           max_iter=cfg["max_iter"], log=_err, executor=cfg["executor"],
                                           label_horizon_s=int(cfg["label_horizon_minutes"] * 60) or None,
-                                          ray_address=cfg["ray_address"] or None)
+                                          ray_address=cfg["ray_address"] or None, novelty=cfg["novelty"])
     except executors.ExecutorError as exc:
         print(f"foreshock evaluate: {exc}", file=sys.stderr)
         return 2

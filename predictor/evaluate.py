@@ -397,9 +397,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         thresholds["model"] = float(man["recommended_threshold"])
     predictors = {"model": model.probability}
     for name in ("rule", "logistic"):
-        est = model.baselines.get(name)
-        if est is not None and name in thresholds:
-            predictors[name] = (lambda e: (lambda X: e.predict_proba(X)[:, 1]))(est)
+        if name in model.baselines and name in thresholds:
+            predictors[name] = model.baseline_probability(name)
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
     scored = score_dataset(data_dir, predictors, horizon_s, progress, executor=executor, ray_address=ray_address,
                            on_error=on_error)

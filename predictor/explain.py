@@ -35,6 +35,10 @@ for _i, _spec in enumerate(ft.FEATURES):
 GROUPS = {k: np.asarray(v) for k, v in GROUPS.items()}
 GROUP_NAMES = tuple(GROUPS)
 FIDX = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+# A steadiness (features.STEADINESS) worth saying: a tenth more of the last 2 hours' minutes counting
+# than usual is above the healthy extreme of every signal but corrected ECC and the IB receive errors
+# in the development worlds (novelty.py's scales).
+STEADY_WORTH_SAYING = 0.1
 
 
 def _fmt(v: float) -> str:
@@ -73,6 +77,9 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
         day = get(f"{signal}_decayed_12h")
         if np.isfinite(day) and day >= 1 and not (counted and day < v30 + 1):
             parts.append(f"about {_fmt(round(day))} over the last day")
+        steady = get(f"{signal}_steadiness_2h")
+        if np.isfinite(steady) and steady >= STEADY_WORTH_SAYING:
+            parts.append(f"counting in {steady:.0%} more of the last 2 hours' minutes than over its days")
         # a quiet half hour is said after what was counted, never as the reason itself
         if np.isfinite(v30) and not counted and parts:
             parts.append("none in the last 30 min")
@@ -144,9 +151,9 @@ def _describe_anomaly(get) -> str:
 
 _KIND = np.array([SIGNAL_BY_NAME[ft.FEATURES[i].signal].kind if ft.FEATURES[i].signal in SIGNAL_BY_NAME
                   else ft.FEATURES[i].signal for i in range(ft.N_FEATURES)])
-# a count signal is named only for what it counted: its windows and its day's decayed count, not its
-# ratios to the baseline
-_COUNTED = np.array([f.op in ("sum1", "sum5", "sum30", "decayed") for f in ft.FEATURES])
+# a count signal is named only for what it counted: its windows, its day's decayed count and its
+# steadiness, not its ratios to the baseline
+_COUNTED = np.array([f.op in ("sum1", "sum5", "sum30", "decayed", "steady") for f in ft.FEATURES])
 _GROUP_OF = np.zeros((ft.N_FEATURES, len(GROUP_NAMES)))
 for _k, _name in enumerate(GROUP_NAMES):
     _GROUP_OF[GROUPS[_name], _k] = 1.0

@@ -20,7 +20,10 @@ slices added in a fixed order and the EWMA is scipy's lfilter carrying its state
 bit-identical values (tests/test_predictor_skew.py asserts it).
 
 FEATURE_VERSION changes whenever a feature's definition changes; a model trained with other features
-is refused by the registry.
+is refused by the registry. The estimators read the first N_MODEL columns (MODEL_FEATURE_NAMES); the
+STEADINESS columns after them feed the novelty alarm (novelty.py) and never the trees. Feature
+version 7 only appended them, so a version-6 model, whose names are MODEL_FEATURE_NAMES, still loads
+(READABLE_VERSIONS).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from scipy.signal import lfilter
 
 from foreshock.predictor import signals as sg
 
-FEATURE_VERSION = "6"
+FEATURE_VERSION = "7"
+READABLE_VERSIONS = ("6", "7")   # 7 appended the STEADINESS columns; the model columns are 6's
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -83,6 +87,20 @@ SINCE = ("xid_fatal", "xid_precursor", "xid_nvlink", "link_state_events", "ib_li
 # bursts, and a lifetime total (remap_rows_total) cannot tell today from last year.
 DECAYED = ("remap_correctable", "remap_uncorrectable", "pcie_replay", "ib_link_downed")
 RISE = ("temp_max", "hbm_temp_max")
+# Steadiness: per error signal, the share of the last hours' steps in which it counted at all (an EWMA
+# of "counted in this step", 2-hour half-life) minus the node's own share over its days (3-day
+# half-life), both bias-corrected: in [-1, 1]. It reads for how long a signal is active, not how much
+# it counts: a benign burst is one strong quarter of an hour, a failing device counts step after step
+# for hours at any magnitude, and a device that always counts is its own baseline. The novelty alarm
+# beside the model reads these columns (novelty.py; docs/predictor.md, "Novelty alarm"); the trees do
+# not: given to them they learnt splits that held in the training period and not after it
+# (benchmarks/results/predictor-persistence-2026-12-05.md).
+# IB transmit discards are not among them: a port discards what it cannot send while it is down or
+# congested (IBTA PortXmitDiscards), so under a heavy job they count steadily for hours on a healthy
+# port, the way congestion does (ib_xmit_wait, ib_cnp).
+STEADY = ("ecc_sbe", "remap_correctable", "pcie_replay", "nvl_crc", "nvl_replay", "nvl_recovery",
+          "ib_symbol_error", "ib_link_error_recovery", "ib_rcv_errors", "ib_retrans", "ib_ack_timeout",
+          "ib_link_downed", "tcp_retrans", "eth_errors", "xid_precursor", "link_state_events")
 
 COUNT_IDX = [IDX[s.name] for s in sg.BASE_SIGNALS if s.kind == "count" and s.name not in NOT_WINDOWED]
 GAUGE_IDX = [IDX[s.name] for s in sg.BASE_SIGNALS if s.kind in ("gauge", "flag")]
@@ -91,13 +109,14 @@ BASE_IDX = [IDX[n] for n in BASELINED]
 SINCE_IDX = [IDX[n] for n in SINCE]
 DECAYED_IDX = [IDX[n] for n in DECAYED]
 RISE_IDX = [IDX[n] for n in RISE]
+STEADY_IDX = [IDX[n] for n in STEADY]
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
     name: str
     signal: str       # the base/peer signal it is computed from (explanations group by it)
-    op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed
+    op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed steady
 
 
 def _specs() -> tuple[FeatureSpec, ...]:
@@ -141,9 +160,13 @@ ANOMALY: tuple[FeatureSpec, ...] = (
     FeatureSpec("anomaly_vs_peers", "anomaly", "anomaly_peers"),
 )
 ANOMALY_RATIO = 4.0
-FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY
+STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n, "steady") for n in STEADY)
+N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
+FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
+MODEL_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES[:N_MODEL]
 N_FEATURES = len(FEATURES)
+STEADY_COLS = slice(N_MODEL, N_FEATURES)
 _VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
 _VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
                          dtype=np.intp)
@@ -162,6 +185,16 @@ def anomaly_scores(out: np.ndarray) -> None:
         out[:, base] = np.maximum(np.max(np.where(np.isnan(own), 0.0, own), axis=1), 0.0)
         out[:, base + 1] = (out[:, _VS_BASELINE_COLS] >= ANOMALY_RATIO).sum(axis=1)
         out[:, base + 2] = np.maximum(np.max(np.where(np.isnan(peers), 0.0, peers), axis=1), 0.0)
+
+
+def full_width(row) -> np.ndarray:
+    """[N_FEATURES] float32 from a row that may be shorter (a version-6 model's reference values):
+    the columns it lacks are 0, not unusual; None: all 0."""
+    out = np.zeros(N_FEATURES, dtype=np.float32)
+    if row is not None:
+        got = np.asarray(row, dtype=np.float32)[:N_FEATURES]
+        out[:len(got)] = got
+    return out
 
 
 def feature_names() -> list[str]:
@@ -222,6 +255,8 @@ class FeatureState:
     seen: np.ndarray        # [N] steps seen (EWMA bias correction)
     last_event: np.ndarray  # [N, E] step index of the last event of each SINCE signal (-inf: never)
     zd: np.ndarray          # [N, D] the decayed counts of the DECAYED signals, after the last step
+    za: np.ndarray          # [N, P] EWMA state of "counted in the step" of the STEADY signals, 3-day
+    zar: np.ndarray         # [N, P] the same, 2-hour
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
 
     @classmethod
@@ -230,7 +265,8 @@ class FeatureState:
         return cls(np.zeros((n, k)), np.zeros((n, k)), np.zeros((RING, n, k)), np.zeros((RING, n, k)),
                    np.full((GRING, n, g), np.nan), 0, 0, np.zeros((n, len(BASE_IDX))),
                    np.zeros((n, len(BASE_IDX))), np.zeros(n),
-                   np.full((n, len(SINCE_IDX)), -np.inf), np.zeros((n, len(DECAYED_IDX))))
+                   np.full((n, len(SINCE_IDX)), -np.inf), np.zeros((n, len(DECAYED_IDX))),
+                   np.zeros((n, len(STEADY_IDX))), np.zeros((n, len(STEADY_IDX))))
 
     def grow(self, n: int) -> "FeatureState":
         """The same state with n new nodes appended (their history empty, as offline starts them)."""
@@ -240,15 +276,16 @@ class FeatureState:
                             cat([self.ring, add.ring], axis=1), cat([self.ringv, add.ringv], axis=1),
                             cat([self.gring, add.gring], axis=1), self.head, self.ghead,
                             cat([self.z, add.z]), cat([self.zr, add.zr]), cat([self.seen, add.seen]),
-                            cat([self.last_event, add.last_event]), cat([self.zd, add.zd]))
+                            cat([self.last_event, add.last_event]), cat([self.zd, add.zd]),
+                            cat([self.za, add.za]), cat([self.zar, add.zar]))
 
     def __len__(self) -> int:
         return len(self.seen)
 
     # What a checkpoint keeps (OnlineScorer.save_state): the running sums, the baselines, the day-long
-    # counts and the last events, a few numbers per node. Not the 30-step rings, 30x the rest and
+    # counts, the steadiness shares and the last events, a few numbers per node. Not the 30-step rings, 30x the rest and
     # refilled by 30 steps of telemetry.
-    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd")
+    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar")
 
     def carried(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(getattr(self, k)) for k in self.CARRIED}
@@ -383,12 +420,12 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     xb = xs[:, :, S_BASE]
     seen = state.seen[None, :] + np.arange(1, t + 1, dtype=np.float64)[:, None]
 
-    def ewma(alpha, z):
+    def ewma(alpha, z, xin=xb):
         if t == 1:
-            y_ = alpha * xb + z[None]
+            y_ = alpha * xin + z[None]
             zf_ = (1.0 - alpha) * y_[-1]
         else:
-            y_, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], xb, axis=0, zi=z[None])
+            y_, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], xin, axis=0, zi=z[None])
             zf_ = zz[0]
         return y_ / (1.0 - (1.0 - alpha) ** seen)[:, :, None], zf_
 
@@ -452,6 +489,11 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     col += len(DECAYED_IDX)
     assert col == N_CORE
 
+    counted = _counted(xt[:, :, STEADY_IDX])
+    share_days, zaf = ewma(EWMA_ALPHA, state.za, counted)
+    share_hours, zarf = ewma(RECENT_ALPHA, state.zar, counted)
+    out[:, :, STEADY_COLS] = share_hours - share_days
+
     # carry the state
     h0 = state.head
     state.head = _push(state.ring, h0, c)
@@ -464,6 +506,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     state.seen = state.seen + t
     state.last_event = last[-1].copy()
     state.zd = np.asarray(zz[0])
+    state.za, state.zar = np.asarray(zaf), np.asarray(zarf)
     result = np.ascontiguousarray(np.swapaxes(out, 0, 1), dtype=np.float32)
     anomaly_scores(result.reshape(n * t, N_FEATURES))
     return result, state
@@ -507,6 +550,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         den_recent, hist, state.last_event, float(steps[0]), EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
     _decayed_step(x, state, out)
+    _steady_step(x, state, out, seen)
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -525,6 +569,24 @@ def _decayed_step(x: np.ndarray, state: FeatureState, out: np.ndarray) -> None:
     y = np.where(np.isnan(xd), 0.0, xd) + state.zd
     out[:, N_KERNEL:N_CORE] = y
     state.zd = DECAYED_KEEP * y
+
+
+def _counted(x: np.ndarray) -> np.ndarray:
+    """1.0 where a count signal counted in the step, else 0.0 (unknown counts as not counted)."""
+    return (np.nan_to_num(x) > 0).astype(np.float64)
+
+
+def _steady_step(x: np.ndarray, state: FeatureState, out: np.ndarray, seen: np.ndarray) -> None:
+    """The STEADINESS columns of one step (x [N, S]) into out; carries state.za and state.zar. The
+    block path's EWMA recursion element by element (y = a x + z, z = (1 - a) y), bias-corrected by
+    `seen` (the steps seen including this one)."""
+    counted = _counted(x[:, STEADY_IDX])
+    y = EWMA_ALPHA * counted + state.za
+    state.za = (1.0 - EWMA_ALPHA) * y
+    yr = RECENT_ALPHA * counted + state.zar
+    state.zar = (1.0 - RECENT_ALPHA) * yr
+    out[:, STEADY_COLS] = (yr / (1.0 - (1.0 - RECENT_ALPHA) ** seen)[:, None]
+                           - y / (1.0 - (1.0 - EWMA_ALPHA) ** seen)[:, None])
 
 
 def kernel_threads() -> int:
@@ -619,6 +681,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     col += 2 * k
     assert col == N_KERNEL
     _decayed_step(x, state, out)
+    _steady_step(x, state, out, seen)
     anomaly_scores(out)
 
     state.ring[h] = c

@@ -84,7 +84,7 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
                   seed: int = 0, prior_scale: float = 1.0, label_gap_hours: float = 12.0,
                   label_horizon_s: int | None = lb.TRAINING_LABEL_HORIZON_S, early_label_weight: float = lb.EARLY_LABEL_WEIGHT,
                   log: Callable[[str], None] = lambda line: None, work_dir=None, executor: str = "local",
-                  ray_address: str | None = None) -> dict:
+                  ray_address: str | None = None, novelty: bool = True) -> dict:
     """Train without each group of `kind` (and once on everything), evaluate all on `eval_dir`.
 
     `only`: hold out these groups only (each is a training run). `log` gets one line per step.
@@ -104,7 +104,7 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
     if not names:
         raise ValueError(f"leave-one-out: {train_dir} has no {kind} to hold out")
     settings = {"max_iter": max_iter, "seed": seed, "prior_scale": prior_scale, "label_gap_hours": label_gap_hours,
-                "label_horizon_s": label_horizon_s, "early_label_weight": early_label_weight}
+                "label_horizon_s": label_horizon_s, "early_label_weight": early_label_weight, "novelty": novelty}
     with tempfile.TemporaryDirectory(prefix="foreshock-loo-") as tmp:
         root = Path(work_dir or tmp)
         manifests: dict[str, dict] = {}
@@ -120,7 +120,8 @@ def leave_one_out(train_dir, eval_dir, kind: str, *, only: list[str] | None = No
                 manifests[run] = train.train(train_dir, root / f"model-{k:03d}", max_iter=max_iter, seed=seed,
                                              prior_scale=prior_scale, label_gap_hours=label_gap_hours,
                                              label_horizon_s=label_horizon_s, early_label_weight=early_label_weight,
-                                             holdout=holdout, executor=executor, ray_address=ray_address)
+                                             holdout=holdout, executor=executor, ray_address=ray_address,
+                                             novelty=novelty)
             except ValueError as exc:
                 if run == EVERYTHING:
                     raise

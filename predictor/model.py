@@ -12,7 +12,7 @@
 * `LogitBlend`: fitted models stacked on their logits; `foreshock train` stacks the model of a
   user's history with the shipped model, so a small history leans on what the shipped model learnt.
 
-Inputs are feature matrices in features.FEATURE_NAMES order.
+Inputs are feature matrices in features.MODEL_FEATURE_NAMES order (the estimator's columns).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from foreshock.predictor import features as ft
 class FeatureGuard(TransformerMixin, BaseEstimator):
     """Checks that X has the model's feature columns (by count, and by name for a DataFrame)."""
 
-    def __init__(self, feature_names=ft.FEATURE_NAMES):
+    def __init__(self, feature_names=ft.MODEL_FEATURE_NAMES):
         self.feature_names = feature_names
 
     def fit(self, X, y=None):
@@ -90,7 +90,7 @@ class TrendRatios(TransformerMixin, BaseEstimator):
     and for each baselined signal its 30-min rate over its 2-hour rate (a precursor lasts, a burst
     does not). A pure function of one row, so the online and the offline paths cannot disagree."""
 
-    def __init__(self, feature_names=ft.FEATURE_NAMES, eps: float = 1e-3):
+    def __init__(self, feature_names=ft.MODEL_FEATURE_NAMES, eps: float = 1e-3):
         self.feature_names = feature_names
         self.eps = eps
 
@@ -139,7 +139,7 @@ RISING_GAUGES = {"remap_pending", "remap_failure", "pcie_width_deficit", "nvl_li
 RISING_PEERS = {"gpu_err_vs_job", "link_err_vs_leaf"}
 
 
-def monotonic_constraints(feature_names=ft.FEATURE_NAMES, trend_ratios: bool = True) -> list[int]:
+def monotonic_constraints(feature_names=ft.MODEL_FEATURE_NAMES, trend_ratios: bool = True) -> list[int]:
     """HistGradientBoosting's monotonic_cst for the model's input columns (features, then the trend
     ratios TrendRatios appends): 1 = the risk does not fall as the value grows, 0 = free."""
     spec = {f.name: f for f in ft.FEATURES}
@@ -211,7 +211,7 @@ class RuleBaseline(ClassifierMixin, BaseEstimator):
         self.conditions = conditions
 
     def fit(self, X=None, y=None):
-        names = list(ft.FEATURE_NAMES)
+        names = list(ft.MODEL_FEATURE_NAMES)
         self.columns_ = np.array([names.index(f) for f, _ in self.conditions])
         self.thresholds_ = np.array([t for _, t in self.conditions], dtype=np.float64)
         self.classes_ = np.array([0, 1])

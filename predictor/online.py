@@ -97,9 +97,7 @@ class OnlineScorer:
         self._local_totals: dict[int, dict[str, dict[str, np.ndarray]]] = {}
         self._remote_totals: dict[int, dict[str, dict[str, np.ndarray]]] = {}
         self._clock = clock
-        ref = manifest.get("reference_features")
-        self.reference = (np.asarray(ref, dtype=np.float32) if ref is not None
-                          else np.zeros(ft.N_FEATURES, dtype=np.float32))
+        self.reference = ft.full_width(manifest.get("reference_features"))
         self._stage = sg.SampleStage(ft.STEP_SECONDS)
         self._pending: dict[str, list[sg.Samples]] = collections.defaultdict(list)
         # per (table, step) still open, every part's reduction merged as it arrives (_StepAccumulator):

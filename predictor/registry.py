@@ -15,6 +15,10 @@ version and feature names match the running code; and the file contains only the
 TRUSTED_TYPES (skops.io.get_untrusted_types), so a tampered file cannot smuggle in a callable.
 Never pickle or joblib.
 
+Feature rows are the full width of the running code (features.FEATURE_NAMES); the estimator reads
+the first len(manifest["feature_names"]) of them (features.MODEL_FEATURE_NAMES), and a manifest with
+a `novelty` section (novelty.py) raises the probability to the novelty alarm's where that is higher.
+
 Prediction (`LoadedModel.predict_proba`) takes the fast tree walk (predictor/treewalk.py) for the
 estimator train.py builds, when the model is loaded with `fast=True` (the default) and the walk
 reproduces predict_proba on a probe matrix at load; anything else uses the estimator's own
@@ -38,6 +42,7 @@ from foreshock import schema as sch
 from foreshock.risk import threshold_for_budget
 from foreshock.predictor import features as ft
 from foreshock.predictor.errors import ModelError
+from foreshock.predictor.novelty import NoveltyAlarm
 from foreshock.predictor.treewalk import BlendedFast, FastPredictor
 
 log = logging.getLogger(__name__)
@@ -111,13 +116,30 @@ class LoadedModel:
     def __post_init__(self):
         self._fast: FastPredictor | BlendedFast | None = None
         self._fast_checked = False
+        section = self.manifest.get("novelty")
+        self.novelty: NoveltyAlarm | None = (NoveltyAlarm.from_manifest(section, f"{self.path}/{MANIFEST_FILE}")
+                                             if section else None)
+
+    @property
+    def n_model_features(self) -> int:
+        """How many leading feature columns the estimator reads."""
+        return len(self.manifest["feature_names"])
+
+    def model_columns(self, X) -> np.ndarray:
+        """The estimator's columns of feature rows X (full width, or already the estimator's)."""
+        X = np.asarray(X, dtype=np.float32)
+        n = self.n_model_features
+        if X.ndim != 2 or X.shape[1] not in (n, ft.N_FEATURES):
+            raise ValueError(f"X must be [n, {ft.N_FEATURES}] features in features.FEATURE_NAMES order; "
+                             f"got shape {X.shape}")
+        return X[:, :n] if X.shape[1] != n else X
 
     @property
     def fast_predictor(self) -> "FastPredictor | BlendedFast | None":
         """The fast path for this estimator (None: predict_proba is used), built on first use."""
         if not self._fast_checked:
             self._fast_checked = True
-            self._fast = FastPredictor.build(self.estimator, len(self.manifest["feature_names"])) if self.fast else None
+            self._fast = FastPredictor.build(self.estimator, self.n_model_features) if self.fast else None
         return self._fast
 
     @property
@@ -127,20 +149,46 @@ class LoadedModel:
         if fast is None:
             return None
         cols = np.unique(np.concatenate([m[0].columns for m in fast.members]))
-        return fast.trends.source_columns(cols) if fast.trends is not None else cols
+        cols = fast.trends.source_columns(cols) if fast.trends is not None else cols
+        if self.novelty is not None:
+            cols = np.concatenate([cols, np.arange(ft.N_MODEL, ft.N_FEATURES)])
+        return cols
+
+    @property
+    def reference_features(self) -> np.ndarray:
+        """[N_FEATURES] healthy reference values (features.full_width of the manifest's)."""
+        return ft.full_width(self.manifest.get("reference_features"))
 
     def predict_proba(self, X) -> np.ndarray:
-        """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon)."""
+        """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon). X: full
+        width feature rows; with a novelty alarm in the manifest, full width is required."""
         X = np.asarray(X, dtype=np.float32)
-        if X.ndim != 2 or X.shape[1] != len(self.manifest["feature_names"]):
-            raise ValueError(f"X must be [n, {len(self.manifest['feature_names'])}] features "
-                             f"in manifest order; got shape {X.shape}")
+        Xm = self.model_columns(X)
         if len(X) == 0:
             return np.zeros((0, 2))
         fast = self.fast_predictor
-        if fast is not None:
-            return fast.predict_proba(X, threads=self.threads)
-        return self.estimator.predict_proba(X)
+        proba = fast.predict_proba(Xm, threads=self.threads) if fast is not None else self.estimator.predict_proba(Xm)
+        if self.novelty is None:
+            return proba
+        if X.shape[1] != ft.N_FEATURES:
+            raise ValueError(f"{self.path}: the novelty alarm reads the steadiness columns: X must be "
+                             f"[n, {ft.N_FEATURES}]; got shape {X.shape}")
+        p = self.novelty.fuse(proba[:, 1], X)
+        return np.column_stack([1.0 - p, p])
+
+    def supervised_probability(self, X) -> np.ndarray:
+        """[n]: the estimator's probability alone, without the novelty alarm."""
+        Xm = self.model_columns(X)
+        if len(Xm) == 0:
+            return np.zeros(0)
+        fast = self.fast_predictor
+        return (fast.predict_proba(Xm, threads=self.threads) if fast is not None
+                else self.estimator.predict_proba(Xm))[:, 1]
+
+    def baseline_probability(self, name: str):
+        """X -> [n]: the saved baseline `name`'s probability (it reads the estimator's columns)."""
+        est = self.baselines[name]
+        return lambda X: est.predict_proba(self.model_columns(X))[:, 1]
 
     def probability(self, X) -> np.ndarray:
         """[n]: the calibrated probability of failing within the horizon."""
@@ -190,7 +238,7 @@ def save_model(model_dir: str | os.PathLike, estimator, manifest: dict, *,
     manifest.setdefault("manifest_version", MANIFEST_VERSION)
     manifest.setdefault("schema_version", sch.SCHEMA_VERSION)
     manifest.setdefault("feature_version", ft.FEATURE_VERSION)
-    manifest.setdefault("feature_names", list(ft.FEATURE_NAMES))
+    manifest.setdefault("feature_names", list(ft.MODEL_FEATURE_NAMES))
     manifest.setdefault("step_seconds", ft.STEP_SECONDS)
     manifest["files"] = files
     missing = [k for k in REQUIRED_KEYS if k not in manifest]
@@ -231,11 +279,12 @@ def check_compatible(manifest: dict, where: str) -> None:
     if int(manifest["schema_version"]) != sch.SCHEMA_VERSION:
         raise ModelError(f"{where}: model was trained on schema v{manifest['schema_version']}; "
                          f"this code reads schema v{sch.SCHEMA_VERSION}")
-    if str(manifest["feature_version"]) != ft.FEATURE_VERSION:
+    if str(manifest["feature_version"]) not in ft.READABLE_VERSIONS:
         raise ModelError(f"{where}: model has feature version {manifest['feature_version']!r}; this code "
-                         f"computes feature version {ft.FEATURE_VERSION!r}: retrain with `foreshock train`")
+                         f"computes feature version {ft.FEATURE_VERSION!r} and reads models of "
+                         f"{', '.join(ft.READABLE_VERSIONS)}: retrain with `foreshock train`")
     names = list(manifest["feature_names"])
-    if names != list(ft.FEATURE_NAMES):
+    if len(names) < ft.N_MODEL or names != list(ft.FEATURE_NAMES[:len(names)]):
         missing = [n for n in ft.FEATURE_NAMES if n not in names]
         extra = [n for n in names if n not in ft.FEATURE_NAMES]
         raise ModelError(f"{where}: model's feature names differ from this code's (the code has "
@@ -243,6 +292,11 @@ def check_compatible(manifest: dict, where: str) -> None:
                          f"or the order differs): retrain with `foreshock train`")
     if int(manifest["step_seconds"]) != ft.STEP_SECONDS:
         raise ModelError(f"{where}: model step {manifest['step_seconds']} s; this code uses {ft.STEP_SECONDS} s")
+    if manifest.get("novelty"):
+        try:
+            NoveltyAlarm.from_manifest(manifest["novelty"], where)
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
 
 
 def _load_skops(path: Path, expected_sha: str | None):

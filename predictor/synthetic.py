@@ -134,8 +134,9 @@ def tiny_model_dir(path, *, seed: int = 0):
     y = (X[:, j] >= 4).astype(int)
     X[y == 1, j] += 50
     # no trend ratios: on these random windows a ratio would separate the classes by accident
-    est = mdl.make_model(max_iter=10, trend_ratios=False).fit(X, y)
-    cal = CalibratedClassifierCV(FrozenEstimator(est), method="sigmoid").fit(X, y)
+    Xm = X[:, :ft.N_MODEL]       # the estimator's columns; the reference below is full width
+    est = mdl.make_model(max_iter=10, trend_ratios=False).fit(Xm, y)
+    cal = CalibratedClassifierCV(FrozenEstimator(est), method="sigmoid").fit(Xm, y)
     manifest = {"version": "tiny-test", "horizon_seconds": 1800, "thresholds": {"2": 0.5},
                 "recommended_threshold": 0.5, "budget": 2.0,
                 "reference_features": np.median(X[y == 0], axis=0).tolist(),

@@ -44,6 +44,7 @@ from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import model as mdl
 from foreshock.predictor import offline, registry, treewalk
+from foreshock.predictor.novelty import HealthySteadiness, NoveltyAlarm
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           progress=None,
           command: str | None = None, holdout: groups.HoldOut | None = None,
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
-          ray_address: str | None = None, on_error: str = "stop") -> dict:
+          ray_address: str | None = None, on_error: str = "stop", novelty: bool = True) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
+
+    novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
+    the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
 
     compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
     validation slice at a threshold chosen there for the same budget; the manifest's
@@ -114,6 +118,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         span = (last + 1 - first) * offline.STEP_NS
         boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
         train_X, train_y, train_w, val_nodes, cal_X, cal_y, cal_w, healthy, val_paths = [], [], [], [], [], [], [], [], []
+        steady_healthy = HealthySteadiness()
         n_train_steps = n_val_steps = n_early = 0
         for nf in fb:
             node_inc = incidents.of_node(nf.node)
@@ -134,11 +139,12 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             va = usable & (e >= boundary)
             n_train_steps += int(tr.sum())
             n_val_steps += int(va.sum())
-            X = nf.X
+            X = nf.X                      # full width: the estimators read Xm, the novelty alarm the rest
+            Xm = X[:, :ft.N_MODEL]
             hard = _hard(X)
             r = rng.random(len(X))
             keep = tr & ((y_label == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
-            train_X.append(X[keep])
+            train_X.append(Xm[keep])
             train_y.append(y_label[keep])
             train_w.append(np.where((y_label[keep] == 1) & (y[keep] == 0), early_label_weight, 1.0))
             node_type = types.get(nf.node, groups.UNKNOWN_TYPE)
@@ -147,10 +153,12 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                 in_horizon = keep & (y_label == 1) & (e >= ts - label_h_ns) & (e < ts)
                 positives_by_family[category] = positives_by_family.get(category, 0) + int(in_horizon.sum())
             quiet = tr & (y == 0) & ~hard & (r < 0.002)
+            if novelty:   # the healthy training rows: the label gap before incidents is already out of tr
+                steady_healthy.add(X[tr & (y_label == 0), ft.STEADY_COLS])
             healthy.append(X[quiet])
             # calibration sample of the validation slice, weighted back to its true base rate
             ck = va & ((y == 1) | (r < cal_neg_rate))
-            cal_X.append(X[ck])
+            cal_X.append(Xm[ck])
             cal_y.append(y[ck])
             cal_w.append(np.where(y[ck] == 1, 1.0, 1.0 / cal_neg_rate))
             # the validation slice's features wait on disk (bounded memory) until the model is fitted
@@ -208,30 +216,54 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         t_fit = time.perf_counter() - t_start - t_feat
         if progress:
             progress("fitting", 1, 1)
-        predictors = {"model": treewalk.fast_probability(model),
-                      "rule": lambda X: rule.predict_proba(X)[:, 1],
-                      "logistic": lambda X: logistic.predict_proba(X)[:, 1]}
+        alarm, novelty_note = None, None if novelty else "not asked for (--no-novelty)"
+        if novelty:
+            try:
+                alarm = NoveltyAlarm().fit(steady_healthy)
+            except ValueError as exc:
+                novelty_note = str(exc)
+        fast_model = treewalk.fast_probability(model)
+        # full-width rows in, each estimator reads its columns (the compared model: LoadedModel does)
+        predictors = {"model": lambda X: fast_model(X[:, :ft.N_MODEL]),
+                      "rule": lambda X: rule.predict_proba(X[:, :ft.N_MODEL])[:, 1],
+                      "logistic": lambda X: logistic.predict_proba(X[:, :ft.N_MODEL])[:, 1]}
         if isinstance(compared, registry.LoadedModel):
             predictors[COMPARED] = compared.probability
+        levels = []
         for vn, path in zip(val_nodes, val_paths):
             Xv = np.load(path)
             for name, fn in predictors.items():
                 vn.scores[name] = (fn(Xv) if len(Xv) else np.zeros(0)).astype(np.float32)
-        val_nodes = [vn for vn in val_nodes if len(vn.y)]
+            levels.append(alarm.level(Xv) if alarm is not None else None)
+        keep_val = [i for i, vn in enumerate(val_nodes) if len(vn.y)]
+        val_nodes, levels = [val_nodes[i] for i in keep_val], [levels[i] for i in keep_val]
         val_inc = _incidents_within(incidents, boundary, (last + 1) * offline.STEP_NS + h_ns)
-        curves = {name: ev.threshold_curve(val_nodes, name, val_inc, horizon_s) for name in predictors}
+        names = list(predictors)
+        if alarm is not None:
+            # the novelty reaches the probability the model alone evacuates at for this budget; the
+            # thresholds are then chosen on the two fused, so the alarm spends the same budget
+            alarm.calibrate(risk.pick_threshold(ev.threshold_curve(val_nodes, "model", val_inc, horizon_s), budget))
+            for vn, lv in zip(val_nodes, levels):
+                vn.scores[SUPERVISED] = vn.scores["model"]
+                vn.scores["model"] = alarm.fuse_level(vn.scores["model"], lv).astype(np.float32)
+            names.append(SUPERVISED)
+        curves = {name: ev.threshold_curve(val_nodes, name, val_inc, horizon_s) for name in names}
         thresholds = {name: {str(b): risk.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
-        chosen = {name: risk.pick_threshold(curves[name], budget) for name in predictors}
+        chosen = {name: risk.pick_threshold(curves[name], budget) for name in names}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
             m.pop("pr_curve", None)
+        novelty_section = None
+        if alarm is not None:
+            curves.pop(SUPERVISED)
+            novelty_section = {**alarm.to_manifest(), "validation_without": validation.pop(SUPERVISED)}
         if COMPARED in predictors:   # reported beside this model's figures, never among its thresholds
             curves.pop(COMPARED)
             compared = {"model_version": compared.version, "path": str(compared.path), **validation.pop(COMPARED)}
         reference = np.nanmedian(np.concatenate(healthy), axis=0) if sum(len(h) for h in healthy) else np.zeros(ft.N_FEATURES)
         reference = np.nan_to_num(reference, nan=0.0)
     gb = gbdt.named_steps["gbdt"]
-    imp_names = list(ft.FEATURE_NAMES)
+    imp_names = list(ft.MODEL_FEATURE_NAMES)
     manifest = {
         "version": f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}-{offline.dataset_hash(data_dir)[:8]}",
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -248,6 +280,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "recommended_threshold": chosen["model"],
         "threshold_curves": curves,
         "reference_features": reference.tolist(),
+        **({"novelty": novelty_section} if novelty_section is not None else {}),
         "prior_scale": float(prior_scale),
         "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "sigmoid",
                       "trend_features": list(gbdt.named_steps["trends"].ratio_names_) if "trends" in gbdt.named_steps else [],
@@ -265,6 +298,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             **({"base": stacked["training"]} if stacked is not None and "training" in stacked else {}),
             # node partitions left out because their data could not be read (--on-corrupt skip)
             "skipped_partitions": skipped,
+            **({"novelty_skipped": novelty_note} if novelty_note else {}),
             "held_out": None if holdout is None else {
                 "kind": holdout.kind, "name": holdout.name, "nodes": len(holdout.windows),
                 "steps_left_out": held_steps, "positive_steps_left_out": held_positive},
@@ -289,6 +323,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
 
 
 COMPARED = "compared"
+SUPERVISED = "supervised"   # the model without the novelty alarm, on the validation slice
 
 
 def _comparable(path) -> "registry.LoadedModel | dict | None":
@@ -298,12 +333,12 @@ def _comparable(path) -> "registry.LoadedModel | dict | None":
     # the manifest first: load_model refuses a model of another feature version, which is no reason
     # to refuse the training run
     manifest = registry.read_manifest(path)
-    if str(manifest.get("feature_version")) != ft.FEATURE_VERSION:
+    if str(manifest.get("feature_version")) not in ft.READABLE_VERSIONS:
         return {"model_version": manifest.get("version"), "path": str(path),
                 "skipped": f"it reads feature version {manifest.get('feature_version')}, this one "
                            f"{ft.FEATURE_VERSION}"}
     other = registry.load_model(path)
-    if other.feature_names != list(ft.FEATURE_NAMES):
+    if other.n_model_features != ft.N_MODEL:
         return {"model_version": other.version, "path": str(path),
                 "skipped": "it reads other feature columns"}
     return other

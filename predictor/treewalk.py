@@ -290,7 +290,7 @@ class BlendedFast:
         return _prior_shifted(q, self.prior_scale)
 
 
-def fast_probability(estimator, n_features: int = ft.N_FEATURES, threads: int | None = None):
+def fast_probability(estimator, n_features: int = ft.N_MODEL, threads: int | None = None):
     """X -> [n] probability of class 1, through the fast path when the estimator has the known
     structure (else its predict_proba): for training and evaluation, which score millions of rows."""
     fast = FastPredictor.build(estimator, n_features)

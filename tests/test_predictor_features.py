@@ -330,6 +330,28 @@ def test_a_reason_counted_over_the_day_leads_with_the_day_not_a_quiet_half_hour(
     assert replay.split(": ", 1)[1] == "about 1,226 over the last day, none in the last 30 min"
     assert "0 in the last" not in remap + replay and "baseline" not in replay
 
+def test_a_steady_signal_is_named_with_its_steadiness_and_credited_with_the_novelty():
+    """The novelty alarm's risk goes to the signal that counts steadily, said in words; a quiet
+    steadiness is not said."""
+    from foreshock.predictor import explain as ex
+
+    idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    ref = np.zeros(ft.N_FEATURES, dtype=np.float32)
+    row = ref.copy()
+    row[idx["nvl_recovery_30m"]] = 12
+    row[idx["nvl_recovery_steadiness_2h"]] = 0.6
+    row[idx["pcie_replay_steadiness_2h"]] = 0.05
+    X = row[None, :]
+
+    def proba(rows):   # the fused risk: the steadiness alone raises it
+        return 0.02 * np.atleast_2d(rows)[:, idx["nvl_recovery_steadiness_2h"]]
+
+    sigs = ex.explain(proba, X, proba(X), ref, top=3)[0]
+    assert [s.name for s in sigs] == ["nvl_recovery"]
+    assert "counting in 60% more of the last 2 hours' minutes than over its days" in sigs[0].description
+    assert "2 hours" not in ex.describe("pcie_replay", row)
+
+
 def test_out_of_sequence_packets_raise_no_feature_but_link_errors_do():
     """Out-of-order arrival is what adaptive routing does (and congestion): a storm of it leaves every
     feature as it was, while the same count of symbol errors does not."""
@@ -358,3 +380,26 @@ def test_the_anomaly_scores_read_errors_above_the_nodes_history_and_above_its_pe
     np.testing.assert_allclose(own, [3, 0, 0])
     np.testing.assert_allclose(count, [2, 0, 0])
     np.testing.assert_allclose(peers, [0, 4, 0])
+
+
+def test_steadiness_reads_how_steadily_a_signal_counts_not_how_much():
+    """A failing device counting a little every minute for hours is far steadier than a burst a
+    thousand times stronger that lasts a quarter of an hour, and a device that always counts is its
+    own baseline; unknown counts as not counted."""
+    day = 3 * 1440
+    t = day + 240
+    x = np.zeros((3, t, len(ft.ALL_NAMES)))
+    i = ft.IDX["pcie_replay"]
+    rng = np.random.default_rng(3)
+    x[0, day:, i] = 1.0 + rng.poisson(0.5, 240)       # a weak, steady precursor over the last 4 hours
+    x[1, -60:-45, i] = 5000.0                         # one strong 15-minute burst in the last hour
+    x[2, :, i] = 1.0 + rng.poisson(3.0, t)            # a chronic device: counts every minute, always
+    X, _ = ft.compute(x, np.arange(t), ft.FeatureState.empty(3))
+    col = ft.FEATURE_NAMES.index("pcie_replay_steadiness_2h")
+    steady = X[:, -1, col]
+    assert steady[0] > 0.6 and 0.0 < steady[1] < 0.15 and abs(steady[2]) < 0.01
+    assert np.all(X[:, -1, ft.STEADY_COLS][:, [j for j, n in enumerate(ft.STEADY) if n != "pcie_replay"]] == 0)
+    gap = x.copy()
+    gap[0, day + 100:day + 130, i] = np.nan
+    G, _ = ft.compute(gap, np.arange(t), ft.FeatureState.empty(3))
+    assert np.isfinite(G[0, -1, col]) and G[0, -1, col] < steady[0]

@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory, tiny_model_dir):
 
 def test_save_and_load_round_trip(model_dir):
     m = registry.load_model(model_dir)
-    assert m.manifest["feature_names"] == list(ft.FEATURE_NAMES)
+    assert m.manifest["feature_names"] == list(ft.MODEL_FEATURE_NAMES)
     assert m.manifest["feature_version"] == ft.FEATURE_VERSION
     assert m.horizon_seconds == 1800
     X = np.zeros((4, ft.N_FEATURES), dtype=np.float32)
@@ -43,10 +43,11 @@ def test_tampered_model_file_is_refused(model_dir, tmp_path):
 
 def test_feature_mismatch_is_refused_with_a_clear_error(model_dir, tmp_path):
     import shutil
-    for key, value, needle in [("feature_version", "0", "feature version"),
-                               ("feature_names", list(ft.FEATURE_NAMES)[:-1] + ["bogus"], "feature names"),
-                               ("schema_version", 99, "schema")]:
-        d = tmp_path / key
+    for k, (key, value, needle) in enumerate([("feature_version", "0", "feature version"),
+                               ("feature_names", list(ft.MODEL_FEATURE_NAMES)[:-1] + ["bogus"], "feature names"),
+                               ("feature_names", list(ft.MODEL_FEATURE_NAMES)[:-1], "feature names"),
+                               ("schema_version", 99, "schema")]):
+        d = tmp_path / f"{key}-{k}"
         shutil.copytree(model_dir, d)
         man = json.loads((d / registry.MANIFEST_FILE).read_text())
         man[key] = value
@@ -64,7 +65,7 @@ def test_untrusted_types_are_refused(tmp_path):
     d.mkdir()
     sio.dump(FunctionTransformer(func=eval), d / registry.MODEL_FILE)
     manifest = {"version": "x", "schema_version": 1, "feature_version": ft.FEATURE_VERSION,
-                "feature_names": list(ft.FEATURE_NAMES), "horizon_seconds": 1800, "step_seconds": 60,
+                "feature_names": list(ft.MODEL_FEATURE_NAMES), "horizon_seconds": 1800, "step_seconds": 60,
                 "thresholds": {}, "recommended_threshold": 0.5,
                 "files": {registry.MODEL_FILE: registry.sha256_file(d / registry.MODEL_FILE)}}
     (d / registry.MANIFEST_FILE).write_text(json.dumps(manifest))
@@ -101,3 +102,63 @@ def test_the_shipped_default_model_loads_and_has_its_report():
     X = np.zeros((3, ft.N_FEATURES), dtype=np.float32)
     p = m.probability(X)
     assert p.shape == (3,) and np.all((0 <= p) & (p <= 1))
+
+
+def test_a_model_of_the_previous_feature_version_reads_its_columns_of_todays_rows(model_dir, tmp_path):
+    """Version 7 only appended the steadiness columns: a version-6 model (the names it reads are the
+    first N_MODEL) loads, and full-width rows give the same probabilities as its own columns."""
+    import shutil
+    old = tmp_path / "v6"
+    shutil.copytree(model_dir, old)
+    man = json.loads((old / registry.MANIFEST_FILE).read_text())
+    man["feature_version"] = "6"
+    man["reference_features"] = man["reference_features"][:ft.N_MODEL]
+    (old / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    m = registry.load_model(old)
+    X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
+    np.testing.assert_array_equal(m.probability(X), m.probability(X[:, :ft.N_MODEL]))
+    ref = m.reference_features
+    assert ref.shape == (ft.N_FEATURES,) and np.all(ref[ft.N_MODEL:] == 0)
+    with pytest.raises(ValueError, match=str(ft.N_FEATURES)):
+        m.probability(X[:, :-1])
+
+
+def _with_novelty(model_dir, tmp_path, **changes):
+    import shutil
+    from foreshock.predictor import novelty
+    d = tmp_path / "novel"
+    shutil.copytree(model_dir, d)
+    healthy = novelty.HealthySteadiness()
+    healthy.add(np.random.default_rng(2).random((novelty.MIN_HEALTHY_ROWS, len(ft.STEADY))) * 0.2)
+    alarm = novelty.NoveltyAlarm().fit(healthy).calibrate(0.01)
+    man = json.loads((d / registry.MANIFEST_FILE).read_text())
+    man["novelty"] = {**alarm.to_manifest(), **changes}
+    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    return d, alarm
+
+
+def test_the_novelty_alarm_raises_the_risk_of_a_steadily_counting_signal_only(model_dir, tmp_path):
+    d, alarm = _with_novelty(model_dir, tmp_path)
+    np.testing.assert_allclose(alarm.scales_, 0.2, atol=1e-3)   # the healthy rows' extreme
+    m = registry.load_model(d)
+    X = np.zeros((3, ft.N_FEATURES), dtype=np.float32)
+    col = ft.FEATURE_NAMES.index("pcie_replay_steadiness_2h")
+    X[1, col] = 0.15                                          # within the healthy extreme
+    X[2, col] = 0.6                                           # 3x it: the novelty alarm
+    p, alone = m.probability(X), m.supervised_probability(X)
+    np.testing.assert_array_equal(p[:2], alone[:2])
+    assert p[2] > alone[2] and p[2] >= 0.01                   # at least the model's evacuation probability
+    assert set(range(ft.N_MODEL, ft.N_FEATURES)) <= set(m.used_features.tolist())
+    with pytest.raises(ValueError, match="steadiness"):
+        m.probability(X[:, :ft.N_MODEL])
+
+
+@pytest.mark.parametrize("changes, needle", [({"scales": [0.0] * len(ft.STEADY)}, "positive"),
+                                             ({"signals": ["ecc_sbe"]}, "signals"),
+                                             ({"reference_probability": 2.0}, "out of range"),
+                                             ({"slope": "steep"}, "unreadable")])
+def test_a_novelty_section_that_does_not_fit_is_refused_naming_the_manifest(model_dir, tmp_path, changes, needle):
+    d, _ = _with_novelty(model_dir, tmp_path, **changes)
+    with pytest.raises(registry.ModelError, match=needle) as err:
+        registry.load_model(d)
+    assert registry.MANIFEST_FILE in str(err.value)

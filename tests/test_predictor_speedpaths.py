@@ -20,7 +20,7 @@ from foreshock.predictor import registry, signals, synthetic, treewalk
 
 def _data(n, seed=0):
     rng = np.random.default_rng(seed)
-    X = rng.standard_normal((n, ft.N_FEATURES)).astype(np.float32)
+    X = rng.standard_normal((n, ft.N_MODEL)).astype(np.float32)
     X[rng.random(X.shape) < 0.15] = np.nan           # missing values take the trees' missing branch
     X[:, 7] = rng.poisson(1.0, n)                     # a few distinct values (few bins)
     y = ((np.nan_to_num(X[:, 0]) + np.nan_to_num(X[:, 3]) > 1.0) | (X[:, 7] > 3)).astype(int)
@@ -28,7 +28,7 @@ def _data(n, seed=0):
 
 
 def _loaded(estimator, **kw) -> registry.LoadedModel:
-    return registry.LoadedModel({"feature_names": list(ft.FEATURE_NAMES)}, estimator, path=None, **kw)
+    return registry.LoadedModel({"feature_names": list(ft.MODEL_FEATURE_NAMES)}, estimator, path=None, **kw)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -278,9 +278,10 @@ def test_explanations_skip_only_signals_the_model_never_reads(fitted):
     model = _loaded(CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y))
     used = model.used_features
     assert used is not None and 0 < len(used) < ft.N_FEATURES
-    rows = X[:40]
+    rows = np.zeros((40, ft.N_FEATURES), dtype=np.float32)   # explanations read full-width rows
+    rows[:, :ft.N_MODEL] = X[:40]
     p = model.probability(rows)
-    reference = np.nanmedian(X, axis=0).astype(np.float32)
+    reference = ft.full_width(np.nanmedian(X, axis=0))
     every = explain.explain(model.probability, rows, p, reference, top=5)
     fast = explain.explain(model.probability, rows, p, reference, top=5, used_features=used)
     key = lambda out: [[(s.name, s.contribution, s.description) for s in sigs] for sigs in out]  # noqa: E731

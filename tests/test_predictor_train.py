@@ -134,6 +134,29 @@ def test_a_longer_label_horizon_trains_on_earlier_steps_and_keeps_the_horizons_p
     assert rc == 2 and "early_label_weight" in capsys.readouterr().err
 
 
+def test_the_novelty_alarm_is_fitted_on_healthy_training_rows_and_the_thresholds_on_the_fused_risk(
+        sim_data, trained, tmp_path, monkeypatch):
+    from foreshock.predictor import novelty, train
+
+    # the default run: 8 nodes x 2 days is too few healthy rows to place a 1e-5 quantile
+    man = registry.load_model(trained[0]).manifest
+    assert "novelty" not in man and "healthy training rows" in man["training"]["novelty_skipped"]
+    assert "no novelty alarm: " in trained[1]
+    monkeypatch.setattr(novelty, "MIN_HEALTHY_ROWS", 1000)
+    fused = train.train(sim_data, tmp_path / "fused", max_iter=5, compare_with=None, base=None)
+    section = fused["novelty"]
+    assert section["healthy_rows"] > 1000 and len(section["scales"]) == len(ft.STEADY)
+    assert all(v >= novelty.SCALE_FLOOR for v in section["scales"])
+    assert 0 < section["reference_probability"] < 1
+    assert "incident_recall_precursor" in section["validation_without"]
+    m = registry.load_model(tmp_path / "fused")
+    assert m.novelty is not None and fused["feature_names"] == list(ft.MODEL_FEATURE_NAMES)
+    X = np.random.default_rng(0).random((200, ft.N_FEATURES)).astype(np.float32)
+    assert np.all(m.probability(X) >= m.supervised_probability(X))
+    alone = train.train(sim_data, tmp_path / "alone", max_iter=5, compare_with=None, base=None, novelty=False)
+    assert "novelty" not in alone and "--no-novelty" in alone["training"]["novelty_skipped"]
+
+
 def _incidents(rows):
     return lb.Incidents.from_table(sch.to_table("incidents", rows))
 
@@ -176,7 +199,7 @@ def test_trend_ratios_tell_a_rising_rate_from_a_burst_that_ended():
     from foreshock.predictor import features as ft
     from foreshock.predictor import model as mdl
 
-    names = list(ft.FEATURE_NAMES)
+    names = list(ft.MODEL_FEATURE_NAMES)
     tr = mdl.TrendRatios().fit()
     X = np.zeros((2, len(names)), np.float32)
     col = {n: names.index(n) for n in ("ecc_sbe_1m", "ecc_sbe_5m", "ecc_sbe_30m")}

@@ -183,7 +183,7 @@ def model_dir(tmp_path_factory):
     from foreshock.predictor import model as pm
     from foreshock.predictor import registry
     rng = np.random.default_rng(0)
-    X = np.abs(rng.normal(0, 0.01, (600, ft.N_FEATURES))).astype(np.float32)
+    X = np.abs(rng.normal(0, 0.01, (600, ft.N_MODEL))).astype(np.float32)
     pos = rng.random(600) < 0.3
     col = ft.FEATURE_NAMES.index("pcie_replay_1m")
     X[pos, col] = rng.uniform(500, 1e6, pos.sum())
