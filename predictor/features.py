@@ -550,7 +550,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         den_recent, hist, state.last_event, float(steps[0]), EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
     _decayed_step(x, state, out)
-    _steady_step(x, state, out, seen)
+    _steady_step(x, state, out, den_base, den_recent)
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -576,17 +576,17 @@ def _counted(x: np.ndarray) -> np.ndarray:
     return (np.nan_to_num(x) > 0).astype(np.float64)
 
 
-def _steady_step(x: np.ndarray, state: FeatureState, out: np.ndarray, seen: np.ndarray) -> None:
+def _steady_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base: np.ndarray,
+                 den_recent: np.ndarray) -> None:
     """The STEADINESS columns of one step (x [N, S]) into out; carries state.za and state.zar. The
-    block path's EWMA recursion element by element (y = a x + z, z = (1 - a) y), bias-corrected by
-    `seen` (the steps seen including this one)."""
+    block path's EWMA recursion element by element (y = a x + z, z = (1 - a) y), bias-corrected by the
+    step's denominators (1 - (1 - alpha) ** seen, the baselines' own)."""
     counted = _counted(x[:, STEADY_IDX])
     y = EWMA_ALPHA * counted + state.za
     state.za = (1.0 - EWMA_ALPHA) * y
     yr = RECENT_ALPHA * counted + state.zar
     state.zar = (1.0 - RECENT_ALPHA) * yr
-    out[:, STEADY_COLS] = (yr / (1.0 - (1.0 - RECENT_ALPHA) ** seen)[:, None]
-                           - y / (1.0 - (1.0 - EWMA_ALPHA) ** seen)[:, None])
+    out[:, STEADY_COLS] = yr / den_recent[:, None] - y / den_base[:, None]
 
 
 def kernel_threads() -> int:
@@ -631,13 +631,15 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
 
     xb = xs[:, S_BASE]
     seen = state.seen + 1.0
+    den_base = 1.0 - (1.0 - EWMA_ALPHA) ** seen
+    den_recent = 1.0 - (1.0 - RECENT_ALPHA) ** seen
     eps = 1.0 / HISTORY
     y = EWMA_ALPHA * xb + state.z
     zf = (1.0 - EWMA_ALPHA) * y
-    baseline = y / (1.0 - (1.0 - EWMA_ALPHA) ** seen)[:, None]
+    baseline = y / den_base[:, None]
     yr = RECENT_ALPHA * xb + state.zr
     zrf = (1.0 - RECENT_ALPHA) * yr
-    recent = yr / (1.0 - (1.0 - RECENT_ALPHA) ** seen)[:, None]
+    recent = yr / den_recent[:, None]
     b30, nb30 = d30[:, S_BASE], n30[:, S_BASE]
     with np.errstate(invalid="ignore", divide="ignore"):
         rate30 = np.where(nb30 > 0, b30 / np.maximum(nb30, 1.0), np.nan)
@@ -681,7 +683,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     col += 2 * k
     assert col == N_KERNEL
     _decayed_step(x, state, out)
-    _steady_step(x, state, out, seen)
+    _steady_step(x, state, out, den_base, den_recent)
     anomaly_scores(out)
 
     state.ring[h] = c

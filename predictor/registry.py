@@ -154,11 +154,6 @@ class LoadedModel:
             cols = np.concatenate([cols, np.arange(ft.N_MODEL, ft.N_FEATURES)])
         return cols
 
-    @property
-    def reference_features(self) -> np.ndarray:
-        """[N_FEATURES] healthy reference values (features.full_width of the manifest's)."""
-        return ft.full_width(self.manifest.get("reference_features"))
-
     def predict_proba(self, X) -> np.ndarray:
         """scikit-learn style: [n, 2] (column 1 = probability of failing within the horizon). X: full
         width feature rows; with a novelty alarm in the manifest, full width is required."""
@@ -166,8 +161,7 @@ class LoadedModel:
         Xm = self.model_columns(X)
         if len(X) == 0:
             return np.zeros((0, 2))
-        fast = self.fast_predictor
-        proba = fast.predict_proba(Xm, threads=self.threads) if fast is not None else self.estimator.predict_proba(Xm)
+        proba = self._estimator_proba(Xm)
         if self.novelty is None:
             return proba
         if X.shape[1] != ft.N_FEATURES:
@@ -179,11 +173,11 @@ class LoadedModel:
     def supervised_probability(self, X) -> np.ndarray:
         """[n]: the estimator's probability alone, without the novelty alarm."""
         Xm = self.model_columns(X)
-        if len(Xm) == 0:
-            return np.zeros(0)
+        return self._estimator_proba(Xm)[:, 1] if len(Xm) else np.zeros(0)
+
+    def _estimator_proba(self, Xm: np.ndarray) -> np.ndarray:
         fast = self.fast_predictor
-        return (fast.predict_proba(Xm, threads=self.threads) if fast is not None
-                else self.estimator.predict_proba(Xm))[:, 1]
+        return fast.predict_proba(Xm, threads=self.threads) if fast is not None else self.estimator.predict_proba(Xm)
 
     def baseline_probability(self, name: str):
         """X -> [n]: the saved baseline `name`'s probability (it reads the estimator's columns)."""
@@ -292,11 +286,6 @@ def check_compatible(manifest: dict, where: str) -> None:
                          f"or the order differs): retrain with `foreshock train`")
     if int(manifest["step_seconds"]) != ft.STEP_SECONDS:
         raise ModelError(f"{where}: model step {manifest['step_seconds']} s; this code uses {ft.STEP_SECONDS} s")
-    if manifest.get("novelty"):
-        try:
-            NoveltyAlarm.from_manifest(manifest["novelty"], where)
-        except ValueError as exc:
-            raise ModelError(str(exc)) from None
 
 
 def _load_skops(path: Path, expected_sha: str | None):
@@ -334,4 +323,7 @@ def load_model(path: str | os.PathLike | None = None) -> LoadedModel:
         baselines = _load_skops(model_dir / BASELINES_FILE, files.get(BASELINES_FILE))
         if not isinstance(baselines, dict):
             raise ModelError(f"{model_dir / BASELINES_FILE}: expected a dict of estimators")
-    return LoadedModel(manifest=manifest, estimator=estimator, path=model_dir, baselines=baselines)
+    try:   # builds the novelty alarm the manifest describes, refusing one that does not fit this code
+        return LoadedModel(manifest=manifest, estimator=estimator, path=model_dir, baselines=baselines)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None

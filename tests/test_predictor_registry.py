@@ -117,7 +117,7 @@ def test_a_model_of_the_previous_feature_version_reads_its_columns_of_todays_row
     m = registry.load_model(old)
     X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
     np.testing.assert_array_equal(m.probability(X), m.probability(X[:, :ft.N_MODEL]))
-    ref = m.reference_features
+    ref = ft.full_width(m.manifest["reference_features"])
     assert ref.shape == (ft.N_FEATURES,) and np.all(ref[ft.N_MODEL:] == 0)
     with pytest.raises(ValueError, match=str(ft.N_FEATURES)):
         m.probability(X[:, :-1])
