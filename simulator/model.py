@@ -108,6 +108,8 @@ BENIGN_NODE = {
     "TcpExt_TCPAbortOnTimeout": (1.0, 1.0), "Tcp_ActiveOpens": (2000.0, 0.3), "Tcp_PassiveOpens": (2000.0, 0.3),
     "Tcp_OutRsts": (500.0, 0.5),
 }
+# Lognormal device-to-device spread of the benign link recoveries (scenarios.py link_recovery_per_device_day).
+LINK_RECOVERY_SIGMA = 1.5
 # Benign bursts: a healthy device's counter spikes for minutes at precursor-like rates and stops (a link
 # retrain, a memory-hungry kernel, a congested all-reduce). Per device-day rate, (low, high) events per
 # second while it lasts, median minutes; counters that move with it (counter, share).
@@ -262,6 +264,14 @@ class ClusterModel:
                     for k, (med, sig) in BENIGN_HCA.items()},
             "node": {k: med / 86400.0 * np.exp(sig * init.standard_normal((N, 1))) for k, (med, sig) in BENIGN_NODE.items()},
         }
+        # Benign link recoveries of healthy devices (the catalogue's link_recovery_per_device_day), from a
+        # stream of their own so that the draws above and every block's benign stream stay as they were.
+        rec_median = self.world.per_node("link_recovery_per_device_day", pod).astype(float)[:, None]
+        rec = np.random.default_rng(np.random.SeedSequence([self.seed, 4]))
+        self.link_recovery = {
+            kind: {name: rec_median / 86400.0 * np.exp(LINK_RECOVERY_SIGMA * rec.standard_normal((N, C)))}
+            for kind, name, C in (("gpu", "recovery_errors", G), ("hca", "link_error_recovery", H))
+        } if (rec_median > 0).any() else {}
         m_mul = self.world.per_node("marginal_scale", pod).astype(float)[:, None]
         for kind in ("gpu", "hca"):
             for name, rates in self.chronic[kind].items():
@@ -473,6 +483,12 @@ class ClusterModel:
             for name in table:
                 rate = self.chronic[kind][name][nodes]  # (B, C)
                 benign[name] = _sparse_poisson(rng, rate, dt)
+        if self.link_recovery:
+            rrng = np.random.default_rng(np.random.SeedSequence([self.seed, 5, int(ts[0]), int(nodes[0]), B, T]))
+            for kind, rates in self.link_recovery.items():
+                for name, rate in rates.items():
+                    arr = _sparse_poisson(rrng, rate[nodes], dt)
+                    benign[name] = benign[name] + arr if name in benign else arr
         for name, arr in self._draw_bursts(rng, nodes, dt).items():
             benign[name] = benign[name] + arr if name in benign else arr
         app_xids = self._draw_app_xids(rng, nodes, ts)

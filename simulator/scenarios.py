@@ -55,7 +55,7 @@ class Knob:
 
 
 # Knobs drawn from a stream of their own (name -> stream number), so that adding them moved no other draw.
-OWN_STREAM = {"job_traffic_imbalance": 1}
+OWN_STREAM = {"job_traffic_imbalance": 1, "link_recovery_per_device_day": 2}
 
 SHAPES = ("ramp", "step", "bursts", "exponential", "drift")
 # Alternative signatures a failure mode can take; the first is the clean world's. Some carry a shape.
@@ -93,6 +93,11 @@ KNOBS: tuple[Knob, ...] = (
          "multiplies the share of marginal-but-stable devices"),
     Knob("burst_scale", "pod", 1.0, ("loguniform", 0.5, 4.0), "assumption",
          "multiplies the rate of benign bursts (a counter spikes for minutes and stops)"),
+    Knob("link_recovery_per_device_day", "pod", 0.0, ("loguniform", 0.02, 0.5), "issue 16: on independently "
+         "written histories, single NVLink recovery errors and IB link error recoveries on healthy devices were "
+         "among the shipped model's false alarms; rate assumed", "median benign link recoveries per device-day "
+         "on healthy devices (NVLink DL recoveries per GPU, IB link error recoveries per HCA; lognormal "
+         "device spread, sigma 1.5), on top of the rates of the clean world"),
     Knob("idle_pcie_downtrain", "pod", 0, ("choice", (0, 1), (0.3, 0.7)), f"{SIG} (link gen/width readings); "
          "assumption: ASPM power saving drops an idle link to Gen1", "1: idle GPUs report pcie_link_gen 1"),
     Knob("site_temp_amp_c", "pod", 0.0, ("uniform", 3.0, 6.0), "assumption",
