@@ -18,6 +18,11 @@ is service/forwarder.py):
   durable. `restore` reads the node states back when an instance takes over, and runs the policy: a
   leader killed between its commit and its ack loses nothing, and one killed before its commit loses
   nothing either (the shard has not been acked, so it sends the events again).
+- FABRIC_SERVICE events: a shard's judge raised or cleared a finding on a fabric service (service/
+  fabricunits.py). They go to the policy's `units`, a ForwardedFindings, whose `down` and
+  `crash_looping` the spare choice asks as one instance asks its own judge, and to the state
+  (`shard_fabric_findings`, one row per finding held) in the batch's transaction; `restore` reads them
+  back. They move no alarm and no risk.
 - `PeerTotalsBook`: the job and site peer totals each shard sends per closed feature step, summed for
   the other shards: each ack carries a shard the others' sums of the newest step all of them have sent
   (docs/scaling.md, "Peer features across shards"). Memory only, the last MAX_TOTALS_STEPS steps per
@@ -39,8 +44,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from foreshock import fabric
 from foreshock.service.domain import SignalRecord
 from foreshock.service.errors import FailedPrecondition, InvalidArgument
+from foreshock.service.fabricunits import FINDINGS, ForwardedFindings
 from foreshock.service.jobs import check_id, check_node, check_text
 from foreshock.service.nodes import FatalEvent, Topology
 
@@ -60,6 +67,7 @@ class EventKind(enum.IntEnum):
     CLEARED = 2
     FATAL = 3
     RISK = 4
+    FABRIC_SERVICE = 5
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,9 @@ class ShardEvent:
     fatal_kind: str = ""
     description: str = ""
     topology: Topology = Topology()
+    unit: str = ""          # FABRIC_SERVICE: the unit, its finding, and whether it holds now
+    finding: str = ""
+    raised: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,13 @@ def check_events(shard: str, epoch: int, events: list[ShardEvent]) -> None:
         check_text(f"shard {shard!r} event {e.sequence} description", e.description, MAX_TEXT)
         for name in ("leaf_switch", "site", "nvlink_domain"):
             check_text(f"shard {shard!r} event {e.sequence} {name}", getattr(e.topology, name), 253)
+        if e.kind == EventKind.FABRIC_SERVICE:
+            if e.unit not in fabric.FABRIC_SERVICES:
+                raise InvalidArgument(f"shard {shard!r} event {e.sequence}: unit {e.unit[:MAX_TEXT]!r} is not a fabric "
+                                      f"service (one of {', '.join(sorted(fabric.FABRIC_SERVICES))})")
+            if e.finding not in FINDINGS:
+                raise InvalidArgument(f"shard {shard!r} event {e.sequence}: finding {e.finding[:MAX_TEXT]!r} is not "
+                                      f"one of {', '.join(FINDINGS)}")
 
 
 def check_step_totals(shard: str, steps: list[tuple[int, list[tuple[str, str, list[float]]]]]):
@@ -280,6 +298,10 @@ class Coordinator:
     """The shards' events into the node book and the policy, once each, durably."""
 
     def __init__(self, settings: CoordinatorSettings, store, jobs, nodes, policy, clock):
+        if not isinstance(policy.units, ForwardedFindings):
+            raise TypeError("the coordinator's policy reads the shards' fabric findings: build it with "
+                            "units=ForwardedFindings()")
+        self.findings: ForwardedFindings = policy.units
         self.settings = settings
         self.store = store
         self.jobs = jobs
@@ -311,6 +333,7 @@ class Coordinator:
                     self.policy.raise_alarm(st.node, st.alarm_since_ns, st.risk, st.reason, log_it=False)
                 if st.fatal_ts_ns and acted.get(st.node, -1) >= st.fatal_recorded_ns:
                     self.policy.fatal_acted(st.node, st.fatal_ts_ns)   # decided on before the takeover
+            self.findings.restore(self.store.shard_fabric_findings())
             now = self.clock()
             self.policy.evaluate(now)
         if self._state:
@@ -346,11 +369,19 @@ class Coordinator:
                 return done_seq
             now = self.clock()
             changed: dict[str, _NodeState] = {}
-            with self.jobs.issuing():   # the events, the node rows and the directives: one commit
+            findings: set[tuple[str, str, str]] = set()
+            with self.jobs.issuing():   # the events, the node rows, the findings and the directives: one commit
                 for e in fresh:
-                    changed[e.node] = self._apply(shard, e, now)
-                self.store.record_shard_events(shard, epoch, fresh[-1].sequence, model_version,
-                                               [st.row() for st in changed.values()], now)
+                    if e.kind == EventKind.FABRIC_SERVICE:
+                        self.findings.take(shard, e.node, e.unit, e.finding, e.raised, e.ts_ns or now, e.description)
+                        findings.add((e.node, e.unit, e.finding))
+                    else:
+                        changed[e.node] = self._apply(shard, e, now)
+                held = {key: self.findings.held(*key) for key in findings}
+                self.store.record_shard_events(
+                    shard, epoch, fresh[-1].sequence, model_version, [st.row() for st in changed.values()], now,
+                    findings=[(*key, h.shard, h.since_ns) for key, h in held.items() if h is not None],
+                    cleared=[key for key, h in held.items() if h is None])
                 # Risk summaries move no alarm; the next round sees the spares' new risks.
                 if any(e.kind != EventKind.RISK for e in fresh):
                     self.policy.evaluate(now)

@@ -7,6 +7,11 @@ checked rows over (`observe`: service/ingest.py; the scoring worker sends them b
 `unit_rows`), the policy judges once a round (`judge`, service/policy.py) and writes what changed to
 the decision log, and the metrics read `snapshot` (service/metrics.py).
 
+In a sharded control plane the shards judge and the jobs coordinator chooses spares: a shard forwards
+each change (Coordinator.ForwardAlarms, a FABRIC_SERVICE event: proto/foreshock/v1/coordinator.proto),
+and the coordinator's policy reads `ForwardedFindings` in place of `FabricServices`, the same readers
+(`down`, `crash_looping`) fed by those events (service/coordinator.py).
+
 The rules (docs/service.md, "The fabric's services"):
 - A unit is *down* once every sample of it for at least `hold_seconds` (the samples' own times, the
   node's clock) said it was not serving. A restart's `activating` sample, or a failed start that
@@ -75,6 +80,9 @@ MAX_COUNT = (1 << 32) - 1            # NRestarts is systemd's unsigned int (sche
 GROWTH_KEPT = 64
 RESTART_RESULTS = ("first", "same", "grew", "reset", "missing", "absurd")
 DOWN, CRASH_LOOP = "down", "crash_loop"
+FINDINGS = (DOWN, CRASH_LOOP)
+# Findings a jobs coordinator holds from its shards: both findings of every unit FabricServices keeps.
+MAX_FORWARDED = len(FINDINGS) * MAX_UNITS
 # What the decision log calls a finding raised (True) and cleared (False).
 DECISION_KINDS = {(DOWN, True): "fabric_service_down", (DOWN, False): "fabric_service_cleared",
                   (CRASH_LOOP, True): "fabric_service_crash_loop",
@@ -364,3 +372,107 @@ class FabricServices:
     def restart_counts(self) -> dict[str, int]:
         with self._lock:
             return {r: self.restart_samples.get(r, 0) for r in RESTART_RESULTS}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A forwarded finding as the coordinator holds it: the shard that raised it, and when it judged so."""
+    shard: str
+    since_ns: int
+
+
+class ForwardedFindings:
+    """The findings the shards judged and forwarded, where the jobs coordinator chooses spares: the
+    readers the policy asks of FabricServices, fed by `take` (service/coordinator.py) instead of rows.
+
+    Held per (node, unit, finding) with the shard that raised it. A clear from another shard is ignored
+    and counted (`ignored`): a node the shard map moves is judged afresh by its new shard, while the old
+    one clears what it held only when it forgets the unit (FORGET_SECONDS without a row), which must not
+    undo what the new shard found; a raise from another shard takes the finding over. At most
+    `max_findings` are held; a raise beyond is dropped and counted (`overflow`). It judges nothing:
+    `judge` hands the policy the changes taken since its last call, for the decision log (the
+    coordinator runs the policy after every batch that holds such an event, so they do not pile up)."""
+
+    def __init__(self, max_findings: int = MAX_FORWARDED):
+        self.max_findings = max_findings
+        self._held: dict[tuple[str, str, str], Held] = {}
+        self._changes: list[Change] = []
+        self._lock = threading.Lock()
+        self._judged_ns = 0
+        self.ignored = 0
+        self.overflow = 0
+
+    def take(self, shard: str, node: str, unit: str, finding: str, raised: bool, ts_ns: int, reason: str = "",
+             *, record: bool = True) -> bool:
+        """One finding a shard raised or cleared (unit and finding already checked: coordinator.check_events);
+        returns whether what is held changed. record=False: no change for the decision log (a takeover's
+        restore: the leader before it logged them)."""
+        key = (node, unit, finding)
+        with self._lock:
+            held = self._held.get(key)
+            if raised:
+                if held is not None:
+                    if held.shard != shard:
+                        self._held[key] = Held(shard, held.since_ns)
+                    return False
+                if len(self._held) >= self.max_findings:
+                    self.overflow += 1
+                    log.warning("forwarded fabric service finding dropped: %d held already (%s %s on %s, shard %s)",
+                                self.max_findings, unit, finding, node, shard)
+                    return False
+                self._held[key] = Held(shard, ts_ns)
+            else:
+                if held is None:
+                    return False
+                if held.shard != shard:
+                    self.ignored += 1
+                    log.info("%s %s on %s cleared by shard %s, but shard %s raised it (the node moved): kept",
+                             unit, finding, node, shard, held.shard)
+                    return False
+                del self._held[key]
+            if record:
+                rec = UnitState(node, unit, "", "", "", "", None, ts_ns, None, ts_ns, judged=True,
+                                down=(node, unit, DOWN) in self._held,
+                                crash_looping=(node, unit, CRASH_LOOP) in self._held)
+                why = reason or f"{unit} {finding.replace('_', ' ')} on {node} {'raised' if raised else 'cleared'}"
+                self._changes.append(Change(raised, rec, f"{why} (shard {shard})", finding, {"shard": shard}))
+            return True
+
+    def restore(self, rows: Iterable[tuple]) -> None:
+        """(node, unit, finding, shard, since_ns) rows, as the coordinator's state keeps them."""
+        for node, unit, finding, shard, since_ns in rows:
+            self.take(shard, node, unit, finding, True, since_ns, record=False)
+
+    def held(self, node: str, unit: str, finding: str) -> Held | None:
+        return self._held.get((node, unit, finding))
+
+    def findings(self) -> list[tuple[str, str, str, Held]]:
+        with self._lock:
+            return sorted((*key, held) for key, held in self._held.items())
+
+    # -- FabricServices' readers ---------------------------------------------------------------------
+    def judge(self, now_ns: int, domain_of: Callable | None = None) -> list[Change]:
+        with self._lock:
+            self._judged_ns = now_ns
+            changes, self._changes = self._changes, []
+        return changes
+
+    @property
+    def judged_ns(self) -> int:
+        return self._judged_ns
+
+    def down(self, node: str, unit: str) -> bool:
+        return (node, unit, DOWN) in self._held
+
+    def crash_looping(self, node: str, unit: str) -> bool:
+        return (node, unit, CRASH_LOOP) in self._held
+
+    def snapshot(self) -> list[UnitState]:
+        """Empty: each unit's series come from the shard that judges it, not again from the coordinator."""
+        return []
+
+    def row_counts(self) -> dict[str, int]:
+        return dict.fromkeys(ROW_RESULTS, 0)
+
+    def restart_counts(self) -> dict[str, int]:
+        return dict.fromkeys(RESTART_RESULTS, 0)

@@ -1,13 +1,13 @@
-"""A shard's side of Coordinator.ForwardAlarms: its policy's alarms, fatal events and each node's latest risk,
-sent to the jobs coordinator over one acked stream (proto/foreshock/v1/coordinator.proto; the
-coordinator's side is service/coordinator.py).
+"""A shard's side of Coordinator.ForwardAlarms: its policy's alarms, fatal events, each node's latest risk and
+the fabric's services' findings, sent to the jobs coordinator over one acked stream
+(proto/foreshock/v1/coordinator.proto; the coordinator's side is service/coordinator.py).
 
 - `AlarmForwarder` numbers each event (from 1 under an epoch, the forwarder's start time), keeps it until
   the coordinator acks it (an ack means the coordinator has committed it and what it decided on it),
   and sends it again on the next stream after a break: the coordinator knows an event it has applied by
   its (shard, epoch, sequence) and applies it once. The buffer is bounded (`buffer_events`): when it is
   full the oldest risk summary goes first (the next summary carries the node's latest risk), then the
-  oldest alarm; each drop is counted and logged, never a crash. Every stream has a deadline
+  oldest other event; each drop is counted and logged, never a crash. Every stream has a deadline
   (`stream_seconds`, then a new one at once), and so has every batch: one not acked within
   `ack_timeout_seconds` ends the stream, and the forwarder tries the next of its coordinator addresses
   (the standby, which answers UNAVAILABLE until it leads), with backoff.
@@ -20,7 +20,10 @@ coordinator's side is service/coordinator.py).
   `totals_poll_seconds`, at most TOTALS_POLLS times a step.
 - `ShardReporter` turns a shard's rounds into events: a node that enters risk alarm (ALARM), leaves it
   (CLEARED), a fatal event (FATAL), and every `summary_seconds` every scored node's risk and topology
-  (RISK), by which the coordinator ranks spares and finds a fabric incident across shards.
+  (RISK), by which the coordinator ranks spares and finds a fabric incident across shards; and as the
+  policy judges them, each fabric-service finding raised or cleared (FABRIC_SERVICE: node, unit,
+  finding; service/fabricunits.py), by which the coordinator refuses a spare whose Fabric Manager is
+  down or crash-looping.
 """
 
 from __future__ import annotations
@@ -146,11 +149,11 @@ class AlarmForwarder:
 
     # -- events in -----------------------------------------------------------------------------------
     def put(self, kind: int, node: str, *, risk: float = 0.0, ts_ns: int = 0, signals=(), fatal_kind: str = "",
-            description: str = "", topology=None) -> int:
+            description: str = "", topology=None, unit: str = "", finding: str = "", raised: bool = False) -> int:
         """Queue one event (a coordinator_pb2.ShardEventKind); returns its sequence. Never blocks."""
         ev = coordinator_pb2.ShardEvent(
             kind=kind, node=node, risk=float(risk), ts_ns=int(ts_ns), fatal_kind=fatal_kind,
-            description=description[:MAX_TEXT],
+            description=description[:MAX_TEXT], unit=unit, finding=finding, raised=raised,
             signals=[common_pb2.Signal(name=s.name, value=s.value, contribution=s.contribution,
                                        description=s.description) for s in list(signals)[:MAX_SIGNALS]])
         if topology is not None:
@@ -343,6 +346,13 @@ class ShardReporter:
         self._monotonic = monotonic
         self._sent: dict[str, tuple] = {}   # node -> ("alarm",) or ("fatal", event ts)
         self._summary_at = -math.inf
+        policy.on_fabric_change.append(self.fabric_changed)
+
+    def fabric_changed(self, change, now_ns: int) -> None:
+        """A fabric-service finding the policy's judge raised or cleared (a fabricunits.Change)."""
+        u = change.unit
+        self.forwarder.put(coordinator_pb2.SHARD_EVENT_KIND_FABRIC_SERVICE, u.node, ts_ns=now_ns,
+                           description=change.reason, unit=u.unit, finding=change.finding, raised=change.raised)
 
     def after_round(self, now_ns: int) -> None:
         put, K = self.forwarder.put, coordinator_pb2

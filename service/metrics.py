@@ -82,6 +82,8 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_coordinator_shard_model_mismatch{shard,model}  1 while a shard scores with another model than the
                                                        coordinator expects (the jobs coordinator only)
   foreshock_coordinator_events_total{shard,result}     shards' events applied | duplicate (sent again, known)
+  foreshock_coordinator_fabric_service_findings{unit,finding}  fabric-service findings (down | crash_loop) the
+                                                       shards forwarded and have not cleared
   foreshock_coordinator_leader                         1 while this coordinator holds the lease, 0 on its
                                                        standby, whose /metrics has only this and process_*
   foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
@@ -109,10 +111,13 @@ import sqlite3
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from foreshock import fabric
 from foreshock import risk as risk_scale
 from foreshock.exposition import new_registry
 from foreshock.service.actions import CALL_RESULTS, CALLS
+from foreshock.service.coordinator import EventKind
 from foreshock.service.domain import DirectiveKind, DirectiveState, TERMINAL_STATES
+from foreshock.service.fabricunits import FINDINGS
 
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -424,6 +429,16 @@ def _coordinator_families(c):
         events.add_metric([shard, "duplicate"], c.events_duplicate.get(shard, 0))
     yield mismatch
     yield events
+    findings = GaugeMetricFamily("foreshock_coordinator_fabric_service_findings", "Fabric-service findings the "
+                                 "shards forwarded and have not cleared (a node with nvidia-fabricmanager's is "
+                                 "refused as a spare); each node's series are its shard's.", labels=["unit", "finding"])
+    held = {}
+    for _, unit, finding, _ in c.findings.findings():
+        held[(unit, finding)] = held.get((unit, finding), 0) + 1
+    for unit in sorted(fabric.FABRIC_SERVICES):
+        for finding in FINDINGS:
+            findings.add_metric([unit, finding], held.get((unit, finding), 0))
+    yield findings
     yield _leader_family(True)
 
 
@@ -455,7 +470,7 @@ def _forwarder_families(f):
                               value=f.acked_total)
     dropped = CounterMetricFamily("foreshock_forwarder_dropped_events", "Events dropped because the buffer was "
                                   "full (risk summaries first).", labels=["kind"])
-    for kind in ("alarm", "cleared", "fatal", "risk"):
+    for kind in (k.name.lower() for k in EventKind):
         dropped.add_metric([kind], f.dropped_total.get(kind, 0))
     yield dropped
     yield CounterMetricFamily("foreshock_forwarder_reconnects", "Streams to the coordinator that broke or were "

@@ -34,7 +34,9 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    logged as `fabric_service_down` / `fabric_service_cleared` and exported; one that systemd restarted
    `fabric_service_crash_loop_restarts` times within the window, as `fabric_service_crash_loop` /
    `fabric_service_crash_loop_cleared`; no alarm, no directive, no node action. A node whose Fabric
-   Manager is down or crash-looping is refused as a spare (new CUDA contexts fail there).
+   Manager is down or crash-looping is refused as a spare (new CUDA contexts fail there). In a sharded
+   control plane the shards judge and forward what changed (`on_fabric_change`, service/forwarder.py),
+   and the jobs coordinator's policy reads their findings (`units`: a ForwardedFindings).
 9. Fail-slow (service/steptimes.py): a node whose rank is consistently slower than its job's other
    ranks is its own alarm, for that job only, logged as `fail_slow` / `fail_slow_cleared`, and acted
    on like a risk alarm (rules 4 to 6: the same per-job limits and cool-down), its directives' cause
@@ -55,8 +57,8 @@ import numpy as np
 from foreshock import fabric
 from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
-from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_SECONDS, HOLD_SECONDS,
-                                           FabricServices, check_crash_loop, check_hold)
+from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_SECONDS, HOLD_SECONDS, Change,
+                                           FabricServices, ForwardedFindings, check_crash_loop, check_hold)
 from foreshock.service.jobs import JobDirectory, new_directive, switch_step
 from foreshock.service.nodes import NodeBook
 from foreshock.service.steptimes import FailSlow, StepTimes
@@ -123,7 +125,7 @@ class Alarm:
 
 class EvacuationPolicy:
     def __init__(self, settings: PolicySettings, nodes: NodeBook, jobs: JobDirectory, decisions: DecisionLog,
-                 actions=None, step_times: StepTimes | None = None):
+                 actions=None, step_times: StepTimes | None = None, units: ForwardedFindings | None = None):
         self.settings = settings
         self.actions = actions   # a NodeActions, or None: directives only
         self.step_times = step_times
@@ -138,9 +140,12 @@ class EvacuationPolicy:
         self._lock = threading.RLock()
         self.context = XidContext(settings.xid_context_seconds, settings.xid_context_min_nodes,
                                   settings.xid_context_fraction)
-        self.units = FabricServices(settings.fabric_service_hold_seconds,
-                                    crash_loop_restarts=settings.fabric_service_crash_loop_restarts,
-                                    crash_loop_window_seconds=settings.fabric_service_crash_loop_window_seconds)
+        # The fabric's services: judged here from their rows, or (the jobs coordinator) as the shards forwarded them.
+        self.units = units if units is not None else FabricServices(
+            settings.fabric_service_hold_seconds, crash_loop_restarts=settings.fabric_service_crash_loop_restarts,
+            crash_loop_window_seconds=settings.fabric_service_crash_loop_window_seconds)
+        # Called with each finding raised or cleared and the round's time (a shard's ShardReporter).
+        self.on_fabric_change: list[Callable[[Change, int], None]] = []
         jobs.on_deregister.append(lambda job: self.context.remember_job(job.job_id, job.nodes(), jobs.now()))
 
     # -- Xids in context -----------------------------------------------------------------------------
@@ -225,6 +230,8 @@ class EvacuationPolicy:
             else:
                 log.info("fabric service finding cleared: %s", change.reason)
             self.decisions.record(change.kind, node=u.node, reason=change.reason, ts_ns=now_ns, **fields)
+            for listener in self.on_fabric_change:
+                listener(change, now_ns)
 
     # -- alarms --------------------------------------------------------------------------------------
     def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:

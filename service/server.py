@@ -44,6 +44,7 @@ from foreshock.service.auth import (
     Authenticator, AuthInterceptor, Principal, server_credentials)
 from foreshock.service.coordinator import Coordinator, CoordinatorSettings, LeaderLock
 from foreshock.service.decisions import DecisionLog
+from foreshock.service.fabricunits import ForwardedFindings
 from foreshock.service.forwarder import AlarmForwarder, ForwardSettings, ShardReporter
 from foreshock.service.ingest import Ingest, IngestLimits
 from foreshock.service.jobs import JobDirectory
@@ -242,8 +243,10 @@ class ControlPlane:
         self.actions = NodeActions(s.actions, action_backends, self.store, self.nodes, self.decisions,
                                    clock=self.clock) if action_backends else None
         self.step_times = StepTimes(fail_slow_settings, self.store)
+        # The jobs coordinator takes no telemetry: the fabric's services are judged by the shards, which forward it.
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions, actions=self.actions,
-                                       step_times=self.step_times)
+                                       step_times=self.step_times,
+                                       units=ForwardedFindings() if s.coordinator is not None else None)
         # The online scorer's checkpoint: whoever runs the scorer restores it at start and writes it
         # every scorer_checkpoint_seconds and at a stop (the worker process, or this process).
         self.scorer_state_path = self.state_dir / SCORER_STATE_FILE
@@ -268,7 +271,8 @@ class ControlPlane:
         # Telemetry taken before a restart is not taken again when its collector re-sends it.
         self.ingest = Ingest(self.nodes, self.scoring.enqueue, limits=s.ingest, wake=self.scoring.wake,
                              steps=self.scoring.steps, context=self.policy.context, archive=self.archive,
-                             last_sequences=store_mod.load_sequences(self.store), units=self.policy.units)
+                             last_sequences=store_mod.load_sequences(self.store),
+                             units=self.policy.units if s.coordinator is None else None)
         self.sequences_saved_at = 0.0
         if s.coordinator is not None:
             self.coordinator = Coordinator(s.coordinator, self.store, self.jobs, self.nodes, self.policy, self.clock)

@@ -528,7 +528,8 @@ def shard_events_from_proto(events) -> list:
             e.sequence, kind, e.node, e.risk,
             tuple(SignalRecord(s.name, s.value, s.contribution, s.description) for s in e.signals),
             e.ts_ns, e.fatal_kind, e.description,
-            Topology(site=e.site, leaf_switch=e.leaf_switch, nvlink_domain=e.nvlink_domain)))
+            Topology(site=e.site, leaf_switch=e.leaf_switch, nvlink_domain=e.nvlink_domain),
+            e.unit, e.finding, e.raised))
     return out
 
 

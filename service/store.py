@@ -21,6 +21,11 @@ Tables (created on open, versioned by `PRAGMA user_version`):
   next_try_ns, done, detail, unsure): what service/actions.py did or holds back per node (drain, taint), so
   the circuit breaker's count survives a restart. Added beside version 2's tables (an older build
   ignores it), so the version stays 2.
+- shard_progress(shard, epoch, sequence, ...), shard_nodes(node, shard, risk, alarm, fatal_*, topology, ...):
+  the jobs coordinator's record of the shards' events (service/coordinator.py), and
+  shard_fabric_findings(node, unit, finding, shard, since_ns): one row per fabric-service finding a
+  shard forwarded and has not cleared (service/fabricunits.py ForwardedFindings). Added beside version
+  2's tables, as node_actions.
 
 The rows are the domain types of service/domain.py.
 """
@@ -82,6 +87,9 @@ CREATE TABLE IF NOT EXISTS shard_nodes(
   alarm INTEGER NOT NULL, alarm_since_ns INTEGER NOT NULL, reason TEXT NOT NULL, signals TEXT NOT NULL,
   fatal_ts_ns INTEGER NOT NULL, fatal_kind TEXT NOT NULL, fatal_description TEXT NOT NULL,
   fatal_recorded_ns INTEGER NOT NULL, leaf_switch TEXT NOT NULL, site TEXT NOT NULL, nvlink_domain TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shard_fabric_findings(
+  node TEXT NOT NULL, unit TEXT NOT NULL, finding TEXT NOT NULL, shard TEXT NOT NULL, since_ns INTEGER NOT NULL,
+  PRIMARY KEY(node, unit, finding));
 """
 
 
@@ -415,17 +423,26 @@ class StateStore:
         return {shard: (epoch, seq, version) for shard, epoch, seq, version in rows}
 
     def record_shard_events(self, shard: str, epoch: int, sequence: int, model_version: str, nodes: list[tuple],
-                            now_ns: int) -> None:
-        """One shard's events applied up to `sequence`, and the shard_nodes rows they changed, in one
-        write (a savepoint of the caller's batch, so the directives they lead to commit with them)."""
+                            now_ns: int, *, findings: Iterable[tuple] = (), cleared: Iterable[tuple] = ()) -> None:
+        """One shard's events applied up to `sequence`, the shard_nodes rows they changed and the
+        fabric findings they raised (rows) or cleared ((node, unit, finding)), in one write (a savepoint
+        of the caller's batch, so the directives they lead to commit with them)."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO shard_progress VALUES (?,?,?,?,?)",
                        (shard, epoch, sequence, model_version, now_ns))
             db.executemany("INSERT OR REPLACE INTO shard_nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", nodes)
+            db.executemany("INSERT OR REPLACE INTO shard_fabric_findings VALUES (?,?,?,?,?)", findings)
+            db.executemany("DELETE FROM shard_fabric_findings WHERE node=? AND unit=? AND finding=?", cleared)
 
     def shard_nodes(self) -> list[tuple]:
         with self._lock:
             return self._db.execute("SELECT * FROM shard_nodes ORDER BY node").fetchall()
+
+    def shard_fabric_findings(self) -> list[tuple]:
+        """(node, unit, finding, shard, since_ns) of every finding held."""
+        with self._lock:
+            return self._db.execute("SELECT node, unit, finding, shard, since_ns FROM shard_fabric_findings "
+                                    "ORDER BY node, unit, finding").fetchall()
 
     def last_directive_time(self, nodes: Iterable[str] | None = None) -> dict[str, int]:
         """Per from_node, the latest time a directive was issued or changed state (for cool-down)."""

@@ -2,10 +2,13 @@
 a leader killed in the middle of a directive and its standby taking over on the shared state, with the
 job's client (the migrator's) and the shard's forwarder moving to it; no directive issued twice, none
 lost. Then the forwarder across a coordinator outage, its bounded buffer, redelivery known by id, a
-shard with another model, and the bad input the coordinator refuses."""
+shard with another model, and the bad input the coordinator refuses. Last, the fabric's services in a
+sharded control plane: a shard's judge finding a Fabric Manager down forwards it, and the coordinator
+refuses that spare (across a takeover) until the shard clears it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -17,10 +20,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import Serve, wait_until
 
+from foreshock import fabric
 from foreshock.migrator import Ack, AckPhase, MigratorConfig, ServiceClient
 from foreshock.migrator.directives import DirectiveBook
 from foreshock.service.coordinator import (
     CoordinatorSettings, EventKind, LeaderLock, ShardEvent, check_events)
+from foreshock.service.decisions import read_decisions
 from foreshock.service.errors import InvalidArgument
 from foreshock.service.forwarder import AlarmForwarder, ForwardError, ForwardSettings
 from foreshock.service.server import Settings, build_server
@@ -261,9 +266,15 @@ def test_a_shard_with_another_model_is_reported_not_refused(tmp_path, caplog):
     ([ShardEvent(2, EventKind.RISK, "n1", 0.1), ShardEvent(2, EventKind.RISK, "n2", 0.1)], "sequence 2 does not follow 2"),
     ([ShardEvent(0, EventKind.RISK, "n1", 0.1)], "sequence 0 does not follow 0"),
     ([ShardEvent(i + 1, EventKind.RISK, "n1", 0.1) for i in range(1025)], "1025 events in one request; at most 1024"),
+    ([ShardEvent(1, EventKind.FABRIC_SERVICE, "n1", unit="sshd.service", finding="down", raised=True)],
+     "event 1: unit 'sshd.service' is not a fabric service (one of nvidia-fabricmanager.service, nvidia-imex.service)"),
+    ([ShardEvent(1, EventKind.FABRIC_SERVICE, "n1", unit=fabric.FABRIC_MANAGER, finding="", raised=True)],
+     "event 1: finding '' is not one of down, crash_loop"),
+    ([ShardEvent(1, EventKind.FABRIC_SERVICE, "bad node!", unit=fabric.FABRIC_MANAGER, finding="down")],
+     "event 1 node 'bad node!' is not a valid node name"),
 ])
 def test_bad_events_are_refused_naming_what_is_wrong(events, message):
-    with pytest.raises(InvalidArgument, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
         check_events("shard-a", 1, events)
 
 
@@ -363,6 +374,158 @@ def test_a_shard_forwards_what_its_policy_sees_and_the_coordinator_acts_on_it(tm
         shard.policy.evaluate(time.time_ns(), ["n1"], np.array([0.1]))    # and under clear_below again
         assert wait_until(lambda: "n1" not in coordinator.policy.alarms, 10)
         assert shard.forwarder.buffered() == 0 or wait_until(lambda: shard.forwarder.buffered() == 0, 5)
+    finally:
+        shard.stop(0.5)
+        coordinator.stop(0.5)
+
+
+# -- the fabric's services, judged by the shards, spares chosen by the coordinator --------------------------
+
+FM, IMEX = fabric.FABRIC_MANAGER, fabric.IMEX
+FM_DOWN = "nvidia-fabricmanager down (new CUDA contexts fail)"
+FM_LOOPING = "nvidia-fabricmanager crash-looping (new CUDA contexts fail while it restarts)"
+
+
+def _decisions(plane, kind: str) -> list[dict]:
+    plane.decisions.flush()
+    return [r for r in read_decisions(plane.state_dir / "decisions").to_pylist() if r["kind"] == kind]
+
+
+def _drain(address: str, node: str) -> jobs_pb2.Directive:
+    with grpc.insecure_channel(address) as ch:
+        [d] = jobs_pb2_grpc.JobsStub(ch).DrainNode(jobs_pb2.DrainNodeRequest(node=node, reason="test"),
+                                                   timeout=5).directives
+    return d
+
+
+def _finding(seq: int, node: str, finding: str, raised: bool, unit: str = FM) -> ShardEvent:
+    return ShardEvent(seq, EventKind.FABRIC_SERVICE, node, ts_ns=seq, unit=unit, finding=finding, raised=raised,
+                      description=f"{unit} {finding} on {node}")
+
+
+def test_a_spare_whose_fabric_manager_a_shard_found_down_is_refused_across_a_takeover_until_cleared(tmp_path):
+    """A real coordinator takes a shard's FABRIC_SERVICE event over its stream: the node is no spare for
+    an evacuation (the directive falls back and says why) after the coordinator is stopped and another
+    takes the state over, and is one again once the shard clears the finding, which a takeover keeps too."""
+    port = _free_port()
+    plane = _coordinator(tmp_path, listen=f"127.0.0.1:{port}")
+    forwarder = _forwarder(plane.address)
+    forwarder.start()
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            jobs_pb2_grpc.JobsStub(ch).RegisterJob(jobs_pb2.RegisterJobRequest(
+                job_id="j1", ranks=[jobs_pb2.RankPlacement(rank=0, node="n0"),
+                                    jobs_pb2.RankPlacement(rank=1, node="n1")],
+                spare_nodes=["s0"], max_concurrent_evacuations=2), timeout=5)
+        forwarder.put(K.SHARD_EVENT_KIND_RISK, "s0", risk=0.01, ts_ns=time.time_ns())
+        forwarder.put(K.SHARD_EVENT_KIND_FABRIC_SERVICE, "s0", ts_ns=time.time_ns(), unit=FM, finding="down",
+                      raised=True, description="nvidia-fabricmanager.service failed on s0 for 70 s")
+        assert wait_until(lambda: forwarder.buffered() == 0, 10)
+        assert plane.policy.units.down("s0", FM) and not plane.policy.units.crash_looping("s0", FM)
+        [row] = _decisions(plane, "fabric_service_down")
+        assert row["node"] == "s0" and row["reason"] == "nvidia-fabricmanager.service failed on s0 for 70 s (shard shard-a)"
+        assert '"shard": "shard-a"' in row["details"] and f'"unit": "{FM}"' in row["details"]
+
+        plane.stop(0.5)   # the standby takes the state over
+        plane = _coordinator(tmp_path, listen=f"127.0.0.1:{port}")
+        assert plane.policy.units.down("s0", FM)
+        d = _drain(plane.address, "n0")
+        assert d.kind == jobs_pb2.DIRECTIVE_KIND_CHECKPOINT_EXIT and not d.to_node
+        assert f"no usable spare (s0: {FM_DOWN})" in d.reason
+
+        forwarder.put(K.SHARD_EVENT_KIND_FABRIC_SERVICE, "s0", ts_ns=time.time_ns(), unit=FM, finding="down",
+                      raised=False, description="nvidia-fabricmanager.service on s0 serves again (active)")
+        assert wait_until(lambda: not plane.policy.units.down("s0", FM), 15), "the clear did not come"
+        assert [r["reason"] for r in _decisions(plane, "fabric_service_cleared")] == [
+            "nvidia-fabricmanager.service on s0 serves again (active) (shard shard-a)"]
+        d = _drain(plane.address, "n1")
+        assert d.kind == jobs_pb2.DIRECTIVE_KIND_EVACUATE and d.to_node == "s0"
+
+        plane.stop(0.5)
+        plane = _coordinator(tmp_path, listen=f"127.0.0.1:{port}")
+        assert not plane.policy.units.down("s0", FM) and plane.coordinator.findings.findings() == []
+        assert plane.coordinator.events_applied == {} and plane.coordinator.shards()["shard-a"][1] == 3
+    finally:
+        forwarder.stop(0)
+        plane.stop(0.5)
+
+
+def test_fabric_findings_apply_once_and_a_moved_nodes_old_shard_clears_nothing_of_the_new_ones(tmp_path):
+    plane = _coordinator(tmp_path)
+    try:
+        _register(plane.address)   # j1 on n0 and n1, spares s0 and s1
+        c, units = plane.coordinator, plane.policy.units
+        [job] = plane.jobs.store.jobs()
+
+        def spare():
+            return plane.policy.choose_spare(job, "n0", time.time_ns(), set())
+
+        c.receive("a", 1, "m1", [_finding(1, "s0", "crash_loop", True), _finding(2, "s1", "down", True),
+                                 _finding(3, "s1", "down", True, unit=IMEX)])
+        assert units.crash_looping("s0", FM) and units.down("s1", FM) and units.down("s1", IMEX)
+        assert spare() == (None, f"no usable spare (s0: {FM_LOOPING}; s1: {FM_DOWN})")
+
+        # s1's leaf moved to shard b, which finds its Fabric Manager down too; a's clear of it comes later
+        c.receive("b", 1, "m1", [_finding(1, "s1", "down", True)])
+        c.receive("a", 1, "m1", [_finding(4, "s1", "down", False), _finding(5, "s0", "crash_loop", False)])
+        assert units.down("s1", FM) and c.findings.ignored == 1 and not units.crash_looping("s0", FM)
+        assert spare() == ("s0", "")
+        # sent again after a reconnect: known by sequence, nothing raised again
+        assert c.receive("a", 1, "m1", [_finding(1, "s0", "crash_loop", True)]) == 5
+        assert not units.crash_looping("s0", FM) and c.events_duplicate["a"] == 1
+
+        # a bad event refuses its whole batch: the good one before it is not applied either
+        with pytest.raises(InvalidArgument, match="event 7: unit 'nvidia-fabricmanager' is not a fabric service"):
+            c.receive("a", 1, "m1", [_finding(6, "s0", "down", True), _finding(7, "s0", "down", True, unit="nvidia-fabricmanager")])
+        assert not units.down("s0", FM) and c.shards()["a"][1] == 5
+
+        c.receive("b", 1, "m1", [_finding(2, "s1", "down", False)])
+        assert not units.down("s1", FM) and spare() == ("s0", "")
+        assert units.down("s1", IMEX)   # IMEX changes no spare choice: an idle spare's is not judged
+        assert plane.store.shard_fabric_findings() == [("s1", IMEX, "down", "a", 3)]
+        from prometheus_client import generate_latest
+        text = generate_latest(plane.registry).decode()
+        assert f'foreshock_coordinator_fabric_service_findings{{finding="down",unit="{IMEX}"}} 1.0' in text
+        assert f'foreshock_coordinator_fabric_service_findings{{finding="down",unit="{FM}"}} 0.0' in text
+        assert "foreshock_fabric_service_down{" not in text   # each node's series are its shard's
+    finally:
+        plane.stop(0.5)
+
+
+def test_a_shard_whose_judge_finds_its_fabric_manager_down_forwards_it_and_its_clearing(tmp_path):
+    """A scoring shard's own judge (its systemd_unit rows) raises and clears the finding; the coordinator
+    holds what the shard forwarded, and refuses the node as a spare meanwhile."""
+    from foreshock.service.scoring import NullScorer
+
+    coordinator = _coordinator(tmp_path)
+    shard = build_server(Settings.insecure_loopback(
+        tmp_path / "shard", scorer=NullScorer(), threshold=0.5,
+        forward=ForwardSettings((coordinator.address,), "shard-a", summary_seconds=1.0,
+                                backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
+    shard.start()
+    S = 1_000_000_000
+
+    def rows(start: int, state: str, sub: str, result: str) -> list[tuple]:
+        return [("s0", FM, start + k * 10 * S, "loaded", state, sub, result, 0) for k in range(8)]
+
+    try:
+        t0 = time.time_ns() - 100 * S
+        shard.policy.units.observe(rows(t0, "failed", "failed", "exit-code"), time.time_ns())   # 70 s down
+        assert wait_until(lambda: _decisions(coordinator, "fabric_service_down"), 15), "the finding was not forwarded"
+        assert shard.policy.units.down("s0", FM) and coordinator.policy.units.down("s0", FM)
+        [row] = _decisions(coordinator, "fabric_service_down")
+        assert "the node's NVSwitch fabric is unmanaged" in row["reason"] and row["reason"].endswith("(shard shard-a)")
+        _register(coordinator.address)
+        [job] = coordinator.jobs.store.jobs()
+        s1_busy = {"s1"}   # s0 is the one spare left
+        assert coordinator.policy.choose_spare(job, "n0", time.time_ns(), s1_busy) == (
+            None, f"no usable spare (s0: {FM_DOWN}; s1: busy)")
+
+        shard.policy.units.observe(rows(t0 + 80 * S, "active", "running", "success"), time.time_ns())
+        assert wait_until(lambda: shard.forwarder.buffered() == 0 and not coordinator.policy.units.down("s0", FM),
+                          15), "the clearing was not forwarded"
+        assert coordinator.policy.choose_spare(job, "n0", time.time_ns(), s1_busy) == ("s0", "")
+        assert coordinator.store.shard_fabric_findings() == []   # acked: committed
     finally:
         shard.stop(0.5)
         coordinator.stop(0.5)

@@ -15,14 +15,16 @@ class ShardEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_EVENT_KIND_CLEARED: _ClassVar[ShardEventKind]
     SHARD_EVENT_KIND_FATAL: _ClassVar[ShardEventKind]
     SHARD_EVENT_KIND_RISK: _ClassVar[ShardEventKind]
+    SHARD_EVENT_KIND_FABRIC_SERVICE: _ClassVar[ShardEventKind]
 SHARD_EVENT_KIND_UNSPECIFIED: ShardEventKind
 SHARD_EVENT_KIND_ALARM: ShardEventKind
 SHARD_EVENT_KIND_CLEARED: ShardEventKind
 SHARD_EVENT_KIND_FATAL: ShardEventKind
 SHARD_EVENT_KIND_RISK: ShardEventKind
+SHARD_EVENT_KIND_FABRIC_SERVICE: ShardEventKind
 
 class ShardEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "node", "risk", "signals", "ts_ns", "fatal_kind", "description", "leaf_switch", "site", "nvlink_domain")
+    __slots__ = ("sequence", "kind", "node", "risk", "signals", "ts_ns", "fatal_kind", "description", "leaf_switch", "site", "nvlink_domain", "unit", "finding", "raised")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +36,9 @@ class ShardEvent(_message.Message):
     LEAF_SWITCH_FIELD_NUMBER: _ClassVar[int]
     SITE_FIELD_NUMBER: _ClassVar[int]
     NVLINK_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    RAISED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: ShardEventKind
     node: str
@@ -45,7 +50,10 @@ class ShardEvent(_message.Message):
     leaf_switch: str
     site: str
     nvlink_domain: str
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[ShardEventKind, str]] = ..., node: _Optional[str] = ..., risk: _Optional[float] = ..., signals: _Optional[_Iterable[_Union[_common_pb2.Signal, _Mapping]]] = ..., ts_ns: _Optional[int] = ..., fatal_kind: _Optional[str] = ..., description: _Optional[str] = ..., leaf_switch: _Optional[str] = ..., site: _Optional[str] = ..., nvlink_domain: _Optional[str] = ...) -> None: ...
+    unit: str
+    finding: str
+    raised: bool
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[ShardEventKind, str]] = ..., node: _Optional[str] = ..., risk: _Optional[float] = ..., signals: _Optional[_Iterable[_Union[_common_pb2.Signal, _Mapping]]] = ..., ts_ns: _Optional[int] = ..., fatal_kind: _Optional[str] = ..., description: _Optional[str] = ..., leaf_switch: _Optional[str] = ..., site: _Optional[str] = ..., nvlink_domain: _Optional[str] = ..., unit: _Optional[str] = ..., finding: _Optional[str] = ..., raised: _Optional[bool] = ...) -> None: ...
 
 class GroupTotals(_message.Message):
     __slots__ = ("group", "name", "values")
