@@ -63,25 +63,8 @@ SERVICE_START_SECONDS = float(os.environ.get("BENCH_SERVICE_START_SECONDS", "600
 
 # -- the service process -----------------------------------------------------------------------------
 def train_model(out: Path) -> Path:
-    from foreshock.predictor import features as ft
-    from foreshock.predictor import model as pm
-    from foreshock.predictor import registry
-    rng = np.random.default_rng(0)
-    n = 3000
-    X = np.abs(rng.normal(0, 0.01, (n, ft.N_MODEL))).astype(np.float32)
-    pos = rng.random(n) < 0.3
-    for name in ("pcie_replay_1m", "pcie_replay_5m", "pcie_replay_30m"):
-        col = ft.FEATURE_NAMES.index(name)
-        X[:, col] = rng.uniform(0, 20, n)
-        X[pos, col] = rng.uniform(500, 1e6, pos.sum())
-    est = pm.make_model(max_iter=30).fit(X, pos.astype(int))
-    # Calibrated as train.py calibrates the shipped model, so the service runs its compiled path.
-    from sklearn.calibration import CalibratedClassifierCV
-    from sklearn.frozen import FrozenEstimator
-    est = CalibratedClassifierCV(FrozenEstimator(est), method="sigmoid").fit(X, pos.astype(int))
-    registry.save_model(out, est, {"version": "bench-pcie-1", "horizon_seconds": 1800,
-                                   "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.5})
-    return out
+    from foreshock.predictor import synthetic
+    return synthetic.pcie_replay_model_dir(out, version="bench-pcie-1", calibrated=True)
 
 
 def serve(state: str, model: str, port_file: str) -> int:

@@ -143,3 +143,31 @@ def tiny_model_dir(path, *, seed: int = 0):
                 "training": {"note": "random features, tests only"}}
     registry.save_model(path, cal, manifest, baselines={"rule": mdl.RuleBaseline().fit()})
     return path
+
+
+def pcie_replay_model_dir(path, *, version: str = "test-pcie-1", calibrated: bool = False, rows: int = 3000,
+                          max_iter: int = 30, seed: int = 0):
+    """A model directory whose model says a climbing PCIe replay rate means failure (healthy links
+    replay now and then, 0-20 a window; failing ones 500-1e6), for the service's tests and benchmarks,
+    which drive it with real telemetry. `calibrated`: wrapped as train.py wraps the shipped model
+    (sigmoid over the frozen pipeline), so the service runs its compiled path."""
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import model as mdl
+    from foreshock.predictor import registry
+
+    rng = np.random.default_rng(seed)
+    X = np.abs(rng.normal(0, 0.01, (rows, ft.N_MODEL))).astype(np.float32)   # the estimator's columns
+    pos = rng.random(rows) < 0.3
+    for name in ("pcie_replay_1m", "pcie_replay_5m", "pcie_replay_30m"):
+        col = ft.FEATURE_NAMES.index(name)
+        X[:, col] = rng.uniform(0, 20, rows)
+        X[pos, col] = rng.uniform(500, 1e6, pos.sum())
+    est = mdl.make_model(max_iter=max_iter).fit(X, pos.astype(int))
+    if calibrated:
+        from sklearn.calibration import CalibratedClassifierCV
+        from sklearn.frozen import FrozenEstimator
+
+        est = CalibratedClassifierCV(FrozenEstimator(est), method="sigmoid").fit(X, pos.astype(int))
+    registry.save_model(path, est, {"version": version, "horizon_seconds": 1800,
+                                    "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.5})
+    return path

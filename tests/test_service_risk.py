@@ -36,24 +36,10 @@ SWEEP_NS = 30 * S
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A real model: the predictor's pipeline fitted on feature rows where a climbing PCIe replay
-    rate means failure, saved through the registry (skops + manifest + sha256)."""
-    from foreshock.predictor import features as ft
-    from foreshock.predictor import model as pm
-    from foreshock.predictor import registry
-    rng = np.random.default_rng(0)
-    n = 3000
-    X = np.abs(rng.normal(0, 0.01, (n, ft.N_MODEL))).astype(np.float32)   # the estimator's columns
-    pos = rng.random(n) < 0.3
-    for name in ("pcie_replay_1m", "pcie_replay_5m", "pcie_replay_30m"):
-        col = ft.FEATURE_NAMES.index(name)
-        X[:, col] = rng.uniform(0, 20, n)                     # healthy links replay now and then
-        X[pos, col] = rng.uniform(500, 1e6, pos.sum())
-    est = pm.make_model(max_iter=30).fit(X, pos.astype(int))
-    out = tmp_path_factory.mktemp("model")
-    registry.save_model(out, est, {"version": "test-pcie-1", "horizon_seconds": 1800,
-                                   "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.5})
-    return out
+    """A real model (synthetic.pcie_replay_model_dir: a climbing PCIe replay rate means failure), saved
+    through the registry (skops + manifest + sha256)."""
+    from foreshock.predictor import synthetic
+    return synthetic.pcie_replay_model_dir(tmp_path_factory.mktemp("model"))
 
 
 class PcieRamp:

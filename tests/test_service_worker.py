@@ -14,7 +14,6 @@ import time
 import urllib.request
 
 import grpc
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -179,19 +178,9 @@ def test_a_batch_taken_before_a_restart_is_not_taken_again(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from foreshock.predictor import features as ft
-    from foreshock.predictor import model as pm
-    from foreshock.predictor import registry
-    rng = np.random.default_rng(0)
-    X = np.abs(rng.normal(0, 0.01, (600, ft.N_MODEL))).astype(np.float32)
-    pos = rng.random(600) < 0.3
-    col = ft.FEATURE_NAMES.index("pcie_replay_1m")
-    X[pos, col] = rng.uniform(500, 1e6, pos.sum())
-    est = pm.make_model(max_iter=10).fit(X, pos.astype(int))
-    out = tmp_path_factory.mktemp("model")
-    registry.save_model(out, est, {"version": "test-worker-1", "horizon_seconds": 1800,
-                                   "thresholds": {"2.0": 0.5}, "recommended_threshold": 0.5})
-    return out
+    from foreshock.predictor import synthetic
+    return synthetic.pcie_replay_model_dir(tmp_path_factory.mktemp("model"), version="test-worker-1",
+                                           rows=600, max_iter=10)
 
 
 def _metric(port, name):
