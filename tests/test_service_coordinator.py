@@ -51,6 +51,18 @@ def _coordinator(tmp_path, expected_model: str = "", **settings) -> "object":
     return plane
 
 
+def _shard(coordinator, tmp_path) -> "object":
+    """A scoring shard "shard-a" (no model) forwarding to `coordinator`, started."""
+    from foreshock.service.scoring import NullScorer
+
+    shard = build_server(Settings.insecure_loopback(
+        tmp_path / "shard", scorer=NullScorer(), threshold=0.5,
+        forward=ForwardSettings((coordinator.address,), "shard-a", summary_seconds=1.0,
+                                backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
+    shard.start()
+    return shard
+
+
 def _serving(address: str) -> bool:
     try:
         with grpc.insecure_channel(address) as ch:
@@ -340,14 +352,9 @@ def test_a_shard_forwards_what_its_policy_sees_and_the_coordinator_acts_on_it(tm
     import numpy as np
 
     from foreshock.service.nodes import FatalEvent, Topology
-    from foreshock.service.scoring import NullScorer
 
     coordinator = _coordinator(tmp_path)
-    shard = build_server(Settings.insecure_loopback(
-        tmp_path / "shard", scorer=NullScorer(), threshold=0.5,
-        forward=ForwardSettings((coordinator.address,), "shard-a", summary_seconds=1.0,
-                                backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
-    shard.start()
+    shard = _shard(coordinator, tmp_path)
     try:
         with pytest.raises(grpc.RpcError) as refused:   # one writer of directives: jobs go to the coordinator
             _register(shard.address)
@@ -495,14 +502,8 @@ def test_fabric_findings_apply_once_and_a_moved_nodes_old_shard_clears_nothing_o
 def test_a_shard_whose_judge_finds_its_fabric_manager_down_forwards_it_and_its_clearing(tmp_path):
     """A scoring shard's own judge (its systemd_unit rows) raises and clears the finding; the coordinator
     holds what the shard forwarded, and refuses the node as a spare meanwhile."""
-    from foreshock.service.scoring import NullScorer
-
     coordinator = _coordinator(tmp_path)
-    shard = build_server(Settings.insecure_loopback(
-        tmp_path / "shard", scorer=NullScorer(), threshold=0.5,
-        forward=ForwardSettings((coordinator.address,), "shard-a", summary_seconds=1.0,
-                                backoff_initial_seconds=0.05, backoff_max_seconds=0.3)))
-    shard.start()
+    shard = _shard(coordinator, tmp_path)
     S = 1_000_000_000
 
     def rows(start: int, state: str, sub: str, result: str) -> list[tuple]:
