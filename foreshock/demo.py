@@ -69,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "params": 20000,
     "time_limit_seconds": 300.0,
     # The operating point: the manifest's threshold for this many false evacuations per 1,000 node-days.
-    # The shipped model on a held-out random world at budget 2: 38 % of precursor incidents caught, 1.7 false
+    # The shipped model on a held-out random world at budget 2: 29 % of precursor incidents caught, 0.6 false
     # evacuations per 1,000 node-days (models/default/evaluation.json).
     "budget": 2.0,
 }

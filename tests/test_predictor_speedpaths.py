@@ -47,7 +47,7 @@ def fitted():
 
 def _check_same(model: registry.LoadedModel, X):
     assert model.fast_predictor is not None
-    want = model.estimator.predict_proba(X)
+    want = model.estimator.predict_proba(model.model_columns(X))   # the estimator reads its own columns
     for threads in (1, 2):
         model.threads = threads
         got = model.predict_proba(X)
@@ -113,7 +113,8 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
     model = registry.load_model()
     assert model.fast_predictor.compiled       # the shipped model runs in the compiled kernel
     rng = np.random.default_rng(8)
-    X = np.asarray(model.manifest["reference_features"], dtype=np.float32)[None].repeat(5000, axis=0)
+    # the estimator's own columns: the fast predictor walks the trees on them
+    X = model.model_columns(np.asarray(model.manifest["reference_features"], dtype=np.float32)[None]).repeat(5000, axis=0)
     X *= rng.lognormal(0.0, 2.0, X.shape).astype(np.float32)
     X[rng.random(X.shape) < 0.1] = np.nan
     X[:5] = np.inf
