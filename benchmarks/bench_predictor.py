@@ -174,7 +174,7 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
         fast[th] = _med(ts)
     model.threads = threads
     t0 = time.perf_counter()
-    model.estimator.predict_proba(X)
+    model.estimator.predict_proba(model.model_columns(X))   # the estimator reads its own columns
     tp = time.perf_counter() - t0
     fast_path = model.fast_predictor
     kind = ("no fast path for this estimator" if fast_path is None else
