@@ -219,6 +219,13 @@ def run_train(args, file_data) -> int:
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
           f"{_pct(v['incident_recall_precursor'])}, median lead {v['median_lead_minutes']:.1f} min, "
           f"{v['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days, PR-AUC {v['pr_auc']:.3f}")
+    allowed = manifest["budget"] * v["node_days"] / 1000.0
+    if allowed < train.MIN_BUDGET_EPISODES:
+        _err(f"WARNING: the thresholds rest on a validation slice of {v['node_days']:,.0f} node-days: at budget "
+             f"{manifest['budget']:g} that is {allowed:.1f} false evacuations, so each threshold is set by the "
+             f"slice's few highest healthy episodes, and on a later period or another fleet the false evacuations "
+             f"at it can be several times fewer or more. Re-fit them on a month or more of the fleet's later "
+             f"history (`foreshock thresholds`), or keep serving the model compared with.")
     nov = manifest.get("novelty")
     if nov:
         w = nov["validation_without"]

@@ -49,6 +49,10 @@ from foreshock.predictor.novelty import HealthySteadiness, NoveltyAlarm
 log = logging.getLogger(__name__)
 
 BUDGETS = (0.5, 1.0, 2.0, 5.0, 10.0)
+# False evacuations the budget allows on the validation slice below which its threshold is set by that
+# slice's few highest healthy episodes, and does not carry to a later period or another fleet
+# (benchmarks/results/predictor-shift-2026-12-05.md, section 4): `foreshock train` warns.
+MIN_BUDGET_EPISODES = 5.0
 # features whose nonzero value makes a negative step "hard" (kept at the higher rate)
 HARD_FEATURES = [ft.FEATURE_NAMES.index(n) for n in ft.FEATURE_NAMES
                  if n.endswith("_30m") and not n.startswith(("leaf_", "site_", "traffic_", "link_err_vs"))]
