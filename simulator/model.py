@@ -268,9 +268,9 @@ class ClusterModel:
         # stream of their own so that the draws above and every block's benign stream stay as they were.
         rec_median = self.world.per_node("link_recovery_per_device_day", pod).astype(float)[:, None]
         rec = np.random.default_rng(np.random.SeedSequence([self.seed, 4]))
-        self.link_recovery = {
-            kind: {name: rec_median / 86400.0 * np.exp(LINK_RECOVERY_SIGMA * rec.standard_normal((N, C)))}
-            for kind, name, C in (("gpu", "recovery_errors", G), ("hca", "link_error_recovery", H))
+        self.link_recovery = {  # counter -> per-device rate (N, GPUs or HCAs), events a second
+            name: rec_median / 86400.0 * np.exp(LINK_RECOVERY_SIGMA * rec.standard_normal((N, C)))
+            for name, C in (("recovery_errors", G), ("link_error_recovery", H))
         } if (rec_median > 0).any() else {}
         m_mul = self.world.per_node("marginal_scale", pod).astype(float)[:, None]
         for kind in ("gpu", "hca"):
@@ -485,10 +485,9 @@ class ClusterModel:
                 benign[name] = _sparse_poisson(rng, rate, dt)
         if self.link_recovery:
             rrng = np.random.default_rng(np.random.SeedSequence([self.seed, 5, int(ts[0]), int(nodes[0]), B, T]))
-            for kind, rates in self.link_recovery.items():
-                for name, rate in rates.items():
-                    arr = _sparse_poisson(rrng, rate[nodes], dt)
-                    benign[name] = benign[name] + arr if name in benign else arr
+            for name, rate in self.link_recovery.items():
+                arr = _sparse_poisson(rrng, rate[nodes], dt)
+                benign[name] = benign[name] + arr if name in benign else arr
         for name, arr in self._draw_bursts(rng, nodes, dt).items():
             benign[name] = benign[name] + arr if name in benign else arr
         app_xids = self._draw_app_xids(rng, nodes, ts)
