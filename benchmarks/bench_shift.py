@@ -39,7 +39,6 @@ SCENARIO = Path(__file__).resolve().parent / "scenarios" / "shifted.toml"
 RATE_SCALE, RECOVERY_RATIO = 5.0, 0.2
 BUDGETS = ("1.0", "2.0", "5.0")
 DRIVER_BUDGET = "5.0"
-JUSTIFIED_NS = 24 * 3600 * 10**9     # evaluate.JUSTIFIED_HOURS: an episode the node's failure follows
 
 
 def _simulate(out: Path, args, scenario: Path | None) -> float:
@@ -80,6 +79,7 @@ def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Co
     from foreshock.predictor import offline, registry
 
     model = registry.load_model(model_dir)
+    justified_ns = int(ev.JUSTIFIED_HOURS * 3600) * 1_000_000_000   # a failure this soon after: no false evacuation
     threshold = float(model.manifest["thresholds"][DRIVER_BUDGET])
     reference = ft.full_width(model.manifest.get("reference_features"))
     root = ds.open_dataset_root(str(data))
@@ -97,7 +97,7 @@ def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Co
             for start in np.concatenate([[alert[0]], alert[breaks + 1]]):
                 e = nf.step_end_ns[start]
                 k = np.searchsorted(fails, e)
-                if k < len(fails) and fails[k] <= e + JUSTIFIED_NS:
+                if k < len(fails) and fails[k] <= e + justified_ns:
                     continue
                 episodes += 1
                 per_node[nf.node] += 1
