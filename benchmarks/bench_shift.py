@@ -70,7 +70,8 @@ def _print_report(name: str, rep: dict) -> None:
 
 def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Counter, int]:
     """The first-named signal of the model's explanation at each false evacuation at DRIVER_BUDGET,
-    and the false evacuations per node (episodes as evaluate.py forms them)."""
+    and the false evacuations per node: episodes as evaluate.py forms them (alerts closer than its
+    COOLDOWN_STEPS merged), false when the node does not fail within its JUSTIFIED_HOURS of the start."""
     from foreshock import dataset as ds
     from foreshock.predictor import evaluate as ev
     from foreshock.predictor import explain as ex
