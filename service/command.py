@@ -19,6 +19,7 @@ import threading
 from foreshock import config
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
+from foreshock.service.coordinator import MAX_RECONFIRM_SECONDS, MIN_RECONFIRM_SECONDS, RECONFIRM_SECONDS
 from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_SECONDS, HOLD_SECONDS,
                                            MAX_CRASH_LOOP_RESTARTS, MAX_CRASH_LOOP_WINDOW_SECONDS, MAX_HOLD_SECONDS,
                                            MIN_CRASH_LOOP_RESTARTS, MIN_CRASH_LOOP_WINDOW_SECONDS, MIN_HOLD_SECONDS)
@@ -92,6 +93,7 @@ DEFAULTS = {
     "coordinator": False,        # the jobs coordinator: Jobs API, directives, per-job policy; no telemetry
     "lease_file": "",            # the coordinator's lock file on the volume it shares with its standby
     "coordinator_model_version": "",   # the model shards should score with; "": the first shard's
+    "coordinator_reconfirm_seconds": RECONFIRM_SECONDS,   # a shard's new instance has this long to raise again
     "coordinator_address": "",   # HOST:PORT[,HOST:PORT]: a shard, forwarding its alarms to the coordinator
     "forward_token_file": "",    # a file holding this shard's bearer token for the coordinator
     **{key: FORWARD_DEFAULTS[name] for key, name in FORWARD_KEYS.items()},
@@ -121,6 +123,7 @@ CHECKS = {
                                                                MAX_CRASH_LOOP_WINDOW_SECONDS),
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
+    "coordinator_reconfirm_seconds": config.between(MIN_RECONFIRM_SECONDS, MAX_RECONFIRM_SECONDS),
     "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
                           "must be a shard name (letters, digits, '.', '_', '-'; at most 63)"),
     **{key: FORWARD_CHECKS[name] for key, name in FORWARD_KEYS.items() if name in FORWARD_CHECKS},
@@ -211,6 +214,9 @@ def register(subparsers) -> None:
     p.add_argument("--coordinator-model-version",
                    help="the model version shards should score with (a shard with another is reported, not "
                         "refused); default: the first shard's")
+    p.add_argument("--coordinator-reconfirm-seconds", type=float,
+                   help="a shard's new instance (a restart) has this long to raise again the risk alarms and "
+                        "fabric findings its previous one left; the rest are cleared (600)")
     p.add_argument("--coordinator-address", metavar="HOST:PORT[,HOST:PORT]",
                    help="a scoring shard: forward alarms, fatal events and risks to this jobs coordinator (and "
                         "its standby) instead of issuing directives here")
@@ -280,7 +286,8 @@ def settings_from(cfg: dict):
                                 "forwards to no one")
         try:
             coordinator = CoordinatorSettings(cfg["lease_file"],
-                                              expected_model_version=cfg["coordinator_model_version"])
+                                              expected_model_version=cfg["coordinator_model_version"],
+                                              reconfirm_seconds=cfg["coordinator_reconfirm_seconds"])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
     elif cfg["lease_file"]:

@@ -23,6 +23,14 @@ is service/forwarder.py):
   `crash_looping` the spare choice asks as one instance asks its own judge, and to the state
   (`shard_fabric_findings`, one row per finding held) in the batch's transaction; `restore` reads them
   back. They move no alarm and no risk.
+- A shard's new instance (a newer epoch: a restart, a rolling upgrade) judges afresh and sends what its
+  policy changes from then on, never a clear of what its previous instance raised. So the first batch
+  of a newer epoch starts a reconfirmation (`reconfirm_seconds`): the risk alarms the previous instance
+  left on the shard's nodes and the fabric findings it raised stay held while the new one has time to
+  raise them again (its first rounds; a finding's hold), and those it has not raised, cleared or
+  replaced by then are cleared, with the reason in the decision log
+  (`foreshock_coordinator_reconfirm_cleared_total{kind}`). Fatal events are facts, not judgements, and
+  stay. The pending set is memory: a takeover during it keeps what was pending held, as before it.
 - `PeerTotalsBook`: the job and site peer totals each shard sends per closed feature step, summed for
   the other shards: each ack carries a shard the others' sums of the newest step all of them have sent
   (docs/scaling.md, "Peer features across shards"). Memory only, the last MAX_TOTALS_STEPS steps per
@@ -59,6 +67,11 @@ MAX_TEXT = 1024              # a description or reason, characters
 MAX_UINT63 = (1 << 63) - 1   # epochs and sequences are kept in SQLite's signed 64-bit INTEGER
 MAX_TOTALS_STEPS = 4         # steps of peer totals in one request, and kept per shard (the scorers use the last 1-2)
 MAX_TOTALS_GROUPS = 65_536   # job and site groups of one request, over its steps
+# A shard's new instance restores its scorer from the checkpoint and raises again within its first
+# rounds, and a fabric finding within its hold (60 s by default, at most an hour): ten minutes covers
+# the default hold and a collector's restart, as FORGET_SECONDS does on the shard.
+RECONFIRM_SECONDS = 600.0
+MIN_RECONFIRM_SECONDS, MAX_RECONFIRM_SECONDS = 1.0, 86_400.0
 
 
 class EventKind(enum.IntEnum):
@@ -91,12 +104,17 @@ class CoordinatorSettings:
     lease_file: str                      # the lock file on the volume the leader and its standby share
     expected_model_version: str = ""     # "": the first shard's model is the one expected
     lock_poll_seconds: float = 0.5       # how often a standby tries the lock (and sees a stop)
+    reconfirm_seconds: float = RECONFIRM_SECONDS   # a shard's new instance has this long to raise again
 
     def __post_init__(self):
         if not self.lease_file:
             raise ValueError("coordinator lease_file is empty: give --lease-file PATH on the shared volume")
         if not (isinstance(self.lock_poll_seconds, (int, float)) and 0.01 <= self.lock_poll_seconds <= 60):
             raise ValueError(f"coordinator lock_poll_seconds {self.lock_poll_seconds!r} must be in [0.01, 60]")
+        if not (isinstance(self.reconfirm_seconds, (int, float))
+                and MIN_RECONFIRM_SECONDS <= self.reconfirm_seconds <= MAX_RECONFIRM_SECONDS):
+            raise ValueError(f"coordinator_reconfirm_seconds {self.reconfirm_seconds!r} must be in "
+                             f"[{MIN_RECONFIRM_SECONDS:g}, {MAX_RECONFIRM_SECONDS:g}]")
 
 
 class LeaderLock:
@@ -294,6 +312,15 @@ class _NodeState:
                    Topology(site=site, leaf_switch=leaf, nvlink_domain=dom))
 
 
+@dataclass
+class _Reconfirm:
+    """What a shard's previous instance left held, waiting for its instance of `epoch` to say it again."""
+    epoch: int
+    until_ns: int
+    alarms: set[str]                          # nodes in risk alarm
+    findings: set[tuple[str, str, str]]       # (node, unit, finding)
+
+
 class Coordinator:
     """The shards' events into the node book and the policy, once each, durably."""
 
@@ -316,6 +343,8 @@ class Coordinator:
         self.events_applied: dict[str, int] = {}
         self.events_duplicate: dict[str, int] = {}
         self.peer_totals = PeerTotalsBook()
+        self._reconfirm: dict[str, _Reconfirm] = {}
+        self.reconfirm_cleared = {"alarm": 0, "fabric_finding": 0}
 
     # -- takeover ------------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -361,13 +390,18 @@ class Coordinator:
             if epoch < done_epoch:
                 raise FailedPrecondition(f"shard {shard!r}: epoch {epoch} is older than {done_epoch}, which a "
                                          "newer instance of the shard forwards under; this one is stale")
+            now = self.clock()
             if epoch > done_epoch:
                 done_seq = 0
+                if done_epoch:
+                    self._start_reconfirm(shard, epoch, now)
             fresh = [e for e in events if e.sequence > done_seq]
             self.events_duplicate[shard] = self.events_duplicate.get(shard, 0) + len(events) - len(fresh)
-            if not fresh:
+            pending = self._reconfirm.get(shard)
+            due = pending is not None and now >= pending.until_ns
+            if not fresh and not due:
                 return done_seq
-            now = self.clock()
+            sequence = fresh[-1].sequence if fresh else done_seq
             changed: dict[str, _NodeState] = {}
             findings: set[tuple[str, str, str]] = set()
             with self.jobs.issuing():   # the events, the node rows, the findings and the directives: one commit
@@ -375,19 +409,88 @@ class Coordinator:
                     if e.kind == EventKind.FABRIC_SERVICE:
                         self.findings.take(shard, e.node, e.unit, e.finding, e.raised, e.ts_ns or now, e.description)
                         findings.add((e.node, e.unit, e.finding))
+                        if pending is not None:
+                            pending.findings.discard((e.node, e.unit, e.finding))
                     else:
                         changed[e.node] = self._apply(shard, e, now)
-                held = {key: self.findings.held(*key) for key in findings}
-                self.store.record_shard_events(
-                    shard, epoch, fresh[-1].sequence, model_version, [st.row() for st in changed.values()], now,
-                    findings=[(*key, h.shard, h.since_ns) for key, h in held.items() if h is not None],
-                    cleared=[key for key, h in held.items() if h is None])
+                        if pending is not None and e.kind != EventKind.RISK:
+                            pending.alarms.discard(e.node)
+                cleared = self._end_reconfirm(shard, now, changed, findings) if due else False
+                self._record(shard, epoch, sequence, model_version, changed, findings, now)
                 # Risk summaries move no alarm; the next round sees the spares' new risks.
-                if any(e.kind != EventKind.RISK for e in fresh):
+                if cleared or any(e.kind != EventKind.RISK for e in fresh):
                     self.policy.evaluate(now)
-            self._progress[shard] = (epoch, fresh[-1].sequence, model_version)
+            self._progress[shard] = (epoch, sequence, model_version)
             self.events_applied[shard] = self.events_applied.get(shard, 0) + len(fresh)
-            return fresh[-1].sequence
+            return sequence
+
+    def _record(self, shard: str, epoch: int, sequence: int, model_version: str, changed: dict[str, _NodeState],
+                findings: set[tuple[str, str, str]], now_ns: int) -> None:
+        held = {key: self.findings.held(*key) for key in findings}
+        self.store.record_shard_events(
+            shard, epoch, sequence, model_version, [st.row() for st in changed.values()], now_ns,
+            findings=[(*key, h.shard, h.since_ns) for key, h in held.items() if h is not None],
+            cleared=[key for key, h in held.items() if h is None])
+
+    def end_due_reconfirmations(self, now_ns: int) -> int:
+        """End the reconfirmations due by `now_ns` of shards that have sent nothing since (a shard's own
+        batches end its own): the service's rounds call it once a second. Returns how many ended."""
+        with self.policy.lock, self._lock:
+            due = sorted(s for s, p in self._reconfirm.items() if now_ns >= p.until_ns)
+            for shard in due:
+                epoch, sequence, model_version = self._progress.get(shard, (self._reconfirm[shard].epoch, 0, ""))
+                changed: dict[str, _NodeState] = {}
+                findings: set[tuple[str, str, str]] = set()
+                with self.jobs.issuing():
+                    if self._end_reconfirm(shard, now_ns, changed, findings):
+                        self._record(shard, epoch, sequence, model_version, changed, findings, now_ns)
+                        self.policy.evaluate(now_ns)
+            return len(due)
+
+    def _start_reconfirm(self, shard: str, epoch: int, now_ns: int) -> None:
+        """A newer instance of `shard` forwards: what its previous one left held waits to be said again."""
+        pending = self._reconfirm.get(shard)
+        if pending is not None and pending.epoch == epoch:
+            return   # its first batch had nothing new: the reconfirmation runs from that batch
+        alarms = {n for n, st in self._state.items() if st.shard == shard and st.alarm}
+        found = {(node, unit, finding) for node, unit, finding, h in self.findings.findings() if h.shard == shard}
+        if not alarms and not found:
+            self._reconfirm.pop(shard, None)
+            return
+        self._reconfirm[shard] = _Reconfirm(epoch, now_ns + int(self.settings.reconfirm_seconds * 1e9),
+                                            alarms, found)
+        log.info("shard %s forwards under a new epoch: %d risk alarms and %d fabric findings its previous "
+                 "instance left are cleared unless it raises them again within %g s", shard, len(alarms),
+                 len(found), self.settings.reconfirm_seconds)
+
+    def _end_reconfirm(self, shard: str, now_ns: int, changed: dict[str, _NodeState],
+                       findings: set[tuple[str, str, str]]) -> bool:
+        """Clear what `shard`'s new instance has not raised again (in the caller's transaction); returns
+        whether anything was cleared."""
+        pending = self._reconfirm.pop(shard)
+        why = (f"not raised again by shard {shard}'s new instance within "
+               f"{self.settings.reconfirm_seconds:g} s of its first events")
+        cleared = False
+        for node in sorted(pending.alarms):
+            st = self._state.get(node)
+            if st is None or not st.alarm or st.shard != shard:
+                continue   # cleared meanwhile, or its leaf moved: another shard judges it now
+            st.alarm, st.alarm_since_ns, st.reason = False, 0, ""
+            self.policy.clear_alarm(node, st.risk, now_ns, f"risk alarm {why}")
+            changed[node] = st
+            self.reconfirm_cleared["alarm"] += 1
+            cleared = True
+        for node, unit, finding in sorted(pending.findings):
+            if self.findings.take(shard, node, unit, finding, False, now_ns,
+                                  f"{unit} {finding.replace('_', ' ')} on {node} {why}"):
+                findings.add((node, unit, finding))
+                self.reconfirm_cleared["fabric_finding"] += 1
+                cleared = True
+        if cleared:
+            log.warning("shard %s: what its previous instance left and its new one did not raise again within "
+                        "%g s is cleared (foreshock_coordinator_reconfirm_cleared_total)", shard,
+                        self.settings.reconfirm_seconds)
+        return cleared
 
     def _apply(self, shard: str, e: ShardEvent, now_ns: int) -> _NodeState:
         st = self._state.get(e.node)

@@ -84,6 +84,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_coordinator_events_total{shard,result}     shards' events applied | duplicate (sent again, known)
   foreshock_coordinator_fabric_service_findings{unit,finding}  fabric-service findings (down | crash_loop) the
                                                        shards forwarded and have not cleared
+  foreshock_coordinator_reconfirm_cleared_total{kind}  risk alarms (alarm) and fabric findings (fabric_finding) a
+                                                       shard's previous instance left and its new one did not
+                                                       raise again within coordinator_reconfirm_seconds: cleared
   foreshock_coordinator_leader                         1 while this coordinator holds the lease, 0 on its
                                                        standby, whose /metrics has only this and process_*
   foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
@@ -439,6 +442,12 @@ def _coordinator_families(c):
         for finding in FINDINGS:
             findings.add_metric([unit, finding], held.get((unit, finding), 0))
     yield findings
+    reconfirm = CounterMetricFamily("foreshock_coordinator_reconfirm_cleared", "Risk alarms and fabric findings "
+                                    "a shard's previous instance left that its new instance did not raise again "
+                                    "within coordinator_reconfirm_seconds, cleared.", labels=["kind"])
+    for kind, n in sorted(c.reconfirm_cleared.items()):
+        reconfirm.add_metric([kind], n)
+    yield reconfirm
     yield _leader_family(True)
 
 

@@ -407,6 +407,8 @@ class ControlPlane:
         if now_ns - self._last_expiry_ns >= 1_000_000_000:
             self._last_expiry_ns = now_ns
             self.jobs.expire(now_ns)
+            if self.coordinator is not None:
+                self.coordinator.end_due_reconfirmations(now_ns)
         self._round_hist.observe(elapsed + time.perf_counter() - t0)
         if result.fresh and len(result.nodes) and self.scoring.watched:
             self.scoring.publish([self.nodes.risk[n] for n in result.nodes if n in self.nodes.risk])

@@ -338,6 +338,8 @@ def test_plaintext_to_a_remote_coordinator_is_refused():
     (["--coordinator-address", "127.0.0.1:1"], "--coordinator-address is a shard's: give --shard NAME"),
     (["--coordinator", "--lease-file", "/tmp/x", "--shard", "a", "--shard-map", "/tmp/x"],
      "--coordinator and --shard/--shard-map are exclusive"),
+    (["--coordinator", "--lease-file", "/tmp/x", "--coordinator-reconfirm-seconds", "0"],
+     "coordinator_reconfirm_seconds"),
 ])
 def test_serve_refuses_bad_coordinator_flags(tmp_path, flags, message):
     run = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--no-model",
@@ -530,3 +532,89 @@ def test_a_shard_whose_judge_finds_its_fabric_manager_down_forwards_it_and_its_c
     finally:
         shard.stop(0.5)
         coordinator.stop(0.5)
+
+
+def test_what_a_restarted_shards_new_instance_does_not_raise_again_is_cleared_after_the_reconfirmation(tmp_path):
+    """A shard's new instance (a newer epoch) sends what its policy changes, never a clear of what its
+    previous instance raised: the coordinator holds those risk alarms and fabric findings for the
+    reconfirmation, then clears the ones not raised again, durably; a fatal event and other shards'
+    alarms stay, and another shard's batch ends nothing of it."""
+    plane = _coordinator(tmp_path)
+    S = 1_000_000_000
+    try:
+        _register(plane.address)
+        c, units, alarms = plane.coordinator, plane.policy.units, plane.policy.alarms
+        t = [time.time_ns()]
+        c.clock = lambda: t[0]
+        c.receive("a", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n2", 0.9, ts_ns=t[0]),
+                                 ShardEvent(2, EventKind.ALARM, "n3", 0.9, ts_ns=t[0]),
+                                 _finding(3, "s0", "down", True), _finding(4, "s1", "crash_loop", True),
+                                 ShardEvent(5, EventKind.FATAL, "n4", 1.0, ts_ns=t[0], fatal_kind="xid_79")])
+        c.receive("b", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n5", 0.9, ts_ns=t[0])])
+        assert {"n2", "n3", "n4", "n5"} <= set(alarms)
+
+        t[0] += 10 * S   # shard a restarts: its new instance raises n3 and s1's finding again, not n2 or s0's
+        assert c.receive("a", 2, "m1", [ShardEvent(1, EventKind.RISK, "n2", 0.1, ts_ns=t[0])]) == 1
+        t[0] += 60 * S
+        c.receive("a", 2, "m1", [ShardEvent(2, EventKind.ALARM, "n3", 0.8, ts_ns=t[0]),
+                                 _finding(3, "s1", "crash_loop", True)])
+        assert "n2" in alarms and units.down("s0", FM)   # within the reconfirmation: held
+        t[0] += 600 * S
+        c.receive("b", 1, "m1", [ShardEvent(2, EventKind.RISK, "n5", 0.9, ts_ns=t[0])])
+        assert "n2" in alarms and units.down("s0", FM)   # another shard's batch ends nothing of a's
+        assert c.receive("a", 2, "m1", []) == 3          # a's empty request (a totals poll) past the end: ends it
+        assert "n2" not in alarms and {"n3", "n4", "n5"} <= set(alarms)
+        assert not units.down("s0", FM) and units.crash_looping("s1", FM)
+        assert c.reconfirm_cleared == {"alarm": 1, "fabric_finding": 1}
+        [row] = [r for r in _decisions(plane, "cleared") if r["node"] == "n2"]
+        assert "not raised again by shard a's new instance within 600 s" in row["reason"]
+        assert [r["node"] for r in _decisions(plane, "fabric_service_cleared")] == ["s0"]
+        [job] = plane.jobs.store.jobs()
+        assert plane.policy.choose_spare(job, "n0", t[0], {"s1"}) == ("s0", "")
+
+        plane.stop(0.5)   # durable: a takeover reads back the same
+        plane = _coordinator(tmp_path)
+        assert {n for n, st in plane.coordinator._state.items() if st.alarm} == {"n3", "n5"}
+        assert [f[:3] for f in plane.store.shard_fabric_findings()] == [("s1", FM, "crash_loop")]
+        from prometheus_client import generate_latest
+        assert 'foreshock_coordinator_reconfirm_cleared_total{kind="alarm"} 0.0' in generate_latest(
+            plane.registry).decode()   # a counter of this instance's clearing
+    finally:
+        plane.stop(0.5)
+
+
+def test_a_restarted_forwarder_that_raises_nothing_again_has_its_old_alarm_cleared_by_the_rounds(tmp_path):
+    """Over the stream: the shard's first instance forwards an alarm and a Fabric Manager finding, a second
+    (a new epoch) forwards one risk summary and then nothing; the coordinator's own rounds end the
+    reconfirmation (1 s here) and clear both."""
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", coordinator=CoordinatorSettings(str(tmp_path / "lease"), lock_poll_seconds=0.05,
+                                                            reconfirm_seconds=1.0),
+        threshold=0.5, policy={"stale_seconds": 3600.0}))
+    plane.start()
+    first = _forwarder(plane.address)
+    second = None
+    try:
+        assert wait_until(lambda: plane.leading, 10)
+        first.put(K.SHARD_EVENT_KIND_ALARM, "n2", risk=0.9, ts_ns=time.time_ns(), description="risk 0.9")
+        first.put(K.SHARD_EVENT_KIND_FABRIC_SERVICE, "s0", ts_ns=time.time_ns(), unit=FM, finding="down",
+                  raised=True, description="nvidia-fabricmanager.service failed on s0 for 70 s")
+        first.start()
+        assert wait_until(lambda: first.buffered() == 0, 10)
+        first.stop(0)
+        assert "n2" in plane.policy.alarms and plane.policy.units.down("s0", FM)
+
+        time.sleep(0.01)   # the epoch is the forwarder's start time
+        second = _forwarder(plane.address)
+        second.put(K.SHARD_EVENT_KIND_RISK, "n2", risk=0.1, ts_ns=time.time_ns())
+        second.start()
+        assert wait_until(lambda: second.buffered() == 0, 10)
+        assert wait_until(lambda: "n2" not in plane.policy.alarms and not plane.policy.units.down("s0", FM), 10), \
+            "the coordinator's rounds did not end the reconfirmation"
+        assert plane.coordinator.reconfirm_cleared == {"alarm": 1, "fabric_finding": 1}
+        assert plane.store.shard_fabric_findings() == []
+    finally:
+        first.stop(0)
+        if second is not None:
+            second.stop(0)
+        plane.stop(0.5)
