@@ -69,9 +69,9 @@ def _print_report(name: str, rep: dict) -> None:
 
 
 def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Counter, int]:
-    """The first-named signal of the model's explanation at each false evacuation at DRIVER_BUDGET,
-    and the false evacuations per node: episodes as evaluate.py forms them (alerts closer than its
-    COOLDOWN_STEPS merged), false when the node does not fail within its JUSTIFIED_HOURS of the start."""
+    """The first-named signal of the model's explanation at the first step of each false evacuation at
+    DRIVER_BUDGET, and the false evacuations per node: the episodes and their verdicts are evaluate.py's
+    own (`at_threshold` on each node's scores), so they add up to the false evacuations it reports."""
     from foreshock import dataset as ds
     from foreshock.predictor import evaluate as ev
     from foreshock.predictor import explain as ex
@@ -80,7 +80,6 @@ def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Co
     from foreshock.predictor import offline, registry
 
     model = registry.load_model(model_dir)
-    justified_ns = int(ev.JUSTIFIED_HOURS * 3600) * 1_000_000_000   # a failure this soon after: no false evacuation
     threshold = float(model.manifest["thresholds"][DRIVER_BUDGET])
     reference = ft.full_width(model.manifest.get("reference_features"))
     root = ds.open_dataset_root(str(data))
@@ -89,17 +88,11 @@ def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Co
     with offline.FeatureBuilder(root) as fb:
         fb.pass1()
         for nf in fb:
-            p = model.probability(nf.X)
-            alert = np.flatnonzero((p >= threshold) & nf.scoreable)
-            if not len(alert):
-                continue
-            fails = np.sort(incidents.of_node(nf.node)["ts"].to_numpy(np.int64))
-            breaks = np.flatnonzero(np.diff(alert) > ev.COOLDOWN_STEPS)
-            for start in np.concatenate([[alert[0]], alert[breaks + 1]]):
-                e = nf.step_end_ns[start]
-                k = np.searchsorted(fails, e)
-                if k < len(fails) and fails[k] <= e + justified_ns:
-                    continue
+            ns = ev.score_node(nf, incidents, {"model": model.probability}, model.horizon_seconds)
+            got = ev.at_threshold([ns], "model", threshold, incidents, model.horizon_seconds)["episodes"]
+            p = ns.scores["model"]
+            for start_ns in got["start_ns"][got["false"]]:
+                start = int(np.searchsorted(ns.step_end_ns, start_ns))
                 episodes += 1
                 per_node[nf.node] += 1
                 named = ex.explain(model.probability, nf.X[start:start + 1], p[start:start + 1], reference, top=1)[0]
@@ -115,14 +108,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
     parser.add_argument("--keep", type=Path, default=None, help="write the two worlds here and keep them "
                         "(reused when present)")
-    args, _ = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
 
     from foreshock.predictor import evaluate as ev
 
     with tempfile.TemporaryDirectory(prefix="bench-shift-") as tmp:
         where = args.keep or Path(tmp)
         for name, scenario in (("catalogue", None), ("shifted", SCENARIO)):
-            data = where / f"{name}-{args.seed}"
+            data = where / f"{name}-{args.seed}-{args.nodes}n-{args.days:g}d"
             if not (data / "table=incidents").exists():
                 took = _simulate(data, args, scenario)
                 print(f"simulated the {name} world in {took:.0f} s", flush=True)

@@ -216,7 +216,8 @@ def register(subparsers) -> None:
                         "refused); default: the first shard's")
     p.add_argument("--coordinator-reconfirm-seconds", type=float,
                    help="a shard's new instance (a restart) has this long to raise again the risk alarms and "
-                        "fabric findings its previous one left; the rest are cleared (600)")
+                        "fabric findings its previous one left; the rest are cleared (1200; keep it above the "
+                        "shards' fabric_service_hold_seconds and crash-loop window)")
     p.add_argument("--coordinator-address", metavar="HOST:PORT[,HOST:PORT]",
                    help="a scoring shard: forward alarms, fatal events and risks to this jobs coordinator (and "
                         "its standby) instead of issuing directives here")

@@ -67,10 +67,12 @@ MAX_TEXT = 1024              # a description or reason, characters
 MAX_UINT63 = (1 << 63) - 1   # epochs and sequences are kept in SQLite's signed 64-bit INTEGER
 MAX_TOTALS_STEPS = 4         # steps of peer totals in one request, and kept per shard (the scorers use the last 1-2)
 MAX_TOTALS_GROUPS = 65_536   # job and site groups of one request, over its steps
-# A shard's new instance restores its scorer from the checkpoint and raises again within its first
-# rounds, and a fabric finding within its hold (60 s by default, at most an hour): ten minutes covers
-# the default hold and a collector's restart, as FORGET_SECONDS does on the shard.
-RECONFIRM_SECONDS = 600.0
+# A shard's new instance restores its scorer from the checkpoint and raises an alarm again within its
+# first rounds. A fabric finding takes longer: a down unit its hold (fabric_service_hold_seconds, 60 s
+# by default), a crash loop up to its window (600 s by default) after the first sample, which is only a
+# baseline of the restart count. Twice the default window covers both with a collector's restart; a
+# deployment with a longer hold or window on its shards sets this above them.
+RECONFIRM_SECONDS = 1200.0
 MIN_RECONFIRM_SECONDS, MAX_RECONFIRM_SECONDS = 1.0, 86_400.0
 
 
@@ -413,13 +415,15 @@ class Coordinator:
                             pending.findings.discard((e.node, e.unit, e.finding))
                     else:
                         changed[e.node] = self._apply(shard, e, now)
-                        if pending is not None and e.kind != EventKind.RISK:
+                        if pending is not None and e.kind in (EventKind.ALARM, EventKind.CLEARED):
                             pending.alarms.discard(e.node)
-                cleared = self._end_reconfirm(shard, now, changed, findings) if due else False
+                cleared = self._end_reconfirm(shard, pending, now, changed, findings) if due else False
                 self._record(shard, epoch, sequence, model_version, changed, findings, now)
                 # Risk summaries move no alarm; the next round sees the spares' new risks.
                 if cleared or any(e.kind != EventKind.RISK for e in fresh):
                     self.policy.evaluate(now)
+            if due:
+                self._reconfirm.pop(shard, None)   # only once committed: a failed commit tries it again
             self._progress[shard] = (epoch, sequence, model_version)
             self.events_applied[shard] = self.events_applied.get(shard, 0) + len(fresh)
             return sequence
@@ -438,13 +442,16 @@ class Coordinator:
         with self.policy.lock, self._lock:
             due = sorted(s for s, p in self._reconfirm.items() if now_ns >= p.until_ns)
             for shard in due:
-                epoch, sequence, model_version = self._progress.get(shard, (self._reconfirm[shard].epoch, 0, ""))
+                pending = self._reconfirm[shard]
+                epoch, sequence, model_version = self._progress.get(shard, (pending.epoch, 0, ""))
                 changed: dict[str, _NodeState] = {}
                 findings: set[tuple[str, str, str]] = set()
                 with self.jobs.issuing():
-                    if self._end_reconfirm(shard, now_ns, changed, findings):
-                        self._record(shard, epoch, sequence, model_version, changed, findings, now_ns)
+                    cleared = self._end_reconfirm(shard, pending, now_ns, changed, findings)
+                    self._record(shard, epoch, sequence, model_version, changed, findings, now_ns)
+                    if cleared:
                         self.policy.evaluate(now_ns)
+                del self._reconfirm[shard]
             return len(due)
 
     def _start_reconfirm(self, shard: str, epoch: int, now_ns: int) -> None:
@@ -463,29 +470,34 @@ class Coordinator:
                  "instance left are cleared unless it raises them again within %g s", shard, len(alarms),
                  len(found), self.settings.reconfirm_seconds)
 
-    def _end_reconfirm(self, shard: str, now_ns: int, changed: dict[str, _NodeState],
+    def _end_reconfirm(self, shard: str, pending: _Reconfirm, now_ns: int, changed: dict[str, _NodeState],
                        findings: set[tuple[str, str, str]]) -> bool:
-        """Clear what `shard`'s new instance has not raised again (in the caller's transaction); returns
-        whether anything was cleared."""
-        pending = self._reconfirm.pop(shard)
+        """Clear what `shard`'s new instance has not raised again, into the caller's transaction (`changed`
+        and `findings` are what it writes); returns whether anything was cleared here. What an earlier
+        try cleared in memory before its commit failed is written again: the rows follow the pending set,
+        not only what changes now."""
         why = (f"not raised again by shard {shard}'s new instance within "
                f"{self.settings.reconfirm_seconds:g} s of its first events")
         cleared = False
         for node in sorted(pending.alarms):
             st = self._state.get(node)
-            if st is None or not st.alarm or st.shard != shard:
-                continue   # cleared meanwhile, or its leaf moved: another shard judges it now
-            st.alarm, st.alarm_since_ns, st.reason = False, 0, ""
-            self.policy.clear_alarm(node, st.risk, now_ns, f"risk alarm {why}")
+            if st is None or st.shard != shard:
+                continue   # its leaf moved: another shard judges it now
+            if st.alarm:
+                st.alarm, st.alarm_since_ns, st.reason = False, 0, ""
+                self.policy.clear_alarm(node, st.risk, now_ns, f"risk alarm {why}")
+                self.reconfirm_cleared["alarm"] += 1
+                cleared = True
             changed[node] = st
-            self.reconfirm_cleared["alarm"] += 1
-            cleared = True
         for node, unit, finding in sorted(pending.findings):
-            if self.findings.take(shard, node, unit, finding, False, now_ns,
-                                  f"{unit} {finding.replace('_', ' ')} on {node} {why}"):
-                findings.add((node, unit, finding))
+            held = self.findings.held(node, unit, finding)
+            if held is not None and held.shard != shard:
+                continue   # another shard raised it since: it is that shard's now
+            if held is not None and self.findings.take(shard, node, unit, finding, False, now_ns,
+                                                       f"{unit} {finding.replace('_', ' ')} on {node} {why}"):
                 self.reconfirm_cleared["fabric_finding"] += 1
                 cleared = True
+            findings.add((node, unit, finding))
         if cleared:
             log.warning("shard %s: what its previous instance left and its new one did not raise again within "
                         "%g s is cleared (foreshock_coordinator_reconfirm_cleared_total)", shard,

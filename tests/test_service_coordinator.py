@@ -9,6 +9,7 @@ refuses that spare (across a takeover) until the shard clears it."""
 from __future__ import annotations
 
 import re
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -537,8 +538,8 @@ def test_a_shard_whose_judge_finds_its_fabric_manager_down_forwards_it_and_its_c
 def test_what_a_restarted_shards_new_instance_does_not_raise_again_is_cleared_after_the_reconfirmation(tmp_path):
     """A shard's new instance (a newer epoch) sends what its policy changes, never a clear of what its
     previous instance raised: the coordinator holds those risk alarms and fabric findings for the
-    reconfirmation, then clears the ones not raised again, durably; a fatal event and other shards'
-    alarms stay, and another shard's batch ends nothing of it."""
+    reconfirmation, then clears the ones not raised again, durably; a fatal event, other shards' alarms
+    and a finding another shard raised since stay, and another shard's batch ends nothing of it."""
     plane = _coordinator(tmp_path)
     S = 1_000_000_000
     try:
@@ -549,25 +550,30 @@ def test_what_a_restarted_shards_new_instance_does_not_raise_again_is_cleared_af
         c.receive("a", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n2", 0.9, ts_ns=t[0]),
                                  ShardEvent(2, EventKind.ALARM, "n3", 0.9, ts_ns=t[0]),
                                  _finding(3, "s0", "down", True), _finding(4, "s1", "crash_loop", True),
-                                 ShardEvent(5, EventKind.FATAL, "n4", 1.0, ts_ns=t[0], fatal_kind="xid_79")])
+                                 ShardEvent(5, EventKind.FATAL, "n4", 1.0, ts_ns=t[0], fatal_kind="xid_79"),
+                                 ShardEvent(6, EventKind.ALARM, "n6", 0.9, ts_ns=t[0]),
+                                 _finding(7, "s2", "down", True)])
         c.receive("b", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n5", 0.9, ts_ns=t[0])])
-        assert {"n2", "n3", "n4", "n5"} <= set(alarms)
+        assert {"n2", "n3", "n4", "n5", "n6"} <= set(alarms)
 
         t[0] += 10 * S   # shard a restarts: its new instance raises n3 and s1's finding again, not n2 or s0's
         assert c.receive("a", 2, "m1", [ShardEvent(1, EventKind.RISK, "n2", 0.1, ts_ns=t[0])]) == 1
-        t[0] += 60 * S
+        t[0] += 60 * S   # ... and a fatal event on n6, which is no risk alarm raised again
         c.receive("a", 2, "m1", [ShardEvent(2, EventKind.ALARM, "n3", 0.8, ts_ns=t[0]),
-                                 _finding(3, "s1", "crash_loop", True)])
+                                 _finding(3, "s1", "crash_loop", True),
+                                 ShardEvent(4, EventKind.FATAL, "n6", 1.0, ts_ns=t[0], fatal_kind="xid_79")])
+        c.receive("b", 1, "m1", [_finding(2, "s2", "down", True)])   # s2's leaf moved to b, which finds it too
         assert "n2" in alarms and units.down("s0", FM)   # within the reconfirmation: held
-        t[0] += 600 * S
-        c.receive("b", 1, "m1", [ShardEvent(2, EventKind.RISK, "n5", 0.9, ts_ns=t[0])])
+        t[0] += 1200 * S
+        c.receive("b", 1, "m1", [ShardEvent(3, EventKind.RISK, "n5", 0.9, ts_ns=t[0])])
         assert "n2" in alarms and units.down("s0", FM)   # another shard's batch ends nothing of a's
-        assert c.receive("a", 2, "m1", []) == 3          # a's empty request (a totals poll) past the end: ends it
-        assert "n2" not in alarms and {"n3", "n4", "n5"} <= set(alarms)
+        assert c.receive("a", 2, "m1", []) == 4          # a's empty request (a totals poll) past the end: ends it
+        assert "n2" not in alarms and {"n3", "n4", "n5", "n6"} <= set(alarms)   # n6's alarm is its fatal one now
         assert not units.down("s0", FM) and units.crash_looping("s1", FM)
-        assert c.reconfirm_cleared == {"alarm": 1, "fabric_finding": 1}
+        assert units.down("s2", FM) and c.findings.held("s2", FM, "down").shard == "b" and c.findings.ignored == 0
+        assert c.reconfirm_cleared == {"alarm": 2, "fabric_finding": 1}
         [row] = [r for r in _decisions(plane, "cleared") if r["node"] == "n2"]
-        assert "not raised again by shard a's new instance within 600 s" in row["reason"]
+        assert "not raised again by shard a's new instance within 1200 s" in row["reason"]
         assert [r["node"] for r in _decisions(plane, "fabric_service_cleared")] == ["s0"]
         [job] = plane.jobs.store.jobs()
         assert plane.policy.choose_spare(job, "n0", t[0], {"s1"}) == ("s0", "")
@@ -575,10 +581,42 @@ def test_what_a_restarted_shards_new_instance_does_not_raise_again_is_cleared_af
         plane.stop(0.5)   # durable: a takeover reads back the same
         plane = _coordinator(tmp_path)
         assert {n for n, st in plane.coordinator._state.items() if st.alarm} == {"n3", "n5"}
-        assert [f[:3] for f in plane.store.shard_fabric_findings()] == [("s1", FM, "crash_loop")]
+        assert [f[:4] for f in plane.store.shard_fabric_findings()] == [("s1", FM, "crash_loop", "a"),
+                                                                        ("s2", FM, "down", "b")]
         from prometheus_client import generate_latest
         assert 'foreshock_coordinator_reconfirm_cleared_total{kind="alarm"} 0.0' in generate_latest(
             plane.registry).decode()   # a counter of this instance's clearing
+    finally:
+        plane.stop(0.5)
+
+
+def test_a_reconfirmation_whose_commit_fails_is_written_by_the_next_try(tmp_path, monkeypatch):
+    """The clearing at a reconfirmation's end is in memory before its commit: a commit that fails leaves
+    the reconfirmation pending, and the next batch writes what it cleared, so the state read back after a
+    takeover is the cleared one."""
+    plane = _coordinator(tmp_path)
+    S = 1_000_000_000
+    try:
+        c = plane.coordinator
+        t = [time.time_ns()]
+        c.clock = lambda: t[0]
+        c.receive("a", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n2", 0.9, ts_ns=t[0]), _finding(2, "s0", "down", True)])
+        c.receive("a", 2, "m1", [ShardEvent(1, EventKind.RISK, "n2", 0.1, ts_ns=t[0])])
+        t[0] += 1201 * S
+        real = plane.store.record_shard_events
+
+        def full_disk(*args, **kwargs):
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(plane.store, "record_shard_events", full_disk)
+        with pytest.raises(sqlite3.OperationalError):
+            c.receive("a", 2, "m1", [])
+        assert "n2" not in plane.policy.alarms            # cleared in memory, not yet in the state
+        monkeypatch.setattr(plane.store, "record_shard_events", real)
+        assert c.receive("a", 2, "m1", []) == 1
+        plane.stop(0.5)
+        plane = _coordinator(tmp_path)
+        assert "n2" not in plane.policy.alarms and plane.store.shard_fabric_findings() == []
     finally:
         plane.stop(0.5)
 
