@@ -7,7 +7,10 @@ the fabric's services' findings, sent to the jobs coordinator over one acked str
   and sends it again on the next stream after a break: the coordinator knows an event it has applied by
   its (shard, epoch, sequence) and applies it once. The buffer is bounded (`buffer_events`): when it is
   full the oldest risk summary goes first (the next summary carries the node's latest risk), then the
-  oldest other event; each drop is counted and logged, never a crash. Every stream has a deadline
+  oldest event a later one in the buffer supersedes (a node's alarm or clear by its next alarm or
+  clear, a fabric finding's raise or clear by its next: the coordinator ends in the same state
+  without it), then the oldest other event; each drop is counted and logged, never a crash. A fatal
+  event is a fact and is superseded by nothing. Every stream has a deadline
   (`stream_seconds`, then a new one at once), and so has every batch: one not acked within
   `ack_timeout_seconds` ends the stream, and the forwarder tries the next of its coordinator addresses
   (the standby, which answers UNAVAILABLE until it leads), with backoff.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 import logging
 import math
 import random
@@ -59,6 +63,10 @@ CHECKS: dict[str, config.Check] = {
     "totals_poll_seconds": config.between(0.05, 60),
 }
 
+
+# Events searched from the oldest for one a later event supersedes, when the buffer is full: a drop
+# stays cheap however large the buffer (a superseded event is usually among the oldest).
+SUPERSEDED_SCAN = 4096
 
 # Half a 60 s step at the default poll period: the other shards' totals normally follow within the
 # grace period of the step's close, and a coordinator that has none (a shard down) is not asked all step.
@@ -105,6 +113,17 @@ def parse_addresses(spec: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in spec.split(",") if a.strip())
 
 
+def _state_key(ev) -> tuple | None:
+    """What an event sets at the coordinator, so that a later event with the same key supersedes it: a
+    node's risk alarm (raised or cleared), a fabric finding on a node's unit; None for a fatal event."""
+    K = coordinator_pb2
+    if ev.kind in (K.SHARD_EVENT_KIND_ALARM, K.SHARD_EVENT_KIND_CLEARED):
+        return ("alarm", ev.node)
+    if ev.kind == K.SHARD_EVENT_KIND_FABRIC_SERVICE:
+        return ("fabric_service", ev.node, ev.unit, ev.finding)
+    return None
+
+
 class AlarmForwarder:
     """Construct, `start()`, then `put(...)` events from any thread; `stop()` at the end.
 
@@ -123,6 +142,7 @@ class AlarmForwarder:
         self.epoch = clock()
         self._seq = 0
         self._alarms: collections.deque = collections.deque()   # (sequence, ShardEvent) not acked
+        self._latest: dict[tuple, int] = {}   # a buffered event's state key -> the newest sequence with it
         self._risk: collections.deque = collections.deque()     # RISK summaries not acked
         self._cv = threading.Condition()
         self._sent_upto = 0
@@ -141,6 +161,7 @@ class AlarmForwarder:
         self._log = LogLimiter(log)
         self.acked_total = 0
         self.dropped_total: dict[str, int] = {}
+        self.dropped_superseded_total = 0   # of those, events a later buffered one superseded: no state lost
         self.reconnects_total = 0
         self.totals_sent_total = 0
         self.peer_totals_received_total = 0
@@ -161,19 +182,46 @@ class AlarmForwarder:
         with self._cv:
             self._seq += 1
             ev.sequence = self._seq
-            (self._risk if kind == coordinator_pb2.SHARD_EVENT_KIND_RISK else self._alarms).append(ev)
+            if kind == coordinator_pb2.SHARD_EVENT_KIND_RISK:
+                self._risk.append(ev)
+            else:
+                self._alarms.append(ev)
+                key = _state_key(ev)
+                if key is not None:
+                    self._latest[key] = ev.sequence
             while len(self._alarms) + len(self._risk) > self.settings.buffer_events:
                 self._drop_oldest()
             self._cv.notify_all()
             return ev.sequence
 
     def _drop_oldest(self) -> None:
-        victim = (self._risk or self._alarms).popleft()
+        superseded = False
+        if self._risk:
+            victim = self._risk.popleft()
+        else:
+            for i, ev in enumerate(itertools.islice(self._alarms, SUPERSEDED_SCAN)):
+                key = _state_key(ev)
+                if key is not None and self._latest.get(key, 0) > ev.sequence:
+                    del self._alarms[i]
+                    victim, superseded = ev, True
+                    break
+            else:
+                victim = self._alarms.popleft()
+                self._forget(victim)
         name = coordinator_pb2.ShardEventKind.Name(victim.kind).removeprefix("SHARD_EVENT_KIND_").lower()
         self.dropped_total[name] = self.dropped_total.get(name, 0) + 1
+        self.dropped_superseded_total += superseded
         self._log.warning("drop", "forwarder buffer full (%d events, the coordinator at %s not acking): "
-                          "dropped the oldest %s event (node %s); %s dropped so far",
-                          self.settings.buffer_events, self.address, name, victim.node, self.dropped_total)
+                          "dropped %s %s event (node %s); %s dropped so far, %d of them superseded",
+                          self.settings.buffer_events, self.address,
+                          "a superseded" if superseded else "the oldest", name, victim.node, self.dropped_total,
+                          self.dropped_superseded_total)
+
+    def _forget(self, ev) -> None:
+        """`ev` leaves the buffer (acked or dropped): its state key with it, when it was the newest."""
+        key = _state_key(ev)
+        if key is not None and self._latest.get(key) == ev.sequence:
+            del self._latest[key]
 
     def put_totals(self, steps) -> None:
         """This shard's job and site totals, [(step, {group: {name: row}})] (OnlineScorer.take_local_totals),
@@ -275,10 +323,12 @@ class AlarmForwarder:
             upto = ack.acked_sequence
             if upto <= self._acked:
                 return
-            for q in (self._alarms, self._risk):
-                while q and q[0].sequence <= upto:
-                    q.popleft()
-                    self.acked_total += 1
+            while self._alarms and self._alarms[0].sequence <= upto:
+                self._forget(self._alarms.popleft())
+                self.acked_total += 1
+            while self._risk and self._risk[0].sequence <= upto:
+                self._risk.popleft()
+                self.acked_total += 1
             while self._in_flight and self._in_flight[0][0] <= upto:
                 self._in_flight.popleft()
             self._acked = upto

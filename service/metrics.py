@@ -90,8 +90,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_coordinator_leader                         1 while this coordinator holds the lease, 0 on its
                                                        standby, whose /metrics has only this and process_*
   foreshock_forwarder_connected, foreshock_forwarder_buffered_events, foreshock_forwarder_acked_events_total,
-  foreshock_forwarder_dropped_events_total{kind}, foreshock_forwarder_reconnects_total
-                                                       a shard's stream to the coordinator (service/forwarder.py)
+  foreshock_forwarder_dropped_events_total{kind}, foreshock_forwarder_dropped_superseded_events_total,
+  foreshock_forwarder_reconnects_total                 a shard's stream to the coordinator (service/forwarder.py);
+                                                       superseded: drops a later buffered event made harmless
   foreshock_peer_totals_steps_total{result}           a shard's closed steps by what their job and site peer
                                                        features summed: remote (the other shards' totals of
                                                        the step), lagged (of an earlier step, within the lag),
@@ -478,10 +479,15 @@ def _forwarder_families(f):
     yield CounterMetricFamily("foreshock_forwarder_acked_events", "Events the coordinator acked (durable there).",
                               value=f.acked_total)
     dropped = CounterMetricFamily("foreshock_forwarder_dropped_events", "Events dropped because the buffer was "
-                                  "full (risk summaries first).", labels=["kind"])
+                                  "full (risk summaries first, then events a later buffered one supersedes).",
+                                  labels=["kind"])
     for kind in (k.name.lower() for k in EventKind):
         dropped.add_metric([kind], f.dropped_total.get(kind, 0))
     yield dropped
+    yield CounterMetricFamily("foreshock_forwarder_dropped_superseded_events", "Of the dropped alarm, clear and "
+                              "fabric-finding events, those a later buffered event of the same node (and unit) "
+                              "superseded: the coordinator ends in the same state without them.",
+                              value=f.dropped_superseded_total)
     yield CounterMetricFamily("foreshock_forwarder_reconnects", "Streams to the coordinator that broke or were "
                               "refused (a standby), each followed by the next address.", value=f.reconnects_total)
     totals = CounterMetricFamily("foreshock_forwarder_peer_totals", "Steps of job and site peer totals sent to "
