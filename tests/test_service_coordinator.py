@@ -239,33 +239,31 @@ def test_a_full_forwarder_drops_what_a_later_event_supersedes_before_any_other(t
     a fatal event never goes as superseded. Delivered later, the coordinator's state is what the shard's
     last events say, except for the alarms dropped when nothing superseded was left."""
     port = _free_port()
-    forwarder = _forwarder(f"127.0.0.1:{port}", buffer_events=100, batch_events=32)
-    forwarder.start()
-    plane = None
-    try:
-        now = time.time_ns()
-        for i in range(30):
-            forwarder.put(K.SHARD_EVENT_KIND_ALARM, f"a{i:02d}", risk=0.9, ts_ns=now, description="risk 0.9")
-        for i in range(10):
-            forwarder.put(K.SHARD_EVENT_KIND_CLEARED, f"a{i:02d}", risk=0.1, ts_ns=now)
-        for i in range(5):
-            forwarder.put(K.SHARD_EVENT_KIND_FATAL, f"f{i}", risk=1.0, ts_ns=now, fatal_kind="xid_79")
-        for raised in (True, False):
-            forwarder.put(K.SHARD_EVENT_KIND_FABRIC_SERVICE, "s0", ts_ns=now, unit=FM, finding="down", raised=raised)
-        for i in range(68):   # 115 events in a buffer of 100: 15 drops
-            forwarder.put(K.SHARD_EVENT_KIND_ALARM, f"b{i:02d}", risk=0.9, ts_ns=now, description="risk 0.9")
-        assert forwarder.buffered() == 100
-        assert forwarder.dropped_total == {"alarm": 14, "fabric_service": 1} and forwarder.dropped_superseded_total == 11
+    forwarder = _forwarder(f"127.0.0.1:{port}", buffer_events=100, batch_events=32)   # not started yet
+    now = time.time_ns()
+    for i in range(30):
+        forwarder.put(K.SHARD_EVENT_KIND_ALARM, f"a{i:02d}", risk=0.9, ts_ns=now, description="risk 0.9")
+    for i in range(10):
+        forwarder.put(K.SHARD_EVENT_KIND_CLEARED, f"a{i:02d}", risk=0.1, ts_ns=now)
+    for i in range(5):
+        forwarder.put(K.SHARD_EVENT_KIND_FATAL, f"f{i}", risk=1.0, ts_ns=now, fatal_kind="xid_79")
+    for raised in (True, False):
+        forwarder.put(K.SHARD_EVENT_KIND_FABRIC_SERVICE, "s0", ts_ns=now, unit=FM, finding="down", raised=raised)
+    for i in range(68):   # 115 events in a buffer of 100: 15 drops
+        forwarder.put(K.SHARD_EVENT_KIND_ALARM, f"b{i:02d}", risk=0.9, ts_ns=now, description="risk 0.9")
+    assert forwarder.buffered() == 100
+    assert forwarder.dropped_total == {"alarm": 14, "fabric_service": 1} and forwarder.dropped_superseded_total == 11
 
-        plane = _coordinator(tmp_path, listen=f"127.0.0.1:{port}")
+    plane = _coordinator(tmp_path, listen=f"127.0.0.1:{port}")
+    try:
+        forwarder.start()
         assert wait_until(lambda: forwarder.buffered() == 0, 15), "the buffer was not delivered"
         expected = {f"a{i:02d}" for i in range(14, 30)} | {f"b{i:02d}" for i in range(68)} | {f"f{i}" for i in range(5)}
         assert set(plane.policy.alarms) == expected   # a00-a09 cleared; a10-a13 dropped, nothing superseded them
         assert not plane.policy.units.down("s0", FM) and forwarder._latest == {}
     finally:
         forwarder.stop(0)
-        if plane is not None:
-            plane.stop(0.5)
+        plane.stop(0.5)
 
 
 def test_events_sent_again_apply_once_and_a_stale_epoch_is_refused(tmp_path):
