@@ -154,6 +154,10 @@ _KIND = np.array([SIGNAL_BY_NAME[ft.FEATURES[i].signal].kind if ft.FEATURES[i].s
 # a count signal is named only for what it counted: its windows, its day's decayed count and its
 # steadiness, not its ratios to the baseline
 _COUNTED = np.array([f.op in ("sum1", "sum5", "sum30", "decayed", "steady") for f in ft.FEATURES])
+# ... and only from where `describe` says it: a day's count from about 1, a steadiness from
+# STEADY_WORTH_SAYING; below those the signal would be named with nothing said of it.
+_SAID_FROM = np.array([1.0 if f.op == "decayed" else STEADY_WORTH_SAYING if f.op == "steady" else 0.0
+                       for f in ft.FEATURES])
 _GROUP_OF = np.zeros((ft.N_FEATURES, len(GROUP_NAMES)))
 for _k, _name in enumerate(GROUP_NAMES):
     _GROUP_OF[GROUPS[_name], _k] = 1.0
@@ -166,7 +170,7 @@ def unusual(X: np.ndarray, reference: np.ndarray) -> np.ndarray:
     ref = np.where(np.isfinite(reference), reference, 0.0)
     gauge = np.isin(_KIND, ("gauge", "flag"))
     off = np.where(gauge, X != reference, X > ref)
-    off &= known & ((_KIND != "count") | (_COUNTED & (X > 0)))
+    off &= known & ((_KIND != "count") | (_COUNTED & (X > 0) & (X >= _SAID_FROM)))
     return (off.astype(np.float64) @ _GROUP_OF) > 0
 
 

@@ -312,6 +312,23 @@ def test_explanations_never_name_a_zero_count_and_say_what_is_unusual():
     text = sigs[names.index("nvl_crc")].description
     assert "1,200 in the last 30 min" in text and "60x its 3-day baseline" in text and "300x its job's other nodes" in text
 
+    # nor one whose only trace is below what describe says: a faint steadiness, a fraction of a day's count
+    row[idx["ib_ack_timeout_steadiness_2h"]] = 0.05
+    row[idx["pcie_replay_decayed_12h"]] = 0.4
+    row[idx["pcie_replay_30m_vs_baseline"]] = 3.0
+    X = row[None, :]
+
+    def likes_replays(rows):
+        return proba(rows) + 0.01 * np.atleast_2d(rows)[:, idx["pcie_replay_30m_vs_baseline"]]
+
+    assert {"ib_ack_timeout", "pcie_replay"}.isdisjoint(s.name for s in ex.explain(likes_replays, X, likes_replays(X), ref)[0])
+    row[idx["ib_ack_timeout_steadiness_2h"]] = 0.3
+    row[idx["pcie_replay_decayed_12h"]] = 2.0
+    X = row[None, :]
+    named = {s.name: s.description for s in ex.explain(likes_replays, X, likes_replays(X), ref)[0]}
+    assert "counting in 30% more of the last 2 hours' minutes" in named["ib_ack_timeout"]
+    assert "about 2 over the last day" in named["pcie_replay"]
+
 
 
 def test_a_reason_counted_over_the_day_leads_with_the_day_not_a_quiet_half_hour():
