@@ -49,6 +49,14 @@ def _fmt(v: float) -> str:
     return f"{v:.2f}"
 
 
+def _count(v: float) -> str:
+    """A window's error count in words. Counts across a sampling gap are spread over the gap's steps
+    (signals.py), so a window can hold part of one: said as about the whole number, never "0.50"."""
+    if float(v).is_integer():
+        return _fmt(v)
+    return f"about {_fmt(max(1.0, float(round(v))))}"
+
+
 def headline(signal: str, row: np.ndarray) -> float:
     if signal == "anomaly":
         return float(row[FIDX["anomaly_vs_own_history"]])
@@ -71,7 +79,7 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
         ratio = get(f"{signal}_30m_vs_baseline")
         counted = np.isfinite(v30) and v30 > 0
         if counted:
-            parts.append(f"{_fmt(v30)} in the last 30 min")
+            parts.append(f"{_count(v30)} in the last 30 min")
             if np.isfinite(ratio) and ratio >= 2:
                 parts.append(f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline")
         day = get(f"{signal}_decayed_12h")

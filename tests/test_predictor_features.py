@@ -347,6 +347,21 @@ def test_a_reason_counted_over_the_day_leads_with_the_day_not_a_quiet_half_hour(
     assert replay.split(": ", 1)[1] == "about 1,226 over the last day, none in the last 30 min"
     assert "0 in the last" not in remap + replay and "baseline" not in replay
 
+
+def test_a_count_spread_over_a_sampling_gap_is_said_as_a_whole_number():
+    """Errors counted across a gap are spread over its steps, so a window can hold half of one: the
+    words say about the whole number, never a fraction of an error."""
+    from foreshock.predictor import explain as ex
+
+    idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    row = np.zeros(ft.N_FEATURES, dtype=np.float32)
+    row[idx["ib_ack_timeout_30m"]] = 0.5
+    row[idx["ecc_sbe_30m"]] = 3.5
+    row[idx["pcie_replay_30m"]] = 12.0
+    assert ex.describe("ib_ack_timeout", row).endswith(": about 1 in the last 30 min")
+    assert ex.describe("ecc_sbe", row).endswith(": about 4 in the last 30 min")
+    assert ex.describe("pcie_replay", row).endswith(": 12 in the last 30 min")
+
 def test_a_steady_signal_is_named_with_its_steadiness_and_credited_with_the_novelty():
     """The novelty alarm's risk goes to the signal that counts steadily, said in words; a quiet
     steadiness is not said."""
