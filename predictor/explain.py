@@ -49,6 +49,11 @@ def _fmt(v: float) -> str:
     return f"{v:.2f}"
 
 
+def _share(v: float) -> str:
+    """A share (0..1) as a percentage."""
+    return f"{v:.0%}" if v is not None and np.isfinite(v) else "unknown"
+
+
 def _count(v: float) -> str:
     """A window's error count in words. Counts across a sampling gap are spread over the gap's steps
     (signals.py), so a window can hold part of one: said as about the whole number, never "0.50"."""
@@ -98,14 +103,17 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
         now, mx = get(f"{signal}_now"), get(f"{signal}_max30m")
         if spec.kind == "flag":
             parts.append("now" if now > 0 else "in the last 30 min" if mx > 0 else "not seen")
+        elif spec.unit == "ratio":
+            parts.append(f"{_share(now)} now, {_share(mx)} at most in 30 min")
         else:
-            unit = f" {spec.unit}" if spec.unit and spec.unit not in ("ratio",) else ""
+            unit = f" {spec.unit}" if spec.unit else ""
             parts.append(f"{_fmt(now)}{unit} now, {_fmt(mx)}{unit} at most in 30 min")
             rise = get(f"{signal}_rise30m")
             if np.isfinite(rise) and abs(rise) >= 0.5:
                 parts.append(f"{rise:+.1f}{unit} over 30 min")
     elif spec is not None and spec.kind == "peer":
-        parts.append(f"{_fmt(get(signal + '_30m'))} over 30 min ({_fmt(get(signal + '_5m'))} over 5 min)")
+        say = _share if spec.unit == "ratio" else _fmt
+        parts.append(f"{say(get(signal + '_30m'))} over 30 min ({say(get(signal + '_5m'))} over 5 min)")
     elif signal == "anomaly":
         return _describe_anomaly(get)
     parts += _against_peers(signal, get)

@@ -362,6 +362,17 @@ def test_a_count_spread_over_a_sampling_gap_is_said_as_a_whole_number():
     assert ex.describe("ecc_sbe", row).endswith(": about 4 in the last 30 min")
     assert ex.describe("pcie_replay", row).endswith(": 12 in the last 30 min")
 
+
+def test_shares_are_said_as_percentages():
+    from foreshock.predictor import explain as ex
+
+    idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    row = np.zeros(ft.N_FEATURES, dtype=np.float32)
+    row[idx["thermal_throttle_frac_now"]], row[idx["thermal_throttle_frac_max30m"]] = 0.25, 1.0
+    row[idx["leaf_peers_link_err_frac_30m"]], row[idx["leaf_peers_link_err_frac_5m"]] = 0.54, 0.5
+    assert ex.describe("thermal_throttle_frac", row).endswith(": 25% now, 100% at most in 30 min")
+    assert ex.describe("leaf_peers_link_err_frac", row).endswith(": 54% over 30 min (50% over 5 min)")
+
 def test_a_steady_signal_is_named_with_its_steadiness_and_credited_with_the_novelty():
     """The novelty alarm's risk goes to the signal that counts steadily, said in words; a quiet
     steadiness is not said."""
