@@ -49,6 +49,19 @@ def _fmt(v: float) -> str:
     return f"{v:.2f}"
 
 
+# The ratio to the baseline is (rate + eps) / (baseline + eps) per step (features.py), so a single
+# error after days of none reads as 2x: below this many per 30 minutes the baseline is said as quiet.
+QUIET_BASELINE_PER_30M = 0.05
+
+
+def _against_baseline(v30: float, ratio: float) -> str:
+    eps = 1.0 / ft.HISTORY
+    per30 = ((v30 / ft.HISTORY + eps) / ratio - eps) * ft.HISTORY
+    if per30 < QUIET_BASELINE_PER_30M:
+        return "after a quiet 3 days"
+    return f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline"
+
+
 def _share(v: float) -> str:
     """A share (0..1) as a percentage."""
     return f"{v:.0%}" if v is not None and np.isfinite(v) else "unknown"
@@ -86,7 +99,7 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
         if counted:
             parts.append(f"{_count(v30)} in the last 30 min")
             if np.isfinite(ratio) and ratio >= 2:
-                parts.append(f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline")
+                parts.append(_against_baseline(v30, ratio))
         day = get(f"{signal}_decayed_12h")
         if np.isfinite(day) and day >= 1 and not (counted and day < v30 + 1):
             parts.append(f"about {_fmt(round(day))} over the last day")

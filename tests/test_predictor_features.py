@@ -363,6 +363,19 @@ def test_a_count_spread_over_a_sampling_gap_is_said_as_a_whole_number():
     assert ex.describe("pcie_replay", row).endswith(": 12 in the last 30 min")
 
 
+def test_a_count_after_days_of_none_is_said_against_a_quiet_baseline_not_as_a_ratio():
+    """One error after three quiet days makes the ratio to the baseline 2 (its floor is one error in
+    the window): said as what it is; a rate above a real baseline keeps its ratio."""
+    from foreshock.predictor import explain as ex
+
+    idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    row = np.zeros(ft.N_FEATURES, dtype=np.float32)
+    row[idx["ib_ack_timeout_30m"]], row[idx["ib_ack_timeout_30m_vs_baseline"]] = 1.0, 2.0
+    row[idx["ecc_sbe_30m"]], row[idx["ecc_sbe_30m_vs_baseline"]] = 300.0, 40.0
+    assert ex.describe("ib_ack_timeout", row).endswith(": 1 in the last 30 min, after a quiet 3 days")
+    assert ex.describe("ecc_sbe", row).endswith(": 300 in the last 30 min, 40x its 3-day baseline")
+
+
 def test_shares_are_said_as_percentages():
     from foreshock.predictor import explain as ex
 
