@@ -62,6 +62,13 @@ def _against_baseline(v30: float, ratio: float) -> str:
     return f"{ratio:.1f}x its 3-day baseline" if ratio < 10 else f"{ratio:.0f}x its 3-day baseline"
 
 
+def _unit(unit: str, v: float) -> str:
+    """" links" for 2 and for 0, " link" for 1: the signals' units are plural nouns or symbols."""
+    if not unit:
+        return ""
+    return f" {unit[:-1]}" if v == 1 and unit in ("links", "lanes", "rows", "gens") else f" {unit}"
+
+
 def _share(v: float) -> str:
     """A share (0..1) as a percentage."""
     return f"{v:.0%}" if v is not None and np.isfinite(v) else "unknown"
@@ -119,8 +126,7 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
         elif spec.unit == "ratio":
             parts.append(f"{_share(now)} now, {_share(mx)} at most in 30 min")
         else:
-            unit = f" {spec.unit}" if spec.unit else ""
-            parts.append(f"{_fmt(now)}{unit} now, {_fmt(mx)}{unit} at most in 30 min")
+            parts.append(f"{_fmt(now)}{_unit(spec.unit, now)} now, {_fmt(mx)}{_unit(spec.unit, mx)} at most in 30 min")
             rise = get(f"{signal}_rise30m")
             if np.isfinite(rise) and abs(rise) >= 0.5:
                 parts.append(f"{rise:+.1f}{unit} over 30 min")

@@ -376,7 +376,7 @@ def test_a_count_after_days_of_none_is_said_against_a_quiet_baseline_not_as_a_ra
     assert ex.describe("ecc_sbe", row).endswith(": 300 in the last 30 min, 40x its 3-day baseline")
 
 
-def test_shares_are_said_as_percentages():
+def test_shares_are_said_as_percentages_and_a_unit_agrees_with_its_number():
     from foreshock.predictor import explain as ex
 
     idx = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
@@ -385,6 +385,8 @@ def test_shares_are_said_as_percentages():
     row[idx["leaf_peers_link_err_frac_30m"]], row[idx["leaf_peers_link_err_frac_5m"]] = 0.54, 0.5
     assert ex.describe("thermal_throttle_frac", row).endswith(": 25% now, 100% at most in 30 min")
     assert ex.describe("leaf_peers_link_err_frac", row).endswith(": 54% over 30 min (50% over 5 min)")
+    row[idx["nvl_links_down_now"]], row[idx["nvl_links_down_max30m"]] = 1.0, 2.0
+    assert ex.describe("nvl_links_down", row).endswith(": 1 link now, 2 links at most in 30 min")
 
 def test_a_steady_signal_is_named_with_its_steadiness_and_credited_with_the_novelty():
     """The novelty alarm's risk goes to the signal that counts steadily, said in words; a quiet
