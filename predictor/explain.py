@@ -129,7 +129,7 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
             parts.append(f"{_fmt(now)}{_unit(spec.unit, now)} now, {_fmt(mx)}{_unit(spec.unit, mx)} at most in 30 min")
             rise = get(f"{signal}_rise30m")
             if np.isfinite(rise) and abs(rise) >= 0.5:
-                parts.append(f"{rise:+.1f}{unit} over 30 min")
+                parts.append(f"{rise:+.1f}{_unit(spec.unit, 2.0)} over 30 min")
     elif spec is not None and spec.kind == "peer":
         say = _share if spec.unit == "ratio" else _fmt
         parts.append(f"{say(get(signal + '_30m'))} over 30 min ({say(get(signal + '_5m'))} over 5 min)")

@@ -387,6 +387,8 @@ def test_shares_are_said_as_percentages_and_a_unit_agrees_with_its_number():
     assert ex.describe("leaf_peers_link_err_frac", row).endswith(": 54% over 30 min (50% over 5 min)")
     row[idx["nvl_links_down_now"]], row[idx["nvl_links_down_max30m"]] = 1.0, 2.0
     assert ex.describe("nvl_links_down", row).endswith(": 1 link now, 2 links at most in 30 min")
+    row[idx["temp_max_now"]], row[idx["temp_max_max30m"]], row[idx["temp_max_rise30m"]] = 60.0, 65.0, 3.0
+    assert ex.describe("temp_max", row).endswith(": 60 degC now, 65 degC at most in 30 min, +3.0 degC over 30 min")
 
 def test_a_steady_signal_is_named_with_its_steadiness_and_credited_with_the_novelty():
     """The novelty alarm's risk goes to the signal that counts steadily, said in words; a quiet
