@@ -30,7 +30,10 @@ is service/forwarder.py):
   raise them again (its first rounds; a finding's hold), and those it has not raised, cleared or
   replaced by then are cleared, with the reason in the decision log
   (`foreshock_coordinator_reconfirm_cleared_total{kind}`). Fatal events are facts, not judgements, and
-  stay. The pending set is memory: a takeover during it keeps what was pending held, as before it.
+  stay. The pending set is in the state (`shard_reconfirmations`, a row a shard), written in the
+  transaction of the batch that starts it or takes something off it and deleted in the one that ends
+  it; `restore` reads it back, so an instance that takes over ends it when due and clears what its
+  predecessor would have.
 - `PeerTotalsBook`: the job and site peer totals each shard sends per closed feature step, summed for
   the other shards: each ack carries a shard the others' sums of the newest step all of them have sent
   (docs/scaling.md, "Peer features across shards"). Memory only, the last MAX_TOTALS_STEPS steps per
@@ -321,6 +324,26 @@ class _Reconfirm:
     until_ns: int
     alarms: set[str]                          # nodes in risk alarm
     findings: set[tuple[str, str, str]]       # (node, unit, finding)
+    # Whether the state's row is this set: false until a commit has written it, so a batch whose commit
+    # failed leaves it for the next one to write, and a batch that leaves it unchanged writes nothing.
+    stored: bool = False
+
+    def said_again(self, key: str | tuple[str, str, str]) -> None:
+        """The new instance raised or cleared the alarm on node `key`, or the finding `key`: its own now."""
+        held = self.alarms if isinstance(key, str) else self.findings
+        if key in held:
+            held.discard(key)
+            self.stored = False
+
+    def row(self) -> tuple:
+        """store.py record_shard_events' `reconfirm`."""
+        return self.epoch, self.until_ns, json.dumps(sorted(self.alarms)), json.dumps(sorted(self.findings))
+
+    @classmethod
+    def from_row(cls, r) -> tuple[str, "_Reconfirm"]:
+        shard, epoch, until_ns, alarms, findings = r
+        return shard, cls(epoch, until_ns, set(json.loads(alarms)), {tuple(f) for f in json.loads(findings)},
+                          stored=True)
 
 
 class Coordinator:
@@ -352,7 +375,8 @@ class Coordinator:
     def restore(self) -> int:
         """Read back what the shards' events left (an instance that takes over) and act on it: the
         policy issues what a leader killed after its commit decided (the store's one-active-directive
-        index keeps it from issuing one twice). Returns the nodes restored."""
+        index keeps it from issuing one twice), and the pending reconfirmations end when due, as they
+        would have there. Returns the nodes restored."""
         with self.policy.lock, self._lock:
             self._progress = self.store.shard_progress()
             acted = self.store.last_directive_time()
@@ -365,10 +389,14 @@ class Coordinator:
                 if st.fatal_ts_ns and acted.get(st.node, -1) >= st.fatal_recorded_ns:
                     self.policy.fatal_acted(st.node, st.fatal_ts_ns)   # decided on before the takeover
             self.findings.restore(self.store.shard_fabric_findings())
+            self._reconfirm = dict(_Reconfirm.from_row(r) for r in self.store.shard_reconfirmations())
             now = self.clock()
             self.policy.evaluate(now)
         if self._state:
             log.info("coordinator: restored %d nodes' state from %d shards", len(self._state), len(self._progress))
+        if self._reconfirm:
+            log.info("coordinator: restored the pending reconfirmations of shards %s",
+                     ", ".join(sorted(self._reconfirm)))
         return len(self._state)
 
     def _to_book(self, st: _NodeState) -> None:
@@ -393,7 +421,8 @@ class Coordinator:
                 raise FailedPrecondition(f"shard {shard!r}: epoch {epoch} is older than {done_epoch}, which a "
                                          "newer instance of the shard forwards under; this one is stale")
             now = self.clock()
-            if epoch > done_epoch:
+            new_epoch = epoch > done_epoch
+            if new_epoch:
                 done_seq = 0
                 if done_epoch:
                     self._start_reconfirm(shard, epoch, now)
@@ -412,29 +441,36 @@ class Coordinator:
                         self.findings.take(shard, e.node, e.unit, e.finding, e.raised, e.ts_ns or now, e.description)
                         findings.add((e.node, e.unit, e.finding))
                         if pending is not None:
-                            pending.findings.discard((e.node, e.unit, e.finding))
+                            pending.said_again((e.node, e.unit, e.finding))
                     else:
                         changed[e.node] = self._apply(shard, e, now)
                         if pending is not None and e.kind in (EventKind.ALARM, EventKind.CLEARED):
-                            pending.alarms.discard(e.node)
+                            pending.said_again(e.node)
                 cleared = self._end_reconfirm(shard, pending, now, changed, findings) if due else False
-                self._record(shard, epoch, sequence, model_version, changed, findings, now)
+                # A new epoch with nothing held: the previous epoch's row, if its reconfirmation was still
+                # pending, is moot (a newer one with something held replaces it).
+                self._record(shard, epoch, sequence, model_version, changed, findings, now,
+                             None if due else pending, ended=due or (new_epoch and pending is None))
                 # Risk summaries move no alarm; the next round sees the spares' new risks.
                 if cleared or any(e.kind != EventKind.RISK for e in fresh):
                     self.policy.evaluate(now)
             if due:
                 self._reconfirm.pop(shard, None)   # only once committed: a failed commit tries it again
+            elif pending is not None:
+                pending.stored = True
             self._progress[shard] = (epoch, sequence, model_version)
             self.events_applied[shard] = self.events_applied.get(shard, 0) + len(fresh)
             return sequence
 
     def _record(self, shard: str, epoch: int, sequence: int, model_version: str, changed: dict[str, _NodeState],
-                findings: set[tuple[str, str, str]], now_ns: int) -> None:
+                findings: set[tuple[str, str, str]], now_ns: int, pending: _Reconfirm | None = None,
+                ended: bool = False) -> None:
         held = {key: self.findings.held(*key) for key in findings}
         self.store.record_shard_events(
             shard, epoch, sequence, model_version, [st.row() for st in changed.values()], now_ns,
             findings=[(*key, h.shard, h.since_ns) for key, h in held.items() if h is not None],
-            cleared=[key for key, h in held.items() if h is None])
+            cleared=[key for key, h in held.items() if h is None],
+            reconfirm=pending.row() if pending is not None and not pending.stored else None, reconfirm_ended=ended)
 
     def end_due_reconfirmations(self, now_ns: int) -> int:
         """End the reconfirmations due by `now_ns` of shards that have sent nothing since (a shard's own
@@ -448,7 +484,7 @@ class Coordinator:
                 findings: set[tuple[str, str, str]] = set()
                 with self.jobs.issuing():
                     cleared = self._end_reconfirm(shard, pending, now_ns, changed, findings)
-                    self._record(shard, epoch, sequence, model_version, changed, findings, now_ns)
+                    self._record(shard, epoch, sequence, model_version, changed, findings, now_ns, ended=True)
                     if cleared:
                         self.policy.evaluate(now_ns)
                 del self._reconfirm[shard]

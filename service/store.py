@@ -24,8 +24,11 @@ Tables (created on open, versioned by `PRAGMA user_version`):
 - shard_progress(shard, epoch, sequence, ...), shard_nodes(node, shard, risk, alarm, fatal_*, topology, ...):
   the jobs coordinator's record of the shards' events (service/coordinator.py), and
   shard_fabric_findings(node, unit, finding, shard, since_ns): one row per fabric-service finding a
-  shard forwarded and has not cleared (service/fabricunits.py ForwardedFindings). Added beside version
-  2's tables, as node_actions.
+  shard forwarded and has not cleared (service/fabricunits.py ForwardedFindings), and
+  shard_reconfirmations(shard, epoch, until_ns, alarms, findings): one row per restarted shard whose
+  reconfirmation is pending, the risk alarms (JSON nodes) and findings (JSON [node, unit, finding]) its
+  previous instance left that its new one has not raised again yet. Added beside version 2's tables, as
+  node_actions.
 
 The rows are the domain types of service/domain.py.
 """
@@ -90,6 +93,9 @@ CREATE TABLE IF NOT EXISTS shard_nodes(
 CREATE TABLE IF NOT EXISTS shard_fabric_findings(
   node TEXT NOT NULL, unit TEXT NOT NULL, finding TEXT NOT NULL, shard TEXT NOT NULL, since_ns INTEGER NOT NULL,
   PRIMARY KEY(node, unit, finding));
+CREATE TABLE IF NOT EXISTS shard_reconfirmations(
+  shard TEXT PRIMARY KEY, epoch INTEGER NOT NULL, until_ns INTEGER NOT NULL, alarms TEXT NOT NULL,
+  findings TEXT NOT NULL);
 """
 
 
@@ -423,16 +429,23 @@ class StateStore:
         return {shard: (epoch, seq, version) for shard, epoch, seq, version in rows}
 
     def record_shard_events(self, shard: str, epoch: int, sequence: int, model_version: str, nodes: list[tuple],
-                            now_ns: int, *, findings: Iterable[tuple] = (), cleared: Iterable[tuple] = ()) -> None:
+                            now_ns: int, *, findings: Iterable[tuple] = (), cleared: Iterable[tuple] = (),
+                            reconfirm: tuple | None = None, reconfirm_ended: bool = False) -> None:
         """One shard's events applied up to `sequence`, the shard_nodes rows they changed and the
         fabric findings they raised (rows) or cleared ((node, unit, finding)), in one write (a savepoint
-        of the caller's batch, so the directives they lead to commit with them)."""
+        of the caller's batch, so the directives they lead to commit with them). `reconfirm`, the
+        shard's pending reconfirmation as it stands now ((epoch, until_ns, alarms, findings)), replaces
+        its row; `reconfirm_ended` deletes it."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO shard_progress VALUES (?,?,?,?,?)",
                        (shard, epoch, sequence, model_version, now_ns))
             db.executemany("INSERT OR REPLACE INTO shard_nodes VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", nodes)
             db.executemany("INSERT OR REPLACE INTO shard_fabric_findings VALUES (?,?,?,?,?)", findings)
             db.executemany("DELETE FROM shard_fabric_findings WHERE node=? AND unit=? AND finding=?", cleared)
+            if reconfirm_ended:
+                db.execute("DELETE FROM shard_reconfirmations WHERE shard=?", (shard,))
+            if reconfirm is not None:
+                db.execute("INSERT OR REPLACE INTO shard_reconfirmations VALUES (?,?,?,?,?)", (shard, *reconfirm))
 
     def shard_nodes(self) -> list[tuple]:
         with self._lock:
@@ -443,6 +456,12 @@ class StateStore:
         with self._lock:
             return self._db.execute("SELECT node, unit, finding, shard, since_ns FROM shard_fabric_findings "
                                     "ORDER BY node, unit, finding").fetchall()
+
+    def shard_reconfirmations(self) -> list[tuple]:
+        """(shard, epoch, until_ns, alarms, findings) of every pending reconfirmation, the last two JSON."""
+        with self._lock:
+            return self._db.execute("SELECT shard, epoch, until_ns, alarms, findings FROM shard_reconfirmations "
+                                    "ORDER BY shard").fetchall()
 
     def last_directive_time(self, nodes: Iterable[str] | None = None) -> dict[str, int]:
         """Per from_node, the latest time a directive was issued or changed state (for cool-down)."""

@@ -645,11 +645,70 @@ def test_a_reconfirmation_whose_commit_fails_is_written_by_the_next_try(tmp_path
         with pytest.raises(sqlite3.OperationalError):
             c.receive("a", 2, "m1", [])
         assert "n2" not in plane.policy.alarms            # cleared in memory, not yet in the state
+        assert [r[:2] for r in plane.store.shard_reconfirmations()] == [("a", 2)]   # pending there still
         monkeypatch.setattr(plane.store, "record_shard_events", real)
         assert c.receive("a", 2, "m1", []) == 1
         plane.stop(0.5)
         plane = _coordinator(tmp_path)
         assert "n2" not in plane.policy.alarms and plane.store.shard_fabric_findings() == []
+        assert plane.store.shard_reconfirmations() == [] and plane.coordinator._reconfirm == {}
+    finally:
+        plane.stop(0.5)
+
+
+def test_a_takeover_during_a_reconfirmation_ends_it_when_due_clearing_what_the_old_leader_would_have(tmp_path):
+    """The pending reconfirmations are in the state, written with the batches that start them and take
+    something off them: coordinators that take over during them end them when due (a's by its batch, b's
+    by the rounds) and clear what the shards' new instances did not raise again, before a takeover or
+    after one, keeping what they did; what is read back after that has nothing pending."""
+    plane = _coordinator(tmp_path)
+    S = 1_000_000_000
+    t = [time.time_ns()]
+
+    def take_over():
+        nonlocal plane
+        plane.stop(0.5)
+        plane = _coordinator(tmp_path)
+        plane.coordinator.clock = lambda: t[0]
+        return plane.coordinator
+
+    try:
+        c = plane.coordinator
+        c.clock = lambda: t[0]
+        c.receive("a", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n2", 0.9, ts_ns=t[0]),
+                                 ShardEvent(2, EventKind.ALARM, "n3", 0.9, ts_ns=t[0]),
+                                 ShardEvent(3, EventKind.ALARM, "n7", 0.9, ts_ns=t[0]),
+                                 _finding(4, "s0", "down", True), _finding(5, "s1", "crash_loop", True),
+                                 _finding(6, "s2", "down", True)])
+        c.receive("b", 1, "m1", [ShardEvent(1, EventKind.ALARM, "n5", 0.9, ts_ns=t[0])])
+        t[0] += 10 * S   # both restart; a's new instance raises n3 again before the takeover
+        c.receive("a", 2, "m1", [ShardEvent(1, EventKind.ALARM, "n3", 0.8, ts_ns=t[0])])
+        c.receive("b", 2, "m1", [ShardEvent(1, EventKind.RISK, "n5", 0.1, ts_ns=t[0])])
+        until = t[0] + 1200 * S
+        assert [r[:4] for r in plane.store.shard_reconfirmations()] == [("a", 2, until, '["n2", "n7"]'),
+                                                                        ("b", 2, until, '["n5"]')]
+
+        c = take_over()
+        units, alarms = plane.policy.units, plane.policy.alarms
+        assert {"n2", "n3", "n5", "n7"} <= set(alarms) and units.down("s0", FM)   # held
+        t[0] += 60 * S   # ... and s1's finding and n7 after it, which the next takeover reads back too
+        c.receive("a", 2, "m1", [_finding(2, "s1", "crash_loop", True),
+                                 ShardEvent(3, EventKind.ALARM, "n7", 0.8, ts_ns=t[0])])
+        c = take_over()
+        units, alarms = plane.policy.units, plane.policy.alarms
+        assert {"n2", "n5"} <= set(alarms) and units.down("s2", FM)
+        t[0] += 1200 * S
+        assert c.receive("a", 2, "m1", []) == 3 and c.end_due_reconfirmations(t[0]) == 1
+        assert not {"n2", "n5"} & set(alarms) and {"n3", "n7"} <= set(alarms)
+        assert not units.down("s0", FM) and not units.down("s2", FM) and units.crash_looping("s1", FM)
+        assert c.reconfirm_cleared == {"alarm": 2, "fabric_finding": 2}
+        [row] = [r for r in _decisions(plane, "cleared") if r["node"] == "n2"]
+        assert "not raised again by shard a's new instance within 1200 s" in row["reason"]
+        assert plane.store.shard_reconfirmations() == []
+
+        c = take_over()   # durable: nothing pending, what was cleared stays cleared
+        assert c._reconfirm == {} and {n for n, st in c._state.items() if st.alarm} == {"n3", "n7"}
+        assert [f[:4] for f in plane.store.shard_fabric_findings()] == [("s1", FM, "crash_loop", "a")]
     finally:
         plane.stop(0.5)
 
