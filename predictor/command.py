@@ -2,7 +2,7 @@
 
     foreshock train --data DIR_OR_URI --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
                     [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|''] [--no-novelty]
-                    [--executor local|ray] [--ray-address HOST:PORT]
+                    [--linear-member] [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
                        [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --leave-one-out family|signature|node_type --train-data TRAIN_DIR --data DIR
@@ -38,7 +38,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   # (a test holds them equal; this module does not import the predictor, so the CLI starts fast)
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
-                  "on_corrupt": "stop", "novelty": True}
+                  "on_corrupt": "stop", "novelty": True, "linear_member": False}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
@@ -89,6 +89,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
                    help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
                         "sets the risk and the thresholds")
+    p.add_argument("--linear-member", dest="linear_member", action="store_const", const=True,
+                   help="average the trees with the logistic regression fitted beside them, on the logit scale "
+                        "(docs/predictor.md, The linear member: past the training worlds' ranges it raised "
+                        "false evacuations six-fold; not the default)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -202,7 +206,7 @@ def run_train(args, file_data) -> int:
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
                                    ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"],
-                                   novelty=cfg["novelty"])
+                                   novelty=cfg["novelty"], linear_member=cfg["linear_member"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2
@@ -235,6 +239,14 @@ def run_train(args, file_data) -> int:
               f"trains without it)")
     elif tr.get("novelty_skipped"):
         print(f"no novelty alarm: {tr['novelty_skipped']}")
+    lin = manifest["estimator"].get("linear_member")
+    if lin:
+        t = lin["validation_trees_alone"]
+        print(f"the trees averaged with a logistic regression (logit weights {lin['weights']['trees']:g} and "
+              f"{lin['weights']['linear']:g}); the trees alone on the same slice, their threshold chosen there: "
+              f"recall (precursor) {_pct(t['incident_recall_precursor'])}, "
+              f"{t['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days, PR-AUC "
+              f"{t['pr_auc']:.3f}")
     b = manifest["estimator"].get("stacked_with_base")
     if b and "skipped" in b:
         print(f"not stacked with {b['path']}: {b['skipped']}")

@@ -9,8 +9,11 @@
   a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
   share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
 * `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
-* `LogitBlend`: fitted models stacked on their logits; `foreshock train` stacks the model of a
-  user's history with the shipped model, so a small history leans on what the shipped model learnt.
+* `LogitBlend`: fitted models stacked on their logits. `foreshock train` averages the trees with the
+  logistic regression (fixed equal weights, one scale and offset fitted): the two extrapolate
+  differently where data leaves the training range (docs/predictor.md, "The linear member"); and it
+  stacks the model of a user's history with the shipped model (weights fitted), so a small history
+  leans on what the shipped model learnt.
 
 Inputs are feature matrices in features.MODEL_FEATURE_NAMES order (the estimator's columns).
 """
@@ -174,7 +177,14 @@ def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nod
 
 
 def _signed_log1p(X):
-    return np.sign(X) * np.log1p(np.abs(X))
+    # in float64: the fast path (treewalk.LinearFast) folds the scaling into the coefficients and
+    # agrees with this pipeline to rounding only when no step rounds to float32
+    X = np.array(X, dtype=np.float64)      # a copy, worked on in place: the training rows are large
+    sign = np.sign(X)
+    np.abs(X, out=X)
+    np.log1p(X, out=X)
+    X *= sign
+    return X
 
 
 def make_logistic() -> Pipeline:
@@ -261,11 +271,16 @@ class LogitBlend(ClassifierMixin, BaseEstimator):
     a history with too few incidents to learn from leans on the base model, one that has them on its
     own model. The members are fitted already and are not refitted. A member that earns a negative
     weight is dropped (weight 0) and the rest refitted: a model is never used against its sense.
+
+    `weights` fixes the members' relative weights (w = s * weights, positive, normalised to sum 1):
+    only the common scale s and the offset b are fitted, a Platt sigmoid on the weighted logit. For an
+    average whose weights are declared, not learnt from the slice the members are best on.
     """
 
-    def __init__(self, estimators=(), C: float = 1.0):
+    def __init__(self, estimators=(), C: float = 1.0, weights=None):
         self.estimators = estimators
         self.C = C
+        self.weights = weights
 
     def _logits(self, X) -> np.ndarray:
         cols = []
@@ -276,6 +291,17 @@ class LogitBlend(ClassifierMixin, BaseEstimator):
 
     def fit(self, X, y, sample_weight=None):
         Z = self._logits(X)
+        if self.weights is not None:
+            fixed = np.asarray(self.weights, dtype=np.float64)
+            if fixed.shape != (Z.shape[1],) or not (fixed > 0).all():
+                raise ValueError(f"weights {self.weights!r}: one positive weight per member "
+                                 f"({Z.shape[1]})")
+            fixed = fixed / fixed.sum()
+            lr = LogisticRegression(C=self.C, max_iter=1000).fit((Z @ fixed)[:, None], y, sample_weight=sample_weight)
+            self.coef_ = fixed * max(float(lr.coef_[0, 0]), 0.0)
+            self.intercept_ = float(lr.intercept_[0])
+            self.classes_ = np.array([0, 1])
+            return self
         use = np.ones(Z.shape[1], dtype=bool)
         while True:
             lr = LogisticRegression(C=self.C, max_iter=1000).fit(Z[:, use], y, sample_weight=sample_weight)

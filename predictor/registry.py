@@ -43,7 +43,7 @@ from foreshock.risk import threshold_for_budget
 from foreshock.predictor import features as ft
 from foreshock.predictor.errors import ModelError
 from foreshock.predictor.novelty import NoveltyAlarm
-from foreshock.predictor.treewalk import BlendedFast, FastPredictor
+from foreshock.predictor.treewalk import FastPart, FastPredictor
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class LoadedModel:
     #                         False: the estimator's predict_proba
 
     def __post_init__(self):
-        self._fast: FastPredictor | BlendedFast | None = None
+        self._fast: FastPart | None = None
         self._fast_checked = False
         section = self.manifest.get("novelty")
         self.novelty: NoveltyAlarm | None = (NoveltyAlarm.from_manifest(section, f"{self.path}/{MANIFEST_FILE}")
@@ -135,7 +135,7 @@ class LoadedModel:
         return X[:, :n] if X.shape[1] != n else X
 
     @property
-    def fast_predictor(self) -> "FastPredictor | BlendedFast | None":
+    def fast_predictor(self) -> "FastPart | None":
         """The fast path for this estimator (None: predict_proba is used), built on first use."""
         if not self._fast_checked:
             self._fast_checked = True
@@ -148,8 +148,7 @@ class LoadedModel:
         fast = self.fast_predictor
         if fast is None:
             return None
-        cols = np.unique(np.concatenate([m[0].columns for m in fast.members]))
-        cols = fast.trends.source_columns(cols) if fast.trends is not None else cols
+        cols = fast.input_columns()
         if self.novelty is not None:
             cols = np.concatenate([cols, np.arange(ft.N_MODEL, ft.N_FEATURES)])
         return cols

@@ -11,9 +11,11 @@ that groups similar rows, split over threads); with `kernel=False`, or without n
 trees split on are binned with the model's own bin thresholds (x <= threshold <=> bin <= bin
 threshold) into a column-major uint8 matrix that scikit-learn's binned walker reads. Then the same
 baseline-plus-trees sum, sigmoid and prior shift as scikit-learn, in the same order, so the
-probabilities are the estimator's own. A model `foreshock train` stacked with a base model
-(`[PriorShift(] LogitBlend(members) [)]`) runs each member through its own fast path and then the
-blend's arithmetic (`BlendedFast`).
+probabilities are the estimator's own. The linear member (model.make_logistic, calibrated) runs as one
+folded dot product over signed logs (`LinearFast`, kernels.signed_log_dot). A blend
+(`[PriorShift(] LogitBlend(members) [)]`: the trees averaged with the linear member, or a user's model
+stacked with a base model) runs each member through its own fast path and then the blend's arithmetic
+(`BlendedFast`).
 
 This module and the compiled walk it builds (kernels.CompiledTrees) are the only code that reads
 scikit-learn's private attributes (the fitted trees' node arrays, the bin mapper, the baseline
@@ -169,13 +171,17 @@ class FastPredictor:
         """Whether the trees run in the compiled kernel (else scikit-learn's binned walker)."""
         return type(self.members[0][0]).__name__ == "CompiledTrees"
 
+    def input_columns(self) -> np.ndarray:
+        """The input columns the trees read (those a trend ratio they split on is made from included)."""
+        cols = np.unique(np.concatenate([m[0].columns for m in self.members]))
+        return self.trends.source_columns(cols) if self.trends is not None else cols.astype(np.intp)
+
     @classmethod
-    def build(cls, estimator, n_features: int, *, kernel: bool = True) -> "FastPredictor | BlendedFast | None":
+    def build(cls, estimator, n_features: int, *, kernel: bool = True) -> "FastPart | None":
         """The fast path, or None (with the reason logged) when the estimator is of another kind or
         the fast path does not reproduce predict_proba on a probe matrix."""
         try:
-            fast = (BlendedFast(estimator, kernel=kernel) if BlendedFast.handles(estimator)
-                    else cls(estimator, kernel=kernel))
+            fast = fast_part(estimator, kernel=kernel)
         except (TypeError, AttributeError, ValueError, IndexError) as exc:
             log.info("model: no fast prediction path (%s); using predict_proba", exc)
             return None
@@ -248,9 +254,106 @@ class FastPredictor:
         return _prior_shifted(p1, self.prior_scale)
 
 
+class LinearFast:
+    """predict_proba of [PriorShift(] CalibratedClassifierCV(sigmoid, [FrozenEstimator(] Pipeline(
+    FeatureGuard, SimpleImputer(constant 0), FunctionTransformer(model._signed_log1p), StandardScaler,
+    LogisticRegression) [)]) [)] (model.make_logistic, calibrated as train.py does): the scaling folded
+    into the coefficients, one pass over the columns with a nonzero coefficient (kernels.signed_log_dot),
+    a zero or missing value costing a compare. It agrees with predict_proba to rounding (the pipeline
+    runs in float64 from the log on)."""
+
+    PROBE_ROWS = 256
+
+    def __init__(self, estimator, *, kernel: bool = True):
+        from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
+        from sklearn.impute import SimpleImputer
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import Pipeline
+        from sklearn.preprocessing import FunctionTransformer, StandardScaler
+
+        from foreshock.predictor import kernels
+        from foreshock.predictor import model as mdl
+
+        self.estimator = estimator
+        estimator, self.prior_scale = _without_prior_shift(estimator)
+        if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
+            raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
+        pipe = None
+        self.calibrators = []
+        for cc in estimator.calibrated_classifiers_:
+            inner = cc.estimator
+            inner = getattr(inner, "estimator", inner) if type(inner).__name__ == "FrozenEstimator" else inner
+            if pipe is not None and inner is not pipe:
+                raise TypeError("calibrated members with different logistic regressions")
+            pipe = inner
+            if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
+                raise TypeError("not a sigmoid calibration")
+            self.calibrators.append((float(cc.calibrators[0].a_), float(cc.calibrators[0].b_)))
+        kinds = (mdl.FeatureGuard, SimpleImputer, FunctionTransformer, StandardScaler, LogisticRegression)
+        if (type(pipe) is not Pipeline or len(pipe.steps) != len(kinds)
+                or any(type(step) is not k for (_, step), k in zip(pipe.steps, kinds))):
+            raise TypeError("not a Pipeline(FeatureGuard, SimpleImputer, FunctionTransformer, StandardScaler, "
+                            "LogisticRegression)")
+        _, imputer, log_step, scaler, logreg = (step for _, step in pipe.steps)
+        if (imputer.strategy != "constant" or imputer.fill_value != 0.0 or not imputer.keep_empty_features
+                or log_step.func is not mdl._signed_log1p or log_step.inverse_func is not None
+                or log_step.kw_args or getattr(log_step, "validate", False)):
+            raise TypeError("not the zero imputation and signed log of model.make_logistic")
+        if list(logreg.classes_) != list(estimator.classes_) or logreg.coef_.shape[0] != 1:
+            raise TypeError("not a binary logistic regression")
+        coef = np.asarray(logreg.coef_[0], dtype=np.float64)
+        mean = np.zeros_like(coef) if scaler.mean_ is None else np.asarray(scaler.mean_, dtype=np.float64)
+        scale = np.ones_like(coef) if scaler.scale_ is None else np.asarray(scaler.scale_, dtype=np.float64)
+        w = coef / scale
+        self.const = float(logreg.intercept_[0]) - float(np.dot(mean, w))
+        self.columns = np.flatnonzero(w != 0.0).astype(np.int64)
+        self.weights = np.ascontiguousarray(w[self.columns])
+        self.n_inputs = len(coef)
+        self.compiled = bool(kernel) and kernels.AVAILABLE
+        self.trends = None
+        self._trend_key = None
+
+    def input_columns(self) -> np.ndarray:
+        return self.columns.astype(np.intp)
+
+    def probe(self, n_features: int) -> np.ndarray:
+        """Rows with zeros, missing values, negatives and values over several orders of magnitude."""
+        rng = np.random.default_rng(0)
+        X = (rng.standard_normal((self.PROBE_ROWS, n_features)) * 10.0 ** rng.integers(-3, 6, (self.PROBE_ROWS, 1)))
+        X[rng.random(X.shape) < 0.3] = 0.0
+        X[rng.random(X.shape) < 0.1] = np.nan
+        return X.astype(np.float32)
+
+    def decision(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
+        """The logistic regression's decision function for X [n, F] (the pipeline's input), float64."""
+        from foreshock.predictor import kernels
+
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        if X.shape[1] != self.n_inputs:
+            raise ValueError(f"X has {X.shape[1]} features; the model expects {self.n_inputs}")
+        if not self.compiled:
+            return kernels.signed_log_dot_numpy(X, self.columns, self.weights, self.const)
+        out = np.empty(len(X), dtype=np.float64)
+        kernels.run_rows(kernels.signed_log_dot, len(X), threads, (X, self.columns, self.weights, self.const, out))
+        return out
+
+    def predict_proba(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
+        from scipy.special import expit
+
+        d = self.decision(X, threads)
+        p1 = np.zeros(len(d))
+        for a, b in self.calibrators:
+            p1 += expit(-(a * d + b))
+        p1 /= len(self.calibrators)
+        if self.prior_scale is None:
+            return np.column_stack([1.0 - p1, p1])
+        return _prior_shifted(p1, self.prior_scale)
+
+
 class BlendedFast:
-    """predict_proba of [PriorShift(] LogitBlend(members) [)], each member through its FastPredictor
-    and the blend's own arithmetic (model.LogitBlend), so the probabilities are the estimator's."""
+    """predict_proba of [PriorShift(] LogitBlend(members) [)], each member through its own fast path
+    (fast_part: trees, a linear member, another blend) and the blend's own arithmetic
+    (model.LogitBlend), so the probabilities are the estimator's."""
 
     @staticmethod
     def handles(estimator) -> bool:
@@ -261,17 +364,19 @@ class BlendedFast:
     def __init__(self, estimator, *, kernel: bool = True):
         self.estimator = estimator
         estimator, self.prior_scale = _without_prior_shift(estimator)
-        self.parts = [FastPredictor(member, kernel=kernel) for member in estimator.estimators]
-        if len({p._trend_key for p in self.parts}) != 1:
+        self.parts = [fast_part(member, kernel=kernel) for member in estimator.estimators]
+        if len({p._trend_key for p in self.parts if p._trend_key is not None}) > 1:
             raise TypeError("blended members with different trend ratios")
         self.coef = np.asarray(estimator.coef_, dtype=np.float64)
         self.intercept = float(estimator.intercept_)
-        self.members = [m for p in self.parts for m in p.members]
-        self.trends = self.parts[0].trends
+        self._trend_key = next((p._trend_key for p in self.parts if p._trend_key is not None), None)
 
     @property
     def compiled(self) -> bool:
         return all(p.compiled for p in self.parts)
+
+    def input_columns(self) -> np.ndarray:
+        return np.unique(np.concatenate([p.input_columns() for p in self.parts]))
 
     def probe(self, n_features: int) -> np.ndarray:
         return np.concatenate([p.probe(n_features) for p in self.parts])
@@ -288,6 +393,22 @@ class BlendedFast:
         if self.prior_scale is None:
             return np.column_stack([1.0 - q, q])
         return _prior_shifted(q, self.prior_scale)
+
+
+# what FastPredictor.build returns: one of the fast paths above
+FastPart = FastPredictor | LinearFast | BlendedFast
+
+
+def fast_part(estimator, *, kernel: bool = True):
+    """The fast path of one estimator: a blend (BlendedFast), a calibrated logistic regression
+    (LinearFast) or calibrated trees (FastPredictor). Raises TypeError (or the error its structure
+    check meets) for any other estimator: FastPredictor.build then falls back to predict_proba."""
+    if BlendedFast.handles(estimator):
+        return BlendedFast(estimator, kernel=kernel)
+    try:
+        return LinearFast(estimator, kernel=kernel)
+    except TypeError:
+        return FastPredictor(estimator, kernel=kernel)
 
 
 def fast_probability(estimator, n_features: int = ft.N_MODEL, threads: int | None = None):

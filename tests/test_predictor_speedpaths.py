@@ -45,14 +45,14 @@ def fitted():
     return X, y, gbdt
 
 
-def _check_same(model: registry.LoadedModel, X):
+def _check_same(model: registry.LoadedModel, X, rtol=1e-12, atol=1e-15):
     assert model.fast_predictor is not None
     want = model.estimator.predict_proba(model.model_columns(X))   # the estimator reads its own columns
     for threads in (1, 2):
         model.threads = threads
         got = model.predict_proba(X)
         assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
 def test_fast_prediction_equals_predict_proba(fitted):
@@ -82,10 +82,65 @@ def test_fast_probability_for_training_and_evaluation(fitted):
     assert len(treewalk.fast_probability(cal)(X[:0])) == 0
 
 
+def _linear_rows(n, seed):
+    """Rows a linear member meets: zeros, missing values, negatives, values over many orders of magnitude."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, ft.N_MODEL)) * 10.0 ** rng.integers(-4, 7, (n, 1))
+    X[rng.random(X.shape) < 0.4] = 0.0
+    X[rng.random(X.shape) < 0.1] = np.nan
+    return X.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def calibrated_members(fitted):
+    X, y, gbdt = fitted
+    trees = CalibratedClassifierCV(FrozenEstimator(gbdt), method="sigmoid").fit(X, y)
+    linear = CalibratedClassifierCV(FrozenEstimator(mdl.make_logistic().fit(X, y)), method="sigmoid").fit(X, y)
+    return trees, linear
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_linear_member_takes_its_fast_path(fitted, calibrated_members, kernel):
+    """The calibrated logistic regression (model.make_logistic) runs as one folded dot product over
+    signed logs, compiled or in numpy, and gives its pipeline's probabilities to rounding."""
+    X, y, _ = fitted
+    _, linear = calibrated_members
+    for est in (linear, mdl.PriorShift(linear, 20.0).fit()):
+        fast = treewalk.fast_part(est, kernel=kernel)
+        assert isinstance(fast, treewalk.LinearFast) and fast.compiled == (kernel and kernels.AVAILABLE)
+        rows = np.concatenate([_linear_rows(3000, 1), X, fast.probe(ft.N_MODEL)])
+        want = est.predict_proba(rows)
+        for threads in (1, 2):   # a sum in another order, libm's log1p: agreement to rounding
+            np.testing.assert_allclose(fast.predict_proba(rows, threads=threads), want, rtol=1e-10, atol=1e-13)
+        _check_same(_loaded(est), rows, rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="features"):
+        treewalk.fast_part(linear, kernel=kernel).decision(X[:, :10])
+
+
+def test_the_trees_averaged_with_the_linear_member_take_the_fast_path(fitted, calibrated_members):
+    """train.py's model: the two members averaged on the logit scale with fixed weights (model.LogitBlend
+    `weights`), prior-shifted; and a user's model stacked on it. Both run through BlendedFast."""
+    X, y, _ = fitted
+    trees, linear = calibrated_members
+    blend = mdl.LogitBlend([trees, linear], weights=(0.5, 0.5)).fit(X, y)
+    assert blend.coef_[0] == pytest.approx(blend.coef_[1]) and blend.coef_[0] > 0
+    shipped = mdl.PriorShift(blend, 20.0).fit()
+    rows = np.concatenate([_linear_rows(2000, 2), _data(2000, seed=5)[0]])
+    model = _loaded(shipped)
+    _check_same(model, rows, rtol=1e-10, atol=1e-13)
+    fast = model.fast_predictor
+    assert isinstance(fast, treewalk.BlendedFast)
+    assert [type(p) for p in fast.parts] == [treewalk.FastPredictor, treewalk.LinearFast]
+    # the linear member reads every column with a coefficient: more than the trees split on
+    assert set(fast.parts[0].input_columns()) < set(model.used_features.tolist())
+    stacked = mdl.LogitBlend([shipped, trees]).fit(X, y)
+    _check_same(_loaded(stacked), rows, rtol=1e-10, atol=1e-13)
+    assert isinstance(_loaded(stacked).fast_predictor.parts[0], treewalk.BlendedFast)
+
+
 def test_other_estimators_fall_back_to_predict_proba(fitted):
     X, y, gbdt = fitted
     for est in (mdl.make_logistic().fit(X[:500], y[:500]), mdl.RuleBaseline().fit(),
-                CalibratedClassifierCV(FrozenEstimator(mdl.make_logistic().fit(X, y)), method="sigmoid").fit(X, y),
                 CalibratedClassifierCV(FrozenEstimator(gbdt), method="isotonic").fit(X, y)):
         model = _loaded(est)
         assert model.fast_predictor is None
@@ -108,6 +163,15 @@ def test_the_shipped_model_takes_the_fast_path():
 needs_numba = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba not installed")
 
 
+def _shipped_trees(model: registry.LoadedModel):
+    """The shipped estimator's calibrated trees: the estimator itself, or its first blend member that
+    is trees (a model with the linear member is a LogitBlend of the two)."""
+    est = model.estimator.estimator if type(model.estimator) is mdl.PriorShift else model.estimator
+    if type(est) is mdl.LogitBlend:
+        est = next(m for m in est.estimators if type(treewalk.fast_part(m)) is treewalk.FastPredictor)
+    return est
+
+
 @needs_numba
 def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
     model = registry.load_model()
@@ -119,11 +183,12 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
     X[rng.random(X.shape) < 0.1] = np.nan
     X[:5] = np.inf
     X[5:10] = 0.0
-    X = np.concatenate([X, model.fast_predictor.probe(X.shape[1])])   # on and around every threshold
-    compiled = model.fast_predictor
-    binned = treewalk.FastPredictor(model.estimator, kernel=False)
+    trees = _shipped_trees(model)
+    compiled = treewalk.FastPredictor(trees)
+    X = np.concatenate([X, compiled.probe(X.shape[1])])   # on and around every threshold
+    binned = treewalk.FastPredictor(trees, kernel=False)
     assert not binned.compiled
-    want = binned.members[0][0].decision(model.fast_predictor.trends.transform(X))
+    want = binned.members[0][0].decision(compiled.trends.transform(X))
     for threads in (1, 2):
         np.testing.assert_array_equal(compiled.members[0][0].decision(X, threads=threads), want)
         np.testing.assert_array_equal(compiled.predict_proba(X, threads=threads), binned.predict_proba(X))

@@ -287,6 +287,22 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_p
     alone = registry.load_model(alone_dir)
     assert "stacked_with_base" not in alone.manifest["estimator"] and "base" not in alone.manifest["training"]
     assert type(alone.estimator).__name__ == "CalibratedClassifierCV"
+    assert alone.manifest["estimator"]["linear_member"] is None
+
+    # --linear-member: the trees averaged with the logistic regression, weights fixed (train.LINEAR_MEMBER_WEIGHTS)
+    blend_dir = tmp_path / "blend"
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(blend_dir), "--max-iter", "10", "--base", "",
+                     "--linear-member"]) == 0
+    assert "the trees averaged with a logistic regression" in capsys.readouterr().out
+    blend = registry.load_model(blend_dir)
+    assert type(blend.estimator) is mdl.LogitBlend
+    assert [type(m).__name__ for m in blend.estimator.estimators] == ["CalibratedClassifierCV"] * 2
+    assert blend.estimator.coef_[0] == pytest.approx(blend.estimator.coef_[1])
+    linear = blend.manifest["estimator"]["linear_member"]
+    assert linear["weights"] == {"trees": 0.5, "linear": 0.5} and linear["logit_scale"] == pytest.approx(
+        float(blend.estimator.coef_.sum()))
+    assert {"incident_recall_precursor", "pr_auc"} <= set(linear["validation_trees_alone"])
+    assert [type(p) for p in blend.fast_predictor.parts] == [treewalk.FastPredictor, treewalk.LinearFast]
 
 
 class _Fixed:
@@ -312,6 +328,23 @@ def test_logit_blend_drops_a_member_that_would_be_used_against_its_sense():
     assert blend.coef_[0] > 0 and blend.coef_[1] == 0
     p = blend.predict_proba(X)[:, 1]
     assert p[y == 1].mean() > p[y == 0].mean()
+
+
+def test_a_fixed_weight_blend_fits_only_its_scale_and_offset():
+    from foreshock.predictor import model as mdl
+
+    rng = np.random.default_rng(0)
+    y = (rng.random(4000) < 0.2).astype(int)
+    a = np.clip(np.where(y == 1, 0.7, 0.3) + rng.normal(0, 0.1, len(y)), 0.01, 0.99)
+    b = np.clip(np.where(y == 1, 0.6, 0.4) + rng.normal(0, 0.2, len(y)), 0.01, 0.99)
+    X = np.column_stack([a, b])
+    free = mdl.LogitBlend([_Fixed(0), _Fixed(1)]).fit(X, y)
+    fixed = mdl.LogitBlend([_Fixed(0), _Fixed(1)], weights=(3, 1)).fit(X, y)
+    assert free.coef_[0] / free.coef_[1] != pytest.approx(3.0, rel=0.05)
+    assert fixed.coef_[0] / fixed.coef_[1] == pytest.approx(3.0)
+    for bad in ((1.0,), (1.0, 0.0), (1.0, -1.0)):
+        with pytest.raises(ValueError, match="weights"):
+            mdl.LogitBlend([_Fixed(0), _Fixed(1)], weights=bad).fit(X, y)
 
 
 def test_overlap_counts_the_base_models_training_data():
