@@ -38,8 +38,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   # (a test holds them equal; this module does not import the predictor, so the CLI starts fast)
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
-                  "on_corrupt": "stop", "novelty": True, "linear_member": False,
-                  "absolute_counts": True}
+                  "on_corrupt": "stop", "novelty": True, "linear_member": False}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
@@ -94,9 +93,6 @@ def register(subparsers) -> None:
                    help="average the trees with the logistic regression fitted beside them, on the logit scale "
                         "(docs/predictor.md, The linear member: past the training worlds' ranges it raised "
                         "false evacuations six-fold; not the default)")
-    p.add_argument("--relative-counts", dest="absolute_counts", action="store_const", const=False,
-                   help="the trees read an error signal that has a baseline only against the node's own baseline "
-                        "and as trend ratios, never its absolute count (docs/predictor.md)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -210,8 +206,7 @@ def run_train(args, file_data) -> int:
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
                                    ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"],
-                                   novelty=cfg["novelty"], linear_member=cfg["linear_member"],
-                                   absolute_counts=cfg["absolute_counts"])
+                                   novelty=cfg["novelty"], linear_member=cfg["linear_member"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2
