@@ -9,11 +9,10 @@
   a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
   share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
 * `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
-* `LogitBlend`: fitted models stacked on their logits. `foreshock train` averages the trees with the
-  logistic regression (fixed equal weights, one scale and offset fitted): the two extrapolate
-  differently where data leaves the training range (docs/predictor.md, "The linear member"); and it
-  stacks the model of a user's history with the shipped model (weights fitted), so a small history
-  leans on what the shipped model learnt.
+* `LogitBlend`: fitted models stacked on their logits. `foreshock train` stacks the model of a user's
+  history with the shipped model (weights fitted), so a small history leans on what the shipped model
+  learnt; with `--linear-member` it averages the trees with the logistic regression (declared equal
+  weights, one scale and offset fitted; off by default, docs/predictor.md, "The linear member").
 
 Inputs are feature matrices in features.MODEL_FEATURE_NAMES order (the estimator's columns).
 """
