@@ -8,7 +8,8 @@ atomic Parquet writer (dataset.AtomicParquetFile), through pyarrow.fs, so a URI 
 
 Compaction merges the small files of a closed date directory (its date ended `settle_seconds` ago)
 into files of about `file_bytes`: the files under `file_bytes` are taken in name order and grouped
-while a group's bytes stay within it; each group of two or more becomes one file, its rows sorted by
+while a group's bytes stay within it (never across a larger file, and a small file never left alone
+between groups: _plan); each group of two or more becomes one file, its rows sorted by
 node then ts as the writer sorts a run (stable: rows alike keep their order). A group is read whole,
 so memory is about one output file's rows as Arrow. In one date directory, in this order:
 
@@ -246,15 +247,32 @@ def _settle(root: ds.DatasetRoot, directory: str, dry_run: bool, out: Summary,
 def _plan(root: ds.DatasetRoot, directory: str, file_bytes: int) -> list[_Group]:
     """The groups of small files to merge, each checked: one schema, the node names of its files."""
     sizes = {i.path: i.size for i in _files(root.fs, directory)}
-    small = [p for p in ds.list_dir(root.fs, directory)[1] if sizes.get(p, file_bytes) < file_bytes]
+    # Readers take a directory's files in name order, and rows of the same node and time (a re-sent
+    # sweep) in that order. An output is named by its first time and a new writer id, so a file left
+    # beside it can sort on the other side of it: a run never spans a file left out (a large one), and a
+    # small file is never left alone among runs (it joins the run before it, or after it).
+    segments: list[list[str]] = [[]]
+    for path in ds.list_dir(root.fs, directory)[1]:
+        if sizes.get(path, file_bytes) < file_bytes:
+            segments[-1].append(path)
+        elif segments[-1]:
+            segments.append([])
     runs: list[list[str]] = []
-    total = 0
-    for path in small:
-        if not runs or total + sizes[path] > file_bytes:
-            runs.append([])
-            total = 0
-        runs[-1].append(path)
-        total += sizes[path]
+    for segment in segments:
+        mine: list[list[str]] = []
+        total = 0
+        for path in segment:
+            if not mine or total + sizes[path] > file_bytes:
+                mine.append([])
+                total = 0
+            mine[-1].append(path)
+            total += sizes[path]
+        if len(mine) > 1 and len(mine[0]) == 1:
+            mine[1].insert(0, mine.pop(0)[0])
+        for k in range(len(mine) - 1, 0, -1):
+            if len(mine[k]) == 1:
+                mine[k - 1].extend(mine.pop(k))
+        runs.extend(mine)
     groups = []
     for paths in (r for r in runs if len(r) > 1):
         schema = None

@@ -159,6 +159,23 @@ def test_the_file_size_target_makes_several_files_of_about_that_size(two_days):
     _same(before, _read(root))
 
 
+def test_no_small_file_is_left_alone_to_sort_among_the_outputs(tmp_path, monkeypatch):
+    """Rows of the same node and time in several files (a re-sent sweep) are read in file-name order.
+    Seven files in runs of three would leave the last alone; an output named with a writer id that
+    sorts after its would then be read after it though its sources came first. None is left alone."""
+    root = tmp_path / "archive"
+    _write_rolls(root, "2026-12-01", 7)
+    before = _read(root)
+    sizes = [(root / "table=gpu" / "date=2026-12-01" / n).stat().st_size for n in _data_files(root, "gpu", "2026-12-01")]
+    ids = iter(f"ffff{k:04x}" for k in range(1 << 16))
+    monkeypatch.setattr(ds, "new_writer_id", lambda: next(ids))
+    got = am.compact(str(root), file_bytes=int(max(sizes) * 3.5), settle_seconds=3600, now=NOW, fsync=False,
+                     report=lambda s: None)
+    assert got.errors == 0
+    assert all(ds.part_writer(n).startswith("ffff") for n in _data_files(root, "gpu", "2026-12-01"))
+    _same(before, _read(root))
+
+
 def test_a_dry_run_says_what_it_would_do_and_changes_nothing(two_days):
     root = two_days
     listing = sorted(str(p) for p in root.rglob("*"))
