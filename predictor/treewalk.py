@@ -107,6 +107,27 @@ def _prior_shifted(p1: np.ndarray, scale: float) -> np.ndarray:
     return np.column_stack([1.0 - q, q])
 
 
+def _sigmoid_calibrated(estimator) -> list[tuple[Any, Any, Any]]:
+    """(the fitted estimator, a, b) of each calibrated classifier of a binary, sigmoid-calibrated
+    CalibratedClassifierCV (a FrozenEstimator unwrapped). Raises TypeError for any other estimator."""
+    from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
+
+    if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
+        raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
+    out = []
+    for cc in estimator.calibrated_classifiers_:
+        inner = cc.estimator
+        inner = getattr(inner, "estimator", inner) if type(inner).__name__ == "FrozenEstimator" else inner
+        if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
+            raise TypeError("not a sigmoid calibration")
+        if list(cc.classes) != list(estimator.classes_):
+            raise TypeError("classes differ")
+        out.append((inner, cc.calibrators[0].a_, cc.calibrators[0].b_))
+    if not out:
+        raise TypeError("no calibrated classifiers")
+    return out
+
+
 class FastPredictor:
     """predict_proba of [PriorShift(] CalibratedClassifierCV(sigmoid, [FrozenEstimator(] Pipeline(
     FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier) [)]) [)], computed like scikit-learn does it."""
@@ -114,7 +135,6 @@ class FastPredictor:
     PROBE_ROWS = 256
 
     def __init__(self, estimator, *, kernel: bool = True):
-        from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
         from sklearn.ensemble import HistGradientBoostingClassifier
         from sklearn.pipeline import Pipeline
 
@@ -123,15 +143,11 @@ class FastPredictor:
         self.estimator = estimator
         self.kernel = bool(kernel)
         estimator, self.prior_scale = _without_prior_shift(estimator)
-        if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
-            raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
         self.members = []   # (compiled trees, a, b) per calibrated classifier
         self.trends = None  # the pipeline's TrendRatios step (applied before the trees), if any
         self._trend_key = None
         compiled = {}
-        for cc in estimator.calibrated_classifiers_:
-            inner = cc.estimator
-            inner = getattr(inner, "estimator", inner) if type(inner).__name__ == "FrozenEstimator" else inner
+        for inner, a, b in _sigmoid_calibrated(estimator):
             if type(inner) is not Pipeline or len(inner.steps) not in (2, 3):
                 raise TypeError("not a Pipeline(FeatureGuard, [TrendRatios,] HistGradientBoostingClassifier)")
             guard, hgb = inner.steps[0][1], inner.steps[-1][1]
@@ -143,15 +159,11 @@ class FastPredictor:
             if self.members and trend_key != self._trend_key:
                 raise TypeError("calibrated members with different trend ratios")
             self.trends, self._trend_key = trends, trend_key
-            if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
-                raise TypeError("not a sigmoid calibration")
-            if list(cc.classes) != list(estimator.classes_) or list(hgb.classes_) != list(estimator.classes_):
+            if list(hgb.classes_) != list(estimator.classes_):
                 raise TypeError("classes differ")
             if id(hgb) not in compiled:
                 compiled[id(hgb)] = self._compile(hgb, trends)
-            self.members.append((compiled[id(hgb)], cc.calibrators[0].a_, cc.calibrators[0].b_))
-        if not self.members:
-            raise TypeError("no calibrated classifiers")
+            self.members.append((compiled[id(hgb)], a, b))
         self._pool = None
 
     def _compile(self, hgb, trends):
@@ -265,7 +277,6 @@ class LinearFast:
     PROBE_ROWS = 256
 
     def __init__(self, estimator, *, kernel: bool = True):
-        from sklearn.calibration import CalibratedClassifierCV, _SigmoidCalibration
         from sklearn.impute import SimpleImputer
         from sklearn.linear_model import LogisticRegression
         from sklearn.pipeline import Pipeline
@@ -276,19 +287,11 @@ class LinearFast:
 
         self.estimator = estimator
         estimator, self.prior_scale = _without_prior_shift(estimator)
-        if type(estimator) is not CalibratedClassifierCV or len(estimator.classes_) != 2:
-            raise TypeError(f"not a binary CalibratedClassifierCV: {type(estimator).__name__}")
-        pipe = None
-        self.calibrators = []
-        for cc in estimator.calibrated_classifiers_:
-            inner = cc.estimator
-            inner = getattr(inner, "estimator", inner) if type(inner).__name__ == "FrozenEstimator" else inner
-            if pipe is not None and inner is not pipe:
-                raise TypeError("calibrated members with different logistic regressions")
-            pipe = inner
-            if cc.method != "sigmoid" or len(cc.calibrators) != 1 or type(cc.calibrators[0]) is not _SigmoidCalibration:
-                raise TypeError("not a sigmoid calibration")
-            self.calibrators.append((float(cc.calibrators[0].a_), float(cc.calibrators[0].b_)))
+        members = _sigmoid_calibrated(estimator)
+        pipe = members[0][0]
+        if any(inner is not pipe for inner, _, _ in members):
+            raise TypeError("calibrated members with different logistic regressions")
+        self.calibrators = [(float(a), float(b)) for _, a, b in members]
         kinds = (mdl.FeatureGuard, SimpleImputer, FunctionTransformer, StandardScaler, LogisticRegression)
         if (type(pipe) is not Pipeline or len(pipe.steps) != len(kinds)
                 or any(type(step) is not k for (_, step), k in zip(pipe.steps, kinds))):
@@ -310,8 +313,7 @@ class LinearFast:
         self.weights = np.ascontiguousarray(w[self.columns])
         self.n_inputs = len(coef)
         self.compiled = bool(kernel) and kernels.AVAILABLE
-        self.trends = None
-        self._trend_key = None
+        self._trend_key = None   # BlendedFast's check: no trend ratios here
 
     def input_columns(self) -> np.ndarray:
         return self.columns.astype(np.intp)

@@ -305,6 +305,11 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_p
     assert [type(p) for p in blend.fast_predictor.parts] == [treewalk.FastPredictor, treewalk.LinearFast]
 
 
+def _noisy_probabilities(rng, y, failing: float, healthy: float, sd: float) -> np.ndarray:
+    """A member's probabilities: `failing` or `healthy` by the label, plus normal noise, in (0, 1)."""
+    return np.clip(np.where(y == 1, failing, healthy) + rng.normal(0, sd, len(y)), 0.01, 0.99)
+
+
 class _Fixed:
     """A fitted 'model' whose probability is a column of X."""
 
@@ -321,8 +326,8 @@ def test_logit_blend_drops_a_member_that_would_be_used_against_its_sense():
 
     rng = np.random.default_rng(0)
     y = (rng.random(4000) < 0.2).astype(int)
-    good = np.clip(np.where(y == 1, 0.7, 0.3) + rng.normal(0, 0.1, len(y)), 0.01, 0.99)
-    inverted = np.clip(np.where(y == 1, 0.2, 0.6) + rng.normal(0, 0.1, len(y)), 0.01, 0.99)
+    good = _noisy_probabilities(rng, y, 0.7, 0.3, 0.1)
+    inverted = _noisy_probabilities(rng, y, 0.2, 0.6, 0.1)
     X = np.column_stack([good, inverted])
     blend = mdl.LogitBlend([_Fixed(0), _Fixed(1)]).fit(X, y)
     assert blend.coef_[0] > 0 and blend.coef_[1] == 0
@@ -335,8 +340,8 @@ def test_a_fixed_weight_blend_fits_only_its_scale_and_offset():
 
     rng = np.random.default_rng(0)
     y = (rng.random(4000) < 0.2).astype(int)
-    a = np.clip(np.where(y == 1, 0.7, 0.3) + rng.normal(0, 0.1, len(y)), 0.01, 0.99)
-    b = np.clip(np.where(y == 1, 0.6, 0.4) + rng.normal(0, 0.2, len(y)), 0.01, 0.99)
+    a = _noisy_probabilities(rng, y, 0.7, 0.3, 0.1)
+    b = _noisy_probabilities(rng, y, 0.6, 0.4, 0.2)
     X = np.column_stack([a, b])
     free = mdl.LogitBlend([_Fixed(0), _Fixed(1)]).fit(X, y)
     fixed = mdl.LogitBlend([_Fixed(0), _Fixed(1)], weights=(3, 1)).fit(X, y)
