@@ -22,8 +22,10 @@ one level up, a file per table and date holding every node, sorted by node then 
 
     ROOT/table=<table>/date=<YYYY-MM-DD>/part-<first ts ns>-<writer id>-<n>.parquet
 
-and `foreshock archive compact` merges a closed date's files there, with a record beside them while it
-works (COMPACTION_RECORD_PREFIX) that list_dir honours, so every reader here counts each row once.
+and `foreshock archive compact` merges a closed date's files there, naming each file it writes after
+the first of the files it replaces (compacted_file_name, which keeps their place in name order), with a
+record beside them while it works (COMPACTION_RECORD_PREFIX) that list_dir honours, so every reader here
+counts each row once.
 
 The readers here go through pyarrow's filesystem layer (pyarrow.fs): a dataset is a local directory,
 relative to the cwd, or any URI pyarrow.fs.FileSystem.from_uri takes (file://, s3://, gs://, hdfs://);
@@ -94,10 +96,24 @@ def new_writer_id() -> str:
     return uuid.uuid4().hex[:8]
 
 
+def compacted_file_name(first_source: str, writer: str, n: int) -> str:
+    """The name of the nth file a compaction (writer id `writer`) makes of a group whose first file in
+    name order is `first_source`, a name of either form (part_writer is not ""): that file's stem,
+    `part-<first ts ns>-<writer id>-<n>`, then `-<writer>-<n>.parquet`. Readers take a date's files in
+    name order; names sort by their stems (fixed-width fields), and no two files a reader takes share
+    one (a compaction's outputs replace its sources), so an output sorts where its sources did against
+    every other file, whatever its writer id."""
+    parts = first_source.split("-")
+    return f"{'-'.join(parts[:3])}-{parts[3].removesuffix('.parquet')}-{writer}-{n:06d}.parquet"
+
+
 def part_writer(name: str) -> str:
-    """The writer id in a data file's name (part_file_name); "" for a name not of that form."""
+    """The writer id in a data file's name, a writer's (part_file_name) or a compaction's
+    (compacted_file_name); "" for a name of neither form."""
     parts = name.split("-")
-    return parts[2] if len(parts) == 4 and parts[0] == "part" else ""
+    if parts[0] != "part":
+        return ""
+    return parts[2] if len(parts) == 4 else parts[4] if len(parts) == 6 else ""
 
 
 @dataclass

@@ -2,20 +2,23 @@
 run by `foreshock archive compact|prune` (service/archive_command.py; docs/service.md, "The archive").
 
 The layout, the file names and the compaction record are foreshock/dataset.py's (date_dir,
-part_file_name, COMPACTION_RECORD_PREFIX); the files are written as the archive writes them
-(parquet_options, ROW_GROUP_ROWS, the node names in the footer under NODES_KEY), by the project's one
-atomic Parquet writer (dataset.AtomicParquetFile), through pyarrow.fs, so a URI works as a path does.
+part_file_name, compacted_file_name, COMPACTION_RECORD_PREFIX); the files are written as the archive
+writes them (parquet_options, ROW_GROUP_ROWS, the node names in the footer under NODES_KEY), by the
+project's one atomic Parquet writer (dataset.AtomicParquetFile), through pyarrow.fs, so a URI works
+as a path does.
 
 Compaction merges the small files of a closed date directory (its date ended `settle_seconds` ago)
 into files of about `file_bytes`: the files under `file_bytes` are taken in name order and grouped
-while a group's bytes stay within it (never across a larger file, and a small file never left alone
+while a group's bytes stay within it (never across a file left out, and a small file never left alone
 between groups: _plan); each group of two or more becomes one file, its rows sorted by
-node then ts as the writer sorts a run (stable: rows alike keep their order). A group is read whole,
-so memory is about one output file's rows as Arrow. In one date directory, in this order:
+node then ts as the writer sorts a run (stable: rows alike keep their order), named after the group's
+first file (dataset.compacted_file_name), so that it sorts where its sources did and readers, who take
+rows of the same node and time in file-name order, read them in the same order as before. A group is
+read whole, so memory is about one output file's rows as Arrow. In one date directory, in this order:
 
   1. the record `_compaction-<id>.json` (the sources' names, how many outputs) is written atomically;
-  2. each output `part-<first ts>-<id>-<n>.parquet` is written and published (a dot-name, then synced
-     and renamed; on an object store, visible when its upload completes);
+  2. each output `<its first source's stem>-<id>-<n>.parquet` is written and published (a dot-name,
+     then synced and renamed; on an object store, visible when its upload completes);
   3. the sources are deleted, the directory synced;
   4. the record is deleted.
 
@@ -60,7 +63,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -248,12 +250,13 @@ def _plan(root: ds.DatasetRoot, directory: str, file_bytes: int) -> list[_Group]
     """The groups of small files to merge, each checked: one schema, the node names of its files."""
     sizes = {i.path: i.size for i in _files(root.fs, directory)}
     # Readers take a directory's files in name order, and rows of the same node and time (a re-sent
-    # sweep) in that order. An output is named by its first time and a new writer id, so a file left
-    # beside it can sort on the other side of it: a run never spans a file left out (a large one), and a
-    # small file is never left alone among runs (it joins the run before it, or after it).
+    # sweep) in that order. An output takes its first source's place in that order, so a run never
+    # spans a file left out: a large one, or one not named as the archive names files (an output is
+    # named after its first source). A run of one file is not merged, so a small file is never left
+    # alone among runs (it joins the run before it, or after it).
     segments: list[list[str]] = [[]]
     for path in ds.list_dir(root.fs, directory)[1]:
-        if sizes.get(path, file_bytes) < file_bytes:
+        if sizes.get(path, file_bytes) < file_bytes and ds.part_writer(path.rpartition("/")[2]):
             segments[-1].append(path)
         elif segments[-1]:
             segments.append([])
@@ -302,7 +305,7 @@ def _compact_date(root: ds.DatasetRoot, directory: str, groups: list[_Group], fs
         for n, group in enumerate(groups, 1):
             data = pads.dataset(group.paths, schema=group.schema, format="parquet", filesystem=fs).to_table()
             data = data.sort_by([("node", "ascending"), ("ts", "ascending")])
-            name = ds.part_file_name(pc.min(data.column("ts")).value, f"{writer}-{n:06d}")
+            name = ds.compacted_file_name(group.paths[0].rpartition("/")[2], writer, n)
             f = ds.AtomicParquetFile(f"{directory}/{name}", group.schema, filesystem=fs, fsync=fsync,
                                      **parquet_options(group.schema))
             try:

@@ -34,17 +34,19 @@ def _ts(date: str) -> float:
     return dt.datetime.fromisoformat(date).replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def _write_rolls(root, date: str, rolls: int) -> None:
-    """`rolls` roll periods of `date` as the archive writes them: a writer each, so a file per table each."""
+def _write_rolls(root, date: str, rolls: int, *, first: int = 0, samples: int = 20) -> None:
+    """`rolls` roll periods of `date` from its `first`, as the archive writes them: a writer each, so a
+    file per table each; `samples` a node in the gpu table's."""
     start_ns = int(_ts(date)) * 10**9
-    for k in range(rolls):
+    for k in range(first, first + rolls):
         t0 = start_ns + k * ROLL_S * 10**9
         events = sch.to_table("events", [
             {"ts": t0 + j * 10**9 + i * 10**6, "node": node, "kind": "xid", "source": "nvml", "xid": 13 + j}
             for i, node in enumerate(NODES) for j in range(3)])
         gpu = sch.to_table("gpu", [
             {"ts": t0 + j * 10**9 + i * 10**6, "node": node, "gpu": j % 8, "temperature_c": 40.0 + k,
-             "power_w": 300.0 + j, "gpu_lost": False} for i, node in enumerate(NODES[::-1]) for j in range(20)]
+             "power_w": 300.0 + j, "gpu_lost": False}
+            for i, node in enumerate(NODES[::-1]) for j in range(samples)]
             # the same node and time in every file (a collector's re-sent sweep): readers keep their file order
             + [{"ts": start_ns + 7, "node": "n1", "gpu": 0, "temperature_c": float(k), "gpu_lost": False}])
         decisions = pa.Table.from_pylist([
@@ -173,6 +175,42 @@ def test_no_small_file_is_left_alone_to_sort_among_the_outputs(tmp_path, monkeyp
                      report=lambda s: None)
     assert got.errors == 0
     assert all(ds.part_writer(n).startswith("ffff") for n in _data_files(root, "gpu", "2026-12-01"))
+    _same(before, _read(root))
+
+
+@pytest.mark.parametrize("compaction_id", ["00000000", "ffffffff"])
+def test_an_output_sorts_where_its_sources_did_beside_a_file_left_out_of_the_same_first_ts(
+        tmp_path, monkeypatch, compaction_id):
+    """Every gpu file starts at the same re-sent row, so its writer id alone places it. Two small files,
+    a large one left out, two small files: each pair's output is read on its own side of the large one,
+    whichever way the compaction's new id sorts against the writers' ids."""
+    root = tmp_path / "archive"
+    writers = iter(f"3000000{k}" for k in range(5))
+    monkeypatch.setattr(ds, "new_writer_id", lambda: next(writers))
+    _write_rolls(root, "2026-12-01", 2, first=1)
+    _write_rolls(root, "2026-12-01", 1, first=3, samples=4000)
+    _write_rolls(root, "2026-12-01", 2, first=4)
+    before = _read(root)
+    names = _data_files(root, "gpu", "2026-12-01")
+    assert [ds.part_writer(n) for n in names] == [f"3000000{k}" for k in range(5)]
+    assert len({n.split("-")[1] for n in names}) == 1
+    sizes = [(root / "table=gpu" / "date=2026-12-01" / n).stat().st_size for n in names]
+    large = sizes.pop(2)
+    file_bytes = int(max(sizes) * 2.5)      # a pair of small files fits; the large one is left out
+    assert large >= file_bytes
+    monkeypatch.setattr(ds, "new_writer_id", lambda: compaction_id)
+    got = am.compact(str(root), file_bytes=file_bytes, settle_seconds=3600, now=NOW, fsync=False,
+                     report=lambda s: None)
+    assert got.errors == 0
+    after = _data_files(root, "gpu", "2026-12-01")
+    assert [ds.part_writer(n) for n in after] == [compaction_id, "30000002", compaction_id]
+    _same(before, _read(root))
+    # compacted again, all in one: the output keeps the first writer's file's stem, and its place
+    monkeypatch.setattr(ds, "new_writer_id", lambda: "abcdef01")
+    got = am.compact(str(root), file_bytes=128 << 20, settle_seconds=3600, now=NOW, fsync=False,
+                     report=lambda s: None)
+    assert got.errors == 0
+    assert _data_files(root, "gpu", "2026-12-01") == [ds.compacted_file_name(names[0], "abcdef01", 1)]
     _same(before, _read(root))
 
 
