@@ -38,7 +38,8 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   # (a test holds them equal; this module does not import the predictor, so the CLI starts fast)
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
-                  "on_corrupt": "stop", "novelty": True, "linear_member": False}
+                  "on_corrupt": "stop", "novelty": True, "linear_member": False,
+                  "absolute_counts": False}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
@@ -93,6 +94,10 @@ def register(subparsers) -> None:
                    help="average the trees with the logistic regression fitted beside them, on the logit scale "
                         "(docs/predictor.md, The linear member: past the training worlds' ranges it raised "
                         "false evacuations six-fold; not the default)")
+    p.add_argument("--absolute-counts", dest="absolute_counts", action="store_const", const=True,
+                   help="let the trees split on the absolute window counts of error signals that have a node "
+                        "baseline too (by default they read such a signal only against the node's own baseline "
+                        "and as trend ratios: docs/predictor.md, Relative counts)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -206,7 +211,8 @@ def run_train(args, file_data) -> int:
                                    compare_with=_compare_with(cfg["compare_with"]),
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
                                    ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"],
-                                   novelty=cfg["novelty"], linear_member=cfg["linear_member"])
+                                   novelty=cfg["novelty"], linear_member=cfg["linear_member"],
+                                   absolute_counts=cfg["absolute_counts"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ INFINITEHBD_CATEGORIES: tuple[tuple[str, str | None, str | None, str], ...] = (
 HARDWARE_CATEGORIES = frozenset({
     "faulty_gpu", "gpu_hbm", "gpu_sram", "gpu_system_processor", "gpu_thermal", "nic", "network_switch_cable",
     "power_supply", "server_chassis", "io_expansion_board", "ssd", "cpu", "system_memory", "hardware_other",
+    "nvlink_fabric",
 })
 
 EVENT_TYPES = ("fault_start", "fault_end")

@@ -175,6 +175,38 @@ def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nod
     ])
 
 
+# Error signals whose absolute count the trees keep even with a baseline: a failing HBM's corrected ECC
+# steps up and stays, which a 3-day baseline that follows it hides.
+COUNTS_KEPT = ("ecc_sbe",)
+
+
+def baselined_counts(feature_names=ft.MODEL_FEATURE_NAMES) -> list[int]:
+    """The columns of the absolute window counts (1, 5, 30 min) of every error signal that also has a
+    count against the node's own baseline (`*_30m_vs_baseline`), but those of COUNTS_KEPT."""
+    spec = {f.name: f for f in ft.FEATURES}
+    names = list(feature_names)
+    baselined = {spec[n].signal for n in names if n in spec and spec[n].op == "vs_baseline"} - set(COUNTS_KEPT)
+    return [i for i, n in enumerate(names)
+            if n in spec and spec[n].op in ("sum1", "sum5", "sum30") and spec[n].signal in baselined]
+
+
+def fit_model(pipeline: Pipeline, X, y, sample_weight=None, constant_columns=()) -> Pipeline:
+    """Fit make_model's pipeline with the trees blind to `constant_columns` (input columns): they are
+    held at 0 while the trees are fitted, after the trend ratios have read them, so no tree splits on
+    them and the fitted pipeline, unchanged in its steps, ignores them at prediction."""
+    cols = np.asarray(list(constant_columns), dtype=np.intp)
+    if len(cols) == 0:
+        return pipeline.fit(X, y, gbdt__sample_weight=sample_weight)
+    *steps, (_, trees) = pipeline.steps
+    Xt = X
+    for _, step in steps:
+        Xt = step.fit(Xt, y).transform(Xt)
+    Xt = np.array(Xt, dtype=np.float32)
+    Xt[:, cols] = 0.0
+    trees.fit(Xt, y, sample_weight=sample_weight)
+    return pipeline
+
+
 def _signed_log1p(X):
     # in float64: the fast path (treewalk.LinearFast) folds the scaling into the coefficients and
     # agrees with this pipeline to rounding only when no step rounds to float32

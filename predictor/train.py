@@ -71,8 +71,13 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           command: str | None = None, holdout: groups.HoldOut | None = None,
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
-          linear_member: bool = False) -> dict:
+          linear_member: bool = False, absolute_counts: bool = False) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
+
+    absolute_counts: False (the default): the trees never split on the absolute window counts of an
+    error signal that has a node baseline (model.baselined_counts); they see it against the node's own
+    baseline and as trend ratios only, so a healthy device's chronic rate, which differs from fleet to
+    fleet, is not read as a failing one's. True: they split on the counts too.
 
     linear_member: the model is the trees averaged with the logistic regression fitted on the same
     rows (model.LogitBlend, LINEAR_MEMBER_WEIGHTS fixed; only a common scale and offset fitted on the
@@ -201,7 +206,9 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         t_feat = time.perf_counter() - t_start
         if progress:
             progress("fitting", 0, 1)
-        gbdt = mdl.make_model(max_iter=max_iter, random_state=seed).fit(Xtr, ytr, gbdt__sample_weight=wtr)
+        blind = [] if absolute_counts else mdl.baselined_counts()
+        gbdt = mdl.fit_model(mdl.make_model(max_iter=max_iter, random_state=seed), Xtr, ytr, wtr,
+                             constant_columns=blind)
         logit = mdl.make_logistic().fit(Xtr, ytr, logreg__sample_weight=wtr)
         rule = mdl.RuleBaseline().fit()
         Xc, yc, wc = np.concatenate(cal_X), np.concatenate(cal_y), np.concatenate(cal_w)
@@ -313,6 +320,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                       "n_iter": int(gb.n_iter_), "params": {k: v for k, v in gb.get_params().items()
                                                              if isinstance(v, (int, float, str, bool, type(None)))},
                       "linear_member": linear_section,
+                      "blind_to": [imp_names[i] for i in blind],
                       **({"stacked_with_base": stacked} if stacked is not None else {})},
         "training": {
             **ev.data_identity(data_dir, fb.nodes, first, last), "validation_from": ev.iso_time(boundary),

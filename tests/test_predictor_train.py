@@ -221,6 +221,35 @@ def test_trend_ratios_tell_a_rising_rate_from_a_burst_that_ended():
         tr.transform(X[:, :10])
 
 
+def test_trees_blind_to_the_absolute_counts_read_them_only_through_baselines_and_trends():
+    """fit_model with constant_columns (--relative-counts: model.baselined_counts): no tree splits on
+    a baselined error signal's absolute window counts even where they alone carry the label, while the
+    trend ratios made from them are still learnt from; the fitted pipeline is the usual one."""
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import model as mdl
+
+    names = list(ft.MODEL_FEATURE_NAMES)
+    blind = mdl.baselined_counts()
+    assert {"ib_ack_timeout_5m", "pcie_replay_1m", "nvl_replay_30m"} <= {names[i] for i in blind}
+    assert not {"ecc_sbe_30m", "ecc_sbe_30m_vs_baseline", "remap_correctable_30m", "xid_fatal_5m"} & {
+        names[i] for i in blind}
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((4000, len(names))).astype(np.float32)
+    a, b = names.index("ib_ack_timeout_5m"), names.index("ib_ack_timeout_30m")
+    X[:, a] = rng.exponential(1.0, len(X))
+    X[:, b] = rng.exponential(1.0, len(X))
+    y = (X[:, a] > 1.5).astype(int)                        # the absolute count alone tells
+    split_on = {}
+    for constant in ((), blind):
+        m = mdl.fit_model(mdl.make_model(max_iter=15), X, y, constant_columns=constant)
+        assert [type(s).__name__ for _, s in m.steps] == ["FeatureGuard", "TrendRatios", "HistGradientBoostingClassifier"]
+        split_on[len(constant) > 0] = {int(f) for t in m.named_steps["gbdt"]._predictors
+                                       for f in t[0].nodes["feature_idx"][t[0].nodes["is_leaf"] == 0]}
+    assert a in split_on[False] and not split_on[True] & set(blind)
+    ratio = len(names) + list(m.named_steps["trends"].ratio_names_).index("ib_ack_timeout_rising_5m_vs_30m")
+    assert ratio in split_on[True]
+
+
 def test_steps_hours_before_an_incident_are_left_out_of_training_only_outside_the_horizon():
     ends = (np.arange(24 * 60) + 1) * STEP_NS
     inc = pd.DataFrame({"ts": [int(ends[900])]})
@@ -288,11 +317,15 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_p
     assert "stacked_with_base" not in alone.manifest["estimator"] and "base" not in alone.manifest["training"]
     assert type(alone.estimator).__name__ == "CalibratedClassifierCV"
     assert alone.manifest["estimator"]["linear_member"] is None
+    # relative counts by default: the trees are blind to the baselined signals' absolute counts
+    blind = alone.manifest["estimator"]["blind_to"]
+    assert blind == [alone.feature_names[i] for i in mdl.baselined_counts()] and "ib_ack_timeout_30m" in blind
 
-    # --linear-member: the trees averaged with the logistic regression, weights fixed (train.LINEAR_MEMBER_WEIGHTS)
+    # --linear-member: the trees averaged with the logistic regression, weights fixed (train.LINEAR_MEMBER_WEIGHTS);
+    # --absolute-counts: the trees split on every count
     blend_dir = tmp_path / "blend"
     assert cli.main(["train", "--data", str(sim_data), "--out", str(blend_dir), "--max-iter", "10", "--base", "",
-                     "--linear-member"]) == 0
+                     "--linear-member", "--absolute-counts"]) == 0
     assert "the trees averaged with a logistic regression" in capsys.readouterr().out
     blend = registry.load_model(blend_dir)
     assert type(blend.estimator) is mdl.LogitBlend
@@ -303,6 +336,7 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_p
         float(blend.estimator.coef_.sum()))
     assert {"incident_recall_precursor", "pr_auc"} <= set(linear["validation_trees_alone"])
     assert [type(p) for p in blend.fast_predictor.parts] == [treewalk.FastPredictor, treewalk.LinearFast]
+    assert blend.manifest["estimator"]["blind_to"] == []
 
 
 def _noisy_probabilities(rng, y, failing: float, healthy: float, sd: float) -> np.ndarray:
