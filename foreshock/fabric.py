@@ -101,6 +101,18 @@ def decode_health_mask(mask: int | None) -> dict[str, bool | int | None]:
     return out
 
 
+_FIELDS = {f.column: f for f in HEALTH_FIELDS}
+
+
+def with_unhealthy(mask, column: str):
+    """The health mask (an int or an integer array) with the two-state field `column` at its unhealthy
+    value, the other fields as they were: what NVML reports once that condition holds."""
+    f = _FIELDS[column]
+    if f.true is None:
+        raise ValueError(f"{column} is a coded field, not a two-state one")
+    return (mask & ~(f.width << f.shift)) | (f.true << f.shift)
+
+
 def cluster_uuid(raw: bytes | bytearray | list[int] | None) -> str | None:
     """The 16-byte cluster UUID as 8-4-4-4-12 hex; None when it is all zeros (no multi-node domain)."""
     if raw is None:

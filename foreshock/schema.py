@@ -271,6 +271,24 @@ SYSTEMD_UNIT = COMMON + (
           "(systemd >= 235)."),
 )
 
+# A job's step times, one row per (rank, step): what the migrator reports to the control plane (jobs.proto
+# ReportStepTimes), archived by the service (docs/service.md, "The archive"), and what `foreshock simulate`
+# writes for its jobs (docs/simulator.md, "Step times").
+STEP_TIMES = (
+    _key("ts", TS, "When the step ended: the simulator's step end; in the service's archive, the end the rank sent "
+         "(jobs.proto StepTime.end_ns, its host's wall clock), or, from a migrator that sends none, when the "
+         "service took the report (at most the migrator's report interval late)."),
+    _key("node", STR, "Node the rank ran on for the step (its placement's node)."),
+    _key("job", STR, "Job: the Jobs API's job_id; in a simulated dataset, the inventory's job label."),
+    Field("generation", I64, "", "The job's placement generation when the service took the report "
+          "(jobs.proto RegisterJobResponse.generation); null where there is none (the simulator)."),
+    _key("rank", I32, "The rank, as the job numbers them."),
+    _key("step", I64, "Step number, as the job counts them."),
+    Field("step_seconds", F64, "s", "The whole step on this rank, collective waits included.", nullable=False),
+    Field("compute_seconds", F64, "s", "The rank's own part: from the step's start to its entry into the gradient "
+          "all-reduce, the part that differs between the ranks of a synchronous job; null: not measured."),
+)
+
 INCIDENTS = COMMON + (
     Field("incident_id", STR, "", "Unique id."),
     Field("scope", STR, "", "node | switch | site | nvlink_domain: what `node` names."),
@@ -295,6 +313,7 @@ TABLES: dict[str, tuple[Field, ...]] = {
     "inventory": INVENTORY,
     "incidents": INCIDENTS,
     "systemd_unit": SYSTEMD_UNIT,
+    "step_times": STEP_TIMES,
 }
 
 # Columns that identify an entity within a node, used by dedupe and by feature builders.
@@ -310,6 +329,7 @@ ENTITY_KEYS: dict[str, tuple[str, ...]] = {
     "inventory": (),
     "incidents": ("incident_id",),
     "systemd_unit": ("unit",),
+    "step_times": ("job", "rank"),
 }
 
 

@@ -138,7 +138,7 @@ class ServiceClient:
         self.healthy = False            # last call to the service succeeded
         self.deliveries = 0
         self.dropped_acks = 0
-        # (rank, node, step, step_seconds, compute_seconds); appended by the loop, taken by the sender
+        # (rank, node, step, step_seconds, compute_seconds, end_ns); appended by the loop, taken by the sender
         self._step_times: collections.deque = collections.deque(maxlen=STEP_TIME_BUFFER)
         self._step_times_lock = threading.Lock()
         self._step_times_due = threading.Event()   # a block of steps is complete
@@ -228,12 +228,17 @@ class ServiceClient:
         with self._step_lock:
             self._step = (step, step_seconds)
 
-    def record_step_time(self, rank: int, step: int, step_seconds: float, compute_seconds: float = 0.0) -> None:
-        """One step of this rank (O(1), never blocks, never raises): sent in the next batch."""
+    def record_step_time(self, rank: int, step: int, step_seconds: float, compute_seconds: float = 0.0,
+                         end_ns: int | None = None) -> None:
+        """One step of this rank (O(1), never blocks, never raises): sent in the next batch. `end_ns`:
+        when the step ended, by the wall clock (Unix ns); None: now, for a caller that records each step
+        as it ends."""
+        if end_ns is None:
+            end_ns = time.time_ns()
         with self._step_times_lock:
             if len(self._step_times) == self._step_times.maxlen:
                 self.dropped_step_times += 1
-            self._step_times.append((rank, self.config.node, step, step_seconds, compute_seconds))
+            self._step_times.append((rank, self.config.node, step, step_seconds, compute_seconds, end_ns))
         if (step + 1) % step_block(step_seconds, self.config.step_report_interval_s) == 0:
             self._step_times_due.set()
 
@@ -316,9 +321,9 @@ class ServiceClient:
 
     def _send_batch(self, batch: list[tuple]) -> None:
         by_rank: dict[tuple[int, str], list] = {}
-        for rank, node, step, total, compute in batch:   # one rank, except across a renumbering
+        for rank, node, step, total, compute, end_ns in batch:   # one rank, except across a renumbering
             by_rank.setdefault((rank, node), []).append(
-                jobs_pb2.StepTime(step=step, step_seconds=total, compute_seconds=compute))
+                jobs_pb2.StepTime(step=step, step_seconds=total, compute_seconds=compute, end_ns=end_ns))
         for (rank, node), steps in by_rank.items():
             req = jobs_pb2.ReportStepTimesRequest(job_id=self.config.job_id, rank=rank, node=node, steps=steps)
             try:

@@ -95,14 +95,16 @@ class StepClock:
     the slow rank's is the longest. CPU tensors: the host clock. CUDA tensors: events on the current
     stream (the host runs ahead of the GPU and its clock would time kernel launches, not work), read a
     step late with query(), so reading them never waits for the GPU. Without the hook (FSDP2, no
-    backward) the compute part is 0: not measured."""
+    backward) the compute part is 0: not measured. Each step's end is also stamped by the wall clock
+    (Unix ns), for the archive's rows: when end_step ran on the host (with CUDA, the GPU finishes the
+    step's work up to the host's lead later)."""
 
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.compute_end: float | None = None
         self.cuda = False
         self._events: list | None = None                   # [start, compute] events of this step
-        self._pending: collections.deque = collections.deque(maxlen=8)   # (step, start, compute, end)
+        self._pending: collections.deque = collections.deque(maxlen=8)   # (step, start, compute, end, end_ns)
 
     def begin(self) -> None:
         self.start = time.monotonic()
@@ -124,22 +126,23 @@ class StepClock:
         else:
             self.compute_end = time.monotonic()
 
-    def end(self, step: int) -> list[tuple[int, float, float]]:
-        """(step, step_seconds, compute_seconds) of the steps whose times are known now."""
+    def end(self, step: int) -> list[tuple[int, float, float, int]]:
+        """(step, step_seconds, compute_seconds, end_ns) of the steps whose times are known now."""
+        end_ns = time.time_ns()
         if self._events is None:
             total = time.monotonic() - self.start
             compute = self.compute_end - self.start if self.compute_end is not None else 0.0
-            return [(step, total, min(max(compute, 0.0), total))]
+            return [(step, total, min(max(compute, 0.0), total), end_ns)]
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((step, self._events[0], self._events[1], end))
+        self._pending.append((step, self._events[0], self._events[1], end, end_ns))
         self._events = None
         out = []
         while self._pending and self._pending[0][3].query():
-            s, a, c, e = self._pending.popleft()
+            s, a, c, e, e_ns = self._pending.popleft()
             total = a.elapsed_time(e) / 1e3
             compute = a.elapsed_time(c) / 1e3 if c is not None else 0.0
-            out.append((s, total, min(max(compute, 0.0), total)))
+            out.append((s, total, min(max(compute, 0.0), total), e_ns))
         return out
 
 
@@ -313,8 +316,8 @@ class Migrator:
         if self._client is None:
             return
         try:
-            for step, total, compute in self._times.end(self.step):
-                self._client.record_step_time(self.rank, step, total, compute)
+            for step, total, compute, end_ns in self._times.end(self.step):
+                self._client.record_step_time(self.rank, step, total, compute, end_ns)
         except Exception as exc:  # noqa: BLE001 - a CUDA event that cannot be read must not stop training
             log.debug("step times not measured: %r", exc)
 

@@ -10,7 +10,8 @@ Layout (read by foreshock/dataset.py; docs/schema.md):
 - `decisions`: the decision log's rows (service/decisions.py, DECISION_SCHEMA): alarms, every
   directive ordered (kinds evacuate, shrink, checkpoint_exit, with its node, spare, step and ranks),
   drains, acks and outcomes;
-- `incidents` (schema v1): the fatal alarms and fabric incidents, as decisions.incident_rows derives them.
+- `incidents` (schema v1): the fatal alarms and fabric incidents, as decisions.incident_rows derives them;
+- `step_times` (schema v1): the samples of each ReportStepTimes the service accepted (service/steptimes.py).
 
 A file holds one table's rows of one UTC date for every node, with the node names in its footer
 (dataset.NODES_KEY). Rows wait in memory per table; when all tables' rows together pass
@@ -22,10 +23,10 @@ table's oldest rows not yet published have waited `roll_seconds`. Memory stays w
 while files grow to analytics sizes. Storage is addressed through pyarrow's filesystem layer
 (dataset.filesystem_of, the readers' too): a local path, or any URI pyarrow supports (s3://, gs://, hdfs://).
 
-Off the scoring path: the two consumers hand their tables over by reference, the ingest stage once its
-value checks have run (`take_tables`, `take_batches`, on the scoring thread) and the decision log when
-it flushes (`take_decisions`), onto a queue bounded by `queue_bytes`; one writer thread decodes,
-buffers, sorts and writes. When the queue is full a submission is dropped and counted
+Off the scoring path: the consumers hand their tables over by reference, the ingest stage once its
+value checks have run (`take_tables`, `take_batches`, on the scoring thread), the decision log when
+it flushes (`take_decisions`) and the step-time windows per accepted report (`take_tables`), onto a
+queue bounded by `queue_bytes`; one writer thread decodes, buffers, sorts and writes. When the queue is full a submission is dropped and counted
 (`foreshock_archive_dropped_bytes_total`): the archive never holds back scoring or an ack, and the
 collectors' own spools hold the same rows. `foreshock serve` runs this writer in a process of its own
 (`ArchiveSettings.process`, service/archive_process.py), so that its CPU and its Python's GIL time are

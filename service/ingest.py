@@ -62,6 +62,9 @@ MAX_TABLES_PER_BATCH = 32
 # Tables whose batch the scoring loop acts on at once (a fatal Xid, a link down, a lost GPU, a topology
 # change): they skip the bulk drains and never wait for a close hold (steps.CloseHold).
 URGENT_TABLES = frozenset({"events", "inventory"})
+# Schema-v1 tables no collector sends: the ground truth, and the step times the Jobs API takes
+# (ReportStepTimes, service/steptimes.py), which reach the archive that way only.
+NOT_TELEMETRY = frozenset({"incidents", "step_times"})
 MAX_UNDELIVERED_COLLECTORS = 10_000   # collectors whose stream ended owing them rejections
 
 
@@ -366,7 +369,7 @@ class Ingest:
 
     def _decode(self, s: Session, rejections, sequence, name, version, buf, omitted=False) -> pa.Table | None:
         lim = self.limits
-        if name not in sch.TABLES or name == "incidents":
+        if name not in sch.TABLES or name in NOT_TELEMETRY:
             self._reject(rejections, sequence, name[:64], "unknown_table",
                          f"table {name[:64]!r} is not a telemetry table of schema v1")
             return None

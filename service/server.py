@@ -242,7 +242,7 @@ class ControlPlane:
             self.nodes.set_topology(node, topo)
         self.actions = NodeActions(s.actions, action_backends, self.store, self.nodes, self.decisions,
                                    clock=self.clock) if action_backends else None
-        self.step_times = StepTimes(fail_slow_settings, self.store)
+        self.step_times = StepTimes(fail_slow_settings, self.store, archive=self.archive, clock=self.clock)
         # The jobs coordinator takes no telemetry: the fabric's services are judged by the shards, which forward it.
         self.policy = EvacuationPolicy(policy_settings, self.nodes, self.jobs, self.decisions, actions=self.actions,
                                        step_times=self.step_times,

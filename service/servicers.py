@@ -183,7 +183,7 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
     async def ReportStepTimes(self, request, context):
         try:
             self._job_scope(context, request.job_id)
-            samples = [(t.step, t.step_seconds, t.compute_seconds) for t in request.steps]
+            samples = [(t.step, t.step_seconds, t.compute_seconds, t.end_ns) for t in request.steps]
             kept = await asyncio.to_thread(self.plane.step_times.record, request.job_id, request.rank,
                                            request.node, samples)
             return jobs_pb2.ReportStepTimesResponse(accepted=kept)

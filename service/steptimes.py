@@ -1,11 +1,12 @@
 """Each job's recent step times per rank, and the fail-slow rule that reads them.
 
 The migrator reports every rank's step durations (jobs.proto ReportStepTimes, batched: a `StepTime` is
-the step, its whole duration, and the rank's compute part, from the step's start to its entry into the
-gradient all-reduce). `StepTimes.record` checks a report and keeps it in the job's window: the last
-`2 x window` steps by step number, a float32 cell per (step, rank), so memory is bounded by
-`MAX_CELLS` over all jobs. A window belongs to one placement generation of its job: a move, a shrink or
-a new registration starts it over, so a rank's samples never follow it to another node.
+the step, its whole duration, the rank's compute part, from the step's start to its entry into the
+gradient all-reduce, and when the step ended by the rank's wall clock). `StepTimes.record` checks a
+report and keeps it in the job's window: the last `2 x window` steps by step number, a float32 cell
+per (step, rank), so memory is bounded by `MAX_CELLS` over all jobs. A window belongs to one placement
+generation of its job: a move, a shrink or a new registration starts it over, so a rank's samples never
+follow it to another node.
 
 The rule (`StepTimes.evaluate`, once per policy round, over the jobs that got reports since): at every
 step that at least `min_ranks` ranks, and at least half of the job's ranks, have reported, each rank's
@@ -19,15 +20,27 @@ the slowest at the all-reduce), so only the compute part tells the culprit; the 
 for jobs whose ranks do not wait for each other. A node is fail-slow in a job when one of its ranks is.
 The rule is job-relative: the slow ranks must be fewer than half of the job's, or the median moves.
 docs/service.md ("Fail-slow") describes it for operators; the settings are `FailSlowSettings`.
+
+With the archive on (`foreshock serve --archive`), the samples a report adds to its window (those its
+response counts as accepted) go to the archive as `step_times` rows (schema v1, foreshock/schema.py),
+through the archive's bounded queue like every other table: best-effort, dropped and counted when the
+queue is full, outside what an ack promises (docs/service.md, "The archive"). A report refused is not
+archived, nor are the samples of it that were old or repeated. A row's `ts` is the step's end as the
+rank sent it, or, from a migrator that sends none, when the service took the report. The rule itself
+reads step numbers only, never these times.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
+import pyarrow as pa
+
+from foreshock import schema as sch
 
 from foreshock.service.errors import (
     FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError)
@@ -38,6 +51,14 @@ MAX_SAMPLES_PER_REPORT = 1024     # StepTimes in one ReportStepTimes (the migrat
 MAX_STEP_SECONDS = 86_400.0
 MAX_CELLS = 32 << 20              # (step, rank) cells kept over all jobs: 256 MiB of float32 pairs
 MAD_SIGMA = 1.4826                # the median absolute deviation of a normal sample, in standard deviations
+# A step's end (StepTime.end_ns) is the rank's wall clock, checked against the service's wall clock (as
+# the telemetry's sample times are, service/ingest.py), not its scoring clock, which the demo runs
+# simulated while its job's ranks run on the wall clock. Nodes keep NTP time to milliseconds, so 5
+# minutes ahead is a wrong clock, not skew (the telemetry's ts_future default).
+MAX_END_AHEAD_SECONDS = 300.0
+# A rank sends each step within about two report intervals of its end (FORESHOCK_STEP_REPORT_INTERVAL_S,
+# at most 1 h) and never again, so a step that ended over a day before its report means a wrong clock too.
+MAX_END_AGE_SECONDS = 86_400.0
 
 
 @dataclass
@@ -112,10 +133,16 @@ class _Window:
 class StepTimes:
     """Per job, a bounded window of step times per rank; the fail-slow rule over it. Thread-safe."""
 
-    def __init__(self, settings: FailSlowSettings, store, *, max_cells: int = MAX_CELLS):
+    def __init__(self, settings: FailSlowSettings, store, *, max_cells: int = MAX_CELLS, archive=None,
+                 clock=time.time_ns):
+        """`archive`: takes the accepted samples' rows (service/archive.py take_tables), or None;
+        `clock`: the service's time (ns), the time of a row whose step came without its end: when the
+        report was taken."""
         self.settings = settings
         self.store = store
         self.max_cells = max_cells
+        self.archive = archive
+        self.clock = clock
         self._windows: dict[str, _Window] = {}
         self._held: dict[tuple[str, str], FailSlow] = {}   # (node, job) -> in alarm
         self._lock = threading.Lock()
@@ -127,8 +154,9 @@ class StepTimes:
 
     # -- reports -------------------------------------------------------------------------------------
     def record(self, job_id: str, rank: int, node: str, samples) -> int:
-        """Keep one rank's report: `samples` are (step, step_seconds, compute_seconds). Returns how
-        many were kept. Every field is checked before anything is kept; an error names the field."""
+        """Keep one rank's report: `samples` are (step, step_seconds, compute_seconds, end_ns), end_ns
+        0 where the rank sent none. Returns how many were kept. Every field is checked before anything
+        is kept; an error names the field."""
         try:
             return self._record(job_id, rank, node, samples)
         except ServiceError:
@@ -145,7 +173,9 @@ class StepTimes:
         if len(samples) > MAX_SAMPLES_PER_REPORT:
             raise InvalidArgument(f"job {job_id!r} rank {rank}: steps holds {len(samples)} step times; "
                                   f"at most {MAX_SAMPLES_PER_REPORT} per report")
-        for i, (step, total, compute) in enumerate(samples):
+        wall = time.time_ns()
+        newest, oldest = wall + int(MAX_END_AHEAD_SECONDS * 1e9), wall - int(MAX_END_AGE_SECONDS * 1e9)
+        for i, (step, total, compute, end) in enumerate(samples):
             if not 0 <= step <= MAX_STEP:
                 raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].step {step} out of range")
             if not (math.isfinite(total) and 0 < total <= MAX_STEP_SECONDS):
@@ -154,6 +184,14 @@ class StepTimes:
             if not (math.isfinite(compute) and 0 <= compute <= total):
                 raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].compute_seconds {compute!r} "
                                       f"must be finite, in [0, step_seconds {total!r}]")
+            if end and end > newest:
+                raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].end_ns {end} is "
+                                      f"{(end - wall) / 1e9:.0f} s ahead of the service's clock; at most "
+                                      f"{MAX_END_AHEAD_SECONDS:g} s (check the node's clock)")
+            if end and end < oldest:
+                raise InvalidArgument(f"job {job_id!r} rank {rank}: steps[{i}].end_ns {end} is "
+                                      f"{(wall - end) / 1e9:.0f} s before the service's clock; at most "
+                                      f"{MAX_END_AGE_SECONDS:g} s (check the node's clock)")
         job = self.store.find_job(job_id)
         if job is None:
             raise NotFound(f"job {job_id!r} is not registered")
@@ -163,6 +201,7 @@ class StepTimes:
         if placed[rank] != node:
             raise FailedPrecondition(f"job {job_id!r} rank {rank} is placed on node {placed[rank]!r}, not "
                                      f"{node!r} (a move not yet known to one side); not kept")
+        taken = self.clock()
         with self._lock:
             w = self._windows.get(job_id)
             if w is None or w.generation != job.generation:
@@ -174,7 +213,8 @@ class StepTimes:
             col = w.column[rank]
             kept = old = 0
             slots = len(w.steps)
-            for step, total, compute in samples:
+            added = []
+            for step, total, compute, end in samples:
                 slot = step % slots
                 if w.steps[slot] != step:
                     if w.steps[slot] > step:
@@ -187,12 +227,15 @@ class StepTimes:
                     continue           # repeated
                 w.total[slot, col] = total
                 w.compute[slot, col] = compute
+                added.append((step, total, compute, end or taken))
                 kept += 1
             if kept:
                 w.dirty = True
             self.samples["kept"] += kept
             self.samples["old"] += old
             self.samples["repeated"] += len(samples) - kept - old
+        if added and self.archive is not None:
+            self.archive.take_tables({"step_times": _rows(job_id, job.generation, rank, node, added)})
         return kept
 
     # -- the rule ------------------------------------------------------------------------------------
@@ -260,4 +303,24 @@ class StepTimes:
         return out
 
 
-__all__ = ["StepTimes", "FailSlowSettings", "FailSlow", "MAX_SAMPLES_PER_REPORT"]
+def _rows(job_id: str, generation: int, rank: int, node: str, added: list[tuple]) -> pa.Table:
+    """One rank's accepted samples, (step, step_seconds, compute_seconds, ts_ns), as `step_times` rows; a
+    compute part of 0 is one not measured (jobs.proto)."""
+    n = len(added)
+    steps, totals, computes, ts = zip(*added)
+    compute = np.array(computes, dtype=np.float64)
+    columns = {
+        "ts": pa.array(np.array(ts, dtype=np.int64)).cast(sch.TS),
+        "node": pa.array([node] * n, sch.STR),
+        "job": pa.array([job_id] * n, sch.STR),
+        "generation": pa.array(np.full(n, generation, dtype=np.int64)),
+        "rank": pa.array(np.full(n, rank, dtype=np.int32)),
+        "step": pa.array(np.array(steps, dtype=np.int64)),
+        "step_seconds": pa.array(np.array(totals, dtype=np.float64)),
+        "compute_seconds": pa.array(compute, mask=compute == 0.0),
+    }
+    return pa.Table.from_arrays(list(columns.values()), schema=sch.schema("step_times"))
+
+
+__all__ = ["StepTimes", "FailSlowSettings", "FailSlow", "MAX_SAMPLES_PER_REPORT", "MAX_END_AHEAD_SECONDS",
+           "MAX_END_AGE_SECONDS"]

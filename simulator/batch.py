@@ -4,7 +4,7 @@ Runs day by day (a chunk never crosses a UTC date, so each node writes one file 
 and node block by node block, so memory is bounded by one block-day whatever the cluster size. Every
 table goes through foreshock.dataset.DatasetWriter, the writer the collectors use. The `incidents`
 table holds the ground truth: one row per failure (wide faults name the switch or site, with the nodes
-they took out).
+they took out). The `step_times` table holds the simulated jobs' step times (docs/simulator.md, "Step times").
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def parquet_options() -> dict[str, dict]:
     nearly constant steps, so DELTA_BINARY_PACKED stores them in a few bits a row; gauges (floats) are
     byte-stream-split; strings and flags stay dictionary-encoded. Readers need nothing special."""
     out = {}
-    for table in ("gpu", "nvlink", "rdma_port", "netdev", "host_net", "path_probe"):
+    for table in ("gpu", "nvlink", "rdma_port", "netdev", "host_net", "path_probe", "step_times"):
         delta, split, dictionary = {}, {}, []
         for f in sch.schema(table):
             if pa.types.is_integer(f.type) or pa.types.is_timestamp(f.type):
@@ -148,12 +148,14 @@ def incidents_table(topo: Topology, episodes: list[Episode], start_ns: int, end_
         if not ep.fails or not start_ns <= ep.end_ns < end_ns:
             continue
         mode = MODES[ep.mode]
-        scope = {"switch": "switch", "site": "site"}.get(mode.component, "node")
+        scope = mode.component if mode.component in ("switch", "site", "nvlink_domain") else "node"
         nodes = [topo.names[n] for n in ep.nodes]
         if mode.component == "gpu":
             component = f"gpu{ep.component}"
         elif mode.component == "hca":
             component = f"{topo.hca_device(ep.component)}/1"
+        elif mode.component == "nvlink_domain":
+            component = topo.nvswitch_device(ep.component)
         elif scope != "node":
             component = ep.scope_name
         else:
@@ -201,7 +203,7 @@ def _simulate_blocks(settings: SimSettings, episodes: list[Episode], out: str, b
     block, so how blocks are shared among workers does not change the data)."""
     model = ClusterModel(settings.topology, seed=settings.seed, episodes=episodes,
                          difficulty=settings.faults.difficulty, start_ns=settings.start_ns,
-                         interval_s=settings.interval_s, world=settings.make_world())
+                         interval_s=settings.interval_s, world=settings.make_world(), step_times=True)
     # no crash journal: a simulation that dies is run again, and journaling would double its writes
     writer = DatasetWriter(out, fsync=False, max_buffer_rows=1 << 40, journal=False, **writer_options)
     if barrier is not None:

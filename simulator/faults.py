@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from foreshock.simulator.scenarios import SIGNATURES, World
-from foreshock.simulator.topology import Topology
+from foreshock.simulator.topology import NVSWITCHES_PER_NVLINK_DOMAIN, Topology
 
 NS = 1_000_000_000
 HOUR = 3600 * NS
@@ -43,7 +43,7 @@ class Mode:
     """A failure mode: what it degrades (component kind), whether it warns, how it ends."""
 
     name: str
-    component: str          # gpu | hca | node | switch | site
+    component: str          # gpu | hca | node | switch | site | nvlink_domain
     precursor: bool
     lead_median_h: float = 0.0   # median precursor lead time (lognormal)
     lead_sigma: float = 0.8
@@ -71,6 +71,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("nccl_hang", "node", False, description="NCCL watchdog timeout: traffic stops, GPUs spin"),
     Mode("host", "node", False, description="host-side fault or maintenance: the node drops out"),
     Mode("sdc", "node", False, description="silent data corruption: nothing in telemetry at all"),
+    Mode("nvswitch", "nvlink_domain", True, 4.0, 0.9, "NVSwitch / NVLink fabric of a multi-node NVLink domain: "
+         "non-fatal SXids densify, the GPUs report degraded bandwidth and access-timeout recovery, then a fatal "
+         "SXid and every GPU of the domain loses its links to the switch (Xid 74)"),
 )}
 
 # Root cause -> (mode, share) and median repair time in hours (assumed; docs/simulator.md).
@@ -95,6 +98,19 @@ CATEGORIES: dict[str, tuple[tuple[tuple[str, float], ...], float]] = {
     "system_memory": ((("host", 1.0),), 12.0),
 }
 
+# The fabric of a multi-node NVLink domain (an NVL72 rack's NVLink switch trays): Llama 3's HGX H100 nodes
+# kept NVLink on their own baseboards, so its counts have no such cause and the category is drawn apart,
+# only where the topology has such domains (schedule()). Rate, an assumption: a switch tray fails as often
+# per node it serves as a leaf switch does per node under it (Llama 3's network switch/cable count times the
+# leaf_switch share above). Repair: a switch tray swapped, 12 h (assumption, as a server chassis).
+NVLINK_FABRIC = "nvlink_fabric"
+FABRIC_CATEGORIES: dict[str, tuple[tuple[tuple[str, float], ...], float]] = {
+    NVLINK_FABRIC: ((("nvswitch", 1.0),), 12.0),
+}
+FABRIC_COUNTS: dict[str, float] = {
+    NVLINK_FABRIC: LLAMA3_COUNTS["network_switch_cable"] * dict(CATEGORIES["network_switch_cable"][0])["leaf_switch"],
+}
+
 
 PRECURSOR_MODES = frozenset(m.name for m in MODES.values() if m.precursor)
 
@@ -102,6 +118,11 @@ PRECURSOR_MODES = frozenset(m.name for m in MODES.values() if m.precursor)
 def category_rates(rate_scale: float = 1.0) -> dict[str, float]:
     """Failures per node-day by category."""
     return {c: n / LLAMA3_NODE_DAYS * rate_scale for c, n in LLAMA3_COUNTS.items()}
+
+
+def fabric_rates(rate_scale: float = 1.0) -> dict[str, float]:
+    """Failures per node-day of a node in a multi-node NVLink domain, by fabric category."""
+    return {c: n / LLAMA3_NODE_DAYS * rate_scale for c, n in FABRIC_COUNTS.items()}
 
 
 @dataclass
@@ -116,7 +137,7 @@ class Episode:
     mode: str
     category: str | None      # None for a recovery
     nodes: tuple[int, ...]
-    component: int            # GPU or HCA index (0 for node/switch/site modes)
+    component: int            # GPU or HCA index; the domain's NVSwitch for nvlink_domain modes; else 0
     start_ns: int
     end_ns: int
     fails: bool
@@ -274,7 +295,63 @@ def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: Fa
                      int(rng.integers(1 << 30)), int(rng.integers(1 << 62)))
         _annotate(ep, world, pod, lookalike=True)
         episodes.append(ep)
+    if topo.nvlink_domain_nodes > 0:
+        episodes += _fabric_episodes(topo, start_ns, end_ns, seed, settings, world)
     return sorted(episodes, key=lambda e: (e.start_ns, e.episode_id))
+
+
+def _fabric_episodes(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: FaultSettings,
+                     world: World) -> list[Episode]:
+    """The NVLink-fabric failures of every multi-node NVLink domain and their look-alikes (a few non-fatal
+    SXids that stop), from a stream of their own, so that every other episode keeps its draws.
+
+    Failures are a Poisson process per domain at the fabric rate x its nodes. One is dropped while the
+    domain's fabric is still in repair; a compute tray in repair does not keep the switch trays from
+    failing, and the domain's nodes are not drained (their GPUs work on, without the fabric's links), so
+    the other failures ignore the fabric's.
+    Look-alikes come at recovery_ratio x lookalike_scale x difficulty per expected failure: a domain whose
+    fabric never failed in the run still shows them.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED, 0xFAB]))
+    days = (end_ns - start_ns) / DAY * settings.time_compression
+    d = max(settings.difficulty, 1e-6)
+    ratio = settings.recovery_ratio * float(world.scalar("lookalike_scale")) * d
+    domain_of = topo.nvlink_domain_of
+    out: list[Episode] = []
+    for category, rate in fabric_rates(settings.rate_scale).items():
+        modes, repair_h = FABRIC_CATEGORIES[category]
+        ((mode_name, _),) = modes  # one mode per fabric category
+        mode = MODES[mode_name]
+        for dom in range(int(domain_of.max()) + 1):
+            members = tuple(int(n) for n in np.flatnonzero(domain_of == dom))
+            pod, name = int(topo.leaf_of[members[0]]), topo.nvlink_domain_name(dom)
+            expected = rate * len(members) * days
+            fabric_free = start_ns - 30 * DAY
+            drawn = []
+            for k in range(rng.poisson(expected)):
+                fail = start_ns + int(rng.uniform(0, end_ns - start_ns))
+                lead = _lead_ns(rng, mode, settings, d, world, pod)
+                repair = _repair_ns(rng, repair_h, settings, world, pod)
+                drawn.append((fail, k, lead, repair, int(rng.integers(NVSWITCHES_PER_NVLINK_DOMAIN)),
+                              int(rng.integers(1 << 30)), int(rng.integers(1 << 62))))
+            for fail, k, lead, repair, switch, variant, ep_seed in sorted(drawn):
+                if fail < fabric_free:
+                    continue
+                fabric_free = fail + repair
+                ep = Episode(f"{category}-{dom:03d}-{k:03d}-s{seed}", mode.name, category, members, switch,
+                             max(start_ns - 30 * DAY, fail - lead), fail, True, fail + repair, 1.0, name,
+                             variant, ep_seed)
+                _annotate(ep, world, pod)
+                out.append(ep)
+            for k in range(rng.poisson(expected * ratio)):
+                dur = _lead_ns(rng, mode, settings, d, world, pod)
+                begin = start_ns + int(rng.uniform(-dur, end_ns - start_ns))
+                ep = Episode(f"recovery-{category}-{dom:03d}-{k:03d}-s{seed}", mode.name, None, members,
+                             int(rng.integers(NVSWITCHES_PER_NVLINK_DOMAIN)), begin, begin + dur, False, 0,
+                             float(rng.uniform(0.3, 0.9)), name, int(rng.integers(1 << 30)), int(rng.integers(1 << 62)))
+                _annotate(ep, world, pod, lookalike=True)
+                out.append(ep)
+    return out
 
 
 def _drop_overlaps(failures: list[Episode]) -> list[Episode]:
@@ -294,8 +371,15 @@ def injected(topo: Topology, node: int, mode: str, now_ns: int, lead_ns: int, co
              repair_ns: int, seed: int, serial: int) -> Episode:
     """An episode injected on command (live mode): its precursor starts now, it fails lead_ns later."""
     m = MODES[mode]
-    category = next((c for c, (modes, _) in CATEGORIES.items() if any(x == mode for x, _ in modes)), None)
-    if m.component == "switch":
+    category = next((c for c, (modes, _) in {**CATEGORIES, **FABRIC_CATEGORIES}.items()
+                     if any(x == mode for x, _ in modes)), None)
+    if m.component == "nvlink_domain":
+        domain = int(topo.nvlink_domain_of[node])
+        if domain < 0:
+            raise ValueError(f"{mode} needs a node in a multi-node NVLink domain; {topo.names[node]} has none")
+        nodes = tuple(int(n) for n in np.flatnonzero(topo.nvlink_domain_of == domain))
+        scope = topo.nvlink_domain_name(domain)
+    elif m.component == "switch":
         leaf = int(topo.leaf_of[node])
         nodes, scope = tuple(int(n) for n in topo.nodes_under_leaf(leaf)), topo.leaf_name(leaf)
     elif m.component == "site":
@@ -310,4 +394,4 @@ def injected(topo: Topology, node: int, mode: str, now_ns: int, lead_ns: int, co
 
 
 __all__ = ["Episode", "FaultSettings", "component_count", "MODES", "CATEGORIES", "LLAMA3_COUNTS", "category_rates", "schedule",
-           "injected"]
+           "injected", "FABRIC_CATEGORIES", "FABRIC_COUNTS", "NVLINK_FABRIC", "fabric_rates"]

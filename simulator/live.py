@@ -166,7 +166,7 @@ class LiveCluster:
         """A benign disturbance: the mode's precursor rises to `peak` (1.0 = a failing device's) over
         `seconds` and fades away, with no failure: the degrade-then-recover hard negative, on command."""
         mode = MODE_ALIASES.get(mode, mode)
-        if mode not in MODES or not MODES[mode].precursor or MODES[mode].component in ("switch", "site"):
+        if mode not in MODES or not MODES[mode].precursor or MODES[mode].component not in ("gpu", "hca", "node"):
             raise ValueError(f"disturb takes a node-level mode with a precursor, got {mode!r}")
         if seconds <= 0 or not 0 < peak <= 1:
             raise ValueError("disturb needs seconds > 0 and 0 < peak <= 1")

@@ -34,9 +34,10 @@ import pyarrow as pa
 from foreshock import fabric
 from foreshock import schema as sch
 from foreshock import xid as xidcat
+from foreshock.collectors.sxid import parse_sxid
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, component_count
 from foreshock.simulator.scenarios import World, shape_intensity, shape_mean
-from foreshock.simulator.topology import Topology
+from foreshock.simulator.topology import NVSWITCHES_PER_TRAY, Topology
 
 NVLINKS_PER_GPU = 18
 PCIE_GEN, PCIE_WIDTH = 5, 16
@@ -53,6 +54,14 @@ RESTART_NS = 20 * 60 * NS      # a failure stalls its whole job: NCCL timeout, t
                                # on a spare (15-30+ min per incident, failure-figures.md)
 CKPT_PERIOD_S, CKPT_S = 90 * 60, 180
 STEP_PERIODS_MS = (5000, 6000, 10000, 12000, 15000)  # training step times; each divides a minute
+# Step times (the step_times table, docs/simulator.md "Step times"): a job steps at its period when its
+# load (activity) is STEP_LOAD_REF, the clean world's mean; the first STEP_COMPUTE_SHARE of a step is the
+# ranks' own compute, the rest the all-reduce (the step rhythm's burst); the step varies by
+# STEP_JOB_JITTER across the job and each rank's compute by STEP_RANK_JITTER (relative, +-).
+STEP_LOAD_REF = 0.93
+STEP_COMPUTE_SHARE = 0.5
+STEP_JOB_JITTER, STEP_RANK_JITTER = 0.02, 0.01
+STEP_MIN_LOAD = 0.05     # below it (idle, a gap between jobs, a stalled job) the job takes no steps
 
 # mlx5 hw_counters a ConnectX really exposes (the q-counter and retransmission sets, as in the mlx5
 # fixture tree of ../shared/fixtures/procfs); the congestion counters exist on RoCE ports only.
@@ -141,6 +150,29 @@ PROBE_PEERS_PER_SITE = 1
 # (benchmarks/results/predictor-sampling-interval-2026-12-04.md).
 XID92_RATE_PER_S = 0.25
 XID92_WINDOW_S = 60.0
+# An NVLink-fabric episode (faults.py, mode nvswitch): the NVSwitch's SXid lines as the nvidia-nvswitch
+# driver prints them, after "nvidia-nvswitchN: SXid (PCI:...): <code>, " (real lines with their sources:
+# examples/kmsg/sxid-lines.txt). Their severity and columns are collectors/sxid.py's reading of the line.
+NVSWITCH_NONFATAL_SXIDS = (
+    (12028, "Non-fatal, Link {link:02d} egress non-posted PRIV error"),
+    (19084, "Non-fatal, Link {link:02d} AN1 Heartbeat Timeout Error"),
+)
+NVSWITCH_FATAL_SXID = (20034, ("Fatal, Link {link:02d} LTSSM Fault Up",
+                               "Severity 1 Engine instance {link:02d} Sub-engine instance 00",
+                               "Data {{0x50610002, 0x10100030, 0x00000000, 0x10100030, 0x00000000, 0x00000000, "
+                               "0x00000000, 0x00000000}}"))
+# Assumptions: about this many non-fatal SXids over a failing fabric's precursor (densifying with its shape)
+# and over a look-alike; the precursor intensity from which the GPUs' fabric health mask shows an
+# access-timeout recovery, then degraded bandwidth (both held until the repair once the fabric fails);
+# NVLink throughput lost at full intensity. At the failure every GPU of the domain loses its links to
+# the failed switch tray (one to each of its chips) and logs the catalogue's Xid for a link of its domain
+# taken down (74 on the H100s the simulator models; Blackwell logs NVLink5 Xids 144-150 instead).
+FABRIC_PRECURSOR_SXIDS = 20.0
+FABRIC_LOOKALIKE_SXIDS = 3.0
+FABRIC_TIMEOUT_RECOVERY_AT, FABRIC_DEGRADED_BW_AT = 0.25, 0.5
+FABRIC_TP_LOSS = 0.1
+FABRIC_XID = 74
+FABRIC_SXID_GRID = 1024  # cells over which an episode's SXid times are drawn in proportion to its intensity
 LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
 PMA_CLEAR = "pma_clear"   # a reset of the narrow IB PMA error counters only (a fabric manager's clear)
 PMA_ERROR_COUNTERS = frozenset(n for n, w in sch.IB_PORT_COUNTERS.items() if w < 32)
@@ -172,6 +204,18 @@ def job_runs(topo: Topology, world: World, seed: int, nodes: np.ndarray, ts: np.
     if epoch_h <= 0:
         return static[nodes]
     n_slots = max(topo.n_jobs, 1)
+    src = job_places(topo, world, seed, nodes, ts)
+    epoch = ts // int(epoch_h * 3600 * NS)
+    slot = static[src]
+    return np.where(slot >= 0, slot + n_slots * epoch[None, :], -1)
+
+
+def job_places(topo: Topology, world: World, seed: int, nodes: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """The topology's node whose place in a job each node takes (job_runs): the node itself (B,) where
+    jobs never change, else (B, T) the node of its site the epoch's shift puts it on."""
+    epoch_h = float(world.scalar("job_epoch_h"))
+    if epoch_h <= 0:
+        return nodes
     site_of = topo.site_of
     starts = np.array([int(np.flatnonzero(site_of == s)[0]) for s in range(topo.sites)])
     sizes = np.bincount(site_of, minlength=topo.sites)
@@ -183,9 +227,7 @@ def job_runs(topo: Topology, world: World, seed: int, nodes: np.ndarray, ts: np.
     size = sizes[site][:, None]
     shift = (u * size).astype(np.int64)
     pos = (nodes - starts[site])[:, None]
-    src = starts[site][:, None] + (pos + shift) % size
-    slot = static[src]
-    return np.where(slot >= 0, slot + n_slots * epoch[None, :], -1)
+    return starts[site][:, None] + (pos + shift) % size
 
 
 def job_name(run: int, n_slots: int, churn: bool) -> str | None:
@@ -229,6 +271,9 @@ class Block:
     resets: list                   # (b, t index, None: a reboot | gpu index replaced | PMA_CLEAR)
     row_ts: np.ndarray | None = None  # (B, T) the collector's sample times, where they are jittered
     jobs: np.ndarray | None = None    # (B,) or (B, T) job runs (job_runs)
+    fabric_health: np.ndarray | None = None  # (B, G, T) fabric health masks, where an episode changes them
+    step_pace: np.ndarray | None = None      # (B, T) the pace of the node's job (a job-wide slowdown)
+    compute_tp: np.ndarray | None = None     # (B, T) the pace of the node's own compute (its rank's)
 
 
 class ClusterModel:
@@ -236,10 +281,19 @@ class ClusterModel:
 
     def __init__(self, topo: Topology, *, seed: int, episodes: list[Episode] = (), difficulty: float = 1.0,
                  start_ns: int = 0, interval_s: float = 60.0, time_compression: float = 1.0,
-                 world: World | None = None):
+                 world: World | None = None, step_times: bool = False):
+        """`step_times`: generate() returns the jobs' step_times rows too (`foreshock simulate` writes
+        them; the live simulator's collectors do not read step times)."""
         self.topo = topo
+        self.step_times = bool(step_times)
         self.world = world if world is not None else World("clean", seed=seed, n_pods=topo.n_leaves)
         self._node_types(topo)
+        jobs = topo.job_of
+        # a node's rank in its job: its place among the job's nodes (one rank per node, docs/simulator.md)
+        self.rank_in_job = np.full(topo.nodes, -1, dtype=np.int32)
+        for j in np.unique(jobs[jobs >= 0]).tolist():
+            members = np.flatnonzero(jobs == j)
+            self.rank_in_job[members] = np.arange(len(members), dtype=np.int32)
         self.drain_ns = int(DRAIN_NS / time_compression)
         self.restart_ns = int(RESTART_NS / time_compression)
         self._by_job: dict[int, list[Episode]] = {}
@@ -248,6 +302,7 @@ class ClusterModel:
         self.difficulty = float(difficulty)
         self.interval_s = float(interval_s)
         self.episodes: list[Episode] = []
+        self._sxids: dict[str, tuple] = {}
         self._by_node: dict[int, list[Episode]] = {}
         for ep in episodes:
             self.add_episode(ep)
@@ -470,6 +525,7 @@ class ClusterModel:
             gpu_lost=np.zeros((B, G, T), bool), port_down=np.zeros((B, H, T), bool), hang=np.zeros((B, T), bool),
             in_service=np.ones((B, T), bool), probe_rtt_add=np.zeros((B, T)), probe_loss=np.zeros((B, T)),
             tcp_retrans_ratio=np.zeros((B, T)), remap_failure=np.zeros((B, G, T), bool), events=[], resets=[],
+            step_pace=np.ones((B, T)), compute_tp=np.ones((B, T)),
         )
         # 1. Every draw of the benign stream, with parameters the fault schedule cannot change.
         jobs = self.jobs_at(nodes, ts)
@@ -495,6 +551,9 @@ class ClusterModel:
         # 2. The fault schedule's effects (each from its own stream).
         for ep in self._relevant(nodes, int(ts[0] - dt.max() * NS), int(ts[-1])):
             self._apply_episode(blk, ep)
+        # the migrator reports step times whatever the collector does: the nodes its nuisances leave out
+        # still step, the nodes in repair do not
+        serving = blk.in_service.copy()
         if self.world.varied:
             self._collection(blk)
 
@@ -508,6 +567,8 @@ class ClusterModel:
             d[name] = d[name] + arr if name in d else arr
         self._traffic(blk, act, cong, ckpt, tp * self._traffic_share(nodes, jobs), z_gpu, z_hca, z_node)
         tables = self._render(blk, act * np.where(ckpt, 0.7, 1.0), tp, z_gpu, z_node, app_xids)
+        if self.step_times:
+            tables["step_times"] = self._step_times(blk, act, serving & ~blk.hang)
         self.last_ts[nodes] = ts[-1]
         return tables
 
@@ -585,14 +646,13 @@ class ClusterModel:
         return list(zip(b.tolist(), t.tolist(), g.tolist(), x.tolist()))
 
     # -- the failure modes -------------------------------------------------------------------------
-    def _apply_episode(self, blk: Block, ep: Episode) -> None:
-        ts = blk.ts
-        mode = MODES[ep.mode]
+    def _intensity(self, ep: Episode, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(x, active, intensity) of an episode's precursor at times ts: x its progress in [0, 1]; a failure's
+        rises with its shape to peak / sqrt(difficulty), a look-alike's rises to its peak and fades out."""
         span = max(ep.end_ns - ep.start_ns, 1)
         x = np.clip((ts - ep.start_ns) / span, 0.0, 1.0)
         active = (ts >= ep.start_ns) & (ts < ep.end_ns)
         shape, params = ep.extra.get("shape", "ramp"), ep.extra.get("shape_params", ())
-        signature = ep.extra.get("signature", "")
         if ep.fails:
             rise = x ** 2 if shape == "ramp" else shape_intensity(shape, x, params)
             inten = np.where(active, rise, 0.0) * ep.peak / np.sqrt(self.difficulty)
@@ -601,11 +661,21 @@ class ClusterModel:
             rise = x_rise ** 2 if shape == "ramp" else shape_intensity(shape, x_rise, params)
             fall = np.clip((1.0 - x) / 0.3, 0.0, 1.0)
             inten = np.where(active, rise * np.where(x > 0.7, fall, 1.0), 0.0) * ep.peak
+        return x, active, inten
+
+    def _apply_episode(self, blk: Block, ep: Episode) -> None:
+        ts = blk.ts
+        mode = MODES[ep.mode]
+        span = max(ep.end_ns - ep.start_ns, 1)
+        shape, params = ep.extra.get("shape", "ramp"), ep.extra.get("shape_params", ())
+        signature = ep.extra.get("signature", "")
+        x, active, inten = self._intensity(ep, ts)
         if signature == "job_slow":
             # A synchronous job runs at its slowest rank's pace: every node of the job slows together.
             culprit = _col(self.jobs_at(np.asarray(ep.nodes[:1], dtype=np.int64), ts))
             peers = (_col(blk.jobs) == culprit) & (culprit >= 0)
             blk.node_tp *= np.where(peers, 1.0 - 0.3 * inten[None, :], 1.0)
+            blk.step_pace *= np.where(peers, 1.0 - 0.3 * inten[None, :], 1.0)
         local = {int(n): i for i, n in enumerate(blk.nodes)}
         rows = [local[n] for n in ep.nodes if n in local]
         if not rows:
@@ -668,6 +738,7 @@ class ClusterModel:
         elif signature == "job_slow":       # the culprit keeps pace with its job, but runs hot and slow-clocked
             blk.clock_bits[rows, :, :] |= np.where(inten > 0.3, np.uint64(0x8), np.uint64(0))[None, None, :]
             blk.temp_add[rows, :, :] += 8.0 * inten[None, None, :]
+            blk.compute_tp[rows, :] *= 1.0 - 0.3 * inten   # the rank the job waits for
         elif m in ("hbm", "sram"):
             add("ecc_corrected_volatile", 1.0 if m == "hbm" else 0.25)
             if m == "hbm":
@@ -686,6 +757,7 @@ class ClusterModel:
                 blk.pcie_width[rows, c, :] = np.where(active & (inten > 0.5), 8, blk.pcie_width[rows, c, :])
         elif m == "straggler":
             blk.node_tp[rows, :] *= 1.0 - 0.35 * inten
+            blk.compute_tp[rows, :] *= 1.0 - 0.35 * inten
             if ep.variant % 3 == 0:
                 blk.clock_bits[rows, :, :] |= np.where(inten > 0.4, np.uint64(0x8), np.uint64(0))[None, None, :]
         elif m == "thermal":
@@ -723,6 +795,8 @@ class ClusterModel:
             add("out_of_sequence", 3.0, hcas)
             add("link_error_recovery", over(3.0), hcas)
             blk.port_tp[rows, :, :] *= (1.0 - 0.15 * inten)[None, None, :]
+        elif m == "nvswitch":
+            self._fabric_precursor(blk, ep, rows, inten)
         elif m == "scale_across":
             blk.tcp_retrans_ratio[rows, :] += 0.02 * inten
             blk.probe_rtt_add[rows, :] += 40.0 * inten
@@ -745,7 +819,7 @@ class ClusterModel:
         # the failure fires in the first sample at or after it (every row of a block shares the clock)
         fires = bool(first > 0 or blk.prev0[rows[0]] < ep.end_ns)
         drain = (ts >= ep.end_ns + self.drain_ns) & (ts < ep.repair_ns)
-        scope_node = mode.component not in ("switch", "site")
+        scope_node = mode.component not in ("switch", "site", "nvlink_domain")
         if scope_node:
             blk.in_service[rows, :] &= ~drain[None, :]
 
@@ -798,6 +872,19 @@ class ClusterModel:
                 for r in rows:
                     self._nic_event(blk, int(r), c, first, "mlx5_core {bus}: poll_health:835: device's health "
                                     "compromised - reached miss count", ts_ns=ep.end_ns)
+        elif m == "nvswitch":
+            blk.links_down[rows, :, :] += (failed * NVSWITCHES_PER_TRAY).astype(np.int16)[None, None, :]
+            health = self._fabric_health(blk)
+            for column in ("fabric_access_timeout_recovery", "fabric_degraded_bw"):
+                health[rows] = np.where(failed[None, None, :], fabric.with_unhealthy(health[rows], column), health[rows])
+            if fires:
+                link = ep.variant % (len(ep.nodes) * self.topo.gpus_per_node)
+                code, lines = NVSWITCH_FATAL_SXID
+                for r in rows:
+                    for line in lines:
+                        self._sxid(blk, int(r), ep.component, code, line.format(link=link), ep.end_ns)
+                    for g in range(self.topo.gpus_per_node):
+                        self._xid(blk, int(r), g, first, FABRIC_XID, ep.end_ns)
         elif m == "scale_across":
             blk.probe_loss[rows, :] = np.where(failed[None, :], 1.0, blk.probe_loss[rows, :])
         elif m == "nccl_hang":
@@ -813,7 +900,59 @@ class ClusterModel:
             for r in rows:
                 blk.resets.append((int(r), int(back[0]), replaced))
 
+    def _fabric_health(self, blk: Block) -> np.ndarray:
+        """The block's fabric health masks (B, G, T), healthy until an episode changes them."""
+        if blk.fabric_health is None:
+            blk.fabric_health = np.full((len(blk.nodes), self.topo.gpus_per_node, len(blk.ts)), fabric.HEALTHY_MASK,
+                                        np.int64)
+        return blk.fabric_health
+
+    def _fabric_precursor(self, blk: Block, ep: Episode, rows: np.ndarray, inten: np.ndarray) -> None:
+        """An NVLink-fabric episode before its end: the switch's non-fatal SXids on every node of the domain;
+        for a failure also the GPUs' health mask (access-timeout recovery, then degraded bandwidth) and
+        their NVLink throughput. A look-alike shows its few SXids only."""
+        times, links, codes = self._sxid_draws(ep)
+        for r in rows:
+            lo = int(blk.prev0[r])
+            for i in np.flatnonzero((times > lo) & (times <= blk.ts[-1])):
+                code, text = NVSWITCH_NONFATAL_SXIDS[codes[i]]
+                self._sxid(blk, int(r), ep.component, code, text.format(link=int(links[i])), int(times[i]))
+        if not ep.fails:
+            return
+        blk.gpu_tp[rows, :, :] *= (1.0 - FABRIC_TP_LOSS * inten)[None, None, :]
+        health = self._fabric_health(blk)
+        for column, at in (("fabric_access_timeout_recovery", FABRIC_TIMEOUT_RECOVERY_AT),
+                           ("fabric_degraded_bw", FABRIC_DEGRADED_BW_AT)):
+            on = (inten >= at)[None, None, :]
+            health[rows] = np.where(on, fabric.with_unhealthy(health[rows], column), health[rows])
+
+    def _sxid_draws(self, ep: Episode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(times ns, links, indices into NVSWITCH_NONFATAL_SXIDS) of an NVLink-fabric episode's non-fatal
+        SXids, drawn once from the episode's own stream, in proportion to its intensity: every node of the
+        domain logs the same lines, whichever block or process computes it."""
+        drawn = self._sxids.get(ep.episode_id)
+        if drawn is None:
+            rng = np.random.default_rng(np.random.SeedSequence([ep.seed & ((1 << 63) - 1), 0x5C1D]))
+            cell_ns = max(ep.end_ns - ep.start_ns, 1) / FABRIC_SXID_GRID
+            grid = ep.start_ns + ((np.arange(FABRIC_SXID_GRID) + 0.5) * cell_ns).astype(np.int64)
+            weight = self._intensity(ep, grid)[2]
+            total = weight.sum()
+            mean = FABRIC_PRECURSOR_SXIDS * ep.peak / np.sqrt(self.difficulty) if ep.fails else FABRIC_LOOKALIKE_SXIDS
+            n = int(rng.poisson(mean)) if total > 0 else 0
+            cells = rng.choice(FABRIC_SXID_GRID, size=n, p=weight / total) if n else np.zeros(0, np.int64)
+            times = np.minimum(grid[cells] + ((rng.random(n) - 0.5) * cell_ns).astype(np.int64), ep.end_ns - 1)
+            links = rng.integers(len(ep.nodes) * self.topo.gpus_per_node, size=n)
+            codes = rng.integers(len(NVSWITCH_NONFATAL_SXIDS), size=n)
+            order = np.argsort(times, kind="stable")
+            drawn = self._sxids[ep.episode_id] = (times[order], links[order], codes[order])
+        return drawn
+
     # -- events ------------------------------------------------------------------------------------
+    def _sxid(self, blk: Block, r: int, switch: int, code: int, text: str, ts_ns: int) -> None:
+        """An SXid line of the domain's NVSwitch, as the kmsg collector writes it (collectors/sxid.py)."""
+        line = f"nvidia-{self.topo.nvswitch_device(switch)}: SXid (PCI:{self.topo.nvswitch_bus_id(switch)}): {code:05d}, {text}"
+        blk.events.append(dict(self._event_base(blk, r, ts_ns), **parse_sxid(line)))
+
     def _event_base(self, blk: Block, r: int, ts_ns: int) -> dict:
         return {"ts": int(ts_ns), "node": self.topo.names[int(blk.nodes[r])], "source": "simulator"}
 
@@ -878,8 +1017,7 @@ class ClusterModel:
         all-reduces in a burst over its second half (at 80% of a 400G line rate). Step periods divide 60 s, so a minute (or any multiple
         of the period) averages exactly to 1 and only second-scale sampling (live mode) sees the bursts.
         Integer milliseconds keep the average exact."""
-        periods = np.array(STEP_PERIODS_MS, dtype=np.int64)
-        period = _col(periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)])  # (B, 1) or (B, T)
+        period = _col(self._step_period_ms(jobs))  # (B, 1) or (B, T)
         burst = period // 2
 
         def comm_ms(t_ms):  # burst milliseconds from the epoch to t
@@ -890,6 +1028,58 @@ class ClusterModel:
         span = np.maximum(t1 - t0, 1)
         factor = (comm_ms(t1) - comm_ms(t0)) * period / (span * burst)
         return np.where(_col(jobs < 0), 1.0, factor)
+
+    def _step_period_ms(self, jobs: np.ndarray) -> np.ndarray:
+        """Each job run's step period (ms), the shape of `jobs`."""
+        periods = np.array(STEP_PERIODS_MS, dtype=np.int64)
+        return periods[(np.maximum(jobs, 0) * 7 + self.seed) % len(periods)]
+
+    def _step_times(self, blk: Block, act: np.ndarray, stepping: np.ndarray) -> pa.Table:
+        """The step_times rows: per node of a running job and sample time, its rank's step that ends then
+        (docs/simulator.md, "Step times"). Counter-based hashes only: no stream of the block is drawn.
+
+        The step takes its period at load STEP_LOAD_REF, longer at a lower load; its compute part is
+        STEP_COMPUTE_SHARE of it over the rank's own pace (compute_tp: a straggler, a job_slow culprit),
+        and the all-reduce ends when the job's slowest rank is in: the job's pace (step_pace, a job_slow
+        slowdown) sets it for every rank, and a rank slower than that (a straggler) ends later itself."""
+        nodes, ts = blk.nodes, blk.ts
+        B, T = blk.dt.shape
+        jobs = np.broadcast_to(_col(blk.jobs), (B, T))
+        stepping = stepping & (jobs >= 0) & (act >= STEP_MIN_LOAD)
+        period_ms = self._step_period_ms(jobs)
+        epoch_h = float(self.world.scalar("job_epoch_h"))
+        run_start = (ts // int(epoch_h * 3600 * NS)) * int(epoch_h * 3600 * NS) if epoch_h > 0 else np.zeros_like(ts)
+        step = (ts - run_start)[None, :] // (period_ms * 1_000_000)
+        salt = int(_key(self.seed, "step-times"))
+        with np.errstate(over="ignore"):
+            sec = (ts // NS).astype(np.uint64)[None, :]
+            u_job = _splitmix((jobs.astype(np.int64) + 1).astype(np.uint64) * np.uint64(0x100000001B3) ^ sec
+                              ^ np.uint64(salt))
+            u_rank = _splitmix(nodes.astype(np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15) ^ sec
+                               ^ np.uint64((salt + 1) % (1 << 64)))
+        whole = period_ms / 1000.0 * STEP_LOAD_REF / np.maximum(act, STEP_MIN_LOAD) \
+            * (1.0 + STEP_JOB_JITTER * (2.0 * u_job - 1.0))
+        own = STEP_COMPUTE_SHARE * whole
+        compute = own * (1.0 + STEP_RANK_JITTER * (2.0 * u_rank - 1.0)) / blk.compute_tp
+        slowest_peer = own * (1.0 + STEP_RANK_JITTER) / blk.step_pace
+        total = np.maximum(compute, slowest_peer) + (whole - own)
+        places = job_places(self.topo, self.world, self.seed, nodes, ts)
+        rank = np.broadcast_to(_col(self.rank_in_job[places]), (B, T))
+        b, t = np.nonzero(stepping)   # node by node, as the writer slices tables
+        churn = epoch_h > 0
+        n_slots = max(self.topo.n_jobs, 1)
+        runs = jobs[b, t]
+        names = {int(r): job_name(int(r), n_slots, churn) for r in np.unique(runs).tolist()}
+        return pa.Table.from_arrays([
+            pa.array(ts[t]).cast(sch.TS),
+            pa.array(np.array(self.topo.names, dtype=object)[nodes[b]], sch.STR),
+            pa.array([names[int(r)] for r in runs], sch.STR),
+            pa.nulls(len(b), sch.I64),
+            pa.array(rank[b, t].astype(np.int32)),
+            pa.array(step[b, t].astype(np.int64)),
+            pa.array(total[b, t].astype(np.float64)),
+            pa.array(compute[b, t].astype(np.float64)),
+        ], schema=sch.schema("step_times"))
 
     def _traffic(self, blk, act, cong, ckpt, tp, z_gpu, z_hca, z_node):
         d, dt = blk.deltas, blk.dt
@@ -1081,7 +1271,7 @@ class ClusterModel:
             "pcie_link_width_max": (np.full((B, G, T), PCIE_WIDTH, np.int8), lost),
             "gpu_lost": lost,
         }
-        gcols.update(self._fabric_columns(nodes, (B, G, T), lost))
+        gcols.update(self._fabric_columns(nodes, (B, G, T), lost, blk.fabric_health))
         out["gpu"] = self._table("gpu", nodes, row_ts, G, gcols, keep_gpu)
         links_up = np.maximum(nvlinks - blk.links_down, 0).astype(np.int16)
         ncols = {
@@ -1185,9 +1375,10 @@ class ClusterModel:
         table = pa.Table.from_pydict(cols, schema=sch.schema("path_probe"))
         return table if keep.all() else table.filter(pa.array(keep))
 
-    def _fabric_columns(self, nodes, shape: tuple, lost: np.ndarray) -> dict:
-        """The gpu table's fabric columns: registered and healthy in a multi-node NVLink domain, null
-        (no fabric information) where NVLink stays inside the node."""
+    def _fabric_columns(self, nodes, shape: tuple, lost: np.ndarray, health: np.ndarray | None = None) -> dict:
+        """The gpu table's fabric columns: registered in a multi-node NVLink domain, healthy unless an
+        episode set `health` (the masks per GPU and sample), null (no fabric information) where NVLink
+        stays inside the node."""
         domain = self.topo.nvlink_domain_of[nodes]
         if (domain < 0).all():
             return {}
@@ -1199,9 +1390,21 @@ class ClusterModel:
         cols: dict = {"fabric_cluster_uuid": [[u] * G for u, _ in cluster],
                       "nvlink_domain": [[fabric.nvlink_domain(u, c)] * G for u, c in cluster],
                       "fabric_clique_id": (np.broadcast_to(clique, shape), none)}
-        for name, value in fabric.gpu_columns(info).items():
+        if health is None:
+            for name, value in fabric.gpu_columns(info).items():
+                if name not in cols and value is not None:
+                    cols[name] = (np.broadcast_to(np.asarray(value), shape), none)
+            return cols
+        masks, index = np.unique(health, return_inverse=True)
+        # Assumption (nvml.h names the summaries, not when each is given): a GPU whose mask shows a
+        # condition but that still reaches its domain has limited capacity.
+        summary = {v: k for k, v in fabric.HEALTH_SUMMARIES.items()}
+        each = [fabric.gpu_columns(fabric.FabricInfo(
+            bytes(16), 0, 0, fabric.STATE_COMPLETED, int(m),
+            summary["healthy" if m == fabric.HEALTHY_MASK else "limited capacity"])) for m in masks]
+        for name, value in each[0].items():
             if name not in cols and value is not None:
-                cols[name] = (np.broadcast_to(np.asarray(value), shape), none)
+                cols[name] = (np.array([e[name] for e in each])[index.reshape(shape)], none)
         return cols
 
     def _uuids(self, nodes):

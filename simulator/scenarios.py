@@ -65,7 +65,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "ib_cable": ("symbols", "recoveries"),
     "straggler": ("peer_lag", "job_slow"),
     "nvlink": ("crc",), "sram": ("ecc",), "thermal": ("temp",), "nic": ("cqe",),
-    "leaf_switch": ("ports",), "scale_across": ("tcp",),
+    "leaf_switch": ("ports",), "scale_across": ("tcp",), "nvswitch": ("sxid",),
 }
 SIGNATURE_SHAPE = {"ecc_step": "step", "replay_bursts": "bursts"}
 # Look-alikes only: what a benign episode of a mode may show in the random world besides its signatures.

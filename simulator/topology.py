@@ -25,6 +25,12 @@ GPU_BUS_IDS = ("0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
                "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0")
 HCA_BUS_IDS = ("0000:1a:00.0", "0000:2c:00.0", "0000:3c:00.0", "0000:5e:00.0",
                "0000:9c:00.0", "0000:ad:00.0", "0000:bc:00.0", "0000:dc:00.0")
+# NVSwitch chips of a multi-node NVLink domain: a GB200 NVL72 rack has 9 NVLink switch trays (NVIDIA Mission
+# Control manual, "NVLink Switch Integration"), a rack switch holds 2 NVSwitch devices (NVIDIA's NVLink4
+# glossary, "Rack switch node"), and a GB200 GPU has 18 NVLinks (NVIDIA Health Validation, nvlink checks),
+# one to each chip. A chip's link numbers run over the domain's GPUs.
+NVSWITCHES_PER_NVLINK_DOMAIN = 18
+NVSWITCHES_PER_TRAY = 2
 
 
 class TopologyError(ValueError):
@@ -113,6 +119,14 @@ class Topology:
     def nvlink_domain_name(self, domain: int) -> str | None:
         """The inventory's nvlink_domain for a domain index: the same rule as on a real node."""
         return None if domain < 0 else fabric.nvlink_domain(*self.fabric_cluster(domain))
+
+    def nvswitch_device(self, switch: int) -> str:
+        """An NVSwitch chip of an NVLink domain as its driver names it in an SXid line (nvidia-nvswitchN)."""
+        return f"nvswitch{switch}"
+
+    def nvswitch_bus_id(self, switch: int) -> str:
+        """A PCI bus id per NVSwitch chip of a domain (made up: no layout of a switch tray is published here)."""
+        return f"0000:{0x05 + 4 * switch:02x}:00.0"
 
     def leaf_name(self, leaf: int) -> str:
         return f"leaf-{leaf:03d}"

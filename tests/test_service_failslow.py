@@ -10,6 +10,7 @@ import math
 import random
 import socket
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from foreshock.v1 import jobs_pb2_grpc
 from support import wait_until
 
 T = 5.0
+S = 10**9                   # ns
 NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
 POLICY = {"lead_seconds": 0.1, "min_steps_ahead": 3, "stale_seconds": 3600.0}
 
@@ -216,6 +218,12 @@ def _report(stub, steps, job="j1", rank=0, node="n0"):
      "steps[0].compute_seconds -1"),
     ([pb.StepTime(step=i, step_seconds=0.5) for i in range(1025)], 0, "n0", "j1", "INVALID_ARGUMENT",
      "at most 1024"),
+    ([pb.StepTime(step=1, step_seconds=0.5, end_ns=time.time_ns() + 3600 * S)], 0, "n0", "j1",
+     "INVALID_ARGUMENT", "steps[0].end_ns"),
+    ([pb.StepTime(step=1, step_seconds=0.5, end_ns=time.time_ns()),
+      pb.StepTime(step=2, step_seconds=0.5, end_ns=time.time_ns() - 2 * 86_400 * S)], 0, "n0", "j1",
+     "INVALID_ARGUMENT", "steps[1].end_ns"),
+    ([pb.StepTime(step=1, step_seconds=0.5, end_ns=-1)], 0, "n0", "j1", "INVALID_ARGUMENT", "steps[0].end_ns -1"),
     ([], 0, "n0", "j1", "INVALID_ARGUMENT", "steps is empty"),
     ([pb.StepTime(step=1, step_seconds=0.5)], 17, "n0", "j1", "INVALID_ARGUMENT", "has no rank 17"),
     ([pb.StepTime(step=1, step_seconds=0.5)], 0, "n9", "j1", "FAILED_PRECONDITION",
@@ -291,3 +299,143 @@ def test_short_steps_are_judged_with_every_rank(plane, stub):
         assert plane.step_times.samples["kept"] >= len(NODES) * 32
     finally:
         _close(clients)
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_accepted_step_times_are_archived_and_refused_ones_are_not(tmp_path, process):
+    """Each accepted report's new samples become `step_times` rows of the archive (schema v1), through its
+    writer thread or its process; a refused report, and a re-sent sample, add none."""
+    from foreshock import dataset as ds
+    from foreshock import schema as sch
+    from foreshock.service.archive import ArchiveSettings
+
+    archive = tmp_path / "archive"
+    now = 1_767_571_200 * 10**9
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", scorer=NullScorer(), policy=POLICY, decision_flush_seconds=3600, fsync=False,
+        scoring_clock=lambda: now, archive=ArchiveSettings(str(archive), fsync=False, process=process)))
+    plane.start()
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            stub = jobs_pb2_grpc.JobsStub(ch)
+            generation = _register(stub).generation
+            good = [pb.StepTime(step=s, step_seconds=0.5 + s / 100, compute_seconds=0.3 if s % 2 else 0.0)
+                    for s in range(1, 5)]
+            assert _report(stub, good, rank=2, node="n2").accepted == 4
+            assert _report(stub, good[:2], rank=2, node="n2").accepted == 0          # re-sent: kept already
+            with pytest.raises(grpc.RpcError):                                          # refused: wrong node
+                _report(stub, [pb.StepTime(step=9, step_seconds=0.5)], rank=2, node="n3")
+            with pytest.raises(grpc.RpcError):                                          # refused: bad value
+                _report(stub, [pb.StepTime(step=9, step_seconds=0.5, compute_seconds=0.6)], rank=2, node="n2")
+    finally:
+        plane.stop(0.5)
+    got = ds.read_table(archive, "step_times")
+    assert got.schema.equals(sch.schema("step_times"))
+    rows = sorted(got.to_pylist(), key=lambda r: r["step"])
+    assert [(r["job"], r["generation"], r["rank"], r["node"], r["step"]) for r in rows] == \
+        [("j1", generation, 2, "n2", s) for s in range(1, 5)]
+    assert [r["step_seconds"] for r in rows] == [0.5 + s / 100 for s in range(1, 5)]
+    assert [r["compute_seconds"] for r in rows] == [0.3, None, 0.3, None]   # 0: not measured
+    assert {int(r["ts"].timestamp()) for r in rows} == {now // 10**9}
+
+
+def test_archived_step_times_carry_each_steps_end(tmp_path):
+    """A row's ts is the step's end as the rank sent it (its own wall clock, checked against the
+    service's within the bounds), or, for a step sent without one (a migrator from before end_ns), when
+    the service took the report (its scoring clock). A report with an end time out of bounds is refused
+    whole: nothing kept, nothing archived. The migrator's client sends each step's end."""
+    from foreshock import dataset as ds
+    from foreshock.service.archive import ArchiveSettings
+    from foreshock.service.steptimes import MAX_END_AGE_SECONDS, MAX_END_AHEAD_SECONDS
+
+    archive = tmp_path / "archive"
+    taken = 1_767_571_200 * 10**9        # the scoring clock: far from the wall clock the ends are checked on
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", scorer=NullScorer(), policy=POLICY, decision_flush_seconds=3600, fsync=False,
+        scoring_clock=lambda: taken, archive=ArchiveSettings(str(archive), fsync=False, process=False)))
+    plane.start()
+    client = None
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            stub = jobs_pb2_grpc.JobsStub(ch)
+            _register(stub)
+            wall = time.time_ns()
+            ends = {1: wall - int((MAX_END_AGE_SECONDS - 60) * S), 2: wall - 3 * S,
+                    3: wall + int((MAX_END_AHEAD_SECONDS - 60) * S)}     # within a minute of either bound
+            sent = [pb.StepTime(step=s, step_seconds=0.5, end_ns=e) for s, e in ends.items()]
+            assert _report(stub, sent, rank=0, node="n0").accepted == 3
+            assert _report(stub, [pb.StepTime(step=s, step_seconds=0.5) for s in (1, 2)],
+                           rank=1, node="n1").accepted == 2
+            for bad in (wall + int((MAX_END_AHEAD_SECONDS + 60) * S), wall - int((MAX_END_AGE_SECONDS + 60) * S)):
+                with pytest.raises(grpc.RpcError) as err:
+                    _report(stub, [pb.StepTime(step=7, step_seconds=0.5, end_ns=wall),
+                                   pb.StepTime(step=8, step_seconds=0.5, end_ns=bad)], rank=2, node="n2")
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"steps[1].end_ns {bad}" in err.value.details(), err.value.details()
+            assert _kept(plane) == 5 and plane.step_times.refused_reports == 2
+            # the migrator: an end it measured, or, not given, the time it recorded the step
+            config = MigratorConfig.from_env({}, job_id="j1", rank=3, world_size=len(NODES), node="n3",
+                                             store="127.0.0.1:1", service=plane.address, rpc_timeout_s=1.0,
+                                             step_report_interval_s=0.05)
+            client = ServiceClient(config, backoff_initial_s=0.05, backoff_max_s=0.3)
+            before = time.time_ns()
+            client.record_step_time(3, 1, 0.5, 0.3, end_ns=wall - 5 * S)
+            client.record_step_time(3, 2, 0.5, 0.3)
+            after = time.time_ns()
+            _wait(lambda: client.sent_step_times == 2, what="the migrator's steps sent")
+    finally:
+        if client is not None:
+            client.close()
+        plane.stop(0.5)
+    rows = {(r["rank"], r["step"]): r["ts"].value for r in ds.read_table(archive, "step_times").to_pylist()}
+    assert set(rows) == {(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (3, 1), (3, 2)}   # rank 2's refused: none
+    assert [rows[(0, s)] for s in (1, 2, 3)] == [ends[1], ends[2], ends[3]]
+    assert rows[(1, 1)] == rows[(1, 2)] == taken
+    assert rows[(3, 1)] == wall - 5 * S and before <= rows[(3, 2)] <= after
+
+
+def test_the_migrator_stamps_each_steps_end_by_the_wall_clock():
+    """StepClock (migrator/world.py), the CPU path: the step's end is when end_step ran."""
+    pytest.importorskip("torch")
+    from foreshock.migrator.world import StepClock
+
+    clock = StepClock()
+    clock.begin()
+    before = time.time_ns()
+    ((step, total, compute, end_ns),) = clock.end(4)
+    assert step == 4 and total > 0 and compute == 0.0 and before <= end_ns <= time.time_ns()
+
+
+def test_the_migrator_stamps_a_cuda_steps_end_when_end_step_ran(monkeypatch):
+    """StepClock's CUDA path, on stand-in events (no GPU here): a step's times are read a step late,
+    and its end is still the time its own end_step ran."""
+    torch = pytest.importorskip("torch")
+    from foreshock.migrator.world import StepClock
+
+    class Event:
+        done = True
+
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = time.monotonic()
+
+        def query(self):
+            return Event.done
+
+        def elapsed_time(self, other):
+            return (other.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = StepClock()
+    clock.cuda = True
+    clock.begin()
+    Event.done = False                  # the GPU is behind: step 0's end is not known at its end_step
+    before = time.time_ns()
+    assert clock.end(0) == []
+    after = time.time_ns()
+    clock.begin()
+    Event.done = True
+    (first, second) = clock.end(1)
+    assert [first[0], second[0]] == [0, 1] and before <= first[3] <= after <= second[3]

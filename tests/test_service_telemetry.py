@@ -139,6 +139,7 @@ def _host_net(node="n1", **cols):
 CASES = [
     ("unknown_table", [_rows("gpus", _gpu())]),
     ("unknown_table", [_rows("incidents", sch.to_table("incidents", []))]),
+    ("unknown_table", [_rows("step_times", sch.to_table("step_times", []))]),
     ("bad_schema_version", [_rows("gpu", _gpu(), version=2)]),
     ("bad_ipc", [_rows("gpu", raw=b"\xff\xff\xff\xff garbage")]),
     ("bad_ipc", [_rows("gpu", raw=b"")]),

@@ -26,23 +26,23 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from foreshock.v1 import common_pb2 as foreshock_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66oreshock/v1/jobs.proto\x12\x0c\x66oreshock.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x66oreshock/v1/common.proto\"9\n\rRankPlacement\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x03(\r\"\xcf\x01\n\x12RegisterJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\x05ranks\x18\x02 \x03(\x0b\x32\x1b.foreshock.v1.RankPlacement\x12\x13\n\x0bspare_nodes\x18\x03 \x03(\t\x12\"\n\x1amax_concurrent_evacuations\x18\x04 \x01(\r\x12.\n\x08\x66\x61llback\x18\x05 \x01(\x0e\x32\x1c.foreshock.v1.FallbackPolicy\x12\x14\n\x0c\x63urrent_step\x18\x06 \x01(\x04\"9\n\x13RegisterJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"G\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\"\x14\n\x12ReportStepResponse\"G\n\x08StepTime\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\"k\n\x16ReportStepTimesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.foreshock.v1.StepTime\"+\n\x17ReportStepTimesResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"&\n\x14\x44\x65registerJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65registerJobResponse\"\xb0\x03\n\tDirective\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.foreshock.v1.DirectiveKind\x12\r\n\x05ranks\x18\x04 \x03(\r\x12\x11\n\tfrom_node\x18\x05 \x01(\t\x12\x0f\n\x07to_node\x18\x06 \x01(\t\x12\x0f\n\x07\x61t_step\x18\x07 \x01(\x04\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x0c\n\x04risk\x18\n \x01(\x01\x12%\n\x07signals\x18\x0b \x03(\x0b\x32\x14.foreshock.v1.Signal\x12-\n\tissued_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x05state\x18\r \x01(\x0e\x32\x1c.foreshock.v1.DirectiveState\x12\x12\n\ngeneration\x18\x0e \x01(\x04\x12+\n\x05\x63\x61use\x18\x0f \x01(\x0e\x32\x1c.foreshock.v1.DirectiveCause\"6\n\x16WatchDirectivesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\x97\x01\n\x13\x41\x63kDirectiveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64irective_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05phase\x18\x04 \x01(\x0e\x32\x16.foreshock.v1.AckPhase\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rphase_seconds\x18\x06 \x01(\x01\"C\n\x14\x41\x63kDirectiveResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.foreshock.v1.DirectiveState\">\n\x16\x43\x61ncelDirectiveRequest\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"F\n\x17\x43\x61ncelDirectiveResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.foreshock.v1.DirectiveState\"0\n\x10\x44rainNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"@\n\x11\x44rainNodeResponse\x12+\n\ndirectives\x18\x01 \x03(\x0b\x32\x17.foreshock.v1.Directive\"\'\n\x15ListDirectivesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"E\n\x16ListDirectivesResponse\x12+\n\ndirectives\x18\x01 \x03(\x0b\x32\x17.foreshock.v1.Directive*r\n\x0e\x46\x61llbackPolicy\x12\x1f\n\x1b\x46\x41LLBACK_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46\x41LLBACK_POLICY_SHRINK\x10\x01\x12#\n\x1f\x46\x41LLBACK_POLICY_CHECKPOINT_EXIT\x10\x02*\x8b\x01\n\rDirectiveKind\x12\x1e\n\x1a\x44IRECTIVE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44IRECTIVE_KIND_EVACUATE\x10\x01\x12\x19\n\x15\x44IRECTIVE_KIND_SHRINK\x10\x02\x12\"\n\x1e\x44IRECTIVE_KIND_CHECKPOINT_EXIT\x10\x03*\xa0\x01\n\x0e\x44irectiveCause\x12\x1f\n\x1b\x44IRECTIVE_CAUSE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44IRECTIVE_CAUSE_RISK\x10\x01\x12\x19\n\x15\x44IRECTIVE_CAUSE_FATAL\x10\x02\x12\x19\n\x15\x44IRECTIVE_CAUSE_DRAIN\x10\x03\x12\x1d\n\x19\x44IRECTIVE_CAUSE_FAIL_SLOW\x10\x04*\xed\x01\n\x0e\x44irectiveState\x12\x1f\n\x1b\x44IRECTIVE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44IRECTIVE_STATE_PENDING\x10\x01\x12\x1c\n\x18\x44IRECTIVE_STATE_ACCEPTED\x10\x02\x12%\n!DIRECTIVE_STATE_STATE_TRANSFERRED\x10\x03\x12\x1d\n\x19\x44IRECTIVE_STATE_COMPLETED\x10\x04\x12\x1a\n\x16\x44IRECTIVE_STATE_FAILED\x10\x05\x12\x1d\n\x19\x44IRECTIVE_STATE_CANCELLED\x10\x06*\x8d\x01\n\x08\x41\x63kPhase\x12\x19\n\x15\x41\x43K_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43K_PHASE_ACCEPTED\x10\x01\x12\x1f\n\x1b\x41\x43K_PHASE_STATE_TRANSFERRED\x10\x02\x12\x17\n\x13\x41\x43K_PHASE_COMPLETED\x10\x03\x12\x14\n\x10\x41\x43K_PHASE_FAILED\x10\x04\x32\x9b\x06\n\x04Jobs\x12R\n\x0bRegisterJob\x12 .foreshock.v1.RegisterJobRequest\x1a!.foreshock.v1.RegisterJobResponse\x12O\n\nReportStep\x12\x1f.foreshock.v1.ReportStepRequest\x1a .foreshock.v1.ReportStepResponse\x12^\n\x0fReportStepTimes\x12$.foreshock.v1.ReportStepTimesRequest\x1a%.foreshock.v1.ReportStepTimesResponse\x12X\n\rDeregisterJob\x12\".foreshock.v1.DeregisterJobRequest\x1a#.foreshock.v1.DeregisterJobResponse\x12R\n\x0fWatchDirectives\x12$.foreshock.v1.WatchDirectivesRequest\x1a\x17.foreshock.v1.Directive0\x01\x12U\n\x0c\x41\x63kDirective\x12!.foreshock.v1.AckDirectiveRequest\x1a\".foreshock.v1.AckDirectiveResponse\x12^\n\x0f\x43\x61ncelDirective\x12$.foreshock.v1.CancelDirectiveRequest\x1a%.foreshock.v1.CancelDirectiveResponse\x12[\n\x0eListDirectives\x12#.foreshock.v1.ListDirectivesRequest\x1a$.foreshock.v1.ListDirectivesResponse\x12L\n\tDrainNode\x12\x1e.foreshock.v1.DrainNodeRequest\x1a\x1f.foreshock.v1.DrainNodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66oreshock/v1/jobs.proto\x12\x0c\x66oreshock.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x19\x66oreshock/v1/common.proto\"9\n\rRankPlacement\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x03(\r\"\xcf\x01\n\x12RegisterJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12*\n\x05ranks\x18\x02 \x03(\x0b\x32\x1b.foreshock.v1.RankPlacement\x12\x13\n\x0bspare_nodes\x18\x03 \x03(\t\x12\"\n\x1amax_concurrent_evacuations\x18\x04 \x01(\r\x12.\n\x08\x66\x61llback\x18\x05 \x01(\x0e\x32\x1c.foreshock.v1.FallbackPolicy\x12\x14\n\x0c\x63urrent_step\x18\x06 \x01(\x04\"9\n\x13RegisterJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"G\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\"\x14\n\x12ReportStepResponse\"W\n\x08StepTime\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06\x65nd_ns\x18\x04 \x01(\x03\"k\n\x16ReportStepTimesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04node\x18\x03 \x01(\t\x12%\n\x05steps\x18\x04 \x03(\x0b\x32\x16.foreshock.v1.StepTime\"+\n\x17ReportStepTimesResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"&\n\x14\x44\x65registerJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x17\n\x15\x44\x65registerJobResponse\"\xb0\x03\n\tDirective\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.foreshock.v1.DirectiveKind\x12\r\n\x05ranks\x18\x04 \x03(\r\x12\x11\n\tfrom_node\x18\x05 \x01(\t\x12\x0f\n\x07to_node\x18\x06 \x01(\t\x12\x0f\n\x07\x61t_step\x18\x07 \x01(\x04\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x0c\n\x04risk\x18\n \x01(\x01\x12%\n\x07signals\x18\x0b \x03(\x0b\x32\x14.foreshock.v1.Signal\x12-\n\tissued_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x05state\x18\r \x01(\x0e\x32\x1c.foreshock.v1.DirectiveState\x12\x12\n\ngeneration\x18\x0e \x01(\x04\x12+\n\x05\x63\x61use\x18\x0f \x01(\x0e\x32\x1c.foreshock.v1.DirectiveCause\"6\n\x16WatchDirectivesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\x97\x01\n\x13\x41\x63kDirectiveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64irective_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x05phase\x18\x04 \x01(\x0e\x32\x16.foreshock.v1.AckPhase\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rphase_seconds\x18\x06 \x01(\x01\"C\n\x14\x41\x63kDirectiveResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.foreshock.v1.DirectiveState\">\n\x16\x43\x61ncelDirectiveRequest\x12\x14\n\x0c\x64irective_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"F\n\x17\x43\x61ncelDirectiveResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.foreshock.v1.DirectiveState\"0\n\x10\x44rainNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"@\n\x11\x44rainNodeResponse\x12+\n\ndirectives\x18\x01 \x03(\x0b\x32\x17.foreshock.v1.Directive\"\'\n\x15ListDirectivesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"E\n\x16ListDirectivesResponse\x12+\n\ndirectives\x18\x01 \x03(\x0b\x32\x17.foreshock.v1.Directive*r\n\x0e\x46\x61llbackPolicy\x12\x1f\n\x1b\x46\x41LLBACK_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46\x41LLBACK_POLICY_SHRINK\x10\x01\x12#\n\x1f\x46\x41LLBACK_POLICY_CHECKPOINT_EXIT\x10\x02*\x8b\x01\n\rDirectiveKind\x12\x1e\n\x1a\x44IRECTIVE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44IRECTIVE_KIND_EVACUATE\x10\x01\x12\x19\n\x15\x44IRECTIVE_KIND_SHRINK\x10\x02\x12\"\n\x1e\x44IRECTIVE_KIND_CHECKPOINT_EXIT\x10\x03*\xa0\x01\n\x0e\x44irectiveCause\x12\x1f\n\x1b\x44IRECTIVE_CAUSE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44IRECTIVE_CAUSE_RISK\x10\x01\x12\x19\n\x15\x44IRECTIVE_CAUSE_FATAL\x10\x02\x12\x19\n\x15\x44IRECTIVE_CAUSE_DRAIN\x10\x03\x12\x1d\n\x19\x44IRECTIVE_CAUSE_FAIL_SLOW\x10\x04*\xed\x01\n\x0e\x44irectiveState\x12\x1f\n\x1b\x44IRECTIVE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44IRECTIVE_STATE_PENDING\x10\x01\x12\x1c\n\x18\x44IRECTIVE_STATE_ACCEPTED\x10\x02\x12%\n!DIRECTIVE_STATE_STATE_TRANSFERRED\x10\x03\x12\x1d\n\x19\x44IRECTIVE_STATE_COMPLETED\x10\x04\x12\x1a\n\x16\x44IRECTIVE_STATE_FAILED\x10\x05\x12\x1d\n\x19\x44IRECTIVE_STATE_CANCELLED\x10\x06*\x8d\x01\n\x08\x41\x63kPhase\x12\x19\n\x15\x41\x43K_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43K_PHASE_ACCEPTED\x10\x01\x12\x1f\n\x1b\x41\x43K_PHASE_STATE_TRANSFERRED\x10\x02\x12\x17\n\x13\x41\x43K_PHASE_COMPLETED\x10\x03\x12\x14\n\x10\x41\x43K_PHASE_FAILED\x10\x04\x32\x9b\x06\n\x04Jobs\x12R\n\x0bRegisterJob\x12 .foreshock.v1.RegisterJobRequest\x1a!.foreshock.v1.RegisterJobResponse\x12O\n\nReportStep\x12\x1f.foreshock.v1.ReportStepRequest\x1a .foreshock.v1.ReportStepResponse\x12^\n\x0fReportStepTimes\x12$.foreshock.v1.ReportStepTimesRequest\x1a%.foreshock.v1.ReportStepTimesResponse\x12X\n\rDeregisterJob\x12\".foreshock.v1.DeregisterJobRequest\x1a#.foreshock.v1.DeregisterJobResponse\x12R\n\x0fWatchDirectives\x12$.foreshock.v1.WatchDirectivesRequest\x1a\x17.foreshock.v1.Directive0\x01\x12U\n\x0c\x41\x63kDirective\x12!.foreshock.v1.AckDirectiveRequest\x1a\".foreshock.v1.AckDirectiveResponse\x12^\n\x0f\x43\x61ncelDirective\x12$.foreshock.v1.CancelDirectiveRequest\x1a%.foreshock.v1.CancelDirectiveResponse\x12[\n\x0eListDirectives\x12#.foreshock.v1.ListDirectivesRequest\x1a$.foreshock.v1.ListDirectivesResponse\x12L\n\tDrainNode\x12\x1e.foreshock.v1.DrainNodeRequest\x1a\x1f.foreshock.v1.DrainNodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'foreshock.v1.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FALLBACKPOLICY']._serialized_start=1894
-  _globals['_FALLBACKPOLICY']._serialized_end=2008
-  _globals['_DIRECTIVEKIND']._serialized_start=2011
-  _globals['_DIRECTIVEKIND']._serialized_end=2150
-  _globals['_DIRECTIVECAUSE']._serialized_start=2153
-  _globals['_DIRECTIVECAUSE']._serialized_end=2313
-  _globals['_DIRECTIVESTATE']._serialized_start=2316
-  _globals['_DIRECTIVESTATE']._serialized_end=2553
-  _globals['_ACKPHASE']._serialized_start=2556
-  _globals['_ACKPHASE']._serialized_end=2697
+  _globals['_FALLBACKPOLICY']._serialized_start=1910
+  _globals['_FALLBACKPOLICY']._serialized_end=2024
+  _globals['_DIRECTIVEKIND']._serialized_start=2027
+  _globals['_DIRECTIVEKIND']._serialized_end=2166
+  _globals['_DIRECTIVECAUSE']._serialized_start=2169
+  _globals['_DIRECTIVECAUSE']._serialized_end=2329
+  _globals['_DIRECTIVESTATE']._serialized_start=2332
+  _globals['_DIRECTIVESTATE']._serialized_end=2569
+  _globals['_ACKPHASE']._serialized_start=2572
+  _globals['_ACKPHASE']._serialized_end=2713
   _globals['_RANKPLACEMENT']._serialized_start=101
   _globals['_RANKPLACEMENT']._serialized_end=158
   _globals['_REGISTERJOBREQUEST']._serialized_start=161
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTSTEPRESPONSE']._serialized_start=502
   _globals['_REPORTSTEPRESPONSE']._serialized_end=522
   _globals['_STEPTIME']._serialized_start=524
-  _globals['_STEPTIME']._serialized_end=595
-  _globals['_REPORTSTEPTIMESREQUEST']._serialized_start=597
-  _globals['_REPORTSTEPTIMESREQUEST']._serialized_end=704
-  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_start=706
-  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_end=749
-  _globals['_DEREGISTERJOBREQUEST']._serialized_start=751
-  _globals['_DEREGISTERJOBREQUEST']._serialized_end=789
-  _globals['_DEREGISTERJOBRESPONSE']._serialized_start=791
-  _globals['_DEREGISTERJOBRESPONSE']._serialized_end=814
-  _globals['_DIRECTIVE']._serialized_start=817
-  _globals['_DIRECTIVE']._serialized_end=1249
-  _globals['_WATCHDIRECTIVESREQUEST']._serialized_start=1251
-  _globals['_WATCHDIRECTIVESREQUEST']._serialized_end=1305
-  _globals['_ACKDIRECTIVEREQUEST']._serialized_start=1308
-  _globals['_ACKDIRECTIVEREQUEST']._serialized_end=1459
-  _globals['_ACKDIRECTIVERESPONSE']._serialized_start=1461
-  _globals['_ACKDIRECTIVERESPONSE']._serialized_end=1528
-  _globals['_CANCELDIRECTIVEREQUEST']._serialized_start=1530
-  _globals['_CANCELDIRECTIVEREQUEST']._serialized_end=1592
-  _globals['_CANCELDIRECTIVERESPONSE']._serialized_start=1594
-  _globals['_CANCELDIRECTIVERESPONSE']._serialized_end=1664
-  _globals['_DRAINNODEREQUEST']._serialized_start=1666
-  _globals['_DRAINNODEREQUEST']._serialized_end=1714
-  _globals['_DRAINNODERESPONSE']._serialized_start=1716
-  _globals['_DRAINNODERESPONSE']._serialized_end=1780
-  _globals['_LISTDIRECTIVESREQUEST']._serialized_start=1782
-  _globals['_LISTDIRECTIVESREQUEST']._serialized_end=1821
-  _globals['_LISTDIRECTIVESRESPONSE']._serialized_start=1823
-  _globals['_LISTDIRECTIVESRESPONSE']._serialized_end=1892
-  _globals['_JOBS']._serialized_start=2700
-  _globals['_JOBS']._serialized_end=3495
+  _globals['_STEPTIME']._serialized_end=611
+  _globals['_REPORTSTEPTIMESREQUEST']._serialized_start=613
+  _globals['_REPORTSTEPTIMESREQUEST']._serialized_end=720
+  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_start=722
+  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_end=765
+  _globals['_DEREGISTERJOBREQUEST']._serialized_start=767
+  _globals['_DEREGISTERJOBREQUEST']._serialized_end=805
+  _globals['_DEREGISTERJOBRESPONSE']._serialized_start=807
+  _globals['_DEREGISTERJOBRESPONSE']._serialized_end=830
+  _globals['_DIRECTIVE']._serialized_start=833
+  _globals['_DIRECTIVE']._serialized_end=1265
+  _globals['_WATCHDIRECTIVESREQUEST']._serialized_start=1267
+  _globals['_WATCHDIRECTIVESREQUEST']._serialized_end=1321
+  _globals['_ACKDIRECTIVEREQUEST']._serialized_start=1324
+  _globals['_ACKDIRECTIVEREQUEST']._serialized_end=1475
+  _globals['_ACKDIRECTIVERESPONSE']._serialized_start=1477
+  _globals['_ACKDIRECTIVERESPONSE']._serialized_end=1544
+  _globals['_CANCELDIRECTIVEREQUEST']._serialized_start=1546
+  _globals['_CANCELDIRECTIVEREQUEST']._serialized_end=1608
+  _globals['_CANCELDIRECTIVERESPONSE']._serialized_start=1610
+  _globals['_CANCELDIRECTIVERESPONSE']._serialized_end=1680
+  _globals['_DRAINNODEREQUEST']._serialized_start=1682
+  _globals['_DRAINNODEREQUEST']._serialized_end=1730
+  _globals['_DRAINNODERESPONSE']._serialized_start=1732
+  _globals['_DRAINNODERESPONSE']._serialized_end=1796
+  _globals['_LISTDIRECTIVESREQUEST']._serialized_start=1798
+  _globals['_LISTDIRECTIVESREQUEST']._serialized_end=1837
+  _globals['_LISTDIRECTIVESRESPONSE']._serialized_start=1839
+  _globals['_LISTDIRECTIVESRESPONSE']._serialized_end=1908
+  _globals['_JOBS']._serialized_start=2716
+  _globals['_JOBS']._serialized_end=3511
 # @@protoc_insertion_point(module_scope)

@@ -123,14 +123,16 @@ class ReportStepResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class StepTime(_message.Message):
-    __slots__ = ("step", "step_seconds", "compute_seconds")
+    __slots__ = ("step", "step_seconds", "compute_seconds", "end_ns")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
     step: int
     step_seconds: float
     compute_seconds: float
-    def __init__(self, step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    end_ns: int
+    def __init__(self, step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., end_ns: _Optional[int] = ...) -> None: ...
 
 class ReportStepTimesRequest(_message.Message):
     __slots__ = ("job_id", "rank", "node", "steps")
