@@ -73,7 +73,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("sdc", "node", False, description="silent data corruption: nothing in telemetry at all"),
     Mode("nvswitch", "nvlink_domain", True, 4.0, 0.9, "NVSwitch / NVLink fabric of a multi-node NVLink domain: "
          "non-fatal SXids densify, the GPUs report degraded bandwidth and access-timeout recovery, then a fatal "
-         "SXid and every GPU of the domain loses its links to the switch (Xid 74)"),
+         "SXid and every GPU of the domain loses its links to the switch (a Fatal NVLink5 Xid 149; each non-fatal SXid "
+         "has a Nonfatal Xid 145 at the link's GPU end)"),
 )}
 
 # Root cause -> (mode, share) and median repair time in hours (assumed; docs/simulator.md).

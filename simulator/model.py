@@ -37,7 +37,7 @@ from foreshock import xid as xidcat
 from foreshock.collectors.sxid import parse_sxid
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, component_count
 from foreshock.simulator.scenarios import World, shape_intensity, shape_mean
-from foreshock.simulator.topology import NVSWITCHES_PER_TRAY, Topology
+from foreshock.simulator.topology import NVSWITCHES_PER_NVLINK_DOMAIN, NVSWITCHES_PER_TRAY, Topology
 
 NVLINKS_PER_GPU = 18
 PCIE_GEN, PCIE_WIDTH = 5, 16
@@ -165,13 +165,23 @@ NVSWITCH_FATAL_SXID = (20034, ("Fatal, Link {link:02d} LTSSM Fault Up",
 # and over a look-alike; the precursor intensity from which the GPUs' fabric health mask shows an
 # access-timeout recovery, then degraded bandwidth (both held until the repair once the fabric fails);
 # NVLink throughput lost at full intensity. At the failure every GPU of the domain loses its links to
-# the failed switch tray (one to each of its chips) and logs the catalogue's Xid for a link of its domain
-# taken down (74 on the H100s the simulator models; Blackwell logs NVLink5 Xids 144-150 instead).
+# the failed switch tray (one to each of its chips) and logs its generation's Xid for a link taken down.
 FABRIC_PRECURSOR_SXIDS = 20.0
 FABRIC_LOOKALIKE_SXIDS = 3.0
 FABRIC_TIMEOUT_RECOVERY_AT, FABRIC_DEGRADED_BW_AT = 0.25, 0.5
 FABRIC_TP_LOSS = 0.1
-FABRIC_XID = 74
+# The Xid a GPU logs when a link of its own is taken down, by generation (Topology.gpu_generation): Hopper's
+# NVLINK_ERROR with the catalogue's example text; Blackwell's NVLink5 link event, whose class is its message's
+# Fatal token (foreshock/xid.py). Where the switch logs a non-fatal SXid for a link, the GPU at its other end
+# logs a Nonfatal NVLink5 error naming its own link to that switch chip (Blackwell only: an H100 has no
+# such Xid). The NVLink5 texts are the real lines of ../shared/fixtures/kmsg/xid-lines.txt, link varied.
+LINK_DOWN_XIDS: dict[str, tuple[int, str | None]] = {
+    xidcat.H100: (74, None),
+    xidcat.GB200: (149, "NETIR_LINK_EVT Fatal XC0 i0 Link {link:02d} (0x025001c6 0x00000000 0x00000000 0x00000000 "
+                        "0x00000000 0x00000000)"),
+}
+LINK_ERROR_XID = (145, "RLW_RXPIPE Nonfatal XC0 i0 Link {link:02d} (0x0409a0c2 0x00000008 0x00000001 0x00000000 "
+                       "0x00100000 0x00000004)")
 FABRIC_SXID_GRID = 1024  # cells over which an episode's SXid times are drawn in proportion to its intensity
 LATE_SAMPLE_SHARE = 0.01  # samples a collector takes late by up to the world's ts_jitter_s (scenarios.py)
 PMA_CLEAR = "pma_clear"   # a reset of the narrow IB PMA error counters only (a fabric manager's clear)
@@ -847,7 +857,7 @@ class ClusterModel:
             blk.links_down[rows, c, :] += (failed * (2 + ep.variant % 4)).astype(np.int16)[None, :]
             if fires:
                 for r in rows:
-                    self._xid(blk, int(r), c, first, 74, ep.end_ns)
+                    self._link_down_xid(blk, int(r), c, ep.variant % NVSWITCHES_PER_NVLINK_DOMAIN, ep.end_ns)
         elif m in ("gpu_off_bus_pcie", "gpu_off_bus", "straggler", "thermal"):
             blk.gpu_lost[rows, c, :] |= failed[None, :]
             if fires:
@@ -884,7 +894,7 @@ class ClusterModel:
                     for line in lines:
                         self._sxid(blk, int(r), ep.component, code, line.format(link=link), ep.end_ns)
                     for g in range(self.topo.gpus_per_node):
-                        self._xid(blk, int(r), g, first, FABRIC_XID, ep.end_ns)
+                        self._link_down_xid(blk, int(r), g, ep.component, ep.end_ns)
         elif m == "scale_across":
             blk.probe_loss[rows, :] = np.where(failed[None, :], 1.0, blk.probe_loss[rows, :])
         elif m == "nccl_hang":
@@ -912,11 +922,18 @@ class ClusterModel:
         for a failure also the GPUs' health mask (access-timeout recovery, then degraded bandwidth) and
         their NVLink throughput. A look-alike shows its few SXids only."""
         times, links, codes = self._sxid_draws(ep)
+        g = self.topo.gpus_per_node
+        gpu_end = self.topo.gpu_generation in xidcat.BLACKWELL
         for r in rows:
             lo = int(blk.prev0[r])
+            at = list(ep.nodes).index(int(blk.nodes[r]))
             for i in np.flatnonzero((times > lo) & (times <= blk.ts[-1])):
                 code, text = NVSWITCH_NONFATAL_SXIDS[codes[i]]
                 self._sxid(blk, int(r), ep.component, code, text.format(link=int(links[i])), int(times[i]))
+                if gpu_end and links[i] // g == at:
+                    xid, xid_text = LINK_ERROR_XID
+                    self._xid(blk, int(r), int(links[i] % g), 0, xid, int(times[i]),
+                              text=xid_text.format(link=ep.component))
         if not ep.fails:
             return
         blk.gpu_tp[rows, :, :] *= (1.0 - FABRIC_TP_LOSS * inten)[None, None, :]
@@ -986,16 +1003,24 @@ class ClusterModel:
         spans = ds[:, k:k + T] - ds[:, :T]
         return counts / np.maximum(spans[:, None, :], 1e-9)
 
-    def _xid(self, blk: Block, r: int, gpu: int, t: int, xid: int, ts_ns: int | None = None, pid: bool = False):
+    def _xid(self, blk: Block, r: int, gpu: int, t: int, xid: int, ts_ns: int | None = None, pid: bool = False,
+             text: str | None = None):
+        """An Xid line of a GPU: the catalogue's example text after the pid and name, or `text` as it stands
+        (an NVLink5 line names no process, and its class is its text's Fatal/Nonfatal token)."""
         ts_ns = int(blk.ts[t]) if ts_ns is None else int(ts_ns)
         bus = self.topo.gpu_bus_id(gpu)
-        blk.events.append(dict(self._event_base(blk, r, ts_ns), kind="xid", severity=xidcat.severity(xid), xid=xid,
-                               gpu=gpu, pci_bus_id=bus, pid=(4000 + 97 * r + gpu) if pid else None,
+        if text is None:
+            text = ((f"pid={4000 + 97 * r + gpu}, name=python3, " if pid else "pid='<unknown>', name=<unknown>, ")
+                    + xidcat.lookup(xid).example)
+        blk.events.append(dict(self._event_base(blk, r, ts_ns), kind="xid", severity=xidcat.severity(xid, text),
+                               xid=xid, gpu=gpu, pci_bus_id=bus, pid=(4000 + 97 * r + gpu) if pid else None,
                                process_name="python3" if pid else None,
-                               message=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, "
-                                       + (f"pid={4000 + 97 * r + gpu}, name=python3, " if pid
-                                          else "pid='<unknown>', name=<unknown>, ")
-                                       + xidcat.lookup(xid).example))
+                               message=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, {text}"))
+
+    def _link_down_xid(self, blk: Block, r: int, gpu: int, link: int, ts_ns: int) -> None:
+        """The Xid of a GPU whose NVLink `link` was taken down, in its generation's words (LINK_DOWN_XIDS)."""
+        xid, text = LINK_DOWN_XIDS[self.topo.gpu_generation]
+        self._xid(blk, r, gpu, 0, xid, ts_ns, text=None if text is None else text.format(link=link))
 
     def _link_event(self, blk, r, hca, t, what, ts_ns=None):
         dev = self.topo.hca_device(hca)

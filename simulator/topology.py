@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from foreshock import fabric
 from foreshock import schema as sch
+from foreshock import xid as xidcat
 
 # PCI bus ids of the eight GPUs and eight ConnectX HCAs of an HGX H100 board (DGX H100 layout).
 GPU_BUS_IDS = ("0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0",
@@ -103,6 +104,12 @@ class Topology:
     @property
     def n_jobs(self) -> int:
         return int(self.job_of.max()) + 1
+
+    @property
+    def gpu_generation(self) -> str:
+        """The GPUs the nodes carry, by the Xid catalogue's generation names: GB200 where NVLink spans
+        several nodes (an NVL72 rack's compute trays), H100 (an HGX board) where it stays inside the node."""
+        return xidcat.GB200 if self.nvlink_domain_nodes else xidcat.H100
 
     @property
     def nvlink_domain_of(self) -> np.ndarray:

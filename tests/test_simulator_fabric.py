@@ -1,6 +1,8 @@
 """The NVLink-fabric failure mode of a multi-node NVLink domain (simulator/faults.py, mode nvswitch): its
 non-fatal SXids densify over the lead and the domain's GPUs report degraded bandwidth and access-timeout
-recovery, then a fatal SXid and Xid 74 on every GPU of the domain; its look-alike is a few SXids that stop.
+recovery, then a fatal SXid and a Fatal NVLink5 Xid 149 on every GPU of the domain (the GPUs of an NVL72 rack
+are GB200s), each non-fatal SXid with a Nonfatal Xid 145 at its link's GPU end; its look-alike is a few SXids
+that stop.
 The rows are what collectors/sxid.py writes from the driver's lines and what the control plane's ingest
 takes. Worlds without multi-node NVLink domains come out exactly as before the mode existed."""
 
@@ -26,7 +28,8 @@ from foreshock.service.nodes import NodeBook
 from foreshock.simulator.batch import SimSettings, run
 from foreshock.simulator.faults import (FABRIC_CATEGORIES, HOUR, MODES, NS, NVLINK_FABRIC, Episode, FaultSettings,
                                         injected, schedule)
-from foreshock.simulator.model import FABRIC_XID, NVSWITCH_FATAL_SXID, NVSWITCH_NONFATAL_SXIDS, ClusterModel
+from foreshock.simulator.model import (LINK_DOWN_XIDS, LINK_ERROR_XID, NVSWITCH_FATAL_SXID, NVSWITCH_NONFATAL_SXIDS,
+                                       ClusterModel)
 from foreshock.simulator.topology import NVSWITCHES_PER_TRAY, Topology
 from test_simulator_worlds import _digest
 
@@ -136,18 +139,24 @@ def test_the_precursor_densifies_in_sxids_and_sets_the_fabric_mask_in_the_domain
         fabric.HEALTHY_MASK, "fabric_access_timeout_recovery"), "fabric_degraded_bw")}
 
 
-def test_the_failure_is_a_fatal_sxid_and_xid_74_on_every_gpu_of_the_domain(failing):
+def test_the_failure_is_a_fatal_sxid_and_a_fatal_nvlink5_xid_on_every_gpu_of_the_domain(failing):
+    fabric_xid = LINK_DOWN_XIDS[TOPO.gpu_generation][0]
+    assert TOPO.gpu_generation == xidcat.GB200 and fabric_xid == 149
     fail, repaired = T0 + int(FAIL_H * HOUR), T0 + int((FAIL_H + REPAIR_H) * HOUR)
     events = failing["events"]
     fatal = [r for r in _rows(events) if r["severity"] == "fatal"]
     code, lines = NVSWITCH_FATAL_SXID
     assert {(r["node"], r["kind"], r["sxid"] or r["xid"]) for r in fatal} == \
-        {(TOPO.names[n], "sxid", code) for n in DOMAIN} | {(TOPO.names[n], "xid", FABRIC_XID) for n in DOMAIN}
+        {(TOPO.names[n], "sxid", code) for n in DOMAIN} | {(TOPO.names[n], "xid", fabric_xid) for n in DOMAIN}
     assert all(r["ts"] == fail for r in fatal)
     assert sorted(r["gpu"] for r in fatal if r["kind"] == "xid") == sorted(list(range(4)) * 3)
     details = [r for r in _rows(events, "sxid") if r["ts"] == fail and r["severity"] == "info"]
     assert len(details) == (len(lines) - 1) * len(DOMAIN) and all(r["sxid"] == code for r in details)
-    assert xidcat.lookup(FABRIC_XID).collateral and xidcat.lookup(FABRIC_XID).nvlink
+    assert xidcat.lookup(fabric_xid).collateral and xidcat.lookup(fabric_xid).nvlink
+    xids = [r for r in fatal if r["kind"] == "xid"]
+    # the line names the failed chip as the GPU's link, and its Fatal token is what makes it fatal
+    assert all("NETIR_LINK_EVT Fatal XC0 i0 Link 05 " in r["message"] and r["pid"] is None for r in xids)
+    _agree_with_the_kmsg_reading(xids)
     nvl = _frame(failing["nvlink"])
     down = nvl[(nvl.ts >= fail) & (nvl.ts < repaired)]
     in_domain = down.node.isin([TOPO.names[n] for n in DOMAIN])
@@ -160,6 +169,43 @@ def test_the_failure_is_a_fatal_sxid_and_xid_74_on_every_gpu_of_the_domain(faili
     assert len(out) == 3 * 4 * REPAIR_H * 60 and out.fabric_degraded_bw.all()  # not drained: the trays report on
     back = gpu[gpu.ts >= repaired]
     assert (back.fabric_health_mask == fabric.HEALTHY_MASK).all()
+
+
+def test_each_non_fatal_sxid_has_a_nonfatal_nvlink5_xid_at_its_gpu_end(failing):
+    fail = T0 + int(FAIL_H * HOUR)
+    events = _rows(failing["events"])
+    sxids = sorted((r["ts"], r["link"]) for r in events if r["kind"] == "sxid" and r["ts"] < fail
+                   and r["node"] == TOPO.names[0])
+    code, _ = LINK_ERROR_XID
+    assert not [r for r in events if r["kind"] == "xid" and r["xid"] == code and r["ts"] >= fail]
+    xids = [r for r in events if r["kind"] == "xid" and r["xid"] == code]
+    assert xids and {r["severity"] for r in xids} == {"precursor"}
+    # switch link l is GPU l % 4 of the domain's node l // 4; the GPU names its own link to chip 5
+    assert sorted((r["ts"], DOMAIN.index(TOPO.index(r["node"])) * 4 + r["gpu"]) for r in xids) == sxids
+    assert all(" RLW_RXPIPE Nonfatal XC0 i0 Link 05 " in r["message"] for r in xids)
+    assert all(xidcat.classify(r["xid"], r["severity"]) == "precursor" and xidcat.lookup(r["xid"]).nvlink for r in xids)
+    _agree_with_the_kmsg_reading(xids)
+
+
+def _agree_with_the_kmsg_reading(xids):
+    """The kmsg collector's reading of each row's line gives the row's code, class, GPU and no process."""
+    for r in xids:
+        parsed = parse_event(r["message"])
+        assert {k: parsed[k] for k in ("kind", "xid", "severity", "pci_bus_id", "pid")} == \
+            {k: r[k] for k in ("kind", "xid", "severity", "pci_bus_id", "pid")}
+
+
+def test_hopper_nodes_log_xid_74_for_a_link_taken_down():
+    hgx = Topology(nodes=2, gpus_per_node=8, hcas_per_node=8, nodes_per_leaf=2, job_nodes=2, spare_fraction=0.0)
+    assert hgx.gpu_generation == xidcat.H100 and LINK_DOWN_XIDS[xidcat.H100][0] == 74
+    fail = T0 + int(FAIL_H * HOUR)
+    ep = Episode("t-nvlink", "nvlink", "faulty_gpu", (1,), 3, fail - int(LEAD_H * HOUR), fail, True,
+                 fail + int(REPAIR_H * HOUR), 1.0, "", 2, 99)
+    model = ClusterModel(hgx, seed=5, episodes=[ep], start_ns=T0, interval_s=60.0)
+    tables = model.generate(np.arange(2), T0 + np.arange(0, 8 * 60) * 60 * NS)
+    xids = [r for r in _rows(tables["events"], "xid") if r["severity"] == "fatal"]
+    assert [(r["node"], r["gpu"], r["xid"]) for r in xids] == [(hgx.names[1], 3, 74)]
+    assert xids[0]["message"].endswith(xidcat.lookup(74).example)
 
 
 def test_the_rows_are_what_the_collector_writes_and_the_ingest_takes(failing):
