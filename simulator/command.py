@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--nodes-per-leaf", type=int)
     p.add_argument("--leaves-per-spine", type=int)
     p.add_argument("--sites", type=int, help="sites joined by scale-across links (default 1)")
-    p.add_argument("--nvlink-domain-nodes", type=int, help="nodes per NVLink domain, e.g. 9 for NVL72 (default 0: none)")
+    p.add_argument("--nvlink-domain-nodes", type=int, help="nodes per multi-node NVLink domain: 18 with --gpus-per-node 4 for GB200 NVL72 racks (default 0: NVLink inside the node)")
     p.add_argument("--job-nodes", type=int, help="nodes per training job (default 32)")
     p.add_argument("--spare-fraction", type=float, help="share of idle spare nodes (default 0.05)")
     p.add_argument("--link-layer", choices=["InfiniBand", "Ethernet"], help="RDMA fabric (Ethernet = RoCE)")
