@@ -1005,17 +1005,15 @@ class ClusterModel:
 
     def _xid(self, blk: Block, r: int, gpu: int, t: int, xid: int, ts_ns: int | None = None, pid: bool = False,
              text: str | None = None):
-        """An Xid line of a GPU: the catalogue's example text after the pid and name, or `text` as it stands
-        (an NVLink5 line names no process, and its class is its text's Fatal/Nonfatal token)."""
+        """An Xid row of a GPU as the kmsg collector reads the driver's line (collectors/kmsg.py): its
+        message is the text after the pid and name, the catalogue's example, or `text` (an NVLink5 line
+        names no process, and its class is its text's Fatal/Nonfatal token)."""
         ts_ns = int(blk.ts[t]) if ts_ns is None else int(ts_ns)
-        bus = self.topo.gpu_bus_id(gpu)
-        if text is None:
-            text = ((f"pid={4000 + 97 * r + gpu}, name=python3, " if pid else "pid='<unknown>', name=<unknown>, ")
-                    + xidcat.lookup(xid).example)
+        text = xidcat.lookup(xid).example if text is None else text
         blk.events.append(dict(self._event_base(blk, r, ts_ns), kind="xid", severity=xidcat.severity(xid, text),
-                               xid=xid, gpu=gpu, pci_bus_id=bus, pid=(4000 + 97 * r + gpu) if pid else None,
-                               process_name="python3" if pid else None,
-                               message=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, {text}"))
+                               xid=xid, gpu=gpu, pci_bus_id=self.topo.gpu_bus_id(gpu),
+                               pid=(4000 + 97 * r + gpu) if pid else None,
+                               process_name="python3" if pid else None, message=text))
 
     def _link_down_xid(self, blk: Block, r: int, gpu: int, link: int, ts_ns: int) -> None:
         """The Xid of a GPU whose NVLink `link` was taken down, in its generation's words (LINK_DOWN_XIDS)."""

