@@ -37,7 +37,7 @@ from foreshock import xid as xidcat
 from foreshock.collectors.sxid import parse_sxid
 from foreshock.simulator.faults import DAY, MODES, NS, Episode, component_count
 from foreshock.simulator.scenarios import World, shape_intensity, shape_mean
-from foreshock.simulator.topology import NVSWITCHES_PER_NVLINK_DOMAIN, NVSWITCHES_PER_TRAY, Topology
+from foreshock.simulator.topology import NVSWITCHES_PER_TRAY, Topology
 
 NVLINKS_PER_GPU = 18
 PCIE_GEN, PCIE_WIDTH = 5, 16
@@ -857,7 +857,8 @@ class ClusterModel:
             blk.links_down[rows, c, :] += (failed * (2 + ep.variant % 4)).astype(np.int16)[None, :]
             if fires:
                 for r in rows:
-                    self._link_down_xid(blk, int(r), c, ep.variant % NVSWITCHES_PER_NVLINK_DOMAIN, ep.end_ns)
+                    link = ep.variant % int(self.nvlinks[blk.nodes[r]])   # one of the node type's links
+                    self._link_down_xid(blk, int(r), c, link, ep.end_ns)
         elif m in ("gpu_off_bus_pcie", "gpu_off_bus", "straggler", "thermal"):
             blk.gpu_lost[rows, c, :] |= failed[None, :]
             if fires:

@@ -198,17 +198,23 @@ def _agree_with_the_kmsg_reading(xids):
         assert {k: v for k, v in parse_event(line).items() if k in keys} == {k: r[k] for k in keys}
 
 
-def test_hopper_nodes_log_xid_74_for_a_link_taken_down():
-    hgx = Topology(nodes=2, gpus_per_node=8, hcas_per_node=8, nodes_per_leaf=2, job_nodes=2, spare_fraction=0.0)
-    assert hgx.gpu_generation == xidcat.H100 and LINK_DOWN_XIDS[xidcat.H100][0] == 74
+HGX = Topology(nodes=2, gpus_per_node=8, hcas_per_node=8, nodes_per_leaf=2, job_nodes=2, spare_fraction=0.0)
+
+
+@pytest.mark.parametrize("topo, code", [(HGX, 74), (TOPO, 149)], ids=["hgx-h100", "nvl-gb200"])
+def test_a_gpus_own_link_taken_down_logs_its_generations_xid(topo, code):
+    assert LINK_DOWN_XIDS[topo.gpu_generation][0] == code
     fail = T0 + int(FAIL_H * HOUR)
     ep = Episode("t-nvlink", "nvlink", "faulty_gpu", (1,), 3, fail - int(LEAD_H * HOUR), fail, True,
-                 fail + int(REPAIR_H * HOUR), 1.0, "", 2, 99)
-    model = ClusterModel(hgx, seed=5, episodes=[ep], start_ns=T0, interval_s=60.0)
+                 fail + int(REPAIR_H * HOUR), 1.0, "", 20, 99)
+    model = ClusterModel(topo, seed=5, episodes=[ep], start_ns=T0, interval_s=60.0)
     tables = model.generate(np.arange(2), T0 + np.arange(0, 8 * 60) * 60 * NS)
     xids = [r for r in _rows(tables["events"], "xid") if r["severity"] == "fatal"]
-    assert [(r["node"], r["gpu"], r["xid"]) for r in xids] == [(hgx.names[1], 3, 74)]
-    assert xids[0]["message"] == xidcat.lookup(74).example
+    assert [(r["node"], r["gpu"], r["xid"]) for r in xids] == [(topo.names[1], 3, code)]
+    if code == 74:
+        assert xids[0]["message"] == xidcat.lookup(74).example
+    else:   # the variant's link among the GPU's 18
+        assert xids[0]["message"].startswith("NETIR_LINK_EVT Fatal XC0 i0 Link 02 (")
     _agree_with_the_kmsg_reading(xids)
 
 
