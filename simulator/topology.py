@@ -32,6 +32,8 @@ HCA_BUS_IDS = ("0000:1a:00.0", "0000:2c:00.0", "0000:3c:00.0", "0000:5e:00.0",
 # one to each chip. A chip's link numbers run over the domain's GPUs.
 NVSWITCHES_PER_NVLINK_DOMAIN = 18
 NVSWITCHES_PER_TRAY = 2
+# A GB200/GB300 compute tray carries 4 GPUs (two Grace-Blackwell superchips); an NVL72 rack is 18 of them.
+GPUS_PER_NVLINK_TRAY = 4
 
 
 class TopologyError(ValueError):
@@ -62,6 +64,11 @@ class Topology:
             raise TopologyError("topology: at most 32 GPUs and 32 HCAs per node")
         if self.nvlink_domain_nodes < 0:
             raise TopologyError(f"topology nvlink_domain_nodes must be >= 0, got {self.nvlink_domain_nodes}")
+        if self.nvlink_domain_nodes and self.gpus_per_node > GPUS_PER_NVLINK_TRAY:
+            raise TopologyError(f"topology gpus_per_node {self.gpus_per_node} with nvlink_domain_nodes "
+                                f"{self.nvlink_domain_nodes}: the nodes of a multi-node NVLink domain are GB200/GB300 "
+                                f"compute trays of at most {GPUS_PER_NVLINK_TRAY} GPUs (an NVL72 rack: "
+                                f"--nvlink-domain-nodes 18 --gpus-per-node 4)")
         if not 0.0 <= self.spare_fraction < 1.0:
             raise TopologyError(f"topology spare_fraction must be in [0, 1), got {self.spare_fraction}")
         if self.link_layer not in ("InfiniBand", "Ethernet"):

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections import Counter
 
 import pyarrow.compute as pc
+import pytest
 
 from foreshock import fabric
 from foreshock.dataset import read_table
 from foreshock.simulator.batch import SimSettings, run
 from foreshock.simulator.faults import FaultSettings
-from foreshock.simulator.topology import Topology
+from foreshock.simulator.topology import Topology, TopologyError
 
 
 def test_nvl72_racks_have_a_domain_per_18_trays_and_registered_gpus(tmp_path):
@@ -41,3 +42,9 @@ def test_hgx_nodes_have_no_nvlink_domain_and_no_fabric_information(tmp_path):
     assert read_table(tmp_path, "inventory").column("nvlink_domain").null_count == 4
     gpu = read_table(tmp_path, "gpu")
     assert gpu.num_rows and all(gpu.column(c).null_count == gpu.num_rows for c in fabric.GPU_COLUMNS)
+
+
+def test_a_multi_node_nvlink_domain_of_8_gpu_nodes_is_refused_naming_the_settings():
+    with pytest.raises(TopologyError, match="gpus_per_node 8 with nvlink_domain_nodes 9"):
+        Topology(nodes=18, gpus_per_node=8, nvlink_domain_nodes=9)
+    assert Topology(nodes=18, gpus_per_node=4, hcas_per_node=4, nvlink_domain_nodes=18).gpu_generation == "GB200"
