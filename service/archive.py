@@ -25,8 +25,9 @@ while files grow to analytics sizes. Storage is addressed through pyarrow's file
 
 Off the scoring path: the consumers hand their tables over by reference, the ingest stage once its
 value checks have run (`take_tables`, `take_batches`, on the scoring thread), the decision log when
-it flushes (`take_decisions`) and the step-time windows per accepted report (`take_tables`), onto a
-queue bounded by `queue_bytes`; one writer thread decodes, buffers, sorts and writes. When the queue is full a submission is dropped and counted
+it flushes (`take_decisions`) and the step times once per accepted report (`take_tables`), onto a
+queue bounded by `queue_bytes`; one writer thread decodes, buffers, sorts and writes. When the queue
+is full a submission is dropped and counted
 (`foreshock_archive_dropped_bytes_total`): the archive never holds back scoring or an ack, and the
 collectors' own spools hold the same rows. `foreshock serve` runs this writer in a process of its own
 (`ArchiveSettings.process`, service/archive_process.py), so that its CPU and its Python's GIL time are
