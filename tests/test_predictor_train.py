@@ -222,9 +222,10 @@ def test_trend_ratios_tell_a_rising_rate_from_a_burst_that_ended():
 
 
 def test_trees_blind_to_the_absolute_counts_read_them_only_through_baselines_and_trends():
-    """fit_model with constant_columns (--relative-counts: model.baselined_counts): no tree splits on
-    a baselined error signal's absolute window counts even where they alone carry the label, while the
-    trend ratios made from them are still learnt from; the fitted pipeline is the usual one."""
+    """fit_model with constant_columns (model.baselined_counts, train's default; --absolute-counts turns
+    it off): no tree splits on a baselined error signal's absolute window counts even where they alone
+    carry the label, while the trend ratios made from them are still learnt from; the fitted pipeline
+    is the usual one."""
     from foreshock.predictor import features as ft
     from foreshock.predictor import model as mdl
 
