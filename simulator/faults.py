@@ -56,7 +56,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("hbm_abrupt", "gpu", False, description="HBM double-bit error with no warning (Xid 48)"),
     Mode("sram", "gpu", True, 1.0, 0.8, "on-chip SRAM: a short burst of corrected ECC, then an uncontained error (Xid 95)"),
     Mode("sram_abrupt", "gpu", False, description="SRAM uncorrectable error with no warning (Xid 95/48)"),
-    Mode("nvlink", "gpu", True, 3.0, 0.8, "NVLink: CRC flit/data, replay and recovery errors climb, a link drops, then Xid 74"),
+    Mode("nvlink", "gpu", True, 3.0, 0.8, "NVLink: CRC flit/data, replay and recovery errors climb, a link drops, then its "
+                                         "generation's link-down Xid (74 on Hopper, 149 on a GB200 tray)"),
     Mode("gpu_off_bus_pcie", "gpu", True, 1.0, 0.8, "PCIe: replays climb, the link trains down in width, then the GPU falls off the bus (Xid 79)"),
     Mode("gpu_off_bus", "gpu", False, description="the GPU falls off the bus with no warning (Xid 79)"),
     Mode("straggler", "node", True, 6.0, 0.8, "slow-degrading node: throughput falls against its job peers, then a GPU is lost (Xid 79)"),
