@@ -78,11 +78,16 @@ def infinitehbd_category(level: str, cls: str, desc: str) -> str:
     raise AssertionError("the catch-all row of INFINITEHBD_CATEGORIES matches everything")
 
 
-def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0) -> list[dict]:
+def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0, *,
+                     left_out: list[str] | None = None) -> list[dict]:
     """The trace as schema-v1 `incidents` rows: one per fault_start, repaired_at from its fault_end.
 
-    A fault_end closes the oldest open fault of the same node and fault type (the trace has a node with
-    two faults open at once). A fault still open at the end of the file has repaired_at null.
+    Records are taken in time order (starts first, then the file's order, among equal times). A fault_end closes the oldest
+    open fault of the same node and fault type (the trace has a node with two faults open at once), or,
+    where none is open, the node's oldest open fault of another type (a fault reclassified when it was
+    repaired). A fault still open at the end of the file has repaired_at null. A fault_end that finds no
+    open fault of its node says nothing about when a fault started, so it is left out rather than the
+    whole trace: its message (file, record index, why) goes to `left_out` where given.
     Raises HistoryError naming the file and the record index for anything malformed.
     """
     path = Path(path)
@@ -94,6 +99,7 @@ def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0) ->
         raise HistoryError(f"{path}: expected a JSON list of events, got {type(records).__name__}")
     rows: list[dict] = []
     open_faults: dict[tuple, list[int]] = {}
+    checked = []
     for i, rec in enumerate(records):
         where = f"{path}: record {i}"
         if not isinstance(rec, dict):
@@ -110,7 +116,11 @@ def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0) ->
             raise HistoryError(f"{where}: unknown event_type {kind!r} (known: {', '.join(EVENT_TYPES)})")
         if not isinstance(ft, dict) or not all(isinstance(ft.get(k), str) for k in ("Level", "Class", "Desc")):
             raise HistoryError(f"{where}: fault_type must be an object with string Level, Class and Desc")
-        ts = day0.value + round(float(t) * NS_PER_DAY)
+        checked.append((float(t), i, node, kind, ft))
+    # in time order; at one time, starts before ends (a fault that starts and ends at once), then the file's
+    for t, i, node, kind, ft in sorted(checked, key=lambda c: (c[0], c[3] != "fault_start", c[1])):
+        where = f"{path}: record {i}"
+        ts = day0.value + round(t * NS_PER_DAY)
         key = (node, ft["Level"], ft["Class"], ft["Desc"])
         if kind == "fault_start":
             open_faults.setdefault(key, []).append(len(rows))
@@ -121,13 +131,13 @@ def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0) ->
                 "precursor_start": None, "repaired_at": None,
             })
             continue
-        starts = open_faults.get(key)
+        starts = open_faults.get(key) or min(
+            (v for k, v in open_faults.items() if k[0] == node and v), key=lambda v: rows[v[0]]["ts"], default=None)
         if not starts:
-            raise HistoryError(f"{where}: fault_end with no open fault_start of node {node} and this fault type")
-        start = rows[starts.pop(0)]
-        if ts < start["ts"]:
-            raise HistoryError(f"{where}: fault_end at day {t} is before its fault_start")
-        start["repaired_at"] = ts
+            if left_out is not None:
+                left_out.append(f"{where}: fault_end at day {t:g} with no open fault of node {node}: left out")
+            continue
+        rows[starts.pop(0)]["repaired_at"] = ts
     for row in rows:
         row["ts"] = pd.Timestamp(row["ts"], tz="UTC")
         if row["repaired_at"] is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 FORMATS = ("infinitehbd",)
 DEFAULT_FLEET_SIZE = {"infinitehbd": 400}  # the trace's README: 400 servers
+MAX_LEFT_OUT_SHOWN = 10   # fault_end records left out, each named on stderr up to this many, then a count
 
 
 def register(subparsers) -> None:
@@ -65,7 +66,8 @@ def run_import(args, file_data) -> int:
     fleet = args.fleet_size if args.fleet_size is not None else DEFAULT_FLEET_SIZE[args.format]
     out = Path(args.out)
     try:
-        rows = history.read_infinitehbd(args.trace)
+        left_out: list[str] = []
+        rows = history.read_infinitehbd(args.trace, left_out=left_out)
         nodes = sorted({r["node"] for r in rows})
         if fleet < len(nodes):
             raise history.HistoryError(f"--fleet-size {fleet} is smaller than the {len(nodes)} nodes of {args.trace}")
@@ -80,8 +82,14 @@ def run_import(args, file_data) -> int:
     writer.write_table("inventory", schema.to_table("inventory", [{"ts": day0, "node": n} for n in nodes]))
     history.write_metadata(out, fleet_size=fleet, day0=day0, source=str(Path(args.trace).resolve()), fmt=args.format)
     still_open = sum(r["repaired_at"] is None for r in rows)
-    print(f"{args.trace}: {len(rows)} incidents on {len(nodes)} nodes (fleet of {fleet}; {still_open} still open)"
-          f" -> {out}")
+    for line in left_out[:MAX_LEFT_OUT_SHOWN]:
+        print(f"foreshock history import: {line}", file=sys.stderr)
+    if len(left_out) > MAX_LEFT_OUT_SHOWN:
+        print(f"foreshock history import: ... and {len(left_out) - MAX_LEFT_OUT_SHOWN} more fault_end records "
+              "left out", file=sys.stderr)
+    unpaired = f"; {len(left_out)} fault_end records with no open fault left out" if left_out else ""
+    print(f"{args.trace}: {len(rows)} incidents on {len(nodes)} nodes (fleet of {fleet}; {still_open} still open"
+          f"{unpaired}) -> {out}")
     return 0
 
 

@@ -71,9 +71,6 @@ def test_import_round_trip(tmp_path):
     (json.dumps({"node_id": "a"}), "expected a JSON list"),
     (json.dumps([_ev("a", 1.0, "fault_start", SOFT), {"node_id": "a", "event_time": 2.0}]), "record 1: missing fields"),
     (json.dumps([_ev("a", 1.0, "fault_begin", SOFT)]), "record 0: unknown event_type 'fault_begin'"),
-    (json.dumps([_ev("a", 1.0, "fault_start", SOFT), _ev("a", 0.5, "fault_end", SOFT)]),
-     "record 1: fault_end at day 0.5 is before"),
-    (json.dumps([_ev("a", 1.0, "fault_end", SOFT)]), "record 0: fault_end with no open fault_start"),
     (json.dumps([_ev("a", "x", "fault_start", SOFT)]), "record 0: event_time must be"),
     (json.dumps([_ev("a", 1.0, "fault_start", {"Level": "Hardware Failure"})]), "record 0: fault_type must be"),
 ])
@@ -85,6 +82,29 @@ def test_import_refuses_bad_input(tmp_path, capsys, content, message):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(trace) in err and message in err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_repair_that_pairs_with_no_fault_is_left_out_and_named_not_the_trace(tmp_path, capsys):
+    """Out of file order, a repair reclassified (its fault_end names another fault type than its start),
+    a repair of a node with no open fault and one before its node's fault: the trace still imports; the
+    two that pair with nothing are left out and named on stderr; the rest pair as the times say."""
+    events = [_ev("late", 9.0, "fault_start", CABLE), _ev("a", 1.0, "fault_start", SOFT),
+              _ev("a", 2.0, "fault_end", GPU_DBE), _ev("b", 0.5, "fault_end", SOFT), _ev("b", 1.0, "fault_start", SOFT),
+              _ev("c", 4.0, "fault_end", CABLE), _ev("late", 9.5, "fault_end", CABLE), _ev("d", 3.0, "fault_start", SOFT),
+              _ev("d", 3.0, "fault_end", SOFT)]
+    out = tmp_path / "data"
+    assert main(["history", "import", "--format", "infinitehbd", str(_write(tmp_path, events)), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"foreshock history import: {tmp_path / 'trace.json'}: record 3: fault_end at day 0.5 with no open fault of node b: left out",
+        f"foreshock history import: {tmp_path / 'trace.json'}: record 5: fault_end at day 4 with no open fault of node c: left out"]
+    assert "4 incidents on 4 nodes" in captured.out and "2 fault_end records with no open fault left out" in captured.out
+    inc = dataset.read_table(out, "incidents").to_pandas().set_index("node")
+    day = pd.Timedelta(days=1)
+    assert inc.loc["a", "repaired_at"] == h.INFINITEHBD_DAY0 + 2 * day        # the reclassified repair
+    assert pd.isna(inc.loc["b", "repaired_at"])                                   # its repair came first
+    assert inc.loc["d", "repaired_at"] == inc.loc["d", "ts"] == h.INFINITEHBD_DAY0 + 3 * day
+    assert inc.loc["late", "repaired_at"] == h.INFINITEHBD_DAY0 + 9.5 * day
 
 
 def test_unknown_fault_types_fall_back_to_their_level():
