@@ -82,12 +82,13 @@ def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0, *,
                      left_out: list[str] | None = None) -> list[dict]:
     """The trace as schema-v1 `incidents` rows: one per fault_start, repaired_at from its fault_end.
 
-    Records are taken in time order (starts first, then the file's order, among equal times). A fault_end closes the oldest
-    open fault of the same node and fault type (the trace has a node with two faults open at once), or,
-    where none is open, the node's oldest open fault of another type (a fault reclassified when it was
-    repaired). A fault still open at the end of the file has repaired_at null. A fault_end that finds no
-    open fault of its node says nothing about when a fault started, so it is left out rather than the
-    whole trace: its message (file, record index, why) goes to `left_out` where given.
+    Records are taken in time order (among equal times, starts first, then in the file's order). A
+    fault_end closes the oldest open fault of the same node and fault type (the trace has a node with
+    two faults open at once), or, where none is open, the node's oldest open fault of another type (a
+    fault reclassified when it was repaired). A fault still open at the end of the file has repaired_at
+    null. A fault_end that finds no open fault of its node says nothing about when a fault started, so
+    it is left out rather than the whole trace: its message (file, record index, why) goes to
+    `left_out` where given.
     Raises HistoryError naming the file and the record index for anything malformed.
     """
     path = Path(path)
@@ -117,7 +118,7 @@ def read_infinitehbd(path: str | Path, day0: pd.Timestamp = INFINITEHBD_DAY0, *,
         if not isinstance(ft, dict) or not all(isinstance(ft.get(k), str) for k in ("Level", "Class", "Desc")):
             raise HistoryError(f"{where}: fault_type must be an object with string Level, Class and Desc")
         checked.append((float(t), i, node, kind, ft))
-    # in time order; at one time, starts before ends (a fault that starts and ends at once), then the file's
+    # at one time, starts before ends: a fault may start and end at once
     for t, i, node, kind, ft in sorted(checked, key=lambda c: (c[0], c[3] != "fault_start", c[1])):
         where = f"{path}: record {i}"
         ts = day0.value + round(t * NS_PER_DAY)

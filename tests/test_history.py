@@ -89,16 +89,18 @@ def test_a_repair_that_pairs_with_no_fault_is_left_out_and_named_not_the_trace(t
     a repair of a node with no open fault and one before its node's fault: the trace still imports; the
     two that pair with nothing are left out and named on stderr; the rest pair as the times say."""
     events = [_ev("late", 9.0, "fault_start", CABLE), _ev("a", 1.0, "fault_start", SOFT),
-              _ev("a", 2.0, "fault_end", GPU_DBE), _ev("b", 0.5, "fault_end", SOFT), _ev("b", 1.0, "fault_start", SOFT),
-              _ev("c", 4.0, "fault_end", CABLE), _ev("late", 9.5, "fault_end", CABLE), _ev("d", 3.0, "fault_start", SOFT),
-              _ev("d", 3.0, "fault_end", SOFT)]
+              _ev("a", 2.0, "fault_end", GPU_DBE), _ev("b", 0.5, "fault_end", SOFT),
+              _ev("b", 1.0, "fault_start", SOFT), _ev("c", 4.0, "fault_end", CABLE),
+              _ev("late", 9.5, "fault_end", CABLE), _ev("d", 3.0, "fault_start", SOFT), _ev("d", 3.0, "fault_end", SOFT)]
     out = tmp_path / "data"
-    assert main(["history", "import", "--format", "infinitehbd", str(_write(tmp_path, events)), "--out", str(out)]) == 0
+    trace = _write(tmp_path, events)
+    assert main(["history", "import", "--format", "infinitehbd", str(trace), "--out", str(out)]) == 0
     captured = capsys.readouterr()
-    assert captured.err.splitlines() == [
-        f"foreshock history import: {tmp_path / 'trace.json'}: record 3: fault_end at day 0.5 with no open fault of node b: left out",
-        f"foreshock history import: {tmp_path / 'trace.json'}: record 5: fault_end at day 4 with no open fault of node c: left out"]
-    assert "4 incidents on 4 nodes" in captured.out and "2 fault_end records with no open fault left out" in captured.out
+    said = f"foreshock history import: {tmp_path / 'trace.json'}: record"
+    assert captured.err.splitlines() == [f"{said} 3: fault_end at day 0.5 with no open fault of node b: left out",
+                                         f"{said} 5: fault_end at day 4 with no open fault of node c: left out"]
+    assert "4 incidents on 4 nodes" in captured.out
+    assert "2 fault_end records with no open fault left out" in captured.out
     inc = dataset.read_table(out, "incidents").to_pandas().set_index("node")
     day = pd.Timedelta(days=1)
     assert inc.loc["a", "repaired_at"] == h.INFINITEHBD_DAY0 + 2 * day        # the reclassified repair
