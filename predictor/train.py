@@ -179,9 +179,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             cal_y.append(y[ck])
             cal_w.append(np.where(y[ck] == 1, 1.0, 1.0 / cal_neg_rate))
             # the validation slice's features wait on disk (bounded memory) until the model is fitted
+            vs, scores = validation_slice(nf.node, e, y, usable, boundary)
             val_path = fb.cache / f"val-{len(val_nodes):06d}.npy"
-            np.save(val_path, X[va])
-            val_nodes.append(ev.NodeScores(nf.node, e[va], y[va], np.ones(int(va.sum()), bool)))
+            np.save(val_path, X[vs])
+            val_nodes.append(scores)
             val_paths.append(val_path)
         Xtr, ytr, wtr = np.concatenate(train_X), np.concatenate(train_y), np.concatenate(train_w)
         negatives = np.flatnonzero(ytr == 0)
@@ -383,6 +384,17 @@ def _comparable(path) -> "registry.LoadedModel | dict | None":
         return {"model_version": other.version, "path": str(path),
                 "skipped": "it reads other feature columns"}
     return other
+
+
+def validation_slice(node: str, step_end_ns: np.ndarray, y: np.ndarray, usable: np.ndarray,
+                     boundary_ns: int) -> tuple[np.ndarray, ev.NodeScores]:
+    """(the mask of the node's steps in the validation slice, their NodeScores with no scores yet).
+
+    Every step from the boundary on is kept and the unusable ones (a repair, a gap) are masked, as
+    `evaluate` scores a dataset: its alarm episodes are runs of steps, so alarms either side of a
+    repair are two episodes, and the thresholds chosen here are those evaluate then judges."""
+    keep = step_end_ns >= boundary_ns
+    return keep, ev.NodeScores(node, step_end_ns[keep], y[keep], usable[keep])
 
 
 def _incidents_within(incidents: lb.Incidents, lo_ns: int, hi_ns: int) -> lb.Incidents:

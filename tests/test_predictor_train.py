@@ -198,6 +198,30 @@ def test_episode_recall_lead_and_false_evacuations_by_hand():
     assert ev.pick_threshold(curve, 0.0) > 0.9 or curve[-1][1] > 0
 
 
+def test_the_validation_slice_counts_episodes_as_evaluate_does_across_a_repair():
+    """train.validation_slice keeps a repair's steps, masked: an alarm before the failure and one after
+    the repair are two episodes, the second a false evacuation, as evaluate counts them. With the
+    repair's steps dropped the two would be index neighbours and one episode: the thresholds would be
+    chosen on fewer false evacuations than evaluate then finds."""
+    from foreshock.predictor import train
+
+    ends = (np.arange(600) + 1) * STEP_NS
+    incidents = _incidents([{"ts": pd.Timestamp(int(ends[300]), tz="UTC"), "node": "n1", "incident_id": "a",
+                             "scope": "node", "category": "gpu_hbm", "has_precursor": True,
+                             "repaired_at": pd.Timestamp(int(ends[400]), tz="UTC")}])
+    y, excluded = lb.node_labels(ends, incidents.of_node("n1"), 1800)
+    score = np.zeros(600, np.float32)
+    score[290:300] = 0.9         # before the failure: caught
+    score[403:406] = 0.9         # just after the repair, and nothing follows: false
+    keep, node = train.validation_slice("n1", ends, y, ~excluded, int(ends[100]))
+    assert keep.sum() == 500 and (~node.usable).sum() == excluded[100:].sum() > 50
+    node.scores["m"] = score[keep]
+    res = ev.at_threshold([node], "m", 0.5, incidents, 1800)
+    whole = ev.at_threshold([ev.NodeScores("n1", ends, y, ~excluded, {"m": score})], "m", 0.5, incidents, 1800)
+    assert res["evacuations"] == whole["evacuations"] == 2
+    assert res["false_evacuations"] == whole["false_evacuations"] == 1
+
+
 def test_trend_ratios_tell_a_rising_rate_from_a_burst_that_ended():
     from foreshock.predictor import features as ft
     from foreshock.predictor import model as mdl
