@@ -15,9 +15,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/foreshock demo
 
+# Two workers (pytest-xdist): much of the suite waits on real services, not the CPU. Each test file
+# stays whole on one worker, so a module's services (the Slurm cluster, the Ray head, the demo run) and
+# its trained fixtures start once per run, never two copies at a time.
 test: $(STAMP)
 	bash tests/setup.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

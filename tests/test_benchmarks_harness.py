@@ -5,6 +5,7 @@ the soak's RSS reading and slopes."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -65,9 +66,13 @@ def test_the_fault_and_fuzz_loops_find_nothing_wrong():
 
 def test_the_soak_reads_the_rss_of_a_process_and_nan_once_it_has_gone():
     before = bench_soak.rss_mib(os.getpid())[1]
-    block = bytearray(64 * 2**20)   # zero-filled: every page touched
+    # pages new to the process, each written: a bytearray may be carved from free heap memory that is
+    # already resident, which depends on what ran in this process before
+    block = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE)   # private: shared pages are not RssAnon
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     assert bench_soak.rss_mib(os.getpid())[1] - before > 60
-    del block
+    block.close()
     gone = _process("pass")
     gone.wait()
     assert all(math.isnan(x) for x in bench_soak.rss_mib(gone.pid))

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,22 +32,26 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
+def ray_head():
     """`ray start --head` on loopback with 2 CPUs; yields HOST:PORT; `ray stop` at the end."""
     port = _free_port()
-    tmp = tmp_path_factory.mktemp("ray")
+    # Ray's AF_UNIX sockets live under its temp dir, and a socket path may not pass 107 bytes: beneath
+    # pytest's temp dir (a level deeper per pytest-xdist worker) Ray's session and socket names leave too
+    # little room.
+    tmp = tempfile.mkdtemp(prefix="fs-ray-")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [str(RAY), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
-           "--include-dashboard", "false", "--temp-dir", str(tmp / "t"), "--disable-usage-stats"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
+           "--include-dashboard", "false", "--temp-dir", tmp, "--disable-usage-stats"]
     try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
         yield f"127.0.0.1:{port}"
     finally:
         if ray.is_initialized():
             ray.shutdown()
         subprocess.run([str(RAY), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
