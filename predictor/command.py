@@ -188,7 +188,7 @@ def _flags(args, keys):
 
 
 def run_train(args, file_data) -> int:
-    from foreshock.predictor import executors, train
+    from foreshock.predictor import evaluate, executors, train
 
     cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS),
                          checks=TRAIN_CHECKS)
@@ -227,8 +227,10 @@ def run_train(args, file_data) -> int:
           f"{tr['train_rows_sampled']} training rows, {tr['seconds']['total']} s, max RSS {tr['max_rss_mb']} MB")
     print(f"validation slice at threshold {manifest['recommended_threshold']:.4g} "
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
-          f"{_pct(v['incident_recall_precursor'])}, median lead {v['median_lead_minutes']:.1f} min, "
-          f"{v['false_evacuations_per_1000_node_days']:.2f} false evacuations/1,000 node-days, PR-AUC {v['pr_auc']:.3f}")
+          f"{_pct(v['incident_recall_precursor'])}{_interval(v.get('incident_recall_precursor_interval'), _percent)}, "
+          f"median lead {v['median_lead_minutes']:.1f} min, {v['false_evacuations_per_1000_node_days']:.2f}"
+          f"{_interval(v.get('false_evacuations_per_1000_node_days_interval'), _rate)} false evacuations/1,000 "
+          f"node-days, PR-AUC {v['pr_auc']:.3f} ([low-high]: {evaluate.INTERVAL_LEVEL:.0%} interval)")
     allowed = manifest["budget"] * v["node_days"] / 1000.0
     if allowed < train.MIN_BUDGET_EPISODES:
         _err(f"WARNING: the thresholds rest on a validation slice of {v['node_days']:,.0f} node-days: at budget "
@@ -295,11 +297,28 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _percent(share: float) -> str:
+    return f"{100 * share:.0f}%"
+
+
+def _rate(rate: float) -> str:
+    return f"{rate:.2f}"
+
+
+def _interval(bounds, fmt) -> str:
+    """" [low-high]" of a figure's interval (evaluate.INTERVAL_LEVEL), or nothing for a report without one."""
+    if not bounds or any(b is None or math.isnan(b) for b in bounds):
+        return ""
+    return f" [{fmt(bounds[0])}-{fmt(bounds[1])}]"
+
+
 def _figures(m: dict) -> str:
     if m.get("threshold") is None:
         return m.get("missing", "no threshold")
-    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}, lead {m['median_lead_minutes']:6.1f} min, "
-            f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}")
+    recall = _interval(m.get("incident_recall_precursor_interval"), _percent)
+    rate = _interval(m.get("false_evacuations_per_1000_node_days_interval"), _rate)
+    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {m['median_lead_minutes']:6.1f} min, "
+            f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
 
 
 def run_evaluate(args, file_data) -> int:
@@ -348,7 +367,8 @@ def run_evaluate(args, file_data) -> int:
             continue
         print(f"{name:10} {m['pr_auc']:7.3f} {m['roc_auc']:7.3f} {m['brier']:8.5f} {_pct(m['incident_recall_precursor']):>9} "
               f"{_pct(m['incident_recall_all']):>11} {m['median_lead_minutes']:6.1f} {m['false_evacuations_per_1000_node_days']:6.2f}")
-    print("at the manifest's thresholds for budgets " + ", ".join(f"{b:g}" for b in evaluate.AT_BUDGETS) + ":")
+    print("at the manifest's thresholds for budgets " + ", ".join(f"{b:g}" for b in evaluate.AT_BUDGETS)
+          + f" ([low-high]: the figure's {evaluate.INTERVAL_LEVEL:.0%} interval):")
     for b, per in rep["at_budgets"].items():
         for name, m in per.items():
             print(f"  budget {float(b):g} {name:10} {_figures(m)}")

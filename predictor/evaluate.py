@@ -16,6 +16,10 @@ by the model and both baselines) and the incidents table (labels.py). Definition
   horizon justifies an episode) is reported too, as `false_evacuations_strict*`.
 * Incidents of categories without precursors are reported apart (`incident_recall_all` includes them,
   `incident_recall_precursor` does not) and are never credited as lead time.
+* Every recall and false-evacuation rate carries its INTERVAL_LEVEL (90 %) interval: exact
+  (Clopper-Pearson) for a recall, a share of few failures, and exact (Garwood) for a rate, a Poisson
+  count over node-days. A validation slice or an evaluation holds a few dozen failures and a handful of
+  false evacuations; the interval says how far the next period's figure may fall from this one.
 * Thresholds come from the model's manifest (chosen on the training run's validation slice), never
   from the data being evaluated. `at_budgets` reports each predictor at the thresholds the manifest
   lists for AT_BUDGETS (1, 2 and 5), overall and per family, signature and node type (groups.py); a
@@ -33,6 +37,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import stats
 from sklearn.metrics import average_precision_score, brier_score_loss, precision_recall_curve, roc_auc_score
 
 from foreshock.predictor import groups
@@ -47,7 +52,9 @@ MODEL_NAMES = ("model", "rule", "logistic")
 # budgets (false evacuations per 1,000 node-days) reported at the manifest's own thresholds (`at_budgets`)
 AT_BUDGETS = (1.0, 2.0, 5.0)
 AT_BUDGET_KEYS = ("threshold", "incidents_precursor", "incident_recall_precursor", "median_lead_minutes",
-                  "false_evacuations", "node_days", "false_evacuations_per_1000_node_days")
+                  "false_evacuations", "node_days", "false_evacuations_per_1000_node_days",
+                  "incident_recall_precursor_interval", "false_evacuations_per_1000_node_days_interval")
+INTERVAL_LEVEL = 0.90   # two-sided: 5 % of the mass below the interval, 5 % above
 OVERLAP_RULE = ("the same data hash, or an evaluated time range that intersects the training time range "
                 "on the same node names; for a stacked model, the same for its base model's training data; for "
                 "a model whose thresholds were calibrated on a fleet's history, the same for that history")
@@ -59,6 +66,8 @@ DEFINITIONS = {
     "false_evacuations_strict_per_1000_node_days": "the same, justified by an incident within the horizon of the episode's last step only",
     "at_budgets": "each predictor at the threshold its manifest lists for the budget (none listed: not evaluated), overall, per family (incident category), per signature (category and the failure mode its description names before ':') and per node type (GPU and HCA counts from the inventory); per-group recall counts precursor incidents only",
     "overlap": "the evaluated data overlaps the training data when it has " + OVERLAP_RULE,
+    "intervals": (f"*_interval: the {INTERVAL_LEVEL:.0%} interval of the figure, exact (Clopper-Pearson) for a "
+                  "recall, exact (Garwood, Poisson) for a rate per 1,000 node-days"),
 }
 RELIABILITY_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0000001)
 
@@ -148,6 +157,27 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold, incidents: lb.In
                 1000.0 * strict_false / node_days if node_days else float("nan")}
 
 
+def proportion_interval(k: int, n: int, level: float = INTERVAL_LEVEL) -> list[float]:
+    """[low, high]: the exact (Clopper-Pearson) interval of a share from k of n; [nan, nan] for n = 0."""
+    if n <= 0:
+        return [float("nan"), float("nan")]
+    tail = (1.0 - level) / 2.0
+    low = float(stats.beta.ppf(tail, k, n - k + 1)) if k > 0 else 0.0
+    high = float(stats.beta.ppf(1.0 - tail, k + 1, n - k)) if k < n else 1.0
+    return [low, high]
+
+
+def rate_interval(count: int, exposure: float, per: float = 1000.0, level: float = INTERVAL_LEVEL) -> list[float]:
+    """[low, high] per `per` units of exposure: the exact (Garwood) interval of a Poisson rate from `count`
+    events in `exposure` units; [nan, nan] for no exposure."""
+    if not exposure > 0:
+        return [float("nan"), float("nan")]
+    tail = (1.0 - level) / 2.0
+    low = float(stats.chi2.ppf(tail, 2 * count)) / 2.0 if count > 0 else 0.0
+    high = float(stats.chi2.ppf(1.0 - tail, 2 * count + 2)) / 2.0
+    return [per * low / exposure, per * high / exposure]
+
+
 def summarise(res: dict, incidents: lb.Incidents) -> dict:
     inc = incidents.by_incident
     lead = res["lead_minutes"]
@@ -165,12 +195,14 @@ def summarise(res: dict, incidents: lb.Incidents) -> dict:
         "threshold": res["threshold"],
         "incidents": int(len(inc)), "incidents_precursor": int(len(pre)),
         "incident_recall_precursor": len(det_pre) / len(pre) if len(pre) else float("nan"),
+        "incident_recall_precursor_interval": proportion_interval(len(det_pre), len(pre)),
         "incident_recall_all": (sum(1 for i in inc["incident_id"] if i in lead) / len(inc)) if len(inc) else float("nan"),
         "median_lead_minutes": float(np.median(det_pre)) if det_pre else float("nan"),
         "lead_minutes_precursor": sorted(float(v) for v in det_pre),
         "false_evacuations": res["false_evacuations"], "evacuations": res["evacuations"],
         "node_days": res["node_days"],
         "false_evacuations_per_1000_node_days": res["false_evacuations_per_1000_node_days"],
+        "false_evacuations_per_1000_node_days_interval": rate_interval(res["false_evacuations"], res["node_days"]),
         "false_evacuations_strict": res["false_evacuations_strict"],
         "false_evacuations_strict_per_1000_node_days": res["false_evacuations_strict_per_1000_node_days"],
         "per_category": cats,

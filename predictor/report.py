@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from foreshock import pages  # noqa: E402
-from foreshock.predictor.evaluate import overlap_warning  # noqa: E402
+from foreshock.predictor.evaluate import INTERVAL_LEVEL, overlap_warning  # noqa: E402
 
 NAMES = ("model", "rule", "logistic")
 COLORS = {"model": "#1f77b4", "rule": "#d62728", "logistic": "#2ca02c"}
@@ -154,6 +154,13 @@ def _rate(v) -> str:
     return "-" if _nan(v) else f"{v:.2f}"
 
 
+def _interval(bounds, fmt, before: str = "; ", after: str = "") -> str:
+    """A figure's interval in words ("; 90 % interval 33%-55%"), or nothing for a report without one."""
+    if not bounds or any(_nan(b) for b in bounds):
+        return ""
+    return f"{before}{INTERVAL_LEVEL:.0%} interval {fmt(bounds[0])}-{fmt(bounds[1])}{after}"
+
+
 def _probability(v) -> str:
     from foreshock import risk
 
@@ -177,11 +184,13 @@ def _headline(report: dict, present: list[str]) -> str:
     else:
         caught = round(m["incident_recall_precursor"] * n)
         text = (f"At its threshold for {report['budget']:g} false evacuations per 1,000 node-days, the model warned "
-                f"of {caught} of {n} failures with precursors ({_pct(m['incident_recall_precursor'])})")
+                f"of {caught} of {n} failures with precursors ({_pct(m['incident_recall_precursor'])}"
+                f"{_interval(m.get('incident_recall_precursor_interval'), _pct)})")
         if caught:
             text += f", a median {_minutes(m['median_lead_minutes'])} ahead"
     text += (f", with {_rate(m['false_evacuations_per_1000_node_days'])} false evacuations (healthy nodes "
-             f"evacuated) per 1,000 node-days.")
+             f"evacuated) per 1,000 node-days"
+             f"{_interval(m.get('false_evacuations_per_1000_node_days_interval'), _rate, ' (', ')')}.")
     for name in present[1:]:
         b = report[name]
         text += (f" The {LABELS[name]} at its own threshold: {_caught(b)}, "

@@ -97,6 +97,13 @@ def test_evaluate_on_the_training_data_reports_budgets_groups_and_warns_of_the_o
             assert set(types) == {"8 GPU / 8 HCA", SMALL}
             assert sum(t["false_evacuations"] for t in types.values()) == m["false_evacuations"]
             assert sum(t["node_days"] for t in types.values()) == pytest.approx(m["node_days"])
+            low, high = m["false_evacuations_per_1000_node_days_interval"]
+            assert low <= m["false_evacuations_per_1000_node_days"] < high
+            assert ev.rate_interval(m["false_evacuations"], m["node_days"]) == [low, high]
+    # each budget's figures are printed with their intervals
+    budget2 = rep["at_budgets"]["2.0"]["model"]
+    rate_low, rate_high = budget2["false_evacuations_per_1000_node_days_interval"]
+    assert f"FE/1k {budget2['false_evacuations_per_1000_node_days']:6.2f} [{rate_low:.2f}-{rate_high:.2f}]" in captured.out
     # on its own training data, the model catches some incident of some family at budget 5
     fam5 = rep["at_budgets"]["5.0"]["model"]["per_family"]
     assert any(f["detected"] > 0 and f["recall"] > 0 for f in fam5.values())

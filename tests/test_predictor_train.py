@@ -194,6 +194,10 @@ def test_episode_recall_lead_and_false_evacuations_by_hand():
     ev_late = ev.at_threshold(nodes, "m", 0.5, incidents, 1800)
     assert ev_late["false_evacuations_per_1000_node_days"] < ev_late["false_evacuations_strict_per_1000_node_days"]
     assert res["per_category"]["software_bug"]["recall"] == 0.0
+    # one precursor failure caught of one: the share's 90 % interval is [0.05, 1] (0.05 ** (1/1))
+    assert res["incident_recall_precursor_interval"] == pytest.approx([0.05, 1.0])
+    low, high = res["false_evacuations_per_1000_node_days_interval"]
+    assert low < res["false_evacuations_per_1000_node_days"] < high
     curve = ev.threshold_curve(nodes, "m", incidents, 1800)
     assert ev.pick_threshold(curve, 0.0) > 0.9 or curve[-1][1] > 0
 
@@ -295,6 +299,23 @@ def test_evaluate_refuses_an_unwritable_report_before_the_work(sim_data, tmp_pat
     assert not (tmp_path / "missing").exists() and list(tmp_path.iterdir()) == []
 
 
+def test_figure_intervals_are_the_exact_ones():
+    """Garwood's interval of a Poisson count and Clopper-Pearson's of a share, against closed forms and
+    tabled values: a rate from 0 events tops out at -ln(0.05) = 2.996 per unit of exposure, from 6 at
+    chi2(0.05, 12) / 2 = 2.613 and chi2(0.95, 14) / 2 = 11.842; 0 of n and n of n have one-sided closed
+    forms; no exposure or no failure has no interval."""
+    assert ev.rate_interval(0, 1000.0) == pytest.approx([0.0, 2.9957], abs=1e-4)
+    assert ev.rate_interval(6, 2000.0) == pytest.approx([2.6130 / 2, 11.8424 / 2], abs=1e-3)
+    assert ev.rate_interval(6, 2000.0, per=1.0) == pytest.approx([2.6130 / 2000, 11.8424 / 2000], rel=1e-3)
+    assert ev.proportion_interval(0, 27) == pytest.approx([0.0, 1 - 0.05 ** (1 / 27)])
+    assert ev.proportion_interval(5, 5) == pytest.approx([0.05 ** (1 / 5), 1.0])
+    low, high = ev.proportion_interval(28, 64)
+    assert low < 28 / 64 < high and (1 - high, 1 - low) == pytest.approx(tuple(ev.proportion_interval(36, 64)))
+    wider = ev.proportion_interval(28, 64, level=0.99)
+    assert wider[0] < low and wider[1] > high
+    assert all(np.isnan(ev.rate_interval(3, 0.0))) and all(np.isnan(ev.proportion_interval(0, 0)))
+
+
 def test_evaluate_refuses_a_dataset_without_incidents_and_summarises_a_quiet_one(tmp_path, capsys):
     """A foreign dataset (telemetry, no incidents table) gets one line naming it, not a traceback; a
     dataset whose incidents table is empty is a quiet period: recall is unknown, nothing fails."""
@@ -311,6 +332,9 @@ def test_evaluate_refuses_a_dataset_without_incidents_and_summarises_a_quiet_one
                           "false_evacuations_strict_per_1000_node_days": 0.0, "threshold": 0.1, "by_node": {}},
                          lb.Incidents.from_table(None))
     assert quiet["incidents"] == 0 and np.isnan(quiet["incident_recall_precursor"])
+    assert all(np.isnan(quiet["incident_recall_precursor_interval"]))
+    # no false evacuation in one node-day still allows up to -ln(0.05) per node-day at 90 %
+    assert quiet["false_evacuations_per_1000_node_days_interval"] == pytest.approx([0.0, 2995.7], abs=0.1)
 
 
 def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_path, capsys):
