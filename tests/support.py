@@ -16,11 +16,43 @@ import urllib.error
 import urllib.request
 
 
+# Ports for services a test starts after choosing them: below the kernel's ephemeral range, where no
+# outgoing connection and no bind to port 0 lands in the meantime, and a separate stretch per
+# pytest-xdist worker, so two workers never hand out the same port.
+PORTS_BELOW_EPHEMERAL = 12_000
+_port_cursor: list[int] = []
+
+
+def _port_stretch() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = max(1024, ephemeral_low - PORTS_BELOW_EPHEMERAL)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (ephemeral_low - low) // workers
+    return range(low + index % workers * width, low + (index % workers + 1) * width)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now, from this worker's stretch, never the one
+    handed out just before (its service may not have bound it yet)."""
+    stretch = _port_stretch()
+    if not _port_cursor:
+        _port_cursor.append(stretch.start + os.getpid() % len(stretch))
+    for _ in range(len(stretch)):
+        port = stretch.start + (_port_cursor[0] - stretch.start + 1) % len(stretch)
+        _port_cursor[0] = port
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {stretch.start}-{stretch.stop - 1}")
 
 
 def two_shard_map(a: str, b: str, a_leaves=("leaf-01",), b_leaves=("leaf-02",)) -> str:

@@ -111,10 +111,8 @@ def test_metrics_endpoint_serves_http(tmp_path):
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from support import free_port
+    return free_port()
 
 
 def _sweeps_done(port: int) -> int:
@@ -321,13 +319,10 @@ def test_service_flag_builds_the_real_streaming_uplink(tmp_path):
 
 def test_sweeps_the_uplink_could_not_deliver_at_close_are_counted_and_said(caplog):
     import logging
-    import socket
 
     from foreshock.collectors.uplink import StreamingUplink
 
-    with socket.socket() as s:     # a port nobody listens on: the stream never connects
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()     # a port nobody listens on: the stream never connects
     up = StreamingUplink(f"127.0.0.1:{port}", node="n1", backoff_initial=0.1).start()
     inv = sch.to_table("inventory", [{"ts": 0, "node": "n1"}])
     for _ in range(3):

@@ -190,9 +190,8 @@ def _silent_listener():
 
 
 def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from support import free_port
+    return free_port()
 
 
 @pytest.mark.slow

@@ -379,10 +379,8 @@ def test_the_sharded_roles_export_what_the_rules_read(name, role, exported):
 
 # -- a real Prometheus over the real exporters ----------------------------------------------------------
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from support import free_port
+    return free_port()
 
 
 def _query(port: int, expr: str) -> list[dict]:

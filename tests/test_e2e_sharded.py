@@ -37,10 +37,8 @@ LEAF_OF = {n: LEAVES[i * len(LEAVES) // len(NODES)] for i, n in enumerate(NODES)
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from support import free_port
+    return free_port()
 
 
 def _env() -> dict[str, str]:

@@ -185,9 +185,8 @@ def test_tls_and_bearer_tokens(tmp_path):
 
 def test_the_service_may_list_a_coordinator_and_its_standby(plane):
     """FORESHOCK_SERVICE=A,B: a call answered UNAVAILABLE (nobody at A here) moves to B."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    from support import free_port
+    nobody = f"127.0.0.1:{free_port()}"
     c = _client(f"{nobody},{plane.address}")
     try:
         end = time.monotonic() + 10

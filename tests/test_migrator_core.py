@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -39,9 +38,8 @@ def test_the_documented_loop_runs():
                "def load_batch(step, rank, world):\n"
                "    g = torch.Generator().manual_seed(step * 10 + rank)\n"
                "    return torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from support import free_port
+    port = free_port()
     env = {"PATH": "/usr/bin:/bin", "FORESHOCK_JOB_ID": "doc", "RANK": "0", "WORLD_SIZE": "1",
            "FORESHOCK_STORE": f"127.0.0.1:{port}", "FORESHOCK_HOST_STORE": "1"}
     out = subprocess.run([sys.executable, "-c", prelude + code + "\nprint('steps', mig.step, position.next_step)"],

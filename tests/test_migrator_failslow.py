@@ -7,7 +7,6 @@ concurrently."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -35,11 +34,8 @@ def _plane(tmp_path, name):
 
 
 def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    from support import free_port
+    return free_port()
 
 
 @pytest.fixture(scope="module")

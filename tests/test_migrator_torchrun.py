@@ -39,14 +39,12 @@ def _wait_for(pattern, path: Path, proc, timeout: float):
 
 
 def test_a_torchrun_ddp_script_adopts_its_group_and_hands_a_rank_to_a_spare(tmp_path):
-    import socket
     import torch.distributed as dist
     from foreshock.migrator import Directive, DirectiveKind, publish_directive
     out = tmp_path / "records"
     out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    from support import free_port
+    endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "FORESHOCK_EXAMPLE_OUT": str(out), "FORESHOCK_EXAMPLE_STEPS": str(STEPS),
            "FORESHOCK_EXAMPLE_STEP_SLEEP": "0.4", "FORESHOCK_STORE": endpoint,
            "FORESHOCK_SPARE_NODES": "spare-node", "FORESHOCK_TRANSFER_TIMEOUT_S": "30",

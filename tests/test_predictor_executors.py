@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,8 @@ RAY = Path(sys.executable).with_name("ray")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from support import free_port
+    return free_port()
 
 
 @pytest.fixture(scope="module")
