@@ -130,6 +130,16 @@ def register(subparsers) -> None:
     t.add_argument("--prior-node-days", type=float, dest="prior_node_days",
                    help="weight of the model's validation curve, in node-days (default 1000)")
     t.set_defaults(run=run_thresholds)
+    pl = subparsers.add_parser("pool", help="pool several `foreshock evaluate --json` reports of one model into "
+                                            "one figure per budget",
+                               description="Sum the failures, those caught, the false evacuations and the "
+                                           "node-days of several evaluations of one model (held-out periods, "
+                                           "clusters, seeds) at its thresholds, and print the pooled recall and "
+                                           "false-evacuation rate with their intervals (docs/predictor.md, "
+                                           "Pooling evaluations).")
+    pl.add_argument("reports", nargs="+", metavar="REPORT", help="a JSON report of `foreshock evaluate --json`")
+    pl.add_argument("--json", help="write the pooled figures as JSON here")
+    pl.set_defaults(run=run_pool)
 
 
 def _executor_flags(p) -> None:
@@ -319,6 +329,45 @@ def _figures(m: dict) -> str:
     rate = _interval(m.get("false_evacuations_per_1000_node_days_interval"), _rate)
     return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {m['median_lead_minutes']:6.1f} min, "
             f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
+
+
+def run_pool(args, file_data) -> int:
+    from foreshock.predictor import evaluate, pooling
+
+    problem = _unwritable({"json": args.json}, ("json",))
+    if problem:
+        print(f"foreshock pool: {problem}", file=sys.stderr)
+        return 2
+    try:
+        pooled = pooling.pool([(path, pooling.read_report(path)) for path in args.reports])
+    except pooling.PoolError as exc:
+        print(f"foreshock pool: {exc}", file=sys.stderr)
+        return 1
+    if pooled["overlaps"]:
+        _err(f"WARNING: {', '.join(pooled['overlaps'])} overlap the model's training data: the pooled figures are "
+             "not evidence of how the model does on new data")
+    print(f"{len(pooled['reports'])} evaluations of model {pooled['model_version']}, {pooled['node_days']:,.1f} "
+          f"node-days; pooled at the manifest's thresholds ([low-high]: the figure's "
+          f"{evaluate.INTERVAL_LEVEL:.0%} interval):")
+    for b, per in pooled["at_budgets"].items():
+        for name, m in per.items():
+            if m.get("threshold") is None:
+                print(f"  budget {float(b):g} {name:10} {m.get('missing', 'no threshold')}")
+                continue
+            leads = ", ".join("-" if v is None or math.isnan(v) else f"{v:.0f}" for v in m["median_lead_minutes_per_report"])
+            print(f"  budget {float(b):g} {name:10} caught {m['detected_precursor']} of {m['incidents_precursor']}: "
+                  f"recall(p) {_pct(m['incident_recall_precursor'])}"
+                  f"{_interval(m['incident_recall_precursor_interval'], _percent)}, FE/1k "
+                  f"{m['false_evacuations_per_1000_node_days']:.2f}"
+                  f"{_interval(m['false_evacuations_per_1000_node_days_interval'], _rate)}; median lead per "
+                  f"report {leads} min")
+    at = pooled["at_budgets"].get(str(float(pooled["budget"])), {}).get("model")
+    if at and at.get("per_family"):
+        print(f"model at budget {pooled['budget']:g}, caught per family: " + ", ".join(
+            f"{fam} {f['detected']}/{f['incidents']}" for fam, f in at["per_family"].items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(pooled, indent=1, default=float, allow_nan=True) + "\n")
+    return 0
 
 
 def run_evaluate(args, file_data) -> int:
