@@ -237,7 +237,7 @@ def run_train(args, file_data) -> int:
           f"{tr['train_rows_sampled']} training rows, {tr['seconds']['total']} s, max RSS {tr['max_rss_mb']} MB")
     print(f"validation slice at threshold {manifest['recommended_threshold']:.4g} "
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
-          f"{_pct(v['incident_recall_precursor'])}{_interval(v.get('incident_recall_precursor_interval'), _percent)}, "
+          f"{_pct(v['incident_recall_precursor'])}{_interval(v.get('incident_recall_precursor_interval'), _pct)}, "
           f"median lead {v['median_lead_minutes']:.1f} min, {v['false_evacuations_per_1000_node_days']:.2f}"
           f"{_interval(v.get('false_evacuations_per_1000_node_days_interval'), _rate)} false evacuations/1,000 "
           f"node-days, PR-AUC {v['pr_auc']:.3f} ([low-high]: {evaluate.INTERVAL_LEVEL:.0%} interval)")
@@ -307,10 +307,6 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _percent(share: float) -> str:
-    return f"{100 * share:.0f}%"
-
-
 def _rate(rate: float) -> str:
     return f"{rate:.2f}"
 
@@ -325,7 +321,7 @@ def _interval(bounds, fmt) -> str:
 def _figures(m: dict) -> str:
     if m.get("threshold") is None:
         return m.get("missing", "no threshold")
-    recall = _interval(m.get("incident_recall_precursor_interval"), _percent)
+    recall = _interval(m.get("incident_recall_precursor_interval"), _pct)
     rate = _interval(m.get("false_evacuations_per_1000_node_days_interval"), _rate)
     return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {m['median_lead_minutes']:6.1f} min, "
             f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
@@ -357,7 +353,7 @@ def run_pool(args, file_data) -> int:
             leads = ", ".join("-" if v is None or math.isnan(v) else f"{v:.0f}" for v in m["median_lead_minutes_per_report"])
             print(f"  budget {float(b):g} {name:10} caught {m['detected_precursor']} of {m['incidents_precursor']}: "
                   f"recall(p) {_pct(m['incident_recall_precursor'])}"
-                  f"{_interval(m['incident_recall_precursor_interval'], _percent)}, FE/1k "
+                  f"{_interval(m['incident_recall_precursor_interval'], _pct)}, FE/1k "
                   f"{m['false_evacuations_per_1000_node_days']:.2f}"
                   f"{_interval(m['false_evacuations_per_1000_node_days_interval'], _rate)}; median lead per "
                   f"report {leads} min")
