@@ -24,6 +24,7 @@ from foreshock.collectors.collector import Collector
 from foreshock.collectors.rdma import RdmaSource
 from foreshock.collectors.simulated import SimulatedSource
 from foreshock.dataset import DatasetWriter, read_table
+from support import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
@@ -110,11 +111,6 @@ def test_metrics_endpoint_serves_http(tmp_path):
     assert "foreshock_collector_sweeps_total 1.0" in body
 
 
-def _free_port() -> int:
-    from support import free_port
-    return free_port()
-
-
 def _sweeps_done(port: int) -> int:
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
@@ -137,7 +133,7 @@ def _wait_for_sweeps(proc, port: int, n: int) -> int:
 
 def test_sigterm_flushes_everything(procfs_fixture, tmp_path):
     out = tmp_path / "ds"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "foreshock", "collect", "--sources", "simulated,rdma", "--sysfs",
          str(procfs_fixture / "sys"), "--interval", "0.05", "--rotate-seconds", "3600", "--metrics-listen",
@@ -165,7 +161,7 @@ def test_sigkill_loses_no_sweep_the_metrics_counted(procfs_fixture, tmp_path):
     """kill -9 with the default-length interval open: the next start replays the journal, so every sweep
     counted before the kill is in the dataset (issue 23: 300 s of sweeps were lost)."""
     out = tmp_path / "ds"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "foreshock", "collect", "--sources", "simulated", "--interval", "0.05",
          "--rotate-seconds", "300", "--metrics-listen", f"127.0.0.1:{port}", "--node", "kill", "--out", str(out),
@@ -322,7 +318,7 @@ def test_sweeps_the_uplink_could_not_deliver_at_close_are_counted_and_said(caplo
 
     from foreshock.collectors.uplink import StreamingUplink
 
-    port = _free_port()     # a port nobody listens on: the stream never connects
+    port = free_port()     # a port nobody listens on: the stream never connects
     up = StreamingUplink(f"127.0.0.1:{port}", node="n1", backoff_initial=0.1).start()
     inv = sch.to_table("inventory", [{"ts": 0, "node": "n1"}])
     for _ in range(3):

@@ -22,6 +22,7 @@ from foreshock import cli
 from foreshock import dataset as ds
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import offline, train
+from support import free_port
 
 VIRTUAL = "/nowhere-on-disk/dataset"   # where the recording filesystem serves the dataset
 
@@ -189,11 +190,6 @@ def _silent_listener():
         srv.close()
 
 
-def _closed_port() -> int:
-    from support import free_port
-    return free_port()
-
-
 @pytest.mark.slow
 def test_an_unknown_scheme_or_storage_that_does_not_answer_is_refused_naming_it(tmp_path, capsys):
     t0 = time.monotonic()
@@ -204,7 +200,7 @@ def test_an_unknown_scheme_or_storage_that_does_not_answer_is_refused_naming_it(
     rc = cli.main(["evaluate", "--data", str(tmp_path / "missing")])
     assert rc == 2 and f"dataset directory {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
     # nothing listens: refused once the client gives up, well within the command's deadline
-    uri = f"s3://bucket/archive?endpoint_override=127.0.0.1:{_closed_port()}&scheme=http&region=us-east-1"
+    uri = f"s3://bucket/archive?endpoint_override=127.0.0.1:{free_port()}&scheme=http&region=us-east-1"
     t0 = time.monotonic()
     rc = cli.main(["evaluate", "--data", uri])
     err = capsys.readouterr().err

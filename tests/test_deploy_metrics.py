@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "foreshock.json"
@@ -378,11 +379,6 @@ def test_the_sharded_roles_export_what_the_rules_read(name, role, exported):
 
 
 # -- a real Prometheus over the real exporters ----------------------------------------------------------
-def _free_port() -> int:
-    from support import free_port
-    return free_port()
-
-
 def _query(port: int, expr: str) -> list[dict]:
     import urllib.parse
     import urllib.request
@@ -430,7 +426,7 @@ def _check_on_prometheus(tmp_path: Path, collector_port: int, serve_port: int, c
     jobs["foreshock-serve"]["static_configs"] = [{"targets": [f"127.0.0.1:{serve_port}"]}]
     jobs["foreshock-collector"]["file_sd_configs"][0]["files"] = [str(tmp_path / "sd" / "*.json")]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "prometheus.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
@@ -567,7 +563,7 @@ def test_shard_rules_aggregate_two_running_instances_on_a_real_prometheus(procfs
         del jobs["foreshock-coordinator"]
         config["scrape_configs"] = list(jobs.values())
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = _free_port()
+        port = free_port()
         log = tmp_path / "prometheus.log"
         with open(log, "w") as err:
             proc = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",

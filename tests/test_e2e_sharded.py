@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import Serve, wait_until
+from support import Serve, free_port, wait_until
 
 pytest.importorskip("torch")
 
@@ -34,11 +34,6 @@ LEAVES = [f"leaf-{k:02d}" for k in range(6)]
 SHARDS = {f"s-{i}": LEAVES[2 * i: 2 * i + 2] for i in range(3)}
 NODES = [f"node-{i:03d}" for i in range(300)]
 LEAF_OF = {n: LEAVES[i * len(LEAVES) // len(NODES)] for i, n in enumerate(NODES)}
-
-
-def _free_port() -> int:
-    from support import free_port
-    return free_port()
 
 
 def _env() -> dict[str, str]:
@@ -141,7 +136,7 @@ def test_a_fault_reaches_a_training_job_through_the_coordinator_across_a_shard_r
         job = example.launch("e2e", placement, spares, steps=1_000_000, out_dir=tmp_path / "job",
                              service=coordinators, seed=3, step_sleep_s=0.05, transfer_timeout_s=30.0)
 
-        addresses = {name: f"127.0.0.1:{_free_port()}" for name in SHARDS}
+        addresses = {name: f"127.0.0.1:{free_port()}" for name in SHARDS}
         (tmp_path / "shards.toml").write_text("".join(
             f'[shards.{name}]\naddress = "{addresses[name]}"\nleaves = {json.dumps(leaves)}\n'
             for name, leaves in SHARDS.items()))
@@ -157,7 +152,7 @@ def test_a_fault_reaches_a_training_job_through_the_coordinator_across_a_shard_r
         job.wait_progress(10, timeout=60)
 
         # Two real collectors on s-1's leaves: the ones that must buffer and resume across its restart.
-        collector_metrics = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+        collector_metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
         for k in range(2):
             others.append(subprocess.Popen(
                 [sys.executable, "-m", "foreshock", "collect", "--sources", "simulated", "--interval", "0.2",

@@ -16,6 +16,7 @@ from foreshock.service.auth import parse_identity
 from foreshock.service.scoring import NullScorer
 from foreshock.service.server import Settings, build_server
 from foreshock.v1 import jobs_pb2, jobs_pb2_grpc
+from support import free_port
 
 POLICY = {"lead_seconds": 0.1, "min_steps_ahead": 3, "stale_seconds": 3600.0}
 
@@ -185,7 +186,6 @@ def test_tls_and_bearer_tokens(tmp_path):
 
 def test_the_service_may_list_a_coordinator_and_its_standby(plane):
     """FORESHOCK_SERVICE=A,B: a call answered UNAVAILABLE (nobody at A here) moves to B."""
-    from support import free_port
     nobody = f"127.0.0.1:{free_port()}"
     c = _client(f"{nobody},{plane.address}")
     try:

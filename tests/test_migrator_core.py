@@ -16,6 +16,7 @@ from foreshock.migrator import (Directive, DirectiveBook, DirectiveKind, Migrato
 from foreshock.migrator.directives import CONTROL_SIZE, MAX_EXACT_WORLD
 
 from pathlib import Path
+from support import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,6 @@ def test_the_documented_loop_runs():
                "def load_batch(step, rank, world):\n"
                "    g = torch.Generator().manual_seed(step * 10 + rank)\n"
                "    return torch.randn(4, 32, generator=g), torch.randn(4, 8, generator=g)\n")
-    from support import free_port
     port = free_port()
     env = {"PATH": "/usr/bin:/bin", "FORESHOCK_JOB_ID": "doc", "RANK": "0", "WORLD_SIZE": "1",
            "FORESHOCK_STORE": f"127.0.0.1:{port}", "FORESHOCK_HOST_STORE": "1"}

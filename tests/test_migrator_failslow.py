@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from foreshock.migrator import example  # noqa: E402
+from support import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -33,11 +34,6 @@ def _plane(tmp_path, name):
     return plane, f"127.0.0.1:{port}"
 
 
-def _closed_port() -> int:
-    from support import free_port
-    return free_port()
-
-
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migrator-failslow")
@@ -51,7 +47,7 @@ def group(tmp_path_factory):
         jobs["even"] = example.launch("even", NODES, [], out_dir=tmp / "even", service=addr_e,
                                       slow_nodes={n: 0.06 for n in NODES}, **common)
         jobs["outage"] = example.launch("outage", NODES[:3], [], out_dir=tmp / "outage",
-                                        service=f"127.0.0.1:{_closed_port()}", **common)
+                                        service=f"127.0.0.1:{free_port()}", **common)
         codes = {name: job.wait(timeout=300) for name, job in jobs.items()}
         # the last batches of step times arrive as the ranks close: give the policy a few rounds
         time.sleep(0.5)

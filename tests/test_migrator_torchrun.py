@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from support import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -43,7 +44,6 @@ def test_a_torchrun_ddp_script_adopts_its_group_and_hands_a_rank_to_a_spare(tmp_
     from foreshock.migrator import Directive, DirectiveKind, publish_directive
     out = tmp_path / "records"
     out.mkdir()
-    from support import free_port
     endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "FORESHOCK_EXAMPLE_OUT": str(out), "FORESHOCK_EXAMPLE_STEPS": str(STEPS),
            "FORESHOCK_EXAMPLE_STEP_SLEEP": "0.4", "FORESHOCK_STORE": endpoint,

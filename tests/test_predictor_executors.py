@@ -19,20 +19,16 @@ import pytest
 from foreshock import cli
 from foreshock.dataset import read_table
 from foreshock.predictor import executors, offline, registry, train
+from support import free_port
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra foreshock[ray] (make installs it)")
 RAY = Path(sys.executable).with_name("ray")
 
 
-def _free_port() -> int:
-    from support import free_port
-    return free_port()
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """`ray start --head` on loopback with 2 CPUs; yields HOST:PORT; `ray stop` at the end."""
-    port = _free_port()
+    port = free_port()
     # Ray's AF_UNIX sockets live under its temp dir, and a socket path may not pass 107 bytes: beneath
     # pytest's temp dir (a level deeper per pytest-xdist worker) Ray's session and socket names leave too
     # little room.
@@ -106,7 +102,7 @@ def test_a_node_partition_that_keeps_failing_is_named_after_ray_retries_it(data,
 
 
 def test_a_ray_address_that_does_not_answer_is_refused_within_its_deadline(data, capsys):
-    port = _free_port()      # nothing listens there
+    port = free_port()      # nothing listens there
     rc = cli.main(["evaluate", "--data", str(data), "--executor", "ray", "--ray-address", f"127.0.0.1:{port}"])
     assert rc == 2
     assert (f"the Ray cluster at 127.0.0.1:{port} does not answer within {executors.RAY_CONNECT_TIMEOUT_S:g} s"
