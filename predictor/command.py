@@ -39,7 +39,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
-                  "absolute_counts": False}
+                  "absolute_counts": False, "steadiness_columns": 0}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
@@ -52,7 +52,9 @@ LABEL_HORIZON_CHECK = {"label_horizon_minutes": config.Check(lambda v: v == 0 or
                                                              "must be 0 (the horizon) or between 1 and 2160")}
 EVALUATE_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK}
 TRAIN_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK,
-                "early_label_weight": config.Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")}
+                "early_label_weight": config.Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+                # the upper bound (how many STEADINESS columns there are) is model.estimator_feature_names'
+                "steadiness_columns": config.Check(lambda v: v >= 0, "must be 0 or more")}
 
 
 def register(subparsers) -> None:
@@ -98,6 +100,10 @@ def register(subparsers) -> None:
                    help="let the trees split on the absolute window counts of error signals that have a node "
                         "baseline too (by default they read such a signal only against the node's own baseline "
                         "and as trend ratios: docs/predictor.md, Relative counts)")
+    p.add_argument("--steadiness-columns", type=int, dest="steadiness_columns", metavar="N",
+                   help="the trees also read the first N steadiness columns (how steady a signal's errors have "
+                        "been over 2 hours: corrected ECC, corrected row remaps, ...; docs/predictor.md, "
+                        "Steadiness in the trees; default 0)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -222,7 +228,8 @@ def run_train(args, file_data) -> int:
                                    base=_compare_with(cfg["base"]), executor=cfg["executor"],
                                    ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"],
                                    novelty=cfg["novelty"], linear_member=cfg["linear_member"],
-                                   absolute_counts=cfg["absolute_counts"])
+                                   absolute_counts=cfg["absolute_counts"],
+                                   steadiness_columns=cfg["steadiness_columns"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2

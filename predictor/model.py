@@ -14,7 +14,8 @@
   learnt; with `--linear-member` it averages the trees with the logistic regression (declared equal
   weights, one scale and offset fitted; off by default, docs/predictor.md, "The linear member").
 
-Inputs are feature matrices in features.MODEL_FEATURE_NAMES order (the estimator's columns).
+Inputs are feature matrices in the estimator's column order: features.MODEL_FEATURE_NAMES, or a longer
+prefix of features.FEATURE_NAMES that also reads the first STEADINESS columns (`estimator_feature_names`).
 """
 
 from __future__ import annotations
@@ -134,11 +135,23 @@ class TrendRatios(TransformerMixin, BaseEstimator):
 # node's baseline, hard-fault gauges, the anomaly scores. On data unlike the training data a tree
 # ensemble otherwise extrapolates arbitrarily (a rate above any seen in training can land in a leaf
 # learnt from a benign burst); the constraint keeps "more errors, more risk" true everywhere. Trend
-# ratios, temperatures, clocks, traffic and times since events stay free: their shape is learnt.
+# ratios, temperatures, clocks, traffic and times since events stay free: their shape is learnt. Errors
+# that keep coming minute after minute (a steadiness column) never lower the risk either.
 NOT_RISING = {"xid_application"}
 RISING_GAUGES = {"remap_pending", "remap_failure", "pcie_width_deficit", "nvl_links_down", "ib_port_down_frac",
                  "eth_down_frac", "gpu_lost", "thermal_throttle_frac", "remap_rows_total"}
 RISING_PEERS = {"gpu_err_vs_job", "link_err_vs_leaf"}
+
+
+def estimator_feature_names(steadiness_columns: int = 0) -> tuple[str, ...]:
+    """The columns an estimator reads: features.MODEL_FEATURE_NAMES and the first `steadiness_columns`
+    STEADINESS columns after them (how steady a signal's errors have been over 2 hours; features.STEADY
+    lists corrected ECC and corrected row remaps first). Always a prefix of features.FEATURE_NAMES,
+    which is what the registry loads. Raises ValueError outside [0, len(features.STEADINESS)]."""
+    k = int(steadiness_columns)
+    if not 0 <= k <= len(ft.STEADINESS):
+        raise ValueError(f"steadiness columns {steadiness_columns}: must be between 0 and {len(ft.STEADINESS)}")
+    return ft.FEATURE_NAMES[:ft.N_MODEL + k]
 
 
 def monotonic_constraints(feature_names=ft.MODEL_FEATURE_NAMES, trend_ratios: bool = True) -> list[int]:
@@ -153,7 +166,7 @@ def monotonic_constraints(feature_names=ft.MODEL_FEATURE_NAMES, trend_ratios: bo
              and f.signal not in NOT_RISING)
             or (f.op in ("now", "max30") and f.signal in RISING_GAUGES)
             or (f.op in ("mean5", "mean30") and f.signal in RISING_PEERS)
-            or f.signal == "anomaly")
+            or f.signal == "anomaly" or f.op == "steady")
         out.append(1 if rising else 0)
     if trend_ratios:
         out += [0] * len(_trend_specs(list(feature_names)))
@@ -161,14 +174,15 @@ def monotonic_constraints(feature_names=ft.MODEL_FEATURE_NAMES, trend_ratios: bo
 
 
 def make_model(*, max_iter: int = 150, learning_rate: float = 0.08, max_leaf_nodes: int = 31,
-               l2_regularization: float = 1.0, random_state: int = 0, trend_ratios: bool = True) -> Pipeline:
+               l2_regularization: float = 1.0, random_state: int = 0, trend_ratios: bool = True,
+               feature_names=ft.MODEL_FEATURE_NAMES) -> Pipeline:
     return Pipeline([
-        ("features", FeatureGuard()),
-        *([("trends", TrendRatios())] if trend_ratios else []),
+        ("features", FeatureGuard(feature_names)),
+        *([("trends", TrendRatios(feature_names))] if trend_ratios else []),
         ("gbdt", HistGradientBoostingClassifier(
             max_iter=max_iter, learning_rate=learning_rate, max_leaf_nodes=max_leaf_nodes,
             min_samples_leaf=40, l2_regularization=l2_regularization,
-            monotonic_cst=monotonic_constraints(trend_ratios=trend_ratios),
+            monotonic_cst=monotonic_constraints(feature_names, trend_ratios=trend_ratios),
             # no internal early stopping: its random hold-out can leave a rarely-reported feature with
             # no known value in the binned part (sklearn 1.9 then fails); the time split is ours
             early_stopping=False, random_state=random_state)),
@@ -218,9 +232,9 @@ def _signed_log1p(X):
     return X
 
 
-def make_logistic() -> Pipeline:
+def make_logistic(feature_names=ft.MODEL_FEATURE_NAMES) -> Pipeline:
     return Pipeline([
-        ("features", FeatureGuard()),
+        ("features", FeatureGuard(feature_names)),
         ("impute", SimpleImputer(strategy="constant", fill_value=0.0, keep_empty_features=True)),
         ("log", FunctionTransformer(_signed_log1p, feature_names_out="one-to-one", check_inverse=False)),
         ("scale", StandardScaler()),

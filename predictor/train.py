@@ -71,7 +71,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           command: str | None = None, holdout: groups.HoldOut | None = None,
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
-          linear_member: bool = False, absolute_counts: bool = False) -> dict:
+          linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
     absolute_counts: False (the default): the trees never split on the absolute window counts of an
@@ -85,6 +85,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     alone on the same validation slice. False (the default): the trees alone. Judged against the trees
     alone on worlds past the catalogue, the average had six times their false evacuations at budget 2,
     its inputs clipped to their training range or not (docs/predictor.md, "The linear member").
+
+    steadiness_columns: the estimators also read the first this many STEADINESS columns (how steady
+    a signal's errors have been over 2 hours, model.estimator_feature_names), risk constrained not to
+    fall as they grow; 0 (the default): the model columns alone. Raises ValueError outside
+    [0, len(features.STEADINESS)].
 
     novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
     the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
@@ -112,11 +117,17 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                          f"({horizon_s / 60 + label_gap_hours * 60:g} min)")
     if not 0.0 < early_label_weight <= 1.0:
         raise ValueError(f"early label weight {early_label_weight:g}: must be in (0, 1]")
+    columns = mdl.estimator_feature_names(steadiness_columns)
+    n_cols = len(columns)
     t_start = time.perf_counter()
     compared = _comparable(compare_with)
     # by default both are the shipped model: loaded (and its fast path built and checked) once
     same = compare_with is not None and base is not None and Path(base).resolve() == Path(compare_with).resolve()
     base_model = compared if same else _comparable(base)
+    if isinstance(base_model, registry.LoadedModel) and base_model.n_model_features != n_cols:
+        # the blend feeds both members the same columns
+        base_model = {"model_version": base_model.version, "path": str(base_model.path),
+                      "skipped": f"it reads {base_model.n_model_features} feature columns, this model {n_cols}"}
     # the dataset: a path or a URI, read through its filesystem (dataset.DatasetRoot); out_dir is local
     data_dir, out_dir = ds.open_dataset_root(data_dir), Path(out_dir)
     rng = np.random.default_rng(seed)
@@ -157,7 +168,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             n_train_steps += int(tr.sum())
             n_val_steps += int(va.sum())
             X = nf.X                      # full width: the estimators read Xm, the novelty alarm the rest
-            Xm = X[:, :ft.N_MODEL]
+            Xm = X[:, :n_cols]
             hard = _hard(X)
             r = rng.random(len(X))
             keep = tr & ((y_label == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
@@ -207,10 +218,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         t_feat = time.perf_counter() - t_start
         if progress:
             progress("fitting", 0, 1)
-        blind = [] if absolute_counts else mdl.baselined_counts()
-        gbdt = mdl.fit_model(mdl.make_model(max_iter=max_iter, random_state=seed), Xtr, ytr, wtr,
-                             constant_columns=blind)
-        logit = mdl.make_logistic().fit(Xtr, ytr, logreg__sample_weight=wtr)
+        blind = [] if absolute_counts else mdl.baselined_counts(columns)
+        gbdt = mdl.fit_model(mdl.make_model(max_iter=max_iter, random_state=seed, feature_names=columns), Xtr, ytr,
+                             wtr, constant_columns=blind)
+        logit = mdl.make_logistic(columns).fit(Xtr, ytr, logreg__sample_weight=wtr)
         rule = mdl.RuleBaseline().fit()
         Xc, yc, wc = np.concatenate(cal_X), np.concatenate(cal_y), np.concatenate(cal_w)
         # the weights are meant for the calibrator only (the frozen estimator is already fitted)
@@ -247,16 +258,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                 alarm = NoveltyAlarm().fit(steady_healthy)
             except ValueError as exc:
                 novelty_note = str(exc)
-        fast_model = treewalk.fast_probability(model)
+        fast_model = treewalk.fast_probability(model, n_cols)
         # full-width rows in, each estimator reads its columns (the compared model: LoadedModel does)
-        predictors = {"model": lambda X: fast_model(X[:, :ft.N_MODEL]),
-                      "rule": lambda X: rule.predict_proba(X[:, :ft.N_MODEL])[:, 1],
-                      "logistic": lambda X: logistic.predict_proba(X[:, :ft.N_MODEL])[:, 1]}
+        predictors = {"model": lambda X: fast_model(X[:, :n_cols]),
+                      "rule": lambda X: rule.predict_proba(X[:, :n_cols])[:, 1],
+                      "logistic": lambda X: logistic.predict_proba(X[:, :n_cols])[:, 1]}
         if isinstance(compared, registry.LoadedModel):
             predictors[COMPARED] = compared.probability
         if linear_member:
-            fast_trees = treewalk.fast_probability(trees)
-            predictors[TREES] = lambda X: fast_trees(X[:, :ft.N_MODEL])
+            fast_trees = treewalk.fast_probability(trees, n_cols)
+            predictors[TREES] = lambda X: fast_trees(X[:, :n_cols])
         levels = []
         for vn, path in zip(val_nodes, val_paths):
             Xv = np.load(path)
@@ -297,7 +308,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         reference = np.nanmedian(np.concatenate(healthy), axis=0) if sum(len(h) for h in healthy) else np.zeros(ft.N_FEATURES)
         reference = np.nan_to_num(reference, nan=0.0)
     gb = gbdt.named_steps["gbdt"]
-    imp_names = list(ft.MODEL_FEATURE_NAMES)
+    imp_names = list(columns)
     manifest = {
         "version": f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}-{offline.dataset_hash(data_dir)[:8]}",
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -379,11 +390,7 @@ def _comparable(path) -> "registry.LoadedModel | dict | None":
         return {"model_version": manifest.get("version"), "path": str(path),
                 "skipped": f"it reads feature version {manifest.get('feature_version')}, this one "
                            f"{ft.FEATURE_VERSION}"}
-    other = registry.load_model(path)
-    if other.n_model_features != ft.N_MODEL:
-        return {"model_version": other.version, "path": str(path),
-                "skipped": "it reads other feature columns"}
-    return other
+    return registry.load_model(path)
 
 
 def validation_slice(node: str, step_end_ns: np.ndarray, y: np.ndarray, usable: np.ndarray,

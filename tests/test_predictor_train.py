@@ -104,6 +104,49 @@ def test_train_refuses_a_label_horizon_out_of_range_before_reading_anything(tmp_
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("columns", ["-1", "17"])
+def test_train_refuses_steadiness_columns_out_of_range_before_writing_anything(sim_data, tmp_path, capsys, columns):
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(tmp_path / "m"),
+                     "--steadiness-columns", columns]) in (1, 2)
+    err = capsys.readouterr().err
+    assert "steadiness" in err and ("must be 0 or more" in err or f"must be between 0 and {len(ft.STEADINESS)}" in err), err
+    assert not (tmp_path / "m").exists()
+
+
+def test_trees_that_read_steadiness_columns_load_score_and_rise_with_them(sim_data, tmp_path, capsys):
+    """--steadiness-columns 2: the estimators read the model columns and the first two STEADINESS
+    columns (a prefix of FEATURE_NAMES, so the registry loads it), the trees constrained to rise with
+    them; the shipped model, which reads fewer columns, is not stacked with it, and says why; full-width
+    rows score as the model's own columns do, through the fast path."""
+    from foreshock.predictor import model as mdl
+
+    model_dir = tmp_path / "steady"
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "10",
+                     "--steadiness-columns", "2"]) == 0
+    capsys.readouterr()
+    m = registry.load_model(model_dir)
+    names = list(ft.MODEL_FEATURE_NAMES) + ["ecc_sbe_steadiness_2h", "remap_correctable_steadiness_2h"]
+    assert m.manifest["feature_names"] == names and m.n_model_features == ft.N_MODEL + 2
+    stacked = m.manifest["estimator"]["stacked_with_base"]
+    shipped = registry.load_model(registry.default_model_path())
+    if shipped.n_model_features != len(names):
+        assert stacked["skipped"] == (f"it reads {shipped.n_model_features} feature columns, "
+                                      f"this model {len(names)}")
+    gbdt = m.estimator.calibrated_classifiers_[0].estimator.estimator     # calibrated, frozen, the pipeline
+    assert list(gbdt.named_steps["gbdt"].monotonic_cst[ft.N_MODEL:ft.N_MODEL + 2]) == [1, 1]
+    X = np.nan_to_num(np.random.default_rng(2).standard_normal((200, ft.N_FEATURES)).astype(np.float32))
+    assert m.fast_predictor is not None
+    np.testing.assert_array_equal(m.probability(X), m.probability(X[:, :len(names)]))
+    np.testing.assert_allclose(m.probability(X), m.estimator.predict_proba(X[:, :len(names)])[:, 1],
+                               rtol=1e-9, atol=1e-12)
+    # the steadiness columns reach the score: raising them never lowers it
+    hi = X.copy()
+    hi[:, ft.N_MODEL:ft.N_MODEL + 2] += 5.0
+    assert np.all(m.probability(hi) >= m.probability(X) - 1e-12)
+    with pytest.raises(ValueError, match=f"between 0 and {len(ft.STEADINESS)}"):
+        mdl.estimator_feature_names(len(ft.STEADINESS) + 1)
+
+
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
     assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m")]) == 2
     assert "does not exist" in capsys.readouterr().err
