@@ -302,6 +302,7 @@ def _base_pass(root: ds.DatasetRoot, node: str, cache_path: str, dates: dict[str
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
 FEATURE_BLOCK_STEPS = 1024
+STEP_TIME_CHUNK_STEPS = 60   # feature steps of step_times rows judged at a time (FeatureBuilder.step_time_pass)
 ON_ERROR = ("stop", "skip")   # a node partition whose work fails: stop the build, or leave the node out
 
 
@@ -491,7 +492,7 @@ class FeatureBuilder:
             except (OSError, pa.ArrowException) as exc:
                 raise ValueError(f"dataset {self.root}, table=step_times/date={date}: {exc}") from exc
             self.step_time_stats["rows"] += rows.num_rows
-            got = stt.lagged(stt.node_minutes(rows, self.step_time_stats))
+            got = stt.lagged(self._step_time_chunks(rows))
             if not len(got):
                 continue
             order = np.argsort(got.node, kind="stable")
@@ -509,6 +510,19 @@ class FeatureBuilder:
         if left_out:
             log.warning("dataset %s: step_times rows left out: %s", self.root,
                         ", ".join(f"{n} {r}" for r, n in sorted(left_out.items())))
+
+    def _step_time_chunks(self, rows: pa.Table) -> stt.NodeMinutes:
+        """node_minutes of a date's rows, STEP_TIME_CHUNK_STEPS feature steps at a time: a step's signal
+        reads its own rows only, so the chunks change no value, and the work arrays stay an hour's."""
+        ts = rows.column("ts").cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        chunk = ts // (STEP_NS * STEP_TIME_CHUNK_STEPS)
+        order = np.argsort(chunk, kind="stable")
+        del ts
+        starts = np.flatnonzero(np.concatenate([[True], chunk[order][1:] != chunk[order][:-1]]))
+        parts = []
+        for a, b in zip(starts, np.append(starts[1:], len(order))):
+            parts.append(stt.node_minutes(rows.take(pa.array(order[a:b])), self.step_time_stats))
+        return stt.NodeMinutes.concat(parts)
 
     def _load(self, i: int):
         return _load_cache(self._cache_path(i))
