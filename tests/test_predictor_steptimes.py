@@ -122,3 +122,33 @@ def test_the_step_time_columns_come_last_so_older_models_read_a_prefix():
     assert ft.FEATURE_NAMES[-3:] == ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
     assert ft.STEADY_COLS.stop == ft.STEP_TIME_COLS.start and ft.STEP_TIME_COLS.stop == ft.N_FEATURES
     assert ft.READABLE_VERSIONS == ("6", "7", "8") and ft.FEATURE_VERSION == "8"
+
+
+def test_the_row_median_is_numpys_over_the_known_values():
+    rng = np.random.default_rng(9)
+    x = rng.random((200, 7))
+    x[rng.random(x.shape) < 0.3] = np.nan
+    x[0] = np.nan
+    with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+        want = np.nanmedian(x, axis=1)
+    np.testing.assert_allclose(stepcompare.row_median(x), want, rtol=0, atol=1e-15)
+    assert np.isnan(stepcompare.row_median(x)[0])
+
+
+def test_explanations_name_the_step_times_only_from_a_slow_ratio():
+    from foreshock.predictor import explain as ex
+
+    row = np.full(ft.N_FEATURES, np.nan, dtype=np.float32)
+    names = ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
+    cols = [ft.FEATURE_NAMES.index(n) for n in names]
+    k = ex.GROUP_NAMES.index("steptime_vs_job")
+    reference = np.zeros(ft.N_FEATURES)
+    rows = np.repeat(row[None], 4, axis=0)
+    rows[0, cols] = [1.49, 1.52, 0.48]      # slow
+    rows[1, cols] = [1.0, 1.01, 0.0]        # as fast as its job
+    rows[2, cols] = [1.0, 1.1, 0.05]        # a slow step now and then, at no slow ratio
+    # rows[3]: nothing judged (NaN)
+    assert ex.unusual(rows, reference)[:, k].tolist() == [True, False, False, False]
+    assert ex.describe("steptime_vs_job", rows[0]).endswith(
+        "1.52x its job's median at most in 30 min (1.49x in 5 min), slow in 48% of its judged steps")
+    assert ex.headline("steptime_vs_job", rows[0]) == pytest.approx(1.52)
