@@ -620,18 +620,27 @@ def _steady_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base: 
 def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
     """The STEP_TIMES columns of a block of steps, v [T, N, 3] the step-time signals (stt.SIGNALS);
     carries state.tring. One function for any block, the one-step paths' too: a maximum and sums of
-    whole counts over each step's window, exact in any order."""
+    whole counts over each step's window, exact in any order, so a single step's shortcut gives the
+    block's values (tests/test_predictor_skew.py, test_block_size_does_not_change_features)."""
     v = v.astype(np.float64, copy=True)
     v[:, :, 1:] = np.nan_to_num(v[:, :, 1:])
-    hist = state.tring[(state.thead + np.arange(GRING)) % GRING]          # oldest first
-    both = np.concatenate([hist, v])                                     # [GRING + T, N, 3]
-    win = np.lib.stride_tricks.sliding_window_view(both, HISTORY, axis=0)   # [T, N, 3, HISTORY]
     out = np.empty(v.shape)
-    out[:, :, 0] = np.fmax.reduce(win[:, :, 0, -5:], axis=-1)
-    out[:, :, 1] = np.fmax.reduce(win[:, :, 0], axis=-1)
-    judged = win[:, :, 2].sum(axis=-1)
+    if v.shape[0] == 1:
+        # the online round: the ring reduced in place, no window copies (fmax and whole sums: the same)
+        ring, cur = state.tring, v[0]
+        recent = [(state.thead - k) % GRING for k in range(1, 5)]
+        out[0, :, 0] = np.fmax(np.fmax.reduce(ring[recent, :, 0], axis=0), cur[:, 0])
+        out[0, :, 1] = np.fmax(np.fmax.reduce(ring[:, :, 0], axis=0), cur[:, 0])
+        slow, judged = ring[:, :, 1].sum(axis=0) + cur[:, 1], ring[:, :, 2].sum(axis=0) + cur[:, 2]
+    else:
+        hist = state.tring[(state.thead + np.arange(GRING)) % GRING]          # oldest first
+        both = np.concatenate([hist, v])                                     # [GRING + T, N, 3]
+        win = np.lib.stride_tricks.sliding_window_view(both, HISTORY, axis=0)   # [T, N, 3, HISTORY]
+        out[:, :, 0] = np.fmax.reduce(win[:, :, 0, -5:], axis=-1)
+        out[:, :, 1] = np.fmax.reduce(win[:, :, 0], axis=-1)
+        slow, judged = win[:, :, 1].sum(axis=-1), win[:, :, 2].sum(axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        out[:, :, 2] = np.where(judged > 0, win[:, :, 1].sum(axis=-1) / judged, np.nan)
+        out[:, :, 2] = np.where(judged > 0, slow / judged, np.nan)
     state.thead = _push(state.tring, state.thead, v)
     return out
 
