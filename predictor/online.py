@@ -28,8 +28,10 @@ Step times (`ingest("step_times", rows)`: schema-v1 `step_times` rows, which the
 its Jobs API accepts them, service/steptimes.py) wait by the step they ended in; when step s closes, the
 rows of step s - steptimes.LAG_STEPS become the job-relative step-time signal (predictor/steptimes.py)
 of every node they name, exactly as offline. Rows of a step already read are dropped and counted
-(`stats["late_step_times"]`), as are rows of nodes the scorer has no telemetry or topology of
-(`"step_times_unknown_node"`) and rows steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks
+(`stats["late_step_times"]`), as are rows further ahead of the scorer's steps than it catches up at
+once (`"step_times_ahead"`: their ends are the ranks' wall clock, the scorer's steps may run on another),
+rows of nodes the scorer has no telemetry or topology of (`"step_times_unknown_node"`) and rows
+steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks
 run on many nodes: in a sharded deployment a shard's scorer would need the rows of every node of its
 nodes' jobs, and the Jobs API runs on the coordinator, so only an unsharded service feeds it.
 
@@ -197,9 +199,14 @@ class OnlineScorer:
         step = ts // self.step_ns
         if self._next_step is not None:
             late = step < self._next_step - stt.LAG_STEPS
-            if late.any():
+            # stamped by the ranks' wall clock: on a scorer whose steps run on another clock (the demo's
+            # simulated one) they would wait for steps that never close
+            ahead = step > self._next_step + self.max_catchup_steps
+            if late.any() or ahead.any():
                 self.stats["late_step_times"] += int(late.sum())
-                batch, step = batch.filter(pa.array(~late)), step[~late]
+                self.stats["step_times_ahead"] += int(ahead.sum())
+                keep = ~(late | ahead)
+                batch, step = batch.filter(pa.array(keep)), step[keep]
         for s in np.unique(step).tolist():
             part = batch if len(step) and step[0] == step[-1] == s else batch.filter(pa.array(step == s))
             self._step_rows.setdefault(int(s), []).append(part)
@@ -217,8 +224,11 @@ class OnlineScorer:
         that ended LAG_STEPS before each; the rows of earlier steps, never to be read, are let go."""
         out = np.repeat(stt.empty_values(len(steps))[None], len(self._nodes), axis=0)
         first = int(steps[0]) - stt.LAG_STEPS
-        for s in [s for s in self._step_rows if s < first]:
-            self._step_rows_n -= sum(p.num_rows for p in self._step_rows.pop(s))
+        for s in [s for s in self._step_rows if s < first or s > int(steps[-1]) + self.max_catchup_steps]:
+            n = sum(p.num_rows for p in self._step_rows.pop(s))
+            self._step_rows_n -= n
+            if s > first:   # taken before the first step closed, and further ahead than ingest allows
+                self.stats["step_times_ahead"] += n
         for j, step in enumerate(steps.tolist()):
             parts = self._step_rows.pop(step - stt.LAG_STEPS, None)
             if not parts:

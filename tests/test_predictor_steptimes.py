@@ -152,3 +152,28 @@ def test_explanations_name_the_step_times_only_from_a_slow_ratio():
     assert ex.describe("steptime_vs_job", rows[0]).endswith(
         "1.52x its job's median at most in 30 min (1.49x in 5 min), slow in 48% of its judged steps")
     assert ex.headline("steptime_vs_job", rows[0]) == pytest.approx(1.52)
+
+
+def test_the_online_scorer_reads_a_minutes_step_times_a_step_later_and_counts_late_and_far_ahead_rows(
+        tmp_path, tiny_model_dir):
+    from foreshock.predictor import online, registry, synthetic
+
+    scorer = online.OnlineScorer(registry.load_model(tiny_model_dir(tmp_path / "m")), explain_top=0)
+    nodes = ["n0", "n1", "n2", "n3"]
+    tables = {n: synthetic.node_tables(n, 6, seed=i) for i, n in enumerate(nodes)}   # a sample a minute
+    first = synthetic.T0_NS // STEP_NS
+    slow = _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 1)
+    col = ft.FEATURE_NAMES.index("steptime_vs_job_5m")
+    seen = []
+    for k in range(5):
+        for n in nodes:
+            for name, t in tables[n].items():
+                scorer.ingest(name, t.slice(k, 1))
+        if k == 1:
+            scorer.ingest("step_times", slow)
+        scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
+        seen.append(float(scorer.features_of("n2")[col]))
+    assert np.isnan(seen[:2]).all() and seen[2:] == [1.5, 1.5, 1.5]   # minute first+1, read at first+2
+    scorer.ingest("step_times", slow)                                   # its step has been read
+    scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 10 * 24 * 60))
+    assert (scorer.stats["late_step_times"], scorer.stats["step_times_ahead"]) == (4, 4)
