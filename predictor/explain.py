@@ -6,7 +6,11 @@ values (the medians over healthy training steps, stored in the manifest) and the
 again; the contribution is how much the probability drops. One batched predict call covers every
 (node, signal) pair, so explaining the riskiest nodes of a round costs milliseconds. The description
 is built from the node's own feature values: "HBM corrected ECC errors: 120 in the last 30 min,
-40x its 3-day baseline, worst on GPU 3".
+40x its 3-day baseline, worst on GPU 3". The step times against the job's (features.STEP_TIMES) are one
+signal: "Step time against its job's other ranks (its slowest rank): 1.52x its job's median at most in
+30 min (1.49x in 5 min), slow in 48% of its judged steps", named only from a ratio at which the service's
+fail-slow rule calls a step slow (foreshock/stepcompare.py); a signal no model reads contributes nothing
+and is never named.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foreshock import stepcompare
 from foreshock.predictor import features as ft
 from foreshock.predictor import signals as sg
 
@@ -67,6 +72,10 @@ def _unit(unit: str, v: float) -> str:
     if not unit:
         return ""
     return f" {unit[:-1]}" if v == 1 and unit in ("links", "lanes", "rows", "gens") else f" {unit}"
+
+
+def _ratio(v: float) -> str:
+    return f"{v:.2f}x" if v is not None and np.isfinite(v) else "none judged"
 
 
 def _share(v: float) -> str:
@@ -133,6 +142,12 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
     elif spec is not None and spec.kind == "peer":
         say = _share if spec.unit == "ratio" else _fmt
         parts.append(f"{say(get(signal + '_30m'))} over 30 min ({say(get(signal + '_5m'))} over 5 min)")
+    elif spec is not None and spec.kind == "step":
+        r30, r5, share = get(f"{signal}_30m"), get(f"{signal}_5m"), get("steptime_slow_share_30m")
+        if np.isfinite(r30):
+            parts.append(f"{r30:.2f}x its job's median at most in 30 min ({_ratio(r5)} in 5 min)")
+        if np.isfinite(share) and share > 0:
+            parts.append(f"slow in {share:.0%} of its judged steps")
     elif signal == "anomaly":
         return _describe_anomaly(get)
     parts += _against_peers(signal, get)
@@ -190,9 +205,12 @@ _KIND = np.array([SIGNAL_BY_NAME[ft.FEATURES[i].signal].kind if ft.FEATURES[i].s
 # steadiness, not its ratios to the baseline
 _COUNTED = np.array([f.op in ("sum1", "sum5", "sum30", "decayed", "steady") for f in ft.FEATURES])
 # ... and only from where `describe` says it: a day's count from about 1, a steadiness from
-# STEADY_WORTH_SAYING; below those the signal would be named with nothing said of it.
-_SAID_FROM = np.array([1.0 if f.op == "decayed" else STEADY_WORTH_SAYING if f.op == "steady" else 0.0
-                       for f in ft.FEATURES])
+# STEADY_WORTH_SAYING; below those the signal would be named with nothing said of it. The step times
+# from a ratio the fail-slow rule calls slow: 1.0 is as fast as the job, and a share of slow steps
+# says something only beside such a ratio.
+_SAID_FROM = np.array([1.0 if f.op == "decayed" else STEADY_WORTH_SAYING if f.op == "steady"
+                       else stepcompare.RATIO if f.op in ("job_max5", "job_max30")
+                       else np.inf if f.op == "slow_share30" else 0.0 for f in ft.FEATURES])
 _GROUP_OF = np.zeros((ft.N_FEATURES, len(GROUP_NAMES)))
 for _k, _name in enumerate(GROUP_NAMES):
     _GROUP_OF[GROUPS[_name], _k] = 1.0
@@ -206,6 +224,7 @@ def unusual(X: np.ndarray, reference: np.ndarray) -> np.ndarray:
     gauge = np.isin(_KIND, ("gauge", "flag"))
     off = np.where(gauge, X != reference, X > ref)
     off &= known & ((_KIND != "count") | (_COUNTED & (X > 0) & (X >= _SAID_FROM)))
+    off &= (_KIND != "step") | (X >= _SAID_FROM)
     return (off.astype(np.float64) @ _GROUP_OF) > 0
 
 

@@ -10,7 +10,10 @@ of those peers with link errors (a switch fault shows on all of them), throughpu
 hottest GPU and lowest clock relative to the node's job peers (a straggler, also when the whole job
 slows with it), and TCP retransmissions of the other nodes of the site; and three anomaly scores
 derived from those (ANOMALY: how far the node is from its own history and from its peers), which
-need no failure seen before.
+need no failure seen before. Last, from the job-relative step-time signal of steptimes.py (a node's
+slowest rank's step time over its job's median, by the comparison the service's fail-slow rule makes):
+its maximum over 5 and 30 minutes and the share of the last 30 minutes' judged steps that were slow
+(STEP_TIMES).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -21,9 +24,11 @@ bit-identical values (tests/test_predictor_skew.py asserts it).
 
 FEATURE_VERSION changes whenever a feature's definition changes; a model trained with other features
 is refused by the registry. The estimators read the first N_MODEL columns (MODEL_FEATURE_NAMES); the
-STEADINESS columns after them feed the novelty alarm (novelty.py) and never the trees. Feature
-version 7 only appended them, so a version-6 model, whose names are MODEL_FEATURE_NAMES, still loads
-(READABLE_VERSIONS).
+STEADINESS columns after them feed the novelty alarm (novelty.py) and never the trees, and the
+STEP_TIMES columns after those are read by no model yet (explanations name them where a model does:
+explain.py). Feature version 7 only appended the STEADINESS columns and version 8 the STEP_TIMES
+columns, so a version-6 or version-7 model, whose names are a prefix of FEATURE_NAMES, still loads
+(READABLE_VERSIONS, registry.check_compatible).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import numpy as np
 from scipy.signal import lfilter
 
 from foreshock.predictor import signals as sg
+from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "7"
-READABLE_VERSIONS = ("6", "7")   # 7 appended the STEADINESS columns; the model columns are 6's
+FEATURE_VERSION = "8"
+# 7 appended the STEADINESS columns and 8 the STEP_TIMES columns; the model columns are 6's
+READABLE_VERSIONS = ("6", "7", "8")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -57,7 +64,8 @@ PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("temp_vs_job", "peer", "hottest GPU against the other nodes of its job", "degC"),
     sg.BaseSignal("sm_clock_vs_job", "peer", "lowest SM clock relative to the other nodes of its job", "x"),
 )
-ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS
+# The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them.
+ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
 IDX = {n: i for i, n in enumerate(ALL_NAMES)}
 PEER_GROUPS = ("leaf_switch", "job", "site")
@@ -110,13 +118,15 @@ SINCE_IDX = [IDX[n] for n in SINCE]
 DECAYED_IDX = [IDX[n] for n in DECAYED]
 RISE_IDX = [IDX[n] for n in RISE]
 STEADY_IDX = [IDX[n] for n in STEADY]
+STEP_TIME_IDX = [IDX[n] for n in stt.NAMES]
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
     name: str
     signal: str       # the base/peer signal it is computed from (explanations group by it)
-    op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed steady
+    op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed
+                      # steady job_max5 job_max30 slow_share30
 
 
 def _specs() -> tuple[FeatureSpec, ...]:
@@ -161,12 +171,24 @@ ANOMALY: tuple[FeatureSpec, ...] = (
 )
 ANOMALY_RATIO = 4.0
 STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n, "steady") for n in STEADY)
+# Step times against the job's (predictor/steptimes.py): the node's slowest rank's ratio to its job's
+# median, at most, over 5 and 30 minutes (NaN: no step of it judged), and the share of its ranks' steps
+# judged in the last 30 minutes that were slow (NaN: none judged). A node that slows its job's steps
+# shows here whatever slows it (a throttling GPU, a failing HBM stack, a link retraining); the
+# fail-slow rule of the service (service/steptimes.py) acts on the same comparison. No estimator reads
+# them yet: they wait for a retrain judged on them.
+STEP_TIMES: tuple[FeatureSpec, ...] = (
+    FeatureSpec("steptime_vs_job_5m", "steptime_vs_job", "job_max5"),
+    FeatureSpec("steptime_vs_job_30m", "steptime_vs_job", "job_max30"),
+    FeatureSpec("steptime_slow_share_30m", "steptime_vs_job", "slow_share30"),
+)
 N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
-FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS
+FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 MODEL_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES[:N_MODEL]
 N_FEATURES = len(FEATURES)
-STEADY_COLS = slice(N_MODEL, N_FEATURES)
+STEADY_COLS = slice(N_MODEL, N_MODEL + len(STEADINESS))
+STEP_TIME_COLS = slice(STEADY_COLS.stop, N_FEATURES)
 _VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
 _VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
                          dtype=np.intp)
@@ -257,6 +279,8 @@ class FeatureState:
     zd: np.ndarray          # [N, D] the decayed counts of the DECAYED signals, after the last step
     za: np.ndarray          # [N, P] EWMA state of "counted in the step" of the STEADY signals, 3-day
     zar: np.ndarray         # [N, P] the same, 2-hour
+    tring: np.ndarray       # [GRING, N, 3] the step-time signals of the last GRING steps (NaN ratio, 0 counts: none)
+    thead: int
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
 
     @classmethod
@@ -266,7 +290,8 @@ class FeatureState:
                    np.full((GRING, n, g), np.nan), 0, 0, np.zeros((n, len(BASE_IDX))),
                    np.zeros((n, len(BASE_IDX))), np.zeros(n),
                    np.full((n, len(SINCE_IDX)), -np.inf), np.zeros((n, len(DECAYED_IDX))),
-                   np.zeros((n, len(STEADY_IDX))), np.zeros((n, len(STEADY_IDX))))
+                   np.zeros((n, len(STEADY_IDX))), np.zeros((n, len(STEADY_IDX))),
+                   np.repeat(stt.empty_values(GRING)[:, None, :], n, axis=1), 0)
 
     def grow(self, n: int) -> "FeatureState":
         """The same state with n new nodes appended (their history empty, as offline starts them)."""
@@ -277,14 +302,15 @@ class FeatureState:
                             cat([self.gring, add.gring], axis=1), self.head, self.ghead,
                             cat([self.z, add.z]), cat([self.zr, add.zr]), cat([self.seen, add.seen]),
                             cat([self.last_event, add.last_event]), cat([self.zd, add.zd]),
-                            cat([self.za, add.za]), cat([self.zar, add.zar]))
+                            cat([self.za, add.za]), cat([self.zar, add.zar]),
+                            cat([self.tring, add.tring], axis=1), self.thead)
 
     def __len__(self) -> int:
         return len(self.seen)
 
     # What a checkpoint keeps (OnlineScorer.save_state): the running sums, the baselines, the day-long
-    # counts, the steadiness shares and the last events, a few numbers per node. Not the 30-step rings, 30x the rest and
-    # refilled by 30 steps of telemetry.
+    # counts, the steadiness shares and the last events, a few numbers per node. Not the 30-step rings
+    # (the step times' too), 30x the rest and refilled by 30 steps of telemetry.
     CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar")
 
     def carried(self) -> dict[str, np.ndarray]:
@@ -369,7 +395,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
             kernel: bool = True) -> tuple[np.ndarray, FeatureState]:
     """Features of a block of T consecutive steps for N nodes; updates `state` in place and returns it.
 
-    x: [N, T, S] base + peer signals (ALL_NAMES order); steps: [T] the step indices (ts // step).
+    x: [N, T, S] base, peer and step-time signals (ALL_NAMES order); steps: [T] the step indices (ts // step).
     Returns ([N, T, N_FEATURES] float32, state). `kernel`: a single step (the online scorer's every
     round) runs in the compiled kernel where numba is importable; False: in numpy
     (_compute_step_numpy, the written reference the kernel is tested against). Bit-identical either way.
@@ -493,6 +519,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     share_days, zaf = ewma(EWMA_ALPHA, state.za, counted)
     share_hours, zarf = ewma(RECENT_ALPHA, state.zar, counted)
     out[:, :, STEADY_COLS] = share_hours - share_days
+    out[:, :, STEP_TIME_COLS] = _step_times(xt[:, :, STEP_TIME_IDX], state)
 
     # carry the state
     h0 = state.head
@@ -551,6 +578,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
     _decayed_step(x, state, out)
     _steady_step(x, state, out, den_base, den_recent)
+    out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -587,6 +615,34 @@ def _steady_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base: 
     yr = RECENT_ALPHA * counted + state.zar
     state.zar = (1.0 - RECENT_ALPHA) * yr
     out[:, STEADY_COLS] = yr / den_recent[:, None] - y / den_base[:, None]
+
+
+def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
+    """The STEP_TIMES columns of a block of steps, v [T, N, 3] the step-time signals (stt.SIGNALS);
+    carries state.tring. One function for any block, the one-step paths' too: a maximum and sums of
+    whole counts over each step's window, exact in any order, so a single step's shortcut gives the
+    block's values (tests/test_predictor_skew.py, test_block_size_does_not_change_features)."""
+    v = v.astype(np.float64, copy=True)
+    v[:, :, 1:] = np.nan_to_num(v[:, :, 1:])
+    out = np.empty(v.shape)
+    if v.shape[0] == 1:
+        # the online round: the ring reduced in place, no window copies (fmax and whole sums: the same)
+        ring, cur = state.tring, v[0]
+        recent = [(state.thead - k) % GRING for k in range(1, 5)]
+        out[0, :, 0] = np.fmax(np.fmax.reduce(ring[recent, :, 0], axis=0), cur[:, 0])
+        out[0, :, 1] = np.fmax(np.fmax.reduce(ring[:, :, 0], axis=0), cur[:, 0])
+        slow, judged = ring[:, :, 1].sum(axis=0) + cur[:, 1], ring[:, :, 2].sum(axis=0) + cur[:, 2]
+    else:
+        hist = state.tring[(state.thead + np.arange(GRING)) % GRING]          # oldest first
+        both = np.concatenate([hist, v])                                     # [GRING + T, N, 3]
+        win = np.lib.stride_tricks.sliding_window_view(both, HISTORY, axis=0)   # [T, N, 3, HISTORY]
+        out[:, :, 0] = np.fmax.reduce(win[:, :, 0, -5:], axis=-1)
+        out[:, :, 1] = np.fmax.reduce(win[:, :, 0], axis=-1)
+        slow, judged = win[:, :, 1].sum(axis=-1), win[:, :, 2].sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[:, :, 2] = np.where(judged > 0, slow / judged, np.nan)
+    state.thead = _push(state.tring, state.thead, v)
+    return out
 
 
 def kernel_threads() -> int:
@@ -684,6 +740,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     assert col == N_KERNEL
     _decayed_step(x, state, out)
     _steady_step(x, state, out, den_base, den_recent)
+    out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
     anomaly_scores(out)
 
     state.ring[h] = c

@@ -9,7 +9,9 @@ dataset's size; each node is independent work, so the same passes could run on a
 Two passes:
 1. per node: base signals (signals.py), cached to a temporary Parquet file; the node's peer inputs are
    added into per-(leaf switch | job | site, step) totals, with the topology taken as of each step from
-   the inventory table.
+   the inventory table. Then the `step_times` table, a date at a time (every node's rows of the date:
+   a job's ranks run on many nodes; a feature step never spans two dates): the job-relative step-time
+   signal (steptimes.py) of each node and step, cached per node and date.
 2. per node: peer signals from those totals, then features.compute over all of the node's steps (the
    same function the online scorer calls), yielding one NodeFeatures per node.
 
@@ -27,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,7 @@ from foreshock import schema as sch
 from foreshock.predictor import executors
 from foreshock.predictor import features as ft
 from foreshock.predictor import signals as sg
+from foreshock.predictor import steptimes as stt
 
 STEP_NS = ft.STEP_SECONDS * 1_000_000_000
 log = logging.getLogger(__name__)
@@ -298,6 +302,7 @@ def _base_pass(root: ds.DatasetRoot, node: str, cache_path: str, dates: dict[str
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
 FEATURE_BLOCK_STEPS = 1024
+STEP_TIME_CHUNK_STEPS = 60   # feature steps of step_times rows judged at a time (FeatureBuilder.step_time_pass)
 ON_ERROR = ("stop", "skip")   # a node partition whose work fails: stop the build, or leave the node out
 
 
@@ -319,7 +324,7 @@ def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: in
         codes[g] = codes_all[j].astype(np.int64)
         looked[g] = totals.lookup(g, codes[g], steps)
     peers = ft.peer_signals(own, present, codes, looked)
-    full = np.concatenate([x, peers], axis=1)[None]
+    full = np.concatenate([x, peers, _step_time_values(cache, i, steps)], axis=1)[None]
     # in blocks of steps, carrying the state (the same values as one block: features.compute's
     # contract): the temporaries stay small enough to be reused rather than mapped afresh each time
     X = np.empty((len(steps), ft.N_FEATURES), dtype=np.float32)
@@ -333,6 +338,17 @@ def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: in
         return nf
     np.save(out_path, nf.X)   # a file in the page cache: cheaper than pickling through the pipe
     return NodeFeatures(node, steps, present, None)
+
+
+def _step_time_values(cache: Path, i: int, steps: np.ndarray) -> np.ndarray:
+    """[T, len(stt.SIGNALS)]: node i's step-time signal at its steps, from FeatureBuilder.step_time_pass."""
+    out = stt.empty_values(len(steps))
+    for path in sorted(cache.glob(f"steptimes-{i:06d}-*.npy")):
+        got = np.load(path)
+        at = got[:, 0].astype(np.int64) - int(steps[0])
+        ok = (at >= 0) & (at < len(steps))
+        out[at[ok]] = got[ok, 1:]
+    return out
 
 
 def _load_cache(path: Path):
@@ -383,6 +399,8 @@ class FeatureBuilder:
         self._run = ""
         self.on_error = on_error
         self.skipped: dict[str, str] = {}    # node -> why its partition was left out (on_error="skip")
+        # step_times rows left out, by reason (steptimes.SKIP_REASONS), and those of nodes without telemetry
+        self.step_time_stats: Counter = Counter()
         try:
             self._executor = executors.make_executor(executor, self.workers, ray_address)
         except BaseException:
@@ -461,7 +479,50 @@ class FeatureBuilder:
             np.save(self.cache / f"codes-{i:06d}.npy", np.stack(codes).astype(np.int32))
             os.unlink(self.cache / f"own-{i:06d}.npz")
         self.totals.save(self.cache)
+        self.step_time_pass()
         self._run = os.urandom(8).hex()   # names this pass's totals for the workers' cache
+
+    def step_time_pass(self) -> None:
+        """The step-time signal of every node with telemetry, a date of step_times at a time, cached per
+        node and date (steptimes-<node index>-<date index>.npy: the step, then the signal's values)."""
+        index = {node: i for i, node in enumerate(self.nodes) if node in self._ranges}
+        for k, date in enumerate(ds.table_dates(self.root, "step_times")):
+            try:
+                rows = ds.read_table(self.root, "step_times", dates=[date], columns=list(stt.COLUMNS))
+            except (OSError, pa.ArrowException) as exc:
+                raise ValueError(f"dataset {self.root}, table=step_times/date={date}: {exc}") from exc
+            self.step_time_stats["rows"] += rows.num_rows
+            got = stt.lagged(self._step_time_chunks(rows))
+            if not len(got):
+                continue
+            order = np.argsort(got.node, kind="stable")
+            names = got.node[order]
+            starts = np.flatnonzero(np.concatenate([[True], names[1:] != names[:-1]]))
+            for a, b in zip(starts, np.append(starts[1:], len(names))):
+                i = index.get(names[a])
+                if i is None:
+                    self.step_time_stats["unknown_node"] += int(b - a)
+                    continue
+                rows_of = order[a:b]
+                np.save(self.cache / f"steptimes-{i:06d}-{k:04d}.npy",
+                        np.column_stack([got.step[rows_of].astype(np.float64), got.values[rows_of]]))
+        left_out = {r: n for r, n in self.step_time_stats.items() if r in stt.SKIP_REASONS and n}
+        if left_out:
+            log.warning("dataset %s: step_times rows left out: %s", self.root,
+                        ", ".join(f"{n} {r}" for r, n in sorted(left_out.items())))
+
+    def _step_time_chunks(self, rows: pa.Table) -> stt.NodeMinutes:
+        """node_minutes of a date's rows, STEP_TIME_CHUNK_STEPS feature steps at a time: a step's signal
+        reads its own rows only, so the chunks change no value, and the work arrays stay an hour's."""
+        ts = rows.column("ts").cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        chunk = ts // (STEP_NS * STEP_TIME_CHUNK_STEPS)
+        order = np.argsort(chunk, kind="stable")
+        del ts
+        starts = np.flatnonzero(np.concatenate([[True], chunk[order][1:] != chunk[order][:-1]]))
+        parts = []
+        for a, b in zip(starts, np.append(starts[1:], len(order))):
+            parts.append(stt.node_minutes(rows.take(pa.array(order[a:b])), self.step_time_stats))
+        return stt.NodeMinutes.concat(parts)
 
     def _load(self, i: int):
         return _load_cache(self._cache_path(i))

@@ -24,6 +24,17 @@ that recent (`stats["remote_totals_missing"]`; `"remote_totals_lagged"` counts s
 earlier step's). Without remote totals, as outside a sharded deployment, the features are the offline
 ones exactly.
 
+Step times (`ingest("step_times", rows)`: schema-v1 `step_times` rows, which the service hands over as
+its Jobs API accepts them, service/steptimes.py) wait by the step they ended in; when step s closes, the
+rows of step s - steptimes.LAG_STEPS become the job-relative step-time signal (predictor/steptimes.py)
+of every node they name, exactly as offline. Rows of a step already read are dropped and counted
+(`stats["late_step_times"]`), as are rows further ahead of the scorer's steps than it catches up at
+once (`"step_times_ahead"`: their ends are the ranks' wall clock, the scorer's steps may run on another),
+rows of nodes the scorer has no telemetry or topology of (`"step_times_unknown_node"`) and rows
+steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks run on many nodes: in a sharded
+deployment a shard's scorer would need the rows of every node of its nodes' jobs, and the Jobs API runs
+on the coordinator, so only an unsharded service feeds it.
+
 Explanations (explain.py) are computed for the `explain_top` riskiest nodes of a round; the others
 get an empty signal list.
 """
@@ -42,6 +53,7 @@ from foreshock import schema as sch
 from foreshock.predictor import explain as ex
 from foreshock.predictor import features as ft
 from foreshock.predictor import signals as sg
+from foreshock.predictor import steptimes as stt
 from foreshock.predictor.explain import Signal
 
 log = logging.getLogger(__name__)
@@ -105,6 +117,8 @@ class OnlineScorer:
         self._acc: dict[tuple[str, int], _StepAccumulator] = {}
         self._part_steps: dict[str, list[int]] = collections.defaultdict(list)   # each pending part's step
         self._pending_rows = 0
+        self._step_rows: dict[int, list[pa.Table]] = {}   # step -> step_times rows that ended in it
+        self._step_rows_n = 0
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
         self._state = ft.FeatureState.empty(0)
@@ -134,6 +148,8 @@ class OnlineScorer:
         if table == "inventory":
             self.set_inventory(batch)
             return batch.num_rows
+        if table == "step_times":
+            return self._ingest_step_times(batch)
         if table not in sg.REDUCTIONS:
             if table in sch.TABLES:
                 return 0  # a schema-v1 table no feature reads (nvlink_link, incidents)
@@ -171,6 +187,62 @@ class OnlineScorer:
             self._bound_pending()
         self.stats[f"rows_{table}"] += batch.num_rows
         return batch.num_rows
+
+    def _ingest_step_times(self, batch: pa.Table) -> int:
+        """Keep step_times rows until the step that reads them closes (module docstring)."""
+        if not isinstance(batch, pa.Table):
+            raise sch.SchemaError(f"table 'step_times': expected a pyarrow.Table, got {type(batch).__name__}")
+        if batch.num_rows == 0:
+            return 0
+        batch = sch.conform("step_times", batch).select(list(stt.COLUMNS))
+        ts = batch.column("ts").cast(pa.int64()).to_numpy(zero_copy_only=False)
+        step = ts // self.step_ns
+        if self._next_step is not None:
+            late = step < self._next_step - stt.LAG_STEPS
+            # stamped by the ranks' wall clock: on a scorer whose steps run on another clock (the demo's
+            # simulated one) they would wait for steps that never close
+            ahead = step > self._next_step + self.max_catchup_steps
+            if late.any() or ahead.any():
+                self.stats["late_step_times"] += int(late.sum())
+                self.stats["step_times_ahead"] += int(ahead.sum())
+                keep = ~(late | ahead)
+                batch, step = batch.filter(pa.array(keep)), step[keep]
+        for s in np.unique(step).tolist():
+            part = batch if len(step) and step[0] == step[-1] == s else batch.filter(pa.array(step == s))
+            self._step_rows.setdefault(int(s), []).append(part)
+            self._step_rows_n += part.num_rows
+        while self._step_rows_n > self.max_pending_rows and self._step_rows:
+            oldest = min(self._step_rows)
+            dropped = sum(p.num_rows for p in self._step_rows.pop(oldest))
+            self._step_rows_n -= dropped
+            self.stats["dropped_pending_rows"] += dropped
+        self.stats["rows_step_times"] += batch.num_rows
+        return batch.num_rows
+
+    def _step_time_values(self, steps: np.ndarray) -> np.ndarray:
+        """[N, T, len(stt.SIGNALS)]: every node's step-time signal at the closing steps, from the rows
+        that ended LAG_STEPS before each; the rows of earlier steps, never to be read, are let go."""
+        out = np.repeat(stt.empty_values(len(steps))[None], len(self._nodes), axis=0)
+        first = int(steps[0]) - stt.LAG_STEPS
+        for s in [s for s in self._step_rows if s < first or s > int(steps[-1]) + self.max_catchup_steps]:
+            n = sum(p.num_rows for p in self._step_rows.pop(s))
+            self._step_rows_n -= n
+            if s > first:   # taken before the first step closed, and further ahead than ingest allows
+                self.stats["step_times_ahead"] += n
+        for j, step in enumerate(steps.tolist()):
+            parts = self._step_rows.pop(step - stt.LAG_STEPS, None)
+            if not parts:
+                continue
+            self._step_rows_n -= sum(p.num_rows for p in parts)
+            skipped = collections.Counter()
+            got = stt.node_minutes(pa.concat_tables(parts) if len(parts) > 1 else parts[0], skipped)
+            for reason, n in skipped.items():
+                self.stats[f"step_times_{reason}"] += n
+            idx = np.array([self._index.get(n, -1) for n in got.node.tolist()], dtype=np.int64)
+            if (idx < 0).any():
+                self.stats["step_times_unknown_node"] += int((idx < 0).sum())
+            out[idx[idx >= 0], j] = got.values[idx >= 0]
+        return out
 
     def set_inventory(self, batch: pa.Table) -> None:
         """Topology labels (schema-v1 inventory rows): the latest row of each node wins."""
@@ -284,8 +356,8 @@ class OnlineScorer:
                 for g in ft.CROSS_SHARD_GROUPS:
                     totals[g] = self._add_remote(g, codes[g], totals[g], remote.get(g, {}))
             peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
-        feats, self._state = ft.compute(np.concatenate([x, peers], axis=2), steps, self._state,
-                                        kernel=self.kernel)
+        feats, self._state = ft.compute(np.concatenate([x, peers, self._step_time_values(steps)], axis=2), steps,
+                                        self._state, kernel=self.kernel)
         self._features = feats[:, -1]
         new = (self._first_step < 0) & present.any(axis=1)
         if new.any():

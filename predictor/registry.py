@@ -150,7 +150,7 @@ class LoadedModel:
             return None
         cols = fast.input_columns()
         if self.novelty is not None:
-            cols = np.concatenate([cols, np.arange(ft.N_MODEL, ft.N_FEATURES)])
+            cols = np.concatenate([cols, np.arange(ft.N_FEATURES)[ft.STEADY_COLS]])
         return cols
 
     def predict_proba(self, X) -> np.ndarray:

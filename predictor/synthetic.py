@@ -118,6 +118,41 @@ def inventory(nodes: list[str], *, leaf_of=None, job_of=None, site: str = "site-
     return sch.to_table("inventory", rows)
 
 
+def step_times(placement: dict[str, list[tuple[str, int]]], seconds: float, *, period_s: float = 10.0,
+               slow: dict[tuple[str, int], float] | None = None, unmeasured: set[tuple[str, int]] | None = None,
+               seed: int = 0, t0_ns: int = T0_NS) -> pa.Table:
+    """`step_times` rows of jobs stepping every `period_s` for `seconds` from t0_ns: placement[job] is its
+    ranks as (node, rank); half of a step is the rank's compute (a rank in `slow` takes that factor
+    longer), jittered by 1 %, and each rank's step ends up to 50 ms apart. A (job, rank) in
+    `unmeasured` sends no compute part."""
+    rng = np.random.default_rng(seed)
+    slow, unmeasured = slow or {}, unmeasured or set()
+    cols: dict[str, list] = {k: [] for k in ("ts", "node", "job", "rank", "step", "step_seconds", "compute_seconds")}
+    for job, ranks in placement.items():
+        n_steps = int(seconds // period_s)
+        for node, rank in ranks:
+            factor = slow.get((job, rank), 1.0)
+            compute = 0.5 * period_s * factor * (1.0 + 0.01 * (2.0 * rng.random(n_steps) - 1.0))
+            total = np.maximum(compute, 0.5 * period_s * max(slow.get((job, r), 1.0) for _, r in ranks) * 1.01) \
+                + 0.5 * period_s
+            end = t0_ns + ((np.arange(n_steps) + 1) * period_s * 1e9).astype(np.int64) \
+                + rng.integers(0, 50_000_000, n_steps)
+            cols["ts"].append(end)
+            cols["node"] += [node] * n_steps
+            cols["job"] += [job] * n_steps
+            cols["rank"].append(np.full(n_steps, rank, dtype=np.int32))
+            cols["step"].append(np.arange(n_steps, dtype=np.int64))
+            cols["step_seconds"].append(total)
+            cols["compute_seconds"].append(np.full(n_steps, np.nan) if (job, rank) in unmeasured else compute)
+    compute = np.concatenate(cols["compute_seconds"])
+    return pa.Table.from_arrays([
+        _ts(np.concatenate(cols["ts"])), pa.array(cols["node"], sch.STR), pa.array(cols["job"], sch.STR),
+        pa.nulls(len(compute), pa.int64()), pa.array(np.concatenate(cols["rank"])),
+        pa.array(np.concatenate(cols["step"])), pa.array(np.concatenate(cols["step_seconds"])),
+        pa.array(compute, mask=np.isnan(compute)),
+    ], schema=sch.schema("step_times"))
+
+
 def tiny_model_dir(path, *, seed: int = 0):
     """A model directory with a small calibrated model on random features (for registry/online tests)."""
     from sklearn.calibration import CalibratedClassifierCV

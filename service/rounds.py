@@ -225,6 +225,9 @@ class RoundScheduler:
         self._subs: dict[int, Callable] = {}
         self._next = 0
         self._validated: list[tuple[str, object]] = []
+        # rows checked outside the rounds (the Jobs API's step times), for the scorer with the next drain
+        self._checked: collections.deque = collections.deque()
+        self.dropped_checked = 0
         self._last = ScoreResult([], np.zeros(0), fresh=False)
         self.rounds: collections.Counter = collections.Counter()
         self.dropped_batches = 0
@@ -284,6 +287,21 @@ class RoundScheduler:
                     self._taken += 1
                     self.dropped_batches += 1
             return len(self._queue) + len(self._urgent_q)
+
+    def take_checked(self, name: str, table: pa.Table) -> None:
+        """Rows checked elsewhere for the scorer (service/steptimes.py StepTimes' `feed`): they go with
+        the next drain and never make one themselves. Bounded as the bulk queue is: past `max_backlog`
+        tables the oldest is dropped and counted (`dropped_checked`)."""
+        with self._qlock:
+            self._checked.append((name, table))
+            while len(self._checked) > self.max_backlog:
+                self._checked.popleft()
+                self.dropped_checked += 1
+
+    def _take_checked(self) -> list[tuple[str, object]]:
+        with self._qlock:
+            got, self._checked = self._checked, collections.deque()
+        return [(name, self.pipeline.carry(name, t)) for name, t in join_tables({n: t} for n, t in got).items()]
 
     def wake(self, why: str) -> None:
         if why == "step":
@@ -395,6 +413,7 @@ class RoundScheduler:
             if step and self.schedule is not None:
                 boundary = self.schedule.close(now, drained_all=drained_all)
             validated, self._validated = self._validated, []
+            validated += self._take_checked()
             peer = self.totals.take_peer_totals() if self.totals is not None else None
             self.pipeline.submit(Drain(items, now, step, validated, time.perf_counter(), boundary,
                                        peer_totals=[peer] if peer is not None else []))

@@ -274,6 +274,10 @@ class ControlPlane:
                              last_sequences=store_mod.load_sequences(self.store),
                              units=self.policy.units if s.coordinator is None else None)
         self.sequences_saved_at = 0.0
+        if s.coordinator is None and s.forward is None:
+            # The step-time features need every rank of a job, and a shard holds some of a job's nodes
+            # while the Jobs API runs on the coordinator: only an unsharded service feeds them.
+            self.step_times.feed = self.scoring.take_checked
         if s.coordinator is not None:
             self.coordinator = Coordinator(s.coordinator, self.store, self.jobs, self.nodes, self.policy, self.clock)
             self.coordinator.restore()

@@ -10,15 +10,10 @@ follow it to another node.
 
 The rule (`StepTimes.evaluate`, once per policy round, over the jobs that got reports since): at every
 step that at least `min_ranks` ranks, and at least half of the job's ranks, have reported, each rank's
-time is compared with the job's median at that step. It is *slow* there when it is at least `ratio`
-times the median and at least `mad_k` robust standard deviations (1.4826 x the median absolute
-deviation across ranks) and `min_excess_seconds` above it. A rank is **fail-slow** when it was slow in
-at least `min_steps` of its last `window` judged steps, and stays so until fewer than half that
-many remain. The time compared is the compute part when every rank at that step measured it, else
-the whole step: in a synchronous data-parallel job every rank's whole step is the same (all wait for
-the slowest at the all-reduce), so only the compute part tells the culprit; the whole step still does
-for jobs whose ranks do not wait for each other. A node is fail-slow in a job when one of its ranks is.
-The rule is job-relative: the slow ranks must be fewer than half of the job's, or the median moves.
+time (the compute part, or the whole step) is compared with the job's median at that step and judged
+slow or not by foreshock/stepcompare.py, the comparison the predictor's step-time features use too.
+A rank is **fail-slow** when it was slow in at least `min_steps` of its last `window` judged steps, and
+stays so until fewer than half that many remain. A node is fail-slow in a job when one of its ranks is.
 docs/service.md ("Fail-slow") describes it for operators; the settings are `FailSlowSettings`.
 
 With the archive on (`foreshock serve --archive`), the samples a report adds to its window (those its
@@ -28,6 +23,11 @@ queue is full, outside what an ack promises (docs/service.md, "The archive"). A 
 archived, nor are the samples of it that were old or repeated. A row's `ts` is the step's end as the
 rank sent it, or, from a migrator that sends none, when the service took the report. The rule itself
 reads step numbers only, never these times.
+
+The same rows go to the online scorer (`feed`, the round scheduler's take_checked, in an unsharded
+service: service/server.py), whose step-time features (predictor/steptimes.py) compare the ranks with
+their job by the same rule. They read the rows, not the windows: the archive keeps the rows, so the
+offline features of an archive are the online ones bit for bit, and the windows hold float32.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from foreshock import schema as sch
+from foreshock import stepcompare
 
 from foreshock.service.errors import (
     FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError)
@@ -50,7 +51,6 @@ from foreshock.service.domain import Job
 MAX_SAMPLES_PER_REPORT = 1024     # StepTimes in one ReportStepTimes (the migrator sends at most 256)
 MAX_STEP_SECONDS = 86_400.0
 MAX_CELLS = 32 << 20              # (step, rank) cells kept over all jobs: 256 MiB of float32 pairs
-MAD_SIGMA = 1.4826                # the median absolute deviation of a normal sample, in standard deviations
 # A step's end (StepTime.end_ns) is the rank's wall clock, checked against the service's wall clock (as
 # the telemetry's sample times are, service/ingest.py), not its scoring clock, which the demo runs
 # simulated while its job's ranks run on the wall clock. Nodes keep NTP time to milliseconds, so 5
@@ -67,12 +67,12 @@ class FailSlowSettings:
     it as `fail_slow_<field>`, the name `foreshock serve` gives it."""
 
     enabled: bool = True
-    ratio: float = 1.2              # a rank's time at a step, over the job's median there
+    ratio: float = stepcompare.RATIO    # the comparison's thresholds (foreshock/stepcompare.py) ...
     min_steps: int = 12             # slow in at least this many ...
     window: int = 16                # ... of its last this many judged steps
-    min_ranks: int = 3              # ranks that reported a step before it is judged (and half the job's)
-    mad_k: float = 3.0              # and this many robust standard deviations above the median
-    min_excess_seconds: float = 0.002   # and this much above it: sub-millisecond jitter is no fault
+    min_ranks: int = stepcompare.MIN_RANKS
+    mad_k: float = stepcompare.MAD_K
+    min_excess_seconds: float = stepcompare.MIN_EXCESS_SECONDS
 
     _RANGES = {"ratio": (1.05, 10.0), "min_steps": (1, 1024), "window": (2, 1024),
                "min_ranks": (3, MAX_RANKS), "mad_k": (0.0, 100.0), "min_excess_seconds": (0.0, 3600.0)}
@@ -134,15 +134,16 @@ class StepTimes:
     """Per job, a bounded window of step times per rank; the fail-slow rule over it. Thread-safe."""
 
     def __init__(self, settings: FailSlowSettings, store, *, max_cells: int = MAX_CELLS, archive=None,
-                 clock=time.time_ns):
+                 clock=time.time_ns, feed=None):
         """`archive`: takes the accepted samples' rows (service/archive.py take_tables), or None;
         `clock`: the service's time (ns), the time of a row whose step came without its end: when the
-        report was taken."""
+        report was taken; `feed`: feed(table name, rows) takes them for the online scorer, or None."""
         self.settings = settings
         self.store = store
         self.max_cells = max_cells
         self.archive = archive
         self.clock = clock
+        self.feed = feed
         self._windows: dict[str, _Window] = {}
         self._held: dict[tuple[str, str], FailSlow] = {}   # (node, job) -> in alarm
         self._lock = threading.Lock()
@@ -234,8 +235,12 @@ class StepTimes:
             self.samples["kept"] += kept
             self.samples["old"] += old
             self.samples["repeated"] += len(samples) - kept - old
-        if added and self.archive is not None:
-            self.archive.take_tables({"step_times": _rows(job_id, job.generation, rank, node, added)})
+        if added and (self.archive is not None or self.feed is not None):
+            rows = _rows(job_id, job.generation, rank, node, added)
+            if self.archive is not None:
+                self.archive.take_tables({"step_times": rows})
+            if self.feed is not None:
+                self.feed("step_times", rows)
         return kept
 
     # -- the rule ------------------------------------------------------------------------------------
@@ -266,21 +271,11 @@ class StepTimes:
         s = self.settings
         order = np.argsort(-w.steps)
         order = order[w.steps[order] >= 0]
-        total, compute = w.total[order].astype(np.float64), w.compute[order].astype(np.float64)
-        valid = ~np.isnan(total)
-        n = valid.sum(axis=1)
-        judged = n >= max(s.min_ranks, math.ceil(len(w.nodes) / 2))
-        # the compute part where every rank reporting that step measured it, else the whole step
-        use_compute = np.all(~valid | (compute > 0), axis=1)[judged]
-        x = np.where(use_compute[:, None], compute[judged], total[judged])
+        got = stepcompare.compare(w.total[order], w.compute[order], len(w.nodes), ratio=s.ratio,
+                                  min_ranks=s.min_ranks, mad_k=s.mad_k, min_excess_seconds=s.min_excess_seconds)
+        x, slow, rel, use_compute = got.x, got.slow, got.ratio, got.use_compute
         if not len(x):
             return {}
-        with np.errstate(all="ignore"):
-            med = np.nanmedian(x, axis=1)
-            mad = np.nanmedian(np.abs(x - med[:, None]), axis=1)
-            floor = np.maximum(s.min_excess_seconds, s.mad_k * MAD_SIGMA * mad)
-            slow = (x >= s.ratio * med[:, None]) & (x - med[:, None] >= floor[:, None])
-            rel = x / med[:, None]
         seen = ~np.isnan(x)
         # each rank's last window judged steps (rows are newest first)
         in_window = seen & (np.cumsum(seen, axis=0) <= s.window)

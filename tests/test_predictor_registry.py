@@ -102,6 +102,11 @@ def test_the_shipped_default_model_loads_and_has_its_report():
     X = np.zeros((3, ft.N_FEATURES), dtype=np.float32)
     p = m.probability(X)
     assert p.shape == (3,) and np.all((0 <= p) & (p <= 1))
+    # trained on feature version 7: today's rows (8, the step-time columns appended) still feed it
+    assert man["feature_version"] == "7" and ft.FEATURE_VERSION == "8"
+    assert len(man["feature_names"]) < ft.N_FEATURES
+    X[:, ft.STEP_TIME_COLS] = [1.5, 1.5, 0.5]
+    np.testing.assert_array_equal(m.probability(X), p)
 
 
 def test_a_model_of_the_previous_feature_version_reads_its_columns_of_todays_rows(model_dir, tmp_path):
@@ -121,6 +126,25 @@ def test_a_model_of_the_previous_feature_version_reads_its_columns_of_todays_row
     assert ref.shape == (ft.N_FEATURES,) and np.all(ref[ft.N_MODEL:] == 0)
     with pytest.raises(ValueError, match=str(ft.N_FEATURES)):
         m.probability(X[:, :-1])
+
+
+def test_a_model_of_feature_version_7_loads_and_reads_none_of_the_step_time_columns(model_dir, tmp_path):
+    """Version 8 only appended the step-time columns: a version-7 manifest (its reference features as
+    wide as version 7's rows) loads, its probabilities do not move with them, and its reference reads
+    them as 0."""
+    import shutil
+    old = tmp_path / "v7"
+    shutil.copytree(model_dir, old)
+    man = json.loads((old / registry.MANIFEST_FILE).read_text())
+    man["feature_version"] = "7"
+    man["reference_features"] = man["reference_features"][:ft.STEADY_COLS.stop]
+    (old / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    m = registry.load_model(old)
+    X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
+    Y = X.copy()
+    Y[:, ft.STEP_TIME_COLS] = np.nan
+    np.testing.assert_array_equal(m.probability(X), m.probability(Y))
+    assert np.all(ft.full_width(m.manifest["reference_features"])[ft.STEP_TIME_COLS] == 0)
 
 
 def _with_novelty(model_dir, tmp_path, **changes):
@@ -148,7 +172,9 @@ def test_the_novelty_alarm_raises_the_risk_of_a_steadily_counting_signal_only(mo
     p, alone = m.probability(X), m.supervised_probability(X)
     np.testing.assert_array_equal(p[:2], alone[:2])
     assert p[2] > alone[2] and p[2] >= 0.01                   # at least the model's evacuation probability
-    assert set(range(ft.N_MODEL, ft.N_FEATURES)) <= set(m.used_features.tolist())
+    used = set(m.used_features.tolist())
+    assert set(range(ft.N_FEATURES)[ft.STEADY_COLS]) <= used
+    assert used.isdisjoint(range(ft.N_FEATURES)[ft.STEP_TIME_COLS])   # read by no model: never re-scored
     with pytest.raises(ValueError, match="steadiness"):
         m.probability(X[:, :ft.N_MODEL])
 

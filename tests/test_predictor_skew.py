@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
 from foreshock import dataset
+from foreshock import schema as sch
 from foreshock.predictor import features as ft
 from foreshock.predictor import offline, online, registry, synthetic
 
@@ -16,11 +18,33 @@ NODES = ["node-a", "node-b", "node-c", "node-d"]
 STEPS = 45
 
 
+# Two ranks a node in job-1, node-b's first 1.5x slower; job-2 one rank alone (never judged); job-3's
+# rank 1 measures no compute part (its whole step is compared). The steps end around minute boundaries,
+# so some training steps' ranks fall into two feature steps.
+PLACEMENT = {"job-1": [(n, 2 * i + k) for i, n in enumerate(NODES) for k in (0, 1)],
+             "job-2": [("node-d", 0)],
+             "job-3": [("node-a", 0), ("node-b", 1), ("node-c", 2)]}
+
+
+def _bad_step_times(node: str) -> pa.Table:
+    """Rows the step-time signal skips: a negative and a NaN duration, a compute part over the step."""
+    t0 = synthetic.T0_NS + 5 * 60 * 1_000_000_000
+    return sch.to_table("step_times", [
+        {"ts": pd.Timestamp(t0 + k, tz="UTC"), "node": node, "job": "job-1", "rank": 2, "step": 10_000 + k,
+         "step_seconds": total, "compute_seconds": compute}
+        for k, (total, compute) in enumerate(((-1.0, None), (float("nan"), None), (1.0, 2.0)))])
+
+
 @pytest.fixture(scope="module")
 def telemetry():
     tables = {n: synthetic.node_tables(n, STEPS, seed=i, ecc_ramp_from=10 if n == "node-b" else None,
                                        wrap_port_counter=True, interval_s=20)
               for i, n in enumerate(NODES)}
+    steps = synthetic.step_times(PLACEMENT, STEPS * 20, slow={("job-1", 2): 1.5}, unmeasured={("job-3", 1)},
+                                 t0_ns=synthetic.T0_NS - 25_000_000)
+    for n in NODES:
+        own = steps.filter(pc.equal(steps.column("node"), n))
+        tables[n]["step_times"] = pa.concat_tables([own, _bad_step_times(n)]) if n == "node-c" else own
     inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
     return tables, inv
 
@@ -36,6 +60,8 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tin
     w.write_table("inventory", inv)
     with offline.FeatureBuilder(root) as fb:
         off = {nf.node: nf for nf in fb}
+        assert {r: fb.step_time_stats[r] for r in ("bad_step_seconds", "bad_compute_seconds")} == \
+            {"bad_step_seconds": 2, "bad_compute_seconds": 1}
     assert set(off) == set(NODES)
 
     model = registry.load_model(tiny_model_dir(tmp_path / "m"))
@@ -70,6 +96,13 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tin
     assert sick[ft.FEATURE_NAMES.index("ecc_sbe_30m")] > 0
     assert np.isfinite(sick[ft.FEATURE_NAMES.index("traffic_vs_job_5m")])
     assert np.isfinite(sick[ft.FEATURE_NAMES.index("leaf_peers_link_err_frac_30m")])
+    # ... and so are the step times: node-b's slow rank against its job, the others as fast as theirs
+    col = {n: ft.FEATURE_NAMES.index(n) for n in ("steptime_vs_job_30m", "steptime_slow_share_30m")}
+    assert 1.45 < sick[col["steptime_vs_job_30m"]] < 1.55
+    assert 0.2 < sick[col["steptime_slow_share_30m"]] < 0.5   # one of its two ranks in job-1, none in job-3
+    assert 0.98 < off["node-a"].X[-1, col["steptime_vs_job_30m"]] < 1.03
+    assert off["node-a"].X[-1, col["steptime_slow_share_30m"]] == 0.0
+    assert scorer.stats["step_times_bad_step_seconds"] == 2 and scorer.stats["late_step_times"] == 0
 
 
 def test_block_size_does_not_change_features():

@@ -153,7 +153,7 @@ def test_other_estimators_fall_back_to_predict_proba(fitted):
 
 def test_the_shipped_model_takes_the_fast_path():
     model = registry.load_model()
-    X = np.asarray(model.manifest["reference_features"], dtype=np.float32)[None].repeat(400, axis=0)
+    X = ft.full_width(model.manifest["reference_features"])[None].repeat(400, axis=0)
     rng = np.random.default_rng(4)
     X *= rng.lognormal(0.0, 1.5, X.shape).astype(np.float32)
     X[rng.random(X.shape) < 0.2] = np.nan
@@ -178,7 +178,7 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
     assert model.fast_predictor.compiled       # the shipped model runs in the compiled kernel
     rng = np.random.default_rng(8)
     # the estimator's own columns: the fast predictor walks the trees on them
-    X = model.model_columns(np.asarray(model.manifest["reference_features"], dtype=np.float32)[None]).repeat(5000, axis=0)
+    X = model.model_columns(ft.full_width(model.manifest["reference_features"])[None]).repeat(5000, axis=0)
     X *= rng.lognormal(0.0, 2.0, X.shape).astype(np.float32)
     X[rng.random(X.shape) < 0.1] = np.nan
     X[:5] = np.inf

@@ -439,3 +439,63 @@ def test_the_migrator_stamps_a_cuda_steps_end_when_end_step_ran(monkeypatch):
     Event.done = True
     (first, second) = clock.end(1)
     assert [first[0], second[0]] == [0, 1] and before <= first[3] <= after <= second[3]
+
+
+class _RecordingScorer(NullScorer):
+    def __init__(self):
+        self.taken = []
+
+    def ingest(self, table, data):
+        self.taken.append((table, data))
+
+
+def test_accepted_step_times_reach_the_scorer_as_the_archive_gets_them(tmp_path):
+    """An unsharded service hands each accepted report's new samples to the online scorer, as the same
+    `step_times` rows the archive gets (the predictor's step-time features read them); a re-sent sample
+    and a refused report add none."""
+    scorer = _RecordingScorer()
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", scorer=scorer, policy=POLICY, decision_flush_seconds=3600, fsync=False))
+    plane.start()
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            stub = jobs_pb2_grpc.JobsStub(ch)
+            _register(stub)
+            good = [pb.StepTime(step=s, step_seconds=0.5, compute_seconds=0.3) for s in range(1, 5)]
+            assert _report(stub, good, rank=1, node="n1").accepted == 4
+            assert _report(stub, good[:2], rank=1, node="n1").accepted == 0
+            with pytest.raises(grpc.RpcError):
+                _report(stub, [pb.StepTime(step=9, step_seconds=0.5)], rank=1, node="n3")
+
+            def rows():
+                return [r for t, d in scorer.taken if t == "step_times" for r in d.to_pylist()]
+            _wait(lambda: len(rows()) >= 4, what="the rows at the scorer")
+    finally:
+        plane.stop(0.5)
+    assert sorted((r["job"], r["rank"], r["node"], r["step"], r["compute_seconds"]) for r in rows()) == \
+        [("j1", 1, "n1", s, 0.3) for s in range(1, 5)]
+
+
+def test_the_predictors_scorer_takes_the_accepted_step_times(tmp_path, tiny_model_dir):
+    """With a model, the rows reach the predictor's online scorer, which keeps them all for their step's
+    close: none refused."""
+    from foreshock.service.scoring import PredictorScorer
+
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", scorer=PredictorScorer(tiny_model_dir(tmp_path / "model")), policy=POLICY,
+        decision_flush_seconds=3600, fsync=False))
+    plane.start()
+    try:
+        with grpc.insecure_channel(plane.address) as ch:
+            stub = jobs_pb2_grpc.JobsStub(ch)
+            _register(stub)
+            for rank, node in enumerate(NODES):
+                steps = [pb.StepTime(step=s, step_seconds=0.5, compute_seconds=0.3 if rank != 3 else 0.45)
+                         for s in range(1, 9)]
+                assert _report(stub, steps, rank=rank, node=node).accepted == 8
+            online = plane.scorer._online
+            _wait(lambda: online.stats["rows_step_times"] == 8 * len(NODES), what="the rows at the scorer")
+            assert sum(p.num_rows for parts in online._step_rows.values() for p in parts) == 8 * len(NODES)
+            assert plane.scoring.ingest_errors == 0
+    finally:
+        plane.stop(0.5)

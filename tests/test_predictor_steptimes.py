@@ -1,0 +1,179 @@
+"""The job-relative step-time signal (predictor/steptimes.py) and its features (features.STEP_TIMES): a rank
+against its job's median by the service's comparison (foreshock/stepcompare.py), per node and step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from foreshock import schema as sch
+from foreshock import stepcompare
+from foreshock.predictor import features as ft
+from foreshock.predictor import steptimes as stt
+
+STEP_NS = ft.STEP_SECONDS * 1_000_000_000
+M0 = 29_666_667           # a feature step
+NODES = ["n0", "n1", "n2", "n3"]
+
+
+def _rows(samples, minute=M0):
+    """samples: (node, job, rank, step, step_seconds, compute_seconds or None), ending in `minute`."""
+    return sch.to_table("step_times", [
+        {"ts": pd.Timestamp(minute * STEP_NS + 1_000_000 * k, tz="UTC"), "node": node, "job": job, "rank": rank,
+         "step": step, "step_seconds": total, "compute_seconds": compute}
+        for k, (node, job, rank, step, total, compute) in enumerate(samples)])
+
+
+def _job(computes, *, job="j", step=0, total=2.0, nodes=NODES):
+    return [(nodes[r], job, r, step, total, c) for r, c in enumerate(computes)]
+
+
+def _by_node(got: stt.NodeMinutes) -> dict:
+    return {n: v for n, v in zip(got.node.tolist(), got.values)}
+
+
+def test_a_rank_half_again_as_slow_as_its_job_gets_the_ratio_and_is_counted_slow():
+    got = _by_node(stt.node_minutes(_rows(_job([1.0, 1.0, 1.5, 1.0]) + _job([1.0, 1.0, 1.5, 1.0], step=1))))
+    assert got["n2"].tolist() == [1.5, 2.0, 2.0]          # ratio, slow steps, judged steps
+    assert got["n0"].tolist() == [1.0, 0.0, 2.0]
+
+
+def test_a_nodes_value_is_its_slowest_ranks_median_over_its_judged_steps():
+    """n0 holds ranks 0 and 4: rank 4 is 1.5x at one step of three (median 1.0), rank 0 1.25x at two."""
+    nodes = ["n0", "n1", "n2", "n3", "n0"]
+    samples = (_job([1.25, 1.0, 1.0, 1.0, 1.5], nodes=nodes, step=0) + _job([1.25, 1.0, 1.0, 1.0, 1.0], nodes=nodes, step=1)
+               + _job([1.0, 1.0, 1.0, 1.0, 1.0], nodes=nodes, step=2))
+    got = _by_node(stt.node_minutes(_rows(samples)))
+    assert got["n0"][0] == 1.25 and got["n0"][2] == 6
+
+
+@pytest.mark.parametrize("samples", [
+    _job([1.0]),                                  # one rank
+    _job([1.0, 1.5]),                             # fewer than stepcompare.MIN_RANKS
+    [],                                           # no reports
+], ids=["one rank", "two ranks", "none"])
+def test_a_job_too_small_to_judge_gives_no_value_not_one(samples):
+    got = stt.node_minutes(_rows(samples)) if samples else stt.node_minutes(None)
+    assert len(got) == 0
+    state = ft.FeatureState.empty(1)
+    x = np.zeros((1, 1, len(ft.ALL_NAMES)))
+    x[0, 0, ft.STEP_TIME_IDX] = stt.empty_values(1)[0]
+    out, _ = ft.compute(x, np.array([M0]), state)
+    assert np.isnan(out[0, 0, ft.STEP_TIME_COLS]).all()
+
+
+def test_the_compute_part_is_compared_only_when_every_rank_of_the_step_measured_it():
+    """A synchronous job: the whole steps are equal, the compute parts tell the slow rank. At step 1 one
+    rank sent none, so the whole step is compared there and nobody is slow."""
+    measured = [(n, "j", r, 0, 2.0, c) for r, (n, c) in enumerate(zip(NODES, [1.0, 1.0, 1.5, 1.0]))]
+    partly = [(n, "j", r, 1, 2.0, c) for r, (n, c) in enumerate(zip(NODES, [1.0, None, 1.5, 1.0]))]
+    assert _by_node(stt.node_minutes(_rows(measured)))["n2"].tolist() == [1.5, 1.0, 1.0]
+    assert _by_node(stt.node_minutes(_rows(partly)))["n2"].tolist() == [1.0, 0.0, 1.0]
+    # the service's rule decides by the same function: a measured 0 is no measurement there
+    got = stepcompare.compare(np.full((1, 4), 2.0), np.array([[1.0, 0.0, 1.5, 1.0]]), 4)
+    assert not got.use_compute[0] and not got.slow.any()
+
+
+def test_bad_rows_are_skipped_and_counted_and_the_rest_judged():
+    good = _job([1.0, 1.0, 1.5, 1.0])
+    bad = [("n0", "j", 0, 5, -1.0, None), ("n1", "j", 1, 5, float("nan"), None), ("n2", "j", 2, 5, 1.0, 2.0),
+           ("n3", "j", 3, 5, 1.0, -0.5), ("", "j", 0, 6, 1.0, None), ("n0", "", 0, 6, 1.0, None),
+           ("n2", "j", 2, 0, 9.0, 9.0)]           # a repeat of rank 2's step 0: the first by time is kept
+    skipped = Counter()
+    got = _by_node(stt.node_minutes(_rows(good + bad), skipped))
+    assert skipped == {"bad_step_seconds": 2, "bad_compute_seconds": 2, "no_node": 1, "no_job": 1, "repeated": 1}
+    assert got["n2"].tolist() == [1.5, 1.0, 1.0]
+
+
+def test_the_value_does_not_depend_on_the_rows_order_or_what_else_is_in_the_batch():
+    rng = np.random.default_rng(4)
+    samples = [(NODES[r % 4], f"j{r // 4}", r, s, 2.0, float(rng.uniform(0.9, 1.4)))
+               for r in range(8) for s in range(5)]
+    alone = stt.node_minutes(_rows(samples))
+    other = _rows(samples, minute=M0 + 1)
+    mixed = pa.concat_tables([other, _rows(samples)])
+    mixed = mixed.take(pa.array(rng.permutation(mixed.num_rows)))
+    got = stt.node_minutes(mixed)
+    here = got.step == M0
+    assert sorted(zip(got.node[here].tolist(), map(tuple, got.values[here].tolist()))) == \
+        sorted(zip(alone.node.tolist(), map(tuple, alone.values.tolist())))
+
+
+def test_the_windows_keep_a_slow_minute_5_and_30_minutes_and_share_the_slow_steps():
+    t = 40
+    x = np.full((1, t, len(ft.ALL_NAMES)), np.nan)
+    x[0, :, ft.STEP_TIME_IDX] = stt.empty_values(t).T
+    x[0, :, ft.STEP_TIME_IDX[0]] = 1.0
+    x[0, :, ft.STEP_TIME_IDX[2]] = 4.0
+    x[0, 2, ft.STEP_TIME_IDX[:2]] = [1.6, 4.0]         # step 2: every judged step slow, 1.6x
+    out, _ = ft.compute(x, np.arange(t), ft.FeatureState.empty(1))
+    r5, r30, share = (out[0, :, c] for c in range(ft.N_FEATURES)[ft.STEP_TIME_COLS])
+    assert r5[2:7].tolist() == [pytest.approx(1.6)] * 5 and r5[7] == 1.0
+    assert r30[31] == pytest.approx(1.6) and r30[32] == 1.0
+    assert share[2] == pytest.approx(4 / 12) and share[31] == pytest.approx(4 / 120) and share[32] == 0.0
+    assert np.isnan(out[0, 0, ft.STEP_TIME_COLS]).sum() == 0   # judged from the first step
+
+
+def test_the_step_time_columns_come_last_so_older_models_read_a_prefix():
+    assert ft.FEATURE_NAMES[-3:] == ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
+    assert ft.STEADY_COLS.stop == ft.STEP_TIME_COLS.start and ft.STEP_TIME_COLS.stop == ft.N_FEATURES
+    assert ft.READABLE_VERSIONS == ("6", "7", "8") and ft.FEATURE_VERSION == "8"
+
+
+def test_the_row_median_is_numpys_over_the_known_values():
+    rng = np.random.default_rng(9)
+    x = rng.random((200, 7))
+    x[rng.random(x.shape) < 0.3] = np.nan
+    x[0] = np.nan
+    with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+        want = np.nanmedian(x, axis=1)
+    np.testing.assert_allclose(stepcompare.row_median(x), want, rtol=0, atol=1e-15)
+    assert np.isnan(stepcompare.row_median(x)[0])
+
+
+def test_explanations_name_the_step_times_only_from_a_slow_ratio():
+    from foreshock.predictor import explain as ex
+
+    row = np.full(ft.N_FEATURES, np.nan, dtype=np.float32)
+    names = ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
+    cols = [ft.FEATURE_NAMES.index(n) for n in names]
+    k = ex.GROUP_NAMES.index("steptime_vs_job")
+    reference = np.zeros(ft.N_FEATURES)
+    rows = np.repeat(row[None], 4, axis=0)
+    rows[0, cols] = [1.49, 1.52, 0.48]      # slow
+    rows[1, cols] = [1.0, 1.01, 0.0]        # as fast as its job
+    rows[2, cols] = [1.0, 1.1, 0.05]        # a slow step now and then, at no slow ratio
+    # rows[3]: nothing judged (NaN)
+    assert ex.unusual(rows, reference)[:, k].tolist() == [True, False, False, False]
+    assert ex.describe("steptime_vs_job", rows[0]).endswith(
+        "1.52x its job's median at most in 30 min (1.49x in 5 min), slow in 48% of its judged steps")
+    assert ex.headline("steptime_vs_job", rows[0]) == pytest.approx(1.52)
+
+
+def test_the_online_scorer_reads_a_minutes_step_times_a_step_later_and_counts_late_and_far_ahead_rows(
+        tmp_path, tiny_model_dir):
+    from foreshock.predictor import online, registry, synthetic
+
+    scorer = online.OnlineScorer(registry.load_model(tiny_model_dir(tmp_path / "m")), explain_top=0)
+    nodes = ["n0", "n1", "n2", "n3"]
+    tables = {n: synthetic.node_tables(n, 6, seed=i) for i, n in enumerate(nodes)}   # a sample a minute
+    first = synthetic.T0_NS // STEP_NS
+    slow = _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 1)
+    col = ft.FEATURE_NAMES.index("steptime_vs_job_5m")
+    seen = []
+    for k in range(5):
+        for n in nodes:
+            for name, t in tables[n].items():
+                scorer.ingest(name, t.slice(k, 1))
+        if k == 1:
+            scorer.ingest("step_times", slow)
+        scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
+        seen.append(float(scorer.features_of("n2")[col]))
+    assert np.isnan(seen[:2]).all() and seen[2:] == [1.5, 1.5, 1.5]   # minute first+1, read at first+2
+    scorer.ingest("step_times", slow)                                   # its step has been read
+    scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 10 * 24 * 60))
+    assert (scorer.stats["late_step_times"], scorer.stats["step_times_ahead"]) == (4, 4)
