@@ -40,6 +40,7 @@ from foreshock.predictor import offline, online, registry, signals, synthetic
 
 STEP_NS = ft.STEP_SECONDS * 1_000_000_000
 WARMUP_STEPS = 32
+JOB_NODES = 512   # the nodes of one job in the online benchmark's cluster (and its inventory)
 
 
 class _Cluster:
@@ -48,12 +49,17 @@ class _Cluster:
     Not every node alike (a tree walk over identical rows would be unrealistically predictable): most
     nodes are quiet (error counters still), one in ten has errors at its own rate (log-normal over
     three decades, Poisson each step, per GPU and HCA), every node has its own traffic level and GPU
-    temperatures, with per-step noise.
+    temperatures, with per-step noise. With `steps_per_minute`, every node also runs one rank per GPU of
+    a synchronous job of JOB_NODES nodes, each rank reporting that many training steps a minute
+    (`step_times` rows, as the service hands its scorer what the Jobs API accepted), one rank in a
+    thousand 1.5 times slower than its peers in its compute part.
     """
 
-    def __init__(self, nodes: list[str], rng, gpus=8, hcas=8):
+    def __init__(self, nodes: list[str], rng, gpus=8, hcas=8, steps_per_minute: int = 0):
         n = len(nodes)
         self.nodes, self.rng, self.gpus, self.hcas = nodes, rng, gpus, hcas
+        self.steps_per_minute = steps_per_minute
+        self.slow_rank = rng.random(n * gpus) < 0.001
         erroring = rng.random(n) < 0.1
         self.err_rate = np.where(erroring, rng.lognormal(0.0, 2.0, n), 0.0)       # errors per step
         self.traffic = rng.lognormal(0.0, 0.3, n) * 5e7                              # KiB per step
@@ -97,7 +103,32 @@ class _Cluster:
                        "port_xmit_bytes": self.ib.copy(), "port_rcv_bytes": self.ib.copy()})
         hn = pa.table({"ts": pa.array(np.full(n, ts)).cast(sch.TS), "node": pa.array(nodes, pa.string()),
                        "Tcp_OutSegs": self.tcp_out.copy(), "Tcp_RetransSegs": self.tcp_re.copy()})
-        return {"gpu": gpu, "nvlink": nvl, "rdma_port": rd, "host_net": hn}
+        out = {"gpu": gpu, "nvlink": nvl, "rdma_port": rd, "host_net": hn}
+        if self.steps_per_minute:
+            out["step_times"] = self.step_times(step)
+        return out
+
+    def step_times(self, step: int) -> pa.Table:
+        """The step_times rows of every rank's training steps that end in this step."""
+        n, gpus, k = len(self.nodes), self.gpus, self.steps_per_minute
+        ranks = n * gpus
+        node_i = np.arange(ranks) // gpus
+        step_s = ft.STEP_SECONDS / k
+        compute = 0.7 * step_s * (1.0 + 0.01 * self.rng.standard_normal((k, ranks)))
+        compute[:, self.slow_rank] *= 1.5
+        # synchronous: every rank's whole step waits for the slowest compute part of its step
+        total = np.broadcast_to(compute.max(axis=1, keepdims=True) + 0.2 * step_s, compute.shape)
+        ends = step * STEP_NS + ((np.arange(k) + 1) * step_s * 1e9).astype(np.int64) - 1
+        names = np.array(self.nodes, dtype=object)
+        jobs = np.array([f"job-{i // JOB_NODES}" for i in range(n)], dtype=object)
+        return pa.table({
+            "ts": pa.array(np.repeat(ends, ranks)).cast(sch.TS),
+            "node": pa.array(np.tile(names[node_i], k), pa.string()),
+            "job": pa.array(np.tile(jobs[node_i], k), pa.string()),
+            "generation": pa.array(np.zeros(k * ranks, np.int64)),
+            "rank": pa.array(np.tile((node_i % JOB_NODES) * gpus + np.arange(ranks) % gpus, k).astype(np.int32)),
+            "step": pa.array(np.repeat(step * k + np.arange(k), ranks).astype(np.int64)),
+            "step_seconds": pa.array(total.ravel()), "compute_seconds": pa.array(compute.ravel())})
 
 
 def _load() -> str:
@@ -108,14 +139,14 @@ def _med(values) -> float:
     return 1000 * float(np.median(values))
 
 
-def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
+def bench_online(n_nodes: int, rounds: int, model, threads: int = 1, steps_per_minute: int = 0) -> None:
     rng = np.random.default_rng(0)
     nodes = [f"node-{i:05d}" for i in range(n_nodes)]
     model.threads = threads
     scorer = online.OnlineScorer(model, max_nodes=max(n_nodes, 1), max_pending_rows=10 * 20 * n_nodes)
-    scorer.set_inventory(synthetic.inventory(nodes, leaf_of=lambda i: f"leaf-{i // 32}", job_of=lambda i: f"job-{i // 512}"))
+    scorer.set_inventory(synthetic.inventory(nodes, leaf_of=lambda i: f"leaf-{i // 32}", job_of=lambda i: f"job-{i // JOB_NODES}"))
     step0 = 29_666_000
-    cluster = _Cluster(nodes, rng)
+    cluster = _Cluster(nodes, rng, steps_per_minute=steps_per_minute)
     # warm up past the longest window (30 steps), so the rounds timed are the steady state's
     for r in range(WARMUP_STEPS):
         for name, t in cluster.tables(step0 + r).items():
@@ -123,7 +154,8 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
         scorer.score((step0 + r + 1) * STEP_NS + 6 * 10**9)
     step0 += WARMUP_STEPS
     ingest_s, round_s, round_cpu, parts = [], [], [], []
-    print(f"online, {n_nodes} nodes (8 GPUs, 8 HCAs each), {rounds} rounds, {_load()}:")
+    per_round = f", {n_nodes * 8 * steps_per_minute:,} step_times rows a round" if steps_per_minute else ""
+    print(f"online, {n_nodes} nodes (8 GPUs, 8 HCAs each{per_round}), {rounds} rounds, {_load()}:")
     for r in range(2 * rounds + 1):
         tables = cluster.tables(step0 + r)
         t0 = time.perf_counter()
@@ -154,8 +186,8 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1) -> None:
             parts.append((a1 - a0, a2 - a1, a3 - a2))
         ingest_s.append(t1 - t0)
     parts = np.array(parts)
-    print(f"  ingest per round (one step of gpu+nvlink+rdma_port+host_net rows, {n_nodes * 25:,} rows, "
-          f"reduced to per-step signals as they arrive): median {_med(ingest_s):.0f} ms")
+    print(f"  ingest per round (one step of {'+'.join(tables)} rows, {sum(t.num_rows for t in tables.values()):,} "
+          f"rows, reduced to per-step signals as they arrive): median {_med(ingest_s):.0f} ms")
     print(f"  scoring round (score(): close the step, features, predict, explain top 16): median "
           f"{_med(round_s):.0f} ms wall, {_med(round_cpu):.0f} ms CPU, best {1000 * min(round_s):.0f} ms; "
           f"target < 50 ms")
@@ -301,6 +333,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--drain-nodes", type=int, default=2048,
                     help="cluster size for the drain ingest figures (the service benchmark's)")
     ap.add_argument("--drains-only", action="store_true", help="only the drain ingest figures")
+    ap.add_argument("--steps-per-minute", type=int, default=6,
+                    help="training steps a minute each node's 8 ranks report to the online scorer (0: no step "
+                         "times; default 6, a 10 s step)")
     args = ap.parse_args(argv)
     try:
         model = registry.load_model(args.model)
@@ -312,7 +347,7 @@ def main(argv: list[str]) -> int:
     if args.drains_only:
         bench_drains(args.drain_nodes, model)
         return 0
-    bench_online(args.nodes, args.rounds, model, args.threads)
+    bench_online(args.nodes, args.rounds, model, args.threads, args.steps_per_minute)
     bench_drains(args.drain_nodes, model)
     bench_offline()
     exe = [sys.executable, "-m", "foreshock.cli"]

@@ -86,6 +86,28 @@ def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list]:
     return codes, words
 
 
+def _order(major: list[np.ndarray], minor: list[np.ndarray]) -> np.ndarray:
+    """The permutation np.lexsort gives for the keys major + minor, the first the most significant
+    (stable: equal rows keep their order). The integer `major` keys are packed into one int64, each
+    offset by its minimum, when the product of their ranges fits, so one sort does the work of
+    len(major); the `minor` keys are sorted on only where the packed key repeats. A minute of a
+    10,000-node cluster's step times is half a million rows, judged in the scoring round."""
+    n = len(major[0])
+    spans = [int(k.max()) - int(k.min()) + 1 if n else 1 for k in major]
+    if n == 0 or np.prod([float(r) for r in spans]) >= 2.0 ** 62:
+        return np.lexsort(tuple(reversed(list(major) + list(minor))))
+    packed = np.zeros(n, dtype=np.int64)
+    for k, r in zip(major, spans):
+        packed *= r
+        packed += k.astype(np.int64) - int(k.min())
+    order = np.argsort(packed, kind="stable")
+    if minor:
+        p = packed[order]
+        if (p[1:] == p[:-1]).any():
+            return np.lexsort(tuple(reversed([packed] + list(minor))))
+    return order
+
+
 def _float(col) -> np.ndarray:
     return col.cast(pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
 
@@ -128,8 +150,8 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
         return NodeMinutes.empty()
     # one order whatever the rows' order: by job, generation, feature step, training step, rank, then
     # the row's time and values, so a repeat keeps the same row offline and online
-    order = idx[np.lexsort((np.nan_to_num(compute[idx], nan=-1.0), total[idx], ts[idx], rank[idx], tstep[idx],
-                            minute[idx], gen[idx], job[idx]))]
+    order = idx[_order([job[idx], gen[idx], minute[idx], tstep[idx], rank[idx]],
+                       [ts[idx], total[idx], np.nan_to_num(compute[idx], nan=-1.0)])]
     key = np.stack([job[order], gen[order], minute[order], tstep[order], rank[order]], axis=1)
     first = np.ones(len(order), dtype=bool)
     first[1:] = np.any(key[1:] != key[:-1], axis=1)
@@ -149,7 +171,7 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
 
     # per (node, feature step, job run, rank): the median of the rank's ratios; per (node, feature step):
     # the largest of those, and the slow and judged counts
-    o = np.lexsort((c_ratio, c_rank, c_run, c_min, c_node))
+    o = _order([c_node, c_min, c_run, c_rank], [c_ratio])
     c_node, c_min, c_run, c_rank, c_ratio, c_slow = (a[o] for a in (c_node, c_min, c_run, c_rank, c_ratio, c_slow))
     grp = np.stack([c_node, c_min, c_run, c_rank], axis=1)
     start = np.flatnonzero(np.concatenate([[True], np.any(grp[1:] != grp[:-1], axis=1)]))

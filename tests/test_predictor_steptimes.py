@@ -177,3 +177,15 @@ def test_the_online_scorer_reads_a_minutes_step_times_a_step_later_and_counts_la
     scorer.ingest("step_times", slow)                                   # its step has been read
     scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 10 * 24 * 60))
     assert (scorer.stats["late_step_times"], scorer.stats["step_times_ahead"]) == (4, 4)
+
+
+def test_the_packed_order_is_lexsorts_with_repeats_negative_keys_and_ranges_too_wide_to_pack():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(1, 300))
+        major = [rng.integers(-3, int(rng.integers(1, 50)), n) for _ in range(int(rng.integers(1, 5)))]
+        minor = [rng.integers(0, 3, n).astype(float) for _ in range(int(rng.integers(0, 3)))]
+        assert np.array_equal(stt._order(major, minor), np.lexsort(tuple(reversed(major + minor))))
+    wide = [rng.integers(0, 2**40, 100), rng.integers(0, 3, 100), rng.integers(0, 2**40, 100)]   # lexsort's path
+    minor = [rng.integers(0, 2, 100).astype(float)]
+    assert np.array_equal(stt._order(wide, minor), np.lexsort(tuple(reversed(wide + minor))))
