@@ -4,6 +4,9 @@ Coordinator.ForwardAlarms stream, so its step-time features are the offline ones
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import grpc
@@ -19,7 +22,7 @@ from foreshock.predictor import online, registry, synthetic
 from foreshock.predictor import steptimes as stt
 from foreshock.service.coordinator import CoordinatorSettings
 from foreshock.service.domain import Job, Rank
-from foreshock.service.forwarder import ForwardSettings
+from foreshock.service.forwarder import AlarmForwarder, ForwardSettings
 from foreshock.service.scoring import PredictorScorer
 from foreshock.service.server import Settings, build_server
 from foreshock.service.steptimefeed import MAX_ROWS_PER_ACK, StepTimeRouter, decode, encode
@@ -113,8 +116,6 @@ def test_bad_step_times_on_an_ack_are_refused_naming_why(data, words):
 
 
 def test_the_forwarder_hands_an_acks_rows_to_the_scheduler_and_asks_again_while_more_wait():
-    from foreshock.service.forwarder import AlarmForwarder
-
     got = []
     fw = AlarmForwarder(ForwardSettings(("127.0.0.1:1",), "shard-a", totals_poll_seconds=30.0), model_version="m",
                         on_step_times=lambda name, rows: got.append((name, rows.num_rows)))
@@ -255,3 +256,12 @@ def test_a_shard_down_costs_the_jobs_api_nothing_and_its_rows_are_dropped_and_co
         assert decode(ack.step_times).num_rows == 1020 and not ack.step_times_pending
     finally:
         coordinator.stop(0.5)
+
+
+def test_serve_refuses_a_step_time_buffer_smaller_than_a_report(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--no-model",
+                          "--state", str(tmp_path), "--listen", "127.0.0.1:0", "--metrics-listen", "",
+                          "--coordinator", "--lease-file", str(tmp_path / "lease")],
+                         env={**os.environ, "FORESHOCK_SERVE_COORDINATOR_STEP_TIME_BUFFER_ROWS": "100"},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "coordinator_step_time_buffer_rows" in run.stderr, run.stderr[-1000:]
