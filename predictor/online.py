@@ -31,9 +31,11 @@ of every node they name, exactly as offline. Rows of a step already read are dro
 (`stats["late_step_times"]`), as are rows further ahead of the scorer's steps than it catches up at
 once (`"step_times_ahead"`: their ends are the ranks' wall clock, the scorer's steps may run on another),
 rows of nodes the scorer has no telemetry or topology of (`"step_times_unknown_node"`) and rows
-steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks run on many nodes: in a sharded
-deployment a shard's scorer would need the rows of every node of its nodes' jobs, and the Jobs API runs
-on the coordinator, so only an unsharded service feeds it.
+steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks run on many nodes, and the
+comparison needs all of a job's step: in a sharded deployment the jobs coordinator sends a shard's
+scorer every rank's rows of the jobs with a node on it (service/steptimefeed.py), so its nodes' values
+are those of one scorer holding every node; the values of the job's nodes on other shards are counted
+as `"step_times_unknown_node"` and let go.
 
 Explanations (explain.py) are computed for the `explain_top` riskiest nodes of a round; the others
 get an empty signal list.

@@ -26,6 +26,7 @@ from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDO
 from foreshock.service.forwarder import CHECKS as FORWARD_CHECKS
 from foreshock.service.forwarder import ForwardSettings
 from foreshock.service.shardmap import SHARD_NAME_RE
+from foreshock.service.steptimefeed import BUFFER_ROWS as STEP_TIME_BUFFER_ROWS
 
 # [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
 # defaults and ranges are ActionSettings' own.
@@ -94,6 +95,7 @@ DEFAULTS = {
     "lease_file": "",            # the coordinator's lock file on the volume it shares with its standby
     "coordinator_model_version": "",   # the model shards should score with; "": the first shard's
     "coordinator_reconfirm_seconds": RECONFIRM_SECONDS,   # a shard's new instance has this long to raise again
+    "coordinator_step_time_buffer_rows": STEP_TIME_BUFFER_ROWS,   # step_times rows waiting for each shard
     "coordinator_address": "",   # HOST:PORT[,HOST:PORT]: a shard, forwarding its alarms to the coordinator
     "forward_token_file": "",    # a file holding this shard's bearer token for the coordinator
     **{key: FORWARD_DEFAULTS[name] for key, name in FORWARD_KEYS.items()},
@@ -124,6 +126,7 @@ CHECKS = {
     **{key: ACTION_CHECKS[name] for key, name in ACTION_KEYS.items() if name in ACTION_CHECKS},
     **ARCHIVE_CHECKS,
     "coordinator_reconfirm_seconds": config.between(MIN_RECONFIRM_SECONDS, MAX_RECONFIRM_SECONDS),
+    "coordinator_step_time_buffer_rows": config.between(1024, 100_000_000),
     "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
                           "must be a shard name (letters, digits, '.', '_', '-'; at most 63)"),
     **{key: FORWARD_CHECKS[name] for key, name in FORWARD_KEYS.items() if name in FORWARD_CHECKS},
@@ -288,7 +291,8 @@ def settings_from(cfg: dict):
         try:
             coordinator = CoordinatorSettings(cfg["lease_file"],
                                               expected_model_version=cfg["coordinator_model_version"],
-                                              reconfirm_seconds=cfg["coordinator_reconfirm_seconds"])
+                                              reconfirm_seconds=cfg["coordinator_reconfirm_seconds"],
+                                              step_time_buffer_rows=cfg["coordinator_step_time_buffer_rows"])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
     elif cfg["lease_file"]:

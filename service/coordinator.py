@@ -39,6 +39,9 @@ is service/forwarder.py):
   (docs/scaling.md, "Peer features across shards"). Memory only, the last MAX_TOTALS_STEPS steps per
   shard: totals are a few steps' worth of use, and a takeover starts them over (the shards' scorers use
   their own nodes' meanwhile).
+- `step_times` (a steptimefeed.StepTimeRouter): the jobs' accepted step times, for the shards whose nodes
+  run them, on the acks (service/steptimefeed.py); `shard_of(node)`: the shard that last forwarded an
+  event about the node, by which it routes. Memory only, bounded per shard, best effort.
 - A shard that scores with a model other than the one expected (`expected_model_version`, or the first
   one seen) is counted and logged, not refused: during a rolling model update shards differ for a while.
 """
@@ -61,6 +64,7 @@ from foreshock.service.errors import FailedPrecondition, InvalidArgument
 from foreshock.service.fabricunits import FINDINGS, ForwardedFindings
 from foreshock.service.jobs import check_id, check_node, check_text
 from foreshock.service.nodes import FatalEvent, Topology
+from foreshock.service.steptimefeed import BUFFER_ROWS, StepTimeRouter
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +114,7 @@ class CoordinatorSettings:
     expected_model_version: str = ""     # "": the first shard's model is the one expected
     lock_poll_seconds: float = 0.5       # how often a standby tries the lock (and sees a stop)
     reconfirm_seconds: float = RECONFIRM_SECONDS   # a shard's new instance has this long to raise again
+    step_time_buffer_rows: int = BUFFER_ROWS       # step_times rows waiting for each shard's next ack
 
     def __post_init__(self):
         if not self.lease_file:
@@ -120,6 +125,10 @@ class CoordinatorSettings:
                 and MIN_RECONFIRM_SECONDS <= self.reconfirm_seconds <= MAX_RECONFIRM_SECONDS):
             raise ValueError(f"coordinator_reconfirm_seconds {self.reconfirm_seconds!r} must be in "
                              f"[{MIN_RECONFIRM_SECONDS:g}, {MAX_RECONFIRM_SECONDS:g}]")
+        # at least one report's rows (service/steptimes.py MAX_SAMPLES_PER_REPORT)
+        if not (isinstance(self.step_time_buffer_rows, int) and 1024 <= self.step_time_buffer_rows <= 100_000_000):
+            raise ValueError(f"coordinator step_time_buffer_rows {self.step_time_buffer_rows!r} must be an "
+                             "integer in [1024, 100000000]")
 
 
 class LeaderLock:
@@ -368,6 +377,7 @@ class Coordinator:
         self.events_applied: dict[str, int] = {}
         self.events_duplicate: dict[str, int] = {}
         self.peer_totals = PeerTotalsBook()
+        self.step_times = StepTimeRouter(self.shard_of, buffer_rows=settings.step_time_buffer_rows)
         self._reconfirm: dict[str, _Reconfirm] = {}
         self.reconfirm_cleared = {"alarm": 0, "fabric_finding": 0}
 
@@ -581,6 +591,13 @@ class Coordinator:
             elif shard in self.mismatch:
                 log.info("shard %s scores with the expected model %s again", shard, version)
         self.mismatch[shard] = differs
+
+    def shard_of(self, node: str) -> str | None:
+        """The shard that last forwarded an event about `node`, or None. Read without the lock, by the
+        Jobs API's step-time routing, which must not wait on a batch's commit: a node that moves shards is
+        routed by one or the other."""
+        st = self._state.get(node)
+        return st.shard if st is not None else None
 
     def shards(self) -> dict[str, tuple[int, int, str]]:
         with self._lock:

@@ -21,6 +21,13 @@ the fabric's services' findings, sent to the jobs coordinator over one acked str
   The coordinator answers only on a request, and a shard that sends its step first hears of the others'
   only later: until the sums of the step it sent last come, an empty request asks again every
   `totals_poll_seconds`, at most TOTALS_POLLS times a step.
+- The jobs' step times come back on the acks (ForwardAck `step_times`: the rows of the jobs with a node
+  on this shard, service/steptimefeed.py, which defines the format): each ack's rows go to
+  `on_step_times` (the round scheduler's take_checked: the scorer takes them with its next drain, as an
+  unsharded service's Jobs API hands them over). An ack that carried rows makes the forwarder ask again,
+  at once when the coordinator says more wait, else after `totals_poll_seconds`, so rows flow while a
+  job reports and an idle shard sends nothing more. Best effort, counted: `step_time_rows_received_total`,
+  and `step_time_acks_refused_total` for rows that do not decode (logged).
 - `ShardReporter` turns a shard's rounds into events: a node that enters risk alarm (ALARM), leaves it
   (CLEARED), a fatal event (FATAL), and every `summary_seconds` every scored node's risk and topology
   (RISK), by which the coordinator ranks spares and finds a fabric incident across shards; and as the
@@ -47,6 +54,7 @@ from foreshock import config
 from foreshock.net import Endpoint, PlaintextRefused, client_credentials
 from foreshock.ratelimit import LogLimiter
 from foreshock.service.coordinator import MAX_EVENTS, MAX_SIGNALS, MAX_TEXT, MAX_TOTALS_STEPS
+from foreshock.service.steptimefeed import decode as decode_step_times
 from foreshock.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -128,10 +136,14 @@ class AlarmForwarder:
     """Construct, `start()`, then `put(...)` events from any thread; `stop()` at the end.
 
     Counters (read by service/metrics.py): `acked_total`, `dropped_total` (per kind name),
-    `reconnects_total`, `connected`, and `buffered()`."""
+    `reconnects_total`, `connected`, `buffered()`, and the peer totals' and step times' (`totals_sent_total`,
+    `peer_totals_received_total`, `step_time_rows_received_total`, `step_time_acks_refused_total`)."""
 
-    def __init__(self, settings: ForwardSettings, *, model_version: str, clock=time.time_ns):
+    def __init__(self, settings: ForwardSettings, *, model_version: str, clock=time.time_ns, on_step_times=None):
+        """on_step_times(table name, rows): takes the step_times rows the acks bring; None: they are
+        counted and let go."""
         self.settings = settings
+        self.on_step_times = on_step_times
         self.model_version = model_version
         credentials = client_credentials(settings.tls_ca or None)   # OSError names an unreadable CA file
         try:
@@ -154,6 +166,7 @@ class AlarmForwarder:
         self._peer_step = 0        # ... and of the others' sums received
         self._polls = 0            # empty requests asking for the sums of _totals_step
         self._requested_at = 0.0
+        self._rows_ask_at: float | None = None   # when to ask again for step times (monotonic); None: not
         self._stream = 0           # the stream the request generator belongs to
         self._call = None
         self._stop = threading.Event()
@@ -165,6 +178,8 @@ class AlarmForwarder:
         self.reconnects_total = 0
         self.totals_sent_total = 0
         self.peer_totals_received_total = 0
+        self.step_time_rows_received_total = 0
+        self.step_time_acks_refused_total = 0
         self.connected = False
         self.address = settings.addresses[0]
 
@@ -299,6 +314,8 @@ class AlarmForwarder:
                             and time.monotonic() - self._requested_at >= s.totals_poll_seconds):
                         self._polls += 1
                         break
+                    if self._rows_ask_at is not None and time.monotonic() >= self._rows_ask_at:
+                        break
                     self._cv.wait(min(0.1, s.totals_poll_seconds))
                 totals = [self._totals[step] for step in sorted(self._totals)]
                 self._totals.clear()
@@ -306,6 +323,7 @@ class AlarmForwarder:
                     self.totals_sent_total += len(totals)
                     self._totals_step, self._polls = max(self._totals_step, totals[-1].step), 0
                 self._requested_at = time.monotonic()
+                self._rows_ask_at = None   # this request's ack says whether to ask again
                 if batch:
                     self._sent_upto = batch[-1].sequence
                     self._in_flight.append((self._sent_upto, time.monotonic()))
@@ -315,6 +333,8 @@ class AlarmForwarder:
     def _on_ack(self, ack) -> None:
         if ack.epoch != self.epoch:
             return
+        if ack.step_times:
+            self._take_step_times(ack.step_times, ack.step_times_pending)
         with self._cv:
             if ack.HasField("peer_totals") and ack.peer_totals.step:
                 self._peer_totals = ack.peer_totals
@@ -332,6 +352,21 @@ class AlarmForwarder:
             while self._in_flight and self._in_flight[0][0] <= upto:
                 self._in_flight.popleft()
             self._acked = upto
+            self._cv.notify_all()
+
+    def _take_step_times(self, data: bytes, more: bool) -> None:
+        try:
+            rows = decode_step_times(data)
+        except ValueError as exc:
+            self.step_time_acks_refused_total += 1
+            self._log.warning("step_times", "coordinator %s: step times refused: %s", self.address, exc)
+            rows = None
+        if rows is not None:
+            self.step_time_rows_received_total += rows.num_rows
+            if self.on_step_times is not None:
+                self.on_step_times("step_times", rows)
+        with self._cv:
+            self._rows_ask_at = time.monotonic() + (0.0 if more else self.settings.totals_poll_seconds)
             self._cv.notify_all()
 
     def _run(self) -> None:

@@ -21,6 +21,7 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_ingest_received_bytes_total                Arrow IPC bytes received
   foreshock_ingest_backlog_batches                     batches waiting for the next scoring round
   foreshock_ingest_dropped_batches_total               batches dropped because the backlog was full
+  foreshock_scoring_dropped_step_time_tables_total     step_times tables for the scorer dropped: the backlog full
   foreshock_scoring_worker_up, foreshock_scoring_worker_restarts_total, foreshock_scoring_worker_lost_batches_total
                                                        the scoring worker process (service/worker.py)
   foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events | flush (a stream ends)
@@ -101,6 +102,14 @@ collectors do. Tested against a private registry and `promtool check metrics`.
                                                        refused: bad totals
   foreshock_forwarder_peer_totals_total{direction}     steps of peer totals sent to the coordinator | the
                                                        other shards' sums received
+  foreshock_forwarder_step_time_rows_total, foreshock_forwarder_step_time_acks_refused_total
+                                                       the jobs' step_times rows the acks brought for this
+                                                       shard's scorer; acks whose rows did not decode
+  foreshock_coordinator_step_time_rows_total{shard,result}  accepted step_times rows for a shard's scorer: sent
+                                                       on its acks | dropped (its buffer full: the shard down
+                                                       or slow; service/steptimefeed.py)
+  foreshock_coordinator_step_time_rows_unrouted_total  rows of a job none of whose nodes a shard reported yet
+  foreshock_coordinator_step_time_rows_waiting{shard}  rows waiting for the shard's next ack
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 
 The same HTTP listener (`serve_http`) answers GET /readyz: 200 while the instance serves (a coordinator:
@@ -215,6 +224,9 @@ class ControlPlaneCollector:
                                 value=p.scoring.backlog())
         yield CounterMetricFamily("foreshock_ingest_dropped_batches", "Batches dropped: the scoring backlog was full.",
                                   value=p.scoring.dropped_batches)
+        yield CounterMetricFamily("foreshock_scoring_dropped_step_time_tables", "Tables of step_times rows for "
+                                  "the scorer dropped, the oldest: more than the backlog waited for a drain.",
+                                  value=p.scoring.dropped_checked)
         worker = p.scoring.worker
         if worker is not None:
             yield GaugeMetricFamily("foreshock_scoring_worker_up",
@@ -449,6 +461,23 @@ def _coordinator_families(c):
     for kind, n in sorted(c.reconfirm_cleared.items()):
         reconfirm.add_metric([kind], n)
     yield reconfirm
+    r = c.step_times
+    rows = CounterMetricFamily("foreshock_coordinator_step_time_rows", "Accepted step_times rows for a shard's "
+                               "scorer (service/steptimefeed.py): sent on its acks, or dropped, the oldest, "
+                               "while its buffer was full (the shard down or slow).", labels=["shard", "result"])
+    waiting = r.waiting()
+    for shard in sorted(set(r.sent_rows) | set(r.dropped_rows) | set(waiting)):
+        rows.add_metric([shard, "sent"], r.sent_rows.get(shard, 0))
+        rows.add_metric([shard, "dropped"], r.dropped_rows.get(shard, 0))
+    yield rows
+    yield CounterMetricFamily("foreshock_coordinator_step_time_rows_unrouted", "Accepted step_times rows of a "
+                              "job none of whose nodes a shard has reported yet: sent to no scorer.",
+                              value=r.unrouted_rows)
+    queued = GaugeMetricFamily("foreshock_coordinator_step_time_rows_waiting", "step_times rows waiting for "
+                               "the shard's next ack.", labels=["shard"])
+    for shard, n in sorted(waiting.items()):
+        queued.add_metric([shard], n)
+    yield queued
     yield _leader_family(True)
 
 
@@ -495,6 +524,10 @@ def _forwarder_families(f):
     totals.add_metric(["sent"], f.totals_sent_total)
     totals.add_metric(["received"], f.peer_totals_received_total)
     yield totals
+    yield CounterMetricFamily("foreshock_forwarder_step_time_rows", "The jobs' step_times rows the coordinator's "
+                              "acks brought, for this shard's scorer.", value=f.step_time_rows_received_total)
+    yield CounterMetricFamily("foreshock_forwarder_step_time_acks_refused", "Acks whose step times did not "
+                              "decode as step_times rows (logged), let go.", value=f.step_time_acks_refused_total)
 
 
 def _peer_totals_families(stats: dict):

@@ -275,15 +275,18 @@ class ControlPlane:
                              units=self.policy.units if s.coordinator is None else None)
         self.sequences_saved_at = 0.0
         if s.coordinator is None and s.forward is None:
-            # The step-time features need every rank of a job, and a shard holds some of a job's nodes
-            # while the Jobs API runs on the coordinator: only an unsharded service feeds them.
             self.step_times.feed = self.scoring.take_checked
         if s.coordinator is not None:
             self.coordinator = Coordinator(s.coordinator, self.store, self.jobs, self.nodes, self.policy, self.clock)
             self.coordinator.restore()
+            # The coordinator scores nothing: the rows go to the shards that run each job, every rank's
+            # (the comparison needs them all), on their streams' acks (service/steptimefeed.py).
+            self.step_times.route = self.coordinator.step_times.route
         if s.forward is not None:
             try:
-                self.forwarder = AlarmForwarder(s.forward, model_version=self.scorer.model_version)
+                # the coordinator's step times go to this shard's scorer as an unsharded Jobs API's do
+                self.forwarder = AlarmForwarder(s.forward, model_version=self.scorer.model_version,
+                                                on_step_times=self.scoring.take_checked)
             except (ValueError, OSError) as exc:
                 raise SettingsError(f"coordinator_address: {exc}") from None
             self.reporter = ShardReporter(self.forwarder, self.nodes, self.policy,

@@ -541,6 +541,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def ForwardAlarms(self, request_iterator, context):
         from foreshock.service.coordinator import check_step_totals
+        from foreshock.service.steptimefeed import encode as encode_step_times
         principal = self.plane.authenticator.principal(context)
         shard = None
         try:
@@ -567,6 +568,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     ack.peer_totals.groups.extend(
                         coordinator_pb2.GroupTotals(group=g, name=name, values=row.tolist())
                         for g, rows in sorted(sums[1].items()) for name, row in sorted(rows.items()))
+                rows, more = coordinator.step_times.take(shard)
+                if rows is not None:
+                    ack.step_times, ack.step_times_pending = encode_step_times(rows), more
                 yield ack
         except ServiceError as err:
             await _abort(context, err)

@@ -25,8 +25,9 @@ rank sent it, or, from a migrator that sends none, when the service took the rep
 reads step numbers only, never these times.
 
 The same rows go to the online scorer (`feed`, the round scheduler's take_checked, in an unsharded
-service: service/server.py), whose step-time features (predictor/steptimes.py) compare the ranks with
-their job by the same rule. They read the rows, not the windows: the archive keeps the rows, so the
+service: service/server.py; in a sharded one the jobs coordinator's `route` sends them to the shards that
+run the job, service/steptimefeed.py), whose step-time features (predictor/steptimes.py) compare the
+ranks with their job by the same rule. They read the rows, not the windows: the archive keeps the rows, so the
 offline features of an archive are the online ones bit for bit, and the windows hold float32.
 """
 
@@ -134,16 +135,18 @@ class StepTimes:
     """Per job, a bounded window of step times per rank; the fail-slow rule over it. Thread-safe."""
 
     def __init__(self, settings: FailSlowSettings, store, *, max_cells: int = MAX_CELLS, archive=None,
-                 clock=time.time_ns, feed=None):
+                 clock=time.time_ns, feed=None, route=None):
         """`archive`: takes the accepted samples' rows (service/archive.py take_tables), or None;
         `clock`: the service's time (ns), the time of a row whose step came without its end: when the
-        report was taken; `feed`: feed(table name, rows) takes them for the online scorer, or None."""
+        report was taken; `feed`: feed(table name, rows) takes them for the online scorer, or None;
+        `route`: route(rows, job) takes them for the shards' scorers (the jobs coordinator's), or None."""
         self.settings = settings
         self.store = store
         self.max_cells = max_cells
         self.archive = archive
         self.clock = clock
         self.feed = feed
+        self.route = route
         self._windows: dict[str, _Window] = {}
         self._held: dict[tuple[str, str], FailSlow] = {}   # (node, job) -> in alarm
         self._lock = threading.Lock()
@@ -235,12 +238,14 @@ class StepTimes:
             self.samples["kept"] += kept
             self.samples["old"] += old
             self.samples["repeated"] += len(samples) - kept - old
-        if added and (self.archive is not None or self.feed is not None):
+        if added and (self.archive is not None or self.feed is not None or self.route is not None):
             rows = _rows(job_id, job.generation, rank, node, added)
             if self.archive is not None:
                 self.archive.take_tables({"step_times": rows})
             if self.feed is not None:
                 self.feed("step_times", rows)
+            if self.route is not None:
+                self.route(rows, job)
         return kept
 
     # -- the rule ------------------------------------------------------------------------------------

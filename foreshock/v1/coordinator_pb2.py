@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from foreshock.v1 import common_pb2 as foreshock_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66oreshock/v1/coordinator.proto\x12\x0c\x66oreshock.v1\x1a\x19\x66oreshock/v1/common.proto\"\xae\x02\n\nShardEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.foreshock.v1.ShardEventKind\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0c\n\x04risk\x18\x04 \x01(\x01\x12%\n\x07signals\x18\x05 \x03(\x0b\x32\x14.foreshock.v1.Signal\x12\r\n\x05ts_ns\x18\x06 \x01(\x03\x12\x12\n\nfatal_kind\x18\x07 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x08 \x01(\t\x12\x13\n\x0bleaf_switch\x18\t \x01(\t\x12\x0c\n\x04site\x18\n \x01(\t\x12\x15\n\rnvlink_domain\x18\x0b \x01(\t\x12\x0c\n\x04unit\x18\x0c \x01(\t\x12\x0f\n\x07\x66inding\x18\r \x01(\t\x12\x0e\n\x06raised\x18\x0e \x01(\x08\":\n\x0bGroupTotals\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06values\x18\x03 \x03(\x01\"E\n\nStepTotals\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x06groups\x18\x02 \x03(\x0b\x32\x19.foreshock.v1.GroupTotals\"\x99\x01\n\x0e\x46orwardRequest\x12\r\n\x05shard\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12(\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x18.foreshock.v1.ShardEvent\x12(\n\x06totals\x18\x05 \x03(\x0b\x32\x18.foreshock.v1.StepTotals\"b\n\nForwardAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0e\x61\x63ked_sequence\x18\x02 \x01(\x04\x12-\n\x0bpeer_totals\x18\x03 \x01(\x0b\x32\x18.foreshock.v1.StepTotals*\xc8\x01\n\x0eShardEventKind\x12 \n\x1cSHARD_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SHARD_EVENT_KIND_ALARM\x10\x01\x12\x1c\n\x18SHARD_EVENT_KIND_CLEARED\x10\x02\x12\x1a\n\x16SHARD_EVENT_KIND_FATAL\x10\x03\x12\x19\n\x15SHARD_EVENT_KIND_RISK\x10\x04\x12#\n\x1fSHARD_EVENT_KIND_FABRIC_SERVICE\x10\x05\x32Z\n\x0b\x43oordinator\x12K\n\rForwardAlarms\x12\x1c.foreshock.v1.ForwardRequest\x1a\x18.foreshock.v1.ForwardAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66oreshock/v1/coordinator.proto\x12\x0c\x66oreshock.v1\x1a\x19\x66oreshock/v1/common.proto\"\xae\x02\n\nShardEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.foreshock.v1.ShardEventKind\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0c\n\x04risk\x18\x04 \x01(\x01\x12%\n\x07signals\x18\x05 \x03(\x0b\x32\x14.foreshock.v1.Signal\x12\r\n\x05ts_ns\x18\x06 \x01(\x03\x12\x12\n\nfatal_kind\x18\x07 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x08 \x01(\t\x12\x13\n\x0bleaf_switch\x18\t \x01(\t\x12\x0c\n\x04site\x18\n \x01(\t\x12\x15\n\rnvlink_domain\x18\x0b \x01(\t\x12\x0c\n\x04unit\x18\x0c \x01(\t\x12\x0f\n\x07\x66inding\x18\r \x01(\t\x12\x0e\n\x06raised\x18\x0e \x01(\x08\":\n\x0bGroupTotals\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06values\x18\x03 \x03(\x01\"E\n\nStepTotals\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x06groups\x18\x02 \x03(\x0b\x32\x19.foreshock.v1.GroupTotals\"\x99\x01\n\x0e\x46orwardRequest\x12\r\n\x05shard\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12(\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x18.foreshock.v1.ShardEvent\x12(\n\x06totals\x18\x05 \x03(\x0b\x32\x18.foreshock.v1.StepTotals\"\x92\x01\n\nForwardAck\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0e\x61\x63ked_sequence\x18\x02 \x01(\x04\x12-\n\x0bpeer_totals\x18\x03 \x01(\x0b\x32\x18.foreshock.v1.StepTotals\x12\x12\n\nstep_times\x18\x04 \x01(\x0c\x12\x1a\n\x12step_times_pending\x18\x05 \x01(\x08*\xc8\x01\n\x0eShardEventKind\x12 \n\x1cSHARD_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SHARD_EVENT_KIND_ALARM\x10\x01\x12\x1c\n\x18SHARD_EVENT_KIND_CLEARED\x10\x02\x12\x1a\n\x16SHARD_EVENT_KIND_FATAL\x10\x03\x12\x19\n\x15SHARD_EVENT_KIND_RISK\x10\x04\x12#\n\x1fSHARD_EVENT_KIND_FABRIC_SERVICE\x10\x05\x32Z\n\x0b\x43oordinator\x12K\n\rForwardAlarms\x12\x1c.foreshock.v1.ForwardRequest\x1a\x18.foreshock.v1.ForwardAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'foreshock.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHARDEVENTKIND']._serialized_start=768
-  _globals['_SHARDEVENTKIND']._serialized_end=968
+  _globals['_SHARDEVENTKIND']._serialized_start=817
+  _globals['_SHARDEVENTKIND']._serialized_end=1017
   _globals['_SHARDEVENT']._serialized_start=76
   _globals['_SHARDEVENT']._serialized_end=378
   _globals['_GROUPTOTALS']._serialized_start=380
@@ -42,8 +42,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPTOTALS']._serialized_end=509
   _globals['_FORWARDREQUEST']._serialized_start=512
   _globals['_FORWARDREQUEST']._serialized_end=665
-  _globals['_FORWARDACK']._serialized_start=667
-  _globals['_FORWARDACK']._serialized_end=765
-  _globals['_COORDINATOR']._serialized_start=970
-  _globals['_COORDINATOR']._serialized_end=1060
+  _globals['_FORWARDACK']._serialized_start=668
+  _globals['_FORWARDACK']._serialized_end=814
+  _globals['_COORDINATOR']._serialized_start=1019
+  _globals['_COORDINATOR']._serialized_end=1109
 # @@protoc_insertion_point(module_scope)

@@ -88,11 +88,15 @@ class ForwardRequest(_message.Message):
     def __init__(self, shard: _Optional[str] = ..., epoch: _Optional[int] = ..., model_version: _Optional[str] = ..., events: _Optional[_Iterable[_Union[ShardEvent, _Mapping]]] = ..., totals: _Optional[_Iterable[_Union[StepTotals, _Mapping]]] = ...) -> None: ...
 
 class ForwardAck(_message.Message):
-    __slots__ = ("epoch", "acked_sequence", "peer_totals")
+    __slots__ = ("epoch", "acked_sequence", "peer_totals", "step_times", "step_times_pending")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PEER_TOTALS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_PENDING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     acked_sequence: int
     peer_totals: StepTotals
-    def __init__(self, epoch: _Optional[int] = ..., acked_sequence: _Optional[int] = ..., peer_totals: _Optional[_Union[StepTotals, _Mapping]] = ...) -> None: ...
+    step_times: bytes
+    step_times_pending: bool
+    def __init__(self, epoch: _Optional[int] = ..., acked_sequence: _Optional[int] = ..., peer_totals: _Optional[_Union[StepTotals, _Mapping]] = ..., step_times: _Optional[bytes] = ..., step_times_pending: _Optional[bool] = ...) -> None: ...
