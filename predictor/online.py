@@ -25,10 +25,11 @@ earlier step's). Without remote totals, as outside a sharded deployment, the fea
 ones exactly.
 
 Step times (`ingest("step_times", rows)`: schema-v1 `step_times` rows, which the service hands over as
-its Jobs API accepts them, service/steptimes.py) wait by the step they ended in; when step s closes, the
-rows of step s - steptimes.LAG_STEPS become the job-relative step-time signal (predictor/steptimes.py)
-of every node they name, exactly as offline. Rows of a step already read are dropped and counted
-(`stats["late_step_times"]`), as are rows further ahead of the scorer's steps than it catches up at
+its Jobs API accepts them, service/steptimes.py) wait by the step they ended in until the step after it
+closes (steptimes.OPEN_STEPS); the next ingest judges them into the job-relative step-time signal
+(predictor/steptimes.py) of every node they name, off the scoring round, and when step s closes, the
+signal of step s - steptimes.LAG_STEPS is its features', exactly as offline. Rows of a step no longer
+taken are dropped and counted (`stats["late_step_times"]`), as are rows further ahead of the scorer's steps than it catches up at
 once (`"step_times_ahead"`: their ends are the ranks' wall clock, the scorer's steps may run on another),
 rows of nodes the scorer has no telemetry or topology of (`"step_times_unknown_node"`) and rows
 steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks run on many nodes, and the
@@ -121,6 +122,7 @@ class OnlineScorer:
         self._pending_rows = 0
         self._step_rows: dict[int, list[pa.Table]] = {}   # step -> step_times rows that ended in it
         self._step_rows_n = 0
+        self._step_judged: dict[int, stt.NodeMinutes] = {}   # step -> its rows judged, waiting to be read
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
         self._state = ft.FeatureState.empty(0)
@@ -147,6 +149,7 @@ class OnlineScorer:
 
         Raises SchemaError for a table or batch that does not fit schema v1 (nothing is taken).
         """
+        self._judge_step_times()
         if table == "inventory":
             self.set_inventory(batch)
             return batch.num_rows
@@ -200,7 +203,7 @@ class OnlineScorer:
         ts = batch.column("ts").cast(pa.int64()).to_numpy(zero_copy_only=False)
         step = ts // self.step_ns
         if self._next_step is not None:
-            late = step < self._next_step - stt.LAG_STEPS
+            late = step < self._next_step - stt.OPEN_STEPS
             # stamped by the ranks' wall clock: on a scorer whose steps run on another clock (the demo's
             # simulated one) they would wait for steps that never close
             ahead = step > self._next_step + self.max_catchup_steps
@@ -221,9 +224,27 @@ class OnlineScorer:
         self.stats["rows_step_times"] += batch.num_rows
         return batch.num_rows
 
+    def _judge_step_times(self) -> None:
+        """Judge the rows of every step no more rows are taken for (stt.OPEN_STEPS), off the scoring
+        round: the round only reads the result (stt.LAG_STEPS)."""
+        if self._next_step is None or not self._step_rows:
+            return
+        for step in [s for s in self._step_rows if s < self._next_step - stt.OPEN_STEPS]:
+            self._step_judged[step] = self._judge(step)
+
+    def _judge(self, step: int) -> stt.NodeMinutes:
+        parts = self._step_rows.pop(step)
+        self._step_rows_n -= sum(p.num_rows for p in parts)
+        skipped = collections.Counter()
+        got = stt.node_minutes(pa.concat_tables(parts) if len(parts) > 1 else parts[0], skipped)
+        for reason, n in skipped.items():
+            self.stats[f"step_times_{reason}"] += n
+        return got
+
     def _step_time_values(self, steps: np.ndarray) -> np.ndarray:
         """[N, T, len(stt.SIGNALS)]: every node's step-time signal at the closing steps, from the rows
-        that ended LAG_STEPS before each; the rows of earlier steps, never to be read, are let go."""
+        that ended LAG_STEPS before each (judged already, or now where no ingest came between two
+        rounds); the rows of earlier steps, never to be read, are let go."""
         out = np.repeat(stt.empty_values(len(steps))[None], len(self._nodes), axis=0)
         first = int(steps[0]) - stt.LAG_STEPS
         for s in [s for s in self._step_rows if s < first or s > int(steps[-1]) + self.max_catchup_steps]:
@@ -231,15 +252,16 @@ class OnlineScorer:
             self._step_rows_n -= n
             if s > first:   # taken before the first step closed, and further ahead than ingest allows
                 self.stats["step_times_ahead"] += n
+        for s in [s for s in self._step_judged if s < first]:
+            del self._step_judged[s]
         for j, step in enumerate(steps.tolist()):
-            parts = self._step_rows.pop(step - stt.LAG_STEPS, None)
-            if not parts:
+            read = step - stt.LAG_STEPS
+            got = self._step_judged.pop(read, None)
+            if got is None and read in self._step_rows:
+                self.stats["step_times_judged_in_round"] += 1   # no ingest came between two rounds
+                got = self._judge(read)
+            if got is None or not len(got):
                 continue
-            self._step_rows_n -= sum(p.num_rows for p in parts)
-            skipped = collections.Counter()
-            got = stt.node_minutes(pa.concat_tables(parts) if len(parts) > 1 else parts[0], skipped)
-            for reason, n in skipped.items():
-                self.stats[f"step_times_{reason}"] += n
             idx = np.array([self._index.get(n, -1) for n in got.node.tolist()], dtype=np.int64)
             if (idx < 0).any():
                 self.stats["step_times_unknown_node"] += int((idx < 0).sum())

@@ -19,10 +19,14 @@ signal depends on that step's rows only: offline (all rows of a date at once, of
 - `steptime_slow`, `steptime_judged`: of its ranks' judged steps, how many were slow, and how many were
   judged (0 where none).
 
-Step times come in after their steps end (the migrator reports every few seconds, batched), so the
-signal of feature step s is that of step s - LAG_STEPS, offline and online alike: by the time step s
-closes online, the rows of s - LAG_STEPS have had a whole step to arrive. Rows that come later still
-are dropped and counted online (late), as late telemetry rows are.
+Step times come in after their steps end (the migrator reports every few seconds, batched): online, a
+step's rows are taken until the step OPEN_STEPS after it closes, and rows that come later still are
+dropped and counted (late), as late telemetry rows are. The signal of feature step s is that of step
+s - LAG_STEPS, offline and online alike, one step more than OPEN_STEPS: online, a step's rows, complete
+once the step after it has closed, are judged between that close and the next, on the scorer's next
+ingest, and the scoring round only reads the result. A minute of a 10,000-node cluster's step times is
+half a million rows, and judging them takes longer than the whole round may
+(benchmarks/results/predictor-steptimes-2026-12-05.md).
 
 Rows that cannot be judged are skipped and counted by reason (`SKIP_REASONS`), never an error: no node,
 no job, a duration not finite or not positive, a compute part negative, not finite or longer than the
@@ -41,7 +45,8 @@ import pyarrow.compute as pc
 from foreshock import stepcompare
 from foreshock.predictor import signals as sg
 
-LAG_STEPS = 1
+OPEN_STEPS = 1   # a step's rows are taken online until this many steps after it have closed
+LAG_STEPS = 2    # the feature step that reads them: judged in between, off the scoring round
 COLUMNS = ("ts", "node", "job", "generation", "rank", "step", "step_seconds", "compute_seconds")
 SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("steptime_vs_job", "step", "step time against its job's other ranks (its slowest rank)", "x"),
@@ -239,5 +244,5 @@ def empty_values(t: int) -> np.ndarray:
     return out
 
 
-__all__ = ["NodeMinutes", "node_minutes", "lagged", "empty_values", "SIGNALS", "NAMES", "LAG_STEPS",
+__all__ = ["NodeMinutes", "node_minutes", "lagged", "empty_values", "SIGNALS", "NAMES", "LAG_STEPS", "OPEN_STEPS",
            "SKIP_REASONS"]

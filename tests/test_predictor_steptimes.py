@@ -154,7 +154,7 @@ def test_explanations_name_the_step_times_only_from_a_slow_ratio():
     assert ex.headline("steptime_vs_job", rows[0]) == pytest.approx(1.52)
 
 
-def test_the_online_scorer_reads_a_minutes_step_times_a_step_later_and_counts_late_and_far_ahead_rows(
+def test_the_online_scorer_judges_a_minutes_step_times_between_rounds_reads_them_two_steps_later_and_counts_late_rows(
         tmp_path, tiny_model_dir):
     from foreshock.predictor import online, registry, synthetic
 
@@ -173,10 +173,28 @@ def test_the_online_scorer_reads_a_minutes_step_times_a_step_later_and_counts_la
             scorer.ingest("step_times", slow)
         scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
         seen.append(float(scorer.features_of("n2")[col]))
-    assert np.isnan(seen[:2]).all() and seen[2:] == [1.5, 1.5, 1.5]   # minute first+1, read at first+2
+    assert stt.LAG_STEPS == 2 and stt.OPEN_STEPS == 1
+    assert np.isnan(seen[:3]).all() and seen[3:] == [1.5, 1.5]   # minute first+1, read at first+3
+    # judged on the first ingest after step first+2 closed, not in a round
+    assert scorer.stats["step_times_judged_in_round"] == 0
     scorer.ingest("step_times", slow)                                   # its step has been read
     scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 10 * 24 * 60))
     assert (scorer.stats["late_step_times"], scorer.stats["step_times_ahead"]) == (4, 4)
+
+
+def test_a_round_that_closes_several_steps_with_no_ingest_between_judges_the_rows_itself_and_says_so(
+        tmp_path, tiny_model_dir):
+    from foreshock.predictor import online, registry, synthetic
+
+    scorer = online.OnlineScorer(registry.load_model(tiny_model_dir(tmp_path / "m")), explain_top=0)
+    first = synthetic.T0_NS // STEP_NS
+    for i, n in enumerate(NODES):
+        for name, t in synthetic.node_tables(n, 6, seed=i).items():
+            scorer.ingest(name, t)
+    scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 1))
+    scorer.score((first + 6) * STEP_NS + 6_000_000_000)          # steps first .. first+5 at once
+    assert scorer.stats["step_times_judged_in_round"] == 1
+    assert scorer.features_of("n2")[ft.FEATURE_NAMES.index("steptime_vs_job_5m")] == np.float32(1.5)
 
 
 def test_the_packed_order_is_lexsorts_with_repeats_negative_keys_and_ranges_too_wide_to_pack():

@@ -194,8 +194,8 @@ def test_each_shards_scorer_judges_every_rank_of_its_jobs_as_offline(tmp_path, t
         # every shard gets every rank's rows: the comparison needs them all
         assert wait_until(lambda: all(p.forwarder.step_time_rows_received_total == rows.num_rows
                                       for p, _, _ in shards.values()), 15)
-        close(minute)
-        close(minute + 1)           # reads the rows of `minute` (steptimes.LAG_STEPS)
+        for k in range(stt.LAG_STEPS + 1):
+            close(minute + k)       # the last reads the rows of `minute` (steptimes.LAG_STEPS)
 
         expected = {n: v for n, s, v in zip(*(lambda m: (m.node.tolist(), m.step.tolist(), m.values))(
             stt.node_minutes(rows))) if s == minute}
