@@ -180,6 +180,77 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tin
 FABRIC_MALFORMED = {"sxid_unknown_class": 1, "sxid_no_code": 1, "fabric_state_undefined": 1}
 
 
+def _offline_and_online(tmp_path, tables: dict[str, pa.Table], inv: pa.Table, model, kernel: bool):
+    """Every node's offline features of `tables` (any nodes) and the online scorer fed the same rows a
+    step at a time (mixed nodes, shuffled), compared at every step."""
+    root = tmp_path / "data"
+    w = dataset.DatasetWriter(root, fsync=False)
+    for name, t in tables.items():
+        w.write_table(name, t)
+    w.write_table("inventory", inv)
+    with offline.FeatureBuilder(root) as fb:
+        off = {nf.node: nf for nf in fb}
+    scorer = online.OnlineScorer(model, explain_top=0, kernel=kernel)
+    scorer.ingest("inventory", inv)
+    rng = np.random.default_rng(5)
+    first = min(int(nf.steps[0]) for nf in off.values())
+    last = max(int(nf.steps[-1]) for nf in off.values())
+    for step in range(first, last + 1):
+        lo, hi = step * STEP_NS, (step + 1) * STEP_NS
+        for name, t in tables.items():
+            ts = pc.cast(t.column("ts"), pa.int64())
+            batch = t.filter(pc.and_(pc.greater_equal(ts, lo), pc.less(ts, hi)))
+            if batch.num_rows:
+                scorer.ingest(name, batch.take(pa.array(rng.permutation(batch.num_rows))))
+        scorer.score(hi + 6_000_000_000)
+        for n, nf in off.items():
+            row = np.searchsorted(nf.steps, step)
+            np.testing.assert_array_equal(scorer.features_of(n), nf.X[row], err_msg=f"{n} step {step - first}")
+    return off, scorer
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
+def test_online_features_equal_offline_features_in_a_simulated_nvl72_rack_whose_fabric_fails(
+        tmp_path, kernel, tiny_model_dir):
+    """Two NVLink domains of three 4-GPU trays (the simulator's GB200 racks); the first domain's NVSwitch
+    fabric fails (simulator/faults.py, mode nvswitch): non-fatal SXids densify and its GPUs report
+    access-timeout recovery, then degraded bandwidth, then a fatal SXid. Offline == online at every step,
+    on every node of both domains."""
+    from foreshock.simulator.faults import HOUR, NS, NVLINK_FABRIC, Episode
+    from foreshock.simulator.model import ClusterModel
+    from foreshock.simulator.topology import Topology
+
+    topo = Topology(nodes=6, gpus_per_node=4, hcas_per_node=4, nvlink_domain_nodes=3, nodes_per_leaf=6,
+                    job_nodes=3, spare_fraction=0.0)
+    t0 = 1_767_571_200 * NS
+    fail = t0 + int(6 * HOUR)
+    episode = Episode("t-nvswitch", "nvswitch", NVLINK_FABRIC, (0, 1, 2), 5, fail - int(4 * HOUR), fail, True,
+                      fail + int(3 * HOUR), 1.0, topo.nvlink_domain_name(0), 7, 4242)
+    start = fail - 100 * 60 * NS
+    sim = ClusterModel(topo, seed=5, episodes=[episode], start_ns=start, interval_s=30.0)
+    tables = sim.generate(np.arange(6), start + np.arange(0, 110 * 60, 30) * NS)
+    tables = {name: t for name, t in tables.items() if name in ("gpu", "nvlink", "rdma_port", "host_net", "events")}
+    nodes = sorted(set(tables["gpu"].column("node").to_pylist()))
+    inv = synthetic.inventory(nodes, leaf_of=lambda i: "leaf-0", t0_ns=start)
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
+    off, scorer = _offline_and_online(tmp_path, tables, inv, model, kernel)
+
+    col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    failing, other = nodes[:3], nodes[3:]
+    for n in failing:
+        X = off[n].X
+        assert np.nanmax(X[:, col["sxid_nonfatal_30m"]]) >= 3 and X[-1, col["sxid_fatal_30m"]] == 1
+        assert X[-1, col["minutes_since_sxid_fatal"]] <= 10
+        assert X[-1, col["fabric_degraded_bw_now"]] == 1 and X[-1, col["fabric_access_timeout_recovery_now"]] == 1
+        assert X[0, col["fabric_degraded_bw_now"]] == 0     # healthy at first, degraded before the failure
+    for n in other:
+        X = off[n].X
+        assert np.nanmax(X[:, col["fabric_degraded_bw_max30m"]]) == 0 and (X[:, col["fabric_registration_failed_now"]] == 0).all()
+        assert (np.nan_to_num(X[:, col["sxid_nonfatal_30m"]]) == 0).all()
+        assert (X[:, col["minutes_since_sxid_fatal"]] == ft.SINCE_CAP_MINUTES).all()
+    assert not {k: v for k, v in scorer.stats.items() if k.startswith(("fabric_", "sxid_"))}
+
+
 def test_block_size_does_not_change_features():
     rng = np.random.default_rng(3)
     x = rng.poisson(0.3, (2, 300, len(ft.ALL_NAMES))).astype(float) * 1.7
