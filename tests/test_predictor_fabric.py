@@ -164,3 +164,15 @@ def test_explanations_name_sxids_with_their_count_and_when():
     row[ft.FEATURE_NAMES.index("minutes_since_sxid_fatal")] = 3.0
     assert ex.unusual(row[None], np.zeros(ft.N_FEATURES))[0, k]
     assert ex.describe("sxid_fatal", row) == "Fatal NVSwitch SXids: 2 in the last 30 min, the last 3 min ago"
+
+
+def test_a_checkpoint_carries_when_each_flag_was_last_set_and_each_sxid_last_seen():
+    x = np.full((1, 12, len(ft.ALL_NAMES)), np.nan)
+    x[0, :, ft.IDX["fabric_degraded_bw"]] = 0.0
+    x[0, 3, ft.IDX["fabric_degraded_bw"]] = 1.0
+    x[0, 5, ft.IDX["sxid_fatal"]] = 1.0
+    _, state = ft.compute(x[:, :10], np.arange(10), ft.FeatureState.empty(1))
+    restored = ft.FeatureState.from_carried(state.carried())
+    got, _ = ft.compute(x[:, 10:], np.arange(10, 12), restored)
+    row = dict(zip(ft.FEATURE_NAMES, got[0, -1].tolist()))
+    assert row["fabric_degraded_bw_max30m"] == 1.0 and row["minutes_since_sxid_fatal"] == 6
