@@ -37,6 +37,7 @@ import pyarrow as pa
 from foreshock import schema as sch
 from foreshock.predictor import features as ft
 from foreshock.predictor import offline, online, registry, signals, synthetic
+from foreshock.predictor import steptimes as stt
 
 STEP_NS = ft.STEP_SECONDS * 1_000_000_000
 WARMUP_STEPS = 32
@@ -265,7 +266,7 @@ def bench_offline() -> None:
     base = signals.node_base_signals(tables)
     t1 = time.perf_counter()
     steps, x, present = offline.densify(base)
-    full = np.concatenate([x, np.full((len(x), len(ft.PEER_SIGNALS)), np.nan)], axis=1)[None]
+    full = ft.all_signals(x, np.full((len(x), len(ft.PEER_SIGNALS)), np.nan), stt.empty_values(len(x)))[None]
     ft.compute(full, steps, ft.FeatureState.empty(1))
     t2 = time.perf_counter()
     print(f"offline, one 8-GPU/8-HCA node-day at 60 s: base signals {t1 - t0:.2f} s, features {t2 - t1:.2f} s "

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 # NVML_GPU_FABRIC_STATE_* (nvml.h). NOT_SUPPORTED is stored as null, never 0.
 STATE_NOT_SUPPORTED, STATE_NOT_STARTED, STATE_IN_PROGRESS, STATE_COMPLETED = 0, 1, 2, 3
 STATES = {STATE_NOT_STARTED: "not started", STATE_IN_PROGRESS: "in progress", STATE_COMPLETED: "completed"}
@@ -57,7 +59,8 @@ class HealthField:
     """One field of the fabric health mask: its column, NVML's shift and width, and how its value reads.
 
     A two-state field (`true`, `false` given) becomes a bool column, True for the unhealthy value; a
-    coded field (`codes` given) keeps NVML's number. The value 0 is NOT_SUPPORTED everywhere: null.
+    coded field (`codes` given) keeps NVML's number, and its `false` is the code that means nothing is
+    wrong. The value 0 is NOT_SUPPORTED everywhere: null.
     """
 
     column: str
@@ -80,7 +83,7 @@ HEALTH_FIELDS: tuple[HealthField, ...] = (
                 "timeout (NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY).", true=1, false=2),
     HealthField("fabric_incorrect_configuration", 8, 0xF, "NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION: "
                 + ", ".join(f"{k} {v}" for k, v in INCORRECT_CONFIGURATIONS.items()) + ".",
-                codes=INCORRECT_CONFIGURATIONS),
+                codes=INCORRECT_CONFIGURATIONS, false=1),
     HealthField("fabric_gfm_disconnected", 14, 0x3, "The global fabric manager is disconnected from the GPU "
                 "(NVML_GPU_FABRIC_HEALTH_MASK_GFM_STATE: 1 connected, 2 disconnected).", true=2, false=1),
 )
@@ -102,6 +105,37 @@ def decode_health_mask(mask: int | None) -> dict[str, bool | int | None]:
 
 
 _FIELDS = {f.column: f for f in HEALTH_FIELDS}
+
+
+def unhealthy_flags(masks: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per health field, whether each mask reports it unhealthy, over an array of masks (float, NaN:
+    no mask): (1.0 unhealthy, 0.0 healthy, NaN unknown; whether the field holds a value NVML does not
+    define). NaN where the mask is missing or the field is 0 (NOT_SUPPORTED) or undefined, as
+    decode_health_mask reads them; a coded field is unhealthy at any defined code but its `false`."""
+    known = ~np.isnan(masks)
+    m = np.where(known, masks, 0).astype(np.int64)
+    out = {}
+    for f in HEALTH_FIELDS:
+        v = (m >> f.shift) & f.width
+        bad = np.isin(v, [c for c in f.codes if c != f.false]) if f.codes is not None else v == f.true
+        good = v == f.false
+        flag = np.where(known & bad, 1.0, np.where(known & good, 0.0, np.nan))
+        out[f.column] = (flag, known & (v != 0) & ~bad & ~good)
+    return out
+
+
+def registration_failed(state: np.ndarray, status: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (float arrays, NaN: null), whether its fabric registration is not completed or failed:
+    (1.0 not completed or failed, 0.0 completed with success, NaN no fabric information; whether the
+    state is one nvml.h does not define, or a completed state comes without its status). A GPU cut off
+    from its fabric so reaches no NVLink peer through the NVSwitches."""
+    known = ~np.isnan(state)
+    defined = np.isin(state, list(STATES))
+    done = state == STATE_COMPLETED
+    no_status = done & np.isnan(status)
+    failed = defined & (~done | (~no_status & (status != 0)))
+    flag = np.where(failed, 1.0, np.where(done & (status == 0), 0.0, np.nan))
+    return flag, (known & ~defined) | no_status
 
 
 def with_unhealthy(mask, column: str):

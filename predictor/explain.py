@@ -9,8 +9,8 @@ is built from the node's own feature values: "HBM corrected ECC errors: 120 in t
 40x its 3-day baseline, worst on GPU 3". The step times against the job's (features.STEP_TIMES) are one
 signal: "Step time against its job's other ranks (its slowest rank): 1.52x its job's median at most in
 30 min (1.49x in 5 min), slow in 48% of its judged steps", named only from a ratio at which the service's
-fail-slow rule calls a step slow (foreshock/stepcompare.py); a signal no model reads contributes nothing
-and is never named.
+fail-slow rule calls a step slow (foreshock/stepcompare.py). A flag (the NVLink fabric's too) is named
+only while set, never from 0 or NaN. A signal no model reads contributes nothing and is never named.
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def unusual(X: np.ndarray, reference: np.ndarray) -> np.ndarray:
     peer ratio or anomaly score above its healthy reference (never a zero), a gauge off it."""
     known = np.isfinite(X)
     ref = np.where(np.isfinite(reference), reference, 0.0)
-    gauge = np.isin(_KIND, ("gauge", "flag"))
+    gauge = _KIND == "gauge"
+    # a flag is named only while set (1), never from 0 beside a reference it lacks (NaN)
     off = np.where(gauge, X != reference, X > ref)
     off &= known & ((_KIND != "count") | (_COUNTED & (X > 0) & (X >= _SAID_FROM)))
     off &= (_KIND != "step") | (X >= _SAID_FROM)

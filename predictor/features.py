@@ -13,7 +13,9 @@ derived from those (ANOMALY: how far the node is from its own history and from i
 need no failure seen before. Last, from the job-relative step-time signal of steptimes.py (a node's
 slowest rank's step time over its job's median, by the comparison the service's fail-slow rule makes):
 its maximum over 5 and 30 minutes and the share of the last 30 minutes' judged steps that were slow
-(STEP_TIMES).
+(STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each fabric health-mask flag and
+the registration flag now and at any time in 30 minutes, and fatal and non-fatal NVSwitch SXids in the
+step, over 30 minutes and minutes since the last (FABRIC).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -25,10 +27,10 @@ bit-identical values (tests/test_predictor_skew.py asserts it).
 FEATURE_VERSION changes whenever a feature's definition changes; a model trained with other features
 is refused by the registry. The estimators read the first N_MODEL columns (MODEL_FEATURE_NAMES); the
 STEADINESS columns after them feed the novelty alarm (novelty.py) and never the trees, and the
-STEP_TIMES columns after those are read by no model yet (explanations name them where a model does:
-explain.py). Feature version 7 only appended the STEADINESS columns and version 8 the STEP_TIMES
-columns, so a version-6 or version-7 model, whose names are a prefix of FEATURE_NAMES, still loads
-(READABLE_VERSIONS, registry.check_compatible).
+STEP_TIMES and FABRIC columns after those are read by no model yet (explanations name them where a
+model does: explain.py). Feature version 7 only appended the STEADINESS columns, version 8 the
+STEP_TIMES columns and version 9 the FABRIC columns, so a model of version 6, 7 or 8, whose names are a
+prefix of FEATURE_NAMES, still loads (READABLE_VERSIONS, registry.check_compatible).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from scipy.signal import lfilter
 from foreshock.predictor import signals as sg
 from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "8"
-# 7 appended the STEADINESS columns and 8 the STEP_TIMES columns; the model columns are 6's
-READABLE_VERSIONS = ("6", "7", "8")
+FEATURE_VERSION = "9"
+# 7 appended the STEADINESS columns, 8 the STEP_TIMES columns and 9 the FABRIC columns; the model
+# columns are 6's
+READABLE_VERSIONS = ("6", "7", "8", "9")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -64,8 +67,9 @@ PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("temp_vs_job", "peer", "hottest GPU against the other nodes of its job", "degC"),
     sg.BaseSignal("sm_clock_vs_job", "peer", "lowest SM clock relative to the other nodes of its job", "x"),
 )
-# The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them.
-ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS
+# The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them,
+# and the NVLink fabric's (signals.FABRIC_SIGNALS) after those (all_signals lays a block out so).
+ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS + sg.FABRIC_SIGNALS
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
 IDX = {n: i for i, n in enumerate(ALL_NAMES)}
 PEER_GROUPS = ("leaf_switch", "job", "site")
@@ -119,6 +123,15 @@ DECAYED_IDX = [IDX[n] for n in DECAYED]
 RISE_IDX = [IDX[n] for n in RISE]
 STEADY_IDX = [IDX[n] for n in STEADY]
 STEP_TIME_IDX = [IDX[n] for n in stt.NAMES]
+FABRIC_IDX = [IDX[n] for n in sg.FABRIC_NAMES]   # the flags, then the counts
+
+
+def all_signals(x: np.ndarray, peers: np.ndarray, step_times: np.ndarray) -> np.ndarray:
+    """[..., S] in ALL_NAMES order from a block's per-step signals x [..., signals.STEP_NAMES] (the
+    base signals, then the fabric's), its peer signals and its step-time signals: the layout compute
+    reads, the same for the offline and the online path."""
+    nb = len(sg.BASE_NAMES)
+    return np.concatenate([x[..., :nb], peers, step_times, x[..., nb:]], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -182,13 +195,29 @@ STEP_TIMES: tuple[FeatureSpec, ...] = (
     FeatureSpec("steptime_vs_job_30m", "steptime_vs_job", "job_max30"),
     FeatureSpec("steptime_slow_share_30m", "steptime_vs_job", "slow_share30"),
 )
+# The NVLink fabric (signals.FABRIC_SIGNALS): per health-mask flag and the registration flag, its value
+# now (1: a GPU of the node reports it; 0: its GPUs with fabric information do not; NaN: none has any)
+# and its maximum over 30 minutes (NaN: no value known in them); per SXid class, its count in the step
+# (NaN: no events rows), over 30 minutes (NaN: none known in them) and minutes since the last (capped
+# like the Xids'). A fabric fault of an NVL72 rack shows on every node of its NVLink domain at once:
+# the per-node columns say what the node saw, and the service's fabric-incident rule (service/policy.py,
+# scope nvlink_domain) is what names the domain. No estimator reads them yet: they wait for a retrain
+# judged on them.
+FABRIC: tuple[FeatureSpec, ...] = (
+    *(spec for n in sg.FABRIC_FLAGS for spec in (FeatureSpec(f"{n}_now", n, "now"),
+                                                  FeatureSpec(f"{n}_max30m", n, "max30"))),
+    *(spec for n in sg.FABRIC_COUNTS for spec in (FeatureSpec(f"{n}_1m", n, "sum1"),
+                                                   FeatureSpec(f"{n}_30m", n, "sum30"),
+                                                   FeatureSpec(f"minutes_since_{n}", n, "since"))),
+)
 N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
-FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES
+FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 MODEL_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES[:N_MODEL]
 N_FEATURES = len(FEATURES)
 STEADY_COLS = slice(N_MODEL, N_MODEL + len(STEADINESS))
-STEP_TIME_COLS = slice(STEADY_COLS.stop, N_FEATURES)
+STEP_TIME_COLS = slice(STEADY_COLS.stop, STEADY_COLS.stop + len(STEP_TIMES))
+FABRIC_COLS = slice(STEP_TIME_COLS.stop, N_FEATURES)
 _VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
 _VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
                          dtype=np.intp)
@@ -281,6 +310,9 @@ class FeatureState:
     zar: np.ndarray         # [N, P] the same, 2-hour
     tring: np.ndarray       # [GRING, N, 3] the step-time signals of the last GRING steps (NaN ratio, 0 counts: none)
     thead: int
+    fring: np.ndarray       # [GRING, N, 2C] the SXid counts of the last GRING steps (unknown: 0), then whether known
+    fhead: int
+    flast: np.ndarray       # [N, 2F + C] the last step of each fabric flag at 1, of it known, of each SXid count > 0
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
 
     @classmethod
@@ -291,7 +323,9 @@ class FeatureState:
                    np.zeros((n, len(BASE_IDX))), np.zeros(n),
                    np.full((n, len(SINCE_IDX)), -np.inf), np.zeros((n, len(DECAYED_IDX))),
                    np.zeros((n, len(STEADY_IDX))), np.zeros((n, len(STEADY_IDX))),
-                   np.repeat(stt.empty_values(GRING)[:, None, :], n, axis=1), 0)
+                   np.repeat(stt.empty_values(GRING)[:, None, :], n, axis=1), 0,
+                   np.zeros((GRING, n, 2 * len(sg.FABRIC_COUNTS))), 0,
+                   np.full((n, 2 * len(sg.FABRIC_FLAGS) + len(sg.FABRIC_COUNTS)), -np.inf))
 
     def grow(self, n: int) -> "FeatureState":
         """The same state with n new nodes appended (their history empty, as offline starts them)."""
@@ -303,15 +337,16 @@ class FeatureState:
                             cat([self.z, add.z]), cat([self.zr, add.zr]), cat([self.seen, add.seen]),
                             cat([self.last_event, add.last_event]), cat([self.zd, add.zd]),
                             cat([self.za, add.za]), cat([self.zar, add.zar]),
-                            cat([self.tring, add.tring], axis=1), self.thead)
+                            cat([self.tring, add.tring], axis=1), self.thead,
+                            cat([self.fring, add.fring], axis=1), self.fhead, cat([self.flast, add.flast]))
 
     def __len__(self) -> int:
         return len(self.seen)
 
     # What a checkpoint keeps (OnlineScorer.save_state): the running sums, the baselines, the day-long
-    # counts, the steadiness shares and the last events, a few numbers per node. Not the 30-step rings
-    # (the step times' too), 30x the rest and refilled by 30 steps of telemetry.
-    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar")
+    # counts, the steadiness shares and the last events (the fabric's too), a few numbers per node. Not
+    # the 30-step rings (the step times' and SXids' too), 30x the rest and refilled by 30 steps of telemetry.
+    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar", "flast")
 
     def carried(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(getattr(self, k)) for k in self.CARRIED}
@@ -520,6 +555,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     share_hours, zarf = ewma(RECENT_ALPHA, state.zar, counted)
     out[:, :, STEADY_COLS] = share_hours - share_days
     out[:, :, STEP_TIME_COLS] = _step_times(xt[:, :, STEP_TIME_IDX], state)
+    out[:, :, FABRIC_COLS] = _fabric(xt[:, :, FABRIC_IDX], steps, state)
 
     # carry the state
     h0 = state.head
@@ -579,6 +615,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
     _decayed_step(x, state, out)
     _steady_step(x, state, out, den_base, den_recent)
     out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
+    out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -642,6 +679,44 @@ def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         out[:, :, 2] = np.where(judged > 0, slow / judged, np.nan)
     state.thead = _push(state.tring, state.thead, v)
+    return out
+
+
+def _fabric(v: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray:
+    """The FABRIC columns of a block of steps, v [T, N, F] the fabric signals (signals.FABRIC_NAMES: the
+    flags, then the SXid counts); carries state.flast and state.fring. One function for any block: the
+    30-minute flag is read from the last step each flag was 1 and was known (a running maximum), the
+    SXid windows are sums of whole counts (exact in any order), so the one-step paths' values are the
+    block's (tests/test_predictor_skew.py)."""
+    t, n = v.shape[0], v.shape[1]
+    nf, nc = len(sg.FABRIC_FLAGS), len(sg.FABRIC_COUNTS)
+    flags, counts = v[:, :, :nf], v[:, :, nf:]
+    st = steps.astype(np.float64)[:, None, None]
+    known = ~np.isnan(counts)
+    stamps = np.concatenate([np.where(flags > 0, st, -np.inf), np.where(~np.isnan(flags), st, -np.inf),
+                             np.where(known & (counts > 0), st, -np.inf)], axis=2)
+    if t == 1:
+        last = np.maximum(state.flast, stamps[0])[None]
+    else:
+        last = np.maximum.accumulate(np.concatenate([state.flast[None], stamps]), axis=0)[1:]
+    out = np.empty((t, n, len(FABRIC)))
+    start = st - HISTORY     # the window: the step and the HISTORY - 1 before it
+    out[:, :, 0:2 * nf:2] = flags
+    out[:, :, 1:2 * nf:2] = np.where(last[:, :, :nf] > start, 1.0,
+                                     np.where(last[:, :, nf:2 * nf] > start, 0.0, np.nan))
+    cur = np.concatenate([np.where(known, counts, 0.0), known], axis=2)   # [T, N, 2C], as the ring keeps it
+    if t == 1:
+        tot = state.fring.sum(axis=0)[None] + cur
+    else:
+        hist = state.fring[(state.fhead + np.arange(GRING)) % GRING]          # oldest first
+        win = np.lib.stride_tricks.sliding_window_view(np.concatenate([hist, cur]), HISTORY, axis=0)
+        tot = win.sum(axis=-1)                                               # [T, N, 2C]
+    c = 2 * nf
+    out[:, :, c::3] = counts
+    out[:, :, c + 1::3] = np.where(tot[:, :, nc:] > 0, tot[:, :, :nc], np.nan)
+    out[:, :, c + 2::3] = np.minimum((st - last[:, :, 2 * nf:]) * (STEP_SECONDS / 60.0), SINCE_CAP_MINUTES)
+    state.fhead = _push(state.fring, state.fhead, cur)
+    state.flast = last[-1].copy()
     return out
 
 
@@ -741,6 +816,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     _decayed_step(x, state, out)
     _steady_step(x, state, out, den_base, den_recent)
     out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
+    out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
     anomaly_scores(out)
 
     state.ring[h] = c

@@ -7,7 +7,7 @@ so memory is bounded by one node's rows plus a per-(group, step) table of peer t
 dataset's size; each node is independent work, so the same passes could run on a cluster engine.
 
 Two passes:
-1. per node: base signals (signals.py), cached to a temporary Parquet file; the node's peer inputs are
+1. per node: base and fabric signals (signals.py), cached to a temporary Parquet file; the node's peer inputs are
    added into per-(leaf switch | job | site, step) totals, with the topology taken as of each step from
    the inventory table. Then the `step_times` table, a date at a time (every node's rows of the date:
    a job's ranks run on many nodes; a feature step never spans two dates): the job-relative step-time
@@ -276,11 +276,12 @@ class PeerTotals:
 
 
 def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One node's step signals -> (steps [T] from its first to last step, base [T, S], present [T])."""
+    """One node's step signals -> (steps [T] from its first to last step, x [T, len(signals.STEP_NAMES)],
+    present [T])."""
     steps_have = base.step.astype(np.int64)
     first, last = int(steps_have.min()), int(steps_have.max())
     steps = np.arange(first, last + 1, dtype=np.int64)
-    x = np.full((len(steps), len(sg.BASE_NAMES)), np.nan)
+    x = np.full((len(steps), len(sg.STEP_NAMES)), np.nan)
     x[steps_have - first] = base.values
     present = np.zeros(len(steps), dtype=bool)
     present[steps_have - first] = True
@@ -289,15 +290,17 @@ def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _base_pass(root: ds.DatasetRoot, node: str, cache_path: str, dates: dict[str, list[str]]):
     """Pass 1 for one node (in a worker): base signals to the cache; returns what the totals need.
-    `root` comes pickled, its filesystem with it: the worker reads the dataset wherever it is."""
-    base = sg.node_base_signals(read_node(root, node, dates))
+    `root` comes pickled, its filesystem with it: the worker reads the dataset wherever it is. Also
+    returns the fabric readings the signals left out, by reason (signals.MALFORMED)."""
+    malformed = Counter()
+    base = sg.node_base_signals(read_node(root, node, dates), malformed=malformed)
     if len(base) == 0:
         return None
     steps, x, present = densify(base)
     cols = {"step": steps, "present": present}
-    cols.update({name: x[:, j] for j, name in enumerate(sg.BASE_NAMES)})
+    cols.update({name: x[:, j] for j, name in enumerate(sg.STEP_NAMES)})
     pq.write_table(pa.table(cols), cache_path, compression="zstd")
-    return steps, present, ft.peer_inputs(x)
+    return steps, present, ft.peer_inputs(x), malformed
 
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
@@ -324,7 +327,7 @@ def _feature_pass(cache_dir: str, run: str, i: int, node: str, first: int, t: in
         codes[g] = codes_all[j].astype(np.int64)
         looked[g] = totals.lookup(g, codes[g], steps)
     peers = ft.peer_signals(own, present, codes, looked)
-    full = np.concatenate([x, peers, _step_time_values(cache, i, steps)], axis=1)[None]
+    full = ft.all_signals(x, peers, _step_time_values(cache, i, steps))[None]
     # in blocks of steps, carrying the state (the same values as one block: features.compute's
     # contract): the temporaries stay small enough to be reused rather than mapped afresh each time
     X = np.empty((len(steps), ft.N_FEATURES), dtype=np.float32)
@@ -355,7 +358,7 @@ def _load_cache(path: Path):
     t = pq.read_table(path)
     steps = t.column("step").to_numpy()
     present = t.column("present").to_numpy(zero_copy_only=False)
-    x = np.column_stack([t.column(n).to_numpy(zero_copy_only=False) for n in sg.BASE_NAMES]).astype(np.float64)
+    x = np.column_stack([t.column(n).to_numpy(zero_copy_only=False) for n in sg.STEP_NAMES]).astype(np.float64)
     return steps, x, present
 
 
@@ -401,6 +404,8 @@ class FeatureBuilder:
         self.skipped: dict[str, str] = {}    # node -> why its partition was left out (on_error="skip")
         # step_times rows left out, by reason (steptimes.SKIP_REASONS), and those of nodes without telemetry
         self.step_time_stats: Counter = Counter()
+        # gpu and events rows whose fabric reading was left out, by reason (signals.MALFORMED)
+        self.fabric_stats: Counter = Counter()
         try:
             self._executor = executors.make_executor(executor, self.workers, ray_address)
         except BaseException:
@@ -452,7 +457,8 @@ class FeatureBuilder:
         jobs = ((self.root, node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
         for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs, self.nodes))):
             if res is not None:
-                steps, present, own = res
+                steps, present, own, malformed = res
+                self.fabric_stats.update(malformed)
                 self._ranges[node] = (int(steps[0]), int(steps[-1]))
                 np.savez(self.cache / f"own-{i:06d}.npz", steps=steps, present=present, own=own)
                 got[i] = node
@@ -479,6 +485,9 @@ class FeatureBuilder:
             np.save(self.cache / f"codes-{i:06d}.npy", np.stack(codes).astype(np.int32))
             os.unlink(self.cache / f"own-{i:06d}.npz")
         self.totals.save(self.cache)
+        if self.fabric_stats:
+            log.warning("dataset %s: fabric readings left out: %s", self.root,
+                        ", ".join(f"{n} {r}" for r, n in sorted(self.fabric_stats.items())))
         self.step_time_pass()
         self._run = os.urandom(8).hex()   # names this pass's totals for the workers' cache
 

@@ -10,7 +10,8 @@ that ended at least `grace_seconds` before `now` (or, `score(now, close_ns)`, by
 knows from the collectors' watermarks when a step's rows are all in), advances every known node
 through them in one vectorised block, and scores every node on the features of the last closed step.
 Rows for a step that has already closed are dropped and counted (`stats["late_rows"]`), kernel events
-as well. Everything is bounded: nodes
+as well; a row's NVLink fabric reading that the data cannot mean is left out and counted by reason
+(`stats[reason]`, signals.MALFORMED), as offline. Everything is bounded: nodes
 (`max_nodes`), rows waiting for their step to close (`max_pending_rows`: the oldest are dropped and
 counted), and per-node history (features.HISTORY steps plus a few scalars).
 
@@ -171,6 +172,11 @@ class OnlineScorer:
             raise sch.SchemaError(f"table {table!r}: {len(new)} new nodes would exceed max_nodes={self.max_nodes}")
         self._add_nodes(new)
         samples = self._stage.samples(table, batch)
+        if self._stage.stats.malformed:
+            # fabric readings left out (signals.MALFORMED): the scorer's counters say so, as offline's
+            for reason, k in self._stage.stats.malformed.items():
+                self.stats[reason] += k
+            self._stage.stats.malformed.clear()
         if self._next_step is not None and len(samples):
             late = samples.step < self._next_step
             if late.any():
@@ -357,7 +363,7 @@ class OnlineScorer:
         if t == 1 and len(base) == n and np.array_equal(base.node, np.arange(n)):
             x = base.values[:, None, :]                            # every node, in node order
         else:
-            x = np.full((n, t, len(sg.BASE_NAMES)), np.nan)
+            x = np.full((n, t, len(sg.STEP_NAMES)), np.nan)
             if len(base):
                 x[base.node, base.step - int(steps[0])] = base.values
         present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
@@ -380,7 +386,7 @@ class OnlineScorer:
                 for g in ft.CROSS_SHARD_GROUPS:
                     totals[g] = self._add_remote(g, codes[g], totals[g], remote.get(g, {}))
             peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
-        feats, self._state = ft.compute(np.concatenate([x, peers, self._step_time_values(steps)], axis=2), steps,
+        feats, self._state = ft.compute(ft.all_signals(x, peers, self._step_time_values(steps)), steps,
                                         self._state, kernel=self.kernel)
         self._features = feats[:, -1]
         new = (self._first_step < 0) & present.any(axis=1)

@@ -24,6 +24,20 @@ scorer (batches as they arrive):
 The signals are declared as data in BASE_SIGNALS (name, kind, description) and per-table
 REDUCTIONS (which sample column, which reducer), the way dcgm-exporter declares its fields.
 A missing or unsupported value stays NaN, never 0.
+
+The NVLink fabric's signals (FABRIC_SIGNALS) come from the same rows by the same reductions but are a
+group of their own, after BASE_SIGNALS (STEP_NAMES: what `finish` returns), so that the feature columns
+over them come after every older model's (features.py). Per node and step, from the gpu table: whether
+any of its GPUs' fabric health mask reports each field of foreshock/fabric.py's HEALTH_FIELDS unhealthy
+(degraded bandwidth, access-timeout recovery, an incorrect configuration, ...), and whether any GPU's
+fabric registration is not completed or failed; 1.0 or 0.0 from the GPUs that report it, NaN where no
+GPU has fabric information (an HGX node, an older driver, fabric info v1 without a mask): never 0 for
+"healthy" where nothing was said. From the events table: NVSwitch SXids by the class the driver printed
+(collectors/sxid.py: Fatal, Non-fatal; Correctable and the fatal SXid's detail lines count as neither),
+whatever their number, since Foreshock keeps no SXid number table. A value the data cannot mean (a
+fabric state or a health-mask field nvml.h does not define, a completed registration without its
+status, an SXid row of no known class or without its code) is left out of the signal and counted by
+reason in the stage's `stats.malformed` (MALFORMED), never an error.
 """
 
 from __future__ import annotations
@@ -35,8 +49,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from foreshock import fabric
 from foreshock import schema as sch
 from foreshock import xid as xidcat
+from foreshock.collectors import sxid as sxidcat
 
 STEP_SECONDS = 60
 STEP_NS = STEP_SECONDS * 1_000_000_000
@@ -136,7 +152,35 @@ BASE_SIGNALS: tuple[BaseSignal, ...] = (
 )
 BASE_NAMES: tuple[str, ...] = tuple(s.name for s in BASE_SIGNALS)
 BASE_INDEX = {name: i for i, name in enumerate(BASE_NAMES)}
-BY_NAME = {s.name: s for s in BASE_SIGNALS}
+
+# The NVLink fabric (module docstring): a flag per health-mask field (named by its gpu-table column),
+# the registration flag, and the SXid counts by the driver's class.
+_FABRIC_TEXT = {
+    "fabric_degraded_bw": "a GPU's NVLink bandwidth degraded (fabric health mask)",
+    "fabric_route_recovery": "NVLink fabric route recovery in progress on a GPU (fabric health mask)",
+    "fabric_route_unhealthy": "an unhealthy NVLink fabric route on a GPU (fabric health mask)",
+    "fabric_access_timeout_recovery": "a GPU recovered from an NVLink access timeout (fabric health mask)",
+    "fabric_incorrect_configuration": "a GPU's NVLink fabric configuration incorrect (fabric health mask)",
+    "fabric_gfm_disconnected": "the global fabric manager disconnected from a GPU (fabric health mask)",
+}
+FABRIC_REGISTRATION = "fabric_registration_failed"
+SXID_FATAL, SXID_NONFATAL = "sxid_fatal", "sxid_nonfatal"
+SXID_CLASSES = {SXID_FATAL: sxidcat.SEVERITY["Fatal"], SXID_NONFATAL: sxidcat.SEVERITY["Non-fatal"]}
+FABRIC_SIGNALS: tuple[BaseSignal, ...] = (
+    *(_f(f.column, _FABRIC_TEXT[f.column]) for f in fabric.HEALTH_FIELDS),
+    _f(FABRIC_REGISTRATION, "a GPU's NVLink fabric registration not completed or failed"),
+    _c(SXID_FATAL, "fatal NVSwitch SXids", "events"),
+    _c(SXID_NONFATAL, "non-fatal NVSwitch SXids", "events"),
+)
+FABRIC_NAMES: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS)
+FABRIC_FLAGS: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS if s.kind == "flag")
+FABRIC_COUNTS: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS if s.kind == "count")
+# What `finish` returns per (node, step): the base signals, then the fabric's.
+STEP_NAMES: tuple[str, ...] = BASE_NAMES + FABRIC_NAMES
+STEP_INDEX = {name: i for i, name in enumerate(STEP_NAMES)}
+BY_NAME = {s.name: s for s in BASE_SIGNALS + FABRIC_SIGNALS}
+# Reasons a row's fabric reading is left out (module docstring), counted in SampleStage.stats.malformed.
+MALFORMED = ("fabric_state_undefined", "fabric_mask_undefined", "sxid_unknown_class", "sxid_no_code")
 
 
 @dataclass(frozen=True)
@@ -231,6 +275,7 @@ REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("_throttled", "throttled", "sum"), ("_gpu_samples", "one", "sum"),
         ("sm_clock_min", "sm_clock_mhz", "min"), ("gpu_lost", "gpu_lost", "max"),
         ("remap_rows_total", "remap_rows_total", "max"),
+        *((name, name, "max") for name in FABRIC_FLAGS),
     ),
     "nvlink": (
         ("nvl_replay", "nvl_replay", "emax"), ("nvl_recovery", "nvl_recovery", "emax"),
@@ -260,6 +305,7 @@ REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("xid_application", "xid_application", "sum"), ("xid_nvlink", "xid_nvlink", "sum"),
         ("link_state_events", "link_state", "sum"), ("nic_error_events", "nic_error", "sum"),
         ("gpu_lost_events", "gpu_lost_event", "sum"),
+        *((name, name, "sum") for name in FABRIC_COUNTS),
     ),
 }
 TABLES = tuple(REDUCTIONS)
@@ -270,12 +316,12 @@ def _needed_columns(table: str) -> list[str]:
     extra = {
         "gpu": ["temperature_c", "hbm_temperature_c", "clock_event_reasons", "sm_clock_mhz", "gpu_lost",
                 "remapped_rows_pending", "remapped_rows_failure", "pcie_link_width", "pcie_link_width_max",
-                "pcie_link_gen", "pcie_link_gen_max"],
+                "pcie_link_gen", "pcie_link_gen_max", "fabric_state", "fabric_status", "fabric_health_mask"],
         "nvlink": ["links_up", "links_total"],
         "rdma_port": ["state", "phys_state", *IB_SATURATING],
         "netdev": ["carrier"],
         "path_probe": ["rtt_ms", "loss_ratio"],
-        "events": ["kind", "severity", "xid", "occurrences"],
+        "events": ["kind", "severity", "xid", "occurrences", "sxid"],
     }.get(table, [])
     for c in COUNTERS.get(table, ()):
         extra.extend(c.columns)
@@ -328,10 +374,11 @@ def per_step(delta: np.ndarray, scale: np.ndarray) -> np.ndarray:
 class StageStats:
     rows: Counter
     dropped_late: Counter
+    malformed: Counter   # rows whose fabric reading was left out, by reason (MALFORMED)
 
     @classmethod
     def new(cls):
-        return cls(Counter(), Counter())
+        return cls(Counter(), Counter(), Counter())
 
 
 NODE_SHIFT = 1 << 20   # entity key = node code * NODE_SHIFT + entity code
@@ -604,6 +651,14 @@ class SampleStage:
             out["pcie_width_deficit"] = np.maximum(col["pcie_link_width_max"] - col["pcie_link_width"], 0)
             out["pcie_gen_deficit"] = np.maximum(col["pcie_link_gen_max"] - col["pcie_link_gen"], 0)
             out["remap_rows_total"] = raw["remapped_rows_correctable"] + raw["remapped_rows_uncorrectable"]
+            undefined = np.zeros(n, dtype=bool)
+            for name, (flag, bad) in fabric.unhealthy_flags(col["fabric_health_mask"]).items():
+                out[name] = flag
+                undefined |= bad
+            out[FABRIC_REGISTRATION], bad_state = fabric.registration_failed(col["fabric_state"], col["fabric_status"])
+            for reason, bad in (("fabric_mask_undefined", undefined), ("fabric_state_undefined", bad_state)):
+                if bad.any():
+                    self.stats.malformed[reason] += int(bad.sum())
         elif table == "nvlink":
             out["nvl_errors"] = _nansum([out[s_] for s_ in NVL_ERRORS])
             out["links_down"] = np.maximum(col["links_total"] - col["links_up"], 0)
@@ -643,7 +698,30 @@ class SampleStage:
             "nic_error": is_("kind", "nic_error") * n,
             "gpu_lost_event": is_("kind", "gpu_lost") * n,
         }
+        cols.update(self._sxid_counts(batch, is_("kind", "sxid"), n))
         return Samples(node, ts // self.step_ns, node * NODE_SHIFT, cols)
+
+    def _sxid_counts(self, batch: pa.Table, is_sxid: np.ndarray, n: np.ndarray) -> dict[str, np.ndarray]:
+        """The SXid counts of event rows by the driver's class (SXID_CLASSES); a row of no class the
+        collector writes, or without its code, counts as none and is counted malformed."""
+        out = {name: np.zeros(len(n)) for name in SXID_CLASSES}
+        if not is_sxid.any():
+            return out
+        sev = (batch.column("severity").to_numpy(zero_copy_only=False) if "severity" in batch.column_names
+               else np.full(len(n), None, dtype=object))
+        code = _float(batch, "sxid")
+        no_code = is_sxid & ~(code >= 0)
+        classed = np.zeros(len(n), dtype=bool)
+        for severity in set(sxidcat.SEVERITY.values()):
+            classed |= sev == severity
+        unknown = is_sxid & ~no_code & ~classed
+        for reason, bad in (("sxid_no_code", no_code), ("sxid_unknown_class", unknown)):
+            if bad.any():
+                self.stats.malformed[reason] += int(bad.sum())
+        ok = is_sxid & ~no_code & ~unknown
+        for name, severity in SXID_CLASSES.items():
+            out[name] = (ok & (sev == severity)) * n
+        return out
 
 
 def _xid_classes(batch: pa.Table, is_xid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -774,19 +852,20 @@ def reduce_steps(table: str, s: Samples) -> StepSignals:
 
 
 def finish(blocks: list[StepSignals]) -> StepSignals:
-    """Join the per-table signals of the same (node, step) and derive the ratios; names BASE_NAMES."""
+    """Join the per-table signals of the same (node, step) and derive the ratios; names STEP_NAMES
+    (the base signals, then the fabric's)."""
     blocks = [b for b in blocks if len(b)]
     if not blocks:
-        return StepSignals(np.zeros(0, np.int64), BASE_NAMES, np.zeros((0, len(BASE_NAMES))))
+        return StepSignals(np.zeros(0, np.int64), STEP_NAMES, np.zeros((0, len(STEP_NAMES))))
     # every table reporting the same (node, step)s is the usual case: then no key join is needed
     same = all(len(b) == len(blocks[0]) and np.array_equal(b.keys, blocks[0].keys) for b in blocks[1:])
     keys = blocks[0].keys if same else np.unique(np.concatenate([b.keys for b in blocks]))
-    values = np.full((len(keys), len(BASE_NAMES)), np.nan)
+    values = np.full((len(keys), len(STEP_NAMES)), np.nan)
     helpers: dict[str, np.ndarray] = {}   # the reductions that only feed a derived signal
     for b in blocks:
         pos = slice(None) if same else np.searchsorted(keys, b.keys)
         for j, name in enumerate(b.names):
-            k = BASE_INDEX.get(name)
+            k = STEP_INDEX.get(name)
             if k is not None:
                 values[pos, k] = b.values[:, j]
             else:
@@ -817,11 +896,13 @@ def finish(blocks: list[StepSignals]) -> StepSignals:
         derived["tcp_retrans_ratio"] = np.where(sent > 0, get("tcp_retrans") / np.where(sent > 0, sent, 1.0), np.nan)
     for name, v in derived.items():
         values[:, BASE_INDEX[name]] = v
-    return StepSignals(keys, BASE_NAMES, values)
+    return StepSignals(keys, STEP_NAMES, values)
 
 
-def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECONDS) -> StepSignals:
-    """The offline path for one node partition: every table at once, one row per step with data."""
+def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECONDS,
+                      malformed: Counter | None = None) -> StepSignals:
+    """The offline path for one node partition: every table at once, one row per step with data.
+    `malformed` gets the stage's counts of fabric readings left out (MALFORMED)."""
     stage = SampleStage(step_seconds)
     blocks = []
     for table in TABLES:
@@ -829,4 +910,6 @@ def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECO
         if data is None or data.num_rows == 0:
             continue
         blocks.append(reduce_steps(table, stage.samples(table, data)))
+    if malformed is not None:
+        malformed.update(stage.stats.malformed)
     return finish(blocks)

@@ -102,10 +102,12 @@ def test_the_shipped_default_model_loads_and_has_its_report():
     X = np.zeros((3, ft.N_FEATURES), dtype=np.float32)
     p = m.probability(X)
     assert p.shape == (3,) and np.all((0 <= p) & (p <= 1))
-    # trained on feature version 7: today's rows (8, the step-time columns appended) still feed it
-    assert man["feature_version"] == "7" and ft.FEATURE_VERSION == "8"
+    # trained on feature version 7: today's rows (8 appended the step-time columns, 9 the fabric's)
+    # still feed it
+    assert man["feature_version"] == "7" and ft.FEATURE_VERSION == "9"
     assert len(man["feature_names"]) < ft.N_FEATURES
     X[:, ft.STEP_TIME_COLS] = [1.5, 1.5, 0.5]
+    X[:, ft.FABRIC_COLS] = 1.0
     np.testing.assert_array_equal(m.probability(X), p)
 
 
@@ -143,8 +145,28 @@ def test_a_model_of_feature_version_7_loads_and_reads_none_of_the_step_time_colu
     X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
     Y = X.copy()
     Y[:, ft.STEP_TIME_COLS] = np.nan
+    Y[:, ft.FABRIC_COLS] = np.nan
     np.testing.assert_array_equal(m.probability(X), m.probability(Y))
     assert np.all(ft.full_width(m.manifest["reference_features"])[ft.STEP_TIME_COLS] == 0)
+
+
+def test_a_model_of_feature_version_8_loads_and_reads_none_of_the_fabric_columns(model_dir, tmp_path):
+    """Version 9 only appended the NVLink fabric's columns: a version-8 manifest (its names and reference
+    features as wide as version 8's rows) loads, and its probabilities do not move with them."""
+    import shutil
+    old = tmp_path / "v8"
+    shutil.copytree(model_dir, old)
+    man = json.loads((old / registry.MANIFEST_FILE).read_text())
+    man["feature_version"] = "8"
+    man["reference_features"] = man["reference_features"][:ft.FABRIC_COLS.start]
+    (old / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    m = registry.load_model(old)
+    X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
+    Y = X.copy()
+    Y[:, ft.FABRIC_COLS] = np.where(np.arange(ft.FABRIC_COLS.stop - ft.FABRIC_COLS.start) % 2, np.nan, 1.0)
+    np.testing.assert_array_equal(m.probability(X), m.probability(Y))
+    assert np.all(ft.full_width(m.manifest["reference_features"])[ft.FABRIC_COLS] == 0)
+    assert set(m.used_features.tolist()).isdisjoint(range(ft.N_FEATURES)[ft.FABRIC_COLS])
 
 
 def _with_novelty(model_dir, tmp_path, **changes):
@@ -175,6 +197,7 @@ def test_the_novelty_alarm_raises_the_risk_of_a_steadily_counting_signal_only(mo
     used = set(m.used_features.tolist())
     assert set(range(ft.N_FEATURES)[ft.STEADY_COLS]) <= used
     assert used.isdisjoint(range(ft.N_FEATURES)[ft.STEP_TIME_COLS])   # read by no model: never re-scored
+    assert used.isdisjoint(range(ft.N_FEATURES)[ft.FABRIC_COLS])
     with pytest.raises(ValueError, match="steadiness"):
         m.probability(X[:, :ft.N_MODEL])
 

@@ -9,7 +9,9 @@ import pyarrow.compute as pc
 import pytest
 
 from foreshock import dataset
+from foreshock import fabric
 from foreshock import schema as sch
+from foreshock.collectors.sxid import parse_sxid
 from foreshock.predictor import features as ft
 from foreshock.predictor import offline, online, registry, synthetic
 
@@ -35,6 +37,58 @@ def _bad_step_times(node: str) -> pa.Table:
         for k, (total, compute) in enumerate(((-1.0, None), (float("nan"), None), (1.0, 2.0)))])
 
 
+SXID_LINES = {   # collectors/sxid.py's format (real lines: examples/kmsg/sxid-lines.txt)
+    "nonfatal": "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error",
+    "fatal": "nvidia-nvswitch0: SXid (PCI:0000:a9:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
+    "detail": "nvidia-nvswitch0: SXid (PCI:0000:a9:00.0): 20034, Severity 1 Engine instance 30 Sub-engine instance 00",
+    "correctable": "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 99999, Correctable, Link 07 a number no table knows",
+}
+
+
+def _with_fabric(gpu: pa.Table, node: str) -> pa.Table:
+    """The gpu rows with NVML fabric information as the collector writes it (fabric.gpu_columns): node-a
+    registered and healthy; node-b's GPU 5 recovering from an access timeout from sample 10 to 29 and
+    with degraded bandwidth from sample 15; node-c without fabric information (an HGX node); node-d's
+    GPU 2 still registering for its first 10 samples, and one row of a state nvml.h does not define."""
+    if node == "node-c":
+        return gpu
+    g = gpu.column("gpu").to_numpy()
+    sample = np.arange(gpu.num_rows) // (g.max() + 1)
+    rows = []
+    for k, s_ in zip(g.tolist(), sample.tolist()):
+        mask, state = fabric.HEALTHY_MASK, fabric.STATE_COMPLETED
+        if node == "node-b" and k == 5 and 10 <= s_ < 30:
+            mask = fabric.with_unhealthy(mask, "fabric_access_timeout_recovery")
+        if node == "node-b" and k == 5 and s_ >= 15:
+            mask = fabric.with_unhealthy(mask, "fabric_degraded_bw")
+        if node == "node-d" and k == 2 and s_ < 10:
+            state = fabric.STATE_IN_PROGRESS
+        rows.append(fabric.gpu_columns(fabric.FabricInfo(bytes(range(1, 17)), 0, 7, state, mask, 1)))
+    if node == "node-d":
+        rows[20 * 8] = dict(rows[20 * 8], fabric_state=7)
+    for col in fabric.GPU_COLUMNS:
+        gpu = gpu.set_column(gpu.schema.get_field_index(col), col,
+                             pa.array([r[col] for r in rows], gpu.schema.field(col).type))
+    return gpu
+
+
+def _sxids(node: str, events: pa.Table) -> pa.Table:
+    """node-b: a non-fatal SXid every third sample from sample 12, then one fatal SXid with its detail
+    line, and a correctable one; node-d: an SXid row of no class the collector writes and one without
+    its code (skipped and counted)."""
+    t0 = synthetic.T0_NS + 3_000_000_000
+    at = []
+    if node == "node-b":
+        at = [(t0 + i * 20_000_000_000, parse_sxid(SXID_LINES["nonfatal"])) for i in range(12, 40, 3)]
+        at += [(t0 + 40 * 20_000_000_000 + k, parse_sxid(SXID_LINES[w]))
+               for k, w in enumerate(("fatal", "detail", "correctable"))]
+    elif node == "node-d":
+        bad = parse_sxid(SXID_LINES["nonfatal"])
+        at = [(t0 + 200_000_000_000, dict(bad, severity="bogus")), (t0 + 220_000_000_000, dict(bad, sxid=None))]
+    rows = [dict(r, ts=pd.Timestamp(ts, tz="UTC"), node=node, source="kmsg") for ts, r in at]
+    return pa.concat_tables([events, sch.to_table("events", rows)]) if rows else events
+
+
 @pytest.fixture(scope="module")
 def telemetry():
     tables = {n: synthetic.node_tables(n, STEPS, seed=i, ecc_ramp_from=10 if n == "node-b" else None,
@@ -45,6 +99,8 @@ def telemetry():
     for n in NODES:
         own = steps.filter(pc.equal(steps.column("node"), n))
         tables[n]["step_times"] = pa.concat_tables([own, _bad_step_times(n)]) if n == "node-c" else own
+        tables[n]["gpu"] = _with_fabric(tables[n]["gpu"], n)
+        tables[n]["events"] = _sxids(n, tables[n]["events"])
     inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
     return tables, inv
 
@@ -62,6 +118,7 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tin
         off = {nf.node: nf for nf in fb}
         assert {r: fb.step_time_stats[r] for r in ("bad_step_seconds", "bad_compute_seconds")} == \
             {"bad_step_seconds": 2, "bad_compute_seconds": 1}
+        assert fb.fabric_stats == FABRIC_MALFORMED
     assert set(off) == set(NODES)
 
     model = registry.load_model(tiny_model_dir(tmp_path / "m"))
@@ -103,6 +160,95 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tin
     assert 0.98 < off["node-a"].X[-1, col["steptime_vs_job_30m"]] < 1.03
     assert off["node-a"].X[-1, col["steptime_slow_share_30m"]] == 0.0
     assert scorer.stats["step_times_bad_step_seconds"] == 2 and scorer.stats["late_step_times"] == 0
+    # ... and so is the fabric: node-b's degraded GPU, the registering GPU of node-d, the SXids by class
+    last = {n: dict(zip(ft.FEATURE_NAMES[ft.FABRIC_COLS], off[n].X[-1, ft.FABRIC_COLS].tolist())) for n in NODES}
+    b = last["node-b"]
+    assert b["fabric_degraded_bw_now"] == 1.0 and b["fabric_degraded_bw_max30m"] == 1.0
+    assert b["fabric_access_timeout_recovery_now"] == 0.0 and b["fabric_access_timeout_recovery_max30m"] == 1.0
+    assert b["fabric_registration_failed_now"] == 0.0 and b["fabric_incorrect_configuration_now"] == 0.0
+    assert b["sxid_nonfatal_30m"] == 10 and b["sxid_fatal_30m"] == 1              # the detail line is no SXid
+    assert b["minutes_since_sxid_fatal"] == 2 and b["minutes_since_sxid_nonfatal"] == 2
+    assert np.isnan(b["sxid_fatal_1m"])   # no events rows in the last step: unknown, as the Xid counts
+    assert last["node-a"]["fabric_degraded_bw_now"] == 0.0 and last["node-a"]["minutes_since_sxid_fatal"] == ft.SINCE_CAP_MINUTES
+    assert all(np.isnan(v) for k, v in last["node-c"].items() if k.startswith("fabric_"))   # no fabric info: unknown
+    d = last["node-d"]
+    assert d["fabric_registration_failed_now"] == 0.0 and d["fabric_registration_failed_max30m"] == 1.0
+    assert d["sxid_nonfatal_30m"] == 0 and d["sxid_fatal_30m"] == 0            # the malformed rows count as none
+    assert {r: scorer.stats[r] for r in FABRIC_MALFORMED} == FABRIC_MALFORMED
+
+
+FABRIC_MALFORMED = {"sxid_unknown_class": 1, "sxid_no_code": 1, "fabric_state_undefined": 1}
+
+
+def _offline_and_online(tmp_path, tables: dict[str, pa.Table], inv: pa.Table, model, kernel: bool):
+    """Every node's offline features of `tables` (any nodes) and the online scorer fed the same rows a
+    step at a time (mixed nodes, shuffled), compared at every step."""
+    root = tmp_path / "data"
+    w = dataset.DatasetWriter(root, fsync=False)
+    for name, t in tables.items():
+        w.write_table(name, t)
+    w.write_table("inventory", inv)
+    with offline.FeatureBuilder(root) as fb:
+        off = {nf.node: nf for nf in fb}
+    scorer = online.OnlineScorer(model, explain_top=0, kernel=kernel)
+    scorer.ingest("inventory", inv)
+    rng = np.random.default_rng(5)
+    first = min(int(nf.steps[0]) for nf in off.values())
+    last = max(int(nf.steps[-1]) for nf in off.values())
+    for step in range(first, last + 1):
+        lo, hi = step * STEP_NS, (step + 1) * STEP_NS
+        for name, t in tables.items():
+            ts = pc.cast(t.column("ts"), pa.int64())
+            batch = t.filter(pc.and_(pc.greater_equal(ts, lo), pc.less(ts, hi)))
+            if batch.num_rows:
+                scorer.ingest(name, batch.take(pa.array(rng.permutation(batch.num_rows))))
+        scorer.score(hi + 6_000_000_000)
+        for n, nf in off.items():
+            row = np.searchsorted(nf.steps, step)
+            np.testing.assert_array_equal(scorer.features_of(n), nf.X[row], err_msg=f"{n} step {step - first}")
+    return off, scorer
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
+def test_online_features_equal_offline_features_in_a_simulated_nvl72_rack_whose_fabric_fails(
+        tmp_path, kernel, tiny_model_dir):
+    """Two NVLink domains of three 4-GPU trays (the simulator's GB200 racks); the first domain's NVSwitch
+    fabric fails (simulator/faults.py, mode nvswitch): non-fatal SXids densify and its GPUs report
+    access-timeout recovery, then degraded bandwidth, then a fatal SXid. Offline == online at every step,
+    on every node of both domains."""
+    from foreshock.simulator.faults import HOUR, NS, NVLINK_FABRIC, Episode
+    from foreshock.simulator.model import ClusterModel
+    from foreshock.simulator.topology import Topology
+
+    topo = Topology(nodes=6, gpus_per_node=4, hcas_per_node=4, nvlink_domain_nodes=3, nodes_per_leaf=6,
+                    job_nodes=3, spare_fraction=0.0)
+    t0 = 1_767_571_200 * NS
+    fail = t0 + int(6 * HOUR)
+    episode = Episode("t-nvswitch", "nvswitch", NVLINK_FABRIC, (0, 1, 2), 5, fail - int(4 * HOUR), fail, True,
+                      fail + int(3 * HOUR), 1.0, topo.nvlink_domain_name(0), 7, 4242)
+    start = fail - 100 * 60 * NS
+    sim = ClusterModel(topo, seed=5, episodes=[episode], start_ns=start, interval_s=30.0)
+    tables = sim.generate(np.arange(6), start + np.arange(0, 110 * 60, 30) * NS)
+    tables = {name: t for name, t in tables.items() if name in ("gpu", "nvlink", "rdma_port", "host_net", "events")}
+    nodes = sorted(set(tables["gpu"].column("node").to_pylist()))
+    inv = synthetic.inventory(nodes, leaf_of=lambda i: "leaf-0", t0_ns=start)
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
+    off, scorer = _offline_and_online(tmp_path, tables, inv, model, kernel)
+
+    col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    failing, other = nodes[:3], nodes[3:]
+    for n in failing:
+        X = off[n].X
+        assert np.nanmax(X[:, col["sxid_nonfatal_30m"]]) >= 3 and X[-1, col["sxid_fatal_30m"]] == 1
+        assert X[-1, col["minutes_since_sxid_fatal"]] <= 10
+        assert X[-1, col["fabric_degraded_bw_now"]] == 1 and X[-1, col["fabric_access_timeout_recovery_now"]] == 1
+        assert X[0, col["fabric_degraded_bw_now"]] == 0     # healthy at first, degraded before the failure
+    for n in other:
+        X = off[n].X
+        assert np.nanmax(X[:, col["fabric_degraded_bw_max30m"]]) == 0 and (X[:, col["fabric_registration_failed_now"]] == 0).all()
+        assert (np.nan_to_num(X[:, col["sxid_nonfatal_30m"]]) == 0).all()
+        assert (X[:, col["minutes_since_sxid_fatal"]] == ft.SINCE_CAP_MINUTES).all()
+    assert not {k: v for k, v in scorer.stats.items() if k.startswith(("fabric_", "sxid_"))}
 
 
 def test_block_size_does_not_change_features():
