@@ -25,12 +25,14 @@ slices added in a fixed order and the EWMA is scipy's lfilter carrying its state
 bit-identical values (tests/test_predictor_skew.py asserts it).
 
 FEATURE_VERSION changes whenever a feature's definition changes; a model trained with other features
-is refused by the registry. The estimators read the first N_MODEL columns (MODEL_FEATURE_NAMES); the
-STEADINESS columns after them feed the novelty alarm (novelty.py) and never the trees, and the
-STEP_TIMES and FABRIC columns after those are read by no model yet (explanations name them where a
+is refused by the registry. The estimators read the first N_MODEL columns (MODEL_FEATURE_NAMES), and
+a model trained with `foreshock train --steadiness-columns N` the first N STEADINESS columns after them
+too (model.estimator_feature_names); the STEADINESS columns feed the novelty alarm (novelty.py), and
+the STEP_TIMES and FABRIC columns after those are read by no model yet (explanations name them where a
 model does: explain.py). Feature version 7 only appended the STEADINESS columns, version 8 the
-STEP_TIMES columns and version 9 the FABRIC columns, so a model of version 6, 7 or 8, whose names are a
-prefix of FEATURE_NAMES, still loads (READABLE_VERSIONS, registry.check_compatible).
+STEP_TIMES columns and version 9 the FABRIC columns (and read the step times a step later:
+steptimes.LAG_STEPS), so a model of version 6, 7 or 8, whose names are a prefix of FEATURE_NAMES and
+never reach the STEP_TIMES columns, still loads (READABLE_VERSIONS, registry.check_compatible).
 """
 
 from __future__ import annotations
