@@ -71,11 +71,7 @@ class UplinkError(ValueError):
 
 def encode_table(name: str, table: pa.Table) -> bytes:
     """One schema-v1 table as an Arrow IPC stream (the TableRows.arrow_ipc bytes)."""
-    schema = _WIRE_SCHEMAS[name]
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return sch.ipc_stream(table, _WIRE_SCHEMAS[name])
 
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"

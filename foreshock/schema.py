@@ -356,6 +356,16 @@ def schema(table: str) -> pa.Schema:
         raise SchemaError(f"unknown table {table!r}; schema v1 has {sorted(SCHEMAS)}") from None
 
 
+def ipc_stream(table: pa.Table, schema: pa.Schema | None = None) -> bytes:
+    """A table as one Arrow IPC stream, written with `schema` (default: its own): the bytes of
+    TableRows.arrow_ipc (telemetry.proto), ForwardAck.step_times (coordinator.proto) and the service's
+    pipes to its worker and archive processes. pyarrow.ipc.open_stream reads it back."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema if schema is None else schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
 def empty_row(table: str) -> dict:
     """A row of the table with every column null, to be filled in by a source."""
     return dict.fromkeys(schema(table).names)

@@ -58,6 +58,7 @@ from multiprocessing.connection import Connection
 import pyarrow as pa
 
 from foreshock import dataset as ds
+from foreshock import schema as sch
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings, BoundedSubmissions
 
 log = logging.getLogger("foreshock.service.archive")
@@ -72,13 +73,6 @@ RESTART_RESET_SECONDS = 600.0     # a process that ran this long died of somethi
 # scoring path's processes the CPU first, and the archive falls behind into its bounded queues
 # (dropped and counted beyond them) rather than slow them.
 NICE = 10
-
-
-def _ipc(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 def _table(buf) -> pa.Table:
@@ -99,8 +93,8 @@ def _message(item) -> tuple[tuple, list[bytes]]:
                 "refused": [(v[0], v[1]) for v in refused or ()]}
         return (kind, meta), blobs
     if kind == "tables":
-        return (kind, list(item[1])), [_ipc(t) for t in item[1].values()]
-    return (kind, None), [_ipc(item[1])]
+        return (kind, list(item[1])), [sch.ipc_stream(t) for t in item[1].values()]
+    return (kind, None), [sch.ipc_stream(item[1])]
 
 
 def _groups(meta: dict, blobs: list) -> tuple[list, dict[str, pa.Table], int]:

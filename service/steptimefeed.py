@@ -52,10 +52,7 @@ MAX_JOBS_CACHED = 4096
 
 def encode(rows: pa.Table) -> bytes:
     """step_times rows -> one Arrow IPC stream (ForwardAck.step_times)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, rows.schema) as writer:
-        writer.write_table(rows)
-    return sink.getvalue().to_pybytes()
+    return sch.ipc_stream(rows)
 
 
 def decode(data: bytes) -> pa.Table:

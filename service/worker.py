@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pyarrow as pa
 
+from foreshock import schema as sch
 from foreshock.service import validation
 from foreshock.service.fabricunits import unit_rows
 from foreshock.service.ingest import IngestLimits, Pending
@@ -58,10 +59,7 @@ class WorkerError(RuntimeError):
 
 
 def _encode(name: str, table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, wire_schema(name)) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return sch.ipc_stream(table, wire_schema(name))
 
 
 def _decode(buf) -> pa.Table:
