@@ -130,43 +130,30 @@ def test_a_model_of_the_previous_feature_version_reads_its_columns_of_todays_row
         m.probability(X[:, :-1])
 
 
-def test_a_model_of_feature_version_7_loads_and_reads_none_of_the_step_time_columns(model_dir, tmp_path):
-    """Version 8 only appended the step-time columns: a version-7 manifest (its reference features as
-    wide as version 7's rows) loads, its probabilities do not move with them, and its reference reads
-    them as 0."""
+@pytest.mark.parametrize("version, width, appended", [
+    ("7", ft.STEADY_COLS.stop, (ft.STEP_TIME_COLS, ft.FABRIC_COLS)),
+    ("8", ft.FABRIC_COLS.start, (ft.FABRIC_COLS,)),
+], ids=["v7: step times and fabric appended since", "v8: fabric appended since"])
+def test_a_model_of_an_earlier_feature_version_loads_and_reads_none_of_the_columns_appended_since(
+        model_dir, tmp_path, version, width, appended):
+    """Versions 8 and 9 only appended columns (the step times, the NVLink fabric's): an older manifest
+    (its reference features as wide as its version's rows) loads, its probabilities do not move with
+    the appended columns, its reference reads them as 0 and its model uses none of them."""
     import shutil
-    old = tmp_path / "v7"
+    old = tmp_path / f"v{version}"
     shutil.copytree(model_dir, old)
     man = json.loads((old / registry.MANIFEST_FILE).read_text())
-    man["feature_version"] = "7"
-    man["reference_features"] = man["reference_features"][:ft.STEADY_COLS.stop]
+    man["feature_version"] = version
+    man["reference_features"] = man["reference_features"][:width]
     (old / registry.MANIFEST_FILE).write_text(json.dumps(man))
     m = registry.load_model(old)
     X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
     Y = X.copy()
-    Y[:, ft.STEP_TIME_COLS] = np.nan
-    Y[:, ft.FABRIC_COLS] = np.nan
+    for cols in appended:
+        Y[:, cols] = np.where(np.arange(cols.stop - cols.start) % 2, np.nan, 1.0)
+        assert np.all(ft.full_width(m.manifest["reference_features"])[cols] == 0)
+        assert set(m.used_features.tolist()).isdisjoint(range(ft.N_FEATURES)[cols])
     np.testing.assert_array_equal(m.probability(X), m.probability(Y))
-    assert np.all(ft.full_width(m.manifest["reference_features"])[ft.STEP_TIME_COLS] == 0)
-
-
-def test_a_model_of_feature_version_8_loads_and_reads_none_of_the_fabric_columns(model_dir, tmp_path):
-    """Version 9 only appended the NVLink fabric's columns: a version-8 manifest (its names and reference
-    features as wide as version 8's rows) loads, and its probabilities do not move with them."""
-    import shutil
-    old = tmp_path / "v8"
-    shutil.copytree(model_dir, old)
-    man = json.loads((old / registry.MANIFEST_FILE).read_text())
-    man["feature_version"] = "8"
-    man["reference_features"] = man["reference_features"][:ft.FABRIC_COLS.start]
-    (old / registry.MANIFEST_FILE).write_text(json.dumps(man))
-    m = registry.load_model(old)
-    X = np.random.default_rng(1).random((5, ft.N_FEATURES)).astype(np.float32)
-    Y = X.copy()
-    Y[:, ft.FABRIC_COLS] = np.where(np.arange(ft.FABRIC_COLS.stop - ft.FABRIC_COLS.start) % 2, np.nan, 1.0)
-    np.testing.assert_array_equal(m.probability(X), m.probability(Y))
-    assert np.all(ft.full_width(m.manifest["reference_features"])[ft.FABRIC_COLS] == 0)
-    assert set(m.used_features.tolist()).isdisjoint(range(ft.N_FEATURES)[ft.FABRIC_COLS])
 
 
 def _with_novelty(model_dir, tmp_path, **changes):
