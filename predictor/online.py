@@ -694,12 +694,28 @@ class OnlineScorer:
         age_min = (time.time_ns() - int(meta["saved_at_ns"])) / 60e9
         return f"restored {len(nodes)} nodes from {path} (saved {age_min:.1f} min ago, next step {self._next_step})"
 
+    def left_out(self) -> dict[str, int]:
+        """Rows taken in but left out of the features, by reason (LEFT_OUT, then steptimes' and the
+        fabric readings' own reasons), since the scorer started: what the service exports as
+        foreshock_scorer_rows_left_out_total{reason}."""
+        out = {r: int(self.stats[r]) for r in LEFT_OUT}
+        out["not_newer_rows"] = int(sum(self._stage.stats.dropped_late.values()))
+        return out
+
     def features_of(self, node: str) -> np.ndarray:
         """The feature vector of a node at the last closed step (for tests and debugging)."""
         return self._features[self._index[node]].copy()
 
 
 REMOTE_KEEP_STEPS = 4
+# Why rows taken in are left out of the features (OnlineScorer.left_out): not newer than their entity's
+# last sample (a repeat; the sample stage counts them), late for their step, past the pending bound or
+# max_nodes, step times late, too far ahead, of a node the scorer does not know or that steptimes.py
+# cannot judge, fabric readings the data cannot mean.
+LEFT_OUT: tuple[str, ...] = ("not_newer_rows", "late_rows", "dropped_pending_rows", "rejected_rows_max_nodes",
+                             "late_step_times",
+                             "step_times_ahead", "step_times_unknown_node",
+                             *(f"step_times_{r}" for r in stt.SKIP_REASONS), *sg.MALFORMED)
 
 
 def _trim(by_step: dict) -> None:

@@ -22,6 +22,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_ingest_backlog_batches                     batches waiting for the next scoring round
   foreshock_ingest_dropped_batches_total               batches dropped because the backlog was full
   foreshock_scoring_dropped_step_time_tables_total     step_times tables for the scorer dropped: the backlog full
+  foreshock_scorer_rows_left_out_total{reason}         rows the scorer took and left out of the features: late,
+                                                       past a bound, step times it cannot judge, undefined
+                                                       fabric readings (predictor/online.py LEFT_OUT)
   foreshock_scoring_worker_up, foreshock_scoring_worker_restarts_total, foreshock_scoring_worker_lost_batches_total
                                                        the scoring worker process (service/worker.py)
   foreshock_scoring_rounds_total{trigger}              interval (incl. step closes) | events | flush (a stream ends)
@@ -227,6 +230,13 @@ class ControlPlaneCollector:
         yield CounterMetricFamily("foreshock_scoring_dropped_step_time_tables", "Tables of step_times rows for "
                                   "the scorer dropped, the oldest: more than the backlog waited for a drain.",
                                   value=p.scoring.dropped_checked)
+        left_out = CounterMetricFamily("foreshock_scorer_rows_left_out", "Rows the scorer took in and left out "
+                                       "of the features, by reason, since the scorer started: late for their step, "
+                                       "past its pending bound, step times late, ahead, of an unknown node or not "
+                                       "judgeable, fabric readings the data cannot mean.", labels=["reason"])
+        for reason, n in sorted(p.scoring.left_out.items()):
+            left_out.add_metric([reason], n)
+        yield left_out
         worker = p.scoring.worker
         if worker is not None:
             yield GaugeMetricFamily("foreshock_scoring_worker_up",

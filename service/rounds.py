@@ -68,6 +68,7 @@ class Outcome:
     verdicts: dict | None = None        # the worker's verdicts, for on_verdicts (ingest.apply_verdicts);
     #                                     None: the checks ran in this process and put them on the streams
     peer_stats: dict | None = None      # a shard scorer's PredictorScorer.peer_stats() after the drain
+    left_out: dict | None = None        # PredictorScorer.left_out() after the drain
 
 
 class Pipeline(Protocol):
@@ -169,6 +170,8 @@ class InProcessPipeline:
                 log.exception("scoring round failed")
             if hasattr(self.scorer, "peer_stats"):
                 outcome.peer_stats = self.scorer.peer_stats()
+        if hasattr(self.scorer, "left_out"):
+            outcome.left_out = self.scorer.left_out()
         self._answers.append((drain, outcome))
 
     def start(self, wake: Callable[[], None]) -> None:
@@ -248,6 +251,7 @@ class RoundScheduler:
         # other shards' sums go to the scorer with the next drain, its own go out after each step
         self.totals = None
         self.peer_stats: dict[str, int] = {}
+        self.left_out: dict[str, int] = {}     # the scorer's rows left out of the features, by reason
 
     @property
     def early_closes(self) -> int:
@@ -438,6 +442,8 @@ class RoundScheduler:
             r = outcome.result
             if outcome.peer_stats is not None:
                 self.peer_stats = outcome.peer_stats
+            if outcome.left_out is not None:
+                self.left_out = outcome.left_out
             if r is not None and r.totals and self.totals is not None:
                 self.totals.put_totals(r.totals)
             if r is not None:

@@ -155,6 +155,10 @@ class PredictorScorer:
         return {k: int(self._online.stats[f"remote_totals_{k}"])
                 for k in ("used", "lagged", "missing", "late", "refused")}
 
+    def left_out(self) -> dict[str, int]:
+        """Rows the scorer took in and left out of the features, by reason (online.OnlineScorer.left_out)."""
+        return self._online.left_out()
+
     # -- checkpoint (the owner calls these: the scoring worker, or the service when it scores itself) --
     def restore_state(self, path: str | Path) -> str | None:
         """Carry on from the checkpoint at `path` when there is one (online.OnlineScorer.restore_state).

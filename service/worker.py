@@ -210,6 +210,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
             "verdicts": verdicts, "rejected": dict(collections.Counter(v[2] for v in verdicts)),
             "rows": dict(checked.rows), "lost": lost, "units": units, "score": score, "score_error": score_error,
             "ingest_errors": ingest_errors, "peer_stats": scorer.peer_stats() if share_totals else None,
+            "left_out": scorer.left_out(),
             "seconds": time.perf_counter() - t0})))
         if state_path and req.get("score"):
             scorer.checkpoint(state_path, checkpoint_seconds)
@@ -428,7 +429,7 @@ class WorkerPipeline:
             result = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=is_fresh,
                                  totals=totals)
         return Outcome(result, reply["score_error"], reply["ingest_errors"], verdicts=reply,
-                       peer_stats=reply.get("peer_stats"))
+                       peer_stats=reply.get("peer_stats"), left_out=reply.get("left_out"))
 
     def _feed(self) -> None:
         while True:

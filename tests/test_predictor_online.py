@@ -124,3 +124,25 @@ def test_a_nodes_first_step_is_not_scored_online_or_offline(model):
     steps = np.arange(10, 14)
     nf = offline.NodeFeatures("n", steps, np.array([True, False, True, True]), np.zeros((4, ft.N_FEATURES)))
     assert nf.scoreable.tolist() == [False, False, True, True]
+
+
+def test_rows_left_out_of_the_features_are_counted_by_reason(model):
+    """Rows for a step already closed, telemetry and step times alike, are left out and counted under
+    their reason; every reason is reported, at 0 where nothing was left out (what the service exports)."""
+    scorer = online.OnlineScorer(model, explain_top=0)
+    tables = synthetic.node_tables("n0", 4, seed=3)
+    for name, t in tables.items():
+        scorer.ingest(name, t)
+    scorer.score(synthetic.T0_NS + 4 * STEP_NS + 6_000_000_000)       # every step closed
+    assert set(scorer.left_out()) == set(online.LEFT_OUT) and not any(scorer.left_out().values())
+    first = synthetic.T0_NS // STEP_NS
+    gpu = _slice(tables["gpu"], first * STEP_NS, (first + 1) * STEP_NS)
+    scorer.ingest("gpu", gpu)                                          # repeats of what n0 sent
+    other = _slice(synthetic.node_tables("n1", 1, seed=4)["gpu"], first * STEP_NS, (first + 1) * STEP_NS)
+    scorer.ingest("gpu", other)                                        # a new node's, for a closed step
+    scorer.ingest("step_times", sch.to_table("step_times", [
+        {"ts": first * STEP_NS, "node": "n0", "job": "j", "rank": r, "step": 1, "step_seconds": 1.0,
+         "compute_seconds": 0.5} for r in range(3)]))
+    left = scorer.left_out()
+    assert left["not_newer_rows"] == gpu.num_rows and left["late_rows"] == other.num_rows
+    assert left["late_step_times"] == 3 and sum(left.values()) == gpu.num_rows + other.num_rows + 3

@@ -497,5 +497,10 @@ def test_the_predictors_scorer_takes_the_accepted_step_times(tmp_path, tiny_mode
             _wait(lambda: online.stats["rows_step_times"] == 8 * len(NODES), what="the rows at the scorer")
             assert sum(p.num_rows for parts in online._step_rows.values() for p in parts) == 8 * len(NODES)
             assert plane.scoring.ingest_errors == 0
+            # what the scorer leaves out is exported by reason, from the drain that fed it
+            text = generate_latest(plane.registry).decode()
+            for reason in ("late_rows", "late_step_times", "step_times_ahead", "step_times_unknown_node",
+                           "step_times_bad_step_seconds", "fabric_mask_undefined"):
+                assert f'foreshock_scorer_rows_left_out_total{{reason="{reason}"}} 0.0' in text, reason
     finally:
         plane.stop(0.5)
