@@ -103,7 +103,7 @@ def register(subparsers) -> None:
     p.add_argument("--steadiness-columns", type=int, dest="steadiness_columns", metavar="N",
                    help="the trees also read the first N steadiness columns (how steady a signal's errors have "
                         "been over 2 hours: corrected ECC, corrected row remaps, ...; docs/predictor.md, "
-                        "Steadiness in the trees; default 0)")
+                        "Steadiness inside the trees: judged, not kept; default 0)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")

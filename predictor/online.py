@@ -30,14 +30,14 @@ its Jobs API accepts them, service/steptimes.py) wait by the step they ended in 
 closes (steptimes.OPEN_STEPS); the next ingest judges them into the job-relative step-time signal
 (predictor/steptimes.py) of every node they name, off the scoring round, and when step s closes, the
 signal of step s - steptimes.LAG_STEPS is its features', exactly as offline. Rows of a step no longer
-taken are dropped and counted (`stats["late_step_times"]`), as are rows further ahead of the scorer's steps than it catches up at
-once (`"step_times_ahead"`: their ends are the ranks' wall clock, the scorer's steps may run on another),
-rows of nodes the scorer has no telemetry or topology of (`"step_times_unknown_node"`) and rows
-steptimes.py cannot judge (`"step_times_<reason>"`). A job's ranks run on many nodes, and the
-comparison needs all of a job's step: in a sharded deployment the jobs coordinator sends a shard's
-scorer every rank's rows of the jobs with a node on it (service/steptimefeed.py), so its nodes' values
-are those of one scorer holding every node; the values of the job's nodes on other shards are counted
-as `"step_times_unknown_node"` and let go.
+taken are dropped and counted (`stats["late_step_times"]`), as are rows further ahead of the scorer's
+steps than it catches up at once (`"step_times_ahead"`: their ends are the ranks' wall clock, the
+scorer's steps may run on another), rows of nodes the scorer has no telemetry or topology of
+(`"step_times_unknown_node"`) and rows steptimes.py cannot judge (`"step_times_<reason>"`). A job's
+ranks run on many nodes, and the comparison needs all of a job's step: in a sharded deployment the jobs
+coordinator sends a shard's scorer every rank's rows of the jobs with a node on it
+(service/steptimefeed.py), so its nodes' values are those of one scorer holding every node; the values
+of the job's nodes on other shards are counted as `"step_times_unknown_node"` and let go.
 
 Explanations (explain.py) are computed for the `explain_top` riskiest nodes of a round; the others
 get an empty signal list.
@@ -200,7 +200,7 @@ class OnlineScorer:
         return batch.num_rows
 
     def _ingest_step_times(self, batch: pa.Table) -> int:
-        """Keep step_times rows until the step that reads them closes (module docstring)."""
+        """Keep step_times rows by the step they ended in until they are judged (module docstring)."""
         if not isinstance(batch, pa.Table):
             raise sch.SchemaError(f"table 'step_times': expected a pyarrow.Table, got {type(batch).__name__}")
         if batch.num_rows == 0:
