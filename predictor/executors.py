@@ -26,7 +26,10 @@ from __future__ import annotations
 import collections
 import logging
 import multiprocessing
+import os
+import signal
 import socket
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 
@@ -90,7 +93,8 @@ class ProcessExecutor(Executor):
     def map(self, fn, argses, labels=None, *, keep_going=False):
         if self._pool is None:
             # spawn: a fresh interpreter, not a fork of a parent that holds threads and large arrays
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=exit_with_parent, initargs=(os.getpid(),))
         yield from _ordered(lambda args: self._pool.submit(fn, *args), lambda fut: fut.result(),
                             argses, labels, self.in_flight, keep_going)
 
@@ -98,6 +102,24 @@ class ProcessExecutor(Executor):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """A pool worker's initializer: the kernel sends the worker SIGTERM when the thread that started it
+    ends (prctl PR_SET_PDEATHSIG, Linux; elsewhere nothing), so a `foreshock train` killed by a batch
+    system's time limit or the OOM killer, which runs no cleanup, leaves no worker behind holding a node
+    partition's memory. ProcessExecutor.map starts its workers on the caller's thread: use one executor
+    from the thread that lives as long as it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:   # the parent died before the signal was asked for
+        os._exit(1)
 
 
 class RayExecutor(Executor):

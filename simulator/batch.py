@@ -272,9 +272,12 @@ def run(settings: SimSettings, out: str | Path, *, writer_options: dict | None =
     elif workers <= 1:
         results = [_simulate_blocks(settings, episodes, str(out), list(range(n_blocks)), options, progress)]
     else:
+        from foreshock.predictor.executors import exit_with_parent
+
         ctx = multiprocessing.get_context("spawn")
         with ctx.Manager() as manager, \
-                concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=exit_with_parent,
+                                                       initargs=(os.getpid(),)) as pool:
             barrier = manager.Barrier(workers)
             # a callback does not cross into a process: the first worker prints the progress itself
             report = print_progress if progress is not None else None
