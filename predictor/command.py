@@ -39,7 +39,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
-                  "absolute_counts": False, "steadiness_columns": 0}
+                  "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
@@ -104,6 +104,9 @@ def register(subparsers) -> None:
                    help="the trees also read the first N steadiness columns (how steady a signal's errors have "
                         "been over 2 hours: corrected ECC, corrected row remaps, ...; docs/predictor.md, "
                         "Steadiness inside the trees: judged, not kept; default 0)")
+    p.add_argument("--step-time-columns", dest="step_time_columns", action="store_const", const=True,
+                   help="the trees also read the job step-time columns (a node's ranks against their job's: "
+                        "docs/predictor.md, Job step times; not the default: no model reading them is judged yet)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -229,7 +232,8 @@ def run_train(args, file_data) -> int:
                                    ray_address=cfg["ray_address"] or None, on_error=cfg["on_corrupt"],
                                    novelty=cfg["novelty"], linear_member=cfg["linear_member"],
                                    absolute_counts=cfg["absolute_counts"],
-                                   steadiness_columns=cfg["steadiness_columns"])
+                                   steadiness_columns=cfg["steadiness_columns"],
+                                   step_time_columns=cfg["step_time_columns"])
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2

@@ -15,7 +15,8 @@
   weights, one scale and offset fitted; off by default, docs/predictor.md, "The linear member").
 
 Inputs are feature matrices in the estimator's column order: features.MODEL_FEATURE_NAMES, or a longer
-prefix of features.FEATURE_NAMES that also reads the first STEADINESS columns (`estimator_feature_names`).
+prefix of features.FEATURE_NAMES that also reads the first STEADINESS columns, or the STEP_TIMES columns
+after them (`estimator_feature_names`).
 """
 
 from __future__ import annotations
@@ -136,22 +137,33 @@ class TrendRatios(TransformerMixin, BaseEstimator):
 # ensemble otherwise extrapolates arbitrarily (a rate above any seen in training can land in a leaf
 # learnt from a benign burst); the constraint keeps "more errors, more risk" true everywhere. Trend
 # ratios, temperatures, clocks, traffic and times since events stay free: their shape is learnt. Errors
-# that keep coming minute after minute (a steadiness column) never lower the risk either.
+# that keep coming minute after minute (a steadiness column) never lower the risk either, nor do a
+# node's ranks falling behind their job's (the step-time columns).
 NOT_RISING = {"xid_application"}
 RISING_GAUGES = {"remap_pending", "remap_failure", "pcie_width_deficit", "nvl_links_down", "ib_port_down_frac",
                  "eth_down_frac", "gpu_lost", "thermal_throttle_frac", "remap_rows_total"}
 RISING_PEERS = {"gpu_err_vs_job", "link_err_vs_leaf"}
 
 
-def estimator_feature_names(steadiness_columns: int = 0) -> tuple[str, ...]:
+def estimator_feature_names(steadiness_columns: int = 0, step_times: bool = False) -> tuple[str, ...]:
     """The columns an estimator reads: features.MODEL_FEATURE_NAMES and the first `steadiness_columns`
     STEADINESS columns after them (how steady a signal's errors have been over 2 hours; features.STEADY
-    lists corrected ECC and corrected row remaps first). Always a prefix of features.FEATURE_NAMES,
-    which is what the registry loads. Raises ValueError outside [0, len(features.STEADINESS)]."""
+    lists corrected ECC and corrected row remaps first); with `step_times`, through the STEP_TIMES
+    columns (the node's ranks against their job's), the STEADINESS columns past the first
+    `steadiness_columns` in the names but held constant (`steadiness_held`). Always a prefix of
+    features.FEATURE_NAMES, which is what the registry loads. Raises ValueError outside
+    [0, len(features.STEADINESS)]."""
     k = int(steadiness_columns)
     if not 0 <= k <= len(ft.STEADINESS):
         raise ValueError(f"steadiness columns {steadiness_columns}: must be between 0 and {len(ft.STEADINESS)}")
-    return ft.FEATURE_NAMES[:ft.N_MODEL + k]
+    return ft.FEATURE_NAMES[:ft.STEP_TIME_COLS.stop if step_times else ft.N_MODEL + k]
+
+
+def steadiness_held(feature_names, steadiness_columns: int = 0) -> list[int]:
+    """The STEADINESS columns of `feature_names` past the first `steadiness_columns`: there only because
+    a later column is read (estimator_feature_names), held constant while the trees are fitted."""
+    names = list(feature_names)
+    return [names.index(f.name) for f in ft.STEADINESS[int(steadiness_columns):] if f.name in names]
 
 
 def monotonic_constraints(feature_names=ft.MODEL_FEATURE_NAMES, trend_ratios: bool = True) -> list[int]:
@@ -166,7 +178,7 @@ def monotonic_constraints(feature_names=ft.MODEL_FEATURE_NAMES, trend_ratios: bo
              and f.signal not in NOT_RISING)
             or (f.op in ("now", "max30") and f.signal in RISING_GAUGES)
             or (f.op in ("mean5", "mean30") and f.signal in RISING_PEERS)
-            or f.signal == "anomaly" or f.op == "steady")
+            or f.signal == "anomaly" or f.op == "steady" or f.signal == "steptime_vs_job")
         out.append(1 if rising else 0)
     if trend_ratios:
         out += [0] * len(_trend_specs(list(feature_names)))

@@ -71,7 +71,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           command: str | None = None, holdout: groups.HoldOut | None = None,
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
-          linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0) -> dict:
+          linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0,
+          step_time_columns: bool = False) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
     absolute_counts: False (the default): the trees never split on the absolute window counts of an
@@ -90,6 +91,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     a signal's errors have been over 2 hours, model.estimator_feature_names), risk constrained not to
     fall as they grow; 0 (the default): the model columns alone. Raises ValueError outside
     [0, len(features.STEADINESS)].
+
+    step_time_columns: the estimators also read the STEP_TIMES columns (a node's ranks against their
+    job's, predictor/steptimes.py), risk constrained not to fall as they grow; the steadiness columns
+    before them past the first `steadiness_columns` are held constant for the trees (the logistic
+    regression reads them). False (the default): not.
 
     novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
     the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
@@ -117,7 +123,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                          f"({horizon_s / 60 + label_gap_hours * 60:g} min)")
     if not 0.0 < early_label_weight <= 1.0:
         raise ValueError(f"early label weight {early_label_weight:g}: must be in (0, 1]")
-    columns = mdl.estimator_feature_names(steadiness_columns)
+    columns = mdl.estimator_feature_names(steadiness_columns, step_time_columns)
     n_cols = len(columns)
     t_start = time.perf_counter()
     compared = _comparable(compare_with)
@@ -219,6 +225,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         if progress:
             progress("fitting", 0, 1)
         blind = [] if absolute_counts else mdl.baselined_counts(columns)
+        blind += mdl.steadiness_held(columns, steadiness_columns)
         gbdt = mdl.fit_model(mdl.make_model(max_iter=max_iter, random_state=seed, feature_names=columns), Xtr, ytr,
                              wtr, constant_columns=blind)
         logit = mdl.make_logistic(columns).fit(Xtr, ytr, logreg__sample_weight=wtr)

@@ -147,6 +147,31 @@ def test_trees_that_read_steadiness_columns_load_score_and_rise_with_them(sim_da
         mdl.estimator_feature_names(len(ft.STEADINESS) + 1)
 
 
+def test_trees_that_read_the_step_time_columns_hold_the_steadiness_before_them_constant(sim_data, tmp_path,
+                                                                                         capsys):
+    """--step-time-columns: the estimators read through the job step-time columns; the steadiness
+    columns they pass over are in the names (a prefix) but no tree splits on them, and the trees are
+    constrained to rise with the step-time columns."""
+    from foreshock.predictor import model as mdl
+
+    model_dir = tmp_path / "steps"
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "10", "--base", "",
+                     "--step-time-columns"]) == 0
+    capsys.readouterr()
+    m = registry.load_model(model_dir)
+    width = ft.STEP_TIME_COLS.stop
+    assert m.manifest["feature_names"] == list(ft.FEATURE_NAMES[:width])
+    assert {f.name for f in ft.STEADINESS} <= set(m.manifest["estimator"]["blind_to"])
+    gbdt = m.estimator.calibrated_classifiers_[0].estimator.estimator.named_steps["gbdt"]
+    assert list(gbdt.monotonic_cst[ft.STEP_TIME_COLS]) == [1] * len(ft.STEP_TIMES)
+    split_on = {int(f) for t in gbdt._predictors for f in t[0].nodes["feature_idx"][t[0].nodes["is_leaf"] == 0]}
+    assert not split_on & set(range(width)[ft.STEADY_COLS])
+    assert mdl.steadiness_held(mdl.estimator_feature_names(2, step_times=True), 2) == list(
+        range(ft.N_MODEL + 2, ft.STEADY_COLS.stop))
+    X = np.nan_to_num(np.random.default_rng(3).standard_normal((100, ft.N_FEATURES)).astype(np.float32))
+    np.testing.assert_array_equal(m.probability(X), m.probability(X[:, :width]))
+
+
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
     assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m")]) == 2
     assert "does not exist" in capsys.readouterr().err
