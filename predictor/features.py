@@ -415,6 +415,18 @@ def _lagged(block: np.ndarray, ring: np.ndarray, head: int, w: int) -> np.ndarra
     return np.concatenate([from_ring, block[: t - w]], axis=0)
 
 
+def _oldest_first(ring: np.ndarray, head: int) -> np.ndarray:
+    """A ring's rows in time order, the oldest first (a copy)."""
+    return ring[(head + np.arange(ring.shape[0])) % ring.shape[0]]
+
+
+def _windows(ring: np.ndarray, head: int, block: np.ndarray) -> np.ndarray:
+    """[T, ..., HISTORY]: each of the block's T steps with the HISTORY - 1 before it, from a ring of the
+    last GRING steps and the block (a view over their concatenation, the last axis oldest first)."""
+    return np.lib.stride_tricks.sliding_window_view(np.concatenate([_oldest_first(ring, head), block]), HISTORY,
+                                                    axis=0)
+
+
 def _push(ring: np.ndarray, head: int, block: np.ndarray) -> int:
     r, t = ring.shape[0], block.shape[0]
     if t == 1:  # the online case: a basic-slice write, no fancy indexing
@@ -509,7 +521,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     if t == 1:
         gmax = np.fmax(g, hist[None])
     else:
-        ext = np.concatenate([state.gring[(state.ghead + np.arange(GRING)) % GRING], g], axis=0)
+        ext = np.concatenate([_oldest_first(state.gring, state.ghead), g], axis=0)
         gmax = g.copy()
         for kk in range(1, HISTORY):
             gmax = np.fmax(gmax, ext[GRING - kk: GRING - kk + t])
@@ -672,9 +684,7 @@ def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
         out[0, :, 1] = np.fmax(np.fmax.reduce(ring[:, :, 0], axis=0), cur[:, 0])
         slow, judged = ring[:, :, 1].sum(axis=0) + cur[:, 1], ring[:, :, 2].sum(axis=0) + cur[:, 2]
     else:
-        hist = state.tring[(state.thead + np.arange(GRING)) % GRING]          # oldest first
-        both = np.concatenate([hist, v])                                     # [GRING + T, N, 3]
-        win = np.lib.stride_tricks.sliding_window_view(both, HISTORY, axis=0)   # [T, N, 3, HISTORY]
+        win = _windows(state.tring, state.thead, v)                          # [T, N, 3, HISTORY]
         out[:, :, 0] = np.fmax.reduce(win[:, :, 0, -5:], axis=-1)
         out[:, :, 1] = np.fmax.reduce(win[:, :, 0], axis=-1)
         slow, judged = win[:, :, 1].sum(axis=-1), win[:, :, 2].sum(axis=-1)
@@ -710,9 +720,7 @@ def _fabric(v: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray
     if t == 1:
         tot = state.fring.sum(axis=0)[None] + cur
     else:
-        hist = state.fring[(state.fhead + np.arange(GRING)) % GRING]          # oldest first
-        win = np.lib.stride_tricks.sliding_window_view(np.concatenate([hist, cur]), HISTORY, axis=0)
-        tot = win.sum(axis=-1)                                               # [T, N, 2C]
+        tot = _windows(state.fring, state.fhead, cur).sum(axis=-1)           # [T, N, 2C]
     c = 2 * nf
     out[:, :, c::3] = counts
     out[:, :, c + 1::3] = np.where(tot[:, :, nc:] > 0, tot[:, :, :nc], np.nan)
