@@ -125,17 +125,24 @@ def unhealthy_flags(masks: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray
 
 
 def registration_failed(state: np.ndarray, status: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per GPU (float arrays, NaN: null), whether its fabric registration is not completed or failed:
-    (1.0 not completed or failed, 0.0 completed with success, NaN no fabric information; whether the
-    state is one nvml.h does not define, or a completed state comes without its status). A GPU cut off
-    from its fabric so reaches no NVLink peer through the NVSwitches."""
+    """Per GPU (float arrays, NaN: null), whether a GPU that should be registered with an NVLink fabric
+    is not: (1.0 not completed or failed, 0.0 completed with success, NaN no fabric; whether the state is
+    one nvml.h does not define, or a completed state comes without its status).
+
+    A GPU should be registered when NVML gives it a registration state (STATES): nvml.h's
+    nvmlDeviceGetGpuFabricInfo is for Hopper and later GPUs on NVSwitch systems, which the fabric manager
+    registers, and answers NOT_SUPPORTED (stored as null, or read here as 0) for a GPU without a fabric
+    (docs/collectors.md). That is an NVL72 tray's GPU, and an HGX GPU behind its baseboard's NVSwitches,
+    registered with a zero cluster UUID, too: not registered, either reaches no NVLink peer through the
+    switches. The state tells it, not the cluster UUID, which a registration that failed leaves zero; the
+    status is read only once the state is COMPLETED, as nvml.h says."""
     known = ~np.isnan(state)
     defined = np.isin(state, list(STATES))
     done = state == STATE_COMPLETED
     no_status = done & np.isnan(status)
     failed = defined & (~done | (~no_status & (status != 0)))
     flag = np.where(failed, 1.0, np.where(done & (status == 0), 0.0, np.nan))
-    return flag, (known & ~defined) | no_status
+    return flag, (known & ~defined & (state != STATE_NOT_SUPPORTED)) | no_status
 
 
 def with_unhealthy(mask, column: str):

@@ -227,7 +227,8 @@ PATH_PROBE = COMMON + (
 EVENTS = COMMON + (
     _key("kind", STR, "xid | sxid | gpu_lost | link_state | nic_error."),
     _key("source", STR, "nvml | kmsg | sysfs | simulator."),
-    Field("severity", STR, "", "precursor | application | fatal | info (for Xids: the Xid catalogue, foreshock/xid.py)."),
+    Field("severity", STR, "", "precursor | application | fatal | info (for Xids: the Xid catalogue, foreshock/xid.py; "
+          "for SXids: the class the driver printed, collectors/sxid.py)."),
     Field("xid", I32, "", "Xid code, for kind=xid."),
     Field("gpu", I16, "", "NVML device index, where known."),
     Field("pci_bus_id", STR, "", "PCI bus id of the device the event names, lower case."),

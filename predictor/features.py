@@ -14,8 +14,8 @@ need no failure seen before. Last, from the job-relative step-time signal of ste
 slowest rank's step time over its job's median, by the comparison the service's fail-slow rule makes):
 its maximum over 5 and 30 minutes and the share of the last 30 minutes' judged steps that were slow
 (STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each fabric health-mask flag and
-the registration flag now and at any time in 30 minutes, and fatal and non-fatal NVSwitch SXids in the
-step, over 30 minutes and minutes since the last (FABRIC).
+the registration flag now and at any time in 30 minutes, and fatal and non-fatal (correctable included)
+NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -47,7 +47,8 @@ from foreshock.predictor import steptimes as stt
 
 FEATURE_VERSION = "9"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns and 9 the FABRIC columns; the model
-# columns are 6's
+# columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did
+# not at first: no model reads them, and names and layout stay 9's, so 9's checkpoints and models fit.
 READABLE_VERSIONS = ("6", "7", "8", "9")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs

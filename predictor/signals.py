@@ -29,15 +29,18 @@ The NVLink fabric's signals (FABRIC_SIGNALS) come from the same rows by the same
 group of their own, after BASE_SIGNALS (STEP_NAMES: what `finish` returns), so that the feature columns
 over them come after every older model's (features.py). Per node and step, from the gpu table: whether
 any of its GPUs' fabric health mask reports each field of foreshock/fabric.py's HEALTH_FIELDS unhealthy
-(degraded bandwidth, access-timeout recovery, an incorrect configuration, ...), and whether any GPU's
-fabric registration is not completed or failed; 1.0 or 0.0 from the GPUs that report it, NaN where no
-GPU has fabric information (an HGX node, an older driver, fabric info v1 without a mask): never 0 for
-"healthy" where nothing was said. From the events table: NVSwitch SXids by the class the driver printed
-(collectors/sxid.py: Fatal, Non-fatal; Correctable and the fatal SXid's detail lines count as neither),
-whatever their number, since Foreshock keeps no SXid number table. A value the data cannot mean (a
+(degraded bandwidth, access-timeout recovery, an incorrect configuration, ...), and whether any GPU that
+should be registered with an NVLink fabric is not (fabric.registration_failed: a GPU with a registration
+state, an NVL72 tray's or an HGX baseboard's, whose registration is not completed or failed); 1.0 or 0.0
+from the GPUs that report it, NaN where no GPU does (no NVSwitch behind it, an older driver, a mask
+field the GPU does not support, fabric info v1 without a mask): never 0 for "healthy" where nothing was
+said. From the events table: NVSwitch SXids by the class the driver printed, fatal and non-fatal, the
+Correctable ones among the non-fatal, as the driver files them (collectors/sxid.py, SEVERITY); a line
+without a class (the details the driver prints after every SXid, a report it gives no class) counts as
+none. Whatever their number, since Foreshock keeps no SXid number table. A value the data cannot mean (a
 fabric state or a health-mask field nvml.h does not define, a completed registration without its
-status, an SXid row of no known class or without its code) is left out of the signal and counted by
-reason in the stage's `stats.malformed` (MALFORMED), never an error.
+status, an SXid row of a severity the collector never writes or without its code) is left out of the
+signal and counted by reason in the stage's `stats.malformed` (MALFORMED), never an error.
 """
 
 from __future__ import annotations
@@ -165,12 +168,13 @@ _FABRIC_TEXT = {
 }
 FABRIC_REGISTRATION = "fabric_registration_failed"
 SXID_FATAL, SXID_NONFATAL = "sxid_fatal", "sxid_nonfatal"
+# By the severity collectors/sxid.py writes for the class: Correctable SXids share Non-fatal's.
 SXID_CLASSES = {SXID_FATAL: sxidcat.SEVERITY["Fatal"], SXID_NONFATAL: sxidcat.SEVERITY["Non-fatal"]}
 FABRIC_SIGNALS: tuple[BaseSignal, ...] = (
     *(_f(f.column, _FABRIC_TEXT[f.column]) for f in fabric.HEALTH_FIELDS),
     _f(FABRIC_REGISTRATION, "a GPU's NVLink fabric registration not completed or failed"),
     _c(SXID_FATAL, "fatal NVSwitch SXids", "events"),
-    _c(SXID_NONFATAL, "non-fatal NVSwitch SXids", "events"),
+    _c(SXID_NONFATAL, "non-fatal NVSwitch SXids (correctable ones too)", "events"),
 )
 FABRIC_NAMES: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS)
 FABRIC_FLAGS: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS if s.kind == "flag")
@@ -702,8 +706,9 @@ class SampleStage:
         return Samples(node, ts // self.step_ns, node * NODE_SHIFT, cols)
 
     def _sxid_counts(self, batch: pa.Table, is_sxid: np.ndarray, n: np.ndarray) -> dict[str, np.ndarray]:
-        """The SXid counts of event rows by the driver's class (SXID_CLASSES); a row of no class the
-        collector writes, or without its code, counts as none and is counted malformed."""
+        """The SXid counts of event rows by the driver's class (SXID_CLASSES); a line without a class
+        counts as none; a row of a severity the collector never writes, or without its code, counts as
+        none and is counted malformed."""
         out = {name: np.zeros(len(n)) for name in SXID_CLASSES}
         if not is_sxid.any():
             return out
@@ -712,7 +717,7 @@ class SampleStage:
         code = _float(batch, "sxid")
         no_code = is_sxid & ~(code >= 0)
         classed = np.zeros(len(n), dtype=bool)
-        for severity in set(sxidcat.SEVERITY.values()):
+        for severity in sxidcat.SEVERITIES:
             classed |= sev == severity
         unknown = is_sxid & ~no_code & ~classed
         for reason, bad in (("sxid_no_code", no_code), ("sxid_unknown_class", unknown)):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from foreshock import fabric
 from foreshock import schema as sch
+from foreshock.collectors import kmsg
+from foreshock.collectors.nvml import FakeNvml, NvmlSource
 from foreshock.collectors.sxid import parse_sxid
 from foreshock.predictor import explain as ex
 from foreshock.predictor import features as ft
@@ -17,6 +21,8 @@ from foreshock.predictor import signals as sg
 
 T0 = 1_780_000_020 * 1_000_000_000
 STEP = sg.STEP_NS
+SXID_LINES = Path(__file__).resolve().parents[1] / "examples" / "kmsg" / "sxid-lines.txt"
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23   # nvml.h: what a fabric manager out of resources leaves as the status
 
 
 def _ts(ns: int) -> pd.Timestamp:
@@ -32,8 +38,12 @@ def _info(mask: int | None = fabric.HEALTHY_MASK, state: int = fabric.STATE_COMP
 
 
 def _base(table: str, rows: list[dict]):
+    return _base_table(table, sch.to_table(table, rows))
+
+
+def _base_table(table: str, data: pa.Table):
     bad = Counter()
-    return sg.node_base_signals({table: sch.to_table(table, rows)}, malformed=bad), bad
+    return sg.node_base_signals({table: data}, malformed=bad), bad
 
 
 def test_a_degraded_bandwidth_bit_raises_the_flag_and_a_gpu_without_fabric_info_gives_nan_not_0():
@@ -82,11 +92,13 @@ FATAL = "nvidia-nvswitch0: SXid (PCI:0000:a9:00.0): 20034, Fatal, Link 30 LTSSM 
 DETAIL = "nvidia-nvswitch0: SXid (PCI:0000:a9:00.0): 20034, Severity 1 Engine instance 30 Sub-engine instance 00"
 NONFATAL = "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)"
 CORRECTABLE = "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12345, Correctable, Link 02 something corrected"
+CORRECTABLE_DETAIL = "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12345, Severity 0 Engine instance 02 Sub-engine instance 00"
 UNKNOWN_NUMBER = "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 77777, Non-fatal, Link 02 an SXid no guide lists"
 
 
 def test_sxids_are_counted_by_the_class_the_driver_printed_and_malformed_rows_skipped_and_counted():
     rows = [_sxid_row(FATAL), _sxid_row(DETAIL), _sxid_row(NONFATAL), _sxid_row(CORRECTABLE),
+            _sxid_row(CORRECTABLE_DETAIL),                          # a detail line is never an SXid of its own
             _sxid_row(UNKNOWN_NUMBER),                              # counted by its class, whatever its number
             _sxid_row(NONFATAL, occurrences=4),                     # a folded row stands for its lines
             _sxid_row(NONFATAL, severity="urgent"),                 # a class the collector never writes
@@ -95,11 +107,77 @@ def test_sxids_are_counted_by_the_class_the_driver_printed_and_malformed_rows_sk
             {"ts": _ts(T0), "node": "n1", "kind": "xid", "source": "kmsg", "severity": "fatal", "xid": 79}]
     base, bad = _base("events", rows)
     r = base.row(0)
-    assert (r["sxid_fatal"], r["sxid_nonfatal"], r["xid_fatal"]) == (1, 6, 1)
+    # the correctable SXid among the non-fatal ones, as the driver files it; the detail lines count as none
+    assert (r["sxid_fatal"], r["sxid_nonfatal"], r["xid_fatal"]) == (1, 7, 1)
     assert bad == {"sxid_unknown_class": 2, "sxid_no_code": 1}
     # a step with events but no SXid reads 0; a step without events rows reads unknown
     base, _ = _base("events", [{"ts": _ts(T0 + STEP), "node": "n1", "kind": "link_state", "source": "sysfs"}])
     assert base.row(0)["sxid_fatal"] == 0
+
+
+def test_replayed_kernel_log_lines_count_each_sxid_once_by_its_class(tmp_path):
+    """The real lines (examples/kmsg/sxid-lines.txt: SXids of both classes, each fatal and non-fatal one
+    with its detail lines where the source quotes them) and a correctable SXid with the detail line the
+    driver prints after it, through the kmsg source into the signals."""
+    real = [ln for ln in SXID_LINES.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    log = tmp_path / "dmesg.txt"
+    log.write_text("\n".join([*real, CORRECTABLE, CORRECTABLE_DETAIL]) + "\n")
+    events = kmsg.KmsgSource("hgx-01", path=str(log), boot_ns=T0).sweep(T0)["events"]
+    assert events.num_rows == len(real) + 2
+    base, bad = _base_table("events", events)
+    # 20034 fatal; 12028, 19084, 28006 non-fatal, and the correctable one: five detail lines counted as none
+    assert (base["sxid_fatal"].sum(), base["sxid_nonfatal"].sum()) == (1, 4) and not bad
+
+
+def _nvml_gpu_rows(*infos) -> pa.Table:
+    """The gpu table the nvml source writes for GPUs whose fabric information is `infos` (None: the
+    driver answers NOT_SUPPORTED for the call)."""
+    fake = FakeNvml.hopper(len(infos))
+    for g, info in zip(fake.gpus, infos):
+        if info is not None:
+            g.values["gpu_fabric_info"] = info
+    src = NvmlSource("n1", backend=fake, xid_events=False)
+    gpu = src.sweep(T0)["gpu"]
+    assert src.errors == 0
+    return gpu
+
+
+def _registration(*infos) -> float:
+    base, bad = _base_table("gpu", _nvml_gpu_rows(*infos))
+    assert not bad
+    return base["fabric_registration_failed"][0]
+
+
+ZERO_UUID = bytes(16)
+
+
+def test_a_single_node_gpu_without_a_fabric_does_not_raise_the_registration_flag():
+    # a GPU with no NVSwitch behind it: the call is NOT_SUPPORTED, or it answers state NOT_SUPPORTED
+    assert np.isnan(_registration(None))
+    assert np.isnan(_registration(fabric.FabricInfo(ZERO_UUID, 0, 0, fabric.STATE_NOT_SUPPORTED)))
+    assert np.isnan(_registration(None, fabric.FabricInfo(ZERO_UUID, 0, 0, fabric.STATE_NOT_SUPPORTED, 0, 0)))
+    # a row that holds NOT_SUPPORTED itself (another writer's) reads the same: no fabric, not malformed
+    base, bad = _base("gpu", [_gpu(0, T0, None, fabric_state=fabric.STATE_NOT_SUPPORTED, fabric_status=0)])
+    assert np.isnan(base["fabric_registration_failed"][0]) and not bad
+
+
+def test_an_hgx_gpu_behind_its_baseboards_nvswitches_is_judged_by_its_registration_too():
+    # registered with a zero cluster UUID: in no multi-node domain, but registered
+    assert _registration(fabric.FabricInfo(ZERO_UUID, 0, 0, fabric.STATE_COMPLETED)) == 0.0
+    # its fabric manager down: the registration stays in progress and the GPU reaches no NVLink peer
+    assert _registration(fabric.FabricInfo(ZERO_UUID, 0, 0, fabric.STATE_IN_PROGRESS)) == 1.0
+
+
+def test_an_nvl72_gpu_whose_registration_failed_raises_the_flag():
+    uuid = bytes(range(1, 17))
+    healthy = fabric.FabricInfo(uuid, 0, 7, fabric.STATE_COMPLETED, fabric.HEALTHY_MASK, 1)
+    assert _registration(healthy, healthy) == 0.0
+    # completed with an error: no cluster UUID, no clique, as a fabric manager out of resources leaves it
+    failed = fabric.FabricInfo(ZERO_UUID, NVML_ERROR_INSUFFICIENT_RESOURCES, 0, fabric.STATE_COMPLETED, 0, 0)
+    assert _registration(healthy, failed) == 1.0
+    assert _registration(healthy, fabric.FabricInfo(ZERO_UUID, 0, 0, fabric.STATE_NOT_STARTED)) == 1.0
+    gpu = _nvml_gpu_rows(healthy, failed).to_pylist()
+    assert gpu[0]["nvlink_domain"] is not None and gpu[1]["nvlink_domain"] is None
 
 
 def test_the_fabric_windows_hold_a_flag_30_minutes_and_count_sxids_with_minutes_since():

@@ -48,8 +48,9 @@ SXID_LINES = {   # collectors/sxid.py's format (real lines: examples/kmsg/sxid-l
 def _with_fabric(gpu: pa.Table, node: str) -> pa.Table:
     """The gpu rows with NVML fabric information as the collector writes it (fabric.gpu_columns): node-a
     registered and healthy; node-b's GPU 5 recovering from an access timeout from sample 10 to 29 and
-    with degraded bandwidth from sample 15; node-c without fabric information (an HGX node); node-d's
-    GPU 2 still registering for its first 10 samples, and one row of a state nvml.h does not define."""
+    with degraded bandwidth from sample 15; node-c without fabric information (no NVSwitch behind its
+    GPUs); node-d's GPU 2 still registering for its first 10 samples, one row of a state nvml.h does not
+    define and one that holds NOT_SUPPORTED (no fabric: unknown, not malformed)."""
     if node == "node-c":
         return gpu
     g = gpu.column("gpu").to_numpy()
@@ -66,6 +67,7 @@ def _with_fabric(gpu: pa.Table, node: str) -> pa.Table:
         rows.append(fabric.gpu_columns(fabric.FabricInfo(bytes(range(1, 17)), 0, 7, state, mask, 1)))
     if node == "node-d":
         rows[20 * 8] = dict(rows[20 * 8], fabric_state=7)
+        rows[21 * 8] = dict(rows[21 * 8], fabric_state=fabric.STATE_NOT_SUPPORTED)
     for col in fabric.GPU_COLUMNS:
         gpu = gpu.set_column(gpu.schema.get_field_index(col), col,
                              pa.array([r[col] for r in rows], gpu.schema.field(col).type))
@@ -74,8 +76,8 @@ def _with_fabric(gpu: pa.Table, node: str) -> pa.Table:
 
 def _sxids(node: str, events: pa.Table) -> pa.Table:
     """node-b: a non-fatal SXid every third sample from sample 12, then one fatal SXid with its detail
-    line, and a correctable one; node-d: an SXid row of no class the collector writes and one without
-    its code (skipped and counted)."""
+    line, and a correctable one (counted as non-fatal); node-d: an SXid row of a severity the collector
+    never writes and one without its code (skipped and counted)."""
     t0 = synthetic.T0_NS + 3_000_000_000
     at = []
     if node == "node-b":
@@ -166,7 +168,7 @@ def test_online_features_equal_offline_features(tmp_path, telemetry, kernel, tin
     assert b["fabric_degraded_bw_now"] == 1.0 and b["fabric_degraded_bw_max30m"] == 1.0
     assert b["fabric_access_timeout_recovery_now"] == 0.0 and b["fabric_access_timeout_recovery_max30m"] == 1.0
     assert b["fabric_registration_failed_now"] == 0.0 and b["fabric_incorrect_configuration_now"] == 0.0
-    assert b["sxid_nonfatal_30m"] == 10 and b["sxid_fatal_30m"] == 1              # the detail line is no SXid
+    assert b["sxid_nonfatal_30m"] == 11 and b["sxid_fatal_30m"] == 1   # 10 and the correctable; the detail line is no SXid
     assert b["minutes_since_sxid_fatal"] == 2 and b["minutes_since_sxid_nonfatal"] == 2
     assert np.isnan(b["sxid_fatal_1m"])   # no events rows in the last step: unknown, as the Xid counts
     assert last["node-a"]["fabric_degraded_bw_now"] == 0.0 and last["node-a"]["minutes_since_sxid_fatal"] == ft.SINCE_CAP_MINUTES
