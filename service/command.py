@@ -27,6 +27,9 @@ from foreshock.service.forwarder import CHECKS as FORWARD_CHECKS
 from foreshock.service.forwarder import ForwardSettings
 from foreshock.service.shardmap import SHARD_NAME_RE
 from foreshock.service.steptimefeed import BUFFER_ROWS as STEP_TIME_BUFFER_ROWS
+from foreshock.service.steptimefeed import HOLD_ROWS as STEP_TIME_HOLD_ROWS
+from foreshock.service.steptimefeed import HOLD_SECONDS as STEP_TIME_HOLD_SECONDS
+from foreshock.service.steptimefeed import MAX_HOLD_SECONDS as STEP_TIME_MAX_HOLD_SECONDS
 
 # [serve] keys of the node actions (service/actions.py, docs/actions.md) -> ActionSettings fields; their
 # defaults and ranges are ActionSettings' own.
@@ -96,6 +99,8 @@ DEFAULTS = {
     "coordinator_model_version": "",   # the model shards should score with; "": the first shard's
     "coordinator_reconfirm_seconds": RECONFIRM_SECONDS,   # a shard's new instance has this long to raise again
     "coordinator_step_time_buffer_rows": STEP_TIME_BUFFER_ROWS,   # step_times rows waiting for each shard
+    "coordinator_step_time_hold_rows": STEP_TIME_HOLD_ROWS,   # ... held for nodes of no known shard yet, in all
+    "coordinator_step_time_hold_seconds": STEP_TIME_HOLD_SECONDS,   # ... each at most this long; 0: none held
     "coordinator_address": "",   # HOST:PORT[,HOST:PORT]: a shard, forwarding its alarms to the coordinator
     "forward_token_file": "",    # a file holding this shard's bearer token for the coordinator
     **{key: FORWARD_DEFAULTS[name] for key, name in FORWARD_KEYS.items()},
@@ -127,6 +132,9 @@ CHECKS = {
     **ARCHIVE_CHECKS,
     "coordinator_reconfirm_seconds": config.between(MIN_RECONFIRM_SECONDS, MAX_RECONFIRM_SECONDS),
     "coordinator_step_time_buffer_rows": config.between(1024, 100_000_000),
+    "coordinator_step_time_hold_rows": config.between(1024, 100_000_000),
+    # past the maximum a held row reaches its shard's scorer late (service/steptimefeed.py)
+    "coordinator_step_time_hold_seconds": config.between(0, STEP_TIME_MAX_HOLD_SECONDS),
     "shard": config.Check(lambda v: v == "" or bool(SHARD_NAME_RE.match(v)),
                           "must be a shard name (letters, digits, '.', '_', '-'; at most 63)"),
     **{key: FORWARD_CHECKS[name] for key, name in FORWARD_KEYS.items() if name in FORWARD_CHECKS},
@@ -292,7 +300,9 @@ def settings_from(cfg: dict):
             coordinator = CoordinatorSettings(cfg["lease_file"],
                                               expected_model_version=cfg["coordinator_model_version"],
                                               reconfirm_seconds=cfg["coordinator_reconfirm_seconds"],
-                                              step_time_buffer_rows=cfg["coordinator_step_time_buffer_rows"])
+                                              step_time_buffer_rows=cfg["coordinator_step_time_buffer_rows"],
+                                              step_time_hold_rows=cfg["coordinator_step_time_hold_rows"],
+                                              step_time_hold_seconds=cfg["coordinator_step_time_hold_seconds"])
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
     elif cfg["lease_file"]:

@@ -41,7 +41,11 @@ is service/forwarder.py):
   their own nodes' meanwhile).
 - `step_times` (a steptimefeed.StepTimeRouter): the jobs' accepted step times, for the shards whose nodes
   run them, on the acks (service/steptimefeed.py); `shard_of(node)`: the shard that last forwarded an
-  event about the node, by which it routes. Memory only, bounded per shard, best effort.
+  event about the node, by which it routes. The coordinator has no other way to know a node's shard
+  (it holds no shard map, and the map places by leaf switch, which a job's placement does not name), so
+  the rows of a node not heard of yet are held, bounded in rows and age, and each batch's nodes are
+  handed to `step_times.placed` once applied, which releases them to the node's shard. Memory only,
+  bounded, best effort.
 - A shard that scores with a model other than the one expected (`expected_model_version`, or the first
   one seen) is counted and logged, not refused: during a rolling model update shards differ for a while.
 """
@@ -64,7 +68,7 @@ from foreshock.service.errors import FailedPrecondition, InvalidArgument
 from foreshock.service.fabricunits import FINDINGS, ForwardedFindings
 from foreshock.service.jobs import check_id, check_node, check_text
 from foreshock.service.nodes import FatalEvent, Topology
-from foreshock.service.steptimefeed import BUFFER_ROWS, StepTimeRouter
+from foreshock.service.steptimefeed import BUFFER_ROWS, HOLD_ROWS, HOLD_SECONDS, MAX_HOLD_SECONDS, StepTimeRouter
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,8 @@ class CoordinatorSettings:
     lock_poll_seconds: float = 0.5       # how often a standby tries the lock (and sees a stop)
     reconfirm_seconds: float = RECONFIRM_SECONDS   # a shard's new instance has this long to raise again
     step_time_buffer_rows: int = BUFFER_ROWS       # step_times rows waiting for each shard's next ack
+    step_time_hold_rows: int = HOLD_ROWS           # ... held for nodes whose shard is not known yet, in all,
+    step_time_hold_seconds: float = HOLD_SECONDS   # ... each at most this long (0: none held)
 
     def __post_init__(self):
         if not self.lease_file:
@@ -129,6 +135,14 @@ class CoordinatorSettings:
         if not (isinstance(self.step_time_buffer_rows, int) and 1024 <= self.step_time_buffer_rows <= 100_000_000):
             raise ValueError(f"coordinator step_time_buffer_rows {self.step_time_buffer_rows!r} must be an "
                              "integer in [1024, 100000000]")
+        if not (isinstance(self.step_time_hold_rows, int) and 1024 <= self.step_time_hold_rows <= 100_000_000):
+            raise ValueError(f"coordinator step_time_hold_rows {self.step_time_hold_rows!r} must be an "
+                             "integer in [1024, 100000000]")
+        # longer than MAX_HOLD_SECONDS, a held row would reach its shard's scorer late (steptimefeed.py)
+        if not (isinstance(self.step_time_hold_seconds, (int, float))
+                and 0 <= self.step_time_hold_seconds <= MAX_HOLD_SECONDS):
+            raise ValueError(f"coordinator step_time_hold_seconds {self.step_time_hold_seconds!r} must be in "
+                             f"[0, {MAX_HOLD_SECONDS:g}]")
 
 
 class LeaderLock:
@@ -377,7 +391,9 @@ class Coordinator:
         self.events_applied: dict[str, int] = {}
         self.events_duplicate: dict[str, int] = {}
         self.peer_totals = PeerTotalsBook()
-        self.step_times = StepTimeRouter(self.shard_of, buffer_rows=settings.step_time_buffer_rows)
+        self.step_times = StepTimeRouter(self.shard_of, buffer_rows=settings.step_time_buffer_rows,
+                                         hold_rows=settings.step_time_hold_rows,
+                                         hold_seconds=settings.step_time_hold_seconds)
         self._reconfirm: dict[str, _Reconfirm] = {}
         self.reconfirm_cleared = {"alarm": 0, "fabric_finding": 0}
 
@@ -470,6 +486,8 @@ class Coordinator:
                 pending.stored = True
             self._progress[shard] = (epoch, sequence, model_version)
             self.events_applied[shard] = self.events_applied.get(shard, 0) + len(fresh)
+            # after the commit, so that the ack of this batch carries the step times held for its nodes
+            self.step_times.placed(shard, changed)
             return sequence
 
     def _record(self, shard: str, epoch: int, sequence: int, model_version: str, changed: dict[str, _NodeState],

@@ -111,7 +111,12 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_coordinator_step_time_rows_total{shard,result}  accepted step_times rows for a shard's scorer: sent
                                                        on its acks | dropped (its buffer full: the shard down
                                                        or slow; service/steptimefeed.py)
-  foreshock_coordinator_step_time_rows_unrouted_total  rows of a job none of whose nodes a shard reported yet
+  foreshock_coordinator_step_time_rows_unrouted_total{reason}  rows of a job with a node of no known shard
+                                                       that never reached that node's shard: held past
+                                                       coordinator_step_time_hold_seconds (expired) or
+                                                       hold_rows (full)
+  foreshock_coordinator_step_time_rows_held            rows held for nodes whose shard is not known yet
+  foreshock_coordinator_step_time_rows_released_total{shard}  held rows released to a node's shard once known
   foreshock_coordinator_step_time_rows_waiting{shard}  rows waiting for the shard's next ack
   process_*, python_info, python_gc_*                  the process, as any Prometheus client (foreshock/exposition.py)
 
@@ -480,9 +485,21 @@ def _coordinator_families(c):
         rows.add_metric([shard, "sent"], r.sent_rows.get(shard, 0))
         rows.add_metric([shard, "dropped"], r.dropped_rows.get(shard, 0))
     yield rows
-    yield CounterMetricFamily("foreshock_coordinator_step_time_rows_unrouted", "Accepted step_times rows of a "
-                              "job none of whose nodes a shard has reported yet: sent to no scorer.",
-                              value=r.unrouted_rows)
+    unrouted = CounterMetricFamily("foreshock_coordinator_step_time_rows_unrouted", "Accepted step_times rows "
+                                   "of a job with a node no shard had reported that never reached that node's "
+                                   "shard: held past coordinator_step_time_hold_seconds (expired) or "
+                                   "coordinator_step_time_hold_rows (full).", labels=["reason"])
+    for reason, n in sorted(r.unrouted_rows.items()):
+        unrouted.add_metric([reason], n)
+    yield unrouted
+    yield GaugeMetricFamily("foreshock_coordinator_step_time_rows_held", "step_times rows held for nodes whose "
+                            "shard is not known yet, each report's once.", value=r.held())
+    released = CounterMetricFamily("foreshock_coordinator_step_time_rows_released", "Held step_times rows "
+                                   "released to a node's shard once it was known (then sent or dropped there).",
+                                   labels=["shard"])
+    for shard, n in sorted(r.released_rows.items()):
+        released.add_metric([shard], n)
+    yield released
     queued = GaugeMetricFamily("foreshock_coordinator_step_time_rows_waiting", "step_times rows waiting for "
                                "the shard's next ack.", labels=["shard"])
     for shard, n in sorted(waiting.items()):
