@@ -10,6 +10,9 @@
   predict, explain the riskiest 16), wall and CPU time, then the same parts timed apart, and prediction
   on 1 and 2 threads (`--threads`, LoadedModel.threads). Target: a scoring round under 50 ms at
   10,000 nodes. The load average is printed with the figures: the machine is shared.
+* with step times (`--steps-per-minute`, default 6; 0: none): judging a minute's rows alone, and
+  where they are judged (bench_step_time_judging): on the scorer's judging thread against its own
+  thread, the minute's rows in drains with pauses between, as the service takes them.
 * drains: the online ingest of one drain (40 nodes' sweeps, every node's) into a scorer that carries
   the last sample of every entity of a 2,048-node cluster (`--drain-nodes`; `--drains-only`).
 * offline: base signals + features of one 8-GPU/8-HCA node-day (synthetic rows), in node-days per second.
@@ -156,6 +159,7 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1, steps_per_m
     step0 += WARMUP_STEPS
     ingest_s, round_s, round_cpu, parts = [], [], [], []
     per_round = f", {n_nodes * 8 * steps_per_minute:,} step_times rows a round" if steps_per_minute else ""
+    waited = scorer.stats["step_times_round_waited"]
     print(f"online, {n_nodes} nodes (8 GPUs, 8 HCAs each{per_round}), {rounds} rounds, {_load()}:")
     for r in range(2 * rounds + 1):
         tables = cluster.tables(step0 + r)
@@ -187,6 +191,19 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1, steps_per_m
             parts.append((a1 - a0, a2 - a1, a3 - a2))
         ingest_s.append(t1 - t0)
     parts = np.array(parts)
+    if steps_per_minute:
+        # back to back here: the judging thread has only the rest of the ingest to run beside
+        # (bench_step_time_judging gives it the pauses between a service's drains)
+        whole = [ingest_s[r] + round_s[r // 2] for r in range(1, 2 * rounds + 1, 2)]
+        rows = tables["step_times"]
+        judge = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            stt.node_minutes(rows)
+            judge.append(time.perf_counter() - t0)
+        print(f"  step times: judging a minute's {rows.num_rows:,} rows alone {_med(judge):.0f} ms; ingest + "
+              f"scoring round a minute {_med(whole):.0f} ms; rounds that waited for the judging "
+              f"{scorer.stats['step_times_round_waited'] - waited} of {2 * rounds + 1}; {_load()}")
     print(f"  ingest per round (one step of {'+'.join(tables)} rows, {sum(t.num_rows for t in tables.values()):,} "
           f"rows, reduced to per-step signals as they arrive): median {_med(ingest_s):.0f} ms")
     print(f"  scoring round (score(): close the step, features, predict, explain top 16): median "
@@ -226,6 +243,57 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1, steps_per_m
         t2 = time.perf_counter()
     print(f"  scorer checkpoint of {n_nodes} nodes: {size / 1e6:.1f} MB, written (with fsync) in "
           f"{1000 * (t1 - t0):.0f} ms, restored in {1000 * (t2 - t1):.0f} ms; {_load()}")
+    scorer.close()
+
+
+def bench_step_time_judging(n_nodes: int, model, steps_per_minute: int, minutes: int = 10, drains: int = 10,
+                            pause_s: float = 0.05, warmup: int = 6) -> None:
+    """Where the step times are judged: on the scorer's judging thread (the default) against its own
+    thread (step_time_thread=False), two scorers fed the same rows in turn, in the same process and
+    under the same load. Each minute's tables come in `drains` parts (slices of their rows), with
+    `pause_s` between (the service drains once a second and scores once a minute: the judging thread
+    runs in those pauses); then the round. Per minute: the scorer thread's time (ingest + round), its
+    longest drain, and the process's CPU time."""
+    nodes = [f"node-{i:05d}" for i in range(n_nodes)]
+    cluster = _Cluster(nodes, np.random.default_rng(0), steps_per_minute=steps_per_minute)
+    inventory = synthetic.inventory(nodes, leaf_of=lambda i: f"leaf-{i // 32}", job_of=lambda i: f"job-{i // JOB_NODES}")
+    scorers = {}
+    for threaded in (True, False):
+        scorers[threaded] = online.OnlineScorer(model, max_nodes=n_nodes, max_pending_rows=10 * 20 * n_nodes,
+                                                step_time_thread=threaded)
+        scorers[threaded].set_inventory(inventory)
+    figures: dict[bool, list] = {True: [], False: []}
+    step0 = 29_666_000
+    for r in range(warmup + minutes):
+        tables = cluster.tables(step0 + r)
+        parts = [[(name, t.slice(i * t.num_rows // drains, (i + 1) * t.num_rows // drains - i * t.num_rows // drains))
+                  for name, t in tables.items()] for i in range(drains)]
+        for threaded in ((True, False) if r % 2 else (False, True)):
+            scorer = scorers[threaded]
+            longest, ingest_s = 0.0, 0.0
+            c0 = time.process_time()
+            for part in parts:
+                t0 = time.perf_counter()
+                for name, t in part:
+                    scorer.ingest(name, t)
+                took = time.perf_counter() - t0
+                ingest_s, longest = ingest_s + took, max(longest, took)
+                time.sleep(pause_s)
+            t0 = time.perf_counter()
+            scorer.score((step0 + r + 1) * STEP_NS + 6 * 10**9)
+            round_s = time.perf_counter() - t0
+            if r >= warmup:
+                figures[threaded].append((ingest_s + round_s, longest, round_s, time.process_time() - c0))
+    print(f"step-time judging, {n_nodes} nodes, {n_nodes * 8 * steps_per_minute:,} step_times rows a minute in "
+          f"{drains} drains {1000 * pause_s:.0f} ms apart, {minutes} minutes each way, in turn; {_load()}:")
+    for threaded, label in ((True, "on the judging thread"), (False, "on the scorer's thread")):
+        f = np.array(figures[threaded])
+        print(f"  {label}: ingest + round a minute median {_med(f[:, 0]):.0f} ms, the longest drain median "
+              f"{_med(f[:, 1]):.0f} ms (worst {1000 * f[:, 1].max():.0f}), round {_med(f[:, 2]):.0f} ms, process CPU "
+              f"{_med(f[:, 3]):.0f} ms; rounds that waited for the judging "
+              f"{scorers[threaded].stats['step_times_round_waited']}")
+        scorers[threaded].close()
+    print(f"  {_load()}")
 
 
 def bench_drains(n_nodes: int, model, sizes=(40, 2048), repeats: int = 7) -> None:
@@ -349,6 +417,8 @@ def main(argv: list[str]) -> int:
         bench_drains(args.drain_nodes, model)
         return 0
     bench_online(args.nodes, args.rounds, model, args.threads, args.steps_per_minute)
+    if args.steps_per_minute:
+        bench_step_time_judging(args.nodes, model, args.steps_per_minute, minutes=2 * args.rounds)
     bench_drains(args.drain_nodes, model)
     bench_offline()
     exe = [sys.executable, "-m", "foreshock.cli"]

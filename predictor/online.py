@@ -27,9 +27,14 @@ ones exactly.
 
 Step times (`ingest("step_times", rows)`: schema-v1 `step_times` rows, which the service hands over as
 its Jobs API accepts them, service/steptimes.py) wait by the step they ended in until the step after it
-closes (steptimes.OPEN_STEPS); the next ingest judges them into the job-relative step-time signal
-(predictor/steptimes.py) of every node they name, off the scoring round, and when step s closes, the
-signal of step s - steptimes.LAG_STEPS is its features', exactly as offline. Rows of a step no longer
+closes (steptimes.OPEN_STEPS); the next ingest hands them to the scorer's judging thread, which judges
+them into the job-relative step-time signal (predictor/steptimes.py) of every node they name while the
+scorer goes on, and when step s closes, the signal of step s - steptimes.LAG_STEPS is its features',
+exactly as offline: the round takes the judgement, waiting for it if it is still running
+(`stats["step_times_round_waited"]`), and an error in it is raised by the ingest or round that takes
+it. One thread, one judgement at a time, started at the first; `close()` ends it, called by the
+scorer's owner (the service as it stops, or the scoring worker process as it ends: service/server.py,
+service/worker.py, through PredictorScorer.close). Rows of a step no longer
 taken are dropped and counted (`stats["late_step_times"]`), as are rows further ahead of the scorer's
 steps than it catches up at once (`"step_times_ahead"`: their ends are the ranks' wall clock, the
 scorer's steps may run on another), rows of nodes the scorer has no telemetry or topology of
@@ -46,6 +51,7 @@ get an empty signal list.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -85,13 +91,16 @@ class OnlineScorer:
     def __init__(self, model, *, max_nodes: int = 50_000, max_pending_rows: int = 5_000_000,
                  grace_seconds: float = 5.0, explain_top: int = 16, signals_per_node: int = 3,
                  max_catchup_steps: int = 6 * 60, clock=time.time, kernel: bool = True,
-                 share_totals: bool = False, remote_lag_steps: int = 1):
+                 share_totals: bool = False, remote_lag_steps: int = 1, step_time_thread: bool = True):
         """model: a registry.LoadedModel (or anything with probability(X) and a manifest dict).
         kernel: each round's features and peer totals in the compiled kernels (predictor/kernels.py)
         where numba is importable; False: in numpy, the written reference (the same values).
         share_totals: keep each closed step's job and site totals for take_local_totals (a shard);
         remote_lag_steps: how many steps older than the step closing the other shards' totals may be
-        (0 .. REMOTE_KEEP_STEPS - 1; see the module docstring)."""
+        (0 .. REMOTE_KEEP_STEPS - 1; see the module docstring).
+        step_time_thread: judge a closed step's step times on a thread of the scorer's own, beside its
+        ingests (module docstring; close() ends it); False: on the calling thread, at the next ingest
+        (the same values)."""
         self.model = model
         self.kernel = bool(kernel)
         manifest = getattr(model, "manifest", {}) or {}
@@ -124,6 +133,11 @@ class OnlineScorer:
         self._step_rows: dict[int, list[pa.Table]] = {}   # step -> step_times rows that ended in it
         self._step_rows_n = 0
         self._step_judged: dict[int, stt.NodeMinutes] = {}   # step -> its rows judged, waiting to be read
+        # One judgement at a time beside the scorer's thread, (step, future): its rows, one step's, are
+        # the only ones outside the pending bound. The thread starts at the first judgement.
+        self._judging: tuple[int, concurrent.futures.Future] | None = None
+        self._judge_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._threaded = bool(step_time_thread)
         self._nodes: list[str] = []
         self._index: dict[str, int] = {}
         self._state = ft.FeatureState.empty(0)
@@ -232,20 +246,62 @@ class OnlineScorer:
 
     def _judge_step_times(self) -> None:
         """Judge the rows of every step no more rows are taken for (stt.OPEN_STEPS), off the scoring
-        round: the round only reads the result (stt.LAG_STEPS)."""
+        round: on the judging thread, whose result the round that reads it (stt.LAG_STEPS) takes, waiting
+        if it is still running. A judgement that has finished is taken here first, so that an error in it
+        is raised by an ingest, as one in a judgement on the calling thread is."""
+        if self._judging is not None and self._judging[1].done():
+            self._take_judgement()
         if self._next_step is None or not self._step_rows:
             return
-        for step in [s for s in self._step_rows if s < self._next_step - stt.OPEN_STEPS]:
-            self._step_judged[step] = self._judge(step)
+        for step in sorted(s for s in self._step_rows if s < self._next_step - stt.OPEN_STEPS):
+            if self._judging is not None:
+                self._take_judgement()   # one at a time (a round that closed several steps at once)
+            parts = self._take_rows(step)
+            if self._threaded:
+                if self._judge_pool is None:
+                    self._judge_pool = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="foreshock-step-times")
+                self._judging = (step, self._judge_pool.submit(_judge_rows, parts))
+            else:
+                self._step_judged[step] = self._count_skipped(*_judge_rows(parts))
+
+    def _take_judgement(self) -> None:
+        """The judgement under way, waited for: its result kept for the round, its error raised."""
+        step, future = self._judging
+        self._judging = None
+        self._step_judged[step] = self._count_skipped(*future.result())
 
     def _judge(self, step: int) -> stt.NodeMinutes:
+        return self._count_skipped(*_judge_rows(self._take_rows(step)))
+
+    def _take_rows(self, step: int) -> list[pa.Table]:
         parts = self._step_rows.pop(step)
         self._step_rows_n -= sum(p.num_rows for p in parts)
-        skipped = collections.Counter()
-        got = stt.node_minutes(pa.concat_tables(parts) if len(parts) > 1 else parts[0], skipped)
+        return parts
+
+    def _count_skipped(self, got: stt.NodeMinutes, skipped: collections.Counter) -> stt.NodeMinutes:
         for reason, n in skipped.items():
             self.stats[f"step_times_{reason}"] += n
         return got
+
+    def close(self) -> None:
+        """End the step-time judging thread, after the judgement under way (an error in it is logged:
+        nothing reads it any more). The scorer may still be used: it then judges on the calling thread."""
+        self._threaded = False
+        if self._judging is not None:
+            try:
+                self._take_judgement()
+            except Exception:   # noqa: BLE001 - the owner is stopping; the error must not stop it
+                log.exception("online scorer: judging step times failed")
+        if self._judge_pool is not None:
+            self._judge_pool.shutdown(wait=True)
+            self._judge_pool = None
+
+    def __enter__(self) -> "OnlineScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _step_time_values(self, steps: np.ndarray) -> np.ndarray:
         """[N, T, len(stt.SIGNALS)]: every node's step-time signal at the closing steps, from the rows
@@ -348,6 +404,12 @@ class OnlineScorer:
             self._next_step = min(firsts)
         if close <= self._next_step:
             return 0
+        if self._judging is not None:
+            # a step the closing steps read, or an older one; taken before anything changes, so that
+            # its error leaves the scorer as it was
+            if not self._judging[1].done():
+                self.stats["step_times_round_waited"] += 1
+            self._take_judgement()
         if close - self._next_step > self.max_catchup_steps:
             skipped = close - self.max_catchup_steps - self._next_step
             self.stats["skipped_steps"] += int(skipped)
@@ -606,7 +668,9 @@ class OnlineScorer:
     def save_state(self, path) -> int:
         """Write what a restarted scorer needs to carry on (see restore_state) to `path`, atomically
         (a temporary file beside it, fsync, rename). An .npz of plain arrays plus a JSON header: no
-        pickle. Returns the bytes written."""
+        pickle. Returns the bytes written. A step-time judgement under way is not waited for: the
+        checkpoint carries no step-time rows or judgements (they start over at a restore, as the
+        30-minute windows do), and the judging thread writes nothing of the scorer's."""
         import json
         import os
         from pathlib import Path
@@ -716,6 +780,13 @@ LEFT_OUT: tuple[str, ...] = ("not_newer_rows", "late_rows", "dropped_pending_row
                              "late_step_times",
                              "step_times_ahead", "step_times_unknown_node",
                              *(f"step_times_{r}" for r in stt.SKIP_REASONS), *sg.MALFORMED)
+
+
+def _judge_rows(parts: list[pa.Table]) -> tuple[stt.NodeMinutes, collections.Counter]:
+    """One step's step_times rows judged (steptimes.node_minutes), and the rows skipped by reason. Reads
+    nothing of the scorer's: it runs on the judging thread."""
+    skipped = collections.Counter()
+    return stt.node_minutes(pa.concat_tables(parts) if len(parts) > 1 else parts[0], skipped), skipped
 
 
 def _trim(by_step: dict) -> None:

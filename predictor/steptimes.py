@@ -23,10 +23,10 @@ Step times come in after their steps end (the migrator reports every few seconds
 step's rows are taken until the step OPEN_STEPS after it closes, and rows that come later still are
 dropped and counted (late), as late telemetry rows are. The signal of feature step s is that of step
 s - LAG_STEPS, offline and online alike, one step more than OPEN_STEPS: online, a step's rows, complete
-once the step after it has closed, are judged between that close and the next, on the scorer's next
-ingest, and the scoring round only reads the result. A minute of a 10,000-node cluster's step times is
-half a million rows, and judging them takes longer than the whole round may
-(benchmarks/results/predictor-steptimes-2026-12-05.md).
+once the step after it has closed, are judged between that close and the next, on the scorer's judging
+thread from its next ingest on, and the scoring round only takes the result. A minute of a 10,000-node
+cluster's step times is half a million rows, and judging them takes longer than the whole round may
+(benchmarks/results/predictor-steptimes-2026-12-06.md).
 
 Rows that cannot be judged are skipped and counted by reason (`SKIP_REASONS`), never an error: no node,
 no job, a duration not finite or not positive, a compute part negative, not finite or longer than the
@@ -96,7 +96,7 @@ def _order(major: list[np.ndarray], minor: list[np.ndarray]) -> np.ndarray:
     (stable: equal rows keep their order). The integer `major` keys are packed into one int64, each
     offset by its minimum, when the product of their ranges fits, so one sort does the work of
     len(major); the `minor` keys are sorted on only where the packed key repeats. A minute of a
-    10,000-node cluster's step times is half a million rows, judged in the scoring round."""
+    10,000-node cluster's step times is half a million rows, judged every minute."""
     n = len(major[0])
     spans = [int(k.max()) - int(k.min()) + 1 if n else 1 for k in major]
     if n == 0 or np.prod([float(r) for r in spans]) >= 2.0 ** 62:
@@ -175,13 +175,17 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
     c_node, c_min, c_run, c_rank, c_ratio, c_slow = (np.concatenate([c[k] for c in cells]) for k in range(6))
 
     # per (node, feature step, job run, rank): the median of the rank's ratios; per (node, feature step):
-    # the largest of those, and the slow and judged counts
-    o = _order([c_node, c_min, c_run, c_rank], [c_ratio])
+    # the largest of those, and the slow and judged counts. The cells are grouped by their integer keys
+    # alone, and each group's few ratios sorted apart (_group_medians): sorting every cell on the ratio
+    # too is a lexsort (the packed key repeats in every group), a third of the judging's time.
+    o = _order([c_node, c_min, c_run, c_rank], [])
     c_node, c_min, c_run, c_rank, c_ratio, c_slow = (a[o] for a in (c_node, c_min, c_run, c_rank, c_ratio, c_slow))
-    grp = np.stack([c_node, c_min, c_run, c_rank], axis=1)
-    start = np.flatnonzero(np.concatenate([[True], np.any(grp[1:] != grp[:-1], axis=1)]))
+    new_group = np.ones(len(o), dtype=bool)
+    new_group[1:] = (c_node[1:] != c_node[:-1]) | (c_min[1:] != c_min[:-1]) | (c_run[1:] != c_run[:-1]) \
+        | (c_rank[1:] != c_rank[:-1])
+    start = np.flatnonzero(new_group)
     n = np.diff(np.append(start, len(c_ratio)))
-    rank_ratio = (c_ratio[start + (n - 1) // 2] + c_ratio[start + n // 2]) / 2.0
+    rank_ratio = _group_medians(c_ratio, start, n)
     r_node, r_min = c_node[start], c_min[start]
     nm = np.stack([r_node, r_min], axis=1)
     nstart = np.flatnonzero(np.concatenate([[True], np.any(nm[1:] != nm[:-1], axis=1)]))
@@ -191,6 +195,23 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
     judged = np.add.reduceat(n.astype(np.float64), nstart)
     names = np.array(node_names, dtype=object)[r_node[nstart]]
     return NodeMinutes(names, r_min[nstart].astype(np.int64), np.stack([worst, slow, judged], axis=1))
+
+
+def _group_medians(values: np.ndarray, start: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The median of each group of `values` (the n[i] values from start[i]; every n >= 1): the middle
+    value of the group sorted, the mean of the middle two of an even count. The groups of one size are
+    sorted together, as the rows of one matrix, so the cost is that of the values, not of the groups."""
+    out = np.empty(len(start))
+    if not len(start):
+        return out
+    by_size = np.argsort(n, kind="stable")
+    sizes = n[by_size]
+    cut = np.flatnonzero(np.concatenate([[True], sizes[1:] != sizes[:-1], [True]]))
+    for a, b in zip(cut[:-1].tolist(), cut[1:].tolist()):
+        size, which = int(sizes[a]), by_size[a:b]
+        block = np.sort(values[start[which, None] + np.arange(size)], axis=1)
+        out[which] = (block[:, (size - 1) // 2] + block[:, size // 2]) / 2.0
+    return out
 
 
 def _judge_run(run: int, key: np.ndarray, rows: np.ndarray, node: np.ndarray, total: np.ndarray,

@@ -57,6 +57,10 @@ class Scorer(Protocol):
         """The evacuation threshold for `budget` false evacuations per 1,000 node-days (None: the
         model's recommended one); None when the model names none."""
 
+    def close(self) -> None:
+        """End what the scorer runs beside its caller (the online scorer's judging thread); called once
+        by its owner, after the last round and checkpoint."""
+
 
 class NullScorer:
     """No model: telemetry is validated and counted, nothing is scored (the service says so at start)."""
@@ -75,6 +79,9 @@ class NullScorer:
 
     def threshold(self, budget: float | None) -> float | None:
         return None
+
+    def close(self) -> None:
+        pass
 
 
 class PredictorScorer:
@@ -158,6 +165,10 @@ class PredictorScorer:
     def left_out(self) -> dict[str, int]:
         """Rows the scorer took in and left out of the features, by reason (online.OnlineScorer.left_out)."""
         return self._online.left_out()
+
+    def close(self) -> None:
+        """The online scorer's judging thread ends (online.OnlineScorer.close)."""
+        self._online.close()
 
     # -- checkpoint (the owner calls these: the scoring worker, or the service when it scores itself) --
     def restore_state(self, path: str | Path) -> str | None:

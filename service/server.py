@@ -209,6 +209,7 @@ class ControlPlane:
         self.state_dir = Path(s.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.scorer = self._scorer(s)
+        self._owns_scorer = s.scorer is None   # one given in the settings is its giver's to close
         threshold = s.threshold
         if threshold is None:
             threshold = self.scorer.threshold(s.false_evacuation_budget)
@@ -783,6 +784,8 @@ class ControlPlane:
             self.actions.stop()
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
+        if self._owns_scorer:
+            self.scorer.close()
         self.save_sequences(self.clock())
         self._stop_http()
         self.decisions.close()

@@ -137,83 +137,86 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
     decoders: dict = {}   # kept from drain to drain: validation.check_round's
     restored = scorer.restore_state(state_path) if state_path else None
     conn.send_bytes(pickle.dumps(("ready", scorer.model_version, restored)))
-    # Rows of the still-open step that came with a scoring request: held back until the answer is
-    # sent (the step that closes does not need them) and taken first at the next request.
-    held: list[tuple[str, pa.Table]] = []
-    while True:
-        try:
-            msg = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        kind, req, *n_blobs = pickle.loads(msg)
-        if kind == "stop":
-            if state_path:
-                for name, data in held:   # rows of the open step, taken so that the checkpoint has them
-                    try:
-                        scorer.ingest(name, data)
-                    except Exception:   # noqa: BLE001 - logged; the checkpoint goes on without them
-                        log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
-                scorer.checkpoint(state_path, checkpoint_seconds, force=True)
-            return
-        try:
-            blobs = [conn.recv_bytes() for _ in range(n_blobs[0] if n_blobs else 0)]
-        except (EOFError, OSError):
-            return
-        req["raw"] = [(name, head, blobs[k], idx, lengths) for name, head, k, idx, lengths in req["raw"]]
-        t0 = time.perf_counter()
-        now_ns = req["now_ns"]
-        batches = _unpack(req)
-        # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
-        checked_ns = time.time_ns()
-        checked = validation.check_round(batches, checked_ns, value_limits, decoders) if batches \
-            else validation.CheckedRound()
-        tables = checked.tables
-        # Drains carry no events or topology (the rounds check those in the service process): of what
-        # the service must act on, only a lost GPU and the fabric's services' states can be in them.
-        lost = lost_gpus(tables["gpu"], checked_ns) if "gpu" in tables else []
-        # The fabric's services' states, for the service process's judge (service/fabricunits.py).
-        units = unit_rows(tables["systemd_unit"]) if "systemd_unit" in tables else []
-        for name, buf in req.get("validated", []):
-            t = _decode(buf)
-            if name in tables:
-                tables[name] = pa.concat_tables([tables[name], t.cast(tables[name].schema)])
+    try:
+        # Rows of the still-open step that came with a scoring request: held back until the answer is
+        # sent (the step that closes does not need them) and taken first at the next request.
+        held: list[tuple[str, pa.Table]] = []
+        while True:
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            kind, req, *n_blobs = pickle.loads(msg)
+            if kind == "stop":
+                if state_path:
+                    for name, data in held:   # rows of the open step, taken so that the checkpoint has them
+                        try:
+                            scorer.ingest(name, data)
+                        except Exception:   # noqa: BLE001 - logged; the checkpoint goes on without them
+                            log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
+                    scorer.checkpoint(state_path, checkpoint_seconds, force=True)
+                return
+            try:
+                blobs = [conn.recv_bytes() for _ in range(n_blobs[0] if n_blobs else 0)]
+            except (EOFError, OSError):
+                return
+            req["raw"] = [(name, head, blobs[k], idx, lengths) for name, head, k, idx, lengths in req["raw"]]
+            t0 = time.perf_counter()
+            now_ns = req["now_ns"]
+            batches = _unpack(req)
+            # The value checks use the wall clock, as the service process's do (timestamps are the nodes' clocks).
+            checked_ns = time.time_ns()
+            checked = validation.check_round(batches, checked_ns, value_limits, decoders) if batches \
+                else validation.CheckedRound()
+            tables = checked.tables
+            # Drains carry no events or topology (the rounds check those in the service process): of what
+            # the service must act on, only a lost GPU and the fabric's services' states can be in them.
+            lost = lost_gpus(tables["gpu"], checked_ns) if "gpu" in tables else []
+            # The fabric's services' states, for the service process's judge (service/fabricunits.py).
+            units = unit_rows(tables["systemd_unit"]) if "systemd_unit" in tables else []
+            for name, buf in req.get("validated", []):
+                t = _decode(buf)
+                if name in tables:
+                    tables[name] = pa.concat_tables([tables[name], t.cast(tables[name].schema)])
+                else:
+                    tables[name] = t
+            ingest_errors = 0
+            if req.get("peer_totals"):
+                scorer.set_peer_totals(req["peer_totals"])
+            now_tables = list(tables.items())
+            close_ns = req.get("close_ns")
+            if req.get("score"):
+                now_tables, later = StepSchedule.rows_now(now_tables, close_ns)
             else:
-                tables[name] = t
-        ingest_errors = 0
-        if req.get("peer_totals"):
-            scorer.set_peer_totals(req["peer_totals"])
-        now_tables = list(tables.items())
-        close_ns = req.get("close_ns")
-        if req.get("score"):
-            now_tables, later = StepSchedule.rows_now(now_tables, close_ns)
-        else:
-            later = []
-        for name, data in held + now_tables:
-            try:
-                scorer.ingest(name, data)
-            except Exception:
-                ingest_errors += 1
-                log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
-        held = later
-        score = None
-        score_error = ""
-        if req.get("score"):
-            try:
-                r = scorer.score(now_ns, close_ns)
-                score = (r.nodes, r.probability, r.signals, r.fresh, r.totals)
-            except Exception as exc:
-                score_error = f"{type(exc).__name__}: {exc}"
-                log.exception("scoring round failed")
-        # Each batch's verdicts together, in the order they were found, as its stream will hear them.
-        verdicts = [tuple(v) for v in sorted(checked.verdicts, key=lambda v: v.part)]
-        conn.send_bytes(pickle.dumps(("done", {
-            "verdicts": verdicts, "rejected": dict(collections.Counter(v[2] for v in verdicts)),
-            "rows": dict(checked.rows), "lost": lost, "units": units, "score": score, "score_error": score_error,
-            "ingest_errors": ingest_errors, "peer_stats": scorer.peer_stats() if share_totals else None,
-            "left_out": scorer.left_out(),
-            "seconds": time.perf_counter() - t0})))
-        if state_path and req.get("score"):
-            scorer.checkpoint(state_path, checkpoint_seconds)
+                later = []
+            for name, data in held + now_tables:
+                try:
+                    scorer.ingest(name, data)
+                except Exception:
+                    ingest_errors += 1
+                    log.exception("scorer could not ingest %d rows of %s", data.num_rows, name)
+            held = later
+            score = None
+            score_error = ""
+            if req.get("score"):
+                try:
+                    r = scorer.score(now_ns, close_ns)
+                    score = (r.nodes, r.probability, r.signals, r.fresh, r.totals)
+                except Exception as exc:
+                    score_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("scoring round failed")
+            # Each batch's verdicts together, in the order they were found, as its stream will hear them.
+            verdicts = [tuple(v) for v in sorted(checked.verdicts, key=lambda v: v.part)]
+            conn.send_bytes(pickle.dumps(("done", {
+                "verdicts": verdicts, "rejected": dict(collections.Counter(v[2] for v in verdicts)),
+                "rows": dict(checked.rows), "lost": lost, "units": units, "score": score, "score_error": score_error,
+                "ingest_errors": ingest_errors, "peer_stats": scorer.peer_stats() if share_totals else None,
+                "left_out": scorer.left_out(),
+                "seconds": time.perf_counter() - t0})))
+            if state_path and req.get("score"):
+                scorer.checkpoint(state_path, checkpoint_seconds)
+    finally:
+        scorer.close()   # a judgement under way ends, an error in it logged, before the process does
 
 
 class ScoringWorker:

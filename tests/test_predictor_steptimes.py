@@ -3,6 +3,7 @@ against its job's median by the service's comparison (foreshock/stepcompare.py),
 
 from __future__ import annotations
 
+import collections
 from collections import Counter
 
 import numpy as np
@@ -208,3 +209,256 @@ def test_the_packed_order_is_lexsorts_with_repeats_negative_keys_and_ranges_too_
     wide = [rng.integers(0, 2**40, 100), rng.integers(0, 3, 100), rng.integers(0, 2**40, 100)]   # lexsort's path
     minor = [rng.integers(0, 2, 100).astype(float)]
     assert np.array_equal(stt._order(wide, minor), np.lexsort(tuple(reversed(wide + minor))))
+
+
+def _random_samples(rng) -> list[dict]:
+    """step_times rows of a few jobs and placement generations: ranks that miss steps, ranks that run
+    on another node for a step, steps whose ranks end in two minutes, unmeasured compute parts, ties."""
+    out = []
+    for job in range(int(rng.integers(1, 4))):
+        for gen in range(int(rng.integers(1, 3))):
+            width = int(rng.integers(2, 10))
+            home = rng.integers(0, 6, width)
+            slow = rng.random(width) < 0.2
+            for step in range(int(rng.integers(1, 30))):
+                end = M0 * STEP_NS + int(step * rng.uniform(4, 12) * 1e9)
+                for rank in range(width):
+                    if rng.random() < 0.15:
+                        continue
+                    node = home[rank] if rng.random() > 0.1 else rng.integers(0, 6)
+                    total = 2.0 if rng.random() < 0.3 else float(rng.uniform(1.0, 2.0))
+                    part = 0.5 if rng.random() < 0.3 else float(rng.uniform(0.4, 0.6))
+                    compute = None if rng.random() < 0.05 else total * part * (1.5 if slow[rank] else 1.0)
+                    out.append({"ts": pd.Timestamp(end + int(rng.integers(0, 3_000_000_000)), tz="UTC"),
+                                "node": f"n{node}", "job": f"j{job}", "generation": gen, "rank": rank, "step": step,
+                                "step_seconds": total, "compute_seconds": compute})
+    return out
+
+
+def _plainly(samples: list[dict]) -> dict:
+    """node_minutes written plainly: each training step's part in a minute judged by stepcompare over
+    the ranks that reported it, a rank's median over its steps in the minute from a sorted list, per
+    node and minute the largest median and the sums."""
+    ranks = collections.defaultdict(set)
+    steps = collections.defaultdict(list)
+    for r in samples:
+        minute = r["ts"].value // STEP_NS
+        ranks[(r["job"], r["generation"], minute)].add(r["rank"])
+        steps[(r["job"], r["generation"], minute, r["step"])].append(r)
+    ratios, slow = collections.defaultdict(list), Counter()
+    for (job, gen, minute, _), rows in steps.items():
+        got = stepcompare.compare(np.array([[r["step_seconds"] for r in rows]]),
+                                  np.array([[np.nan if r["compute_seconds"] is None else r["compute_seconds"]
+                                             for r in rows]]), len(ranks[(job, gen, minute)]))
+        if got.judged[0]:
+            for k, r in enumerate(rows):
+                key = (r["node"], minute, job, gen, r["rank"])
+                ratios[key].append(float(got.ratio[0, k]))
+                slow[key] += int(got.slow[0, k])
+    out = {}
+    for key, values in ratios.items():
+        s = sorted(values)
+        median = (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2.0
+        worst, n_slow, judged = out.get(key[:2], (-np.inf, 0.0, 0.0))
+        out[key[:2]] = (max(worst, median), n_slow + slow[key], judged + len(values))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [stt.CHUNK_CELLS, 8], ids=["whole", "minutes cut into chunks"])
+def test_node_minutes_is_the_plain_per_step_judgement_bit_for_bit(monkeypatch, chunk):
+    monkeypatch.setattr(stt, "CHUNK_CELLS", chunk)
+    rng = np.random.default_rng(11)
+    seen_slow = 0
+    for _ in range(25):
+        samples = _random_samples(rng)
+        got = stt.node_minutes(sch.to_table("step_times", samples))
+        mine = {(n, s): tuple(v) for n, s, v in zip(got.node.tolist(), got.step.tolist(), got.values.tolist())}
+        assert mine == _plainly(samples)
+        seen_slow += int(got.values[:, 1].sum())
+    assert seen_slow > 0
+
+
+def test_group_medians_are_each_groups_sorted_middle():
+    rng = np.random.default_rng(3)
+    n = rng.integers(1, 40, 300)
+    values = rng.choice([0.5, 1.0, 1.25, 2.0], int(n.sum())) * rng.choice([1.0, rng.uniform(0.9, 1.1)], int(n.sum()))
+    start = np.concatenate([[0], np.cumsum(n)[:-1]])
+    got = stt._group_medians(values, start, n)
+    for i, (a, k) in enumerate(zip(start.tolist(), n.tolist())):
+        s = sorted(values[a:a + k].tolist())
+        assert got[i] == (s[(k - 1) // 2] + s[k // 2]) / 2.0
+
+
+class _Minutes:
+    """Four nodes' telemetry, a sample a minute, and a job on them with node n2 half again as slow in
+    the minute after the first (the scorer's setting in the tests above)."""
+
+    def __init__(self, tmp_path, tiny_model_dir):
+        from foreshock.predictor import registry, synthetic
+
+        self.model = registry.load_model(tiny_model_dir(tmp_path / "m"))
+        self.tables = {n: synthetic.node_tables(n, 8, seed=i) for i, n in enumerate(NODES)}
+        self.first = synthetic.T0_NS // STEP_NS
+        self.slow = _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=self.first + 1)
+
+    def scorer(self, **kw):
+        from foreshock.predictor import online
+
+        return online.OnlineScorer(self.model, explain_top=0, **kw)
+
+    def ingest(self, scorer, k: int) -> None:
+        for n in NODES:
+            for name, t in self.tables[n].items():
+                scorer.ingest(name, t.slice(k, 1))
+        if k == 1:
+            scorer.ingest("step_times", self.slow)
+
+    def score(self, scorer, k: int):
+        return scorer.score((self.first + k + 1) * STEP_NS + 6_000_000_000)
+
+
+VS_JOB = ft.FEATURE_NAMES.index("steptime_vs_job_5m")
+
+
+def test_the_judging_thread_gives_the_values_of_judging_on_the_scorers_thread(tmp_path, tiny_model_dir, monkeypatch):
+    import threading
+
+    m = _Minutes(tmp_path, tiny_model_dir)
+    judged_on = []
+    real = stt.node_minutes
+
+    def recorded(rows, skipped=None):
+        judged_on.append(threading.current_thread().name)
+        return real(rows, skipped)
+
+    monkeypatch.setattr(stt, "node_minutes", recorded)
+    threaded, inline = m.scorer(), m.scorer(step_time_thread=False)
+    for k in range(6):
+        for scorer in (threaded, inline):
+            m.ingest(scorer, k)
+            if k == 2:   # a second minute's rows, of another job
+                scorer.ingest("step_times", _rows(_job([1.0, 1.3, 1.0, 1.0], job="k"), minute=m.first + 2))
+            m.score(scorer, k)
+        for n in NODES:
+            assert threaded.features_of(n).tobytes() == inline.features_of(n).tobytes()
+    assert threaded.features_of("n2")[VS_JOB] == np.float32(1.5)
+    assert threaded.features_of("n1")[VS_JOB] == np.float32(1.3)
+    assert judged_on[0::2] == ["foreshock-step-times_0"] * 2 and judged_on[1::2] == ["MainThread"] * 2
+    threaded.close()
+
+
+def test_the_round_that_reads_a_judgement_still_running_waits_for_it_and_says_so(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch):
+    import threading
+
+    from support import wait_until
+
+    m = _Minutes(tmp_path, tiny_model_dir)
+    release = threading.Event()
+    real = stt.node_minutes
+    monkeypatch.setattr(stt, "node_minutes", lambda rows, skipped=None: (release.wait(60), real(rows, skipped))[1])
+    with m.scorer() as scorer:
+        for k in range(3):
+            m.ingest(scorer, k)
+            m.score(scorer, k)
+        m.ingest(scorer, 3)                  # the first ingest after step first+2 closed starts the judgement
+        done = []
+        round_ = threading.Thread(target=lambda: done.append(m.score(scorer, 3)))
+        round_.start()
+        assert wait_until(lambda: scorer.stats["step_times_round_waited"] == 1)
+        assert round_.is_alive() and not done         # held until the judgement ends
+        release.set()
+        round_.join(60)
+        assert done and scorer.features_of("n2")[VS_JOB] == np.float32(1.5)
+        assert scorer.stats["step_times_judged_in_round"] == 0
+
+
+def test_an_error_in_the_judging_thread_is_raised_by_the_next_ingest_or_round_and_the_scorer_goes_on(
+        tmp_path, tiny_model_dir, monkeypatch):
+    import concurrent.futures
+    import threading
+
+    m = _Minutes(tmp_path, tiny_model_dir)
+    release = threading.Event()
+
+    def broken(rows, skipped=None):
+        release.wait(60)   # until the minute's ingest is over: its later batches would take the error
+        raise RuntimeError("judging broke")
+
+    monkeypatch.setattr(stt, "node_minutes", broken)
+    for via in ("ingest", "round"):
+        release.clear()
+        scorer = m.scorer()
+        for k in range(3):
+            m.ingest(scorer, k)
+            m.score(scorer, k)
+        m.ingest(scorer, 3)
+        assert scorer._judging is not None
+        release.set()
+        if via == "ingest":
+            concurrent.futures.wait([scorer._judging[1]])
+            with pytest.raises(RuntimeError, match="judging broke"):
+                m.ingest(scorer, 3)      # not taken: the same rows again next
+            m.ingest(scorer, 3)
+        else:
+            with pytest.raises(RuntimeError, match="judging broke"):
+                m.score(scorer, 3)
+            assert scorer._last_step == m.first + 2          # nothing of the round was done
+        m.score(scorer, 3)
+        assert scorer._last_step == m.first + 3
+        assert np.isnan(scorer.features_of("n2")[VS_JOB])   # the minute's rows went with the error
+        scorer.close()
+
+
+def test_closing_the_scorer_ends_its_judging_thread_and_it_judges_on_the_callers_after(tmp_path, tiny_model_dir):
+    m = _Minutes(tmp_path, tiny_model_dir)
+    scorer = m.scorer()
+    for k in range(4):
+        m.ingest(scorer, k)
+        if k == 3:
+            threads = list(scorer._judge_pool._threads)
+        m.score(scorer, k)
+    assert threads and all(t.is_alive() for t in threads)
+    scorer.close()
+    assert not any(t.is_alive() for t in threads)
+    scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.0, 1.4]), minute=m.first + 4))
+    for k in (4, 5, 6):
+        m.ingest(scorer, k)
+        m.score(scorer, k)
+    assert scorer._judge_pool is None and scorer.features_of("n3")[VS_JOB] == np.float32(1.4)
+    scorer.close()   # again: nothing to do
+
+
+def test_a_checkpoint_written_while_a_judgement_runs_is_the_one_written_after_it(tmp_path, tiny_model_dir,
+                                                                                monkeypatch):
+    """The checkpoint carries no step-time rows or judgements (they start over at a restore, as the
+    windows do), and the judging thread writes nothing of the scorer's: save_state need not wait."""
+    import concurrent.futures
+    import json
+    import threading
+
+    m = _Minutes(tmp_path, tiny_model_dir)
+    release = threading.Event()
+    real = stt.node_minutes
+    monkeypatch.setattr(stt, "node_minutes", lambda rows, skipped=None: (release.wait(60), real(rows, skipped))[1])
+    scorer = m.scorer()
+    for k in range(3):
+        m.ingest(scorer, k)
+        m.score(scorer, k)
+    m.ingest(scorer, 3)
+    scorer.save_state(tmp_path / "during.npz")
+    assert not scorer._judging[1].done()
+    release.set()
+    concurrent.futures.wait([scorer._judging[1]])
+    scorer.save_state(tmp_path / "after.npz")
+    with np.load(tmp_path / "during.npz") as a, np.load(tmp_path / "after.npz") as b:
+        assert sorted(a.files) == sorted(b.files)
+        metas = [json.loads(z["meta"].tobytes()) for z in (a, b)]
+        assert [{k: v for k, v in meta.items() if k != "saved_at_ns"} for meta in metas] == [
+            {k: v for k, v in metas[1].items() if k != "saved_at_ns"}] * 2
+        for f in a.files:
+            if f != "meta":
+                assert np.array_equal(a[f], b[f], equal_nan=True), f
+    m.score(scorer, 3)
+    assert scorer.features_of("n2")[VS_JOB] == np.float32(1.5)
+    scorer.close()

@@ -504,3 +504,40 @@ def test_the_predictors_scorer_takes_the_accepted_step_times(tmp_path, tiny_mode
                 assert f'foreshock_scorer_rows_left_out_total{{reason="{reason}"}} 0.0' in text, reason
     finally:
         plane.stop(0.5)
+
+
+def test_the_service_ends_the_judging_thread_of_the_scorer_it_built_when_it_stops(tmp_path, tiny_model_dir):
+    """The service that loaded the model owns its scorer: its stop, after the last checkpoint, ends the
+    online scorer's step-time judging thread (a scorer given in the settings is its giver's to close)."""
+    import pandas as pd
+
+    from foreshock import schema as sch
+    from foreshock.predictor import features as ft
+    from foreshock.predictor import synthetic
+
+    plane = build_server(Settings.insecure_loopback(
+        tmp_path / "state", model_path=str(tiny_model_dir(tmp_path / "model")), policy=POLICY,
+        decision_flush_seconds=3600, fsync=False))
+    online = plane.scorer._online
+    step_ns = ft.STEP_SECONDS * 1_000_000_000
+    first = synthetic.T0_NS // step_ns
+    nodes = NODES[:4]
+    tables = {n: synthetic.node_tables(n, 4, seed=i) for i, n in enumerate(nodes)}
+    rows = sch.to_table("step_times", [
+        {"ts": pd.Timestamp((first + 1) * step_ns + r, tz="UTC"), "node": n, "job": "j1", "rank": r, "step": 0,
+         "step_seconds": 2.0, "compute_seconds": 1.5 if r == 2 else 1.0} for r, n in enumerate(nodes)])
+    threads = []
+    try:
+        for k in range(4):
+            for n in nodes:
+                for name, t in tables[n].items():
+                    online.ingest(name, t.slice(k, 1))
+            if k == 1:
+                online.ingest("step_times", rows)
+            if k == 3:   # the judgement of minute first+1 started
+                threads = list(online._judge_pool._threads)
+            online.score((first + k + 1) * step_ns + 6_000_000_000)
+    finally:
+        plane.stop(0)
+    assert threads and not any(t.is_alive() for t in threads)
+    assert online.stats["step_times_judged_in_round"] == 0
