@@ -106,7 +106,8 @@ def register(subparsers) -> None:
                         "Steadiness inside the trees: judged, not kept; default 0)")
     p.add_argument("--step-time-columns", dest="step_time_columns", action="store_const", const=True,
                    help="the trees also read the job step-time columns (a node's ranks against their job's: "
-                        "docs/predictor.md, Job step times; not the default: no model reading them is judged yet)")
+                        "docs/predictor.md, Job step times; not the default: judged twice, not shipped; train where only "
+                        "some jobs report step times, as in a fleet)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")

@@ -191,8 +191,9 @@ STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n,
 # median, at most, over 5 and 30 minutes (NaN: no step of it judged), and the share of its ranks' steps
 # judged in the last 30 minutes that were slow (NaN: none judged). A node that slows its job's steps
 # shows here whatever slows it (a throttling GPU, a failing HBM stack, a link retraining); the
-# fail-slow rule of the service (service/steptimes.py) acts on the same comparison. No estimator reads
-# them yet: they wait for a retrain judged on them.
+# fail-slow rule of the service (service/steptimes.py) acts on the same comparison. The shipped
+# estimator does not read them (`foreshock train --step-time-columns` does; judged, not shipped:
+# docs/predictor.md, Results).
 STEP_TIMES: tuple[FeatureSpec, ...] = (
     FeatureSpec("steptime_vs_job_5m", "steptime_vs_job", "job_max5"),
     FeatureSpec("steptime_vs_job_30m", "steptime_vs_job", "job_max30"),
