@@ -78,6 +78,23 @@ def _compute(rank):
 
 # -- the router and the wire format -----------------------------------------------------------------
 
+def _start_shards(shards, tmp_path, model_dir, coordinator, clock, inventory=None):
+    """Start a control plane per SHARDS entry, forwarding to `coordinator`, into `shards` (name ->
+    (plane, scorer, nodes)) as each starts, so that the caller's cleanup stops every one started."""
+    for name, nodes in SHARDS.items():
+        scorer = PredictorScorer(model_dir, grace_seconds=2.0, share_totals=True)
+        if inventory is not None:
+            scorer.ingest("inventory", inventory.filter(pc.is_in(inventory.column("node"), pa.array(nodes))))
+        plane = build_server(Settings.insecure_loopback(
+            tmp_path / name, listen=f"127.0.0.1:{free_port()}", scorer=scorer, threshold=0.99,
+            scoring_clock=clock,
+            forward=ForwardSettings((coordinator.address,), name, summary_seconds=1.0,
+                                    backoff_initial_seconds=0.05, backoff_max_seconds=0.3,
+                                    totals_poll_seconds=0.1)))
+        plane.start()
+        shards[name] = (plane, scorer, nodes)
+
+
 def test_the_router_sends_a_jobs_rows_to_every_shard_of_its_nodes_bounded_and_counted():
     owner = {"node-a": "shard-a", "node-b": "shard-a", "node-c": "shard-b"}
     router = StepTimeRouter(owner.get, buffer_rows=1024)
@@ -187,17 +204,7 @@ def test_each_shards_scorer_judges_every_rank_of_its_jobs_as_offline(tmp_path, t
     coordinator = _coordinator(tmp_path)
     shards = {}
     try:
-        for name, nodes in SHARDS.items():
-            scorer = PredictorScorer(model_dir, grace_seconds=2.0, share_totals=True)
-            scorer.ingest("inventory", inv.filter(pc.is_in(inv.column("node"), pa.array(nodes))))
-            plane = build_server(Settings.insecure_loopback(
-                tmp_path / name, listen=f"127.0.0.1:{free_port()}", scorer=scorer, threshold=0.99,
-                scoring_clock=clock,
-                forward=ForwardSettings((coordinator.address,), name, summary_seconds=1.0,
-                                        backoff_initial_seconds=0.05, backoff_max_seconds=0.3,
-                                        totals_poll_seconds=0.1)))
-            plane.start()
-            shards[name] = (plane, scorer, nodes)
+        _start_shards(shards, tmp_path, model_dir, coordinator, clock, inventory=inv)
         whole = online.OnlineScorer(registry.load_model(model_dir), explain_top=0)
         whole.ingest("inventory", inv)
 
@@ -282,16 +289,7 @@ def test_a_new_nodes_rows_wait_at_the_coordinator_until_its_shard_names_it(tmp_p
     coordinator = _coordinator(tmp_path)
     shards = {}
     try:
-        for name, nodes in SHARDS.items():
-            scorer = PredictorScorer(model_dir, grace_seconds=2.0, share_totals=True)
-            plane = build_server(Settings.insecure_loopback(
-                tmp_path / name, listen=f"127.0.0.1:{free_port()}", scorer=scorer, threshold=0.99,
-                scoring_clock=clock,
-                forward=ForwardSettings((coordinator.address,), name, summary_seconds=1.0,
-                                        backoff_initial_seconds=0.05, backoff_max_seconds=0.3,
-                                        totals_poll_seconds=0.1)))
-            plane.start()
-            shards[name] = (plane, scorer, nodes)
+        _start_shards(shards, tmp_path, model_dir, coordinator, clock)
         whole = online.OnlineScorer(registry.load_model(model_dir), explain_top=0)
 
         def close(step):
