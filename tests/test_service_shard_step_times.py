@@ -78,6 +78,22 @@ def _compute(rank):
 
 # -- the router and the wire format -----------------------------------------------------------------
 
+def _report(address, samples_of):
+    """Every rank of job-1 (rank i on NODES[i]) reports `samples_of(rank, node)` to the Jobs API at
+    `address`, each accepted whole; the rows the service archives for them, as one table."""
+    sent = []
+    with grpc.insecure_channel(address) as ch:
+        stub = jobs_pb2_grpc.JobsStub(ch)
+        for rank, node in enumerate(NODES):
+            samples = samples_of(rank, node)
+            steps = [pb.StepTime(step=k, step_seconds=t, compute_seconds=c, end_ns=e) for k, t, c, e in samples]
+            reply = stub.ReportStepTimes(pb.ReportStepTimesRequest(job_id="job-1", rank=rank, node=node,
+                                                                   steps=steps), timeout=T)
+            assert reply.accepted == len(samples)
+            sent.append(_table(rank, node, samples))
+    return pa.concat_tables(sent)
+
+
 def _start_shards(shards, tmp_path, model_dir, coordinator, clock, inventory=None):
     """Start a control plane per SHARDS entry, forwarding to `coordinator`, into `shards` (name ->
     (plane, scorer, nodes)) as each starts, so that the caller's cleanup stops every one started."""
@@ -229,17 +245,7 @@ def test_each_shards_scorer_judges_every_rank_of_its_jobs_as_offline(tmp_path, t
         assert [coordinator.coordinator.shard_of(n) for n in NODES] == ["shard-a"] * 2 + ["shard-b"] * 2
         _register(coordinator.address)
         minute = first + 2
-        sent = []
-        with grpc.insecure_channel(coordinator.address) as ch:
-            stub = jobs_pb2_grpc.JobsStub(ch)
-            for rank, node in enumerate(NODES):
-                samples = _samples(minute, _compute(rank))
-                steps = [pb.StepTime(step=k, step_seconds=t, compute_seconds=c, end_ns=e) for k, t, c, e in samples]
-                reply = stub.ReportStepTimes(pb.ReportStepTimesRequest(job_id="job-1", rank=rank, node=node,
-                                                                       steps=steps), timeout=T)
-                assert reply.accepted == len(samples)
-                sent.append(_table(rank, node, samples))
-        rows = pa.concat_tables(sent)
+        rows = _report(coordinator.address, lambda rank, node: _samples(minute, _compute(rank)))
         whole.ingest("step_times", rows)
         # every shard gets every rank's rows: the comparison needs them all
         assert wait_until(lambda: all(p.forwarder.step_time_rows_received_total == rows.num_rows
@@ -313,19 +319,9 @@ def test_a_new_nodes_rows_wait_at_the_coordinator_until_its_shard_names_it(tmp_p
             assert wait_until(lambda: all(s._online._last_step == step for s in running), 15)
 
         def report(minute, slow):
-            sent = []
-            with grpc.insecure_channel(coordinator.address) as ch:
-                stub = jobs_pb2_grpc.JobsStub(ch)
-                for rank, node in enumerate(NODES):
-                    samples = [(8 * (minute - new) + k, t, c, e)     # the job's training steps go on
-                               for k, t, c, e in _samples(minute, 1.5 if node == slow else 1.0 + 0.01 * rank)]
-                    steps = [pb.StepTime(step=k, step_seconds=t, compute_seconds=c, end_ns=e)
-                             for k, t, c, e in samples]
-                    reply = stub.ReportStepTimes(pb.ReportStepTimesRequest(job_id="job-1", rank=rank, node=node,
-                                                                           steps=steps), timeout=T)
-                    assert reply.accepted == len(samples)
-                    sent.append(_table(rank, node, samples))
-            rows = pa.concat_tables(sent)
+            rows = _report(coordinator.address, lambda rank, node: [
+                (8 * (minute - new) + k, t, c, e)     # the job's training steps go on
+                for k, t, c, e in _samples(minute, 1.5 if node == slow else 1.0 + 0.01 * rank)])
             whole.ingest("step_times", rows)
             return rows
 
