@@ -256,14 +256,13 @@ class OnlineScorer:
         for step in sorted(s for s in self._step_rows if s < self._next_step - stt.OPEN_STEPS):
             if self._judging is not None:
                 self._take_judgement()   # one at a time (a round that closed several steps at once)
-            parts = self._take_rows(step)
             if self._threaded:
                 if self._judge_pool is None:
                     self._judge_pool = concurrent.futures.ThreadPoolExecutor(
                         max_workers=1, thread_name_prefix="foreshock-step-times")
-                self._judging = (step, self._judge_pool.submit(_judge_rows, parts))
+                self._judging = (step, self._judge_pool.submit(_judge_rows, self._take_rows(step)))
             else:
-                self._step_judged[step] = self._count_skipped(*_judge_rows(parts))
+                self._step_judged[step] = self._judge(step)
 
     def _take_judgement(self) -> None:
         """The judgement under way, waited for: its result kept for the round, its error raised."""

@@ -42,10 +42,12 @@ def _forwarder(*addresses, shard="shard-a", model="m1", **kw) -> AlarmForwarder:
     return AlarmForwarder(settings, model_version=model)
 
 
-def _coordinator(tmp_path, expected_model: str = "", **settings) -> "object":
+def _coordinator(tmp_path, expected_model: str = "", coordinator_settings: dict | None = None,
+                 **settings) -> "object":
+    """A jobs coordinator on loopback, leading, started; `coordinator_settings`: more CoordinatorSettings."""
     plane = build_server(Settings.insecure_loopback(
         tmp_path / "state", coordinator=CoordinatorSettings(str(tmp_path / "lease"), expected_model_version=expected_model,
-                                                            lock_poll_seconds=0.05),
+                                                            lock_poll_seconds=0.05, **(coordinator_settings or {})),
         threshold=0.5, policy={"stale_seconds": 3600.0}, **settings))
     plane.start()
     assert wait_until(lambda: plane.leading, 10)

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pytest
 from prometheus_client import generate_latest
 from support import Clock, free_port, wait_until
+from test_service_coordinator import _coordinator
 
 from foreshock.predictor import features as ft
 from foreshock.predictor import online, registry, synthetic
@@ -48,16 +49,6 @@ def _job(nodes=NODES, job="job-1"):
 
 def _table(rank, node, samples, job="job-1"):
     return _rows(job, 1, rank, node, samples)
-
-
-def _coordinator(tmp_path, **kw):
-    plane = build_server(Settings.insecure_loopback(
-        tmp_path / "coordinator", listen=f"127.0.0.1:{free_port()}", threshold=0.5,
-        policy={"stale_seconds": 3600.0},
-        coordinator=CoordinatorSettings(str(tmp_path / "lease"), lock_poll_seconds=0.05, **kw)))
-    plane.start()
-    assert wait_until(lambda: plane.leading, 10)
-    return plane
 
 
 def _register(address, nodes=NODES):
@@ -381,7 +372,7 @@ def test_a_new_nodes_rows_wait_at_the_coordinator_until_its_shard_names_it(tmp_p
 
 
 def test_a_shard_down_costs_the_jobs_api_nothing_and_its_rows_are_dropped_and_counted(tmp_path):
-    coordinator = _coordinator(tmp_path, step_time_buffer_rows=1024)
+    coordinator = _coordinator(tmp_path, coordinator_settings={"step_time_buffer_rows": 1024})
     try:
         # shard-b tells the coordinator of its nodes, then goes down: nothing asks for its rows again
         with grpc.insecure_channel(coordinator.address) as ch:
