@@ -28,6 +28,9 @@ decision time and whether it was false; the usable steps' end times); `FleetThre
 gives the threshold in force at each step: what a control plane re-choosing its thresholds daily
 would alarm on, reported by `foreshock evaluate` as `fleet_calibrated`. `foreshock thresholds`
 (calibrate_model) writes a model whose thresholds are fitted on a whole history of the fleet.
+`pooled_with_base` is the same estimate at training time: `foreshock train` on a user's history chooses
+the stacked model's thresholds on its validation slice with the base model's curve as the prior, carried
+to the stacked model's scale by alarm volume on that slice (carried_curve).
 """
 
 from __future__ import annotations
@@ -91,11 +94,17 @@ class FleetEpisodes:
         """Episodes of `name`'s scores at every threshold of `curve` (candidate_curve's rows)."""
         if not curve:
             raise ValueError("no candidate thresholds: the manifest's curve has none near its own thresholds")
+        results = [ev.at_threshold(nodes, name, th, incidents, horizon_s) for th, _rate, _recall in curve]
+        return cls.from_results(nodes, results, curve, horizon_s)
+
+    @classmethod
+    def from_results(cls, nodes: list[ev.NodeScores], results: list[dict], curve, horizon_s: int) -> "FleetEpisodes":
+        """The same from evaluate.at_threshold's results at each threshold of `curve`, already computed."""
         h = int(horizon_s) * 10**9
         justified = int(ev.JUSTIFIED_HOURS * 3600) * 10**9
         decided = []
-        for th, _rate, _recall in curve:
-            eps = ev.at_threshold(nodes, name, th, incidents, horizon_s)["episodes"]
+        for res in results:
+            eps = res["episodes"]
             when = np.maximum(eps["end_ns"] + h, eps["start_ns"] + justified)[eps["false"]]
             decided.append(np.sort(when))
         ends = np.sort(np.concatenate([ns.step_end_ns[ns.usable] for ns in nodes])) if nodes else np.zeros(0, np.int64)
@@ -258,3 +267,55 @@ def calibrate_model(data_dir, model_dir, out_dir, *, prior_node_days: float = DE
 CALIBRATION_RULE = ("each budget's threshold is the lowest of the candidate curve whose false-evacuation rate, "
                     "the manifest's validation curve (worth prior_node_days) pooled with this fleet's own false "
                     "evacuations over its node-days, is within the budget")
+
+
+def carried_curve(base_curve, base_scores: np.ndarray, scores: np.ndarray) -> list[tuple[float, float, float]]:
+    """A base model's validation curve [(threshold, false evacuations per 1,000 node-days, recall), ...]
+    carried to another model's scale on the same steps: each base threshold becomes the score the other
+    model reaches on as many of the steps as the base reaches that threshold on (its alarm volume), with
+    the base's rate. Thresholds the base reaches on none of the steps are left out; where several
+    carry to one score, the highest rate is kept (the cautious reading). Sorted by threshold."""
+    base = np.sort(np.asarray(base_scores, dtype=np.float64))
+    own = np.sort(np.asarray(scores, dtype=np.float64))
+    if len(base) != len(own) or len(own) == 0:
+        raise ValueError(f"carried_curve: {len(base)} base scores against {len(own)}: the same steps are needed")
+    n = len(own)
+    rows: dict[float, float] = {}
+    for th, rate, _recall in base_curve:
+        k = n - int(np.searchsorted(base, float(th), "left"))     # steps at or above the base threshold
+        if k == 0:
+            continue
+        s = float(own[n - k])
+        rows[s] = max(rows.get(s, -np.inf), float(rate))
+    return [(s, rows[s], 0.0) for s in sorted(rows)]
+
+
+def pooled_with_base(nodes, name: str, base_name: str, base_curve, incidents, horizon_s: int, budgets, *,
+                     prior_node_days: float = DEFAULT_PRIOR_NODE_DAYS) -> dict:
+    """Thresholds for a model stacked on a base (`foreshock train` on a user's history), chosen on its
+    validation slice `nodes` with the base's validation curve as the prior, as FleetThresholds pools a
+    fleet's false evacuations with a manifest's curve: the base's curve is carried to this model's scale
+    (carried_curve, on the slice's usable steps, `base_name`'s scores against `name`'s) and weighs
+    `prior_node_days`; the slice's own false evacuations at each carried threshold weigh its node-days.
+
+    Why: a user's history of a few hundred nodes for a few weeks leaves a validation slice that allows a
+    few false evacuations per budget, so thresholds chosen on it alone rest on its few highest healthy
+    episodes; the base's curve was chosen on thousands of node-days. Returns {"thresholds": {budget:
+    threshold}, "curve": the pooled curve [(threshold, rate, the slice's recall at it)], "carried": the
+    carried base curve, "slice_node_days", "slice_false_evacuations": [per carried threshold],
+    "prior_node_days"}. Raises ValueError when the base reaches none of its curve's thresholds on the
+    slice, and on a prior_node_days out of range."""
+    n0 = check_prior_node_days(prior_node_days)
+    own = np.concatenate([ns.scores[name][ns.usable] for ns in nodes]) if nodes else np.zeros(0)
+    base = np.concatenate([ns.scores[base_name][ns.usable] for ns in nodes]) if nodes else np.zeros(0)
+    carried = carried_curve(base_curve, base, own)
+    if not carried:
+        raise ValueError("pooled_with_base: the base reaches none of its curve's thresholds on the slice")
+    results = [ev.at_threshold(nodes, name, th, incidents, horizon_s) for th, _rate, _recall in carried]
+    recall = [float(np.nan_to_num(ev.summarise(res, incidents)["incident_recall_precursor"])) for res in results]
+    episodes = FleetEpisodes.from_results(nodes, results, carried, horizon_s)
+    fit = FleetThresholds(tuple(budgets), n0).fit(episodes)
+    return {"thresholds": {float(b): float(t) for b, t in fit.thresholds_.items()},
+            "curve": [(float(t), float(r), rc) for t, r, rc in zip(episodes.thresholds, fit.pooled_rates_, recall)],
+            "carried": [list(r) for r in carried], "slice_node_days": float(fit.fleet_node_days_),
+            "slice_false_evacuations": fit.fleet_false_.astype(int).tolist(), "prior_node_days": n0}

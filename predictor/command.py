@@ -2,6 +2,7 @@
 
     foreshock train --data DIR_OR_URI --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
                     [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|''] [--no-novelty]
+                    [--threshold-prior-node-days N]
                     [--linear-member] [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
                        [--executor local|ray] [--ray-address HOST:PORT]
@@ -39,8 +40,10 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "label_horizon_minutes": 0.0, "early_label_weight": 0.3,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
-                  "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False}
-THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": 1000.0}
+                  "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False,
+                  # calibration.DEFAULT_PRIOR_NODE_DAYS, as THRESHOLDS_DEFAULTS' (a test holds them equal)
+                  "threshold_prior_node_days": 1000.0}
+THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": TRAIN_DEFAULTS["threshold_prior_node_days"]}
 EVALUATE_DEFAULTS = {"data": "", "model": "", "json": "", "html": "", "budget": -1.0, "leave_one_out": "",
                      "train_data": "", "only": [], "max_iter": TRAIN_DEFAULTS["max_iter"],
                      "label_horizon_minutes": TRAIN_DEFAULTS["label_horizon_minutes"], "executor": "local",
@@ -54,7 +57,10 @@ EVALUATE_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK}
 TRAIN_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK,
                 "early_label_weight": config.Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
                 # the upper bound (how many STEADINESS columns there are) is model.estimator_feature_names'
-                "steadiness_columns": config.Check(lambda v: v >= 0, "must be 0 or more")}
+                "steadiness_columns": config.Check(lambda v: v >= 0, "must be 0 or more"),
+                # calibration.PRIOR_NODE_DAYS_RANGE, or 0 for none
+                "threshold_prior_node_days": config.Check(lambda v: v == 0 or 1.0 <= v <= 1e7,
+                                                          "must be 0 (the validation slice alone) or between 1 and 1e7")}
 
 
 def register(subparsers) -> None:
@@ -89,6 +95,11 @@ def register(subparsers) -> None:
                    help="stack the new model with this one, the weights of the two fitted on the validation slice, "
                         "so that a history with few incidents leans on a model trained on more (default "
                         "'shipped': the shipped default model; '' to train from this history alone)")
+    p.add_argument("--threshold-prior-node-days", type=float, dest="threshold_prior_node_days", metavar="N",
+                   help="with a base, choose each budget's threshold on the validation slice with the base's "
+                        "validation curve as a prior worth N node-days (default "
+                        f"{TRAIN_DEFAULTS['threshold_prior_node_days']:g}, as foreshock thresholds; docs/predictor.md, "
+                        "Stacked with the shipped model); 0: the validation slice alone")
     p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
                    help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
                         "sets the risk and the thresholds")
@@ -234,7 +245,8 @@ def run_train(args, file_data) -> int:
                                    novelty=cfg["novelty"], linear_member=cfg["linear_member"],
                                    absolute_counts=cfg["absolute_counts"],
                                    steadiness_columns=cfg["steadiness_columns"],
-                                   step_time_columns=cfg["step_time_columns"])
+                                   step_time_columns=cfg["step_time_columns"],
+                                   threshold_prior_node_days=cfg["threshold_prior_node_days"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
         return 2
@@ -254,10 +266,18 @@ def run_train(args, file_data) -> int:
           f"{_interval(v.get('false_evacuations_per_1000_node_days_interval'), _rate)} false evacuations/1,000 "
           f"node-days, PR-AUC {v['pr_auc']:.3f} ([low-high]: {evaluate.INTERVAL_LEVEL:.0%} interval)")
     allowed = manifest["budget"] * v["node_days"] / 1000.0
+    pool = manifest.get("threshold_pooling")
+    if pool:
+        print(f"thresholds chosen on the slice ({pool['slice_node_days']:,.0f} node-days) with the base model's "
+              f"validation curve as a prior worth {pool['prior_node_days']:,.0f} node-days; the slice alone would have "
+              f"given {pool['recommended_threshold_slice_alone']:.4g} at budget {manifest['budget']:g} "
+              f"(--threshold-prior-node-days 0)")
     if allowed < train.MIN_BUDGET_EPISODES:
+        setby = ("the slice's few highest healthy episodes and the base model's curve" if pool else
+                 "the slice's few highest healthy episodes")
         _err(f"WARNING: the thresholds rest on a validation slice of {v['node_days']:,.0f} node-days: at budget "
-             f"{manifest['budget']:g} that is {allowed:.1f} false evacuations, so each threshold is set by the "
-             f"slice's few highest healthy episodes, and on a later period or another fleet the false evacuations "
+             f"{manifest['budget']:g} that is {allowed:.1f} false evacuations, so each threshold is set by "
+             f"{setby}, and on a later period or another fleet the false evacuations "
              f"at it can be several times fewer or more. Re-fit them on a month or more of the fleet's later "
              f"history (`foreshock thresholds`), or keep serving the model compared with.")
     nov = manifest.get("novelty")

@@ -38,6 +38,7 @@ import foreshock
 from foreshock import dataset as ds
 from foreshock import risk
 from foreshock import schema as sch
+from foreshock.predictor import calibration
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
 from foreshock.predictor import groups
@@ -72,7 +73,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
           linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0,
-          step_time_columns: bool = False) -> dict:
+          step_time_columns: bool = False,
+          threshold_prior_node_days: float | None = calibration.DEFAULT_PRIOR_NODE_DAYS) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
     absolute_counts: False (the default): the trees never split on the absolute window counts of an
@@ -110,12 +112,20 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     sample, so a history with few incidents leans on the base model and one with many on its own.
     A base of another feature version is skipped, and the manifest says why.
 
+    threshold_prior_node_days: with a base, each budget's threshold is chosen on the validation slice
+    with the base's validation curve as the prior worth this many node-days (calibration.pooled_with_base;
+    the default is fleet calibration's weight of a manifest's curve against a fleet's own data); the
+    manifest's threshold_pooling has the thresholds of the slice alone beside. None or 0: the slice
+    alone. Range-checked as calibration.check_prior_node_days.
+
     label_horizon_s: the training label's horizon (None: the horizon; labels.TRAINING_LABEL_HORIZON_S). A positive training step is
     one whose node fails within it; the steps between the horizon and it weigh `early_label_weight`.
     Calibration and thresholds always use the horizon's labels, so the model's probability keeps its
     meaning (P(failure within the horizon)); only what the trees learn to rank high changes. Raises
     ValueError outside [horizon, horizon + label gap]: the label gap (and leave-one-out's hold-out
     window, groups.incident_holdout) must cover it."""
+    if threshold_prior_node_days:
+        calibration.check_prior_node_days(threshold_prior_node_days)
     label_horizon_s = horizon_s if label_horizon_s is None else int(label_horizon_s)
     if not horizon_s <= label_horizon_s <= horizon_s + label_gap_hours * 3600:
         raise ValueError(f"label horizon {label_horizon_s / 60:g} min: must be between the horizon "
@@ -272,6 +282,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                       "logistic": lambda X: logistic.predict_proba(X[:, :n_cols])[:, 1]}
         if isinstance(compared, registry.LoadedModel):
             predictors[COMPARED] = compared.probability
+        base_name = None
+        if stacked is not None and isinstance(base_model, registry.LoadedModel) and threshold_prior_node_days:
+            base_name = COMPARED if same else BASE
+            predictors.setdefault(base_name, base_model.probability)
         if linear_member:
             fast_trees = treewalk.fast_probability(trees, n_cols)
             predictors[TREES] = lambda X: fast_trees(X[:, :n_cols])
@@ -295,6 +309,19 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             names.append(SUPERVISED)
         curves = {name: ev.threshold_curve(val_nodes, name, val_inc, horizon_s) for name in names}
         thresholds = {name: {str(b): risk.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
+        pooling = None
+        if base_name is not None:
+            pooled = calibration.pooled_with_base(val_nodes, "model", base_name,
+                                                  base_model.manifest["threshold_curves"]["model"], val_inc, horizon_s,
+                                                  BUDGETS, prior_node_days=threshold_prior_node_days)
+            pooling = {"base_model_version": base_model.version, "rule": POOLING_RULE,
+                       "prior_node_days": pooled["prior_node_days"], "slice_node_days": pooled["slice_node_days"],
+                       "thresholds_slice_alone": thresholds["model"], "curve_slice_alone": curves["model"],
+                       "recommended_threshold_slice_alone": risk.pick_threshold(curves["model"], budget),
+                       "carried_base_curve": pooled["carried"],
+                       "slice_false_evacuations_at_carried": pooled["slice_false_evacuations"]}
+            thresholds["model"] = {str(b): pooled["thresholds"][float(b)] for b in BUDGETS}
+            curves["model"] = pooled["curve"]
         chosen = {name: risk.pick_threshold(curves[name], budget) for name in names}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
@@ -303,6 +330,9 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         if alarm is not None:
             curves.pop(SUPERVISED)
             novelty_section = {**alarm.to_manifest(), "validation_without": validation.pop(SUPERVISED)}
+        if BASE in predictors:
+            curves.pop(BASE)
+            validation.pop(BASE)
         if COMPARED in predictors:   # reported beside this model's figures, never among its thresholds
             curves.pop(COMPARED)
             compared = {"model_version": compared.version, "path": str(compared.path), **validation.pop(COMPARED)}
@@ -331,6 +361,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "baseline_thresholds": {"rule": thresholds["rule"], "logistic": thresholds["logistic"]},
         "recommended_threshold": chosen["model"],
         "threshold_curves": curves,
+        **({"threshold_pooling": pooling} if pooling is not None else {}),
         "reference_features": reference.tolist(),
         **({"novelty": novelty_section} if novelty_section is not None else {}),
         "prior_scale": float(prior_scale),
@@ -377,6 +408,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
 
 
 COMPARED = "compared"
+BASE = "base"               # the base stacked with, when it is not the model compared with
+POOLING_RULE = ("each budget's threshold is the lowest of the base model's validation curve, carried to this model's "
+                "scale by alarm volume on this validation slice (calibration.carried_curve), whose false-evacuation "
+                "rate, that curve (worth prior_node_days) pooled with the slice's own false evacuations over its "
+                "node-days, is within the budget")
 SUPERVISED = "supervised"   # the model without the novelty alarm, on the validation slice
 TREES = "trees"             # the trees without the linear member, on the validation slice
 # The trees' and the linear member's weights on the logit scale (`linear_member`): the plain average,

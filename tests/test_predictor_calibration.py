@@ -104,3 +104,49 @@ def test_settings_out_of_range_are_refused_with_their_name(kwargs, words):
                                              HORIZON_S, CURVE)
     with pytest.raises(ValueError, match=words):
         cal.prequential(episodes, (2.0,), **kwargs)
+
+
+def test_a_base_curve_is_carried_to_another_models_scale_by_alarm_volume():
+    base = np.linspace(0.0, 1.0, 101)
+    own = base ** 2                                  # the same ranking on another scale
+    curve = [[0.1, 9.0, 0.9], [0.5, 2.0, 0.5], [0.9, 0.5, 0.1], [1.5, 0.0, 0.0]]
+    carried = cal.carried_curve(curve, base, own[::-1])     # the order of the steps does not matter
+    assert [r[0] for r in carried] == pytest.approx([0.01, 0.25, 0.81])
+    assert [r[1] for r in carried] == [9.0, 2.0, 0.5]   # 1.5 is reached on no step: left out
+    # where several base thresholds carry to one score, the highest rate is kept
+    flat = cal.carried_curve(curve, base, np.minimum(own, 0.2))
+    assert flat[-1] == (0.2, 2.0, 0.0)          # base 0.5 and 0.9 both reach 0.2 here
+    with pytest.raises(ValueError, match="the same steps"):
+        cal.carried_curve(curve, base, own[:50])
+
+
+def _bursty_slice(days: int = 20, nodes: int = 50):
+    """A slice of `nodes` healthy nodes whose 20 bursts (one a day) peak at 0.12, 0.14, ... 0.50: each a
+    false evacuation at thresholds up to its peak. "base" scores the same steps at half the scale."""
+    out = _fleet(days=days, nodes=nodes, burst_every_days=1.0, peak=0.0)
+    k = 0
+    for start in np.arange(0.5, days, 1.0):
+        step = int(start * 1440)
+        out[k % nodes].scores["model"][step:step + 5] = 0.12 + 0.02 * k
+        k += 1
+    for ns in out:
+        ns.scores["base"] = ns.scores["model"] / 2
+    return out
+
+
+def test_thresholds_of_a_stacked_model_pool_its_slice_with_the_base_curve():
+    nodes = _bursty_slice()
+    base_curve = [[r[0] / 2, r[1], r[2]] for r in CURVE]     # the base's own scale: budget 2 at 0.1
+    none = lb.Incidents.from_table(None)
+    trusting = cal.pooled_with_base(nodes, "model", "base", base_curve, none, HORIZON_S, (2.0,), prior_node_days=1e7)
+    # a prior worth far more than the slice: the base's budget-2 threshold, carried (0.1 on its scale, 0.2 here)
+    assert trusting["thresholds"][2.0] == pytest.approx(0.2)
+    assert trusting["slice_node_days"] == pytest.approx(1000.0)
+    own = cal.pooled_with_base(nodes, "model", "base", base_curve, none, HORIZON_S, (2.0,), prior_node_days=1.0)
+    # the slice alone: 20 false evacuations in 1,000 node-days; budget 2 leaves the two highest bursts
+    th = own["thresholds"][2.0]
+    fe = ev.summarise(ev.at_threshold(nodes, "model", th, none, HORIZON_S), none)["false_evacuations"]
+    assert th > 0.2 and fe <= 2
+    assert ev.pick_threshold(own["curve"], 2.0) == th
+    with pytest.raises(ValueError, match="prior_node_days 0"):
+        cal.pooled_with_base(nodes, "model", "base", base_curve, none, HORIZON_S, (2.0,), prior_node_days=0.0)

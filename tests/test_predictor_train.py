@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from foreshock import cli
+from foreshock import cli, risk
 from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
 from foreshock.predictor import labels as lb
-from foreshock.predictor import registry, treewalk
+from foreshock.predictor import calibration, registry, treewalk
 
 STEP_NS = 60 * 10**9
 
@@ -104,6 +104,15 @@ def test_train_refuses_a_label_horizon_out_of_range_before_reading_anything(tmp_
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("days", ["0.5", "-3", "2e7"])
+def test_train_refuses_a_threshold_prior_out_of_range_before_reading_anything(tmp_path, capsys, days):
+    assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m"),
+                     "--threshold-prior-node-days", days]) == 2
+    err = capsys.readouterr().err
+    assert "threshold_prior_node_days" in err and "must be 0 (the validation slice alone) or between 1 and 1e7" in err
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("columns", ["-1", "17"])
 def test_train_refuses_steadiness_columns_out_of_range_before_writing_anything(sim_data, tmp_path, capsys, columns):
     assert cli.main(["train", "--data", str(sim_data), "--out", str(tmp_path / "m"),
@@ -186,6 +195,7 @@ def test_a_longer_label_horizon_trains_on_earlier_steps_and_keeps_the_horizons_p
     # the CLI's defaults are the labels module's recipe
     assert (command.TRAIN_DEFAULTS["label_horizon_minutes"] * 60 or None) == lb.TRAINING_LABEL_HORIZON_S
     assert command.TRAIN_DEFAULTS["early_label_weight"] == lb.EARLY_LABEL_WEIGHT
+    assert command.TRAIN_DEFAULTS["threshold_prior_node_days"] == calibration.DEFAULT_PRIOR_NODE_DAYS
     short = train.train(sim_data, tmp_path / "short", max_iter=5, compare_with=None, base=None,
                         label_horizon_s=1800, early_label_weight=1.0)
     long = train.train(sim_data, tmp_path / "long", max_iter=5, compare_with=None, base=None,
@@ -427,11 +437,21 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_p
     X = np.concatenate([X, fast.probe(X.shape[1])])
     np.testing.assert_allclose(stacked.predict_proba(X), stacked.estimator.predict_proba(X), rtol=1e-9, atol=1e-12)
     assert stacked.used_features is not None
+    # its thresholds are chosen on the validation slice with the base's curve as the prior
+    # (calibration.pooled_with_base); the slice's own are kept beside
+    pool = stacked.manifest["threshold_pooling"]
+    assert pool["base_model_version"] == shipped.version and pool["prior_node_days"] == 1000.0
+    assert set(pool["thresholds_slice_alone"]) == set(stacked.manifest["thresholds"])
+    for b, th in stacked.manifest["thresholds"].items():
+        assert risk.pick_threshold(stacked.manifest["threshold_curves"]["model"], float(b)) == th
+    assert len(pool["slice_false_evacuations_at_carried"]) == len(pool["carried_base_curve"])
+    assert "with the base model's validation curve as a prior worth 1,000 node-days" in out
 
     assert cli.main(["train", "--data", str(sim_data), "--out", str(alone_dir), "--max-iter", "10", "--base", ""]) == 0
     capsys.readouterr()
     alone = registry.load_model(alone_dir)
     assert "stacked_with_base" not in alone.manifest["estimator"] and "base" not in alone.manifest["training"]
+    assert "threshold_pooling" not in alone.manifest
     assert type(alone.estimator).__name__ == "CalibratedClassifierCV"
     assert alone.manifest["estimator"]["linear_member"] is None
     # relative counts by default: the trees are blind to the baselined signals' absolute counts
