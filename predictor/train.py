@@ -311,9 +311,16 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         thresholds = {name: {str(b): risk.pick_threshold(curves[name], b) for b in BUDGETS} for name in ev.MODEL_NAMES}
         pooling = None
         if base_name is not None:
-            pooled = calibration.pooled_with_base(val_nodes, "model", base_name,
-                                                  base_model.manifest["threshold_curves"]["model"], val_inc, horizon_s,
-                                                  BUDGETS, prior_node_days=threshold_prior_node_days)
+            try:
+                base_curve = (base_model.manifest.get("threshold_curves") or {}).get("model")
+                if not base_curve:
+                    raise ValueError("the base's manifest has no threshold curve")
+                pooled = calibration.pooled_with_base(val_nodes, "model", base_name, base_curve, val_inc, horizon_s,
+                                                      BUDGETS, prior_node_days=threshold_prior_node_days)
+            except ValueError as exc:
+                # a prior that cannot be read costs the prior, not the training run
+                pooling = {"base_model_version": base_model.version, "skipped": str(exc)}
+        if pooling is None and base_name is not None:
             pooling = {"base_model_version": base_model.version, "rule": POOLING_RULE,
                        "prior_node_days": pooled["prior_node_days"], "slice_node_days": pooled["slice_node_days"],
                        "thresholds_slice_alone": thresholds["model"], "curve_slice_alone": curves["model"],

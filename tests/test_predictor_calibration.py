@@ -150,3 +150,6 @@ def test_thresholds_of_a_stacked_model_pool_its_slice_with_the_base_curve():
     assert ev.pick_threshold(own["curve"], 2.0) == th
     with pytest.raises(ValueError, match="prior_node_days 0"):
         cal.pooled_with_base(nodes, "model", "base", base_curve, none, HORIZON_S, (2.0,), prior_node_days=0.0)
+    # a base curve whose thresholds the base reaches on no step of the slice gives no prior
+    with pytest.raises(ValueError, match="reaches none of its curve's thresholds"):
+        cal.pooled_with_base(nodes, "model", "base", [[0.9, 1.0, 0.1]], none, HORIZON_S, (2.0,))

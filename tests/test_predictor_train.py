@@ -476,6 +476,20 @@ def test_train_stacks_with_the_shipped_model_by_default(sim_data, trained, tmp_p
     assert blend.manifest["estimator"]["blind_to"] == []
 
 
+def test_a_base_curve_that_cannot_be_carried_leaves_the_slices_thresholds(sim_data, tmp_path, monkeypatch):
+    from foreshock.predictor import train
+
+    def refuse(*args, **kwargs):
+        raise ValueError("the base reaches none of its curve's thresholds on the slice")
+
+    monkeypatch.setattr(calibration, "pooled_with_base", refuse)
+    manifest = train.train(sim_data, tmp_path / "m", max_iter=5, compare_with=None,
+                           base=registry.default_model_path(), novelty=False)
+    assert manifest["threshold_pooling"]["skipped"] == "the base reaches none of its curve's thresholds on the slice"
+    curve = manifest["threshold_curves"]["model"]
+    assert manifest["thresholds"] == {str(b): risk.pick_threshold(curve, b) for b in train.BUDGETS}
+
+
 def _noisy_probabilities(rng, y, failing: float, healthy: float, sd: float) -> np.ndarray:
     """A member's probabilities: `failing` or `healthy` by the label, plus normal noise, in (0, 1)."""
     return np.clip(np.where(y == 1, failing, healthy) + rng.normal(0, sd, len(y)), 0.01, 0.99)
