@@ -95,21 +95,15 @@ def test_train_compares_with_a_model_of_other_features_by_saying_why_not(sim_dat
     assert f"not compared with {old}" in out
 
 
-@pytest.mark.parametrize("minutes", ["0.5", "-30", "3000"])
-def test_train_refuses_a_label_horizon_out_of_range_before_reading_anything(tmp_path, capsys, minutes):
-    assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m"),
-                     "--label-horizon-minutes", minutes]) == 2
+@pytest.mark.parametrize("flag, value, words", [
+    *[("--label-horizon-minutes", v, "must be 0 (the horizon) or between 1 and 2160")
+      for v in ("0.5", "-30", "3000")],
+    *[("--threshold-prior-node-days", v, "must be 0 (the validation slice alone) or between 1 and 1e7")
+      for v in ("0.5", "-3", "2e7")]])
+def test_train_refuses_a_setting_out_of_range_before_reading_anything(tmp_path, capsys, flag, value, words):
+    assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m"), flag, value]) == 2
     err = capsys.readouterr().err
-    assert "label_horizon_minutes" in err and "0 (the horizon) or between 1 and 2160" in err
-    assert not (tmp_path / "m").exists()
-
-
-@pytest.mark.parametrize("days", ["0.5", "-3", "2e7"])
-def test_train_refuses_a_threshold_prior_out_of_range_before_reading_anything(tmp_path, capsys, days):
-    assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m"),
-                     "--threshold-prior-node-days", days]) == 2
-    err = capsys.readouterr().err
-    assert "threshold_prior_node_days" in err and "must be 0 (the validation slice alone) or between 1 and 1e7" in err
+    assert flag[2:].replace("-", "_") in err and words in err, err
     assert not (tmp_path / "m").exists()
 
 
