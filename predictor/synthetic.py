@@ -110,6 +110,14 @@ def node_tables(node: str, steps: int, *, interval_s: int = 60, seed: int = 0, g
     return out
 
 
+def ingest_sample(scorer, tables: dict[str, dict[str, pa.Table]], k: int) -> None:
+    """Every node's `k`-th sample of each of its node_tables, ingested by an online scorer, as a
+    collector's minute arrives."""
+    for node_tables_ in tables.values():
+        for name, t in node_tables_.items():
+            scorer.ingest(name, t.slice(k, 1))
+
+
 def inventory(nodes: list[str], *, leaf_of=None, job_of=None, site: str = "site-a", t0_ns: int = T0_NS) -> pa.Table:
     leaf_of = leaf_of or (lambda i: f"leaf-{i // 4}")
     job_of = job_of or (lambda i: "job-1")

@@ -158,22 +158,13 @@ def test_explanations_name_the_step_times_only_from_a_slow_ratio():
 
 def test_the_online_scorer_judges_a_minutes_step_times_between_rounds_reads_them_two_steps_later_and_counts_late_rows(
         tmp_path, tiny_model_dir):
-    from foreshock.predictor import online, registry, synthetic
-
-    scorer = online.OnlineScorer(registry.load_model(tiny_model_dir(tmp_path / "m")), explain_top=0)
-    nodes = ["n0", "n1", "n2", "n3"]
-    tables = {n: synthetic.node_tables(n, 6, seed=i) for i, n in enumerate(nodes)}   # a sample a minute
-    first = synthetic.T0_NS // STEP_NS
-    slow = _rows(_job([1.0, 1.0, 1.5, 1.0]), minute=first + 1)
+    m = _Minutes(tmp_path, tiny_model_dir)
+    scorer, first, slow = m.scorer(), m.first, m.slow
     col = ft.FEATURE_NAMES.index("steptime_vs_job_5m")
     seen = []
     for k in range(5):
-        for n in nodes:
-            for name, t in tables[n].items():
-                scorer.ingest(name, t.slice(k, 1))
-        if k == 1:
-            scorer.ingest("step_times", slow)
-        scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
+        m.ingest(scorer, k)
+        m.score(scorer, k)
         seen.append(float(scorer.features_of("n2")[col]))
     assert stt.LAG_STEPS == 2 and stt.OPEN_STEPS == 1
     assert np.isnan(seen[:3]).all() and seen[3:] == [1.5, 1.5]   # minute first+1, read at first+3
@@ -307,9 +298,9 @@ class _Minutes:
         return online.OnlineScorer(self.model, explain_top=0, **kw)
 
     def ingest(self, scorer, k: int) -> None:
-        for n in NODES:
-            for name, t in self.tables[n].items():
-                scorer.ingest(name, t.slice(k, 1))
+        from foreshock.predictor import synthetic
+
+        synthetic.ingest_sample(scorer, self.tables, k)
         if k == 1:
             scorer.ingest("step_times", self.slow)
 

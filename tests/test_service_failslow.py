@@ -529,9 +529,7 @@ def test_the_service_ends_the_judging_thread_of_the_scorer_it_built_when_it_stop
     threads = []
     try:
         for k in range(4):
-            for n in nodes:
-                for name, t in tables[n].items():
-                    online.ingest(name, t.slice(k, 1))
+            synthetic.ingest_sample(online, tables, k)
             if k == 1:
                 online.ingest("step_times", rows)
             if k == 3:   # the judgement of minute first+1 started
