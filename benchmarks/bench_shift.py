@@ -1,13 +1,14 @@
 """Distribution shift: a model's budgets on a world noisier than any in the scenario catalogue.
 
     .venv/bin/python -m benchmarks shift [--nodes 128] [--days 14] [--seed 171] [--model DIR]
-                                         [--keep DIR]
+                                         [--keep DIR] [--scenario shifted|far|FILE.toml]
 
 Simulates two worlds of the same size, seed, failure rate (5x) and recovery ratio (0.2) with the real
 `foreshock simulate`: the catalogue's random world, and the same with every healthy-fleet nuisance and
 collection-noise knob drawn past the end of its catalogue range (scenarios/shifted.toml beside this
 file: chronic and burst rates, marginal devices, look-alikes, load swings, jitter, gaps, outages,
-reloads, PMA clears; no clean pods). A model's thresholds are chosen on its training history's
+reloads, PMA clears; no clean pods; `--scenario far`: scenarios/far.toml, past the ranges of the
+wider training world scenarios/wide.toml too). A model's thresholds are chosen on its training history's
 validation slice, so a fleet whose healthy nodes are noisier than that history spends more false
 evacuations at every threshold: the shipped model raised 479 per 1,000 node-days on the independent
 histories of issue 16. This measures how far.
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-SCENARIO = Path(__file__).resolve().parent / "scenarios" / "shifted.toml"
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 RATE_SCALE, RECOVERY_RATIO = 5.0, 0.2
 BUDGETS = ("1.0", "2.0", "5.0")
 DRIVER_BUDGET = "5.0"
@@ -108,22 +109,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
     parser.add_argument("--keep", type=Path, default=None, help="write the two worlds here and keep them "
                         "(reused when present)")
+    parser.add_argument("--scenario", default="shifted", help="the noisier world: a scenario of "
+                        f"{SCENARIOS} by name (shifted, far) or a .toml file (default shifted)")
     args = parser.parse_args(argv)
+    scenario = Path(args.scenario) if args.scenario.endswith(".toml") else SCENARIOS / f"{args.scenario}.toml"
+    if not scenario.is_file():
+        parser.error(f"--scenario {args.scenario}: no scenario file {scenario}")
 
     from foreshock.predictor import evaluate as ev
 
     with tempfile.TemporaryDirectory(prefix="bench-shift-") as tmp:
         where = args.keep or Path(tmp)
-        for name, scenario in (("catalogue", None), ("shifted", SCENARIO)):
+        for name, world in (("catalogue", None), (scenario.stem, scenario)):
             data = where / f"{name}-{args.seed}-{args.nodes}n-{args.days:g}d"
             if not (data / "table=incidents").exists():
-                took = _simulate(data, args, scenario)
+                took = _simulate(data, args, world)
                 print(f"simulated the {name} world in {took:.0f} s", flush=True)
             t0 = time.perf_counter()
             rep = ev.evaluate_dataset(data, args.model)
             print(f"evaluated in {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.2f}")
             _print_report(f"{name} world (seed {args.seed})", rep)
-            if name == "shifted":
+            if world is not None:
                 first, per_node, n = _drivers(data, args.model)
                 print(f"  false evacuations at budget {float(DRIVER_BUDGET):g}: {n}; the signal named first: "
                       + ", ".join(f"{k} {v}" for k, v in first.most_common(6)))
