@@ -12,6 +12,9 @@ collectors do. Tested against a private registry and `promtool check metrics`.
                                                        past faults (`serve --history`; docs/predictor.md)
   foreshock_node_evacuation_alarm{node}                1 while the policy holds the node in alarm
   foreshock_evacuation_threshold                       the risk threshold in force
+  foreshock_evacuation_budget                          false evacuations per 1,000 node-days the threshold was
+                                                       chosen for (NaN: a threshold set by hand, or no model)
+  foreshock_risk_alarms_total                          risk alarms raised (a node's risk reached the threshold)
   foreshock_directives{kind,state}                     directives now in each state
   foreshock_directives_issued_total{kind}              directives ever issued
   foreshock_directive_outcomes_total{kind,outcome}     finished directives (completed, failed, cancelled)
@@ -189,6 +192,13 @@ class ControlPlaneCollector:
         yield alarm
         yield GaugeMetricFamily("foreshock_evacuation_threshold", "Risk threshold in force for evacuations.",
                                 value=p.policy.settings.threshold)
+        budget = p.evacuation_budget
+        yield GaugeMetricFamily("foreshock_evacuation_budget", "False evacuations per 1,000 node-days the "
+                                "threshold in force was chosen for (NaN: set by hand, or no model).",
+                                value=float("nan") if budget is None else budget)
+        yield CounterMetricFamily("foreshock_risk_alarms", "Risk alarms raised: a node's risk reached the "
+                                  "evacuation threshold (fatal alarms not counted).",
+                                  value=p.policy.risk_alarms_raised)
 
         states = GaugeMetricFamily("foreshock_directives", "Directives now in each state.", labels=["kind", "state"])
         issued = CounterMetricFamily("foreshock_directives_issued", "Directives issued.", labels=["kind"])

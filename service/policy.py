@@ -134,6 +134,9 @@ class EvacuationPolicy:
         self.jobs = jobs
         self.decisions = decisions
         self.alarms: dict[str, Alarm] = {}
+        # risk alarms raised from this policy's own scores (fatal ones and a shard's forwarded ones are
+        # not counted): how often the fleet crosses the threshold, against the budget it was chosen for
+        self.risk_alarms_raised = 0
         self.incidents: dict[tuple[str, str], set[str]] = {}
         self._said: dict[tuple[str, str], str] = {}   # (node, job) -> last decision logged, to log changes only
         self._fatal_seen: dict[str, int] = {}
@@ -246,6 +249,7 @@ class EvacuationPolicy:
                 if alarm is None:
                     self.alarms[node] = Alarm(now_ns, float(p[i]),
                                               reason=f"risk {p[i]:.3g} at or above threshold {s.threshold:.3g}")
+                    self.risk_alarms_raised += 1
                     self.decisions.record("alarm", node=node, risk=float(p[i]), threshold=s.threshold,
                                           reason=self.alarms[node].reason, ts_ns=now_ns)
                 else:

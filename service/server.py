@@ -211,8 +211,15 @@ class ControlPlane:
         self.scorer = self._scorer(s)
         self._owns_scorer = s.scorer is None   # one given in the settings is its giver's to close
         threshold = s.threshold
+        # the budget the threshold in force was chosen for; None when set by hand or by no model
+        self.evacuation_budget: float | None = None
         if threshold is None:
             threshold = self.scorer.threshold(s.false_evacuation_budget)
+            if threshold is not None:
+                budget = s.false_evacuation_budget
+                if budget is None:
+                    budget = (getattr(self.scorer, "manifest", None) or {}).get("budget")
+                self.evacuation_budget = None if budget is None else float(budget)
         if threshold is None:
             threshold = 0.5
             if not isinstance(self.scorer, NullScorer):

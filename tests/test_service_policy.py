@@ -81,6 +81,17 @@ def test_hysteresis_and_persistence(world):
     assert "n04" not in policy.alarms
 
 
+def test_risk_alarms_are_counted_once_per_crossing_and_fatal_ones_not_at_all(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make(clear_below=0.3, sustain_seconds=3600)
+    for k, r in enumerate((0.6, 0.4, 0.7, 0.2, 0.8)):       # held through 0.4, cleared at 0.2, raised again
+        _round(policy, nodes, clock.now + k * S, NODES, _risk({"n10": r}))
+    assert policy.risk_alarms_raised == 2
+    nodes.record_fatal(FatalEvent("n11", clock.now + 5 * S, "xid", "Xid 79 on GPU 3", clock.now + 5 * S))
+    _round(policy, nodes, clock.now + 6 * S, NODES, _risk({"n10": 0.8}))
+    assert "n11" in policy.alarms and policy.risk_alarms_raised == 2
+
+
 def test_max_concurrent_then_cooldown(world):
     clock, store, jobs, nodes, decisions, make = world
     policy = make()

@@ -158,6 +158,9 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
         level = re.search(r'^foreshock_node_risk_level\{leaf_switch="",node="n1",site=""\} (\S+)$', text, re.M)
         assert level and float(level.group(1)) == pytest.approx(plane.nodes.risk["n1"].probability / 0.5)
         assert 'foreshock_directives_issued_total{kind="evacuate"} 1.0' in text
+        # n1 crossed once and no other node did: one risk alarm, against the budget the threshold is for
+        assert re.search(r'^foreshock_risk_alarms_total 1\.0$', text, re.M)
+        assert re.search(r'^foreshock_evacuation_budget \S+$', text, re.M)
         top_signal = r.signals[0].name
         assert f'foreshock_node_risk_signal_contribution{{node="n1",signal="{top_signal}"}}' in text
         if shutil.which("promtool"):
@@ -224,5 +227,16 @@ def test_the_evacuation_threshold_for_a_budget_is_the_registrys(model_dir, tmp_p
                                                     false_evacuation_budget=5.0))
     try:
         assert plane.policy.settings.threshold == 0.3
+        assert plane.evacuation_budget == 5.0     # exported beside the threshold (foreshock_evacuation_budget)
     finally:
         plane.stop(0)
+    # the manifest's own budget when none is asked; none when the threshold is set by hand
+    registry.save_model(tmp_path / "budgeted", loaded.estimator, {**model.manifest, "version": "test-budgeted",
+                                                                  "budget": 2.0})
+    for settings, budget in (({}, 2.0), ({"threshold": 0.6}, None)):
+        plane = build_server(Settings.insecure_loopback(tmp_path / "state", model_path=str(tmp_path / "budgeted"),
+                                                        **settings))
+        try:
+            assert plane.evacuation_budget == budget
+        finally:
+            plane.stop(0)
