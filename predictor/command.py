@@ -267,15 +267,16 @@ def run_train(args, file_data) -> int:
           f"node-days, PR-AUC {v['pr_auc']:.3f} ([low-high]: {evaluate.INTERVAL_LEVEL:.0%} interval)")
     allowed = manifest["budget"] * v["node_days"] / 1000.0
     pool = manifest.get("threshold_pooling")
-    if pool and "skipped" in pool:
+    pooled = bool(pool) and "skipped" not in pool
+    if pool and not pooled:
         print(f"thresholds chosen on the slice alone, not pooled with the base model's curve: {pool['skipped']}")
-    elif pool:
+    elif pooled:
         print(f"thresholds chosen on the slice ({pool['slice_node_days']:,.0f} node-days) with the base model's "
               f"validation curve as a prior worth {pool['prior_node_days']:,.0f} node-days; the slice alone would have "
               f"given {pool['recommended_threshold_slice_alone']:.4g} at budget {manifest['budget']:g} "
               f"(--threshold-prior-node-days 0)")
     if allowed < train.MIN_BUDGET_EPISODES:
-        setby = ("the slice's few highest healthy episodes and the base model's curve" if pool and "skipped" not in pool else
+        setby = ("the slice's few highest healthy episodes and the base model's curve" if pooled else
                  "the slice's few highest healthy episodes")
         _err(f"WARNING: the thresholds rest on a validation slice of {v['node_days']:,.0f} node-days: at budget "
              f"{manifest['budget']:g} that is {allowed:.1f} false evacuations, so each threshold is set by "

@@ -320,15 +320,15 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             except ValueError as exc:
                 # a prior that cannot be read costs the prior, not the training run
                 pooling = {"base_model_version": base_model.version, "skipped": str(exc)}
-        if pooling is None and base_name is not None:
-            pooling = {"base_model_version": base_model.version, "rule": POOLING_RULE,
-                       "prior_node_days": pooled["prior_node_days"], "slice_node_days": pooled["slice_node_days"],
-                       "thresholds_slice_alone": thresholds["model"], "curve_slice_alone": curves["model"],
-                       "recommended_threshold_slice_alone": risk.pick_threshold(curves["model"], budget),
-                       "carried_base_curve": pooled["carried"],
-                       "slice_false_evacuations_at_carried": pooled["slice_false_evacuations"]}
-            thresholds["model"] = {str(b): pooled["thresholds"][float(b)] for b in BUDGETS}
-            curves["model"] = pooled["curve"]
+            else:
+                pooling = {"base_model_version": base_model.version, "rule": POOLING_RULE,
+                           "prior_node_days": pooled["prior_node_days"], "slice_node_days": pooled["slice_node_days"],
+                           "thresholds_slice_alone": thresholds["model"], "curve_slice_alone": curves["model"],
+                           "recommended_threshold_slice_alone": risk.pick_threshold(curves["model"], budget),
+                           "carried_base_curve": pooled["carried"],
+                           "slice_false_evacuations_at_carried": pooled["slice_false_evacuations"]}
+                thresholds["model"] = {str(b): pooled["thresholds"][float(b)] for b in BUDGETS}
+                curves["model"] = pooled["curve"]
         chosen = {name: risk.pick_threshold(curves[name], budget) for name in names}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
         for m in validation.values():
