@@ -334,7 +334,7 @@ def bench_offline() -> None:
     base = signals.node_base_signals(tables)
     t1 = time.perf_counter()
     steps, x, present = offline.densify(base)
-    full = ft.all_signals(x, np.full((len(x), len(ft.PEER_SIGNALS)), np.nan), stt.empty_values(len(x)))[None]
+    full = ft.all_signals(x, np.full((len(x), ft.PEER_WIDTH), np.nan), stt.empty_values(len(x)))[None]
     ft.compute(full, steps, ft.FeatureState.empty(1))
     t2 = time.perf_counter()
     print(f"offline, one 8-GPU/8-HCA node-day at 60 s: base signals {t1 - t0:.2f} s, features {t2 - t1:.2f} s "

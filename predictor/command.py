@@ -41,6 +41,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
                   "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False,
+                  "context_columns": False,
                   # calibration.DEFAULT_PRIOR_NODE_DAYS, as THRESHOLDS_DEFAULTS' (a test holds them equal)
                   "threshold_prior_node_days": 1000.0}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": TRAIN_DEFAULTS["threshold_prior_node_days"]}
@@ -119,6 +120,9 @@ def register(subparsers) -> None:
                    help="the trees also read the job step-time columns (a node's ranks against their job's: "
                         "docs/predictor.md, Job step times; not the default: judged twice, not shipped; train where only "
                         "some jobs report step times, as in a fleet)")
+    p.add_argument("--context-columns", dest="context_columns", action="store_const", const=True,
+                   help="the trees also read how loud the other nodes under a node's leaf switch usually are, "
+                        "per error family (docs/predictor.md, Context; not the default)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -246,6 +250,7 @@ def run_train(args, file_data) -> int:
                                    absolute_counts=cfg["absolute_counts"],
                                    steadiness_columns=cfg["steadiness_columns"],
                                    step_time_columns=cfg["step_time_columns"],
+                                   context_columns=cfg["context_columns"],
                                    threshold_prior_node_days=cfg["threshold_prior_node_days"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)

@@ -139,6 +139,10 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
             rise = get(f"{signal}_rise30m")
             if np.isfinite(rise) and abs(rise) >= 0.5:
                 parts.append(f"{rise:+.1f}{_unit(spec.unit, 2.0)} over 30 min")
+    elif spec is not None and signal + "_3d" in FIDX:
+        usual = get(signal + "_3d")
+        if np.isfinite(usual):
+            parts.append(f"{_fmt(usual)}{_unit(spec.unit, usual)} on average over the last 3 days")
     elif spec is not None and spec.kind == "peer":
         say = _share if spec.unit == "ratio" else _fmt
         parts.append(f"{say(get(signal + '_30m'))} over 30 min ({say(get(signal + '_5m'))} over 5 min)")

@@ -15,7 +15,9 @@ slowest rank's step time over its job's median, by the comparison the service's 
 its maximum over 5 and 30 minutes and the share of the last 30 minutes' judged steps that were slow
 (STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each fabric health-mask flag and
 the registration flag now and at any time in 30 minutes, and fatal and non-fatal (correctable included)
-NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC).
+NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC). Then how loud the node's
+neighbourhood usually is: per error family, the 3-day EWMA of the mean count of the other nodes under its
+leaf switch (CONTEXT).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -28,11 +30,12 @@ FEATURE_VERSION changes whenever a feature's definition changes; a model trained
 is refused by the registry. The estimators read the first N_MODEL columns (MODEL_FEATURE_NAMES), and
 a model trained with `foreshock train --steadiness-columns N` the first N STEADINESS columns after them
 too (model.estimator_feature_names); the STEADINESS columns feed the novelty alarm (novelty.py), and
-the STEP_TIMES and FABRIC columns after those are read by no model yet (explanations name them where a
-model does: explain.py). Feature version 7 only appended the STEADINESS columns, version 8 the
-STEP_TIMES columns and version 9 the FABRIC columns (and read the step times a step later:
-steptimes.LAG_STEPS), so a model of version 6, 7 or 8, whose names are a prefix of FEATURE_NAMES and
-never reach the STEP_TIMES columns, still loads (READABLE_VERSIONS, registry.check_compatible).
+the STEP_TIMES, FABRIC and CONTEXT columns after those are read by no shipped model (explanations name
+them where a model does: explain.py). Feature version 7 only appended the STEADINESS columns, version 8
+the STEP_TIMES columns, version 9 the FABRIC columns (and read the step times a step later:
+steptimes.LAG_STEPS) and version 10 the CONTEXT columns (and four counts to PEER_INPUTS), so a model of
+version 6 to 9, whose names are a prefix of FEATURE_NAMES, still loads (READABLE_VERSIONS,
+registry.check_compatible).
 """
 
 from __future__ import annotations
@@ -45,11 +48,15 @@ from scipy.signal import lfilter
 from foreshock.predictor import signals as sg
 from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "9"
-# 7 appended the STEADINESS columns, 8 the STEP_TIMES columns and 9 the FABRIC columns; the model
-# columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did
+FEATURE_VERSION = "10"
+# 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns and 10 the CONTEXT
+# columns; the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did
 # not at first: no model reads them, and names and layout stay 9's, so 9's checkpoints and models fit.
-READABLE_VERSIONS = ("6", "7", "8", "9")
+READABLE_VERSIONS = ("6", "7", "8", "9", "10")
+# Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
+# the CONTEXT filter's state (FeatureState.CARRIED_SINCE), so a version-9 checkpoint keeps every node's
+# baselines across the upgrade and the neighbourhood's usual starts from zero.
+RESTORABLE_VERSIONS = ("9", "10")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -70,9 +77,22 @@ PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("temp_vs_job", "peer", "hottest GPU against the other nodes of its job", "degC"),
     sg.BaseSignal("sm_clock_vs_job", "peer", "lowest SM clock relative to the other nodes of its job", "x"),
 )
+# How loud the node's neighbourhood is: per error family, the mean count per step of the other nodes
+# under its leaf switch. Healthy fleets differ pod by pod (a batch of marginal HBM, a cable plant whose
+# links recover now and then, a hot row), and a count that is a precursor in a quiet pod is the
+# neighbourhood's normal in a loud one. Computed with the peer signals (peer_signals), laid out last.
+CONTEXT_SIGNALS: tuple[sg.BaseSignal, ...] = (
+    sg.BaseSignal("leaf_peers_ecc", "peer", "HBM corrected ECC errors per minute of the other nodes under this leaf switch", "errors"),
+    sg.BaseSignal("leaf_peers_remaps", "peer", "HBM rows remapped for correctable errors per minute of the other nodes under this leaf switch", "rows"),
+    sg.BaseSignal("leaf_peers_pcie_replay", "peer", "PCIe replays per minute of the other nodes under this leaf switch", "replays"),
+    sg.BaseSignal("leaf_peers_link_err", "peer", "IB link errors per minute of the other nodes under this leaf switch", "errors"),
+    sg.BaseSignal("leaf_peers_link_recovery", "peer", "IB link error recoveries per minute of the other nodes under this leaf switch", "recoveries"),
+)
 # The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them,
-# and the NVLink fabric's (signals.FABRIC_SIGNALS) after those (all_signals lays a block out so).
-ALL_SIGNALS: tuple[sg.BaseSignal, ...] = sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS + sg.FABRIC_SIGNALS
+# the NVLink fabric's (signals.FABRIC_SIGNALS) after those and the CONTEXT_SIGNALS last (all_signals
+# lays a block out so).
+ALL_SIGNALS: tuple[sg.BaseSignal, ...] = (sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS + sg.FABRIC_SIGNALS
+                                          + CONTEXT_SIGNALS)
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
 IDX = {n: i for i, n in enumerate(ALL_NAMES)}
 PEER_GROUPS = ("leaf_switch", "job", "site")
@@ -127,14 +147,17 @@ RISE_IDX = [IDX[n] for n in RISE]
 STEADY_IDX = [IDX[n] for n in STEADY]
 STEP_TIME_IDX = [IDX[n] for n in stt.NAMES]
 FABRIC_IDX = [IDX[n] for n in sg.FABRIC_NAMES]   # the flags, then the counts
+CONTEXT_IDX = [IDX[s.name] for s in CONTEXT_SIGNALS]
+PEER_WIDTH = len(PEER_SIGNALS) + len(CONTEXT_SIGNALS)   # the columns peer_signals returns
 
 
 def all_signals(x: np.ndarray, peers: np.ndarray, step_times: np.ndarray) -> np.ndarray:
     """[..., S] in ALL_NAMES order from a block's per-step signals x [..., signals.STEP_NAMES] (the
-    base signals, then the fabric's), its peer signals and its step-time signals: the layout compute
-    reads, the same for the offline and the online path."""
-    nb = len(sg.BASE_NAMES)
-    return np.concatenate([x[..., :nb], peers, step_times, x[..., nb:]], axis=-1)
+    base signals, then the fabric's), its peer and context signals (peer_signals: PEER_SIGNALS, then
+    CONTEXT_SIGNALS) and its step-time signals: the layout compute reads, the same for the offline and
+    the online path."""
+    nb, npeer = len(sg.BASE_NAMES), len(PEER_SIGNALS)
+    return np.concatenate([x[..., :nb], peers[..., :npeer], step_times, x[..., nb:], peers[..., npeer:]], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -142,7 +165,7 @@ class FeatureSpec:
     name: str
     signal: str       # the base/peer signal it is computed from (explanations group by it)
     op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed
-                      # steady job_max5 job_max30 slow_share30
+                      # steady job_max5 job_max30 slow_share30 context
 
 
 def _specs() -> tuple[FeatureSpec, ...]:
@@ -214,14 +237,19 @@ FABRIC: tuple[FeatureSpec, ...] = (
                                                    FeatureSpec(f"{n}_30m", n, "sum30"),
                                                    FeatureSpec(f"minutes_since_{n}", n, "since"))),
 )
+# The neighbourhood's usual: per CONTEXT signal, its 3-day EWMA (bias-corrected, unknown counted as 0),
+# the baselines' own filter, so the trees can judge a node's counts against what its leaf's other nodes
+# do (`foreshock train --context-columns`; docs/predictor.md, "Context").
+CONTEXT: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{s.name}_3d", s.name, "context") for s in CONTEXT_SIGNALS)
 N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
-FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC
+FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC + CONTEXT
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 MODEL_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES[:N_MODEL]
 N_FEATURES = len(FEATURES)
 STEADY_COLS = slice(N_MODEL, N_MODEL + len(STEADINESS))
 STEP_TIME_COLS = slice(STEADY_COLS.stop, STEADY_COLS.stop + len(STEP_TIMES))
-FABRIC_COLS = slice(STEP_TIME_COLS.stop, N_FEATURES)
+FABRIC_COLS = slice(STEP_TIME_COLS.stop, STEP_TIME_COLS.stop + len(FABRIC))
+CONTEXT_COLS = slice(FABRIC_COLS.stop, N_FEATURES)
 _VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
 _VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
                          dtype=np.intp)
@@ -317,6 +345,7 @@ class FeatureState:
     fring: np.ndarray       # [GRING, N, 2C] the SXid counts of the last GRING steps (unknown: 0), then whether known
     fhead: int
     flast: np.ndarray       # [N, 2F + C] the last step of each fabric flag at 1, of it known, of each SXid count > 0
+    zc: np.ndarray          # [N, X] EWMA state of the CONTEXT signals, 3-day
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
 
     @classmethod
@@ -329,7 +358,8 @@ class FeatureState:
                    np.zeros((n, len(STEADY_IDX))), np.zeros((n, len(STEADY_IDX))),
                    np.repeat(stt.empty_values(GRING)[:, None, :], n, axis=1), 0,
                    np.zeros((GRING, n, 2 * len(sg.FABRIC_COUNTS))), 0,
-                   np.full((n, 2 * len(sg.FABRIC_FLAGS) + len(sg.FABRIC_COUNTS)), -np.inf))
+                   np.full((n, 2 * len(sg.FABRIC_FLAGS) + len(sg.FABRIC_COUNTS)), -np.inf),
+                   np.zeros((n, len(CONTEXT_IDX))))
 
     def grow(self, n: int) -> "FeatureState":
         """The same state with n new nodes appended (their history empty, as offline starts them)."""
@@ -342,28 +372,38 @@ class FeatureState:
                             cat([self.last_event, add.last_event]), cat([self.zd, add.zd]),
                             cat([self.za, add.za]), cat([self.zar, add.zar]),
                             cat([self.tring, add.tring], axis=1), self.thead,
-                            cat([self.fring, add.fring], axis=1), self.fhead, cat([self.flast, add.flast]))
+                            cat([self.fring, add.fring], axis=1), self.fhead, cat([self.flast, add.flast]),
+                            cat([self.zc, add.zc]))
 
     def __len__(self) -> int:
         return len(self.seen)
 
     # What a checkpoint keeps (OnlineScorer.save_state): the running sums, the baselines, the day-long
-    # counts, the steadiness shares and the last events (the fabric's too), a few numbers per node. Not
-    # the 30-step rings (the step times' and SXids' too), 30x the rest and refilled by 30 steps of telemetry.
-    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar", "flast")
+    # counts, the steadiness shares, the last events (the fabric's too) and the neighbourhood's usual, a
+    # few numbers per node. Not the 30-step rings (the step times' and SXids' too), 30x the rest and
+    # refilled by 30 steps of telemetry.
+    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar", "flast", "zc")
+    # the feature version that began to carry each array a checkpoint of an earlier one lacks
+    CARRIED_SINCE = {"zc": "10"}
 
     def carried(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(getattr(self, k)) for k in self.CARRIED}
 
     @classmethod
-    def from_carried(cls, arrays: dict[str, np.ndarray]) -> "FeatureState":
-        """A state from carried() arrays: the rings hold the running sums as they are now, so each
-        window starts over from the next step (as a node's do at its first steps) and the gauges'
-        30-step maxima from the next value; everything else continues as if nothing had stopped.
-        Raises ValueError when an array's shape is not this code's."""
+    def from_carried(cls, arrays: dict[str, np.ndarray], version: str = FEATURE_VERSION) -> "FeatureState":
+        """A state from carried() arrays of feature version `version` (RESTORABLE_VERSIONS): the rings
+        hold the running sums as they are now, so each window starts over from the next step (as a
+        node's do at its first steps) and the gauges' 30-step maxima from the next value; an array the
+        version did not carry yet (CARRIED_SINCE) starts from zero, its filter climbing back over its
+        half-life; everything else continues as if nothing had stopped. Raises ValueError when an array is missing or its shape is not this
+        code's."""
         n = len(arrays["seen"])
         state = cls.empty(n)
         for k in cls.CARRIED:
+            if k not in arrays and int(version) < int(cls.CARRIED_SINCE.get(k, "0")):
+                continue
+            if k not in arrays:
+                raise ValueError(f"feature state {k}: missing from a version-{version} state")
             want = getattr(state, k).shape
             got = np.asarray(arrays[k], dtype=np.float64)
             if got.shape != want:
@@ -572,6 +612,8 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     out[:, :, STEADY_COLS] = share_hours - share_days
     out[:, :, STEP_TIME_COLS] = _step_times(xt[:, :, STEP_TIME_IDX], state)
     out[:, :, FABRIC_COLS] = _fabric(xt[:, :, FABRIC_IDX], steps, state)
+    usual, zcf = ewma(EWMA_ALPHA, state.zc, np.nan_to_num(xt[:, :, CONTEXT_IDX]))
+    out[:, :, CONTEXT_COLS] = usual
 
     # carry the state
     h0 = state.head
@@ -586,6 +628,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     state.last_event = last[-1].copy()
     state.zd = np.asarray(zz[0])
     state.za, state.zar = np.asarray(zaf), np.asarray(zarf)
+    state.zc = np.asarray(zcf)
     result = np.ascontiguousarray(np.swapaxes(out, 0, 1), dtype=np.float32)
     anomaly_scores(result.reshape(n * t, N_FEATURES))
     return result, state
@@ -632,6 +675,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
     _steady_step(x, state, out, den_base, den_recent)
     out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
     out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
+    _context_step(x, state, out, den_base)
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -668,6 +712,14 @@ def _steady_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base: 
     yr = RECENT_ALPHA * counted + state.zar
     state.zar = (1.0 - RECENT_ALPHA) * yr
     out[:, STEADY_COLS] = yr / den_recent[:, None] - y / den_base[:, None]
+
+
+def _context_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base: np.ndarray) -> None:
+    """The CONTEXT columns of one step (x [N, S]) into out; carries state.zc. The block path's EWMA
+    recursion element by element (y = a x + z, z = (1 - a) y), bias-corrected like the baselines."""
+    y = EWMA_ALPHA * np.nan_to_num(x[:, CONTEXT_IDX]) + state.zc
+    state.zc = (1.0 - EWMA_ALPHA) * y
+    out[:, CONTEXT_COLS] = y / den_base[:, None]
 
 
 def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
@@ -829,6 +881,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     _steady_step(x, state, out, den_base, den_recent)
     out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
     out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
+    _context_step(x, state, out, den_base)
     anomaly_scores(out)
 
     state.ring[h] = c
@@ -846,13 +899,20 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
 
 
 # -- peers -------------------------------------------------------------------------------------------
-PEER_INPUTS = ("link_err", "traffic", "tcp_retrans", "gpu_err", "temp", "sm_clock")
+PEER_INPUTS = ("link_err", "traffic", "tcp_retrans", "gpu_err", "temp", "sm_clock",
+               "ecc_sbe", "remap_correctable", "pcie_replay", "ib_link_error_recovery")
+# The PEER_INPUTS the CONTEXT_SIGNALS average over the leaf switch's other nodes, in their order.
+CONTEXT_INPUTS = (PEER_INPUTS.index("ecc_sbe"), PEER_INPUTS.index("remap_correctable"),
+                  PEER_INPUTS.index("pcie_replay"), PEER_INPUTS.index("link_err"),
+                  PEER_INPUTS.index("ib_link_error_recovery"))
 GPU_ERRORS = ("ecc_sbe", "pcie_replay", "nvl_err_gpu_max")
 
 
 def peer_inputs(base: np.ndarray) -> np.ndarray:
     """[..., S_base] -> [..., len(PEER_INPUTS)]: a node's own link errors, traffic, TCP
-    retransmissions, GPU errors, hottest GPU and lowest SM clock per step (unknown: 0).
+    retransmissions, GPU errors, hottest GPU and lowest SM clock per step, then the counts the
+    CONTEXT_SIGNALS average (corrected ECC, rows remapped, PCIe replays, link error recoveries;
+    unknown: 0).
 
     Integer-valued (or multiples of 1/64 for gap-scaled counts), so sums over a group are exact
     whatever the order (offline and online agree).
@@ -863,7 +923,8 @@ def peer_inputs(base: np.ndarray) -> np.ndarray:
     gpu_err = np.nansum(base[..., [sg.BASE_INDEX[n] for n in GPU_ERRORS]], axis=-1)
     temp = np.nan_to_num(base[..., sg.BASE_INDEX["temp_max"]])
     clock = np.nan_to_num(base[..., sg.BASE_INDEX["sm_clock_min"]])
-    return np.stack([link, traffic, retrans, gpu_err, temp, clock], axis=-1)
+    context = [np.nan_to_num(base[..., sg.BASE_INDEX[n]]) for n in PEER_INPUTS[6:]]
+    return np.stack([link, traffic, retrans, gpu_err, temp, clock, *context], axis=-1)
 
 
 @dataclass
@@ -902,14 +963,15 @@ def check_totals_row(row, where: str) -> np.ndarray:
 
 def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarray],
                  totals: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
-    """The PEER_SIGNALS of nodes given their own inputs and their groups' totals (self included).
+    """The PEER_SIGNALS, then the CONTEXT_SIGNALS, of nodes given their own inputs and their groups'
+    totals (self included).
 
-    own [M, 3]; present [M] (the node had data this step); codes[group] [M] (-1: no group);
+    own [M, I]; present [M] (the node had data this step); codes[group] [M] (-1: no group);
     totals[group] = (count [M], total [M, I], nonzero [M, I]) looked up for each row's group, I =
     len(PEER_INPUTS). Gauges (temperature, clock) average over the peers that reported them (nonzero).
     """
     m = len(own)
-    out = np.full((m, len(PEER_SIGNALS)), np.nan)
+    out = np.full((m, PEER_WIDTH), np.nan)
     p = present.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         cnt, tot, nz = totals["leaf_switch"]
@@ -940,4 +1002,12 @@ def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarr
             ok = (codes["job"] >= 0) & (reporting > 0) & present & own_known
             out[:, col] = np.where(ok, own[:, k] / mean_others if relative else own[:, k] - mean_others, np.nan)
     out[~present] = np.nan
+    # the neighbourhood is as loud whether or not the node itself reported this step
+    cnt, tot, nz = totals["leaf_switch"]
+    others = cnt - p
+    ok = (codes["leaf_switch"] >= 0) & (others > 0)
+    ctx = list(CONTEXT_INPUTS)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        usual = (tot[:, ctx] - own[:, ctx] * p[:, None]) / others[:, None]
+    out[:, len(PEER_SIGNALS):] = np.where(ok[:, None], usual, np.nan)
     return out

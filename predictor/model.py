@@ -145,18 +145,34 @@ RISING_GAUGES = {"remap_pending", "remap_failure", "pcie_width_deficit", "nvl_li
 RISING_PEERS = {"gpu_err_vs_job", "link_err_vs_leaf"}
 
 
-def estimator_feature_names(steadiness_columns: int = 0, step_times: bool = False) -> tuple[str, ...]:
+def estimator_feature_names(steadiness_columns: int = 0, step_times: bool = False,
+                            context: bool = False) -> tuple[str, ...]:
     """The columns an estimator reads: features.MODEL_FEATURE_NAMES and the first `steadiness_columns`
     STEADINESS columns after them (how steady a signal's errors have been over 2 hours; features.STEADY
     lists corrected ECC and corrected row remaps first); with `step_times`, through the STEP_TIMES
     columns (the node's ranks against their job's), the STEADINESS columns past the first
-    `steadiness_columns` in the names but held constant (`steadiness_held`). Always a prefix of
+    `steadiness_columns` in the names but held constant (`steadiness_held`); with `context`, through
+    the CONTEXT columns (how loud the node's leaf switch's other nodes usually are), the columns
+    between that are not asked for held constant too (`context_held`). Always a prefix of
     features.FEATURE_NAMES, which is what the registry loads. Raises ValueError outside
     [0, len(features.STEADINESS)]."""
     k = int(steadiness_columns)
     if not 0 <= k <= len(ft.STEADINESS):
         raise ValueError(f"steadiness columns {steadiness_columns}: must be between 0 and {len(ft.STEADINESS)}")
+    if context:
+        return ft.FEATURE_NAMES[:ft.CONTEXT_COLS.stop]
     return ft.FEATURE_NAMES[:ft.STEP_TIME_COLS.stop if step_times else ft.N_MODEL + k]
+
+
+def context_held(feature_names, step_times: bool = False) -> list[int]:
+    """The STEP_TIMES (unless `step_times`) and FABRIC columns of `feature_names`: there only because
+    the CONTEXT columns after them are read (estimator_feature_names), held constant while the trees
+    are fitted."""
+    names = list(feature_names)
+    if ft.FEATURE_NAMES[ft.CONTEXT_COLS.start] not in names:
+        return []
+    held = ([] if step_times else list(ft.STEP_TIMES)) + list(ft.FABRIC)
+    return [names.index(f.name) for f in held if f.name in names]
 
 
 def steadiness_held(feature_names, steadiness_columns: int = 0) -> list[int]:

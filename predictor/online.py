@@ -429,8 +429,8 @@ class OnlineScorer:
                 x[base.node, base.step - int(steps[0])] = base.values
         present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
         codes = self._group_code_arrays()
-        peers = np.empty((n, t, len(ft.PEER_SIGNALS)))
-        own = ft.peer_inputs(x)                                   # [N, T, 3]
+        peers = np.empty((n, t, ft.PEER_WIDTH))
+        own = ft.peer_inputs(x)                                   # [N, T, len(PEER_INPUTS)]
         for j in range(t):
             totals, shared = {}, {}
             for g, c in codes.items():
@@ -702,8 +702,12 @@ class OnlineScorer:
         steps: features.FeatureState.from_carried), and the steps the service was down are skipped
         (max_catchup_steps). Nodes are scored from the first step that closes after the restore.
 
+        A checkpoint of an earlier feature version in features.RESTORABLE_VERSIONS restores too, what
+        it did not carry yet starting over (features.FeatureState.CARRIED_SINCE).
+
         Returns a line saying what was restored. Raises ValueError naming the file and the reason
-        (not a state file, another feature version, parts that do not fit) and changes nothing."""
+        (not a state file, a feature version it cannot restore, parts that do not fit) and changes
+        nothing."""
         import json
 
         if self._nodes or self._pending_rows:
@@ -716,10 +720,11 @@ class OnlineScorer:
             raise ValueError(f"{path}: not a scorer state file ({exc})") from None
         if meta.get("format") != self.STATE_FORMAT:
             raise ValueError(f"{path}: format {meta.get('format')!r}, this code reads {self.STATE_FORMAT!r}")
-        if str(meta.get("feature_version")) != ft.FEATURE_VERSION or meta.get("step_seconds") != ft.STEP_SECONDS:
+        version = str(meta.get("feature_version"))
+        if version not in ft.RESTORABLE_VERSIONS or meta.get("step_seconds") != ft.STEP_SECONDS:
             raise ValueError(f"{path}: saved with feature version {meta.get('feature_version')!r} and "
                              f"{meta.get('step_seconds')} s steps; this code computes {ft.FEATURE_VERSION!r} "
-                             f"with {ft.STEP_SECONDS} s")
+                             f"with {ft.STEP_SECONDS} s and restores versions {', '.join(ft.RESTORABLE_VERSIONS)}")
         try:
             nodes = [str(n) for n in meta["nodes"]]
             stage = sg.SampleStage.from_state(meta["stage"], {k[len("stage."):]: v for k, v in arrays.items()
@@ -727,7 +732,7 @@ class OnlineScorer:
             if stage.node_names != nodes:
                 raise ValueError("the sample stage's nodes are not the scorer's")
             state = ft.FeatureState.from_carried({k[len("features."):]: v for k, v in arrays.items()
-                                                  if k.startswith("features.")})
+                                                  if k.startswith("features.")}, version)
             first_step = np.asarray(arrays["first_step"], dtype=np.int64)
             worst = {k: np.asarray(arrays[f"worst.{k}"], dtype=np.int64) for k in ex.ENTITY_SIGNALS
                      if f"worst.{k}" in arrays}

@@ -73,7 +73,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
           linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0,
-          step_time_columns: bool = False,
+          step_time_columns: bool = False, context_columns: bool = False,
           threshold_prior_node_days: float | None = calibration.DEFAULT_PRIOR_NODE_DAYS) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
@@ -98,6 +98,11 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     job's, predictor/steptimes.py), risk constrained not to fall as they grow; the steadiness columns
     before them past the first `steadiness_columns` are held constant for the trees (the logistic
     regression reads them). False (the default): not.
+
+    context_columns: the estimators also read the CONTEXT columns (per error family, how loud the other
+    nodes under the node's leaf switch usually are: features.CONTEXT), risk free to move either way
+    with them; the step-time (unless `step_time_columns`) and fabric columns before them are held
+    constant for the trees. False (the default): not.
 
     novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
     the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
@@ -133,7 +138,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                          f"({horizon_s / 60 + label_gap_hours * 60:g} min)")
     if not 0.0 < early_label_weight <= 1.0:
         raise ValueError(f"early label weight {early_label_weight:g}: must be in (0, 1]")
-    columns = mdl.estimator_feature_names(steadiness_columns, step_time_columns)
+    columns = mdl.estimator_feature_names(steadiness_columns, step_time_columns, context_columns)
     n_cols = len(columns)
     t_start = time.perf_counter()
     compared = _comparable(compare_with)
@@ -236,6 +241,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             progress("fitting", 0, 1)
         blind = [] if absolute_counts else mdl.baselined_counts(columns)
         blind += mdl.steadiness_held(columns, steadiness_columns)
+        blind += mdl.context_held(columns, step_time_columns)
         gbdt = mdl.fit_model(mdl.make_model(max_iter=max_iter, random_state=seed, feature_names=columns), Xtr, ytr,
                              wtr, constant_columns=blind)
         logit = mdl.make_logistic(columns).fit(Xtr, ytr, logreg__sample_weight=wtr)

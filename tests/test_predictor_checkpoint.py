@@ -81,6 +81,52 @@ def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
     assert sick[ft.FEATURE_NAMES.index("ecc_sbe_30m_vs_baseline")] > 1
 
 
+def _rewritten(path, out, version, drop=()):
+    """The checkpoint at `path` as a scorer of feature version `version` wrote it, without `drop`."""
+    import json
+
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k not in drop}
+    meta = json.loads(arrays["meta"].tobytes())
+    meta["feature_version"] = version
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(out, **arrays)
+    return out
+
+
+def test_a_checkpoint_of_feature_version_9_keeps_its_baselines_and_learns_the_context_again(tmp_path, telemetry,
+                                                                                            tiny_model_dir):
+    """Version 10 only added the context filter's state: a version-9 checkpoint restores, every column
+    but the context's carries on as if the scorer never stopped, and the context's starts over; a
+    version-10 checkpoint without it is refused."""
+    tables, inv, first = telemetry
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
+    steady, before = online.OnlineScorer(model, explain_top=0), online.OnlineScorer(model, explain_top=0)
+    for s in (steady, before):
+        s.ingest("inventory", inv)
+    for step in range(first, first + RESTART_AT):
+        _feed(steady, tables, step)
+        _feed(before, tables, step)
+    path = tmp_path / "state.npz"
+    before.save_state(path)
+    after = online.OnlineScorer(model, explain_top=0)
+    after.restore_state(_rewritten(path, tmp_path / "v9.npz", "9", drop=("features.zc",)))
+    broken = online.OnlineScorer(model, explain_top=0)
+    with pytest.raises(ValueError, match="v10.npz: feature state zc: missing from a version-10 state"):
+        broken.restore_state(_rewritten(path, tmp_path / "v10.npz", "10", drop=("features.zc",)))
+    assert broken.nodes == []
+    others = [i for i in range(ft.N_FEATURES) if i not in range(ft.N_FEATURES)[ft.CONTEXT_COLS]]
+    for k, step in enumerate(range(first + RESTART_AT, first + RESTART_AT + ft.HISTORY + 3)):
+        _feed(steady, tables, step)
+        _feed(after, tables, step)
+        if k >= ft.HISTORY:
+            for n in NODES:
+                np.testing.assert_array_equal(after.features_of(n)[others], steady.features_of(n)[others])
+    # the context started over: node-b's loud HBM is its peers' usual, learnt again from 0
+    col = ft.FEATURE_NAMES.index("leaf_peers_ecc_3d")
+    assert 0 < after.features_of("node-a")[col] < steady.features_of("node-a")[col]
+
+
 def test_a_cold_scorer_differs_so_the_checkpoint_matters(tmp_path, telemetry, tiny_model_dir):
     tables, inv, first = telemetry
     model = registry.load_model(tiny_model_dir(tmp_path / "m"))

@@ -181,9 +181,10 @@ def test_windows_and_since_match_a_brute_force_computation():
 
 def test_peer_signals_tell_a_switch_fault_from_a_node_fault():
     # 4 nodes under one leaf; node 0 alone with link errors (its cable), then all four (the switch)
-    # inputs: link errors, traffic, TCP retransmissions, GPU errors, hottest GPU, lowest SM clock
-    own = np.array([[50.0, 1e9, 0, 0, 60, 1980], [0, 1e9, 0, 0, 60, 1980], [0, 1e9, 0, 0, 60, 1980],
-                    [0, 5e8, 0, 30, 75, 1800]])
+    # inputs: link errors, traffic, TCP retransmissions, GPU errors, hottest GPU, lowest SM clock, then
+    # corrected ECC, rows remapped, PCIe replays and link error recoveries (the context's)
+    own = np.array([[50.0, 1e9, 0, 0, 60, 1980, 0, 0, 0, 4], [0, 1e9, 0, 0, 60, 1980, 0, 0, 0, 0],
+                    [0, 1e9, 0, 0, 60, 1980, 0, 0, 0, 0], [0, 5e8, 0, 30, 75, 1800, 30, 0, 0, 0]])
     present = np.ones(4, dtype=bool)
     codes = {"leaf_switch": np.zeros(4, np.int64), "job": np.zeros(4, np.int64), "site": np.zeros(4, np.int64)}
 
@@ -210,6 +211,49 @@ def test_peer_signals_tell_a_switch_fault_from_a_node_fault():
     own2[:, 0] = 50.0
     p2 = ft.peer_signals(own2, present, codes, totals(own2))
     assert p2[0, 0] == 1.0 and p2[0, 1] == pytest.approx(1.0)     # switch fault: all peers too
+
+
+def test_context_is_the_other_nodes_under_the_leaf_whether_or_not_the_node_reported():
+    # 4 nodes under one leaf; node 3's HBM is loud; node 0's links recover now and then
+    own = np.zeros((4, len(ft.PEER_INPUTS)))
+    ecc, rec = ft.PEER_INPUTS.index("ecc_sbe"), ft.PEER_INPUTS.index("ib_link_error_recovery")
+    own[3, ecc], own[0, rec] = 30.0, 6.0
+    present = np.array([True, True, True, False])
+    codes = {g: np.zeros(4, np.int64) for g in ft.PEER_GROUPS}
+    codes["leaf_switch"] = np.array([0, 0, 0, -1])
+    counted = own * present[:, None]
+    cnt = np.full(4, float(present.sum()))
+    t = (cnt, np.tile(counted.sum(axis=0), (4, 1)), np.tile((counted > 0).sum(axis=0).astype(float), (4, 1)))
+    p = ft.peer_signals(own, present, codes, {g: t for g in ft.PEER_GROUPS})
+    ctx = {s_.name: p[:, len(ft.PEER_SIGNALS) + i] for i, s_ in enumerate(ft.CONTEXT_SIGNALS)}
+    # node 0's own recoveries are not its neighbourhood's; its two reporting peers' mean is
+    assert ctx["leaf_peers_link_recovery"][0] == 0.0
+    assert ctx["leaf_peers_link_recovery"][1] == pytest.approx(3.0)
+    # node 3 is in no leaf group: no neighbourhood; its ECC (not reported this step) is in no total
+    assert np.isnan(ctx["leaf_peers_ecc"][3]) and ctx["leaf_peers_ecc"][0] == 0.0
+    # a node absent this step still has its neighbourhood (its own comparisons are NaN)
+    present2 = np.array([False, True, True, False])
+    counted2 = own * present2[:, None]
+    t2 = (np.full(4, 2.0), np.tile(counted2.sum(axis=0), (4, 1)),
+          np.tile((counted2 > 0).sum(axis=0).astype(float), (4, 1)))
+    p2 = ft.peer_signals(own, present2, codes, {g: t2 for g in ft.PEER_GROUPS})
+    assert np.isnan(p2[0, :len(ft.PEER_SIGNALS)]).all()
+    assert p2[0, len(ft.PEER_SIGNALS):].tolist() == [0.0] * len(ft.CONTEXT_SIGNALS)
+
+
+def test_explanations_say_a_neighbourhoods_usual_with_its_unit_and_never_name_a_quiet_one():
+    from foreshock.predictor import explain as ex
+
+    row = np.full(ft.N_FEATURES, np.nan, dtype=np.float32)
+    col = ft.FEATURE_NAMES.index("leaf_peers_link_recovery_3d")
+    k = ex.GROUP_NAMES.index("leaf_peers_link_recovery")
+    row[col] = 0.0
+    assert not ex.unusual(row[None], np.zeros(ft.N_FEATURES))[0, k]
+    row[col] = 0.25
+    assert ex.unusual(row[None], np.zeros(ft.N_FEATURES))[0, k]
+    assert ex.describe("leaf_peers_link_recovery", row) == (
+        "IB link error recoveries per minute of the other nodes under this leaf switch: "
+        "0.25 recoveries on average over the last 3 days")
 
 
 def test_labels_horizon_blast_radius_and_exclusion():

@@ -116,11 +116,12 @@ def test_bad_remote_totals_are_refused_naming_the_fault_and_change_nothing(model
     a.score(_feed(a, tables, SHARD_A, step))
     good = np.zeros(ft.TOTALS_WIDTH)
     good[0] = 2
+    k = len(ft.PEER_INPUTS)
     for bad, words in (({"leaf_switch": {"leaf-1": good}}, "group 'leaf_switch'"),
                        ({"job": {"job-1": good[:-1]}}, "a totals row has"),
-                       ({"job": {"job-1": np.r_[2, [1] * 6, [3] * 6]}}, "nonzero counts"),
-                       ({"job": {"job-1": np.r_[0, [0] * 12]}}, "count 0.0"),
-                       ({"site": {"site-a": np.r_[np.nan, [0] * 12]}}, "not finite")):
+                       ({"job": {"job-1": np.r_[2, [1] * k, [3] * k]}}, "nonzero counts"),
+                       ({"job": {"job-1": np.r_[0, [0] * (2 * k)]}}, "count 0.0"),
+                       ({"site": {"site-a": np.r_[np.nan, [0] * (2 * k)]}}, "not finite")):
         with pytest.raises(ValueError, match=words):
             a.set_remote_totals(step, bad)
     with pytest.raises(ValueError, match="older than"):

@@ -175,6 +175,33 @@ def test_trees_that_read_the_step_time_columns_hold_the_steadiness_before_them_c
     np.testing.assert_array_equal(m.probability(X), m.probability(X[:, :width]))
 
 
+def test_trees_that_read_the_context_columns_hold_the_step_times_and_fabric_before_them_constant(sim_data, tmp_path,
+                                                                                                 capsys):
+    """--context-columns: the estimators read through the CONTEXT columns (a prefix of FEATURE_NAMES);
+    the steadiness, step-time and fabric columns they pass over are in the names but no tree splits on
+    them; the context columns are free to move the risk either way (a loud neighbourhood can lower it)."""
+    from foreshock.predictor import model as mdl
+
+    model_dir = tmp_path / "context"
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(model_dir), "--max-iter", "10", "--base", "",
+                     "--context-columns"]) == 0
+    capsys.readouterr()
+    m = registry.load_model(model_dir)
+    assert m.manifest["feature_names"] == list(ft.FEATURE_NAMES) and m.n_model_features == ft.N_FEATURES
+    held = {f.name for f in ft.STEADINESS + ft.STEP_TIMES + ft.FABRIC}
+    assert held <= set(m.manifest["estimator"]["blind_to"])
+    assert not {f.name for f in ft.CONTEXT} & set(m.manifest["estimator"]["blind_to"])
+    gbdt = m.estimator.calibrated_classifiers_[0].estimator.estimator.named_steps["gbdt"]
+    assert list(gbdt.monotonic_cst[ft.CONTEXT_COLS]) == [0] * len(ft.CONTEXT)
+    split_on = {int(f) for t in gbdt._predictors for f in t[0].nodes["feature_idx"][t[0].nodes["is_leaf"] == 0]}
+    assert not split_on & set(range(ft.N_MODEL, ft.CONTEXT_COLS.start))
+    assert mdl.context_held(mdl.estimator_feature_names(context=True), step_times=True) == list(
+        range(ft.FABRIC_COLS.start, ft.FABRIC_COLS.stop))
+    assert mdl.context_held(mdl.estimator_feature_names()) == []
+    X = np.nan_to_num(np.random.default_rng(4).standard_normal((100, ft.N_FEATURES)).astype(np.float32))
+    np.testing.assert_allclose(m.probability(X), m.estimator.predict_proba(X)[:, 1], rtol=1e-9, atol=1e-12)
+
+
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
     assert cli.main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "m")]) == 2
     assert "does not exist" in capsys.readouterr().err
