@@ -45,6 +45,19 @@ def _cols(suffix=None, prefix=None):
             if (suffix and n.endswith(suffix)) or (prefix and n.startswith(prefix))]
 
 
+def _rewritten(path, out, version, drop=()):
+    """The checkpoint at `path` as a scorer of feature version `version` wrote it, without `drop`."""
+    import json
+
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k not in drop}
+    meta = json.loads(arrays["meta"].tobytes())
+    meta["feature_version"] = version
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez(out, **arrays)
+    return out
+
+
 def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
     tables, inv, first = telemetry
     model = registry.load_model(tiny_model_dir(tmp_path / "m"))
@@ -79,19 +92,6 @@ def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
     sick = steady.features_of("node-b")
     assert sick[ft.FEATURE_NAMES.index("ecc_sbe_30m")] > 0
     assert sick[ft.FEATURE_NAMES.index("ecc_sbe_30m_vs_baseline")] > 1
-
-
-def _rewritten(path, out, version, drop=()):
-    """The checkpoint at `path` as a scorer of feature version `version` wrote it, without `drop`."""
-    import json
-
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files if k not in drop}
-    meta = json.loads(arrays["meta"].tobytes())
-    meta["feature_version"] = version
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    np.savez(out, **arrays)
-    return out
 
 
 def test_a_checkpoint_of_feature_version_9_keeps_its_baselines_and_learns_the_context_again(tmp_path, telemetry,
@@ -157,16 +157,8 @@ def test_a_bad_state_file_is_refused_and_changes_nothing(tmp_path, telemetry, ti
     _feed(donor, tables, first + 1)
     good = tmp_path / "good.npz"
     donor.save_state(good)
-    with np.load(good, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    import json
-    meta = json.loads(arrays["meta"].tobytes())
-    meta["feature_version"] = "0"
-    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    old = tmp_path / "old.npz"
-    np.savez(old, **arrays)
     with pytest.raises(ValueError, match="old.npz: saved with feature version '0'"):
-        scorer.restore_state(old)
+        scorer.restore_state(_rewritten(good, tmp_path / "old.npz", "0"))
     assert scorer.nodes == []
     # a scorer that has taken rows does not restore over them
     with pytest.raises(ValueError, match="only before it takes rows"):
