@@ -58,16 +58,22 @@ def _rewritten(path, out, version, drop=()):
     return out
 
 
-def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
+def _fed_pair(tmp_path, telemetry, tiny_model_dir):
+    """The model, and two scorers fed the same first RESTART_AT steps."""
     tables, inv, first = telemetry
     model = registry.load_model(tiny_model_dir(tmp_path / "m"))
-    steady = online.OnlineScorer(model, explain_top=0)
-    before = online.OnlineScorer(model, explain_top=0)
-    for s in (steady, before):
+    pair = online.OnlineScorer(model, explain_top=0), online.OnlineScorer(model, explain_top=0)
+    for s in pair:
         s.ingest("inventory", inv)
     for step in range(first, first + RESTART_AT):
-        _feed(steady, tables, step)
-        _feed(before, tables, step)
+        for s in pair:
+            _feed(s, tables, step)
+    return model, *pair
+
+
+def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
+    tables, inv, first = telemetry
+    model, steady, before = _fed_pair(tmp_path, telemetry, tiny_model_dir)
     path = tmp_path / "scorer-state.npz"
     assert before.save_state(path) > 0 and not (tmp_path / "scorer-state.npz.tmp").exists()
 
@@ -100,13 +106,7 @@ def test_a_checkpoint_of_feature_version_9_keeps_its_baselines_and_learns_the_co
     but the context's carries on as if the scorer never stopped, and the context's starts over; a
     version-10 checkpoint without it is refused."""
     tables, inv, first = telemetry
-    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
-    steady, before = online.OnlineScorer(model, explain_top=0), online.OnlineScorer(model, explain_top=0)
-    for s in (steady, before):
-        s.ingest("inventory", inv)
-    for step in range(first, first + RESTART_AT):
-        _feed(steady, tables, step)
-        _feed(before, tables, step)
+    model, steady, before = _fed_pair(tmp_path, telemetry, tiny_model_dir)
     path = tmp_path / "state.npz"
     before.save_state(path)
     after = online.OnlineScorer(model, explain_top=0)
