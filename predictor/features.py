@@ -50,8 +50,9 @@ from foreshock.predictor import steptimes as stt
 
 FEATURE_VERSION = "10"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns and 10 the CONTEXT
-# columns; the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did
-# not at first: no model reads them, and names and layout stay 9's, so 9's checkpoints and models fit.
+# columns; the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
+# well, which they did not at first: no model reads them, and names and layout stay 9's, so 9's
+# checkpoints and models fit.
 READABLE_VERSIONS = ("6", "7", "8", "9", "10")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
 # the CONTEXT filter's state (FeatureState.CARRIED_SINCE), so a version-9 checkpoint keeps every node's
@@ -240,7 +241,8 @@ FABRIC: tuple[FeatureSpec, ...] = (
 # The neighbourhood's usual: per CONTEXT signal, its 3-day EWMA (bias-corrected, unknown counted as 0),
 # the baselines' own filter, so the trees can judge a node's counts against what its leaf's other nodes
 # do (`foreshock train --context-columns`; docs/predictor.md, "Context").
-CONTEXT: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{s.name}_3d", s.name, "context") for s in CONTEXT_SIGNALS)
+CONTEXT: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{s.name}_3d", s.name, "context")
+                                         for s in CONTEXT_SIGNALS)
 N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
 FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC + CONTEXT
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
@@ -395,8 +397,8 @@ class FeatureState:
         hold the running sums as they are now, so each window starts over from the next step (as a
         node's do at its first steps) and the gauges' 30-step maxima from the next value; an array the
         version did not carry yet (CARRIED_SINCE) starts from zero, its filter climbing back over its
-        half-life; everything else continues as if nothing had stopped. Raises ValueError when an array is missing or its shape is not this
-        code's."""
+        half-life; everything else continues as if nothing had stopped. Raises ValueError when an
+        array is missing or its shape is not this code's."""
         n = len(arrays["seen"])
         state = cls.empty(n)
         for k in cls.CARRIED:
@@ -910,9 +912,9 @@ GPU_ERRORS = ("ecc_sbe", "pcie_replay", "nvl_err_gpu_max")
 
 def peer_inputs(base: np.ndarray) -> np.ndarray:
     """[..., S_base] -> [..., len(PEER_INPUTS)]: a node's own link errors, traffic, TCP
-    retransmissions, GPU errors, hottest GPU and lowest SM clock per step, then the counts the
-    CONTEXT_SIGNALS average (corrected ECC, rows remapped, PCIe replays, link error recoveries;
-    unknown: 0).
+    retransmissions, GPU errors, hottest GPU and lowest SM clock per step, then four counts the
+    CONTEXT_SIGNALS average beside the link errors (corrected ECC, rows remapped, PCIe replays, link
+    error recoveries; unknown: 0).
 
     Integer-valued (or multiples of 1/64 for gap-scaled counts), so sums over a group are exact
     whatever the order (offline and online agree).
