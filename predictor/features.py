@@ -82,13 +82,15 @@ PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
 # under its leaf switch. Healthy fleets differ pod by pod (a batch of marginal HBM, a cable plant whose
 # links recover now and then, a hot row), and a count that is a precursor in a quiet pod is the
 # neighbourhood's normal in a loud one. Computed with the peer signals (peer_signals), laid out last.
-CONTEXT_SIGNALS: tuple[sg.BaseSignal, ...] = (
-    sg.BaseSignal("leaf_peers_ecc", "peer", "HBM corrected ECC errors per minute of the other nodes under this leaf switch", "errors"),
-    sg.BaseSignal("leaf_peers_remaps", "peer", "HBM rows remapped for correctable errors per minute of the other nodes under this leaf switch", "rows"),
-    sg.BaseSignal("leaf_peers_pcie_replay", "peer", "PCIe replays per minute of the other nodes under this leaf switch", "replays"),
-    sg.BaseSignal("leaf_peers_link_err", "peer", "IB link errors per minute of the other nodes under this leaf switch", "errors"),
-    sg.BaseSignal("leaf_peers_link_recovery", "peer", "IB link error recoveries per minute of the other nodes under this leaf switch", "recoveries"),
-)
+# Per family: its name, the PEER_INPUTS count it averages, what that counts, the unit.
+CONTEXT_FAMILIES = (("ecc", "ecc_sbe", "HBM corrected ECC errors", "errors"),
+                    ("remaps", "remap_correctable", "HBM rows remapped for correctable errors", "rows"),
+                    ("pcie_replay", "pcie_replay", "PCIe replays", "replays"),
+                    ("link_err", "link_err", "IB link errors", "errors"),
+                    ("link_recovery", "ib_link_error_recovery", "IB link error recoveries", "recoveries"))
+CONTEXT_SIGNALS: tuple[sg.BaseSignal, ...] = tuple(
+    sg.BaseSignal(f"leaf_peers_{family}", "peer", f"{what} per minute of the other nodes under this leaf switch", unit)
+    for family, _, what, unit in CONTEXT_FAMILIES)
 # The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them,
 # the NVLink fabric's (signals.FABRIC_SIGNALS) after those and the CONTEXT_SIGNALS last (all_signals
 # lays a block out so).
@@ -901,12 +903,11 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
 
 
 # -- peers -------------------------------------------------------------------------------------------
-PEER_INPUTS = ("link_err", "traffic", "tcp_retrans", "gpu_err", "temp", "sm_clock",
-               "ecc_sbe", "remap_correctable", "pcie_replay", "ib_link_error_recovery")
+# base signals the context averages as they are (the link errors it averages are summed below)
+CONTEXT_COUNTS = ("ecc_sbe", "remap_correctable", "pcie_replay", "ib_link_error_recovery")
+PEER_INPUTS = ("link_err", "traffic", "tcp_retrans", "gpu_err", "temp", "sm_clock") + CONTEXT_COUNTS
 # The PEER_INPUTS the CONTEXT_SIGNALS average over the leaf switch's other nodes, in their order.
-CONTEXT_INPUTS = (PEER_INPUTS.index("ecc_sbe"), PEER_INPUTS.index("remap_correctable"),
-                  PEER_INPUTS.index("pcie_replay"), PEER_INPUTS.index("link_err"),
-                  PEER_INPUTS.index("ib_link_error_recovery"))
+CONTEXT_INPUTS = [PEER_INPUTS.index(counted) for _, counted, _, _ in CONTEXT_FAMILIES]
 GPU_ERRORS = ("ecc_sbe", "pcie_replay", "nvl_err_gpu_max")
 
 
@@ -925,7 +926,7 @@ def peer_inputs(base: np.ndarray) -> np.ndarray:
     gpu_err = np.nansum(base[..., [sg.BASE_INDEX[n] for n in GPU_ERRORS]], axis=-1)
     temp = np.nan_to_num(base[..., sg.BASE_INDEX["temp_max"]])
     clock = np.nan_to_num(base[..., sg.BASE_INDEX["sm_clock_min"]])
-    context = [np.nan_to_num(base[..., sg.BASE_INDEX[n]]) for n in PEER_INPUTS[6:]]
+    context = [np.nan_to_num(base[..., sg.BASE_INDEX[n]]) for n in CONTEXT_COUNTS]
     return np.stack([link, traffic, retrans, gpu_err, temp, clock, *context], axis=-1)
 
 
@@ -983,6 +984,9 @@ def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarr
         out[:, 0] = np.where(ok, (nz[:, 0] - own_nz) / others, np.nan)
         mean_others = (tot[:, 0] - own[:, 0] * p) / others
         out[:, 1] = np.where(ok & present, (own[:, 0] + 1.0) / (mean_others + 1.0), np.nan)
+        # the neighbourhood is as loud whether or not the node itself reported this step
+        usual = (tot[:, CONTEXT_INPUTS] - own[:, CONTEXT_INPUTS] * p[:, None]) / others[:, None]
+        out[:, len(PEER_SIGNALS):] = np.where(ok[:, None], usual, np.nan)
         cnt, tot, nz = totals["job"]
         others = cnt - p
         ok = (codes["job"] >= 0) & (others > 0) & present
@@ -1003,13 +1007,5 @@ def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarr
             mean_others = (tot[:, k] - own[:, k] * p) / reporting
             ok = (codes["job"] >= 0) & (reporting > 0) & present & own_known
             out[:, col] = np.where(ok, own[:, k] / mean_others if relative else own[:, k] - mean_others, np.nan)
-    out[~present] = np.nan
-    # the neighbourhood is as loud whether or not the node itself reported this step
-    cnt, tot, nz = totals["leaf_switch"]
-    others = cnt - p
-    ok = (codes["leaf_switch"] >= 0) & (others > 0)
-    ctx = list(CONTEXT_INPUTS)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        usual = (tot[:, ctx] - own[:, ctx] * p[:, None]) / others[:, None]
-    out[:, len(PEER_SIGNALS):] = np.where(ok[:, None], usual, np.nan)
+    out[~present, :len(PEER_SIGNALS)] = np.nan
     return out
