@@ -656,7 +656,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
     if _KERNEL_INDEX is None:
         _KERNEL_INDEX = tuple(np.asarray(a, dtype=np.int64) for a in (
             SUM_IDX, _positions(S_COUNT), _positions(S_BASE), _positions(S_RISE), _positions(S_PEER),
-            GAUGE_IDX, SINCE_IDX))
+            GAUGE_IDX, SINCE_IDX, DECAYED_IDX, STEADY_IDX, CONTEXT_IDX, STEP_TIME_IDX, FABRIC_IDX))
     n = x.shape[0]
     x = np.ascontiguousarray(x, dtype=np.float64)
     out = np.empty((n, N_FEATURES), dtype=np.float32)
@@ -666,20 +666,26 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
     if state.gmax is None:
         state.gmax = _SlidingMax(state.gring, state.ghead)
     hist = np.ascontiguousarray(state.gmax.current())
-    for name in ("cum", "cumv", "z", "zr", "last_event"):   # updated in place by the kernel
+    for name in ("cum", "cumv", "z", "zr", "last_event", "zd", "za", "zar", "zc", "flast", "tring",
+                 "fring"):   # updated in place by the kernels
         a = getattr(state, name)
         if not (a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float64):
             setattr(state, name, np.array(a, dtype=np.float64))
     h = state.head
-    kernels.run_rows(kernels.feature_step, n, kernel_threads(), (
-        x, *_KERNEL_INDEX, state.cum, state.cumv, state.ring, state.ringv, h, state.z, state.zr, den_base,
-        den_recent, hist, state.last_event, float(steps[0]), EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
+    st = float(steps[0])
+    threads = kernel_threads()
+    kernels.run_rows(kernels.feature_step, n, threads, (
+        x, *_KERNEL_INDEX[:7], state.cum, state.cumv, state.ring, state.ringv, h, state.z, state.zr, den_base,
+        den_recent, hist, state.last_event, st, EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
-    _decayed_step(x, state, out)
-    _steady_step(x, state, out, den_base, den_recent)
-    out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
-    out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
-    _context_step(x, state, out, den_base)
+    # _decayed_step, _steady_step, _step_times, _fabric and _context_step in one pass per node
+    kernels.run_rows(kernels.feature_rest_step, n, threads, (
+        x, *_KERNEL_INDEX[7:], len(sg.FABRIC_FLAGS), state.zd, state.za, state.zar, state.zc,
+        state.tring, state.thead, state.fring, state.fhead, state.flast, den_base, den_recent, DECAYED_KEEP,
+        EWMA_ALPHA, RECENT_ALPHA, st, float(HISTORY), STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, N_KERNEL,
+        STEADY_COLS.start, STEP_TIME_COLS.start, FABRIC_COLS.start, CONTEXT_COLS.start, out))
+    state.thead = (state.thead + 1) % GRING
+    state.fhead = (state.fhead + 1) % GRING
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING

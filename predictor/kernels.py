@@ -347,6 +347,134 @@ def feature_step(x, sum_idx, cnt_pos, base_pos, rise_pos, peer_pos, gauge_idx, s
             ringv[head, i, j] = cv[j]
 
 
+
+@_njit
+def _nan_to_num(v):
+    # np.nan_to_num's values: NaN -> 0, +-inf -> the largest finite double of its sign
+    if v != v:
+        return 0.0
+    if v == np.inf:
+        return 1.7976931348623157e308
+    if v == -np.inf:
+        return -1.7976931348623157e308
+    return v
+
+
+@_njit
+def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fabric_idx, n_flags,
+                      zd, za, zar, zc, tring, thead, fring, fhead, flast, den_base, den_recent,
+                      decayed_keep, ewma_alpha, recent_alpha, st, history, minutes_per_step, since_cap,
+                      decayed_col, steady_col, step_time_col, fabric_col, context_col, out, lo, hi):
+    """The one-step columns after kernels.feature_step's, for nodes lo..hi: features._decayed_step,
+    _steady_step, _step_times, _fabric and _context_step (the numpy references) written per node, in
+    their arithmetic and order. Updates the state rows of those nodes in place (zd, za, zar, zc,
+    flast, tring[thead], fring[fhead]); the caller advances thead and fhead. The ring sums are of whole
+    counts, added oldest slot first as numpy's reduction over the ring's first axis adds them."""
+    G = tring.shape[0]
+    nc = fring.shape[2] // 2
+    nan = np.nan
+    ninf = -np.inf
+    start = st - history
+    for i in range(lo, hi):
+        for q in range(decayed_idx.shape[0]):
+            v = x[i, decayed_idx[q]]
+            y = (0.0 if v != v else v) + zd[i, q]
+            out[i, decayed_col + q] = y
+            zd[i, q] = decayed_keep * y
+        for q in range(steady_idx.shape[0]):
+            counted = 1.0 if x[i, steady_idx[q]] > 0 else 0.0
+            y = ewma_alpha * counted + za[i, q]
+            za[i, q] = (1.0 - ewma_alpha) * y
+            yr = recent_alpha * counted + zar[i, q]
+            zar[i, q] = (1.0 - recent_alpha) * yr
+            out[i, steady_col + q] = yr / den_recent[i] - y / den_base[i]
+        # step times: [0] the ratio (NaN: none), [1] slow and [2] judged counts (unknown: 0)
+        r0 = x[i, step_time_idx[0]]
+        r1 = _nan_to_num(x[i, step_time_idx[1]])
+        r2 = _nan_to_num(x[i, step_time_idx[2]])
+        m5 = nan
+        for k in range(1, 5):
+            m5 = _fmax(m5, tring[(thead - k) % G, i, 0])
+        m30 = nan
+        slow = 0.0
+        judged = 0.0
+        for k in range(G):
+            m30 = _fmax(m30, tring[k, i, 0])
+            if k == 0:
+                slow = tring[k, i, 1]
+                judged = tring[k, i, 2]
+            else:
+                slow += tring[k, i, 1]
+                judged += tring[k, i, 2]
+        slow += r1
+        judged += r2
+        out[i, step_time_col] = _fmax(m5, r0)
+        out[i, step_time_col + 1] = _fmax(m30, r0)
+        out[i, step_time_col + 2] = slow / judged if judged > 0 else nan
+        tring[thead, i, 0] = r0
+        tring[thead, i, 1] = r1
+        tring[thead, i, 2] = r2
+        # the fabric: flags (1, 0, NaN), then SXid counts
+        for q in range(n_flags):
+            f = x[i, fabric_idx[q]]
+            s1 = st if f > 0 else ninf
+            s2 = st if f == f else ninf
+            a = flast[i, q]
+            b = flast[i, n_flags + q]
+            a = a if a >= s1 else s1
+            b = b if b >= s2 else s2
+            flast[i, q] = a
+            flast[i, n_flags + q] = b
+            out[i, fabric_col + 2 * q] = f
+            out[i, fabric_col + 2 * q + 1] = 1.0 if a > start else (0.0 if b > start else nan)
+        c0 = fabric_col + 2 * n_flags
+        for q in range(nc):
+            v = x[i, fabric_idx[n_flags + q]]
+            known = v == v
+            s3 = st if (known and v > 0) else ninf
+            a = flast[i, 2 * n_flags + q]
+            a = a if a >= s3 else s3
+            flast[i, 2 * n_flags + q] = a
+            cur = v if known else 0.0
+            curk = 1.0 if known else 0.0
+            tot = fring[0, i, q]
+            totk = fring[0, i, nc + q]
+            for k in range(1, G):
+                tot += fring[k, i, q]
+                totk += fring[k, i, nc + q]
+            tot += cur
+            totk += curk
+            out[i, c0 + 3 * q] = v
+            out[i, c0 + 3 * q + 1] = tot if totk > 0 else nan
+            out[i, c0 + 3 * q + 2] = min((st - a) * minutes_per_step, since_cap)
+            fring[fhead, i, q] = cur
+            fring[fhead, i, nc + q] = curk
+        for q in range(context_idx.shape[0]):
+            y = ewma_alpha * _nan_to_num(x[i, context_idx[q]]) + zc[i, q]
+            zc[i, q] = (1.0 - ewma_alpha) * y
+            out[i, context_col + q] = y / den_base[i]
+
+
+@_njit
+def _fmax(a, b):
+    # np.fmax: the other operand where one is NaN
+    if a != a:
+        return b
+    if b != b:
+        return a
+    return a if a >= b else b
+
+
+@_njit
+def _fmin(a, b):
+    # np.fmin: the other operand where one is NaN
+    if a != a:
+        return b
+    if b != b:
+        return a
+    return a if a <= b else b
+
+
 @_njit
 def group_totals(codes, present, own, cnt_out, tot_out, nz_out):
     """online.group_totals_lookup's numpy (bincount) arithmetic as loops: the same additions in the

@@ -197,6 +197,7 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
 
 
 @needs_numba
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the infinities, in the numpy path
 def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit():
     rng = np.random.default_rng(9)
     n, s = 2500, len(ft.ALL_NAMES)                     # over run_rows' split: two threads write the state
@@ -205,13 +206,19 @@ def test_the_one_step_kernel_is_the_numpy_step_bit_for_bit():
         x = rng.poisson(0.3, (n, s)) * rng.choice([0.0, 1.0, 1000.0], (n, s), p=[0.3, 0.6, 0.1])
         x[rng.random((n, s)) < 0.05] = np.nan
         x[:50] = np.nan                                # nodes that report nothing
+        x[rng.random((n, s)) < 0.002] = np.inf         # nan_to_num's largest double
+        x[rng.random((n, s)) < 0.002] = -np.inf
+        flags = ft.FABRIC_IDX[:len(signals.FABRIC_FLAGS)]
+        x[:, flags] = np.where(np.isnan(x[:, flags]), np.nan, rng.random((n, len(flags))) < 0.05)
         got = {}
         for use in (True, False):
             got[use] = ft.compute(x[:, None].copy(), np.array([500 + step]), states[use], kernel=use)[0]
         np.testing.assert_array_equal(got[True], got[False])
-    for name in ("cum", "cumv", "ring", "ringv", "gring", "z", "zr", "seen", "last_event"):
+    for name in ("cum", "cumv", "ring", "ringv", "gring", "z", "zr", "seen", "last_event", "zd", "za", "zar",
+                 "tring", "fring", "flast", "zc"):
         np.testing.assert_array_equal(getattr(states[True], name), getattr(states[False], name), err_msg=name)
-    assert states[True].head == states[False].head
+    for name in ("head", "ghead", "thead", "fhead"):
+        assert getattr(states[True], name) == getattr(states[False], name), name
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "numpy"])
