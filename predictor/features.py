@@ -154,12 +154,21 @@ CONTEXT_IDX = [IDX[s.name] for s in CONTEXT_SIGNALS]
 PEER_WIDTH = len(PEER_SIGNALS) + len(CONTEXT_SIGNALS)   # the columns peer_signals returns
 
 
-def all_signals(x: np.ndarray, peers: np.ndarray, step_times: np.ndarray) -> np.ndarray:
+def all_signals(x: np.ndarray, peers: np.ndarray, step_times: np.ndarray, *, kernel: bool = False) -> np.ndarray:
     """[..., S] in ALL_NAMES order from a block's per-step signals x [..., signals.STEP_NAMES] (the
     base signals, then the fabric's), its peer and context signals (peer_signals: PEER_SIGNALS, then
     CONTEXT_SIGNALS) and its step-time signals: the layout compute reads, the same for the offline and
-    the online path."""
+    the online path. kernel: a block of one step [N, 1, ...] copied row by row in the compiled kernel
+    where numba is importable; False: np.concatenate, the written reference (the same values)."""
+    from foreshock.predictor import kernels
+
     nb, npeer = len(sg.BASE_NAMES), len(PEER_SIGNALS)
+    if kernel and kernels.AVAILABLE and x.ndim == 3 and x.shape[1] == 1:
+        n = x.shape[0]
+        out = np.empty((n, 1, x.shape[2] + peers.shape[2] + step_times.shape[2]))
+        kernels.assemble_signals(*(np.ascontiguousarray(a[:, 0], dtype=np.float64) for a in (x, peers, step_times)),
+                                 nb, npeer, out[:, 0])
+        return out
     return np.concatenate([x[..., :nb], peers[..., :npeer], step_times, x[..., nb:], peers[..., npeer:]], axis=-1)
 
 
@@ -917,6 +926,29 @@ CONTEXT_INPUTS = [PEER_INPUTS.index(counted) for _, counted, _, _ in CONTEXT_FAM
 GPU_ERRORS = ("ecc_sbe", "pcie_replay", "nvl_err_gpu_max")
 
 
+def step_inputs(x: np.ndarray, *, kernel: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(peer_inputs(x) [N, T, I], present [N, T]: the node reported a value in the step) of a block's
+    per-step signals x [N, T, signals.STEP_NAMES]. kernel: a block of one step in one compiled pass
+    over the rows where numba is importable; False: numpy, the written reference (the same values)."""
+    from foreshock.predictor import kernels
+
+    if kernel and kernels.AVAILABLE and x.shape[1] == 1:
+        n = x.shape[0]
+        own, present = np.empty((n, 1, len(PEER_INPUTS))), np.empty((n, 1), dtype=bool)
+        kernels.peer_inputs_step(np.ascontiguousarray(x[:, 0], dtype=np.float64), *_peer_input_columns(),
+                                 own[:, 0], present[:, 0])
+        return own, present
+    return peer_inputs(x), ~np.all(np.isnan(x), axis=2)
+
+
+def _peer_input_columns() -> tuple:
+    b = sg.BASE_INDEX
+    return (np.array([b[n] for n in sg.IB_LINK_ERRORS], dtype=np.int64),
+            np.array([b["ib_traffic"], b["nvl_traffic"]], dtype=np.int64), b["tcp_retrans"],
+            np.array([b[n] for n in GPU_ERRORS], dtype=np.int64), b["temp_max"], b["sm_clock_min"],
+            np.array([b[n] for n in CONTEXT_COUNTS], dtype=np.int64))
+
+
 def peer_inputs(base: np.ndarray) -> np.ndarray:
     """[..., S_base] -> [..., len(PEER_INPUTS)]: a node's own link errors, traffic, TCP
     retransmissions, GPU errors, hottest GPU and lowest SM clock per step, then four counts the
@@ -971,15 +1003,30 @@ def check_totals_row(row, where: str) -> np.ndarray:
 
 
 def peer_signals(own: np.ndarray, present: np.ndarray, codes: dict[str, np.ndarray],
-                 totals: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
+                 totals: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], *, kernel: bool = False) -> np.ndarray:
     """The PEER_SIGNALS, then the CONTEXT_SIGNALS, of nodes given their own inputs and their groups'
     totals (self included).
 
     own [M, I]; present [M] (the node had data this step); codes[group] [M] (-1: no group);
     totals[group] = (count [M], total [M, I], nonzero [M, I]) looked up for each row's group, I =
     len(PEER_INPUTS). Gauges (temperature, clock) average over the peers that reported them (nonzero).
+    kernel: row by row in the compiled kernel where numba is importable; False: the numpy below, the
+    written reference (the same values).
     """
+    from foreshock.predictor import kernels
+
     m = len(own)
+    if kernel and kernels.AVAILABLE and m:
+        def f64(a):
+            return np.ascontiguousarray(a, dtype=np.float64)
+
+        out = np.empty((m, PEER_WIDTH))
+        (lc, lt, ln), (jc, jt, jn), (sc, st, _) = (totals[g] for g in ("leaf_switch", "job", "site"))
+        kernels.peer_signals_step(f64(own), np.ascontiguousarray(present, dtype=np.bool_),
+                                  *(np.ascontiguousarray(codes[g], dtype=np.int64) for g in ("leaf_switch", "job", "site")),
+                                  f64(lc), f64(lt), f64(ln), f64(jc), f64(jt), f64(jn), f64(sc), f64(st),
+                                  np.asarray(CONTEXT_INPUTS, dtype=np.int64), len(PEER_SIGNALS), out)
+        return out
     out = np.full((m, PEER_WIDTH), np.nan)
     p = present.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

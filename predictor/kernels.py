@@ -41,6 +41,20 @@ def _njit(fn):
     return numba.njit(nogil=True, cache=True)(fn)
 
 
+def _njit_inline(fn):
+    # small helpers, inlined into the kernels that call them: a call costs several times their work
+    if numba is None:
+        return fn
+    return numba.njit(nogil=True, cache=True, inline="always")(fn)
+
+
+def _njit_ieee(fn):
+    # a division by zero gives numpy's inf or NaN instead of raising ZeroDivisionError
+    if numba is None:
+        return fn
+    return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
+
+
 _POOL = None
 
 
@@ -348,7 +362,7 @@ def feature_step(x, sum_idx, cnt_pos, base_pos, rise_pos, peer_pos, gauge_idx, s
 
 
 
-@_njit
+@_njit_inline
 def _nan_to_num(v):
     # np.nan_to_num's values: NaN -> 0, +-inf -> the largest finite double of its sign
     if v != v:
@@ -368,13 +382,44 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
     """The one-step columns after kernels.feature_step's, for nodes lo..hi: features._decayed_step,
     _steady_step, _step_times, _fabric and _context_step (the numpy references) written per node, in
     their arithmetic and order. Updates the state rows of those nodes in place (zd, za, zar, zc,
-    flast, tring[thead], fring[fhead]); the caller advances thead and fhead. The ring sums are of whole
-    counts, added oldest slot first as numpy's reduction over the ring's first axis adds them."""
+    flast, tring[thead], fring[fhead]); the caller advances thead and fhead. The rings' sums add slot 0
+    first, in slot order, as numpy's reduction over their first axis does."""
     G = tring.shape[0]
     nc = fring.shape[2] // 2
+    m = hi - lo
     nan = np.nan
     ninf = -np.inf
     start = st - history
+    # the rings' reductions first, slot by slot over the block's nodes: a slot's rows are contiguous,
+    # where node by node every slot would be a stream of its own
+    m5 = np.full(m, nan)
+    m30 = np.full(m, nan)
+    tsum = np.empty((m, 2))
+    fsum = np.empty((m, 2 * nc))
+    for k in range(1, 5):
+        s = (thead - k) % G
+        for i in range(lo, hi):
+            v = tring[s, i, 0]
+            r = m5[i - lo]
+            if r != r or (v == v and v > r):   # np.fmax
+                m5[i - lo] = v
+    for i in range(lo, hi):
+        m30[i - lo] = tring[0, i, 0]
+        tsum[i - lo, 0] = tring[0, i, 1]
+        tsum[i - lo, 1] = tring[0, i, 2]
+        for q in range(2 * nc):
+            fsum[i - lo, q] = fring[0, i, q]
+    for k in range(1, G):
+        for i in range(lo, hi):
+            v = tring[k, i, 0]
+            r = m30[i - lo]
+            if r != r or (v == v and v > r):
+                m30[i - lo] = v
+            tsum[i - lo, 0] += tring[k, i, 1]
+            tsum[i - lo, 1] += tring[k, i, 2]
+        for i in range(lo, hi):
+            for q in range(2 * nc):
+                fsum[i - lo, q] += fring[k, i, q]
     for i in range(lo, hi):
         for q in range(decayed_idx.shape[0]):
             v = x[i, decayed_idx[q]]
@@ -392,24 +437,10 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
         r0 = x[i, step_time_idx[0]]
         r1 = _nan_to_num(x[i, step_time_idx[1]])
         r2 = _nan_to_num(x[i, step_time_idx[2]])
-        m5 = nan
-        for k in range(1, 5):
-            m5 = _fmax(m5, tring[(thead - k) % G, i, 0])
-        m30 = nan
-        slow = 0.0
-        judged = 0.0
-        for k in range(G):
-            m30 = _fmax(m30, tring[k, i, 0])
-            if k == 0:
-                slow = tring[k, i, 1]
-                judged = tring[k, i, 2]
-            else:
-                slow += tring[k, i, 1]
-                judged += tring[k, i, 2]
-        slow += r1
-        judged += r2
-        out[i, step_time_col] = _fmax(m5, r0)
-        out[i, step_time_col + 1] = _fmax(m30, r0)
+        slow = tsum[i - lo, 0] + r1
+        judged = tsum[i - lo, 1] + r2
+        out[i, step_time_col] = _fmax(m5[i - lo], r0)
+        out[i, step_time_col + 1] = _fmax(m30[i - lo], r0)
         out[i, step_time_col + 2] = slow / judged if judged > 0 else nan
         tring[thead, i, 0] = r0
         tring[thead, i, 1] = r1
@@ -437,13 +468,8 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
             flast[i, 2 * n_flags + q] = a
             cur = v if known else 0.0
             curk = 1.0 if known else 0.0
-            tot = fring[0, i, q]
-            totk = fring[0, i, nc + q]
-            for k in range(1, G):
-                tot += fring[k, i, q]
-                totk += fring[k, i, nc + q]
-            tot += cur
-            totk += curk
+            tot = fsum[i - lo, q] + cur
+            totk = fsum[i - lo, nc + q] + curk
             out[i, c0 + 3 * q] = v
             out[i, c0 + 3 * q + 1] = tot if totk > 0 else nan
             out[i, c0 + 3 * q + 2] = min((st - a) * minutes_per_step, since_cap)
@@ -455,7 +481,7 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
             out[i, context_col + q] = y / den_base[i]
 
 
-@_njit
+@_njit_inline
 def _fmax(a, b):
     # np.fmax: the other operand where one is NaN
     if a != a:
@@ -465,7 +491,7 @@ def _fmax(a, b):
     return a if a >= b else b
 
 
-@_njit
+@_njit_inline
 def _fmin(a, b):
     # np.fmin: the other operand where one is NaN
     if a != a:
@@ -473,6 +499,183 @@ def _fmin(a, b):
     if b != b:
         return a
     return a if a <= b else b
+
+
+
+@_njit
+def across_entities(per_entity, count, counted, use_max, idx, values, j):
+    """online._across_entities for the rows idx of a [node, entity] array, into values[:, j]: per row,
+    np.fmax (use_max) or np.fmin over its entity columns in column order, an entity taken as NaN where
+    `counted` and its count is not > 0 (the numpy path's np.where); NaN for a row past the array's."""
+    R = per_entity.shape[0]
+    C = per_entity.shape[1]
+    for k in range(idx.shape[0]):
+        i = idx[k]
+        r = np.nan
+        if i < R:
+            for c in range(C):
+                v = per_entity[i, c]
+                if counted and not count[i, c] > 0:
+                    v = np.nan
+                r = _fmax(r, v) if use_max else _fmin(r, v)
+        values[k, j] = r
+
+
+
+@_njit
+def scatter_columns(src, dest, values, helpers):
+    """signals.finish's column copies of one table's block, row by row: column j of src into column
+    dest[j] of values, or, dest[j] < 0, into column -dest[j] - 1 of helpers."""
+    for i in range(src.shape[0]):
+        for j in range(src.shape[1]):
+            d = dest[j]
+            if d >= 0:
+                values[i, d] = src[i, j]
+            else:
+                helpers[i, -d - 1] = src[i, j]
+
+
+
+@_njit_ieee
+def derive_columns(values, helpers, ops):
+    """signals.finish's derived signals, row by row: per ops row (kind, result column, a, b, c), the
+    operands read as scatter_columns' dest; kind 0: a - b, 1: a / b, 2: floor(a * b / c) where c > 0
+    (else NaN), 3: a / b where b > 0 (else NaN). Every result is computed from the row before any is
+    written back, as the numpy path does."""
+    k = ops.shape[0]
+    got = np.empty(k)
+    for i in range(values.shape[0]):
+        for r in range(k):
+            kind = ops[r, 0]
+            # the operand reads written out: a helper function here costs 20x the loop
+            w = ops[r, 2]
+            a = values[i, w] if w >= 0 else helpers[i, -w - 1]
+            w = ops[r, 3]
+            b = values[i, w] if w >= 0 else helpers[i, -w - 1]
+            if kind == 0:
+                v = a - b
+            elif kind == 1:
+                v = a / b
+            elif kind == 2:
+                w = ops[r, 4]
+                c = values[i, w] if w >= 0 else helpers[i, -w - 1]
+                v = np.floor(a * b / c) if c > 0 else np.nan
+            else:
+                v = a / b if b > 0 else np.nan
+            got[r] = v
+        for r in range(k):
+            values[i, ops[r, 1]] = got[r]
+
+
+
+@_njit_inline
+def _nansum(x, i, cols):
+    # np.nansum over a row's few columns: the first value, plus the rest added from -0.0 in order
+    # (numpy's reduction of a short row)
+    v = x[i, cols[0]]
+    first = 0.0 if v != v else v
+    rest = -0.0
+    for j in range(1, cols.shape[0]):
+        v = x[i, cols[j]]
+        rest += 0.0 if v != v else v
+    return first + rest if cols.shape[0] > 1 else first
+
+
+@_njit
+def peer_inputs_step(x, link_cols, traffic_cols, retrans_col, gpu_cols, temp_col, clock_col, context_cols,
+                     own, present):
+    """features.peer_inputs of one step's signals x [N, signals.STEP_NAMES] into own [N, I], and
+    whether each node reported anything (a value not NaN) into present [N]."""
+    for i in range(x.shape[0]):
+        own[i, 0] = _nansum(x, i, link_cols)
+        own[i, 1] = _nansum(x, i, traffic_cols)
+        own[i, 2] = _nan_to_num(x[i, retrans_col])
+        own[i, 3] = _nansum(x, i, gpu_cols)
+        own[i, 4] = _nan_to_num(x[i, temp_col])
+        own[i, 5] = _nan_to_num(x[i, clock_col])
+        for c in range(context_cols.shape[0]):
+            own[i, 6 + c] = _nan_to_num(x[i, context_cols[c]])
+        seen = False
+        for j in range(x.shape[1]):
+            if x[i, j] == x[i, j]:
+                seen = True
+                break
+        present[i] = seen
+
+
+@_njit_ieee
+def peer_signals_step(own, present, leaf, job, site, leaf_cnt, leaf_tot, leaf_nz, job_cnt, job_tot, job_nz,
+                      site_cnt, site_tot, context_inputs, n_peer, out):
+    """features.peer_signals for one step, row by row: the same expressions on the same operands (its
+    np.where branches taken per row), into out [N, PEER_WIDTH]. leaf/job/site: each node's group code
+    (-1: none); *_cnt, *_tot, *_nz: its group's totals (self included)."""
+    nan = np.nan
+    for i in range(own.shape[0]):
+        pres = present[i]
+        p = 1.0 if pres else 0.0
+        for c in range(out.shape[1]):
+            out[i, c] = nan
+        # leaf switch
+        others = leaf_cnt[i] - p
+        ok = leaf[i] >= 0 and others > 0
+        own_nz = (1.0 if own[i, 0] > 0 else 0.0) * p
+        if ok:
+            out[i, 0] = (leaf_nz[i, 0] - own_nz) / others
+            if pres:
+                mean_others = (leaf_tot[i, 0] - own[i, 0] * p) / others
+                out[i, 1] = (own[i, 0] + 1.0) / (mean_others + 1.0)
+            for c in range(context_inputs.shape[0]):
+                k = context_inputs[c]
+                out[i, n_peer + c] = (leaf_tot[i, k] - own[i, k] * p) / others
+        # job: traffic, GPU errors, temperature, clock
+        others = job_cnt[i] - p
+        ok = job[i] >= 0 and others > 0 and pres
+        if ok:
+            mean_others = (job_tot[i, 1] - own[i, 1] * p) / others
+            if mean_others > 0:
+                out[i, 2] = own[i, 1] / mean_others
+            mean_others = (job_tot[i, 3] - own[i, 3] * p) / others
+            out[i, 4] = (own[i, 3] + 1.0) / (mean_others + 1.0)
+        for col in range(5, 7):
+            k = col - 1
+            own_known = own[i, k] > 0
+            reporting = job_nz[i, k] - (1.0 if own_known else 0.0) * p
+            if job[i] >= 0 and reporting > 0 and pres and own_known:
+                mean_others = (job_tot[i, k] - own[i, k] * p) / reporting
+                out[i, col] = own[i, k] / mean_others if col == 6 else own[i, k] - mean_others
+        # site
+        others = site_cnt[i] - p
+        if site[i] >= 0 and others > 0:
+            out[i, 3] = (site_tot[i, 2] - own[i, 2] * p) / others
+        if not pres:
+            for c in range(n_peer):
+                out[i, c] = nan
+
+
+@_njit
+def assemble_signals(x, peers, step_times, n_base, n_peer, out):
+    """features.all_signals of one step, row by row: out [N, S] = the base signals of x, the peer
+    signals, the step-time signals, the rest of x (the fabric's), the rest of peers (the context)."""
+    nx = x.shape[1]
+    npr = peers.shape[1]
+    nt = step_times.shape[1]
+    for i in range(x.shape[0]):
+        c = 0
+        for j in range(n_base):
+            out[i, c] = x[i, j]
+            c += 1
+        for j in range(n_peer):
+            out[i, c] = peers[i, j]
+            c += 1
+        for j in range(nt):
+            out[i, c] = step_times[i, j]
+            c += 1
+        for j in range(n_base, nx):
+            out[i, c] = x[i, j]
+            c += 1
+        for j in range(n_peer, npr):
+            out[i, c] = peers[i, j]
+            c += 1
 
 
 @_njit
@@ -522,4 +725,5 @@ def warm_up() -> None:
 
 
 __all__ = ["AVAILABLE", "CompiledTrees", "walk_trees", "signed_log_dot", "signed_log_dot_numpy", "feature_step",
-           "group_totals", "warm_up"]
+           "feature_rest_step", "across_entities", "scatter_columns", "derive_columns", "peer_inputs_step",
+           "peer_signals_step", "assemble_signals", "group_totals", "warm_up"]

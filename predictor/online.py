@@ -419,7 +419,7 @@ class OnlineScorer:
             if not parts:
                 continue
             frames.extend(self._close_table(table, parts, close))
-        base = sg.finish(frames)
+        base = sg.finish(frames, kernel=self.kernel)
         n, t = len(self._nodes), len(steps)
         if t == 1 and len(base) == n and np.array_equal(base.node, np.arange(n)):
             x = base.values[:, None, :]                            # every node, in node order
@@ -427,10 +427,9 @@ class OnlineScorer:
             x = np.full((n, t, len(sg.STEP_NAMES)), np.nan)
             if len(base):
                 x[base.node, base.step - int(steps[0])] = base.values
-        present = ~np.all(np.isnan(x), axis=2)                    # [N, T]
+        own, present = ft.step_inputs(x, kernel=self.kernel)    # [N, T, len(PEER_INPUTS)], [N, T]
         codes = self._group_code_arrays()
         peers = np.empty((n, t, ft.PEER_WIDTH))
-        own = ft.peer_inputs(x)                                   # [N, T, len(PEER_INPUTS)]
         for j in range(t):
             totals, shared = {}, {}
             for g, c in codes.items():
@@ -446,9 +445,9 @@ class OnlineScorer:
             if remote is not None:
                 for g in ft.CROSS_SHARD_GROUPS:
                     totals[g] = self._add_remote(g, codes[g], totals[g], remote.get(g, {}))
-            peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals)
-        feats, self._state = ft.compute(ft.all_signals(x, peers, self._step_time_values(steps)), steps,
-                                        self._state, kernel=self.kernel)
+            peers[:, j] = ft.peer_signals(own[:, j], present[:, j], codes, totals, kernel=self.kernel)
+        feats, self._state = ft.compute(ft.all_signals(x, peers, self._step_time_values(steps), kernel=self.kernel),
+                                        steps, self._state, kernel=self.kernel)
         self._features = feats[:, -1]
         new = (self._first_step < 0) & present.any(axis=1)
         if new.any():
@@ -551,7 +550,7 @@ class OnlineScorer:
         closing = sorted({f for f in first if f < close})
         accs = [self._acc.get((table, step)) for step in closing]
         if all(step >= lo for step in closing) and all(a is not None and a.valid for a in accs):
-            frames = [a.frame(step, len(self._nodes)) for a, step in zip(accs, closing)]
+            frames = [a.frame(step, len(self._nodes), kernel=self.kernel) for a, step in zip(accs, closing)]
             for step in closing:
                 del self._acc[(table, step)]
             keep = [i for i, f in enumerate(first) if f >= close]
@@ -639,7 +638,9 @@ class OnlineScorer:
         if cached is None or not np.array_equal(cached[0], idx):
             cached = self._scored_names = (idx, [self._nodes[i] for i in idx.tolist()])
         nodes = list(cached[1])   # the scored nodes seldom change between rounds
-        X = self._features[idx]
+        # every node scored (the usual round): the features themselves, not a copy; a round replaces
+        # self._features, never writes into it
+        X = self._features if len(idx) == len(self._features) else self._features[idx]
         prob = (self.model.probability(X) if len(X) else np.zeros(0)).astype(np.float64)
         signals: list[list[Signal]] = [[] for _ in nodes]
         k = min(self.explain_top, len(nodes))
@@ -942,15 +943,25 @@ class _StepAccumulator:
                     self.entity_peak[j] = peak = grown
                 peak[node, code] = np.fmax(peak[node, code], np.fmax.reduceat(v, starts))
 
-    def frame(self, step: int, n_nodes: int) -> sg.StepSignals:
-        """The step's signals of every node that reported in it, as reduce_steps gives them."""
+    def frame(self, step: int, n_nodes: int, kernel: bool = False) -> sg.StepSignals:
+        """The step's signals of every node that reported in it, as reduce_steps gives them. kernel:
+        the maxima and minima over entities in the compiled kernel where numba is importable (one pass
+        over the nodes that reported); False: _across_entities, the written reference (the same values)."""
+        from foreshock.predictor import kernels
+
         self._grow_nodes(n_nodes)
         idx = np.flatnonzero(self.touched)
         values = self.vals[idx]
-        n = len(self.touched)
-        for j, (total, count) in self.entity.items():
-            # an entity with no known value is unknown; never seen entities have count 0 too
-            values[:, j] = _across_entities(np.where(count > 0, total, np.nan), np.fmax, n)[idx]
-        for j, peak in self.entity_peak.items():
-            values[:, j] = _across_entities(peak, np.fmin, n)[idx]
+        if kernel and kernels.AVAILABLE:
+            for j, (total, count) in self.entity.items():
+                kernels.across_entities(total, count, True, True, idx, values, j)
+            for j, peak in self.entity_peak.items():
+                kernels.across_entities(peak, peak, False, False, idx, values, j)
+        else:
+            n = len(self.touched)
+            for j, (total, count) in self.entity.items():
+                # an entity with no known value is unknown; never seen entities have count 0 too
+                values[:, j] = _across_entities(np.where(count > 0, total, np.nan), np.fmax, n)[idx]
+            for j, peak in self.entity_peak.items():
+                values[:, j] = _across_entities(peak, np.fmin, n)[idx]
         return sg.StepSignals(idx.astype(np.int64) * sg.STEP_SHIFT + int(step), self.names, values)

@@ -856,9 +856,25 @@ def reduce_steps(table: str, s: Samples) -> StepSignals:
     return StepSignals(keys, names, out)
 
 
-def finish(blocks: list[StepSignals]) -> StepSignals:
+# finish's derived signals as kernels.derive_columns reads them: (kind, result, operands...), kind 0:
+# a - b, 1: a / b, 2: floor(a * b / c) where c > 0, 3: a / b where b > 0; the numpy path below is the
+# written reference
+_DERIVED = ((0, "temp_spread", "temp_max", "_temp_coolest_peak"),
+            (1, "thermal_throttle_frac", "_throttled", "_gpu_samples"),
+            (1, "ib_port_down_frac", "_ib_down", "_ib_samples"),
+            (1, "eth_down_frac", "_eth_nocarrier", "_eth_samples"),
+            (2, "ib_traffic", "ib_traffic", "_ib_port_samples", "_ib_samples"),
+            (2, "nvl_traffic", "nvl_traffic", "_nvl_gpu_samples", "_nvl_samples"),
+            (3, "tcp_retrans_ratio", "tcp_retrans", "tcp_out"))
+
+
+def finish(blocks: list[StepSignals], kernel: bool = False) -> StepSignals:
     """Join the per-table signals of the same (node, step) and derive the ratios; names STEP_NAMES
-    (the base signals, then the fabric's)."""
+    (the base signals, then the fabric's). kernel: when every table reports the same (node, step)s,
+    the columns copied row by row in a compiled kernel where numba is importable (the online round);
+    False: column by column in numpy, the written reference (the same values)."""
+    from foreshock.predictor import kernels
+
     blocks = [b for b in blocks if len(b)]
     if not blocks:
         return StepSignals(np.zeros(0, np.int64), STEP_NAMES, np.zeros((0, len(STEP_NAMES))))
@@ -866,6 +882,24 @@ def finish(blocks: list[StepSignals]) -> StepSignals:
     same = all(len(b) == len(blocks[0]) and np.array_equal(b.keys, blocks[0].keys) for b in blocks[1:])
     keys = blocks[0].keys if same else np.unique(np.concatenate([b.keys for b in blocks]))
     values = np.full((len(keys), len(STEP_NAMES)), np.nan)
+    if same and kernel and kernels.AVAILABLE:
+        # the helpers a derived signal reads are columns too, NaN where no table gave them
+        names = list(dict.fromkeys([name for b in blocks for name in b.names if name not in STEP_INDEX]
+                                   + [n for op in _DERIVED for n in op[2:] if n not in BASE_INDEX]))
+        block = np.full((len(keys), len(names)), np.nan)
+
+        def at(name):
+            if name in BASE_INDEX:
+                return BASE_INDEX[name]
+            return STEP_INDEX[name] if name in STEP_INDEX else -names.index(name) - 1
+
+        for b in blocks:
+            dest = np.array([at(name) for name in b.names], dtype=np.int64)
+            kernels.scatter_columns(np.ascontiguousarray(b.values, dtype=np.float64), dest, values, block)
+        ops = np.array([[kind, at(result)] + [at(n) for n in operands] + [0] * (3 - len(operands))
+                        for kind, result, *operands in _DERIVED], dtype=np.int64)
+        kernels.derive_columns(values, block, ops)
+        return StepSignals(keys, STEP_NAMES, values)
     helpers: dict[str, np.ndarray] = {}   # the reductions that only feed a derived signal
     for b in blocks:
         pos = slice(None) if same else np.searchsorted(keys, b.keys)

@@ -391,3 +391,73 @@ def test_group_totals_kernel_is_the_bincount_path():
         want = online.group_totals_lookup(codes, present, own, kernel=False)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+
+
+@needs_numba
+def test_the_entity_extremes_kernel_is_the_numpy_path():
+    from foreshock.predictor import online
+
+    rng = np.random.default_rng(11)
+    for rows, cols, n in ((0, 0, 5), (7, 0, 9), (40, 8, 40), (30, 5, 45)):   # nodes past the arrays' rows
+        total = rng.poisson(1.0, (rows, cols)) * rng.choice([0.0, 1.0, 1e9], (rows, cols))
+        count = rng.integers(0, 3, (rows, cols)).astype(float)
+        peak = np.where(rng.random((rows, cols)) < 0.3, np.nan, rng.normal(60.0, 10.0, (rows, cols)))
+        idx = np.flatnonzero(rng.random(n) < 0.8)
+        want_max = online._across_entities(np.where(count > 0, total, np.nan), np.fmax, n)[idx]
+        want_min = online._across_entities(peak, np.fmin, n)[idx]
+        got = np.full((len(idx), 3), -1.0)
+        kernels.across_entities(total, count, True, True, idx, got, 0)
+        kernels.across_entities(peak, peak, False, False, idx, got, 2)
+        np.testing.assert_array_equal(got[:, 0], want_max)
+        np.testing.assert_array_equal(got[:, 2], want_min)
+        assert (got[:, 1] == -1.0).all()
+
+
+@needs_numba
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # 0/0 in the numpy path
+def test_the_finish_kernel_is_the_numpy_join():
+    rng = np.random.default_rng(12)
+    n = 600
+    keys = np.arange(n, dtype=np.int64) * signals.STEP_SHIFT + 77
+
+    def block(table):
+        names = tuple(sig for sig, _, _ in signals.REDUCTIONS[table])
+        v = rng.poisson(2.0, (n, len(names))) * rng.choice([0.0, 1.0, 1e7], (n, len(names)), p=[0.2, 0.7, 0.1])
+        v[rng.random(v.shape) < 0.1] = np.nan
+        return signals.StepSignals(keys, names, v)
+
+    for tables in (list(signals.REDUCTIONS), ["gpu", "nvlink"], ["rdma_port", "host_net", "events"]):
+        blocks = [block(t) for t in tables]
+        blocks[0].values[:5] = np.inf                   # a sum over infinities, an infinite ratio
+        want = signals.finish(blocks, kernel=False)
+        got = signals.finish(blocks, kernel=True)
+        assert got.names == want.names
+        np.testing.assert_array_equal(got.keys, want.keys)
+        np.testing.assert_array_equal(got.values, want.values)
+
+
+@needs_numba
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # empty groups' 0/0 in the numpy path
+def test_the_peer_kernels_are_the_numpy_peer_path():
+    from foreshock.predictor import online
+
+    rng = np.random.default_rng(13)
+    n = 3000
+    x = rng.poisson(1.0, (n, 1, len(signals.STEP_NAMES))) * rng.choice([0.0, 1.0, 64.0, 1 / 64], (n, 1, 1))
+    x[rng.random(x.shape) < 0.2] = np.nan
+    x[:40] = np.nan                                    # nodes that report nothing
+    x[40:45, 0, signals.BASE_INDEX["temp_max"]] = -1.0  # a gauge below zero: not "known" to the job mean
+    own, present = ft.step_inputs(x, kernel=True)
+    want_own, want_present = ft.step_inputs(x, kernel=False)
+    np.testing.assert_array_equal(own, want_own)
+    np.testing.assert_array_equal(present, want_present)
+    own, present = own[:, 0], present[:, 0]
+    codes = {g: rng.integers(-1, k, n) for g, k in (("leaf_switch", 400), ("job", 30), ("site", 3))}
+    codes["leaf_switch"][:200] = np.arange(200)        # nodes alone under their leaf
+    totals = {g: online.group_totals_lookup(c, present, own, kernel=False) for g, c in codes.items()}
+    got = ft.peer_signals(own, present, codes, totals, kernel=True)
+    np.testing.assert_array_equal(got, ft.peer_signals(own, present, codes, totals))
+    peers = got[:, None]
+    step_times = rng.random((n, 1, 3))
+    np.testing.assert_array_equal(ft.all_signals(x, peers, step_times, kernel=True),
+                                  ft.all_signals(x, peers, step_times))
