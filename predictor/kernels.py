@@ -208,10 +208,19 @@ class CompiledTrees:
             raise TypeError("not a single-output model")
         self.baseline = float(base[0, 0])
         self.baseline_dtype = base.dtype
+        # load both of the walk's compiled forms now (contiguous rows, and rows inside wider ones), not
+        # in the first scoring round
+        width = self.n_inputs if self.n_inputs is not None else int(self.src.max(initial=0)) + 1
+        wide = np.zeros((2, width + 1), dtype=np.float32)
+        self.decision(wide[:, :width])
+        self.decision(np.ascontiguousarray(wide[:, :width]))
 
     def decision(self, X: np.ndarray, threads: int = 1) -> np.ndarray:
         """Raw scores of X [n, F] (the pipeline's input, before trend ratios), as float64."""
-        X = np.ascontiguousarray(X, dtype=np.float32)
+        X = np.asarray(X, dtype=np.float32)
+        if X.ndim != 2 or X.strides[1] != X.itemsize:
+            X = np.ascontiguousarray(X)   # rows of unit-stride columns are walked where they are (a
+                                          # model's leading columns of full-width rows: no copy)
         if self.n_inputs is not None and X.shape[1] != self.n_inputs:
             raise ValueError(f"X has {X.shape[1]} features; the model expects {self.n_inputs}")
         if len(self.src) and X.shape[1] <= int(self.src[self.src >= 0].max(initial=-1)):
@@ -709,18 +718,31 @@ _WARM = False
 
 
 def warm_up() -> None:
-    """Load (or compile) the feature and peer kernels now, on a one-node throwaway state: the
-    service's first scoring round would otherwise pay it (numba loads its cache on first call,
-    0.3-0.6 s; a first compile takes seconds). The tree walk is loaded with the model (its probe)."""
+    """Load (or compile) the round's kernels (features, frames, join, peers) now, on one-node throwaway
+    data: the service's first scoring round would otherwise pay it (numba loads its cache on first
+    call, 0.3-0.6 s; a first compile takes seconds). The tree walk is loaded with the model."""
     global _WARM
     if _WARM or not AVAILABLE:
         return
     from foreshock.predictor import features as ft
     from foreshock.predictor import online
 
+    from foreshock.predictor import signals as sg
+
     state = ft.FeatureState.empty(1)
     ft._compute_step(np.zeros((1, len(ft.ALL_NAMES))), np.array([0]), state)
-    online.group_totals_lookup(np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool), np.zeros((1, len(ft.PEER_INPUTS))))
+    one = np.zeros((1, 1))
+    for use_max in (True, False):
+        across_entities(one, one, use_max, use_max, np.zeros(1, dtype=np.int64), one.copy(), 0)
+    keys = np.zeros(1, dtype=np.int64)
+    sg.finish([sg.StepSignals(keys, tuple(n for n, _, _ in sg.REDUCTIONS[t]), np.zeros((1, len(sg.REDUCTIONS[t]))))
+               for t in ("gpu", "host_net")], kernel=True)
+    x = np.zeros((1, 1, len(sg.STEP_NAMES)))
+    own, present = ft.step_inputs(x, kernel=True)
+    codes = {g: np.zeros(1, dtype=np.int64) for g in ft.PEER_GROUPS}
+    totals = {g: online.group_totals_lookup(c, present[:, 0], own[:, 0]) for g, c in codes.items()}
+    peers = ft.peer_signals(own[:, 0], present[:, 0], codes, totals, kernel=True)
+    ft.all_signals(x, peers[:, None], np.zeros((1, 1, 3)), kernel=True)
     _WARM = True
 
 

@@ -189,8 +189,11 @@ def test_the_compiled_walk_is_the_binned_walk_bit_for_bit():
     binned = treewalk.FastPredictor(trees, kernel=False)
     assert not binned.compiled
     want = binned.members[0][0].decision(compiled.trends.transform(X))
+    wide = np.concatenate([X, np.full((len(X), 3), np.nan, np.float32)], axis=1)[:, :X.shape[1]]
+    assert not wide.flags.c_contiguous                 # the leading columns of wider rows: walked in place
     for threads in (1, 2):
         np.testing.assert_array_equal(compiled.members[0][0].decision(X, threads=threads), want)
+        np.testing.assert_array_equal(compiled.members[0][0].decision(wide, threads=threads), want)
         np.testing.assert_array_equal(compiled.predict_proba(X, threads=threads), binned.predict_proba(X))
     with pytest.raises(ValueError, match="features"):
         compiled.members[0][0].decision(X[:, :10])
