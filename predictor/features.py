@@ -360,6 +360,8 @@ class FeatureState:
     flast: np.ndarray       # [N, 2F + C] the last step of each fabric flag at 1, of it known, of each SXid count > 0
     zc: np.ndarray          # [N, X] EWMA state of the CONTEXT signals, 3-day
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
+    # the compiled one-step path's running sums of the step-time and SXid rings (_RingSums; None: rebuild)
+    rings: "_RingSums | None" = None
 
     @classmethod
     def empty(cls, n: int) -> "FeatureState":
@@ -455,6 +457,31 @@ class _SlidingMax:
         np.fmax(self.prefix, g, out=self.prefix)
         self.m += 1
         return self.m < self.suffix.shape[0] - 1
+
+
+class _RingSums:
+    """What the compiled one-step path keeps so as not to read every slot of tring and fring each step.
+
+    The step-time counts and the SXid counts and flags in the rings are whole numbers, so their window
+    sums are exact in any order: a running sum (add the new slot, take away the one it overwrites)
+    equals numpy's sum over the slots. `sums` [N, 2 + 2C] holds, per node, tring's two count columns
+    then fring's, summed over the slots; `unsafe` [N] counts the node's slots holding a value that is
+    not such a number (not whole, over 2**40, infinite, -0.0): while it is not 0 the kernel sums that
+    node's slots as numpy does. `peak` keeps the maximum of tring's ratio column as gmax does the
+    gauges'. Rebuilt from the rings whenever any other path has written them (FeatureState.rings None).
+    """
+
+    LIMIT = 2.0 ** 40
+
+    def __init__(self, tring: np.ndarray, thead: int, fring: np.ndarray):
+        values = np.concatenate([tring[:, :, 1:3], fring], axis=2)           # [GRING, N, 2 + 2C]
+        with np.errstate(invalid="ignore"):
+            whole = (values == np.floor(values)) & (np.abs(values) <= self.LIMIT) & ~((values == 0) & np.signbit(values))
+        # a slot of either ring with a value that is not whole counts once
+        self.unsafe = ((~whole[:, :, :2]).any(axis=2).sum(axis=0)
+                       + (~whole[:, :, 2:]).any(axis=2).sum(axis=0)).astype(np.int64)
+        self.sums = np.ascontiguousarray(np.where(whole, values, 0.0).sum(axis=0))
+        self.peak = _SlidingMax(tring[:, :, 0:1], thead)
 
 
 def _lagged(block: np.ndarray, ring: np.ndarray, head: int, w: int) -> np.ndarray:
@@ -688,11 +715,18 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         den_recent, hist, state.last_event, st, EWMA_ALPHA, RECENT_ALPHA, 1.0 / HISTORY,
         STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, out))
     # _decayed_step, _steady_step, _step_times, _fabric and _context_step in one pass per node
+    if state.rings is None:
+        state.rings = _RingSums(state.tring, state.thead, state.fring)
+    rings = state.rings
+    peak = np.ascontiguousarray(rings.peak.current()[:, 0])
     kernels.run_rows(kernels.feature_rest_step, n, threads, (
         x, *_KERNEL_INDEX[7:], len(sg.FABRIC_FLAGS), state.zd, state.za, state.zar, state.zc,
-        state.tring, state.thead, state.fring, state.fhead, state.flast, den_base, den_recent, DECAYED_KEEP,
+        state.tring, state.thead, state.fring, state.fhead, state.flast, rings.sums, rings.unsafe, peak,
+        _RingSums.LIMIT, den_base, den_recent, DECAYED_KEEP,
         EWMA_ALPHA, RECENT_ALPHA, st, float(HISTORY), STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, N_KERNEL,
         STEADY_COLS.start, STEP_TIME_COLS.start, FABRIC_COLS.start, CONTEXT_COLS.start, out))
+    if not rings.peak.push(state.tring[state.thead, :, 0:1]):
+        rings.peak = _SlidingMax(state.tring[:, :, 0:1], (state.thead + 1) % GRING)
     state.thead = (state.thead + 1) % GRING
     state.fhead = (state.fhead + 1) % GRING
     anomaly_scores(out)
@@ -764,6 +798,7 @@ def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         out[:, :, 2] = np.where(judged > 0, slow / judged, np.nan)
     state.thead = _push(state.tring, state.thead, v)
+    state.rings = None
     return out
 
 
@@ -800,6 +835,7 @@ def _fabric(v: np.ndarray, steps: np.ndarray, state: FeatureState) -> np.ndarray
     out[:, :, c + 2::3] = np.minimum((st - last[:, :, 2 * nf:]) * (STEP_SECONDS / 60.0), SINCE_CAP_MINUTES)
     state.fhead = _push(state.fring, state.fhead, cur)
     state.flast = last[-1].copy()
+    state.rings = None
     return out
 
 

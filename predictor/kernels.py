@@ -21,6 +21,7 @@ written reference.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -383,52 +384,37 @@ def _nan_to_num(v):
     return v
 
 
+@_njit_inline
+def _unsafe(v, limit):
+    # not a whole number within +-limit (NaN, infinite, fractional, -0.0): a running sum of it may not
+    # be numpy's sum
+    return not (v == np.floor(v) and abs(v) <= limit) or (v == 0.0 and math.copysign(1.0, v) < 0.0)
+
+
 @_njit
 def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fabric_idx, n_flags,
-                      zd, za, zar, zc, tring, thead, fring, fhead, flast, den_base, den_recent,
-                      decayed_keep, ewma_alpha, recent_alpha, st, history, minutes_per_step, since_cap,
-                      decayed_col, steady_col, step_time_col, fabric_col, context_col, out, lo, hi):
+                      zd, za, zar, zc, tring, thead, fring, fhead, flast, sums, unsafe, peak, limit,
+                      den_base, den_recent, decayed_keep, ewma_alpha, recent_alpha, st, history,
+                      minutes_per_step, since_cap, decayed_col, steady_col, step_time_col, fabric_col,
+                      context_col, out, lo, hi):
     """The one-step columns after kernels.feature_step's, for nodes lo..hi: features._decayed_step,
     _steady_step, _step_times, _fabric and _context_step (the numpy references) written per node, in
     their arithmetic and order. Updates the state rows of those nodes in place (zd, za, zar, zc,
-    flast, tring[thead], fring[fhead]); the caller advances thead and fhead. The rings' sums add slot 0
-    first, in slot order, as numpy's reduction over their first axis does."""
+    flast, tring[thead], fring[fhead], sums, unsafe); the caller advances thead and fhead.
+
+    The rings' window sums come from features._RingSums: `sums` [N, 2 + 2C] (tring's count columns,
+    then fring's, over the slots), exact while the node's `unsafe` count is 0; otherwise the node's
+    slots are added slot 0 first, as numpy's reduction over the ring's first axis adds them. `peak`
+    [N] is the maximum of tring's ratio column over its slots."""
     G = tring.shape[0]
     nc = fring.shape[2] // 2
-    m = hi - lo
+    w = 2 + 2 * nc
     nan = np.nan
     ninf = -np.inf
     start = st - history
-    # the rings' reductions first, slot by slot over the block's nodes: a slot's rows are contiguous,
-    # where node by node every slot would be a stream of its own
-    m5 = np.full(m, nan)
-    m30 = np.full(m, nan)
-    tsum = np.empty((m, 2))
-    fsum = np.empty((m, 2 * nc))
-    for k in range(1, 5):
-        s = (thead - k) % G
-        for i in range(lo, hi):
-            v = tring[s, i, 0]
-            r = m5[i - lo]
-            if r != r or (v == v and v > r):   # np.fmax
-                m5[i - lo] = v
-    for i in range(lo, hi):
-        m30[i - lo] = tring[0, i, 0]
-        tsum[i - lo, 0] = tring[0, i, 1]
-        tsum[i - lo, 1] = tring[0, i, 2]
-        for q in range(2 * nc):
-            fsum[i - lo, q] = fring[0, i, q]
-    for k in range(1, G):
-        for i in range(lo, hi):
-            v = tring[k, i, 0]
-            r = m30[i - lo]
-            if r != r or (v == v and v > r):
-                m30[i - lo] = v
-            tsum[i - lo, 0] += tring[k, i, 1]
-            tsum[i - lo, 1] += tring[k, i, 2]
-        for i in range(lo, hi):
-            for q in range(2 * nc):
-                fsum[i - lo, q] += fring[k, i, q]
+    tot = np.empty(w)
+    cur = np.empty(w)
+    old = np.empty(w)
     for i in range(lo, hi):
         for q in range(decayed_idx.shape[0]):
             v = x[i, decayed_idx[q]]
@@ -442,18 +428,38 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
             yr = recent_alpha * counted + zar[i, q]
             zar[i, q] = (1.0 - recent_alpha) * yr
             out[i, steady_col + q] = yr / den_recent[i] - y / den_base[i]
-        # step times: [0] the ratio (NaN: none), [1] slow and [2] judged counts (unknown: 0)
+        # the values entering the rings: step times [0] the ratio (NaN: none), [1] slow and [2] judged
+        # counts (unknown: 0); per SXid class its count (unknown: 0), then whether known
         r0 = x[i, step_time_idx[0]]
-        r1 = _nan_to_num(x[i, step_time_idx[1]])
-        r2 = _nan_to_num(x[i, step_time_idx[2]])
-        slow = tsum[i - lo, 0] + r1
-        judged = tsum[i - lo, 1] + r2
-        out[i, step_time_col] = _fmax(m5[i - lo], r0)
-        out[i, step_time_col + 1] = _fmax(m30[i - lo], r0)
+        cur[0] = _nan_to_num(x[i, step_time_idx[1]])
+        cur[1] = _nan_to_num(x[i, step_time_idx[2]])
+        for q in range(nc):
+            v = x[i, fabric_idx[n_flags + q]]
+            cur[2 + q] = v if v == v else 0.0
+            cur[2 + nc + q] = 1.0 if v == v else 0.0
+        old[0] = tring[thead, i, 1]
+        old[1] = tring[thead, i, 2]
+        for q in range(2 * nc):
+            old[2 + q] = fring[fhead, i, q]
+        was = unsafe[i]
+        if was == 0:
+            for c in range(w):
+                tot[c] = sums[i, c]
+        else:
+            for c in range(w):
+                tot[c] = tring[0, i, 1 + c] if c < 2 else fring[0, i, c - 2]
+            for k in range(1, G):
+                for c in range(w):
+                    tot[c] += tring[k, i, 1 + c] if c < 2 else fring[k, i, c - 2]
+        # step times
+        m5 = nan
+        for k in range(1, 5):
+            m5 = _fmax(m5, tring[(thead - k) % G, i, 0])
+        slow = tot[0] + cur[0]
+        judged = tot[1] + cur[1]
+        out[i, step_time_col] = _fmax(m5, r0)
+        out[i, step_time_col + 1] = _fmax(peak[i], r0)
         out[i, step_time_col + 2] = slow / judged if judged > 0 else nan
-        tring[thead, i, 0] = r0
-        tring[thead, i, 1] = r1
-        tring[thead, i, 2] = r2
         # the fabric: flags (1, 0, NaN), then SXid counts
         for q in range(n_flags):
             f = x[i, fabric_idx[q]]
@@ -470,24 +476,52 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
         c0 = fabric_col + 2 * n_flags
         for q in range(nc):
             v = x[i, fabric_idx[n_flags + q]]
-            known = v == v
-            s3 = st if (known and v > 0) else ninf
+            s3 = st if (v == v and v > 0) else ninf
             a = flast[i, 2 * n_flags + q]
             a = a if a >= s3 else s3
             flast[i, 2 * n_flags + q] = a
-            cur = v if known else 0.0
-            curk = 1.0 if known else 0.0
-            tot = fsum[i - lo, q] + cur
-            totk = fsum[i - lo, nc + q] + curk
+            total = tot[2 + q] + cur[2 + q]
+            known = tot[2 + nc + q] + cur[2 + nc + q]
             out[i, c0 + 3 * q] = v
-            out[i, c0 + 3 * q + 1] = tot if totk > 0 else nan
+            out[i, c0 + 3 * q + 1] = total if known > 0 else nan
             out[i, c0 + 3 * q + 2] = min((st - a) * minutes_per_step, since_cap)
-            fring[fhead, i, q] = cur
-            fring[fhead, i, nc + q] = curk
         for q in range(context_idx.shape[0]):
             y = ewma_alpha * _nan_to_num(x[i, context_idx[q]]) + zc[i, q]
             zc[i, q] = (1.0 - ewma_alpha) * y
             out[i, context_col + q] = y / den_base[i]
+        # the rings move on: the new slots replace the oldest, in the rings and in the running sums
+        # (unsafe counts the slots of either ring holding a value that is not whole)
+        now = was
+        if _unsafe(old[0], limit) or _unsafe(old[1], limit):
+            now -= 1
+        if _unsafe(cur[0], limit) or _unsafe(cur[1], limit):
+            now += 1
+        f_old = False
+        f_cur = False
+        for c in range(2, w):
+            f_old = f_old or _unsafe(old[c], limit)
+            f_cur = f_cur or _unsafe(cur[c], limit)
+        now += (1 if f_cur else 0) - (1 if f_old else 0)
+        if now == 0:
+            if was == 0:
+                for c in range(w):
+                    sums[i, c] = (sums[i, c] - old[c]) + cur[c]
+            else:   # the last values that were not whole leave: the other slots and the new ones are
+                for c in range(w):
+                    sums[i, c] = cur[c]
+                for k in range(G):
+                    if k != thead:
+                        sums[i, 0] += tring[k, i, 1]
+                        sums[i, 1] += tring[k, i, 2]
+                    if k != fhead:
+                        for c in range(2, w):
+                            sums[i, c] += fring[k, i, c - 2]
+        unsafe[i] = now
+        tring[thead, i, 0] = r0
+        tring[thead, i, 1] = cur[0]
+        tring[thead, i, 2] = cur[1]
+        for q in range(2 * nc):
+            fring[fhead, i, q] = cur[2 + q]
 
 
 @_njit_inline
