@@ -546,10 +546,10 @@ def _fmin(a, b):
 
 
 @_njit
-def across_entities(per_entity, count, counted, use_max, idx, values, j):
+def across_entities(per_entity, use_max, idx, values, j):
     """online._across_entities for the rows idx of a [node, entity] array, into values[:, j]: per row,
-    np.fmax (use_max) or np.fmin over its entity columns in column order, an entity taken as NaN where
-    `counted` and its count is not > 0 (the numpy path's np.where); NaN for a row past the array's."""
+    np.fmax (use_max) or np.fmin over its entity columns in column order; NaN for a row past the
+    array's."""
     R = per_entity.shape[0]
     C = per_entity.shape[1]
     for k in range(idx.shape[0]):
@@ -557,10 +557,7 @@ def across_entities(per_entity, count, counted, use_max, idx, values, j):
         r = np.nan
         if i < R:
             for c in range(C):
-                v = per_entity[i, c]
-                if counted and not count[i, c] > 0:
-                    v = np.nan
-                r = _fmax(r, v) if use_max else _fmin(r, v)
+                r = _fmax(r, per_entity[i, c]) if use_max else _fmin(r, per_entity[i, c])
         values[k, j] = r
 
 
@@ -767,7 +764,7 @@ def warm_up() -> None:
     ft._compute_step(np.zeros((1, len(ft.ALL_NAMES))), np.array([0]), state)
     one = np.zeros((1, 1))
     for use_max in (True, False):
-        across_entities(one, one, use_max, use_max, np.zeros(1, dtype=np.int64), one.copy(), 0)
+        across_entities(one, use_max, np.zeros(1, dtype=np.int64), one.copy(), 0)
     keys = np.zeros(1, dtype=np.int64)
     sg.finish([sg.StepSignals(keys, tuple(n for n, _, _ in sg.REDUCTIONS[t]), np.zeros((1, len(sg.REDUCTIONS[t]))))
                for t in ("gpu", "host_net")], kernel=True)

@@ -864,7 +864,8 @@ class _StepAccumulator:
     are order-free), so merging parts' reductions gives what one reduction of all the rows gives:
     sums add (unknown only if unknown in every part), maxima and minima combine with fmax/fmin. A
     per-entity maximum of sums ("emax": the worst GPU's count) cannot be merged from node values, so
-    each entity's partial sum and count are kept too and the maximum is taken when the step closes;
+    each entity's partial sum is kept too (NaN until a part has a known value of it: one array to read
+    when the step closes, not a sum and a count) and the maximum is taken when the step closes;
     likewise each entity's running maximum for a minimum over entities ("emin_max": the coolest GPU's
     peak). Dense arrays by node and entity code: merging a part costs the part's size.
     """
@@ -874,10 +875,9 @@ class _StepAccumulator:
         self.names = tuple(sig for sig, _, _ in self.spec)
         self.vals = np.full((max(n_nodes, 1), len(self.spec)), np.nan)
         self.touched = np.zeros(max(n_nodes, 1), dtype=bool)
-        # per emax column: [node, entity code] sum and count of known values (entity codes are shared
-        # across nodes: GPU 3 has one code on every node)
-        self.entity = {j: [np.zeros((0, 0)), np.zeros((0, 0))]
-                       for j, (_sig, _col, how) in enumerate(self.spec) if how == "emax"}
+        # per emax column: [node, entity code] sum of known values (NaN: none known yet; entity codes
+        # are shared across nodes: GPU 3 has one code on every node)
+        self.entity = {j: np.zeros((0, 0)) for j, (_sig, _col, how) in enumerate(self.spec) if how == "emax"}
         # per emin_max column: [node, entity code] maximum so far (NaN: no known value yet)
         self.entity_peak = {j: np.zeros((0, 0)) for j, (_sig, _col, how) in enumerate(self.spec)
                             if how == "emin_max"}
@@ -923,15 +923,16 @@ class _StepAccumulator:
                 known = ~np.isnan(v)
                 total = np.add.reduceat(np.where(known, v, 0.0), starts)
                 count = np.add.reduceat(known.astype(np.float64), starts)
-                rows = max(acc[0].shape[0], int(node.max()) + 1)
-                cols = max(acc[0].shape[1], int(code.max()) + 1)
-                if (rows, cols) != acc[0].shape:
-                    for k in (0, 1):
-                        grown = np.zeros((rows, cols))
-                        grown[:acc[k].shape[0], :acc[k].shape[1]] = acc[k]
-                        acc[k] = grown
-                acc[0][node, code] += total     # one row per entity after grouping: plain fancy adds
-                acc[1][node, code] += count
+                rows = max(acc.shape[0], int(node.max()) + 1)
+                cols = max(acc.shape[1], int(code.max()) + 1)
+                if (rows, cols) != acc.shape:
+                    grown = np.full((rows, cols), np.nan)
+                    grown[:acc.shape[0], :acc.shape[1]] = acc
+                    self.entity[j] = acc = grown
+                # one row per entity after grouping: plain fancy writes; a part with no known value of
+                # an entity leaves it as it was (unknown, or its sum so far)
+                cur = acc[node, code]
+                acc[node, code] = np.where(count > 0, np.where(np.isnan(cur), 0.0, cur) + total, cur)
             for j, peak in self.entity_peak.items():
                 v = part.cols[self.spec[j][1]]
                 v = v if order is None else v[order]
@@ -953,15 +954,14 @@ class _StepAccumulator:
         idx = np.flatnonzero(self.touched)
         values = self.vals[idx]
         if kernel and kernels.AVAILABLE:
-            for j, (total, count) in self.entity.items():
-                kernels.across_entities(total, count, True, True, idx, values, j)
+            for j, total in self.entity.items():
+                kernels.across_entities(total, True, idx, values, j)
             for j, peak in self.entity_peak.items():
-                kernels.across_entities(peak, peak, False, False, idx, values, j)
+                kernels.across_entities(peak, False, idx, values, j)
         else:
             n = len(self.touched)
-            for j, (total, count) in self.entity.items():
-                # an entity with no known value is unknown; never seen entities have count 0 too
-                values[:, j] = _across_entities(np.where(count > 0, total, np.nan), np.fmax, n)[idx]
+            for j, total in self.entity.items():
+                values[:, j] = _across_entities(total, np.fmax, n)[idx]
             for j, peak in self.entity_peak.items():
                 values[:, j] = _across_entities(peak, np.fmin, n)[idx]
         return sg.StepSignals(idx.astype(np.int64) * sg.STEP_SHIFT + int(step), self.names, values)

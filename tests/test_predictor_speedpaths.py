@@ -408,14 +408,14 @@ def test_the_entity_extremes_kernel_is_the_numpy_path():
     rng = np.random.default_rng(11)
     for rows, cols, n in ((0, 0, 5), (7, 0, 9), (40, 8, 40), (30, 5, 45)):   # nodes past the arrays' rows
         total = rng.poisson(1.0, (rows, cols)) * rng.choice([0.0, 1.0, 1e9], (rows, cols))
-        count = rng.integers(0, 3, (rows, cols)).astype(float)
+        total[rng.random((rows, cols)) < 0.3] = np.nan     # an entity with no known value
         peak = np.where(rng.random((rows, cols)) < 0.3, np.nan, rng.normal(60.0, 10.0, (rows, cols)))
         idx = np.flatnonzero(rng.random(n) < 0.8)
-        want_max = online._across_entities(np.where(count > 0, total, np.nan), np.fmax, n)[idx]
+        want_max = online._across_entities(total, np.fmax, n)[idx]
         want_min = online._across_entities(peak, np.fmin, n)[idx]
         got = np.full((len(idx), 3), -1.0)
-        kernels.across_entities(total, count, True, True, idx, got, 0)
-        kernels.across_entities(peak, peak, False, False, idx, got, 2)
+        kernels.across_entities(total, True, idx, got, 0)
+        kernels.across_entities(peak, False, idx, got, 2)
         np.testing.assert_array_equal(got[:, 0], want_max)
         np.testing.assert_array_equal(got[:, 2], want_min)
         assert (got[:, 1] == -1.0).all()
