@@ -131,6 +131,7 @@ def walk_trees(X, src, num, num_scale, den, den_scale, eps, feat, thr, mgl, chil
 
 
 SORT_KEYS = 6        # the most common root split columns, by which rows are ordered for the walk
+WALK_MIN_ROWS = 256  # fewer rows are walked on one thread
 SORT_MIN_ROWS = 512
 
 
@@ -228,8 +229,10 @@ class CompiledTrees:
             raise ValueError(f"X has {X.shape[1]} features; the trees read column {int(self.src.max())}")
         out = np.empty(len(X), dtype=np.float64)
         rows = self.walk_order(X)
+        # a row costs microseconds (every tree): a few hundred rows (an explanation's) are worth two threads
         run_rows(walk_trees, len(X), threads, (X, self.src, *self.trend_args, self.feat, self.thr, self.mgl,
-                                               self.child, self.value, self.starts, self.baseline, rows, out))
+                                               self.child, self.value, self.starts, self.baseline, rows, out),
+                 min_rows=WALK_MIN_ROWS)
         return out
 
     def walk_order(self, X: np.ndarray) -> np.ndarray:

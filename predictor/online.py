@@ -645,7 +645,7 @@ class OnlineScorer:
         signals: list[list[Signal]] = [[] for _ in nodes]
         k = min(self.explain_top, len(nodes))
         if k:
-            top = np.argsort(-prob, kind="stable")[:k]
+            top = _top(prob, k)
             top = top[prob[top] > 0]
             if len(top):
                 ents = [self._entities(int(idx[i])) for i in top]
@@ -832,6 +832,19 @@ def per_node_totals(codes: np.ndarray, cnt: np.ndarray, tot: np.ndarray, nz: np.
     row, which peer_signals ignores for it)."""
     safe = np.where(codes >= 0, codes, 0)
     return cnt[safe], tot[safe], nz[safe]
+
+
+def _top(prob: np.ndarray, k: int) -> np.ndarray:
+    """np.argsort(-prob, kind="stable")[:k] (the k largest, ties by index), sorting only the rows that
+    can be among them."""
+    neg = -prob
+    if k >= len(prob):
+        return np.argsort(neg, kind="stable")[:k]
+    kth = np.partition(neg, k - 1)[k - 1]
+    if np.isnan(kth):   # fewer than k numbers: NaN sorts last, as argsort puts it
+        return np.argsort(neg, kind="stable")[:k]
+    near = np.flatnonzero(neg <= kth)   # ascending: a stable sort of them breaks ties by index
+    return near[np.argsort(neg[near], kind="stable")][:k]
 
 
 def _by_step(samples: sg.Samples) -> list[sg.Samples]:

@@ -469,3 +469,18 @@ def test_the_peer_kernels_are_the_numpy_peer_path():
     step_times = rng.random((n, 1, 3))
     np.testing.assert_array_equal(ft.all_signals(x, peers, step_times, kernel=True),
                                   ft.all_signals(x, peers, step_times))
+
+
+def test_the_riskiest_rows_are_the_full_sorts():
+    from foreshock.predictor import online
+
+    rng = np.random.default_rng(14)
+    for n, k in ((0, 16), (5, 16), (100, 16), (5000, 16), (5000, 1)):
+        for prob in (rng.random(n), np.round(rng.random(n), 2), np.zeros(n)):   # ties, all alike
+            prob = prob.copy()
+            prob[rng.random(n) < 0.01] = np.nan
+            want = np.argsort(-prob, kind="stable")[:k]
+            np.testing.assert_array_equal(online._top(prob, k), want)
+    prob = np.full(50, np.nan)
+    prob[:3] = 0.5                                     # fewer numbers than k
+    np.testing.assert_array_equal(online._top(prob, 16), np.argsort(-prob, kind="stable")[:16])
