@@ -376,6 +376,8 @@ class Demo:
             self.directives = list(jobs_stub.ListDirectives(jobs_pb2.ListDirectivesRequest(job_id=JOB_ID),
                                                             timeout=2).directives)
             now = self.sim()
+            # the threshold in force: it follows the fleet's score level (predictor/fleetlevel.py)
+            self.threshold = float(self.cp.policy.settings.threshold)
             for f in self.faults:
                 if not f.injected_at:
                     continue

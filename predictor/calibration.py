@@ -43,6 +43,7 @@ import numpy as np
 
 from foreshock import risk
 from foreshock.predictor import evaluate as ev
+from foreshock.predictor import fleetlevel
 from foreshock.predictor import registry
 
 DEFAULT_PRIOR_NODE_DAYS = 1000.0
@@ -259,6 +260,14 @@ def calibrate_model(data_dir, model_dir, out_dir, *, prior_node_days: float = DE
                "fleet_node_days": float(fit.fleet_node_days_), "thresholds_before": man["thresholds"],
                "fleet_false_evacuations_at_thresholds": at_chosen,
                "curve_before": [list(r) for r in curve], "rule": CALIBRATION_RULE, "command": command}}
+    if "score_level" in man:
+        # the thresholds now fit this fleet: its own level is the one they were chosen at
+        # (fleetlevel.py), or none when its history gives no level
+        reference = fleetlevel.reference_level(scored.nodes, "model")
+        new.pop("score_level")
+        if reference is not None:
+            new["score_level"] = {"reference": reference, "rule": fleetlevel.RULE,
+                                  "chosen_on": "the fleet history the thresholds were fitted on"}
     new.pop("files", None)
     registry.save_model(out_dir, model.estimator, new, baselines=model.baselines or None)
     return new

@@ -456,7 +456,15 @@ def run_evaluate(args, file_data) -> int:
           + f" ([low-high]: the figure's {evaluate.INTERVAL_LEVEL:.0%} interval):")
     for b, per in rep["at_budgets"].items():
         for name, m in per.items():
-            print(f"  budget {float(b):g} {name:10} {_figures(m)}")
+            moved = m.get("threshold_in_force")
+            raised = f" (raised by the fleet's score level in {moved['hours_raised']} of {moved['hours']} h, " \
+                     f"up to {moved['max']:.3g})" if moved and moved["hours_raised"] else ""
+            print(f"  budget {float(b):g} {name:10} {_figures(m)}{raised}")
+    sl = rep.get("score_level") or {}
+    if sl.get("fixed_thresholds"):
+        print(f"the model at the manifest's numbers, not following the fleet's score level (reference {sl['reference']:.3g}):")
+        for b, per in sl["fixed_thresholds"].items():
+            print(f"  budget {float(b):g} fixed      {_figures(per['model'])}")
     fc = rep.get("fleet_calibrated") or {}
     if fc.get("at_budgets"):
         print(f"the model at thresholds re-fitted every {fc['refit_hours']:g} h on this data's decided false "

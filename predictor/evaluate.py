@@ -23,7 +23,11 @@ by the model and both baselines) and the incidents table (labels.py). Definition
 * Thresholds come from the model's manifest (chosen on the training run's validation slice), never
   from the data being evaluated. `at_budgets` reports each predictor at the thresholds the manifest
   lists for AT_BUDGETS (1, 2 and 5), overall and per family, signature and node type (groups.py); a
-  budget the manifest lists no threshold for is said so, never filled in.
+  budget the manifest lists no threshold for is said so, never filled in. A manifest with a
+  `score_level` reference has the model's thresholds follow the fleet's score level over the evaluated
+  data, hour by hour from its scores before the hour and no label (fleetlevel.py; what the control plane
+  has in force): every figure of the model is at those, `threshold_in_force` says how far they rose,
+  and `score_level.fixed_thresholds` gives the same figures at the manifest's numbers.
 * The evaluated data *overlaps* the training data when it has OVERLAP_RULE (the manifest's
   `training` section: data hash, node names' hash, first and last step): figures on it are not
   evidence of how the model does on new data, and the report says so (`overlap`).
@@ -40,7 +44,7 @@ import numpy as np
 from scipy import stats
 from sklearn.metrics import average_precision_score, brier_score_loss, precision_recall_curve, roc_auc_score
 
-from foreshock.predictor import groups
+from foreshock.predictor import fleetlevel, groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import offline, registry
 from foreshock.predictor.offline import STEP_NS
@@ -256,10 +260,12 @@ def step_metrics(nodes: list[NodeScores], name: str) -> dict:
 
 def evaluate_all(nodes: list[NodeScores], incidents: lb.Incidents, thresholds: dict[str, float],
                  horizon_s: int) -> dict:
+    """Per predictor: step metrics and summarise at its threshold, a number or threshold_policy's schedule."""
     report = {}
-    for name in thresholds:
+    for name, th in thresholds.items():
         m = step_metrics(nodes, name)
-        m.update(summarise(at_threshold(nodes, name, thresholds[name], incidents, horizon_s), incidents))
+        res, moved = at_policy(nodes, name, th, incidents, horizon_s)
+        m.update(summarise(res, incidents), **moved)
         report[name] = m
     return report
 
@@ -296,23 +302,60 @@ def by_group(res: dict, incidents: lb.Incidents, types: dict[str, str]) -> dict:
     return out
 
 
-def at_budget(nodes: list[NodeScores], name: str, threshold: float | None, incidents: lb.Incidents,
+def threshold_policy(nodes: list[NodeScores], name: str, threshold: float | None, manifest: dict):
+    """What `name` is judged at for a manifest threshold: the number, or, for the model of a manifest with
+    a score-level reference, the threshold that follows the fleet's score level over these data
+    (fleetlevel.schedule's threshold_at, times and thresholds, and the manifest's number: what the
+    control plane has in force). None stays None."""
+    reference = fleetlevel.reference_of(manifest) if name == "model" else None
+    if threshold is None or reference is None:
+        return threshold
+    return (*fleetlevel.schedule(nodes, name, float(threshold), reference), float(threshold))
+
+
+def at_budget(nodes: list[NodeScores], name: str, threshold, incidents: lb.Incidents,
               types: dict[str, str], horizon_s: int, budget: float) -> dict:
     """One predictor at one manifest threshold: AT_BUDGET_KEYS overall, then by_group. No threshold
-    (the manifest has none for the budget): said so, and nothing is evaluated."""
+    (the manifest has none for the budget): said so, and nothing is evaluated. `threshold` may be
+    threshold_policy's schedule: then the row's `threshold` is the manifest's and `threshold_in_force`
+    says how far the fleet's score level raised it."""
     if threshold is None:
         return {"threshold": None, "missing": f"the manifest lists no threshold of this predictor for budget {budget:g}: "
                                               "not evaluated (no threshold is made up)"}
-    res = at_threshold(nodes, name, threshold, incidents, horizon_s)
+    res, moved = at_policy(nodes, name, threshold, incidents, horizon_s)
     s = summarise(res, incidents)
-    return {**{k: s[k] for k in AT_BUDGET_KEYS}, **by_group(res, incidents, types)}
+    return {**{k: s[k] for k in AT_BUDGET_KEYS}, **by_group(res, incidents, types), **moved}
 
 
-def at_budgets(nodes, incidents, manifest: dict, names, types, horizon_s: int) -> dict:
-    """{budget: {predictor: at_budget}} at the manifest's own thresholds for AT_BUDGETS."""
-    return {str(b): {name: at_budget(nodes, name, registry.manifest_threshold(manifest, b, name), incidents, types,
-                                     horizon_s, b) for name in names}
-            for b in AT_BUDGETS}
+def at_policy(nodes: list[NodeScores], name: str, policy, incidents: lb.Incidents, horizon_s: int) -> tuple[dict, dict]:
+    """at_threshold at a number or at threshold_policy's schedule, and what the schedule adds to a row of
+    figures (in_force_summary; nothing for a number)."""
+    if isinstance(policy, tuple):
+        return at_threshold(nodes, name, policy[0], incidents, horizon_s), in_force_summary(policy)
+    return at_threshold(nodes, name, policy, incidents, horizon_s), {}
+
+
+def in_force_summary(policy: tuple) -> dict:
+    """The manifest's threshold and the hours a score-level schedule raised it (threshold_policy)."""
+    _at, _times, ths, base = policy
+    return {"threshold": base,
+            "threshold_in_force": {"median": float(np.median(ths)), "max": float(ths.max()),
+                                   "hours": int(len(ths)), "hours_raised": int((ths > base).sum())}}
+
+
+def at_budgets(nodes, incidents, manifest: dict, names, types, horizon_s: int, *, fixed: bool = False) -> dict:
+    """{budget: {predictor: at_budget}} at the manifest's own thresholds for AT_BUDGETS, the model's
+    following the fleet's score level when the manifest has a reference (threshold_policy); `fixed`:
+    the manifest's numbers as they are."""
+    out = {}
+    for b in AT_BUDGETS:
+        row = {}
+        for name in names:
+            th = registry.manifest_threshold(manifest, b, name)
+            row[name] = at_budget(nodes, name, th if fixed else threshold_policy(nodes, name, th, manifest),
+                                  incidents, types, horizon_s, b)
+        out[str(b)] = row
+    return out
 
 
 def iso_time(ns: int) -> str:
@@ -438,7 +481,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
     judged = (lambda done: progress("judging", done, 4)) if progress else (lambda done: None)
     judged(0)
-    report = evaluate_all(nodes, incidents, thresholds, horizon_s)
+    report = evaluate_all(nodes, incidents, {name: threshold_policy(nodes, name, th, man)
+                                             for name, th in thresholds.items()}, horizon_s)
     judged(1)
     out = {name: report[name] for name in MODEL_NAMES if name in report}
     # the same scores at the manifest's thresholds for other budgets (no re-scoring)
@@ -447,16 +491,23 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         row = {}
         for name in predictors:
             th = pick_threshold(curves[name], b) if name in curves else float(man["recommended_threshold"])
-            s_ = summarise(at_threshold(nodes, name, th, incidents, horizon_s), incidents)
-            row[name] = {k: s_[k] for k in ("threshold", "incident_recall_precursor", "incident_recall_all",
-                                            "median_lead_minutes", "false_evacuations",
-                                            "false_evacuations_per_1000_node_days",
-                                            "false_evacuations_strict_per_1000_node_days")}
+            res, moved = at_policy(nodes, name, threshold_policy(nodes, name, th, man), incidents, horizon_s)
+            s_ = summarise(res, incidents)
+            row[name] = {**{k: s_[k] for k in ("threshold", "incident_recall_precursor", "incident_recall_all",
+                                               "median_lead_minutes", "false_evacuations",
+                                               "false_evacuations_per_1000_node_days",
+                                               "false_evacuations_strict_per_1000_node_days")}, **moved}
         by_budget[str(b)] = row
     out["by_budget"] = by_budget
     judged(2)
     out["at_budgets"] = at_budgets(nodes, incidents, man, [n for n in MODEL_NAMES if n in predictors],
                                    scored.types, horizon_s)
+    reference = fleetlevel.reference_of(man)
+    if reference is not None:
+        # the same model at the manifest's numbers, beside the figures at the thresholds in force
+        out["score_level"] = {"reference": reference, "rule": fleetlevel.RULE,
+                              "fixed_thresholds": at_budgets(nodes, incidents, man, ["model"], scored.types,
+                                                             horizon_s, fixed=True)}
     judged(3)
     from foreshock.predictor import calibration
     out["fleet_calibrated"] = calibration.fleet_calibrated(nodes, incidents, man, scored.types, horizon_s)
@@ -472,6 +523,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["nodes"] = len(nodes)
     out["skipped_partitions"] = scored.skipped
     out["node_days"] = out["model"]["node_days"]
-    out["thresholds_from"] = "the model manifest (chosen on the training run's validation slice)"
+    out["thresholds_from"] = "the model manifest (chosen on the training run's validation slice)" + (
+        "; the model's follow the fleet's score level (score_level)" if "score_level" in out else "")
     out["definitions"] = DEFINITIONS
     return out

@@ -260,6 +260,18 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
              "thresholds": ", ".join(_probability(t) for t in (
                  m["manifest_threshold"], m["thresholds_in_force"][0][1], m["thresholds_in_force"][-1][1]))}
             for b, m in fc["at_budgets"].items()]}
+    fixed = None
+    sl = report.get("score_level") or {}
+    if sl.get("fixed_thresholds"):
+        moved = (report["model"].get("threshold_in_force") or {})
+        fixed = {"reference": _probability(sl["reference"]),
+                 "raised": f"{moved.get('hours_raised', 0)} of {moved.get('hours', 0)} hours at budget {report['budget']:g}, "
+                           f"up to {_probability(moved.get('max'))}",
+                 "rows": [{"budget": f"{float(b):g}", "caught": _caught(per["model"]),
+                           "lead": _minutes(per["model"].get("median_lead_minutes")),
+                           "false": _rate(per["model"].get("false_evacuations_per_1000_node_days")),
+                           "threshold": _probability(per["model"].get("threshold"))}
+                          for b, per in sl["fixed_thresholds"].items() if per["model"].get("threshold") is not None]}
     groups = []
     if report.get("at_budgets"):
         for key, heading, with_false in GROUPS:
@@ -280,6 +292,7 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
         data_hash=str(report.get("data_hash", ""))[:12], nodes=report.get("nodes", ""),
         node_days=f"{report.get('node_days', 0):,.0f}", horizon=f"{report.get('horizon_minutes', 30):g}",
         budget=f"{report.get('budget', 2):g}", overlap=overlap_warning(report.get("overlap")) or "",
-        headline=_headline(report, present), predictors=predictors, budgets=budgets, fleet=fleet, groups=groups,
+        headline=_headline(report, present), predictors=predictors, budgets=budgets, fixed=fixed, fleet=fleet,
+        groups=groups,
         categories=categories, figures=figures, definitions=definitions,
         thresholds_from=report.get("thresholds_from", ""))

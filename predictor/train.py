@@ -41,6 +41,7 @@ from foreshock import schema as sch
 from foreshock.predictor import calibration
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
+from foreshock.predictor import fleetlevel
 from foreshock.predictor import groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import model as mdl
@@ -337,6 +338,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                 curves["model"] = pooled["curve"]
         chosen = {name: risk.pick_threshold(curves[name], budget) for name in names}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
+        # the healthy level the thresholds were chosen at, so a fleet that scores higher raises them
+        score_reference = fleetlevel.reference_level(val_nodes, "model")
         for m in validation.values():
             m.pop("pr_curve", None)
         novelty_section = None
@@ -375,6 +378,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         "recommended_threshold": chosen["model"],
         "threshold_curves": curves,
         **({"threshold_pooling": pooling} if pooling is not None else {}),
+        **({"score_level": {"reference": score_reference, "rule": fleetlevel.RULE,
+                            "chosen_on": "the validation slice"}} if score_reference is not None else {}),
         "reference_features": reference.tolist(),
         **({"novelty": novelty_section} if novelty_section is not None else {}),
         "prior_scale": float(prior_scale),

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from foreshock.config import parse_listen
 from foreshock.net import is_loopback
+from foreshock.predictor import fleetlevel
 from foreshock.service import store as store_mod
 from foreshock.service.actions import ActionSettings, NodeActions, backends_from
 from foreshock.service.archive import Archive, ArchiveError, ArchiveSettings
@@ -213,8 +214,10 @@ class ControlPlane:
         threshold = s.threshold
         # the budget the threshold in force was chosen for; None when set by hand or by no model
         self.evacuation_budget: float | None = None
+        from_manifest = False
         if threshold is None:
             threshold = self.scorer.threshold(s.false_evacuation_budget)
+            from_manifest = threshold is not None
             if threshold is not None:
                 budget = s.false_evacuation_budget
                 if budget is None:
@@ -228,6 +231,15 @@ class ControlPlane:
             policy_settings = PolicySettings(threshold=threshold, **s.policy)
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"policy settings: {exc}") from None
+        # A threshold the manifest gives follows the fleet's score level when the manifest has a
+        # reference (predictor/fleetlevel.py); one set by hand stays as set.
+        self.manifest_threshold = threshold
+        try:
+            reference = fleetlevel.reference_of(getattr(self.scorer, "manifest", None) or {}) \
+                if from_manifest else None
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        self.score_level = fleetlevel.FleetLevel(reference) if reference is not None else None
         try:
             fail_slow_settings = FailSlowSettings(**s.fail_slow)
         except (TypeError, ValueError) as exc:
@@ -399,6 +411,16 @@ class ControlPlane:
     def _apply_verdicts(self, items: list, reply: dict | None) -> None:
         self.ingest.apply_verdicts(items, reply)
 
+    def _follow_score_level(self, result, now_ns: int) -> None:
+        """The round's scores into the fleet's score level; the policy's threshold becomes the one in
+        force for the round's hour (fleetlevel.governed of the manifest's threshold), logged when it moves."""
+        self.score_level.observe(now_ns, result.nodes, result.probability)
+        threshold = self.score_level.threshold(self.manifest_threshold)
+        if threshold != self.policy.settings.threshold:
+            log.info("evacuation threshold %.4g -> %.4g: the fleet's score level %.3g (reference %.3g)",
+                     self.policy.settings.threshold, threshold, self.score_level.level, self.score_level.reference)
+            self.policy.settings = PolicySettings(threshold=threshold, **self.settings.policy)
+
     def _after_round(self, result, now_ns: int, why: str, elapsed: float) -> None:
         t0 = time.perf_counter()
         departed = {}
@@ -412,6 +434,8 @@ class ControlPlane:
             signals = result.signals if result.signals else [[] for _ in result.nodes]
             self.nodes.update_risk(result.nodes, result.probability, signals, now_ns)
         if result.fresh:
+            if self.score_level is not None:
+                self._follow_score_level(result, now_ns)
             self.policy.evaluate(now_ns, result.nodes, result.probability)
         else:
             self.policy.evaluate(now_ns)   # fatal events only: the scores have not moved

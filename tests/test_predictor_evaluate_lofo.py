@@ -276,3 +276,31 @@ def test_thresholds_refuses_the_training_data_the_models_own_folder_and_a_bad_we
                      "--prior-node-days", "0"]) == 2
     assert "prior_node_days from flag --prior-node-days: must be in [1, 1e+07]" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_thresholds_refitted_on_a_fleet_take_its_score_level(later_data, model_dir, tmp_path, capsys, monkeypatch):
+    """A manifest's score-level reference is the level its thresholds were chosen at (fleetlevel.py):
+    thresholds re-fitted on a fleet's history take that history's level, or none (fixed thresholds)
+    when it has fewer nodes than a level is taken over."""
+    import shutil
+
+    from foreshock.predictor import fleetlevel
+    levelled = tmp_path / "levelled"
+    shutil.copytree(model_dir, levelled)
+    man = json.loads((levelled / registry.MANIFEST_FILE).read_text())
+    man["score_level"] = {"reference": 0.001, "rule": fleetlevel.RULE, "chosen_on": "a test"}
+    (levelled / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    model = registry.load_model(levelled)
+    scored = ev.score_dataset(later_data, {"model": model.probability}, model.horizon_seconds)
+    for min_nodes in (4, len(scored.nodes) + 1):
+        monkeypatch.setattr(fleetlevel, "MIN_NODES", min_nodes)
+        out = tmp_path / f"calibrated-{min_nodes}"
+        assert cli.main(["thresholds", "--data", str(later_data), "--model", str(levelled), "--out", str(out)]) == 0, \
+            capsys.readouterr().err
+        calibrated = registry.read_manifest(out)
+        want = fleetlevel.reference_level(scored.nodes, "model")
+        if min_nodes == 4:
+            assert calibrated["score_level"]["reference"] == want != 0.001
+            assert calibrated["score_level"]["chosen_on"] == "the fleet history the thresholds were fitted on"
+        else:
+            assert want is None and "score_level" not in calibrated

@@ -61,6 +61,8 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, trained
     # a slice this small cannot set a threshold that carries: the command says so, naming its size
     days = man["metrics"]["validation"]["model"]["node_days"]
     assert f"WARNING: the thresholds rest on a validation slice of {days:,.0f} node-days" in err, err
+    # nor a score level: 8 nodes are fewer than a level is taken over, so the thresholds stay fixed
+    assert "score_level" not in man
     js, page = tmp_path / "e.json", tmp_path / "e.html"
     rc = cli.main(["evaluate", "--data", str(sim_data), "--model", str(model_dir), "--json", str(js),
                    "--html", str(page), "--budget", "5"])

@@ -240,3 +240,46 @@ def test_the_evacuation_threshold_for_a_budget_is_the_registrys(model_dir, tmp_p
             assert plane.evacuation_budget == budget
         finally:
             plane.stop(0)
+
+
+def test_the_threshold_follows_the_fleets_score_level(model_dir, tmp_path):
+    """A manifest with a score-level reference: the policy's threshold rises within the hour on a fleet
+    whose healthy nodes score above it (predictor/fleetlevel.py), and falls back when they quiet down; a
+    threshold set by hand does not move; a reference that is not a probability stops the service, named."""
+    from foreshock.predictor import registry
+    from foreshock.service.scoring import ScoreResult
+    from foreshock.service.server import SettingsError
+
+    loaded = registry.load_model(model_dir)
+    path = tmp_path / "levelled"
+    registry.save_model(path, loaded.estimator, {**loaded.manifest, "version": "test-levelled",
+                                                 "thresholds": {"2": 0.3}, "recommended_threshold": 0.3,
+                                                 "score_level": {"reference": 0.01}})
+    nodes = [f"node-{i:02d}" for i in range(20)]
+
+    def hour(plane, start_ns, level):
+        for k in range(60):
+            plane._after_round(ScoreResult(nodes, np.full(len(nodes), level)), start_ns + k * 60 * S, "test", 0.0)
+        return plane.policy.settings.threshold
+
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", model_path=str(path)))
+    try:
+        t0 = 1_790_000_000 * S
+        assert plane.policy.settings.threshold == 0.3
+        assert hour(plane, t0, 0.02) == 0.3                       # no level during the first hour
+        assert hour(plane, t0 + 3600 * S, 0.001) == pytest.approx(0.6)   # the hour before: 2x the reference
+        assert plane.policy.settings.clear_below == pytest.approx(0.8 * 0.6)
+        # a day later the noisy hour has left the window
+        assert hour(plane, t0 + 26 * 3600 * S, 0.001) == 0.3
+    finally:
+        plane.stop(0)
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state2", model_path=str(path), threshold=0.3))
+    try:
+        hour(plane, t0, 0.02)
+        assert hour(plane, t0 + 3600 * S, 0.02) == 0.3
+    finally:
+        plane.stop(0)
+    registry.save_model(tmp_path / "bad", loaded.estimator, {**loaded.manifest, "version": "test-bad",
+                                                            "score_level": {"reference": 3}})
+    with pytest.raises(SettingsError, match="score_level.reference"):
+        build_server(Settings.insecure_loopback(tmp_path / "state3", model_path=str(tmp_path / "bad")))
