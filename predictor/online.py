@@ -206,7 +206,7 @@ class OnlineScorer:
                 self._part_steps[table].append(step)
                 acc = self._acc.get((table, step))
                 if acc is None:
-                    acc = self._acc[(table, step)] = _StepAccumulator(table, len(self._nodes))
+                    acc = self._acc[(table, step)] = _StepAccumulator(table, len(self._nodes), self.kernel)
                 acc.merge(sg.reduce_steps(table, part), part)
                 self._pending_rows += len(part)
             self._bound_pending()
@@ -883,7 +883,10 @@ class _StepAccumulator:
     peak). Dense arrays by node and entity code: merging a part costs the part's size.
     """
 
-    def __init__(self, table: str, n_nodes: int):
+    def __init__(self, table: str, n_nodes: int, running: bool = False):
+        """running: also keep each node's worst entity sum as parts arrive (the round then reads one
+        number per node and signal); False: only the per-entity sums, the maximum taken when the step
+        closes (the written reference; the same values)."""
         self.spec = sg.REDUCTIONS[table]
         self.names = tuple(sig for sig, _, _ in self.spec)
         self.vals = np.full((max(n_nodes, 1), len(self.spec)), np.nan)
@@ -894,6 +897,10 @@ class _StepAccumulator:
         # per emin_max column: [node, entity code] maximum so far (NaN: no known value yet)
         self.entity_peak = {j: np.zeros((0, 0)) for j, (_sig, _col, how) in enumerate(self.spec)
                             if how == "emin_max"}
+        # per emax column, each node's largest entity sum so far. The sums of whole counts only grow as
+        # parts arrive, so the largest sum seen is the largest at the close; a part that would make a
+        # sum shrink (a negative or unknown total) drops them (None) and the close takes the maximum
+        self.best: dict[int, np.ndarray] | None = ({j: np.zeros(0) for j in self.entity} if running else None)
         self._column_of = np.zeros(0, dtype=np.int64)   # entity code -> column (-1: none yet)
         self._columns = 0
         self.valid = True
@@ -923,6 +930,7 @@ class _StepAccumulator:
         if self.entity or self.entity_peak:
             keys, starts, order = sg.group_keys(part.key)
             node, code = keys // sg.NODE_SHIFT, keys % sg.NODE_SHIFT
+            node_starts = sg._segments(node) if self.best is not None else None   # keys ascending: by node
             # entity codes count every table's entities; this table's few get columns of their own
             if int(code.max()) >= len(self._column_of):
                 self._column_of = np.concatenate([self._column_of, np.full(int(code.max()) + 1 - len(self._column_of), -1)])
@@ -945,7 +953,17 @@ class _StepAccumulator:
                 # one row per entity after grouping: plain fancy writes; a part with no known value of
                 # an entity leaves it as it was (unknown, or its sum so far)
                 cur = acc[node, code]
-                acc[node, code] = np.where(count > 0, np.where(np.isnan(cur), 0.0, cur) + total, cur)
+                new = np.where(count > 0, np.where(np.isnan(cur), 0.0, cur) + total, cur)
+                acc[node, code] = new
+                if self.best is not None:
+                    if ((count > 0) & ~(total >= 0)).any():
+                        self.best = None
+                    else:
+                        best = self.best[j]
+                        if len(best) < rows:
+                            best = self.best[j] = np.concatenate([best, np.full(rows - len(best), np.nan)])
+                        at = node[node_starts]
+                        best[at] = np.fmax(best[at], np.fmax.reduceat(new, node_starts))
             for j, peak in self.entity_peak.items():
                 v = part.cols[self.spec[j][1]]
                 v = v if order is None else v[order]
@@ -958,22 +976,28 @@ class _StepAccumulator:
                 peak[node, code] = np.fmax(peak[node, code], np.fmax.reduceat(v, starts))
 
     def frame(self, step: int, n_nodes: int, kernel: bool = False) -> sg.StepSignals:
-        """The step's signals of every node that reported in it, as reduce_steps gives them. kernel:
-        the maxima and minima over entities in the compiled kernel where numba is importable (one pass
-        over the nodes that reported); False: _across_entities, the written reference (the same values)."""
+        """The step's signals of every node that reported in it, as reduce_steps gives them. The worst
+        entity sums kept as parts arrived (`running`) where they could be; else, and for the minima,
+        kernel: over the entities in the compiled kernel where numba is importable (one pass over the
+        nodes that reported); False: _across_entities, the written reference (the same values)."""
         from foreshock.predictor import kernels
 
         self._grow_nodes(n_nodes)
         idx = np.flatnonzero(self.touched)
         values = self.vals[idx]
+        if self.best is not None:
+            for j, best in self.best.items():
+                if len(idx) and idx[-1] >= len(best):   # a node this column never had a row of
+                    best = np.concatenate([best, np.full(idx[-1] + 1 - len(best), np.nan)])
+                values[:, j] = best[idx]
         if kernel and kernels.AVAILABLE:
-            for j, total in self.entity.items():
+            for j, total in self.entity.items() if self.best is None else ():
                 kernels.across_entities(total, True, idx, values, j)
             for j, peak in self.entity_peak.items():
                 kernels.across_entities(peak, False, idx, values, j)
         else:
             n = len(self.touched)
-            for j, total in self.entity.items():
+            for j, total in self.entity.items() if self.best is None else ():
                 values[:, j] = _across_entities(total, np.fmax, n)[idx]
             for j, peak in self.entity_peak.items():
                 values[:, j] = _across_entities(peak, np.fmin, n)[idx]

@@ -484,3 +484,32 @@ def test_the_riskiest_rows_are_the_full_sorts():
     prob = np.full(50, np.nan)
     prob[:3] = 0.5                                     # fewer numbers than k
     np.testing.assert_array_equal(online._top(prob, 16), np.argsort(-prob, kind="stable")[:16])
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
+def test_the_worst_entity_kept_as_parts_arrive_is_the_maximum_at_the_close(kernel):
+    from foreshock.predictor import online
+
+    rng = np.random.default_rng(15)
+    for table in ("gpu", "nvlink", "rdma_port"):
+        columns = sorted({c for _, c, _ in signals.REDUCTIONS[table]})
+        for shrinking in (False, True):                # a negative count: the maximum is taken at the close
+            accs = {running: online._StepAccumulator(table, 40, running) for running in (True, False)}
+            for _ in range(6):                         # parts of one step, nodes and entities overlapping
+                rows = 300
+                node = rng.integers(0, 40, rows)
+                key = node * signals.NODE_SHIFT + 1000 + rng.integers(0, 6, rows)
+                cols = {}
+                for c in columns:
+                    v = rng.poisson(1.0, rows) * rng.choice([0.0, 1.0, 1e6], rows)
+                    v[rng.random(rows) < 0.2] = np.nan
+                    if shrinking:
+                        v[rng.random(rows) < 0.02] = -3.0
+                    cols[c] = v
+                part = signals.Samples(node, np.full(rows, 7, dtype=np.int64), key, cols)
+                for acc in accs.values():
+                    acc.merge(signals.reduce_steps(table, part), part)
+            assert (accs[True].best is None) == shrinking
+            got, want = (accs[r].frame(7, 45, kernel=kernel) for r in (True, False))
+            np.testing.assert_array_equal(got.keys, want.keys)
+            np.testing.assert_array_equal(got.values, want.values)
