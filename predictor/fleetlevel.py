@@ -144,11 +144,13 @@ def schedule(nodes, name: str, threshold: float, reference: float | None):
 
 class FleetLevel:
     """The level online: fed every scoring round's scores, it gives the threshold in force (governed())
-    for the hour bin of the latest round. Not checkpointed: after a restart the level is rebuilt from
-    the rounds since (no level, so the manifest's threshold, for the first hour).
+    for the hour bin of the latest round.
 
     observe() once per round with the round's step end and every scored node's probability, in time
-    order; a round older than the current hour bin is ignored (it changes no level)."""
+    order; a round older than the current hour bin is ignored (it changes no level). save() and
+    restore() carry the hours seen across a restart of the control plane."""
+
+    STATE_FORMAT = "foreshock-score-level/1"
 
     def __init__(self, reference: float | None):
         self.reference = None if reference is None else check_reference(reference, "FleetLevel")
@@ -166,14 +168,16 @@ class FleetLevel:
             self._max = np.concatenate([self._max, np.full(add, np.nan)])
             self._cnt = np.concatenate([self._cnt, np.zeros(add, np.int64)])
 
-    def observe(self, step_end_ns: int, nodes: Sequence[str], scores: np.ndarray) -> None:
+    def observe(self, step_end_ns: int, nodes: Sequence[str], scores: np.ndarray) -> bool:
+        """Take a round's scores; True when it opened a new hour (the level was computed again)."""
         step_end_ns = int(step_end_ns)
         if self._t0 is None:
             self._t0 = step_end_ns
         b = (step_end_ns - self._t0) // HOUR_NS
         if b < self._bin:
-            return
-        if b > self._bin:
+            return False
+        opened = b > self._bin
+        if opened:
             if self._bin >= 0:
                 self._bins.append((self._bin, self._max, self._cnt))
             self._bin = b
@@ -186,6 +190,7 @@ class FleetLevel:
         s = np.asarray(scores, dtype=np.float64)
         np.fmax.at(self._max, idx, s)
         np.add.at(self._cnt, idx, 1)
+        return opened
 
     def _window_level(self) -> float:
         n = len(self._index)
@@ -199,3 +204,63 @@ class FleetLevel:
     def threshold(self, base: float) -> float:
         """The threshold in force now for the manifest's threshold `base`."""
         return governed(base, self.level, self.reference)
+
+    def save(self, path, model_version: str) -> None:
+        """Write the hours seen to `path` atomically (a temporary file beside it, fsync, rename): an .npz
+        of plain arrays and a JSON header, no pickle. The scores are `model_version`'s: restore() takes
+        them back for that model only. Nothing is written before a round was observed."""
+        import json
+        import os
+        from pathlib import Path
+
+        path = Path(path)
+        if self._t0 is None:
+            return
+        bins = self._bins + ([(self._bin, self._max, self._cnt)] if self._bin >= 0 else [])
+        n = len(self._index)
+        maxima = np.full((len(bins), n), np.nan)
+        counts = np.zeros((len(bins), n), np.int64)
+        for k, (_, mx, cnt) in enumerate(bins):
+            maxima[k, :len(mx)] = mx
+            counts[k, :len(cnt)] = cnt
+        meta = {"format": self.STATE_FORMAT, "model_version": str(model_version), "t0": self._t0,
+                "bins": [int(b) for b, _, _ in bins], "nodes": list(self._index)}
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, maxima=maxima, counts=counts, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def restore(self, path, model_version: str) -> str | None:
+        """Carry on from save()'s file, on a FleetLevel that has observed nothing: the hours seen, the
+        level of the last one. None when there is no file. Raises ValueError naming the file and the
+        reason (not such a file, another model's scores, parts that do not fit) and changes nothing."""
+        import json
+        from pathlib import Path
+
+        path = Path(path)
+        if not path.exists():
+            return None
+        if self._t0 is not None:
+            raise ValueError(f"{path}: a score level restores only before it observes a round")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                maxima, counts = z["maxima"], z["counts"]
+                meta = json.loads(z["meta"].tobytes().decode())
+            bins, nodes, t0 = [int(b) for b in meta["bins"]], [str(n) for n in meta["nodes"]], int(meta["t0"])
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a score-level state file ({exc})") from None
+        if meta.get("format") != self.STATE_FORMAT:
+            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {self.STATE_FORMAT!r}")
+        if meta.get("model_version") != str(model_version):
+            raise ValueError(f"{path}: the scores of model {meta.get('model_version')!r}, not of {model_version!r}")
+        if maxima.shape != (len(bins), len(nodes)) or counts.shape != maxima.shape or bins != sorted(set(bins)):
+            raise ValueError(f"{path}: {len(bins)} hours of {len(nodes)} nodes do not fit arrays of {maxima.shape}")
+        self._index = {n: i for i, n in enumerate(nodes)}
+        self._t0 = t0
+        self._bins = [(b, maxima[k].copy(), counts[k].astype(np.int64)) for k, b in enumerate(bins[:-1])]
+        if bins:
+            self._bin, self._max, self._cnt = bins[-1], maxima[-1].copy(), counts[-1].astype(np.int64)
+            self.level = self._window_level()
+        return f"{len(bins)} hours of {len(nodes)} nodes' scores, level {self.level:.3g}"

@@ -139,6 +139,7 @@ class Settings:
 
 
 SCORER_STATE_FILE = "scorer-state.npz"   # in state_dir: the online scorer's checkpoint
+SCORE_LEVEL_FILE = "score-level.npz"     # in state_dir: the hours of scores the threshold in force reads
 
 
 class ControlPlane:
@@ -240,6 +241,15 @@ class ControlPlane:
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
         self.score_level = fleetlevel.FleetLevel(reference) if reference is not None else None
+        self.score_level_path = self.state_dir / SCORE_LEVEL_FILE
+        if self.score_level is not None:
+            try:
+                restored = self.score_level.restore(self.score_level_path, self.scorer.model_version)
+            except ValueError as exc:   # the level is rebuilt within the hour: not worth a refused start
+                log.warning("%s: the fleet's score level starts afresh", exc)
+            else:
+                if restored:
+                    log.info("score level: %s", restored)
         try:
             fail_slow_settings = FailSlowSettings(**s.fail_slow)
         except (TypeError, ValueError) as exc:
@@ -414,7 +424,8 @@ class ControlPlane:
     def _follow_score_level(self, result, now_ns: int) -> None:
         """The round's scores into the fleet's score level; the policy's threshold becomes the one in
         force for the round's hour (fleetlevel.governed of the manifest's threshold), logged when it moves."""
-        self.score_level.observe(now_ns, result.nodes, result.probability)
+        if self.score_level.observe(now_ns, result.nodes, result.probability):
+            self.score_level.save(self.score_level_path, self.scorer.model_version)
         threshold = self.score_level.threshold(self.manifest_threshold)
         if threshold != self.policy.settings.threshold:
             log.info("evacuation threshold %.4g -> %.4g: the fleet's score level %.3g (reference %.3g)",
@@ -815,6 +826,8 @@ class ControlPlane:
             self.actions.stop()
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
+        if self.score_level is not None:
+            self.score_level.save(self.score_level_path, self.scorer.model_version)
         if self._owns_scorer:
             self.scorer.close()
         self.save_sequences(self.clock())

@@ -110,3 +110,27 @@ def test_evaluate_judges_the_model_at_the_thresholds_in_force():
     # a manifest without a reference: the manifest's numbers, as before
     plain = ev.at_budgets(noisy, incidents, {"thresholds": manifest["thresholds"]}, ["model"], {}, 1800)
     assert json.dumps(plain, sort_keys=True) == json.dumps(fixed, sort_keys=True)   # NaN != NaN in ==
+
+
+def test_the_hours_seen_survive_a_restart_of_the_same_model_only(tmp_path):
+    nodes = fleet([0.001, 0.02, 0.001], nodes=20)
+    ends = nodes[0].step_end_ns
+    first = fl.FleetLevel(0.002)
+    for k in range(150):
+        first.observe(int(ends[k]), [ns.node for ns in nodes], np.array([ns.scores["model"][k] for ns in nodes]))
+    path = tmp_path / "level.npz"
+    first.save(path, "m1")
+    again = fl.FleetLevel(0.002)
+    assert "3 hours of 20 nodes" in again.restore(path, "m1")
+    assert again.level == first.level and again.threshold(0.01) == first.threshold(0.01) > 0.01
+    for k in range(150, len(ends)):       # and both go on alike
+        for lv in (first, again):
+            lv.observe(int(ends[k]), [ns.node for ns in nodes], np.array([ns.scores["model"][k] for ns in nodes]))
+        assert again.threshold(0.01) == first.threshold(0.01)
+    fresh = fl.FleetLevel(0.002)
+    with pytest.raises(ValueError, match="not of 'm2'"):
+        fresh.restore(path, "m2")
+    path.write_bytes(b"not an npz")
+    with pytest.raises(ValueError, match="not a score-level state file"):
+        fresh.restore(path, "m1")
+    assert fresh.restore(tmp_path / "none.npz", "m1") is None and math.isnan(fresh.level)

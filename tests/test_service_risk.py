@@ -244,8 +244,9 @@ def test_the_evacuation_threshold_for_a_budget_is_the_registrys(model_dir, tmp_p
 
 def test_the_threshold_follows_the_fleets_score_level(model_dir, tmp_path):
     """A manifest with a score-level reference: the policy's threshold rises within the hour on a fleet
-    whose healthy nodes score above it (predictor/fleetlevel.py), and falls back when they quiet down; a
-    threshold set by hand does not move; a reference that is not a probability stops the service, named."""
+    whose healthy nodes score above it (predictor/fleetlevel.py), carries across a restart, and falls back
+    when they quiet down; a threshold set by hand does not move; a reference that is not a probability
+    stops the service, named."""
     from foreshock.predictor import registry
     from foreshock.service.scoring import ScoreResult
     from foreshock.service.server import SettingsError
@@ -269,6 +270,13 @@ def test_the_threshold_follows_the_fleets_score_level(model_dir, tmp_path):
         assert hour(plane, t0, 0.02) == 0.3                       # no level during the first hour
         assert hour(plane, t0 + 3600 * S, 0.001) == pytest.approx(0.6)   # the hour before: 2x the reference
         assert plane.policy.settings.clear_below == pytest.approx(0.8 * 0.6)
+    finally:
+        plane.stop(0)
+    # a restart carries the hours seen (state_dir/score-level.npz): the first round is at the level
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", model_path=str(path)))
+    try:
+        plane._after_round(ScoreResult(nodes, np.full(len(nodes), 0.001)), t0 + 7000 * S, "test", 0.0)
+        assert plane.policy.settings.threshold == pytest.approx(0.6)
         # a day later the noisy hour has left the window
         assert hour(plane, t0 + 26 * 3600 * S, 0.001) == 0.3
     finally:
