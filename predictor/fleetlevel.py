@@ -12,7 +12,7 @@ The level at time t, L(t): over the steps that ended in [t - WINDOW_HOURS, t), e
 over the nodes (numpy's linear quantile; fewer than MIN_NODES nodes: no level). A quantile of nodes, not
 of steps, so that a few failing or flapping nodes do not set it. Time is cut into hour bins
 [t0 + h REFIT_HOURS, t0 + (h + 1) REFIT_HOURS) from the first scored step's end t0; the threshold in
-force for the steps of bin i reads bins i - WINDOW_HOURS .. i - 1 only, never a step's own score:
+force for the steps of bin i reads bins i - WINDOW_BINS .. i - 1 only, never a step's own score:
 
     threshold(i) = min(1, max(θ, θ * L(t0 + i REFIT_HOURS) / reference))     (governed())
 
@@ -32,9 +32,10 @@ from typing import Sequence
 
 import numpy as np
 
-HOUR_NS = 3600 * 10**9
 WINDOW_HOURS = 24        # a day: the diurnal load and the daily jobs are inside every window
 REFIT_HOURS = 1          # a shifted fleet is caught within the hour
+BIN_NS = REFIT_HOURS * 3600 * 10**9
+WINDOW_BINS = WINDOW_HOURS // REFIT_HOURS
 LEVEL_QUANTILE = 0.9     # the fleet's healthy tail; a tenth of the nodes may fail or flap without moving it
 MIN_NODES = 16           # fewer nodes make a quantile of a handful: no level, the manifest's threshold
 MIN_NODE_STEPS = 60      # an hour of steps before a node's maximum counts
@@ -42,7 +43,7 @@ MIN_NODE_STEPS = 60      # an hour of steps before a node's maximum counts
 RULE = ("the threshold in force each hour is max(manifest threshold, manifest threshold x L / reference), at most 1: "
         f"L the {LEVEL_QUANTILE:g} quantile over nodes (at least {MIN_NODES}, each with {MIN_NODE_STEPS}+ scored "
         f"steps) of each node's highest score in the last {WINDOW_HOURS} h before the hour; reference: the same "
-        "level's 0.9 quantile over the hours of the world the threshold was chosen on")
+        f"level's {LEVEL_QUANTILE:g} quantile over the hours of the world the threshold was chosen on")
 
 
 def governed(threshold: float, level: float, reference: float | None) -> float:
@@ -88,13 +89,13 @@ def hour_bins(nodes, name: str) -> tuple[int, np.ndarray, np.ndarray]:
         return 0, np.zeros((len(nodes), 0)), np.zeros((len(nodes), 0), np.int64)
     t0 = min(firsts)
     t1 = max(int(ns.step_end_ns[ns.usable][-1]) for ns in nodes if ns.usable.any())
-    n_bins = (t1 - t0) // HOUR_NS + 1
+    n_bins = (t1 - t0) // BIN_NS + 1
     maxima = np.full((len(nodes), n_bins), np.nan)
     counts = np.zeros((len(nodes), n_bins), np.int64)
     for i, ns in enumerate(nodes):
         if not ns.usable.any():
             continue
-        b = (ns.step_end_ns[ns.usable].astype(np.int64) - t0) // HOUR_NS
+        b = (ns.step_end_ns[ns.usable].astype(np.int64) - t0) // BIN_NS
         np.fmax.at(maxima[i], b, ns.scores[name][ns.usable].astype(np.float64))
         np.add.at(counts[i], b, 1)
     return t0, maxima, counts
@@ -104,11 +105,11 @@ def levels(nodes, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(refit times [H + 1] in ns, L at each: NaN where there is none) of scored data."""
     t0, maxima, counts = hour_bins(nodes, name)
     n_bins = maxima.shape[1]
-    times = t0 + np.arange(n_bins + 1, dtype=np.int64) * HOUR_NS
+    times = t0 + np.arange(n_bins + 1, dtype=np.int64) * BIN_NS
     out = np.full(n_bins + 1, np.nan)
     with np.errstate(all="ignore"):
         for i in range(1, n_bins + 1):
-            lo = max(0, i - WINDOW_HOURS)
+            lo = max(0, i - WINDOW_BINS)
             window = maxima[:, lo:i]
             seen = ~np.isnan(window).all(axis=1)
             peak = np.full(len(window), np.nan)
@@ -173,7 +174,7 @@ class FleetLevel:
         step_end_ns = int(step_end_ns)
         if self._t0 is None:
             self._t0 = step_end_ns
-        b = (step_end_ns - self._t0) // HOUR_NS
+        b = (step_end_ns - self._t0) // BIN_NS
         if b < self._bin:
             return False
         opened = b > self._bin
@@ -181,7 +182,7 @@ class FleetLevel:
             if self._bin >= 0:
                 self._bins.append((self._bin, self._max, self._cnt))
             self._bin = b
-            self._bins = [e for e in self._bins if e[0] >= b - WINDOW_HOURS]
+            self._bins = [e for e in self._bins if e[0] >= b - WINDOW_BINS]
             self._max = np.full(len(self._index), np.nan)
             self._cnt = np.zeros(len(self._index), np.int64)
             self.level = self._window_level()
