@@ -183,7 +183,10 @@ def _headline(report: dict, present: list[str]) -> str:
         text = "There were no failures with precursors in this data, so the recall cannot be judged"
     else:
         caught = round(m["incident_recall_precursor"] * n)
-        text = (f"At its threshold for {report['budget']:g} false evacuations per 1,000 node-days, the model warned "
+        moved = m.get("threshold_in_force") or {}
+        raised = (f" (raised by the fleet's score level in {moved['hours_raised']} of {moved['hours']} hours)"
+                  if moved.get("hours_raised") else "")
+        text = (f"At its threshold for {report['budget']:g} false evacuations per 1,000 node-days{raised}, the model warned "
                 f"of {caught} of {n} failures with precursors ({_pct(m['incident_recall_precursor'])}"
                 f"{_interval(m.get('incident_recall_precursor_interval'), _pct)})")
         if caught:
