@@ -59,43 +59,21 @@ def _njit_ieee(fn):
 _POOL = None
 
 
-CHUNKS_PER_THREAD = 4
-CHUNK_MIN_ROWS = 512   # a chunk amortises the walk's 64-row blocks and a kernel call
-
-
 def run_rows(fn, n: int, threads: int, args: tuple, min_rows: int = 2048) -> None:
-    """fn(*args, lo, hi) over rows 0..n, in contiguous chunks that `threads` threads (this one among
-    them) take in turn until none is left (the kernels release the GIL): a thread whose core another
-    process holds takes fewer, instead of the round waiting for its fixed half. One call on this
-    thread when n is small or threads is 1. fn's rows must not depend on how they are chunked."""
+    """fn(*args, lo, hi) over rows 0..n, split into `threads` contiguous blocks run side by side
+    (the kernels release the GIL); one call on this thread when n is small or threads is 1."""
     global _POOL
     if threads <= 1 or n < min_rows:
         fn(*args, 0, n)
         return
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     if _POOL is None or _POOL._max_workers < threads:
         _POOL = ThreadPoolExecutor(threads, thread_name_prefix="foreshock-kernel")
-    k = max(threads, min(threads * CHUNKS_PER_THREAD, n // CHUNK_MIN_ROWS))
-    bounds = np.linspace(0, n, k + 1).astype(np.int64).tolist()
-    chunks = iter(range(k))
-    lock = threading.Lock()
-
-    def work():
-        while True:
-            with lock:
-                j = next(chunks, None)
-            if j is None:
-                return
-            fn(*args, bounds[j], bounds[j + 1])
-
-    futures = [_POOL.submit(work) for _ in range(threads - 1)]
-    try:
-        work()
-    finally:
-        for f in futures:
-            f.result()
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+    futures = [_POOL.submit(fn, *args, int(bounds[k]), int(bounds[k + 1])) for k in range(threads)]
+    for f in futures:
+        f.result()
 
 
 # -- trees -------------------------------------------------------------------------------------------

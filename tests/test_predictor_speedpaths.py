@@ -513,15 +513,3 @@ def test_the_worst_entity_kept_as_parts_arrive_is_the_maximum_at_the_close(kerne
             got, want = (accs[r].frame(7, 45, kernel=kernel) for r in (True, False))
             np.testing.assert_array_equal(got.keys, want.keys)
             np.testing.assert_array_equal(got.values, want.values)
-
-
-def test_row_chunks_cover_every_row_once():
-    for n, threads, min_rows in ((0, 2, 0), (5, 2, 0), (700, 2, 256), (10_000, 2, 2048), (10_001, 3, 2048),
-                                 (100, 1, 0)):
-        seen = np.zeros(n, dtype=int)
-
-        def count(lo, hi):
-            seen[lo:hi] += 1
-
-        kernels.run_rows(count, n, threads, (), min_rows=min_rows)
-        assert (seen == 1).all(), (n, threads)
