@@ -60,20 +60,26 @@ _POOL = None
 
 
 def run_rows(fn, n: int, threads: int, args: tuple, min_rows: int = 2048) -> None:
-    """fn(*args, lo, hi) over rows 0..n, split into `threads` contiguous blocks run side by side
-    (the kernels release the GIL); one call on this thread when n is small or threads is 1."""
+    """fn(*args, lo, hi) over rows 0..n, split into `threads` contiguous blocks run side by side (the
+    kernels release the GIL): the first on this thread, the others on the pool; one call on this
+    thread when n is small or threads is 1."""
     global _POOL
     if threads <= 1 or n < min_rows:
         fn(*args, 0, n)
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    if _POOL is None or _POOL._max_workers < threads:
-        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="foreshock-kernel")
+    if _POOL is None or _POOL._max_workers < threads - 1:
+        _POOL = ThreadPoolExecutor(threads - 1, thread_name_prefix="foreshock-kernel")
     bounds = np.linspace(0, n, threads + 1).astype(np.int64)
-    futures = [_POOL.submit(fn, *args, int(bounds[k]), int(bounds[k + 1])) for k in range(threads)]
-    for f in futures:
-        f.result()
+    # this thread takes a block instead of waiting: handing every block to the pool cost the round
+    # 5-8 ms of wake-ups
+    futures = [_POOL.submit(fn, *args, int(bounds[k]), int(bounds[k + 1])) for k in range(1, threads)]
+    try:
+        fn(*args, int(bounds[0]), int(bounds[1]))
+    finally:
+        for f in futures:
+            f.result()
 
 
 # -- trees -------------------------------------------------------------------------------------------
