@@ -871,8 +871,8 @@ _DERIVED = ((0, "temp_spread", "temp_max", "_temp_coolest_peak"),
 def finish(blocks: list[StepSignals], kernel: bool = False) -> StepSignals:
     """Join the per-table signals of the same (node, step) and derive the ratios; names STEP_NAMES
     (the base signals, then the fabric's). kernel: when every table reports the same (node, step)s,
-    the columns copied row by row in a compiled kernel where numba is importable (the online round);
-    False: column by column in numpy, the written reference (the same values)."""
+    the columns copied and the ratios derived row by row in compiled kernels where numba is importable
+    (the online round); False: column by column in numpy, the written reference (the same values)."""
     from foreshock.predictor import kernels
 
     blocks = [b for b in blocks if len(b)]
