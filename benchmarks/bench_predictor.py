@@ -244,6 +244,36 @@ def bench_online(n_nodes: int, rounds: int, model, threads: int = 1, steps_per_m
     print(f"  scorer checkpoint of {n_nodes} nodes: {size / 1e6:.1f} MB, written (with fsync) in "
           f"{1000 * (t1 - t0):.0f} ms, restored in {1000 * (t2 - t1):.0f} ms; {_load()}")
     scorer.close()
+    bench_score_level(n_nodes)
+
+
+def bench_score_level(n_nodes: int, hours: int = 25) -> None:
+    """The control plane's fleet score level (predictor/fleetlevel.py) fed a day of rounds, one a minute:
+    a round, the round that opens an hour, and its state saved and restored."""
+    import tempfile
+    from pathlib import Path
+
+    from foreshock.predictor import fleetlevel
+    rng = np.random.default_rng(0)
+    nodes = [f"node-{i:05d}" for i in range(n_nodes)]
+    level = fleetlevel.FleetLevel(0.001)
+    rounds, opens = [], []
+    for k in range(hours * 60):
+        p = rng.random(n_nodes) * 0.01
+        t0 = time.perf_counter()
+        opened = level.observe(k * 60 * 10**9, nodes, p)
+        (opens if opened else rounds).append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "score-level.npz"
+        t0 = time.perf_counter()
+        level.save(path, "bench")
+        t1 = time.perf_counter()
+        fleetlevel.FleetLevel(0.001).restore(path, "bench")
+        t2 = time.perf_counter()
+        size = path.stat().st_size
+    print(f"  the fleet's score level, {n_nodes} nodes: a round {_med(rounds):.2f} ms, the round that opens an hour "
+          f"{_med(opens):.1f} ms (max {1000 * max(opens):.1f}); a day's state {size / 1e6:.1f} MB, saved (with fsync) "
+          f"in {1000 * (t1 - t0):.0f} ms, restored in {1000 * (t2 - t1):.0f} ms; {_load()}")
 
 
 def bench_step_time_judging(n_nodes: int, model, steps_per_minute: int, minutes: int = 10, drains: int = 10,
