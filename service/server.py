@@ -425,12 +425,18 @@ class ControlPlane:
         """The round's scores into the fleet's score level; the policy's threshold becomes the one in
         force for the round's hour (fleetlevel.governed of the manifest's threshold), logged when it moves."""
         if self.score_level.observe(now_ns, result.nodes, result.probability):
-            self.score_level.save(self.score_level_path, self.scorer.model_version)
+            self._save_score_level()
         threshold = self.score_level.threshold(self.manifest_threshold)
         if threshold != self.policy.settings.threshold:
             log.info("evacuation threshold %.4g -> %.4g: the fleet's score level %.3g (reference %.3g)",
                      self.policy.settings.threshold, threshold, self.score_level.level, self.score_level.reference)
             self.policy.settings = PolicySettings(threshold=threshold, **self.settings.policy)
+
+    def _save_score_level(self) -> None:
+        try:
+            self.score_level.save(self.score_level_path, self.scorer.model_version)
+        except OSError as exc:   # a restart would rebuild the level within the hour: the rounds go on
+            log.warning("score level not saved to %s: %s", self.score_level_path, exc)
 
     def _after_round(self, result, now_ns: int, why: str, elapsed: float) -> None:
         t0 = time.perf_counter()
@@ -827,7 +833,7 @@ class ControlPlane:
         if self._scores_here:
             self.scorer.checkpoint(self.scorer_state_path, self.settings.scorer_checkpoint_seconds, force=True)
         if self.score_level is not None:
-            self.score_level.save(self.score_level_path, self.scorer.model_version)
+            self._save_score_level()
         if self._owns_scorer:
             self.scorer.close()
         self.save_sequences(self.clock())

@@ -281,6 +281,14 @@ def test_the_threshold_follows_the_fleets_score_level(model_dir, tmp_path):
         assert hour(plane, t0 + 26 * 3600 * S, 0.001) == 0.3
     finally:
         plane.stop(0)
+    # a state file that cannot be written costs the carry, not the rounds
+    (tmp_path / "state" / "score-level.npz").unlink()
+    (tmp_path / "state" / "score-level.npz").mkdir()
+    plane = build_server(Settings.insecure_loopback(tmp_path / "state", model_path=str(path)))
+    try:
+        assert hour(plane, t0 + 30 * 3600 * S, 0.02) == 0.3 and hour(plane, t0 + 31 * 3600 * S, 0.001) > 0.3
+    finally:
+        plane.stop(0)
     plane = build_server(Settings.insecure_loopback(tmp_path / "state2", model_path=str(path), threshold=0.3))
     try:
         hour(plane, t0, 0.02)
