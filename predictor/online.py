@@ -870,6 +870,16 @@ def _across_entities(per_entity: np.ndarray, combine, n_nodes: int) -> np.ndarra
     return out
 
 
+def _grown(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """A [node, entity] array with at least `rows` x `cols`, new cells unknown (NaN); `a` itself when it fits."""
+    rows, cols = max(a.shape[0], rows), max(a.shape[1], cols)
+    if (rows, cols) == a.shape:
+        return a
+    grown = np.full((rows, cols), np.nan)
+    grown[:a.shape[0], :a.shape[1]] = a
+    return grown
+
+
 class _StepAccumulator:
     """One table's open step: the (node) signals of every part merged as parts arrive.
 
@@ -944,12 +954,8 @@ class _StepAccumulator:
                 known = ~np.isnan(v)
                 total = np.add.reduceat(np.where(known, v, 0.0), starts)
                 count = np.add.reduceat(known.astype(np.float64), starts)
-                rows = max(acc.shape[0], int(node.max()) + 1)
-                cols = max(acc.shape[1], int(code.max()) + 1)
-                if (rows, cols) != acc.shape:
-                    grown = np.full((rows, cols), np.nan)
-                    grown[:acc.shape[0], :acc.shape[1]] = acc
-                    self.entity[j] = acc = grown
+                self.entity[j] = acc = _grown(acc, int(node.max()) + 1, int(code.max()) + 1)
+                rows = acc.shape[0]
                 # one row per entity after grouping: plain fancy writes; a part with no known value of
                 # an entity leaves it as it was (unknown, or its sum so far)
                 cur = acc[node, code]
@@ -967,12 +973,7 @@ class _StepAccumulator:
             for j, peak in self.entity_peak.items():
                 v = part.cols[self.spec[j][1]]
                 v = v if order is None else v[order]
-                rows = max(peak.shape[0], int(node.max()) + 1)
-                cols = max(peak.shape[1], int(code.max()) + 1)
-                if (rows, cols) != peak.shape:
-                    grown = np.full((rows, cols), np.nan)
-                    grown[:peak.shape[0], :peak.shape[1]] = peak
-                    self.entity_peak[j] = peak = grown
+                self.entity_peak[j] = peak = _grown(peak, int(node.max()) + 1, int(code.max()) + 1)
                 peak[node, code] = np.fmax(peak[node, code], np.fmax.reduceat(v, starts))
 
     def frame(self, step: int, n_nodes: int, kernel: bool = False) -> sg.StepSignals:
