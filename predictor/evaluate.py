@@ -302,15 +302,20 @@ def by_group(res: dict, incidents: lb.Incidents, types: dict[str, str]) -> dict:
     return out
 
 
-def threshold_policy(nodes: list[NodeScores], name: str, threshold: float | None, manifest: dict):
-    """What `name` is judged at for a manifest threshold: the number, or, for the model of a manifest with
-    a score-level reference, the threshold that follows the fleet's score level over these data
+def model_levels(nodes: list[NodeScores], manifest: dict):
+    """fleetlevel.levels of the model's scores when the manifest has a score-level reference, else None:
+    taken once per evaluation, every budget's threshold reads the same levels."""
+    return fleetlevel.levels(nodes, "model") if fleetlevel.reference_of(manifest) is not None else None
+
+
+def threshold_policy(levels, name: str, threshold: float | None, manifest: dict):
+    """What `name` is judged at for a manifest threshold: the number, or, for the model when `levels`
+    (model_levels) are given, the threshold that follows the fleet's score level over these data
     (fleetlevel.schedule's threshold_at, times and thresholds, and the manifest's number: what the
     control plane has in force). None stays None."""
-    reference = fleetlevel.reference_of(manifest) if name == "model" else None
-    if threshold is None or reference is None:
+    if threshold is None or levels is None or name != "model":
         return threshold
-    return (*fleetlevel.schedule(nodes, name, float(threshold), reference), float(threshold))
+    return (*fleetlevel.schedule(levels, float(threshold), fleetlevel.reference_of(manifest)), float(threshold))
 
 
 def at_budget(nodes: list[NodeScores], name: str, threshold, incidents: lb.Incidents,
@@ -343,16 +348,19 @@ def in_force_summary(policy: tuple) -> dict:
                                    "hours": int(len(ths)), "hours_raised": int((ths > base).sum())}}
 
 
-def at_budgets(nodes, incidents, manifest: dict, names, types, horizon_s: int, *, fixed: bool = False) -> dict:
+def at_budgets(nodes, incidents, manifest: dict, names, types, horizon_s: int, *, fixed: bool = False,
+               levels=None) -> dict:
     """{budget: {predictor: at_budget}} at the manifest's own thresholds for AT_BUDGETS, the model's
-    following the fleet's score level when the manifest has a reference (threshold_policy); `fixed`:
-    the manifest's numbers as they are."""
+    following the fleet's score level when the manifest has a reference (threshold_policy; `levels`:
+    model_levels when already taken); `fixed`: the manifest's numbers as they are."""
+    if not fixed and levels is None and "model" in names:
+        levels = model_levels(nodes, manifest)
     out = {}
     for b in AT_BUDGETS:
         row = {}
         for name in names:
             th = registry.manifest_threshold(manifest, b, name)
-            row[name] = at_budget(nodes, name, th if fixed else threshold_policy(nodes, name, th, manifest),
+            row[name] = at_budget(nodes, name, th if fixed else threshold_policy(levels, name, th, manifest),
                                   incidents, types, horizon_s, b)
         out[str(b)] = row
     return out
@@ -481,7 +489,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
     judged = (lambda done: progress("judging", done, 4)) if progress else (lambda done: None)
     judged(0)
-    report = evaluate_all(nodes, incidents, {name: threshold_policy(nodes, name, th, man)
+    levels = model_levels(nodes, man)
+    report = evaluate_all(nodes, incidents, {name: threshold_policy(levels, name, th, man)
                                              for name, th in thresholds.items()}, horizon_s)
     judged(1)
     out = {name: report[name] for name in MODEL_NAMES if name in report}
@@ -491,7 +500,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         row = {}
         for name in predictors:
             th = pick_threshold(curves[name], b) if name in curves else float(man["recommended_threshold"])
-            res, moved = at_policy(nodes, name, threshold_policy(nodes, name, th, man), incidents, horizon_s)
+            res, moved = at_policy(nodes, name, threshold_policy(levels, name, th, man), incidents, horizon_s)
             s_ = summarise(res, incidents)
             row[name] = {**{k: s_[k] for k in ("threshold", "incident_recall_precursor", "incident_recall_all",
                                                "median_lead_minutes", "false_evacuations",
@@ -501,9 +510,9 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["by_budget"] = by_budget
     judged(2)
     out["at_budgets"] = at_budgets(nodes, incidents, man, [n for n in MODEL_NAMES if n in predictors],
-                                   scored.types, horizon_s)
-    reference = fleetlevel.reference_of(man)
-    if reference is not None:
+                                   scored.types, horizon_s, levels=levels)
+    if levels is not None:
+        reference = fleetlevel.reference_of(man)
         # the same model at the manifest's numbers, beside the figures at the thresholds in force
         out["score_level"] = {"reference": reference, "rule": fleetlevel.RULE,
                               "fixed_thresholds": at_budgets(nodes, incidents, man, ["model"], scored.types,

@@ -84,18 +84,16 @@ def _level_of(maxima: np.ndarray, counts: np.ndarray) -> float:
 def hour_bins(nodes, name: str) -> tuple[int, np.ndarray, np.ndarray]:
     """(t0, maxima [N, H], counts [N, H]) of `name`'s usable scores of evaluate.NodeScores per hour bin
     (NaN maximum: no usable step of the node in the bin)."""
-    firsts = [int(ns.step_end_ns[ns.usable][0]) for ns in nodes if ns.usable.any()]
-    if not firsts:
+    ends = [ns.step_end_ns[ns.usable].astype(np.int64) for ns in nodes]
+    seen = [e for e in ends if len(e)]
+    if not seen:
         return 0, np.zeros((len(nodes), 0)), np.zeros((len(nodes), 0), np.int64)
-    t0 = min(firsts)
-    t1 = max(int(ns.step_end_ns[ns.usable][-1]) for ns in nodes if ns.usable.any())
-    n_bins = (t1 - t0) // BIN_NS + 1
+    t0 = min(int(e[0]) for e in seen)
+    n_bins = (max(int(e[-1]) for e in seen) - t0) // BIN_NS + 1
     maxima = np.full((len(nodes), n_bins), np.nan)
     counts = np.zeros((len(nodes), n_bins), np.int64)
-    for i, ns in enumerate(nodes):
-        if not ns.usable.any():
-            continue
-        b = (ns.step_end_ns[ns.usable].astype(np.int64) - t0) // BIN_NS
+    for i, (ns, e) in enumerate(zip(nodes, ends)):
+        b = (e - t0) // BIN_NS
         np.fmax.at(maxima[i], b, ns.scores[name][ns.usable].astype(np.float64))
         np.add.at(counts[i], b, 1)
     return t0, maxima, counts
@@ -129,10 +127,11 @@ def reference_level(nodes, name: str = "model") -> float | None:
     return float(np.quantile(lv, LEVEL_QUANTILE))
 
 
-def schedule(nodes, name: str, threshold: float, reference: float | None):
-    """(threshold_at, times [R], thresholds [R]): the governed threshold in force over scored data;
-    threshold_at maps step end times (ns) to it (evaluate.at_threshold takes it as its threshold)."""
-    times, lv = levels(nodes, name)
+def schedule(hourly: tuple[np.ndarray, np.ndarray], threshold: float, reference: float | None):
+    """(threshold_at, times [R], thresholds [R]): the governed threshold in force over scored data whose
+    levels() are `hourly`; threshold_at maps step end times (ns) to it (evaluate.at_threshold takes it as
+    its threshold)."""
+    times, lv = hourly
     ths = np.array([governed(threshold, v, reference) for v in lv]) if len(lv) else np.array([float(threshold)])
     if not len(times):
         times = np.zeros(1, np.int64)

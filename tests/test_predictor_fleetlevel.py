@@ -75,7 +75,7 @@ def test_online_and_offline_give_the_same_threshold_at_every_step():
     for ns in nodes[:5]:
         ns.usable[100:130] = False         # some nodes miss some steps
     reference = 0.002
-    at, _times, ths = fl.schedule(nodes, "model", 0.01, reference)
+    at, _times, ths = fl.schedule(fl.levels(nodes, "model"), 0.01, reference)
     online = fl.FleetLevel(reference)
     ends = nodes[0].step_end_ns
     got, want = [], []
