@@ -114,6 +114,8 @@ FABRIC_COUNTS: dict[str, float] = {
 }
 
 
+# The modes that fail every node under a scope (a leaf switch, a site uplink) at once.
+WIDE_MODES = frozenset(m.name for m in MODES.values() if m.component in ("switch", "site"))
 PRECURSOR_MODES = frozenset(m.name for m in MODES.values() if m.precursor)
 
 
@@ -220,7 +222,9 @@ def schedule(topo: Topology, start_ns: int, end_ns: int, seed: int, settings: Fa
 
     Failures form a Poisson process per category at rate x nodes; a failure that would land on a node
     that is already failed-and-in-repair is dropped (a node in repair cannot fail), which lowers the
-    realised rate by the share of node-time in repair (well under 1% at the default rates).
+    realised rate by the share of node-time in repair (well under 1% at the default rates). A wide fault
+    (WIDE_MODES) is dropped only while its own leaf or site is in repair, and fails the nodes under it that
+    are up (_drop_overlaps).
     A random `world` (scenarios.py) widens leads and repairs per pod and gives each precursor episode a
     shape and a signature from the episode's own stream; the schedule's stream draws the same numbers.
     """
@@ -357,14 +361,27 @@ def _fabric_episodes(topo: Topology, start_ns: int, end_ns: int, seed: int, sett
 
 
 def _drop_overlaps(failures: list[Episode]) -> list[Episode]:
+    """The failures that can happen, in end order: a node fails once until it is repaired; a wide fault (a
+    leaf switch, a site uplink) fails once per scope until repaired and takes down the nodes under it that
+    are still up. Dropping a wide fault because one of its nodes was in repair would leave a world at a
+    high --rate-scale almost without switch failures (a leaf's 16 nodes are seldom all up at once), so a
+    model trained there would never see one."""
     busy_until: dict[int, int] = {}
+    scope_busy_until: dict[str, int] = {}
     kept = []
     for ep in failures:
-        if any(busy_until.get(n, -1) > ep.end_ns for n in ep.nodes):
-            continue
-        if ep.mode not in ("leaf_switch", "scale_across"):
-            for n in ep.nodes:
-                busy_until[n] = ep.repair_ns
+        if ep.mode in WIDE_MODES:
+            if scope_busy_until.get(ep.scope_name, -1) > ep.end_ns:
+                continue
+            up = tuple(n for n in ep.nodes if busy_until.get(n, -1) <= ep.end_ns)
+            if not up:
+                continue
+            ep.nodes = up
+            scope_busy_until[ep.scope_name] = ep.repair_ns
+        else:
+            if busy_until.get(ep.nodes[0], -1) > ep.end_ns:
+                continue
+            busy_until[ep.nodes[0]] = ep.repair_ns
         kept.append(ep)
     return kept
 

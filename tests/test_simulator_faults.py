@@ -14,7 +14,7 @@ import pytest
 from foreshock.dataset import read_table
 from foreshock.simulator.batch import SimSettings, run
 from foreshock.simulator.faults import (CATEGORIES, DAY, HOUR, LLAMA3_COUNTS, MODES, NS, Episode,
-                                        FaultSettings, category_rates, schedule)
+                                        WIDE_MODES, FaultSettings, category_rates, schedule)
 from foreshock.simulator.model import ClusterModel
 from foreshock.simulator.topology import Topology
 
@@ -90,6 +90,26 @@ def test_incident_rate_and_mix_match_llama3():
     recov = [e for e in eps if not e.fails]
     prec = sum(1 for e in failures if e.has_precursor)
     assert abs(len(recov) - prec) < 4 * math.sqrt(prec)
+
+
+def test_wide_faults_keep_their_share_where_many_nodes_are_in_repair():
+    # at a training world's rate most leaves have a node in repair at any time; a switch still fails then,
+    # taking down the nodes under it that are up
+    topo = Topology(nodes=4096, nodes_per_leaf=16, sites=2)
+    days = 28
+    eps = [e for e in schedule(topo, T0, T0 + days * DAY, seed=181, settings=FaultSettings(rate_scale=20.0)) if e.fails]
+    share = dict(CATEGORIES["network_switch_cable"][0])["leaf_switch"]
+    expected = category_rates(20.0)["network_switch_cable"] * share * topo.nodes * days
+    leaf = [e for e in eps if e.mode == "leaf_switch"]
+    assert len(leaf) > 0.8 * expected - 4 * math.sqrt(expected), (len(leaf), expected)
+    down_until: dict[int, int] = {}
+    for e in sorted(eps, key=lambda e: e.end_ns):
+        if e.mode == "leaf_switch":
+            assert set(e.nodes) <= set(topo.nodes_under_leaf(int(topo.leaf_of[e.nodes[0]])))
+            assert all(down_until.get(n, -1) <= e.end_ns for n in e.nodes), "a node in repair failed again"
+        elif e.mode not in WIDE_MODES:
+            assert down_until.get(e.nodes[0], -1) <= e.end_ns
+            down_until[e.nodes[0]] = e.repair_ns
 
 
 def test_schedule_is_a_function_of_the_seed():
