@@ -41,7 +41,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
                   "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False,
-                  "context_columns": False,
+                  "context_columns": False, "incident_weights": False,
                   # calibration.DEFAULT_PRIOR_NODE_DAYS, as THRESHOLDS_DEFAULTS' (a test holds them equal)
                   "threshold_prior_node_days": 1000.0}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": TRAIN_DEFAULTS["threshold_prior_node_days"]}
@@ -123,6 +123,9 @@ def register(subparsers) -> None:
     p.add_argument("--context-columns", dest="context_columns", action="store_const", const=True,
                    help="the trees also read how loud the other nodes under a node's leaf switch usually are, "
                         "per error family (docs/predictor.md, Context; not the default)")
+    p.add_argument("--incident-weights", dest="incident_weights", action="store_const", const=True,
+                   help="each failing node's training rows weigh 1 / the nodes its failure took down, so a leaf "
+                        "switch's nodes weigh as one failure (docs/predictor.md, Results; not the default)")
     _executor_flags(p)
     p.set_defaults(run=run_train)
     e = subparsers.add_parser("evaluate", help="evaluate a model (and its baselines) on a dataset")
@@ -251,6 +254,7 @@ def run_train(args, file_data) -> int:
                                    steadiness_columns=cfg["steadiness_columns"],
                                    step_time_columns=cfg["step_time_columns"],
                                    context_columns=cfg["context_columns"],
+                                   incident_weights=cfg["incident_weights"],
                                    threshold_prior_node_days=cfg["threshold_prior_node_days"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)

@@ -69,6 +69,12 @@ class Incidents:
         return cls(frame, by_incident)
 
     @cached_property
+    def nodes_per_incident(self) -> dict[str, int]:
+        """incident_id -> how many nodes it took down (1 for a node's own failure, the nodes under a leaf
+        switch or in a site for a wide one)."""
+        return {str(k): int(v) for k, v in self.frame.groupby("incident_id").size().items()}
+
+    @cached_property
     def _by_node(self) -> dict[str, pd.DataFrame]:
         return {node: part for node, part in self.frame.groupby("node", sort=False)}
 
@@ -92,6 +98,25 @@ def node_labels(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int
         b = np.searchsorted(step_end_ns, end, side="right")
         excluded[a:b] = True
     return y, excluded
+
+
+def incident_weights(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int,
+                     nodes_per_incident: dict[str, int]) -> np.ndarray:
+    """[T] float: each step in the horizon before one of the node's incidents (Incidents.frame rows) weighs
+    1 / the number of nodes that incident took down (Incidents.nodes_per_incident); every other step 1. A
+    leaf switch's failure then weighs as one failure over its nodes, as evaluation counts it (one
+    incident, caught when any of its nodes is warned of); where two incidents' horizons overlap, the
+    later one's weight holds."""
+    w = np.ones(len(step_end_ns), dtype=np.float64)
+    h = int(horizon_s) * 1_000_000_000
+    order = np.argsort(incidents["ts"].to_numpy(np.int64), kind="stable")
+    ts_all = incidents["ts"].to_numpy(np.int64)[order]
+    ids = incidents["incident_id"].to_numpy(object)[order]
+    for ts, iid in zip(ts_all, ids):
+        lo = np.searchsorted(step_end_ns, ts - h, side="left")
+        hi = np.searchsorted(step_end_ns, ts, side="left")
+        w[lo:hi] = 1.0 / max(1, int(nodes_per_incident.get(iid, 1)))
+    return w
 
 
 def before_horizon(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int, gap_s: float) -> np.ndarray:

@@ -74,7 +74,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           compare_with: str | Path | None = None, base: str | Path | None = None, executor: str = "local",
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
           linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0,
-          step_time_columns: bool = False, context_columns: bool = False,
+          step_time_columns: bool = False, context_columns: bool = False, incident_weights: bool = False,
           threshold_prior_node_days: float | None = calibration.DEFAULT_PRIOR_NODE_DAYS) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
@@ -104,6 +104,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     nodes under the node's leaf switch usually are: features.CONTEXT), risk free to move either way
     with them; the step-time (unless `step_time_columns`) and fabric columns before them are held
     constant for the trees. False (the default): not.
+
+    incident_weights: each positive training row weighs 1 / the number of nodes its failure took down
+    (labels.incident_weights), so a leaf switch's nodes weigh as one failure, as evaluation counts it;
+    False (the default): every failing node's rows weigh alike (docs/predictor.md, Results: judged).
 
     novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
     the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
@@ -196,7 +200,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             keep = tr & ((y_label == 1) | (hard & (r < hard_neg_rate)) | (~hard & (r < neg_rate)))
             train_X.append(Xm[keep])
             train_y.append(y_label[keep])
-            train_w.append(np.where((y_label[keep] == 1) & (y[keep] == 0), early_label_weight, 1.0))
+            w = np.where((y_label[keep] == 1) & (y[keep] == 0), early_label_weight, 1.0)
+            if incident_weights:
+                w = w * lb.incident_weights(e, node_inc, label_horizon_s, incidents.nodes_per_incident)[keep]
+            train_w.append(w)
             node_type = types.get(nf.node, groups.UNKNOWN_TYPE)
             rows_by_type[node_type] = rows_by_type.get(node_type, 0) + int(keep.sum())
             for ts, category in zip(node_inc["ts"].to_numpy(np.int64), node_inc["category"]):
@@ -395,6 +402,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             "train_steps": n_train_steps, "validation_steps": n_val_steps,
             "train_rows_sampled": int(len(ytr)), "train_positive_rows": int(ytr.sum()),
             "label_horizon_seconds": int(label_horizon_s), "early_label_weight": float(early_label_weight),
+            "incident_weights": bool(incident_weights),
             # before the max_negatives cap; positive rows in the label horizon of an incident, by its category
             "train_rows_sampled_by_node_type": rows_by_type, "train_positive_rows_by_family": positives_by_family,
             # the base model's own training data is in this model too (evaluate's overlap rule reads it)

@@ -390,6 +390,28 @@ def test_steps_hours_before_an_incident_are_left_out_of_training_only_outside_th
     assert not lb.before_horizon(ends, inc, 1800, 1800.0).any()
 
 
+def test_a_wide_failures_rows_weigh_one_over_its_nodes_with_incident_weights():
+    import pyarrow as pa
+    ends = (np.arange(12 * 60) + 1) * STEP_NS
+    ts = lambda i: pd.Timestamp(int(ends[i]), tz="UTC")
+    table = pa.table({"ts": [ts(100), ts(400), ts(600)], "node": ["a", "leaf-1", "b"],
+                      "incident_id": ["own", "switch", "other"], "scope": ["node", "switch", "node"],
+                      "affected_nodes": [["a"], ["a", "b", "c", "d"], ["b"]],
+                      "category": ["gpu_hbm", "network_switch_cable", "gpu_hbm"],
+                      "component": ["gpu0", "leaf-1", "gpu1"], "description": ["hbm", "leaf_switch: ports", "hbm"],
+                      "has_precursor": [True, True, True],
+                      "precursor_start": pa.array([None] * 3, pa.timestamp("ns", tz="UTC")),
+                      "repaired_at": [ts(200), ts(500), ts(700)]})
+    inc = lb.Incidents.from_table(table)
+    assert inc.nodes_per_incident == {"own": 1, "switch": 4, "other": 1}
+    w = lb.incident_weights(ends, inc.of_node("a"), 1800, inc.nodes_per_incident)
+    y, _ = lb.node_labels(ends, inc.of_node("a"), 1800)
+    # the switch's horizon weighs a quarter, the node's own failure and every other step 1
+    assert (w[370:400] == 0.25).all() and w[369] == 1.0 and w[400] == 1.0
+    assert (w[70:100] == 1.0).all() and set(np.unique(w)) == {0.25, 1.0}
+    assert ((w < 1) <= (y == 1)).all()
+
+
 def test_evaluate_refuses_an_unwritable_report_before_the_work(sim_data, tmp_path, capsys):
     """An --html or --json that cannot be written fails at once, naming the path, and writes nothing."""
     for flag, path in (("--html", tmp_path / "missing" / "e.html"), ("--json", tmp_path)):
