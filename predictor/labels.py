@@ -84,16 +84,19 @@ class Incidents:
         return got if got is not None else self.frame.iloc[:0]
 
 
+def _in_horizon(step_end_ns: np.ndarray, ts: int, horizon_s: int) -> slice:
+    """The steps labelled for an incident at `ts`: step ends e with ts - horizon <= e < ts."""
+    lo = np.searchsorted(step_end_ns, ts - int(horizon_s) * 1_000_000_000, side="left")
+    return slice(lo, np.searchsorted(step_end_ns, ts, side="left"))
+
+
 def node_labels(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s: int = DEFAULT_HORIZON_S):
     """(y [T] int8, excluded [T] bool) for one node's steps, given its rows of Incidents.frame."""
     t = len(step_end_ns)
     y = np.zeros(t, dtype=np.int8)
     excluded = np.zeros(t, dtype=bool)
-    h = int(horizon_s) * 1_000_000_000
     for ts, end in zip(incidents["ts"].to_numpy(np.int64), incidents["end"].to_numpy(np.int64)):
-        lo = np.searchsorted(step_end_ns, ts - h, side="left")    # e >= ts - h
-        hi = np.searchsorted(step_end_ns, ts, side="left")        # e < ts
-        y[lo:hi] = 1
+        y[_in_horizon(step_end_ns, ts, horizon_s)] = 1
         a = np.searchsorted(step_end_ns, ts, side="left")
         b = np.searchsorted(step_end_ns, end, side="right")
         excluded[a:b] = True
@@ -108,14 +111,11 @@ def incident_weights(step_end_ns: np.ndarray, incidents: pd.DataFrame, horizon_s
     incident, caught when any of its nodes is warned of); where two incidents' horizons overlap, the
     later one's weight holds."""
     w = np.ones(len(step_end_ns), dtype=np.float64)
-    h = int(horizon_s) * 1_000_000_000
     order = np.argsort(incidents["ts"].to_numpy(np.int64), kind="stable")
     ts_all = incidents["ts"].to_numpy(np.int64)[order]
     ids = incidents["incident_id"].to_numpy(object)[order]
     for ts, iid in zip(ts_all, ids):
-        lo = np.searchsorted(step_end_ns, ts - h, side="left")
-        hi = np.searchsorted(step_end_ns, ts, side="left")
-        w[lo:hi] = 1.0 / max(1, int(nodes_per_incident.get(iid, 1)))
+        w[_in_horizon(step_end_ns, ts, horizon_s)] = 1.0 / max(1, int(nodes_per_incident.get(iid, 1)))
     return w
 
 
