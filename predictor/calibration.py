@@ -231,7 +231,8 @@ def calibrate_model(data_dir, model_dir, out_dir, *, prior_node_days: float = DE
     model = registry.load_model(model_dir)
     man = model.manifest
     horizon_s = model.horizon_seconds
-    scored = ev.score_dataset(data_dir, {"model": model.probability}, horizon_s, progress)
+    scored = ev.score_dataset(data_dir, {"model": model.probability}, horizon_s, progress,
+                              hard_evidence=model.hard_evidence)
     ov = ev.overlap(man.get("training") or {}, scored.identity)
     if ov["overlaps"]:
         raise ValueError(f"dataset {data_dir} overlaps the model's training data ({ov['reason']}): thresholds "

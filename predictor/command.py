@@ -2,6 +2,7 @@
 
     foreshock train --data DIR_OR_URI --out MODEL_DIR [--horizon-minutes 30] [--budget 2] [--val-fraction 0.3]
                     [--base shipped|MODEL_DIR|''] [--compare-with shipped|MODEL_DIR|''] [--no-novelty]
+                    [--no-hard-evidence]
                     [--threshold-prior-node-days N]
                     [--linear-member] [--executor local|ray] [--ray-address HOST:PORT]
     foreshock evaluate --data DIR --model MODEL_DIR [--json FILE] [--html FILE] [--budget F]
@@ -41,7 +42,7 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "compare_with": "shipped", "base": "shipped", "executor": "local", "ray_address": "",
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
                   "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False,
-                  "context_columns": False, "incident_weights": False,
+                  "context_columns": False, "incident_weights": False, "hard_evidence": True,
                   # calibration.DEFAULT_PRIOR_NODE_DAYS, as THRESHOLDS_DEFAULTS' (a test holds them equal)
                   "threshold_prior_node_days": 1000.0}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": TRAIN_DEFAULTS["threshold_prior_node_days"]}
@@ -101,6 +102,9 @@ def register(subparsers) -> None:
                         "validation curve as a prior worth N node-days (default "
                         f"{TRAIN_DEFAULTS['threshold_prior_node_days']:g}, as foreshock thresholds; docs/predictor.md, "
                         "Stacked with the shipped model); 0: the validation slice alone")
+    p.add_argument("--no-hard-evidence", dest="hard_evidence", action="store_const", const=False,
+                   help="no hard evidence: an NVLink link down or a PCIe link below its width alarms only through "
+                        "the model's score (docs/predictor.md, Hard evidence)")
     p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
                    help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
                         "sets the risk and the thresholds")
@@ -255,6 +259,7 @@ def run_train(args, file_data) -> int:
                                    step_time_columns=cfg["step_time_columns"],
                                    context_columns=cfg["context_columns"],
                                    incident_weights=cfg["incident_weights"],
+                                   **({} if cfg["hard_evidence"] else {"hard_evidence": ()}),
                                    threshold_prior_node_days=cfg["threshold_prior_node_days"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)

@@ -83,14 +83,18 @@ class NodeScores:
     y: np.ndarray                     # [T] int8
     usable: np.ndarray                # [T] scoreable (NodeFeatures.scoreable) and not excluded
     scores: dict[str, np.ndarray] = field(default_factory=dict)   # name -> [T] float32
+    # [T] bool: the steps the model's hard evidence alarms on whatever its score (None: it has none)
+    forced: np.ndarray | None = None
 
 
-def score_node(nf, incidents: lb.Incidents, predictors: dict, horizon_s: int) -> NodeScores:
+def score_node(nf, incidents: lb.Incidents, predictors: dict, horizon_s: int, hard_evidence=None) -> NodeScores:
+    """`hard_evidence`: the model's (model.HardEvidence), whose conditions alarm the model whatever its score."""
     ends = nf.step_end_ns
     y, excluded = lb.node_labels(ends, incidents.of_node(nf.node), horizon_s)
     usable = nf.scoreable & ~excluded
     scores = {name: np.asarray(fn(nf.X), dtype=np.float32) for name, fn in predictors.items()}
-    return NodeScores(nf.node, ends, y, usable, scores)
+    forced = hard_evidence.met(nf.X) if hard_evidence is not None else None
+    return NodeScores(nf.node, ends, y, usable, scores, forced)
 
 
 def _episodes(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -106,8 +110,9 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold, incidents: lb.In
                  horizon_s: int) -> dict:
     """Per-incident detection and lead, and false evacuations, at one threshold: a number, or a
     function of the steps' end times (ns) giving each step's threshold (a threshold that moves over
-    time, calibration.prequential's). `episodes` lists every alarm episode: its first and last step's
-    end (ns) and whether it was a false evacuation."""
+    time, calibration.prequential's). The model's alarms also take the steps its hard evidence forces
+    (NodeScores.forced). `episodes` lists every alarm episode: its first and last step's end (ns) and
+    whether it was a false evacuation."""
     h = int(horizon_s) * 1_000_000_000
     justified = int(JUSTIFIED_HOURS * 3600) * 1_000_000_000
     lead: dict[str, float] = {}
@@ -122,7 +127,10 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold, incidents: lb.In
         inc = incidents.of_node(ns.node)
         inc_ts = np.sort(inc["ts"].to_numpy(np.int64)) if len(inc) else np.zeros(0, np.int64)
         th = threshold(ns.step_end_ns) if callable(threshold) else threshold
-        alert = np.flatnonzero((ns.scores[name] >= th) & ns.usable)
+        hot = ns.scores[name] >= th
+        if name == "model" and ns.forced is not None:
+            hot = hot | ns.forced
+        alert = np.flatnonzero(hot & ns.usable)
         starts, ends = _episodes(alert)
         episodes += len(starts)
         e = ns.step_end_ns
@@ -442,9 +450,9 @@ class ScoredData:
 
 
 def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, executor: str = "local",
-                  ray_address: str | None = None, on_error: str = "stop") -> ScoredData:
+                  ray_address: str | None = None, on_error: str = "stop", hard_evidence=None) -> ScoredData:
     """Every step of every node of a dataset scored by each predictor (name -> X -> [n] scores); the
-    features built on `executor` (offline.FeatureBuilder)."""
+    features built on `executor` (offline.FeatureBuilder). `hard_evidence`: the model's (score_node)."""
     from foreshock import dataset as ds
 
     data_dir = ds.open_dataset_root(data_dir)   # a path or a URI: opened once, its filesystem read throughout
@@ -456,7 +464,7 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, 
     with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address,
                                 on_error=on_error) as fb:
         for nf in fb:
-            nodes.append(score_node(nf, incidents, predictors, horizon_s))
+            nodes.append(score_node(nf, incidents, predictors, horizon_s, hard_evidence))
         first, last = fb.step_range
         names = fb.nodes
         skipped = dict(fb.skipped)
@@ -484,7 +492,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
             predictors[name] = model.baseline_probability(name)
     thresholds = {k: v for k, v in thresholds.items() if k in predictors}
     scored = score_dataset(data_dir, predictors, horizon_s, progress, executor=executor, ray_address=ray_address,
-                           on_error=on_error)
+                           on_error=on_error, hard_evidence=model.hard_evidence)
     nodes, incidents = scored.nodes, scored.incidents
     # judging the scores (curves, budgets, groups) takes a while on a big dataset: say where it is
     judged = (lambda done: progress("judging", done, 4)) if progress else (lambda done: None)
@@ -521,6 +529,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     from foreshock.predictor import calibration
     out["fleet_calibrated"] = calibration.fleet_calibrated(nodes, incidents, man, scored.types, horizon_s)
     judged(4)
+    out["hard_evidence"] = list(model.hard_evidence.names) if model.hard_evidence is not None else []
     out["node_types"] = scored.type_counts()
     out["overlap"] = overlap(man.get("training") or {}, scored.identity)
     out["budget"] = budget
@@ -533,6 +542,8 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["skipped_partitions"] = scored.skipped
     out["node_days"] = out["model"]["node_days"]
     out["thresholds_from"] = "the model manifest (chosen on the training run's validation slice)" + (
-        "; the model's follow the fleet's score level (score_level)" if "score_level" in out else "")
+        "; the model's follow the fleet's score level (score_level)" if "score_level" in out else "") + (
+        "; the model also alarms where its hard evidence is met, whatever its score (hard_evidence)"
+        if out["hard_evidence"] else "")
     out["definitions"] = DEFINITIONS
     return out

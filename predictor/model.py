@@ -8,6 +8,8 @@
 * `RuleBaseline`: DCGM-health-style thresholds (any fatal Xid, uncorrected ECC, a row-remap failure,
   a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
   share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
+* `HardEvidence`: the rule's conditions (HARD_EVIDENCE) that alarm whatever the model's score: the
+  manifest's `hard_evidence` names them for a model (registry.LoadedModel.hard_evidence).
 * `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
 * `LogitBlend`: fitted models stacked on their logits. `foreshock train` stacks the model of a user's
   history with the shipped model (weights fitted), so a small history leans on what the shipped model
@@ -285,6 +287,50 @@ RULE_CONDITIONS: tuple[tuple[str, float], ...] = (
     ("xid_nvlink_5m", 0.0),
     ("ib_link_downed_5m", 0.0),
 )
+
+
+# The rule's conditions that alarm on their own, whatever the model's score and the threshold in force
+# (docs/predictor.md, *Hard evidence*): hardware found degraded (an NVLink link down, a PCIe link trained
+# below its width), a state the fleet's noise does not make, where the model reads a rate that it does.
+HARD_EVIDENCE: tuple[str, ...] = ("nvl_links_down_now", "pcie_width_deficit_now")
+
+
+class HardEvidence:
+    """Which feature rows meet any of the named RULE_CONDITIONS (`met`), and what each says (`reasons`).
+
+    `names`: features of RULE_CONDITIONS; an unknown one raises ValueError naming it and `where`.
+    Rows are feature rows whose leading columns are features.MODEL_FEATURE_NAMES (the estimator's or
+    full width); NaN meets nothing."""
+
+    def __init__(self, names=HARD_EVIDENCE, where: str = "hard evidence"):
+        rule = dict(RULE_CONDITIONS)
+        unknown = [n for n in names if n not in rule]
+        if unknown:
+            raise ValueError(f"{where}: {unknown} are not conditions of the DCGM-style rule "
+                             f"(predictor/model.py RULE_CONDITIONS: {sorted(rule)})")
+        self.names = tuple(names)
+        model_names = list(ft.MODEL_FEATURE_NAMES)
+        self.columns = np.array([model_names.index(n) for n in self.names], dtype=np.int64)
+        self.thresholds = np.array([rule[n] for n in self.names], dtype=np.float64)
+
+    def met(self, X) -> np.ndarray:
+        """[n] bool: the rows that meet a condition."""
+        X = np.asarray(X)
+        if not len(self.names) or not len(X):
+            return np.zeros(len(X), dtype=bool)
+        return (np.nan_to_num(X[:, self.columns].astype(np.float64), nan=0.0) > self.thresholds).any(axis=1)
+
+    def reasons(self, row) -> list[str]:
+        """What one feature row shows, in an operator's words (explain.describe), for each condition met."""
+        from foreshock.predictor import explain as ex
+
+        row = np.asarray(row)
+        out = []
+        for name, col, th in zip(self.names, self.columns.tolist(), self.thresholds.tolist()):
+            v = float(row[col])
+            if np.isfinite(v) and v > th:
+                out.append(ex.describe(name.removesuffix("_now"), row))
+        return out
 
 
 class RuleBaseline(ClassifierMixin, BaseEstimator):

@@ -54,7 +54,7 @@ import collections
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -82,6 +82,9 @@ class ScoreBatch:
     model_version: str = ""
     features: np.ndarray | None = None       # [len(nodes), F] the feature values scored
     duration_s: float = 0.0
+    # node -> what its hard evidence shows (model.HardEvidence), for the nodes whose features meet a
+    # condition the model's manifest names: they alarm whatever their probability
+    evidence: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -654,13 +657,18 @@ class OnlineScorer:
                                        used_features=getattr(self.model, "used_features", None))
                 for i, s in zip(top, explained):
                     signals[i] = s
+        evidence = {}
+        hard = getattr(self.model, "hard_evidence", None)
+        if hard is not None and len(X):
+            for i in np.flatnonzero(hard.met(X)).tolist():
+                evidence[nodes[i]] = "; ".join(hard.reasons(X[i]))
         manifest = getattr(self.model, "manifest", {}) or {}
         end = self._last_step
         return ScoreBatch(nodes=nodes, probability=prob, signals=signals,
                           step_end_ns=None if end is None else (end + 1) * self.step_ns,
                           horizon_seconds=int(manifest.get("horizon_seconds", 0)),
                           model_version=str(manifest.get("version", "")), features=X,
-                          duration_s=time.perf_counter() - t0)
+                          duration_s=time.perf_counter() - t0, evidence=evidence)
 
     # -- checkpoint --------------------------------------------------------------------------------
     STATE_FORMAT = "foreshock-scorer-state/1"

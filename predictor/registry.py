@@ -18,6 +18,8 @@ Never pickle or joblib.
 Feature rows are the full width of the running code (features.FEATURE_NAMES); the estimator reads
 the first len(manifest["feature_names"]) of them (features.MODEL_FEATURE_NAMES), and a manifest with
 a `novelty` section (novelty.py) raises the probability to the novelty alarm's where that is higher.
+A manifest's `hard_evidence` (a list of model.RULE_CONDITIONS features) names the conditions that alarm
+whatever the probability (`LoadedModel.hard_evidence`, model.HardEvidence); it leaves the probability as it is.
 
 Prediction (`LoadedModel.predict_proba`) takes the fast tree walk (predictor/treewalk.py) for the
 estimator train.py builds, when the model is loaded with `fast=True` (the default) and the walk
@@ -42,6 +44,7 @@ from foreshock import schema as sch
 from foreshock.risk import threshold_for_budget
 from foreshock.predictor import features as ft
 from foreshock.predictor.errors import ModelError
+from foreshock.predictor.model import HardEvidence
 from foreshock.predictor.novelty import NoveltyAlarm
 from foreshock.predictor.treewalk import FastPart, FastPredictor
 
@@ -119,6 +122,7 @@ class LoadedModel:
         section = self.manifest.get("novelty")
         self.novelty: NoveltyAlarm | None = (NoveltyAlarm.from_manifest(section, f"{self.path}/{MANIFEST_FILE}")
                                              if section else None)
+        self.hard_evidence: HardEvidence | None = hard_evidence_of(self.manifest, f"{self.path}/{MANIFEST_FILE}")
 
     @property
     def n_model_features(self) -> int:
@@ -194,6 +198,18 @@ class LoadedModel:
         if th is None:
             raise ModelError(f"{self.path}: the manifest names no threshold for {model}")
         return th
+
+
+def hard_evidence_of(manifest: dict, where: str = "model manifest") -> HardEvidence | None:
+    """The conditions the manifest's `hard_evidence` names (model.HardEvidence), or None: a model without
+    the key alarms on its score alone. Raises ValueError naming `where` for a value that is not a list of
+    the DCGM-style rule's condition names."""
+    names = (manifest or {}).get("hard_evidence")
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: hard_evidence {names!r} must be a list of feature names")
+    return HardEvidence(names, where) if names else None
 
 
 def manifest_threshold(manifest: dict, budget: float, model: str = "model") -> float | None:

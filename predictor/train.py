@@ -75,6 +75,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
           ray_address: str | None = None, on_error: str = "stop", novelty: bool = True,
           linear_member: bool = False, absolute_counts: bool = False, steadiness_columns: int = 0,
           step_time_columns: bool = False, context_columns: bool = False, incident_weights: bool = False,
+          hard_evidence: tuple[str, ...] = mdl.HARD_EVIDENCE,
           threshold_prior_node_days: float | None = calibration.DEFAULT_PRIOR_NODE_DAYS) -> dict:
     """Train on data_dir, write the model to out_dir, return its manifest.
 
@@ -112,6 +113,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
     the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
 
+    hard_evidence: the DCGM-style rule's conditions that alarm the model whatever its score
+    (model.HardEvidence; the manifest's `hard_evidence`); the thresholds are chosen with their alarms
+    counted on the validation slice. Empty: the score alone.
+
     compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
     validation slice at a threshold chosen there for the same budget; the manifest's
     metrics.validation_compared has its figures beside this model's, so a user whose own history holds
@@ -143,6 +148,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                          f"({horizon_s / 60 + label_gap_hours * 60:g} min)")
     if not 0.0 < early_label_weight <= 1.0:
         raise ValueError(f"early label weight {early_label_weight:g}: must be in (0, 1]")
+    evidence = mdl.HardEvidence(hard_evidence, "train: hard evidence") if hard_evidence else None
     columns = mdl.estimator_feature_names(steadiness_columns, step_time_columns, context_columns)
     n_cols = len(columns)
     t_start = time.perf_counter()
@@ -308,6 +314,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             Xv = np.load(path)
             for name, fn in predictors.items():
                 vn.scores[name] = (fn(Xv) if len(Xv) else np.zeros(0)).astype(np.float32)
+            # the model's thresholds are chosen with its hard evidence's alarms counted: they spend the budget too
+            vn.forced = evidence.met(Xv) if evidence is not None else None
             levels.append(alarm.level(Xv) if alarm is not None else None)
         keep_val = [i for i, vn in enumerate(val_nodes) if len(vn.y)]
         val_nodes, levels = [val_nodes[i] for i in keep_val], [levels[i] for i in keep_val]
@@ -389,6 +397,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                             "chosen_on": "the validation slice"}} if score_reference is not None else {}),
         "reference_features": reference.tolist(),
         **({"novelty": novelty_section} if novelty_section is not None else {}),
+        **({"hard_evidence": list(evidence.names)} if evidence is not None else {}),
         "prior_scale": float(prior_scale),
         "estimator": {"pipeline": [type(s).__name__ for _, s in gbdt.steps], "calibration": "sigmoid",
                       "trend_features": list(gbdt.named_steps["trends"].ratio_names_) if "trends" in gbdt.named_steps else [],

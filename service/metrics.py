@@ -186,9 +186,11 @@ class ControlPlaneCollector:
                 history.add_metric([node], p.nodes.history_risk(node))
             yield history
         alarm = GaugeMetricFamily("foreshock_node_evacuation_alarm",
-                                  "1 while the evacuation policy holds the node in alarm.", labels=["node"])
-        for node in list(p.policy.alarms):
-            alarm.add_metric([node], 1.0)
+                                  "1 while the evacuation policy holds the node in alarm; cause: risk (at or "
+                                  "above the threshold), hard_evidence (an NVLink link down or a PCIe link below "
+                                  "its width, whatever the risk) or fatal (a fatal event).", labels=["node", "cause"])
+        for node, a in list(p.policy.alarms.items()):
+            alarm.add_metric([node, "fatal" if a.fatal else "hard_evidence" if a.evidence else "risk"], 1.0)
         yield alarm
         yield GaugeMetricFamily("foreshock_evacuation_threshold", "Risk threshold in force for evacuations.",
                                 value=p.policy.settings.threshold)

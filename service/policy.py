@@ -3,8 +3,10 @@
 Run after each scoring round (`evaluate`) and on operator request (`drain`). The rules, in order
 (docs/service.md explains each):
 1. Alarm: a node enters alarm when its calibrated risk reaches `threshold` (the model manifest's
-   threshold for the false-evacuation budget, overridable) and leaves it only when the risk falls under
-   `clear_below` (hysteresis), or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
+   threshold for the false-evacuation budget, overridable) or its features show hard evidence (an NVLink
+   link down, a PCIe link below its width: the model manifest's `hard_evidence`, whatever the risk and
+   the threshold in force), and leaves it only when the risk falls under `clear_below` (hysteresis) with
+   no hard evidence left, or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
    fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
    `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job
    event and alarms none (service/xidcontext.py).
@@ -121,6 +123,12 @@ class Alarm:
     risk: float
     fatal: bool = False
     reason: str = ""
+    evidence: bool = False      # raised by hard evidence (the reason, EVIDENCE_REASON..., says which)
+
+
+# How an alarm raised by hard evidence is worded: a shard forwards the reason, and the jobs coordinator's
+# policy tells such an alarm from a risk alarm by it (raise_alarm).
+EVIDENCE_REASON = "hard evidence: "
 
 
 class EvacuationPolicy:
@@ -237,9 +245,11 @@ class EvacuationPolicy:
                 listener(change, now_ns)
 
     # -- alarms --------------------------------------------------------------------------------------
-    def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None) -> None:
+    def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None,
+                       evidence: dict[str, str] | None = None) -> None:
         s = self.settings
         self._context_round(now_ns)
+        evidence = evidence or {}
         if nodes is not None and probability is not None and len(nodes):
             p = np.asarray(probability, dtype=np.float64)
             hot = np.flatnonzero(p >= s.threshold)
@@ -254,13 +264,21 @@ class EvacuationPolicy:
                                           reason=self.alarms[node].reason, ts_ns=now_ns)
                 else:
                     alarm.risk = max(alarm.risk, float(p[i])) if alarm.fatal else float(p[i])
-            index = {n: i for n, i in zip(nodes, range(len(nodes)))} if self.alarms else {}
+            index = {n: i for n, i in zip(nodes, range(len(nodes)))} if self.alarms or evidence else {}
+            for node, why in sorted(evidence.items()):
+                i = index.get(node)
+                if i is None or node in self.alarms:
+                    continue
+                self.alarms[node] = Alarm(now_ns, float(p[i]), reason=EVIDENCE_REASON + why, evidence=True)
+                self.risk_alarms_raised += 1
+                self.decisions.record("alarm", node=node, risk=float(p[i]), threshold=s.threshold,
+                                      reason=self.alarms[node].reason, ts_ns=now_ns)
             for node, alarm in list(self.alarms.items()):
                 i = index.get(node)
                 if alarm.fatal or i is None:
                     continue
                 alarm.risk = float(p[i])
-                if p[i] < s.clear_below:
+                if p[i] < s.clear_below and node not in evidence:
                     del self.alarms[node]
                     self.decisions.record("cleared", node=node, risk=float(p[i]), threshold=s.threshold,
                                           reason=f"risk {p[i]:.2f} fell under {s.clear_below:.2f}", ts_ns=now_ns)
@@ -287,13 +305,14 @@ class EvacuationPolicy:
         return self._lock
 
     def raise_alarm(self, node: str, since_ns: int, risk: float, reason: str, *, log_it: bool = True) -> None:
-        """A risk alarm that a shard's policy decided (its scores, its hysteresis): held until cleared."""
+        """A risk alarm that a shard's policy decided (its scores, its hysteresis, its hard evidence: a
+        reason that starts with EVIDENCE_REASON): held until cleared."""
         with self._lock:
             alarm = self.alarms.get(node)
             if alarm is not None:
                 alarm.risk = max(alarm.risk, risk) if alarm.fatal else risk
                 return
-            self.alarms[node] = Alarm(since_ns, risk, reason=reason)
+            self.alarms[node] = Alarm(since_ns, risk, reason=reason, evidence=reason.startswith(EVIDENCE_REASON))
             if log_it:
                 self.decisions.record("alarm", node=node, risk=risk, threshold=self.settings.threshold,
                                       reason=reason, ts_ns=since_ns)
@@ -490,14 +509,15 @@ class EvacuationPolicy:
         return stored
 
     def _why(self, alarm: Alarm) -> str:
-        return alarm.reason if alarm.fatal else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+        return alarm.reason if alarm.fatal or alarm.evidence else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
 
     def evaluate(self, now_ns: int, nodes: list[str] | None = None,
-                 probability: np.ndarray | None = None) -> list[Directive]:
-        """One policy round after a scoring round; returns the directives it issued."""
+                 probability: np.ndarray | None = None, evidence: dict[str, str] | None = None) -> list[Directive]:
+        """One policy round after a scoring round; returns the directives it issued. `evidence`: node ->
+        what its hard evidence shows (ScoreResult.evidence): those nodes alarm whatever their risk."""
         with self._lock:
             self._judge_units(now_ns)
-            self._update_alarms(now_ns, nodes, probability)
+            self._update_alarms(now_ns, nodes, probability, evidence)
             covered = self._update_incidents(now_ns)
             due = [(n, a) for n, a in self.alarms.items()
                    if n not in covered and (a.fatal or now_ns - a.since_ns >= self.settings.sustain_seconds * 1e9)]

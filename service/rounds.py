@@ -447,7 +447,7 @@ class RoundScheduler:
             if r is not None and r.totals and self.totals is not None:
                 self.totals.put_totals(r.totals)
             if r is not None:
-                self._last = ScoreResult(r.nodes, r.probability, r.signals, fresh=False)
+                self._last = ScoreResult(r.nodes, r.probability, r.signals, fresh=False, evidence=r.evidence)
                 if r.fresh:
                     fresh = (r, drain.now_ns)
         elapsed = time.perf_counter() - t0

@@ -33,6 +33,9 @@ class ScoreResult:
     # a shard's: its nodes' job and site peer totals of the steps closed this round, for the coordinator
     # [(step, {group: {label: row}})] (predictor/online.py take_local_totals); empty elsewhere
     totals: list = field(default_factory=list)
+    # node -> what its hard evidence shows, for the nodes that alarm whatever their probability
+    # (predictor/model.py HardEvidence, named by the model's manifest); empty for a model without it
+    evidence: dict[str, str] = field(default_factory=dict)
 
 
 class Scorer(Protocol):
@@ -132,13 +135,16 @@ class PredictorScorer:
         watermarks), before their grace period is over."""
         # Features change only when a step closes; between closes a round re-scores nothing.
         if self._last is not None and self._online.advance(now_ns, close_ns) == 0:
-            return ScoreResult(self._last.nodes, self._last.probability, self._last.signals, fresh=False)
+            return ScoreResult(self._last.nodes, self._last.probability, self._last.signals, fresh=False,
+                               evidence=self._last.evidence)
         batch = self._online.score(now_ns, close_ns)
         signals = [[SignalRecord(str(s.name), float(s.value), float(s.contribution), str(s.description))
                     for s in node_signals] for node_signals in batch.signals]
-        self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals)
+        self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals,
+                                 evidence=dict(batch.evidence))
         totals = self._online.take_local_totals()
-        return ScoreResult(self._last.nodes, self._last.probability, signals, totals=totals) if totals else self._last
+        return (ScoreResult(self._last.nodes, self._last.probability, signals, totals=totals,
+                            evidence=self._last.evidence) if totals else self._last)
 
     def set_peer_totals(self, peer_totals: list) -> None:
         """The other shards' sums [(step, {group: {label: row}})], as the coordinator sent them. Sums that

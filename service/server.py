@@ -453,7 +453,7 @@ class ControlPlane:
         if result.fresh:
             if self.score_level is not None:
                 self._follow_score_level(result, now_ns)
-            self.policy.evaluate(now_ns, result.nodes, result.probability)
+            self.policy.evaluate(now_ns, result.nodes, result.probability, result.evidence)
         else:
             self.policy.evaluate(now_ns)   # fatal events only: the scores have not moved
         if self.reporter is not None:
@@ -483,7 +483,8 @@ class ControlPlane:
         if len(keep) == len(result.nodes):
             return result
         return dataclasses.replace(result, nodes=[result.nodes[i] for i in keep], probability=result.probability[keep],
-                                   signals=[result.signals[i] for i in keep] if result.signals else result.signals)
+                                   signals=[result.signals[i] for i in keep] if result.signals else result.signals,
+                                   evidence={n: why for n, why in result.evidence.items() if n not in gone})
 
     def _release_departed(self, departed: dict[str, str], now_ns: int) -> None:
         """Nodes the shard map moved away: their risk alarms end here (logged, and forwarded as cleared),

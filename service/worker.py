@@ -201,7 +201,7 @@ def worker_main(conn, model_path: str, grace_seconds: float, limits: dict, state
             if req.get("score"):
                 try:
                     r = scorer.score(now_ns, close_ns)
-                    score = (r.nodes, r.probability, r.signals, r.fresh, r.totals)
+                    score = (r.nodes, r.probability, r.signals, r.fresh, r.totals, r.evidence)
                 except Exception as exc:
                     score_error = f"{type(exc).__name__}: {exc}"
                     log.exception("scoring round failed")
@@ -428,9 +428,9 @@ class WorkerPipeline:
     def _outcome(reply: dict) -> Outcome:
         result = None
         if reply["score"] is not None:
-            nodes, prob, signals, is_fresh, totals = reply["score"]
+            nodes, prob, signals, is_fresh, totals, evidence = reply["score"]
             result = ScoreResult(list(nodes), np.asarray(prob, dtype=np.float64), signals, fresh=is_fresh,
-                                 totals=totals)
+                                 totals=totals, evidence=evidence)
         return Outcome(result, reply["score_error"], reply["ingest_errors"], verdicts=reply,
                        peer_stats=reply.get("peer_stats"), left_out=reply.get("left_out"))
 

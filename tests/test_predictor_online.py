@@ -46,6 +46,34 @@ def test_scores_every_node_and_explains_the_failing_one(model):
     assert batch.horizon_seconds == 1800 and batch.model_version == "tiny-test"
 
 
+def test_a_node_with_an_nvlink_link_down_is_named_with_its_evidence_whatever_its_risk(tmp_path, tiny_model_dir):
+    import json
+
+    import pyarrow.compute as pc
+
+    d = tiny_model_dir(tmp_path / "m")
+    man = json.loads((d / registry.MANIFEST_FILE).read_text())
+    man["hard_evidence"] = ["nvl_links_down_now", "pcie_width_deficit_now"]
+    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    model = registry.load_model(d)
+    t0 = synthetic.T0_NS - synthetic.T0_NS % STEP_NS
+    down, well = (synthetic.node_tables(n, 12, seed=k) for k, n in enumerate(("node-down", "node-well")))
+    nv = down["nvlink"]
+    late = pc.greater_equal(pc.cast(nv.column("ts"), pa.int64()), t0 + 8 * STEP_NS)
+    gpu2 = pc.and_(late, pc.equal(nv.column("gpu"), 2))
+    up = pc.if_else(gpu2, pa.scalar(15, pa.int16()), nv.column("links_up"))
+    down["nvlink"] = nv.set_column(nv.schema.get_field_index("links_up"), "links_up", up)
+    scorer = online.OnlineScorer(model)
+    scorer.set_inventory(synthetic.inventory(["node-down", "node-well"]))
+    for tables in (down, well):
+        for name, tbl in tables.items():
+            scorer.ingest(name, tbl)
+    batch = scorer.score(t0 + 12 * STEP_NS + 6_000_000_000)
+    assert set(batch.evidence) == {"node-down"}
+    assert batch.evidence["node-down"].startswith("NVLink links down on the worst GPU: 3 links now")
+    assert batch.probability[batch.nodes.index("node-down")] < 0.5   # the tiny model does not read it
+
+
 def test_bad_batches_are_refused_and_change_nothing(model):
     scorer = online.OnlineScorer(model)
     with pytest.raises(sch.SchemaError, match="unknown table"):

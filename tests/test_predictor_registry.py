@@ -199,3 +199,19 @@ def test_a_novelty_section_that_does_not_fit_is_refused_naming_the_manifest(mode
     with pytest.raises(registry.ModelError, match=needle) as err:
         registry.load_model(d)
     assert registry.MANIFEST_FILE in str(err.value)
+
+
+@pytest.mark.parametrize("value, needle", [("nvl_links_down_now", "must be a list"),
+                                           (["nvl_links_down_now", "ecc_sbe_30m"], "ecc_sbe_30m")])
+def test_a_hard_evidence_list_that_names_no_rule_condition_is_refused_naming_the_manifest(model_dir, tmp_path,
+                                                                                          value, needle):
+    import shutil
+    d = tmp_path / "hard"
+    shutil.copytree(model_dir, d)
+    man = json.loads((d / registry.MANIFEST_FILE).read_text())
+    assert registry.load_model(d).hard_evidence is None or "hard_evidence" in man
+    man["hard_evidence"] = value
+    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    with pytest.raises(registry.ModelError, match=needle) as err:
+        registry.load_model(d)
+    assert registry.MANIFEST_FILE in str(err.value)

@@ -14,6 +14,7 @@ from foreshock import schema as sch
 from foreshock.predictor import evaluate as ev
 from foreshock.predictor import features as ft
 from foreshock.predictor import labels as lb
+from foreshock.predictor import model as mdl
 from foreshock.predictor import calibration, registry, treewalk
 
 STEP_NS = 60 * 10**9
@@ -63,6 +64,8 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, trained
     assert f"WARNING: the thresholds rest on a validation slice of {days:,.0f} node-days" in err, err
     # nor a score level: 8 nodes are fewer than a level is taken over, so the thresholds stay fixed
     assert "score_level" not in man
+    # the hard evidence by default, its alarms counted in the thresholds chosen
+    assert man["hard_evidence"] == list(mdl.HARD_EVIDENCE) and m.hard_evidence.names == mdl.HARD_EVIDENCE
     js, page = tmp_path / "e.json", tmp_path / "e.html"
     rc = cli.main(["evaluate", "--data", str(sim_data), "--model", str(model_dir), "--json", str(js),
                    "--html", str(page), "--budget", "5"])
@@ -301,6 +304,32 @@ def test_episode_recall_lead_and_false_evacuations_by_hand():
     assert low < res["false_evacuations_per_1000_node_days"] < high
     curve = ev.threshold_curve(nodes, "m", incidents, 1800)
     assert ev.pick_threshold(curve, 0.0) > 0.9 or curve[-1][1] > 0
+
+
+def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predictor():
+    t = 300
+    ends = (np.arange(t) + 1) * STEP_NS
+    incidents = _incidents([{"ts": pd.Timestamp(int(ends[200]), tz="UTC"), "node": "n1", "incident_id": "a",
+                             "scope": "node", "category": "faulty_gpu", "has_precursor": True}])
+    X = np.zeros((t, ft.N_FEATURES), np.float32)
+    links, width = (list(ft.FEATURE_NAMES).index(n) for n in mdl.HARD_EVIDENCE)
+    X[185:200, links] = 2              # two NVLink links down 15 min before the failure
+    X[185:200, list(ft.FEATURE_NAMES).index("nvl_links_down_max30m")] = 2
+    X[50, width] = np.nan              # unknown meets nothing
+    hard = mdl.HardEvidence()
+    forced = hard.met(X)
+    assert forced.sum() == 15 and not forced[50]
+    assert hard.reasons(X[190]) == ["NVLink links down on the worst GPU: 2 links now, 2 links at most in 30 min"]
+    assert hard.reasons(X[10]) == []
+    y, excl = lb.node_labels(ends, incidents.of_node("n1"), 1800)
+    quiet = np.zeros(t, np.float32)
+    node = ev.NodeScores("n1", ends, y, ~excl, {"model": quiet, "rule": quiet}, forced)
+    caught = ev.summarise(ev.at_threshold([node], "model", 0.5, incidents, 1800), incidents)
+    assert caught["incident_recall_precursor"] == 1.0 and caught["median_lead_minutes"] == pytest.approx(15)
+    assert ev.summarise(ev.at_threshold([node], "rule", 0.5, incidents, 1800), incidents)[
+        "incident_recall_precursor"] == 0.0
+    with pytest.raises(ValueError, match="ib_counter_saturated_now"):
+        mdl.HardEvidence(["nvl_links_down_now", "ib_counter_saturated_now"])
 
 
 def test_the_validation_slice_counts_episodes_as_evaluate_does_across_a_repair():

@@ -12,7 +12,7 @@ import pytest
 from foreshock.service.decisions import DecisionLog, incident_rows, read_decisions
 from foreshock.service.jobs import JobDirectory, new_directive
 from foreshock.service.nodes import FatalEvent, NodeBook, Topology
-from foreshock.service.policy import EvacuationPolicy, PolicySettings
+from foreshock.service.policy import EVIDENCE_REASON, EvacuationPolicy, PolicySettings
 from foreshock.service.domain import AckPhase, DirectiveKind, DirectiveState
 from foreshock.service.store import StateStore
 from support import Clock
@@ -90,6 +90,32 @@ def test_risk_alarms_are_counted_once_per_crossing_and_fatal_ones_not_at_all(wor
     nodes.record_fatal(FatalEvent("n11", clock.now + 5 * S, "xid", "Xid 79 on GPU 3", clock.now + 5 * S))
     _round(policy, nodes, clock.now + 6 * S, NODES, _risk({"n10": 0.8}))
     assert "n11" in policy.alarms and policy.risk_alarms_raised == 2
+
+
+def test_hard_evidence_alarms_whatever_the_risk_and_holds_while_it_lasts(world, tmp_path):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make(clear_below=0.3)
+    low = _risk({})
+    why = {"n01": "NVLink links down on the worst GPU: 1 links now"}
+    nodes.update_risk(NODES, low, [[] for _ in NODES], clock.now)
+    (d,) = policy.evaluate(clock.now, NODES, low, why)
+    assert d.from_node == "n01" and d.reason == "hard evidence: " + why["n01"]
+    assert policy.risk_alarms_raised == 1
+    # the risk stays under clear_below: the alarm holds while the evidence does, and clears after
+    policy.evaluate(clock.now + S, NODES, low, why)
+    assert policy.alarms["n01"].evidence
+    policy.evaluate(clock.now + 2 * S, NODES, low, {})
+    assert "n01" not in policy.alarms
+    decisions.flush()
+    log = read_decisions(tmp_path / "decisions").to_pylist()
+    assert [r["kind"] for r in log if r["node"] == "n01"][:1] == ["alarm"]
+    assert log[0]["reason"] == "hard evidence: " + why["n01"]
+    assert [r["kind"] for r in log][-1] == "cleared"
+    # the same alarm decided by a shard and forwarded (the jobs coordinator's policy): its reason is kept
+    jobs.register("B", [(0, "n09", [0])], ["n13"], current_step=10)
+    policy.raise_alarm("n09", clock.now + 3 * S, 0.01, EVIDENCE_REASON + why["n01"] + " (shard s1)")
+    (d,) = policy.evaluate(clock.now + 3 * S)
+    assert d.from_node == "n09" and d.reason == EVIDENCE_REASON + why["n01"] + " (shard s1)"
 
 
 def test_max_concurrent_then_cooldown(world):

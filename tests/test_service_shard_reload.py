@@ -118,7 +118,7 @@ def test_a_node_moved_away_is_redirected_and_forgotten_and_one_moved_in_is_taken
         assert wait_until(lambda: "n-hot" in a.policy.alarms)
         text = generate_latest(a.registry).decode()
         assert 'foreshock_node_failure_risk{leaf_switch="",node="n-hot",site=""} 0.9' in text
-        assert 'foreshock_node_evacuation_alarm{node="n-hot"} 1.0' in text
+        assert 'foreshock_node_evacuation_alarm{cause="risk",node="n-hot"} 1.0' in text
         old = a.shard_gate.map.digest
         assert f'foreshock_shard_map_info{{digest="{old}"}} 1.0' in text
 
