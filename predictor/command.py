@@ -461,6 +461,9 @@ def run_evaluate(args, file_data) -> int:
             continue
         print(f"{name:10} {m['pr_auc']:7.3f} {m['roc_auc']:7.3f} {m['brier']:8.5f} {_pct(m['incident_recall_precursor']):>9} "
               f"{_pct(m['incident_recall_all']):>11} {m['median_lead_minutes']:6.1f} {m['false_evacuations_per_1000_node_days']:6.2f}")
+    if rep.get("hard_evidence"):
+        print("the model also alarms, whatever its score, where the features show " + ", ".join(rep["hard_evidence"])
+              + " (its manifest's hard_evidence); its figures below count those alarms")
     print("at the manifest's thresholds for budgets " + ", ".join(f"{b:g}" for b in evaluate.AT_BUDGETS)
           + f" ([low-high]: the figure's {evaluate.INTERVAL_LEVEL:.0%} interval):")
     for b, per in rep["at_budgets"].items():

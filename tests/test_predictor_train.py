@@ -69,9 +69,11 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, trained
     js, page = tmp_path / "e.json", tmp_path / "e.html"
     rc = cli.main(["evaluate", "--data", str(sim_data), "--model", str(model_dir), "--json", str(js),
                    "--html", str(page), "--budget", "5"])
-    assert rc == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
     rep = json.loads(js.read_text())
     assert rep["budget"] == 5
+    assert rep["hard_evidence"] == list(mdl.HARD_EVIDENCE) and "nvl_links_down_now, pcie_width_deficit_now" in printed.out
     for name in ("model", "rule", "logistic"):
         for key in ("pr_auc", "roc_auc", "brier", "incident_recall_precursor", "incident_recall_all",
                     "median_lead_minutes", "false_evacuations_per_1000_node_days"):
