@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 WATCH_LEVEL = 0.5      # from half the evacuation threshold: worth a look, no action yet
 EVACUATE_LEVEL = 1.0   # at the threshold: the policy evacuates (after its hysteresis)
 
@@ -28,6 +30,15 @@ def level(probability: float, threshold: float | None) -> float:
     if threshold is None or not threshold > 0 or probability is None or math.isnan(probability):
         return float("nan")
     return float(probability) / float(threshold)
+
+
+def at_or_above(probability, threshold):
+    """Which probabilities reach the evacuation threshold (arrays or numbers, broadcast): p >= threshold,
+    except that a threshold of 1 or more is reached by none. 1 is where the fleet's score level caps a
+    threshold (predictor/fleetlevel.py `governed`): the fleet's healthy scores run so high that none is to be
+    trusted, and a probability of exactly 1 is a score saturated in float32, not a certainty. Hard evidence
+    and fatal events alarm whatever the threshold."""
+    return (np.asarray(probability) >= threshold) & (np.asarray(threshold) < 1.0)
 
 
 def band(lvl: float) -> str:

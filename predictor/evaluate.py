@@ -48,7 +48,7 @@ from foreshock.predictor import fleetlevel, groups
 from foreshock.predictor import labels as lb
 from foreshock.predictor import offline, registry
 from foreshock.predictor.offline import STEP_NS
-from foreshock.risk import pick_threshold
+from foreshock.risk import at_or_above, pick_threshold
 
 COOLDOWN_STEPS = 10
 JUSTIFIED_HOURS = 24.0
@@ -127,7 +127,7 @@ def at_threshold(nodes: list[NodeScores], name: str, threshold, incidents: lb.In
         inc = incidents.of_node(ns.node)
         inc_ts = np.sort(inc["ts"].to_numpy(np.int64)) if len(inc) else np.zeros(0, np.int64)
         th = threshold(ns.step_end_ns) if callable(threshold) else threshold
-        hot = ns.scores[name] >= th
+        hot = at_or_above(ns.scores[name], th)
         if name == "model" and ns.forced is not None:
             hot = hot | ns.forced
         alert = np.flatnonzero(hot & ns.usable)

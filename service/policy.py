@@ -5,7 +5,8 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 1. Alarm: a node enters alarm when its calibrated risk reaches `threshold` (the model manifest's
    threshold for the false-evacuation budget, overridable) or its features show hard evidence (an NVLink
    link down, a PCIe link below its width: the model manifest's `hard_evidence`, whatever the risk and
-   the threshold in force), and leaves it only when the risk falls under `clear_below` (hysteresis) with
+   the threshold in force; a threshold at 1, where the fleet's score level caps it, is reached by no risk:
+   foreshock/risk.py at_or_above), and leaves it only when the risk falls under `clear_below` (hysteresis) with
    no hard evidence left, or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
    fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
    `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from foreshock import fabric
+from foreshock.risk import at_or_above
 from foreshock.service.actions import Due
 from foreshock.service.decisions import DecisionLog
 from foreshock.service.fabricunits import (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_SECONDS, HOLD_SECONDS, Change,
@@ -252,7 +254,7 @@ class EvacuationPolicy:
         evidence = evidence or {}
         if nodes is not None and probability is not None and len(nodes):
             p = np.asarray(probability, dtype=np.float64)
-            hot = np.flatnonzero(p >= s.threshold)
+            hot = np.flatnonzero(at_or_above(p, s.threshold))
             for i in hot.tolist():
                 node = nodes[i]
                 alarm = self.alarms.get(node)

@@ -330,6 +330,13 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     assert caught["incident_recall_precursor"] == 1.0 and caught["median_lead_minutes"] == pytest.approx(15)
     assert ev.summarise(ev.at_threshold([node], "rule", 0.5, incidents, 1800), incidents)[
         "incident_recall_precursor"] == 0.0
+    # a threshold at its cap (fleetlevel.governed's 1) is reached by no score, not even a saturated one
+    node.scores["model"] = np.ones(t, np.float32)
+    capped = ev.at_threshold([node], "model", lambda e: np.ones(len(e)), incidents, 1800)
+    assert capped["evacuations"] == 1 and capped["lead_minutes"] == {"a": pytest.approx(15)}   # the forced steps'
+    node.forced = None
+    assert ev.at_threshold([node], "model", 1.0, incidents, 1800)["evacuations"] == 0
+    assert ev.at_threshold([node], "model", 0.999, incidents, 1800)["evacuations"] == 1
     with pytest.raises(ValueError, match="ib_counter_saturated_now"):
         mdl.HardEvidence(["nvl_links_down_now", "ib_counter_saturated_now"])
 

@@ -118,6 +118,15 @@ def test_hard_evidence_alarms_whatever_the_risk_and_holds_while_it_lasts(world, 
     assert d.from_node == "n09" and d.reason == EVIDENCE_REASON + why["n01"] + " (shard s1)"
 
 
+def test_a_threshold_at_its_cap_is_reached_by_no_risk_and_hard_evidence_still_alarms(world):
+    clock, store, jobs, nodes, decisions, make = world
+    policy = make(threshold=1.0)
+    saturated = _risk({"n01": 1.0, "n02": 1.0})
+    nodes.update_risk(NODES, saturated, [[] for _ in NODES], clock.now)
+    policy.evaluate(clock.now, NODES, saturated, {"n02": "PCIe lanes below the link's maximum width: 8 lanes now"})
+    assert sorted(policy.alarms) == ["n02"] and policy.alarms["n02"].evidence
+
+
 def test_max_concurrent_then_cooldown(world):
     clock, store, jobs, nodes, decisions, make = world
     policy = make()
