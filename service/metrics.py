@@ -10,11 +10,11 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_node_risk_signal_contribution{node,signal} share of the score a top signal explains
   foreshock_node_history_risk{node}                    P(a fault within the history horizon) from the node's
                                                        past faults (`serve --history`; docs/predictor.md)
-  foreshock_node_evacuation_alarm{node}                1 while the policy holds the node in alarm
+  foreshock_node_evacuation_alarm{node,cause}          1 while the policy holds the node in alarm (risk, hard_evidence, fatal)
   foreshock_evacuation_threshold                       the risk threshold in force
   foreshock_evacuation_budget                          false evacuations per 1,000 node-days the threshold was
                                                        chosen for (NaN: a threshold set by hand, or no model)
-  foreshock_risk_alarms_total                          risk alarms raised (a node's risk reached the threshold)
+  foreshock_risk_alarms_total                          risk alarms raised (the risk reached the threshold, or hard evidence)
   foreshock_directives{kind,state}                     directives now in each state
   foreshock_directives_issued_total{kind}              directives ever issued
   foreshock_directive_outcomes_total{kind,outcome}     finished directives (completed, failed, cancelled)
@@ -199,7 +199,7 @@ class ControlPlaneCollector:
                                 "threshold in force was chosen for (NaN: set by hand, or no model).",
                                 value=float("nan") if budget is None else budget)
         yield CounterMetricFamily("foreshock_risk_alarms", "Risk alarms raised: a node's risk reached the "
-                                  "evacuation threshold (fatal alarms not counted).",
+                                  "evacuation threshold, or its hard evidence alarmed it (fatal alarms not counted).",
                                   value=p.policy.risk_alarms_raised)
 
         states = GaugeMetricFamily("foreshock_directives", "Directives now in each state.", labels=["kind", "state"])
