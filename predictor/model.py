@@ -289,6 +289,12 @@ RULE_CONDITIONS: tuple[tuple[str, float], ...] = (
 )
 
 
+def conditions_met(X, columns: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """[n, k] bool: which of k conditions (feature column > threshold, NaN meeting none) each row meets;
+    the one reading of RULE_CONDITIONS, for the rule and for the hard evidence."""
+    return np.nan_to_num(np.asarray(X)[:, columns].astype(np.float64), nan=0.0) > thresholds
+
+
 # The rule's conditions that alarm on their own, whatever the model's score and the threshold in force
 # (docs/predictor.md, *Hard evidence*): hardware found degraded (an NVLink link down, a PCIe link trained
 # below its width), a state the fleet's noise does not make, where the model reads a rate that it does.
@@ -318,19 +324,15 @@ class HardEvidence:
         X = np.asarray(X)
         if not len(self.names) or not len(X):
             return np.zeros(len(X), dtype=bool)
-        return (np.nan_to_num(X[:, self.columns].astype(np.float64), nan=0.0) > self.thresholds).any(axis=1)
+        return conditions_met(X, self.columns, self.thresholds).any(axis=1)
 
     def reasons(self, row) -> list[str]:
         """What one feature row shows, in an operator's words (explain.describe), for each condition met."""
         from foreshock.predictor import explain as ex
 
         row = np.asarray(row)
-        out = []
-        for name, col, th in zip(self.names, self.columns.tolist(), self.thresholds.tolist()):
-            v = float(row[col])
-            if np.isfinite(v) and v > th:
-                out.append(ex.describe(name.removesuffix("_now"), row))
-        return out
+        met = conditions_met(row[None, :], self.columns, self.thresholds)[0]
+        return [ex.describe(name.removesuffix("_now"), row) for name, m in zip(self.names, met) if m]
 
 
 class RuleBaseline(ClassifierMixin, BaseEstimator):
@@ -348,8 +350,7 @@ class RuleBaseline(ClassifierMixin, BaseEstimator):
         return self
 
     def predict_proba(self, X):
-        X = np.asarray(X, dtype=np.float64)
-        met = np.nan_to_num(X[:, self.columns_], nan=0.0) > self.thresholds_
+        met = conditions_met(X, self.columns_, self.thresholds_)
         p = met.sum(axis=1) / len(self.columns_)
         return np.column_stack([1.0 - p, p])
 
