@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -447,7 +448,7 @@ class RoundScheduler:
             if r is not None and r.totals and self.totals is not None:
                 self.totals.put_totals(r.totals)
             if r is not None:
-                self._last = ScoreResult(r.nodes, r.probability, r.signals, fresh=False, evidence=r.evidence)
+                self._last = dataclasses.replace(r, fresh=False, totals=[])
                 if r.fresh:
                     fresh = (r, drain.now_ns)
         elapsed = time.perf_counter() - t0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -135,16 +136,14 @@ class PredictorScorer:
         watermarks), before their grace period is over."""
         # Features change only when a step closes; between closes a round re-scores nothing.
         if self._last is not None and self._online.advance(now_ns, close_ns) == 0:
-            return ScoreResult(self._last.nodes, self._last.probability, self._last.signals, fresh=False,
-                               evidence=self._last.evidence)
+            return dataclasses.replace(self._last, fresh=False)
         batch = self._online.score(now_ns, close_ns)
         signals = [[SignalRecord(str(s.name), float(s.value), float(s.contribution), str(s.description))
                     for s in node_signals] for node_signals in batch.signals]
         self._last = ScoreResult(list(batch.nodes), np.asarray(batch.probability, dtype=np.float64), signals,
                                  evidence=dict(batch.evidence))
         totals = self._online.take_local_totals()
-        return (ScoreResult(self._last.nodes, self._last.probability, signals, totals=totals,
-                            evidence=self._last.evidence) if totals else self._last)
+        return dataclasses.replace(self._last, totals=totals) if totals else self._last
 
     def set_peer_totals(self, peer_totals: list) -> None:
         """The other shards' sums [(step, {group: {label: row}})], as the coordinator sent them. Sums that
