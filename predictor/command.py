@@ -103,8 +103,8 @@ def register(subparsers) -> None:
                         f"{TRAIN_DEFAULTS['threshold_prior_node_days']:g}, as foreshock thresholds; docs/predictor.md, "
                         "Stacked with the shipped model); 0: the validation slice alone")
     p.add_argument("--no-hard-evidence", dest="hard_evidence", action="store_const", const=False,
-                   help="no hard evidence: an NVLink link down or a PCIe link below its width alarms only through "
-                        "the model's score (docs/predictor.md, Hard evidence)")
+                   help="no hard evidence: an NVLink link down, a PCIe link below its width or an InfiniBand link "
+                        "down twice in 30 min alarms only through the model's score (docs/predictor.md, Hard evidence)")
     p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
                    help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
                         "sets the risk and the thresholds")

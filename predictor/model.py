@@ -8,8 +8,8 @@
 * `RuleBaseline`: DCGM-health-style thresholds (any fatal Xid, uncorrected ECC, a row-remap failure,
   a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
   share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
-* `HardEvidence`: the rule's conditions (HARD_EVIDENCE) that alarm whatever the model's score: the
-  manifest's `hard_evidence` names them for a model (registry.LoadedModel.hard_evidence).
+* `HardEvidence`: states of the hardware (HARD_EVIDENCE_CONDITIONS) that alarm whatever the model's score:
+  the manifest's `hard_evidence` names them for a model (registry.LoadedModel.hard_evidence).
 * `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
 * `LogitBlend`: fitted models stacked on their logits. `foreshock train` stacks the model of a user's
   history with the shipped model (weights fitted), so a small history leans on what the shipped model
@@ -291,33 +291,44 @@ RULE_CONDITIONS: tuple[tuple[str, float], ...] = (
 
 def conditions_met(X, columns: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """[n, k] bool: which of k conditions (feature column > threshold, NaN meeting none) each row meets;
-    the one reading of RULE_CONDITIONS, for the rule and for the hard evidence."""
+    the one reading of RULE_CONDITIONS and HARD_EVIDENCE_CONDITIONS, for the rule and the hard evidence."""
     return np.nan_to_num(np.asarray(X)[:, columns].astype(np.float64), nan=0.0) > thresholds
 
 
-# The rule's conditions that alarm on their own, whatever the model's score and the threshold in force
-# (docs/predictor.md, *Hard evidence*): hardware found degraded (an NVLink link down, a PCIe link trained
-# below its width), a state the fleet's noise does not make, where the model reads a rate that it does.
-HARD_EVIDENCE: tuple[str, ...] = ("nvl_links_down_now", "pcie_width_deficit_now")
+# Hard evidence (docs/predictor.md, *Hard evidence*): states of the hardware that alarm on their own,
+# whatever the model's score and the threshold in force, where the model reads rates that a noisy fleet
+# also moves. (feature, threshold) as in RULE_CONDITIONS: met when the feature exceeds it. Two are the
+# rule's own conditions; the third asks more than the rule's link-down does, because a healthy link goes
+# down once on a reseat or a switch reboot, and a failing cable flaps.
+_RULE = dict(RULE_CONDITIONS)
+HARD_EVIDENCE_CONDITIONS: tuple[tuple[str, float], ...] = (
+    ("nvl_links_down_now", _RULE["nvl_links_down_now"]),            # an NVLink link down
+    ("pcie_width_deficit_now", _RULE["pcie_width_deficit_now"]),    # a PCIe link trained below its width
+    ("ib_link_downed_30m", 1.0),            # the worst InfiniBand port down twice or more in 30 min
+)
+# What `foreshock train` writes into a new model's manifest.
+HARD_EVIDENCE: tuple[str, ...] = tuple(name for name, _ in HARD_EVIDENCE_CONDITIONS)
 
 
 class HardEvidence:
-    """Which feature rows meet any of the named RULE_CONDITIONS (`met`), and what each says (`reasons`).
+    """Which feature rows meet any of the named HARD_EVIDENCE_CONDITIONS (`met`), and what each says (`reasons`).
 
-    `names`: features of RULE_CONDITIONS; an unknown one raises ValueError naming it and `where`.
+    `names`: features of HARD_EVIDENCE_CONDITIONS; an unknown one raises ValueError naming it and `where`.
     Rows are feature rows whose leading columns are features.MODEL_FEATURE_NAMES (the estimator's or
     full width); NaN meets nothing."""
 
     def __init__(self, names=HARD_EVIDENCE, where: str = "hard evidence"):
-        rule = dict(RULE_CONDITIONS)
-        unknown = [n for n in names if n not in rule]
+        known = dict(HARD_EVIDENCE_CONDITIONS)
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"{where}: {unknown} are not conditions of the DCGM-style rule "
-                             f"(predictor/model.py RULE_CONDITIONS: {sorted(rule)})")
+            raise ValueError(f"{where}: {unknown} are not hard evidence "
+                             f"(predictor/model.py HARD_EVIDENCE_CONDITIONS: {sorted(known)})")
         self.names = tuple(names)
         model_names = list(ft.MODEL_FEATURE_NAMES)
         self.columns = np.array([model_names.index(n) for n in self.names], dtype=np.int64)
-        self.thresholds = np.array([rule[n] for n in self.names], dtype=np.float64)
+        self.thresholds = np.array([known[n] for n in self.names], dtype=np.float64)
+        signal = {spec.name: spec.signal for spec in ft.FEATURES}
+        self.signals = tuple(signal[n] for n in self.names)
 
     def met(self, X) -> np.ndarray:
         """[n] bool: the rows that meet a condition."""
@@ -332,7 +343,7 @@ class HardEvidence:
 
         row = np.asarray(row)
         met = conditions_met(row[None, :], self.columns, self.thresholds)[0]
-        return [ex.describe(name.removesuffix("_now"), row) for name, m in zip(self.names, met) if m]
+        return [ex.describe(signal, row) for signal, m in zip(self.signals, met) if m]
 
 
 class RuleBaseline(ClassifierMixin, BaseEstimator):

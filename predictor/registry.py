@@ -18,7 +18,7 @@ Never pickle or joblib.
 Feature rows are the full width of the running code (features.FEATURE_NAMES); the estimator reads
 the first len(manifest["feature_names"]) of them (features.MODEL_FEATURE_NAMES), and a manifest with
 a `novelty` section (novelty.py) raises the probability to the novelty alarm's where that is higher.
-A manifest's `hard_evidence` (a list of model.RULE_CONDITIONS features) names the conditions that alarm
+A manifest's `hard_evidence` (a list of model.HARD_EVIDENCE_CONDITIONS features) names the conditions that alarm
 whatever the probability (`LoadedModel.hard_evidence`, model.HardEvidence); it leaves the probability as it is.
 
 Prediction (`LoadedModel.predict_proba`) takes the fast tree walk (predictor/treewalk.py) for the
@@ -203,7 +203,7 @@ class LoadedModel:
 def hard_evidence_of(manifest: dict, where: str = "model manifest") -> HardEvidence | None:
     """The conditions the manifest's `hard_evidence` names (model.HardEvidence), or None: a model without
     the key alarms on its score alone. Raises ValueError naming `where` for a value that is not a list of
-    the DCGM-style rule's condition names."""
+    model.HARD_EVIDENCE_CONDITIONS features."""
     names = (manifest or {}).get("hard_evidence")
     if names is None:
         return None

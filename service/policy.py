@@ -4,9 +4,10 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
 (docs/service.md explains each):
 1. Alarm: a node enters alarm when its calibrated risk reaches `threshold` (the model manifest's
    threshold for the false-evacuation budget, overridable) or its features show hard evidence (an NVLink
-   link down, a PCIe link below its width: the model manifest's `hard_evidence`, whatever the risk and
-   the threshold in force; a threshold at 1, where the fleet's score level caps it, is reached by no risk:
-   foreshock/risk.py at_or_above), and leaves it only when the risk falls under `clear_below` (hysteresis) with
+   link down, a PCIe link below its width, an InfiniBand link down twice in 30 min: the model manifest's
+   `hard_evidence`, whatever the risk and the threshold in force; a threshold at 1, where the fleet's score
+   level caps it, is reached by no risk: foreshock/risk.py at_or_above), and leaves it only when the risk
+   falls under `clear_below` (hysteresis) with
    no hard evidence left, or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
    fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
    `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job

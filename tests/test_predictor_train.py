@@ -314,7 +314,7 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     incidents = _incidents([{"ts": pd.Timestamp(int(ends[200]), tz="UTC"), "node": "n1", "incident_id": "a",
                              "scope": "node", "category": "faulty_gpu", "has_precursor": True}])
     X = np.zeros((t, ft.N_FEATURES), np.float32)
-    links, width = (list(ft.FEATURE_NAMES).index(n) for n in mdl.HARD_EVIDENCE)
+    links, width = (list(ft.FEATURE_NAMES).index(n) for n in ("nvl_links_down_now", "pcie_width_deficit_now"))
     X[185:200, links] = 2              # two NVLink links down 15 min before the failure
     X[185:200, list(ft.FEATURE_NAMES).index("nvl_links_down_max30m")] = 2
     X[50, width] = np.nan              # unknown meets nothing
@@ -339,6 +339,25 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     assert ev.at_threshold([node], "model", 0.999, incidents, 1800)["evacuations"] == 1
     with pytest.raises(ValueError, match="ib_counter_saturated_now"):
         mdl.HardEvidence(["nvl_links_down_now", "ib_counter_saturated_now"])
+
+
+def test_hard_evidence_asks_more_than_the_rule_of_an_infiniband_link_down():
+    """One IB link-down (a reseat, a switch reboot), which the rule counts, is not hard evidence; a link down
+    twice in 30 min is, and its reason says what it shows. A node's GPUs in slowdown are not (RULE31)."""
+    col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    X = np.zeros((3, ft.N_FEATURES), np.float32)
+    X[:, col["minutes_since_ib_link_downed"]] = 3
+    X[0, [col["ib_link_downed_5m"], col["ib_link_downed_30m"]]] = 1
+    X[1, col["ib_link_downed_30m"]] = 2
+    X[2, [col["thermal_throttle_frac_now"], col["thermal_throttle_frac_max30m"]]] = 1.0
+    hard = mdl.HardEvidence()
+    assert list(hard.met(X)) == [False, True, False]
+    assert mdl.RuleBaseline().fit().predict(X[:, :len(ft.MODEL_FEATURE_NAMES)]).tolist() == [1, 0, 1]
+    assert hard.reasons(X[1]) == ["InfiniBand link-down events (link_downed) on the worst port: 2 in the last 30 "
+                                  "min, the last 3 min ago"]
+    assert list(mdl.HardEvidence(["nvl_links_down_now"]).met(X)) == [False] * 3
+    with pytest.raises(ValueError, match="thermal_throttle_frac_now"):
+        mdl.HardEvidence(["thermal_throttle_frac_now"])
 
 
 def test_the_validation_slice_counts_episodes_as_evaluate_does_across_a_repair():
