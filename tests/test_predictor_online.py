@@ -47,30 +47,42 @@ def test_scores_every_node_and_explains_the_failing_one(model):
 
 
 def test_a_node_with_an_nvlink_link_down_is_named_with_its_evidence_whatever_its_risk(tmp_path, tiny_model_dir):
+    """Hard evidence from the raw tables: an NVLink link down, and an IB port whose link_downed counter
+    went up twice in a few minutes; a port that went down once (a reseat) is not named."""
     import json
 
     import pyarrow.compute as pc
 
     d = tiny_model_dir(tmp_path / "m")
     man = json.loads((d / registry.MANIFEST_FILE).read_text())
-    man["hard_evidence"] = ["nvl_links_down_now", "pcie_width_deficit_now"]
+    man["hard_evidence"] = ["nvl_links_down_now", "pcie_width_deficit_now", "ib_link_downed_30m"]
     (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
     model = registry.load_model(d)
     t0 = synthetic.T0_NS - synthetic.T0_NS % STEP_NS
-    down, well = (synthetic.node_tables(n, 12, seed=k) for k, n in enumerate(("node-down", "node-well")))
-    nv = down["nvlink"]
+    names = ("node-down", "node-well", "node-flap", "node-once")
+    tables = {n: synthetic.node_tables(n, 12, seed=k) for k, n in enumerate(names)}
+    nv = tables["node-down"]["nvlink"]
     late = pc.greater_equal(pc.cast(nv.column("ts"), pa.int64()), t0 + 8 * STEP_NS)
     gpu2 = pc.and_(late, pc.equal(nv.column("gpu"), 2))
     up = pc.if_else(gpu2, pa.scalar(15, pa.int16()), nv.column("links_up"))
-    down["nvlink"] = nv.set_column(nv.schema.get_field_index("links_up"), "links_up", up)
+    tables["node-down"]["nvlink"] = nv.set_column(nv.schema.get_field_index("links_up"), "links_up", up)
+    for node, steps in (("node-flap", (7, 9)), ("node-once", (7,))):
+        rp = tables[node]["rdma_port"]
+        ts = pc.cast(rp.column("ts"), pa.int64()).to_numpy()
+        mlx1 = (rp.column("device").to_numpy(zero_copy_only=False) == "mlx5_1")
+        downs = sum((ts >= t0 + k * STEP_NS) & mlx1 for k in steps).astype(np.uint64)
+        counter = pa.array(rp.column("link_downed").to_numpy() + downs, pa.uint64())
+        tables[node]["rdma_port"] = rp.set_column(rp.schema.get_field_index("link_downed"), "link_downed", counter)
     scorer = online.OnlineScorer(model)
-    scorer.set_inventory(synthetic.inventory(["node-down", "node-well"]))
-    for tables in (down, well):
-        for name, tbl in tables.items():
+    scorer.set_inventory(synthetic.inventory(list(names)))
+    for node in names:
+        for name, tbl in tables[node].items():
             scorer.ingest(name, tbl)
     batch = scorer.score(t0 + 12 * STEP_NS + 6_000_000_000)
-    assert set(batch.evidence) == {"node-down"}
+    assert set(batch.evidence) == {"node-down", "node-flap"}
     assert batch.evidence["node-down"].startswith("NVLink links down on the worst GPU: 3 links now")
+    assert batch.evidence["node-flap"].startswith(
+        "InfiniBand link-down events (link_downed) on the worst port: 2 in the last 30 min")
     assert batch.probability[batch.nodes.index("node-down")] < 0.5   # the tiny model does not read it
 
 

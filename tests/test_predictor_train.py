@@ -343,7 +343,8 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
 
 def test_hard_evidence_asks_more_than_the_rule_of_an_infiniband_link_down():
     """One IB link-down (a reseat, a switch reboot), which the rule counts, is not hard evidence; a link down
-    twice in 30 min is, and its reason says what it shows. A node's GPUs in slowdown are not (RULE31)."""
+    twice in 30 min is, and its reason says what it shows. A node's GPUs in slowdown are not (refused:
+    docs/predictor.md, Hard evidence)."""
     col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
     X = np.zeros((3, ft.N_FEATURES), np.float32)
     X[:, col["minutes_since_ib_link_downed"]] = 3
