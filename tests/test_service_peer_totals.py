@@ -156,8 +156,10 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path, tin
         assert scorer_a.peer_stats()["late"] == 1 and scorer_a.peer_stats()["refused"] == 0
         assert coordinator.coordinator.peer_totals.steps_received == {"shard-a": 3, "shard-b": 3}
         from prometheus_client import generate_latest
+        # the metric reads the round's outcome, which the scheduler takes in after score() returns
+        lagged = 'foreshock_peer_totals_steps_total{result="lagged"} 2.0'
+        assert wait_until(lambda: lagged in generate_latest(plane_a.registry).decode(), 15)
         text = generate_latest(plane_a.registry).decode()
-        assert 'foreshock_peer_totals_steps_total{result="lagged"} 2.0' in text
         assert 'foreshock_forwarder_peer_totals_total{direction="sent"} 3.0' in text
     finally:
         for plane, _, _ in shards.values():
