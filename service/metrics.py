@@ -187,8 +187,9 @@ class ControlPlaneCollector:
             yield history
         alarm = GaugeMetricFamily("foreshock_node_evacuation_alarm",
                                   "1 while the evacuation policy holds the node in alarm; cause: risk (at or "
-                                  "above the threshold), hard_evidence (an NVLink link down or a PCIe link below "
-                                  "its width, whatever the risk) or fatal (a fatal event).", labels=["node", "cause"])
+                                  "above the threshold), hard_evidence (a state of the hardware the model's manifest "
+                                  "names, such as a link down, whatever the risk) or fatal (a fatal event).",
+                                  labels=["node", "cause"])
         for node, a in list(p.policy.alarms.items()):
             alarm.add_metric([node, "fatal" if a.fatal else "hard_evidence" if a.evidence else "risk"], 1.0)
         yield alarm

@@ -7,9 +7,8 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    link down, a PCIe link below its width, an InfiniBand link down twice in 30 min: the model manifest's
    `hard_evidence`, whatever the risk and the threshold in force; a threshold at 1, where the fleet's score
    level caps it, is reached by no risk: foreshock/risk.py at_or_above), and leaves it only when the risk
-   falls under `clear_below` (hysteresis) with
-   no hard evidence left, or at once on a fatal event (Xid 48/74/79..., GPU lost, link down on a
-   fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
+   falls under `clear_below` (hysteresis) with no hard evidence left, or at once on a fatal event (Xid
+   48/74/79..., GPU lost, link down on a fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
    `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job
    event and alarms none (service/xidcontext.py).
 2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
@@ -248,6 +247,14 @@ class EvacuationPolicy:
                 listener(change, now_ns)
 
     # -- alarms --------------------------------------------------------------------------------------
+    def _open_alarm(self, node: str, alarm: Alarm) -> None:
+        """A risk or hard-evidence alarm raised by this policy's round: held, counted against the budget
+        (risk_alarms_raised), logged."""
+        self.alarms[node] = alarm
+        self.risk_alarms_raised += 1
+        self.decisions.record("alarm", node=node, risk=alarm.risk, threshold=self.settings.threshold,
+                              reason=alarm.reason, ts_ns=alarm.since_ns)
+
     def _update_alarms(self, now_ns: int, nodes: list[str] | None, probability: np.ndarray | None,
                        evidence: dict[str, str] | None = None) -> None:
         s = self.settings
@@ -260,11 +267,8 @@ class EvacuationPolicy:
                 node = nodes[i]
                 alarm = self.alarms.get(node)
                 if alarm is None:
-                    self.alarms[node] = Alarm(now_ns, float(p[i]),
-                                              reason=f"risk {p[i]:.3g} at or above threshold {s.threshold:.3g}")
-                    self.risk_alarms_raised += 1
-                    self.decisions.record("alarm", node=node, risk=float(p[i]), threshold=s.threshold,
-                                          reason=self.alarms[node].reason, ts_ns=now_ns)
+                    self._open_alarm(node, Alarm(now_ns, float(p[i]),
+                                                 reason=f"risk {p[i]:.3g} at or above threshold {s.threshold:.3g}"))
                 else:
                     alarm.risk = max(alarm.risk, float(p[i])) if alarm.fatal else float(p[i])
             index = {n: i for n, i in zip(nodes, range(len(nodes)))} if self.alarms or evidence else {}
@@ -272,10 +276,7 @@ class EvacuationPolicy:
                 i = index.get(node)
                 if i is None or node in self.alarms:
                     continue
-                self.alarms[node] = Alarm(now_ns, float(p[i]), reason=EVIDENCE_REASON + why, evidence=True)
-                self.risk_alarms_raised += 1
-                self.decisions.record("alarm", node=node, risk=float(p[i]), threshold=s.threshold,
-                                      reason=self.alarms[node].reason, ts_ns=now_ns)
+                self._open_alarm(node, Alarm(now_ns, float(p[i]), reason=EVIDENCE_REASON + why, evidence=True))
             for node, alarm in list(self.alarms.items()):
                 i = index.get(node)
                 if alarm.fatal or i is None:
@@ -512,7 +513,9 @@ class EvacuationPolicy:
         return stored
 
     def _why(self, alarm: Alarm) -> str:
-        return alarm.reason if alarm.fatal or alarm.evidence else f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
+        if alarm.fatal or alarm.evidence:
+            return alarm.reason
+        return f"risk {alarm.risk:.3g} above threshold {self.settings.threshold:.3g}"
 
     def evaluate(self, now_ns: int, nodes: list[str] | None = None,
                  probability: np.ndarray | None = None, evidence: dict[str, str] | None = None) -> list[Directive]:

@@ -27,11 +27,11 @@ only queue.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 

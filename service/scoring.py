@@ -9,9 +9,9 @@ else talks to the small `Scorer` protocol below. Who runs the scorer, and when, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
