@@ -327,8 +327,7 @@ class HardEvidence:
         model_names = list(ft.MODEL_FEATURE_NAMES)
         self.columns = np.array([model_names.index(n) for n in self.names], dtype=np.int64)
         self.thresholds = np.array([known[n] for n in self.names], dtype=np.float64)
-        signal = {spec.name: spec.signal for spec in ft.FEATURES}
-        self.signals = tuple(signal[n] for n in self.names)
+        self.signals = tuple(ft.FEATURES[c].signal for c in self.columns)
 
     def met(self, X) -> np.ndarray:
         """[n] bool: the rows that meet a condition."""

@@ -8,9 +8,9 @@ Run after each scoring round (`evaluate`) and on operator request (`drain`). The
    `hard_evidence`, whatever the risk and the threshold in force; a threshold at 1, where the fleet's score
    level caps it, is reached by no risk: foreshock/risk.py at_or_above), and leaves it only when the risk
    falls under `clear_below` (hysteresis) with no hard evidence left, or at once on a fatal event (Xid
-   48/74/79..., GPU lost, link down on a fatal class), which holds for `fatal_hold_seconds`. A collateral Xid (foreshock/xid.py) first waits
-   `xid_context_seconds` for its job's or NVLink domain's other nodes: on enough of them it is one job
-   event and alarms none (service/xidcontext.py).
+   48/74/79..., GPU lost, link down on a fatal class), which holds for `fatal_hold_seconds`. A
+   collateral Xid (foreshock/xid.py) first waits `xid_context_seconds` for its job's or NVLink domain's
+   other nodes: on enough of them it is one job event and alarms none (service/xidcontext.py).
 2. Persistence: a risk alarm acts once it has lasted `sustain_seconds` (0: the first round above);
    a fatal alarm acts at once.
 3. Blast radius: when alarmed nodes make up a large share of a leaf switch, a site or an NVLink domain
