@@ -370,10 +370,34 @@ def _interval(bounds, fmt) -> str:
 def _figures(m: dict) -> str:
     if m.get("threshold") is None:
         return m.get("missing", "no threshold")
+    return _judged(m)
+
+
+def _judged(m: dict) -> str:
+    """Recall of precursor failures, median lead and false evacuations of an at_budget-like row."""
     recall = _interval(m.get("incident_recall_precursor_interval"), _pct)
     rate = _interval(m.get("false_evacuations_per_1000_node_days_interval"), _rate)
     return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {m['median_lead_minutes']:6.1f} min, "
             f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
+
+
+def _print_parts(pp: dict) -> None:
+    """evaluate.policy_parts (or pooling's), one line a part; a pooled part's median lead is per report."""
+    def line(m: dict) -> str:
+        if "median_lead_minutes" in m:
+            return _judged(m)
+        return (f"caught {m['detected_precursor']} of {m['incidents_precursor']}, recall(p) "
+                f"{_pct(m['incident_recall_precursor'])}{_interval(m['incident_recall_precursor_interval'], _pct)}, "
+                f"FE/1k {m['false_evacuations_per_1000_node_days']:.2f}"
+                f"{_interval(m['false_evacuations_per_1000_node_days_interval'], _rate)}")
+
+    print(f"model at budget {pp['budget']:g}, each part alone (its hard evidence adds "
+          f"{pp['added_by_hard_evidence']} precursor failures to what its risk alone catches):")
+    print(f"  risk alone          {line(pp['risk_alone'])}")
+    print(f"  hard evidence alone {line(pp['hard_evidence_alone'])}")
+    width = max((len(m["condition"]) for m in pp["conditions"]), default=0)
+    for m in pp["conditions"]:
+        print(f"    {m['condition']:{width}} {line(m)}")
 
 
 def run_pool(args, file_data) -> int:
@@ -410,6 +434,9 @@ def run_pool(args, file_data) -> int:
     if at and at.get("per_family"):
         print(f"model at budget {pooled['budget']:g}, caught per family: " + ", ".join(
             f"{fam} {f['detected']}/{f['incidents']}" for fam, f in at["per_family"].items()))
+    pp = pooled.get("policy_parts")
+    if pp:
+        _print_parts(pp)
     if args.json:
         Path(args.json).write_text(json.dumps(pooled, indent=1, default=float, allow_nan=True) + "\n")
     return 0
@@ -489,6 +516,9 @@ def run_evaluate(args, file_data) -> int:
             f"{name} {f['detected']}/{f['incidents']}" for name, f in at["per_family"].items()))
         print(f"model at budget {rep['budget']:g}, false evacuations / 1,000 node-days per node type: " + ", ".join(
             f"{name} {t['false_evacuations_per_1000_node_days']:.2f}" for name, t in at["per_node_type"].items()))
+    pp = rep.get("policy_parts")
+    if pp:
+        _print_parts(pp)
     warning = evaluate.overlap_warning(rep["overlap"])
     if warning:
         _err(warning)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy import stats
@@ -85,6 +85,8 @@ class NodeScores:
     scores: dict[str, np.ndarray] = field(default_factory=dict)   # name -> [T] float32
     # [T] bool: the steps the model's hard evidence alarms on whatever its score (None: it has none)
     forced: np.ndarray | None = None
+    # [T, k] bool: which of the hard evidence's k conditions each step meets (forced is any of them)
+    evidence: np.ndarray | None = None
 
 
 def score_node(nf, incidents: lb.Incidents, predictors: dict, horizon_s: int, hard_evidence=None) -> NodeScores:
@@ -93,8 +95,9 @@ def score_node(nf, incidents: lb.Incidents, predictors: dict, horizon_s: int, ha
     y, excluded = lb.node_labels(ends, incidents.of_node(nf.node), horizon_s)
     usable = nf.scoreable & ~excluded
     scores = {name: np.asarray(fn(nf.X), dtype=np.float32) for name, fn in predictors.items()}
-    forced = hard_evidence.met(nf.X) if hard_evidence is not None else None
-    return NodeScores(nf.node, ends, y, usable, scores, forced)
+    evidence = hard_evidence.met_each(nf.X) if hard_evidence is not None else None
+    forced = evidence.any(axis=1) if evidence is not None else None
+    return NodeScores(nf.node, ends, y, usable, scores, forced, evidence)
 
 
 def _episodes(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -348,6 +351,39 @@ def at_policy(nodes: list[NodeScores], name: str, policy, incidents: lb.Incident
     return at_threshold(nodes, name, policy, incidents, horizon_s), {}
 
 
+PART_KEYS = ("incidents_precursor", "incident_recall_precursor", "median_lead_minutes", "false_evacuations",
+             "node_days", "false_evacuations_per_1000_node_days", "incident_recall_precursor_interval",
+             "false_evacuations_per_1000_node_days_interval")
+
+
+def policy_parts(nodes: list[NodeScores], incidents: lb.Incidents, policy, names, horizon_s: int) -> dict:
+    """Where the model's alarms at `policy` (a threshold or threshold_policy's schedule) come from, for a
+    model with hard evidence (NodeScores.evidence, one column per condition of `names`): its risk alone
+    (the score at the thresholds in force, no hard evidence), its hard evidence alone (no score alarms:
+    the threshold at its cap, 1, which no score reaches) and each condition alone (`conditions`, in
+    `names` order, each named by `condition`), PART_KEYS each; and
+    `added_by_hard_evidence`, the precursor failures the model catches that its risk alone does not.
+    Read together they say which part catches and which spends the budget."""
+    threshold = policy[0] if isinstance(policy, tuple) else policy
+
+    def alone(forced_of, at):
+        res = at_threshold([replace(ns, forced=forced_of(ns)) for ns in nodes], "model", at, incidents, horizon_s)
+        s = summarise(res, incidents)
+        return res["lead_minutes"], {k: s[k] for k in PART_KEYS}
+
+    def condition(j):
+        return lambda ns: None if ns.evidence is None else ns.evidence[:, j]
+
+    both, _ = alone(lambda ns: ns.forced, threshold)
+    risk_caught, risk = alone(lambda ns: None, threshold)
+    _, hard = alone(lambda ns: ns.forced, 1.0)
+    pre = incidents.by_incident
+    ids = pre.loc[pre["has_precursor"], "incident_id"]
+    return {"risk_alone": risk, "hard_evidence_alone": hard,
+            "conditions": [{"condition": name, **alone(condition(j), 1.0)[1]} for j, name in enumerate(names)],
+            "added_by_hard_evidence": sum(1 for i in ids if i in both and i not in risk_caught)}
+
+
 def in_force_summary(policy: tuple) -> dict:
     """The manifest's threshold and the hours a score-level schedule raised it (threshold_policy)."""
     _at, _times, ths, base = policy
@@ -525,6 +561,10 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
         out["score_level"] = {"reference": reference, "rule": fleetlevel.RULE,
                               "fixed_thresholds": at_budgets(nodes, incidents, man, ["model"], scored.types,
                                                              horizon_s, fixed=True)}
+    if model.hard_evidence is not None:
+        out["policy_parts"] = {"budget": budget, **policy_parts(
+            nodes, incidents, threshold_policy(levels, "model", thresholds["model"], man),
+            model.hard_evidence.names, horizon_s)}
     judged(3)
     from foreshock.predictor import calibration
     out["fleet_calibrated"] = calibration.fleet_calibrated(nodes, incidents, man, scored.types, horizon_s)

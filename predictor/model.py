@@ -331,10 +331,14 @@ class HardEvidence:
 
     def met(self, X) -> np.ndarray:
         """[n] bool: the rows that meet a condition."""
+        return self.met_each(X).any(axis=1)
+
+    def met_each(self, X) -> np.ndarray:
+        """[n, k] bool: which of the k conditions (in `names` order) each row meets."""
         X = np.asarray(X)
         if not len(self.names) or not len(X):
-            return np.zeros(len(X), dtype=bool)
-        return conditions_met(X, self.columns, self.thresholds).any(axis=1)
+            return np.zeros((len(X), len(self.names)), dtype=bool)
+        return conditions_met(X, self.columns, self.thresholds)
 
     def reasons(self, row) -> list[str]:
         """What one feature row shows, in an operator's words (explain.describe), for each condition met."""

@@ -7,7 +7,9 @@ evacuations over the node-days, summed likewise, each with its interval (evaluat
 The inputs are evaluate's JSON reports (evaluate.py: `at_budgets`, `model_version`, `data_hash`,
 `overlap`). They must be of one model version at the same thresholds and of distinct data; a report
 whose data overlaps the model's training data makes the pool no evidence, and the pool says so.
-Medians do not pool: each report's median lead is listed.
+Medians do not pool: each report's median lead is listed. The reports' `policy_parts` (the model's risk
+alone, its hard evidence alone, each condition) pool the same way when every report has them at one
+budget.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def pool(reports: list[tuple[str, dict]]) -> dict:
         names = [n for n in ev.MODEL_NAMES if n in present] + [n for n in present if n not in ev.MODEL_NAMES]
         out["at_budgets"][b] = {name: _pool_one([(path, rep["at_budgets"][b][name]) for path, rep in reports], b, name)
                                 for name in names}
+    parts = _pool_parts([rep.get("policy_parts") for _, rep in reports])
+    if parts is not None:
+        out["policy_parts"] = parts
     return out
 
 
@@ -73,31 +78,47 @@ def _pool_one(entries: list[tuple[str, dict]], budget: str, name: str) -> dict:
     first_path, first = entries[0]
     if first.get("threshold") is None:
         return {"threshold": None, "missing": first.get("missing", "no threshold")}
-    detected = 0
-    incidents = false = 0
-    node_days = 0.0
     families: dict[str, dict] = {}
-    leads = []
     for path, m in entries:
         if m.get("threshold") != first["threshold"]:
             raise PoolError(f"{path}: {name}'s budget-{float(budget):g} threshold is {m.get('threshold')}, where "
                             f"{first_path} has {first['threshold']}: pool reports made at the same thresholds")
-        n = int(m["incidents_precursor"])
-        incidents += n
-        detected += round(m["incident_recall_precursor"] * n) if n else 0
-        false += int(m["false_evacuations"])
-        node_days += float(m["node_days"])
-        leads.append(m.get("median_lead_minutes"))
         for fam, f in (m.get("per_family") or {}).items():
             acc = families.setdefault(fam, {"incidents": 0, "detected": 0})
             acc["incidents"] += int(f["incidents"])
             acc["detected"] += int(f["detected"])
     for f in families.values():
         f["recall"] = f["detected"] / f["incidents"] if f["incidents"] else float("nan")
-    return {"threshold": first["threshold"], "incidents_precursor": incidents, "detected_precursor": detected,
+    return {"threshold": first["threshold"], **_pooled_counts([m for _, m in entries]),
+            "per_family": dict(sorted(families.items()))}
+
+
+def _pooled_counts(rows: list[dict]) -> dict:
+    """evaluate rows (precursor failures, recall, false evacuations, node-days) summed: the pooled recall
+    and rate with their intervals, and each row's median lead."""
+    incidents = sum(int(m["incidents_precursor"]) for m in rows)
+    detected = sum(round(m["incident_recall_precursor"] * int(m["incidents_precursor"]))
+                   for m in rows if m["incidents_precursor"])
+    false = sum(int(m["false_evacuations"]) for m in rows)
+    node_days = float(sum(float(m["node_days"]) for m in rows))
+    return {"incidents_precursor": incidents, "detected_precursor": detected,
             "incident_recall_precursor": detected / incidents if incidents else float("nan"),
             "incident_recall_precursor_interval": ev.proportion_interval(detected, incidents),
             "false_evacuations": false, "node_days": node_days,
             "false_evacuations_per_1000_node_days": 1000.0 * false / node_days if node_days else float("nan"),
             "false_evacuations_per_1000_node_days_interval": ev.rate_interval(false, node_days),
-            "median_lead_minutes_per_report": leads, "per_family": dict(sorted(families.items()))}
+            "median_lead_minutes_per_report": [m.get("median_lead_minutes") for m in rows]}
+
+
+def _pool_parts(parts: list[dict | None]) -> dict | None:
+    """The reports' `policy_parts` pooled part by part, when every report has them at one budget with the
+    same conditions; else None."""
+    if not parts or not all(parts) or len({p["budget"] for p in parts}) != 1 or len(
+            {tuple(c["condition"] for c in p["conditions"]) for p in parts}) != 1:
+        return None
+    return {"budget": parts[0]["budget"],
+            "risk_alone": _pooled_counts([p["risk_alone"] for p in parts]),
+            "hard_evidence_alone": _pooled_counts([p["hard_evidence_alone"] for p in parts]),
+            "conditions": [{"condition": c["condition"], **_pooled_counts([p["conditions"][j] for p in parts])}
+                           for j, c in enumerate(parts[0]["conditions"])],
+            "added_by_hard_evidence": sum(int(p["added_by_hard_evidence"]) for p in parts)}

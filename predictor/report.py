@@ -275,6 +275,14 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
                            "false": _rate(per["model"].get("false_evacuations_per_1000_node_days")),
                            "threshold": _probability(per["model"].get("threshold"))}
                           for b, per in sl["fixed_thresholds"].items() if per["model"].get("threshold") is not None]}
+    parts = None
+    pp = report.get("policy_parts")
+    if pp:
+        rows = [("its risk alone", pp["risk_alone"]), ("its hard evidence alone", pp["hard_evidence_alone"])]
+        rows += [(f"condition {m['condition']} alone", m) for m in pp["conditions"]]
+        parts = {"budget": f"{pp['budget']:g}", "added": pp["added_by_hard_evidence"],
+                 "rows": [{"label": label, "caught": _caught(m), "lead": _minutes(m.get("median_lead_minutes")),
+                           "false": _rate(m.get("false_evacuations_per_1000_node_days"))} for label, m in rows]}
     groups = []
     if report.get("at_budgets"):
         for key, heading, with_false in GROUPS:
@@ -296,6 +304,7 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
         node_days=f"{report.get('node_days', 0):,.0f}", horizon=f"{report.get('horizon_minutes', 30):g}",
         budget=f"{report.get('budget', 2):g}", overlap=overlap_warning(report.get("overlap")) or "",
         headline=_headline(report, present), predictors=predictors, budgets=budgets, fixed=fixed, fleet=fleet,
+        parts=parts,
         groups=groups,
         categories=categories, figures=figures, definitions=definitions,
         thresholds_from=report.get("thresholds_from", ""))

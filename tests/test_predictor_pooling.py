@@ -80,3 +80,40 @@ def test_one_report_is_not_a_pool(tmp_path, capsys):
     only = _write(tmp_path, "only.json", _report("aa", 1, 5, 0, 100.0))
     assert cli.main(["pool", only]) == 1
     assert f"at least {pooling.MIN_REPORTS} reports" in capsys.readouterr().err
+
+
+def _parts(risk: tuple, hard: tuple, links: tuple, added: int, budget: float = 2.0,
+           conditions=("nvl_links_down_now", "ib_link_downed_30m")) -> dict:
+    """evaluate.policy_parts of a report: (caught, failures, false evacuations, node-days) per part."""
+    def row(caught, failures, false, node_days):
+        return {"incidents_precursor": failures, "incident_recall_precursor": caught / failures,
+                "median_lead_minutes": 8.0, "false_evacuations": false, "node_days": node_days,
+                "false_evacuations_per_1000_node_days": 1000.0 * false / node_days}
+    rows = [row(*links)] + [row(0, links[1], 0, links[3])] * (len(conditions) - 1)
+    return {"budget": budget, "risk_alone": row(*risk), "hard_evidence_alone": row(*hard),
+            "conditions": [{"condition": c, **r} for c, r in zip(conditions, rows)], "added_by_hard_evidence": added}
+
+
+def test_the_parts_of_the_model_pool_part_by_part_and_only_when_they_match(tmp_path, capsys):
+    """Where the alarms come from (evaluate.policy_parts) sums over the reports like the figures do; reports
+    whose parts differ in budget or conditions pool their figures without the parts."""
+    a = {**_report("aa", 3, 10, 2, 1000.0), "policy_parts": _parts((1, 10, 1, 1000.0), (2, 10, 1, 1000.0),
+                                                                    (2, 10, 1, 1000.0), 2)}
+    b = {**_report("bb", 7, 20, 4, 2000.0), "policy_parts": _parts((0, 20, 1, 2000.0), (7, 20, 3, 2000.0),
+                                                                    (5, 20, 3, 2000.0), 7)}
+    pp = pooling.pool([("a.json", a), ("b.json", b)])["policy_parts"]
+    assert (pp["risk_alone"]["detected_precursor"], pp["risk_alone"]["incidents_precursor"]) == (1, 30)
+    assert pp["hard_evidence_alone"]["false_evacuations_per_1000_node_days"] == pytest.approx(4 / 3)
+    assert pp["hard_evidence_alone"]["incident_recall_precursor_interval"] == ev.proportion_interval(9, 30)
+    assert [c["condition"] for c in pp["conditions"]] == ["nvl_links_down_now", "ib_link_downed_30m"]
+    assert pp["conditions"][0]["detected_precursor"] == 7 and pp["added_by_hard_evidence"] == 9
+    paths = [_write(tmp_path, "a.json", a), _write(tmp_path, "b.json", b)]
+    assert cli.main(["pool", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "its hard evidence adds 9 precursor failures" in out and "hard evidence alone caught 9 of 30" in out
+    other = {**b, "policy_parts": _parts((0, 20, 1, 2000.0), (7, 20, 3, 2000.0), (5, 20, 3, 2000.0), 7, budget=5.0)}
+    assert "policy_parts" not in pooling.pool([("a.json", a), ("b.json", other)])
+    fewer = {**b, "policy_parts": _parts((0, 20, 1, 2000.0), (7, 20, 3, 2000.0), (5, 20, 3, 2000.0), 7,
+                                         conditions=("nvl_links_down_now",))}
+    assert "policy_parts" not in pooling.pool([("a.json", a), ("b.json", fewer)])
+    assert "policy_parts" not in pooling.pool([("a.json", a), ("b.json", _report("bb", 7, 20, 4, 2000.0))])

@@ -74,6 +74,11 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, trained
     rep = json.loads(js.read_text())
     assert rep["budget"] == 5
     assert rep["hard_evidence"] == list(mdl.HARD_EVIDENCE) and "nvl_links_down_now, pcie_width_deficit_now" in printed.out
+    # where the alarms come from: the risk alone, the hard evidence alone and each condition, at the budget asked
+    parts = rep["policy_parts"]
+    assert parts["budget"] == 5 and [m["condition"] for m in parts["conditions"]] == list(mdl.HARD_EVIDENCE)
+    assert parts["hard_evidence_alone"]["node_days"] == pytest.approx(rep["model"]["node_days"])
+    assert "model at budget 5, each part alone" in printed.out and 'id="policy-parts"' in page.read_text()
     for name in ("model", "rule", "logistic"):
         for key in ("pr_auc", "roc_auc", "brier", "incident_recall_precursor", "incident_recall_all",
                     "median_lead_minutes", "false_evacuations_per_1000_node_days"):
@@ -321,13 +326,31 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     hard = mdl.HardEvidence()
     forced = hard.met(X)
     assert forced.sum() == 15 and not forced[50]
+    evidence = hard.met_each(X)
+    assert evidence.shape == (t, len(hard.names)) and (evidence.any(axis=1) == forced).all()
+    assert evidence[:, list(hard.names).index("nvl_links_down_now")].sum() == 15
     assert hard.reasons(X[190]) == ["NVLink links down on the worst GPU: 2 links now, 2 links at most in 30 min"]
     assert hard.reasons(X[10]) == []
     y, excl = lb.node_labels(ends, incidents.of_node("n1"), 1800)
     quiet = np.zeros(t, np.float32)
-    node = ev.NodeScores("n1", ends, y, ~excl, {"model": quiet, "rule": quiet}, forced)
+    node = ev.NodeScores("n1", ends, y, ~excl, {"model": quiet, "rule": quiet}, forced, evidence)
     caught = ev.summarise(ev.at_threshold([node], "model", 0.5, incidents, 1800), incidents)
     assert caught["incident_recall_precursor"] == 1.0 and caught["median_lead_minutes"] == pytest.approx(15)
+    # each part alone: the quiet risk catches nothing, the hard evidence (its NVLink condition) the failure
+    parts = ev.policy_parts([node], incidents, 0.5, hard.names, 1800)
+    assert parts["risk_alone"]["incident_recall_precursor"] == 0.0
+    assert parts["hard_evidence_alone"]["incident_recall_precursor"] == 1.0
+    assert parts["hard_evidence_alone"]["median_lead_minutes"] == pytest.approx(15)
+    assert {m["condition"]: m["incident_recall_precursor"] for m in parts["conditions"]} == {
+        "nvl_links_down_now": 1.0, "pcie_width_deficit_now": 0.0, "ib_link_downed_30m": 0.0}
+    assert parts["added_by_hard_evidence"] == 1
+    # a risk that warns 20 min ahead on its own: the hard evidence adds nothing, and the risk's own episode
+    # starting 20 min out is what the risk alone is judged by
+    loud = quiet.copy()
+    loud[180:200] = 0.9
+    parts = ev.policy_parts([ev.NodeScores("n1", ends, y, ~excl, {"model": loud}, forced, evidence)],
+                            incidents, 0.5, hard.names, 1800)
+    assert parts["risk_alone"]["median_lead_minutes"] == pytest.approx(20) and parts["added_by_hard_evidence"] == 0
     assert ev.summarise(ev.at_threshold([node], "rule", 0.5, incidents, 1800), incidents)[
         "incident_recall_precursor"] == 0.0
     # a threshold at its cap (fleetlevel.governed's 1) is reached by no score, not even a saturated one
