@@ -361,9 +361,9 @@ def policy_parts(nodes: list[NodeScores], incidents: lb.Incidents, policy, names
     model with hard evidence (NodeScores.evidence, one column per condition of `names`): its risk alone
     (the score at the thresholds in force, no hard evidence), its hard evidence alone (no score alarms:
     the threshold at its cap, 1, which no score reaches) and each condition alone (`conditions`, in
-    `names` order, each named by `condition`), PART_KEYS each; and
-    `added_by_hard_evidence`, the precursor failures the model catches that its risk alone does not.
-    Read together they say which part catches and which spends the budget."""
+    `names` order, each named by `condition`), PART_KEYS each; and `added_by_hard_evidence`, the
+    precursor failures the model catches that its risk alone does not. Read together they say which
+    part catches and which spends the budget."""
     threshold = policy[0] if isinstance(policy, tuple) else policy
 
     def alone(forced_of, at):
