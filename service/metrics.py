@@ -14,7 +14,8 @@ collectors do. Tested against a private registry and `promtool check metrics`.
   foreshock_evacuation_threshold                       the risk threshold in force
   foreshock_evacuation_budget                          false evacuations per 1,000 node-days the threshold was
                                                        chosen for (NaN: a threshold set by hand, or no model)
-  foreshock_risk_alarms_total                          risk alarms raised (the risk reached the threshold, or hard evidence)
+  foreshock_risk_alarms_total{cause}                   risk alarms raised: the risk reached the threshold (risk), or hard
+                                                       evidence (hard_evidence)
   foreshock_directives{kind,state}                     directives now in each state
   foreshock_directives_issued_total{kind}              directives ever issued
   foreshock_directive_outcomes_total{kind,outcome}     finished directives (completed, failed, cancelled)
@@ -191,7 +192,7 @@ class ControlPlaneCollector:
                                   "names, such as a link down, whatever the risk) or fatal (a fatal event).",
                                   labels=["node", "cause"])
         for node, a in list(p.policy.alarms.items()):
-            alarm.add_metric([node, "fatal" if a.fatal else "hard_evidence" if a.evidence else "risk"], 1.0)
+            alarm.add_metric([node, a.cause], 1.0)
         yield alarm
         yield GaugeMetricFamily("foreshock_evacuation_threshold", "Risk threshold in force for evacuations.",
                                 value=p.policy.settings.threshold)
@@ -199,9 +200,12 @@ class ControlPlaneCollector:
         yield GaugeMetricFamily("foreshock_evacuation_budget", "False evacuations per 1,000 node-days the "
                                 "threshold in force was chosen for (NaN: set by hand, or no model).",
                                 value=float("nan") if budget is None else budget)
-        yield CounterMetricFamily("foreshock_risk_alarms", "Risk alarms raised: a node's risk reached the "
-                                  "evacuation threshold, or its hard evidence alarmed it (fatal alarms not counted).",
-                                  value=p.policy.risk_alarms_raised)
+        raised = CounterMetricFamily("foreshock_risk_alarms", "Risk alarms raised, by cause: a node's risk reached "
+                                     "the evacuation threshold (risk), or its hard evidence alarmed it (hard_evidence); "
+                                     "fatal alarms not counted.", labels=["cause"])
+        for cause, count in p.policy.alarms_raised.items():
+            raised.add_metric([cause], count)
+        yield raised
 
         states = GaugeMetricFamily("foreshock_directives", "Directives now in each state.", labels=["kind", "state"])
         issued = CounterMetricFamily("foreshock_directives_issued", "Directives issued.", labels=["kind"])

@@ -127,6 +127,11 @@ class Alarm:
     reason: str = ""
     evidence: bool = False      # raised by hard evidence (the reason, EVIDENCE_REASON..., says which)
 
+    @property
+    def cause(self) -> str:
+        """What raised it: "fatal", "hard_evidence" or "risk" (the metrics' `cause` label)."""
+        return "fatal" if self.fatal else "hard_evidence" if self.evidence else "risk"
+
 
 # How an alarm raised by hard evidence is worded: a shard forwards the reason, and the jobs coordinator's
 # policy tells such an alarm from a risk alarm by it (raise_alarm).
@@ -146,7 +151,8 @@ class EvacuationPolicy:
         self.alarms: dict[str, Alarm] = {}
         # risk alarms raised from this policy's own scores (fatal ones and a shard's forwarded ones are
         # not counted): how often the fleet crosses the threshold, against the budget it was chosen for
-        self.risk_alarms_raised = 0
+        # risk and hard-evidence alarms raised by this policy's rounds, by Alarm.cause (fatal ones not counted)
+        self.alarms_raised = {"risk": 0, "hard_evidence": 0}
         self.incidents: dict[tuple[str, str], set[str]] = {}
         self._said: dict[tuple[str, str], str] = {}   # (node, job) -> last decision logged, to log changes only
         self._fatal_seen: dict[str, int] = {}
@@ -247,11 +253,16 @@ class EvacuationPolicy:
                 listener(change, now_ns)
 
     # -- alarms --------------------------------------------------------------------------------------
+    @property
+    def risk_alarms_raised(self) -> int:
+        """Risk and hard-evidence alarms raised so far: what the false-evacuation budget counts."""
+        return sum(self.alarms_raised.values())
+
     def _open_alarm(self, node: str, alarm: Alarm) -> None:
         """A risk or hard-evidence alarm raised by this policy's round: held, counted against the budget
-        (risk_alarms_raised), logged."""
+        (alarms_raised, by its cause), logged."""
         self.alarms[node] = alarm
-        self.risk_alarms_raised += 1
+        self.alarms_raised[alarm.cause] += 1
         self.decisions.record("alarm", node=node, risk=alarm.risk, threshold=self.settings.threshold,
                               reason=alarm.reason, ts_ns=alarm.since_ns)
 

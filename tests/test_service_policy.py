@@ -90,6 +90,7 @@ def test_risk_alarms_are_counted_once_per_crossing_and_fatal_ones_not_at_all(wor
     nodes.record_fatal(FatalEvent("n11", clock.now + 5 * S, "xid", "Xid 79 on GPU 3", clock.now + 5 * S))
     _round(policy, nodes, clock.now + 6 * S, NODES, _risk({"n10": 0.8}))
     assert "n11" in policy.alarms and policy.risk_alarms_raised == 2
+    assert policy.alarms_raised == {"risk": 2, "hard_evidence": 0} and policy.alarms["n11"].cause == "fatal"
 
 
 def test_hard_evidence_alarms_whatever_the_risk_and_holds_while_it_lasts(world, tmp_path):
@@ -100,7 +101,7 @@ def test_hard_evidence_alarms_whatever_the_risk_and_holds_while_it_lasts(world, 
     nodes.update_risk(NODES, low, [[] for _ in NODES], clock.now)
     (d,) = policy.evaluate(clock.now, NODES, low, why)
     assert d.from_node == "n01" and d.reason == "hard evidence: " + why["n01"]
-    assert policy.risk_alarms_raised == 1
+    assert policy.risk_alarms_raised == 1 and policy.alarms_raised == {"risk": 0, "hard_evidence": 1}
     # the risk stays under clear_below: the alarm holds while the evidence does, and clears after
     policy.evaluate(clock.now + S, NODES, low, why)
     assert policy.alarms["n01"].evidence

@@ -159,7 +159,8 @@ def test_risk_crossing_evacuates_and_prometheus_reads_the_risk(model_dir, tmp_pa
         assert level and float(level.group(1)) == pytest.approx(plane.nodes.risk["n1"].probability / 0.5)
         assert 'foreshock_directives_issued_total{kind="evacuate"} 1.0' in text
         # n1 crossed once and no other node did: one risk alarm, against the budget the threshold is for
-        assert re.search(r'^foreshock_risk_alarms_total 1\.0$', text, re.M)
+        assert re.search(r'^foreshock_risk_alarms_total\{cause="risk"\} 1\.0$', text, re.M)
+        assert re.search(r'^foreshock_risk_alarms_total\{cause="hard_evidence"\} 0\.0$', text, re.M)
         assert re.search(r'^foreshock_evacuation_budget \S+$', text, re.M)
         top_signal = r.signals[0].name
         assert f'foreshock_node_risk_signal_contribution{{node="n1",signal="{top_signal}"}}' in text
