@@ -149,9 +149,9 @@ class EvacuationPolicy:
         self.jobs = jobs
         self.decisions = decisions
         self.alarms: dict[str, Alarm] = {}
-        # risk alarms raised from this policy's own scores (fatal ones and a shard's forwarded ones are
-        # not counted): how often the fleet crosses the threshold, against the budget it was chosen for
-        # risk and hard-evidence alarms raised by this policy's rounds, by Alarm.cause (fatal ones not counted)
+        # risk and hard-evidence alarms raised from this policy's own scores, by Alarm.cause (fatal ones and
+        # a shard's forwarded ones are not counted): how often the fleet alarms, against the budget the
+        # threshold was chosen for
         self.alarms_raised = {"risk": 0, "hard_evidence": 0}
         self.incidents: dict[tuple[str, str], set[str]] = {}
         self._said: dict[tuple[str, str], str] = {}   # (node, job) -> last decision logged, to log changes only
