@@ -22,6 +22,7 @@ import threading
 import time
 
 from foreshock import config
+from foreshock.predictor.signals import STEP_SECONDS
 from foreshock.service.shardmap import LABEL_VALUE_RE, PLACEMENT_LABELS
 
 from .repeats import DEFAULT_WINDOW_SECONDS, MAX_WINDOW_SECONDS
@@ -59,7 +60,9 @@ DEFAULTS = {
     "xid_fold_seconds": DEFAULT_WINDOW_SECONDS,
 }
 CHECKS = {
-    "interval": config.above(0),
+    # the predictor reads a counter's growth per feature step; a node sampled less often reads low counts
+    "interval": config.Check(lambda v: 0 < v <= STEP_SECONDS, f"must be > 0 and <= {STEP_SECONDS} (the predictor's "
+                             "feature step, docs/predictor.md \"Telemetry interval\")"),
     "rotate_seconds": config.above(0),
     "spool_max_bytes": config.at_least(0),     # 0: no bound
     "min_free_bytes": config.at_least(0),

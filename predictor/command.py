@@ -19,7 +19,8 @@ per training run on stderr, terminal or not.
 history seldom holds enough incidents to learn from alone.
 --data is a directory or a URI pyarrow.fs takes (s3://, gs://, file://; dataset.open_dataset_root); the
 model, the reports and the feature cache are written locally.
-When the evaluated data overlaps the model's training data (evaluate.overlap), a warning goes to stderr.
+When the evaluated data overlaps the model's training data (evaluate.overlap), or its nodes were sampled less
+often than once per feature step (offline.telemetry_interval_warning), a warning goes to stderr.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def _flags(args, keys):
 
 
 def run_train(args, file_data) -> int:
-    from foreshock.predictor import evaluate, executors, train
+    from foreshock.predictor import evaluate, executors, offline, train
 
     cfg = config.resolve("train", TRAIN_DEFAULTS, file_data=file_data, flags=_flags(args, TRAIN_DEFAULTS),
                          checks=TRAIN_CHECKS)
@@ -269,6 +270,9 @@ def run_train(args, file_data) -> int:
         return 1
     for node, why in manifest["training"].get("skipped_partitions", {}).items():
         _err(f"WARNING: node {node} left out (--on-corrupt skip): {why}")
+    sparse = offline.telemetry_interval_warning(manifest["training"].get("telemetry_interval"))
+    if sparse:
+        _err(sparse)
     v = manifest["metrics"]["validation"]["model"]
     tr = manifest["training"]
     print(f"model {manifest['version']} -> {cfg['out']}: {tr['nodes']} nodes, {tr['incidents']} incidents, "
@@ -445,7 +449,7 @@ def run_pool(args, file_data) -> int:
 
 
 def run_evaluate(args, file_data) -> int:
-    from foreshock.predictor import evaluate, executors, registry, report
+    from foreshock.predictor import evaluate, executors, offline, registry, report
 
     cfg = config.resolve("evaluate", EVALUATE_DEFAULTS, file_data=file_data, flags=_flags(args, EVALUATE_DEFAULTS),
                          checks=EVALUATE_CHECKS)
@@ -521,9 +525,10 @@ def run_evaluate(args, file_data) -> int:
     pp = rep.get("policy_parts")
     if pp:
         _print_parts(pp)
-    warning = evaluate.overlap_warning(rep["overlap"])
-    if warning:
-        _err(warning)
+    for warning in (evaluate.overlap_warning(rep["overlap"]),
+                    offline.telemetry_interval_warning(rep.get("telemetry_interval"))):
+        if warning:
+            _err(warning)
     return 0
 
 

@@ -31,6 +31,8 @@ by the model and both baselines) and the incidents table (labels.py). Definition
 * The evaluated data *overlaps* the training data when it has OVERLAP_RULE (the manifest's
   `training` section: data hash, node names' hash, first and last step): figures on it are not
   evidence of how the model does on new data, and the report says so (`overlap`).
+* `telemetry_interval` says how often the nodes were sampled (offline.TelemetryInterval); nodes sampled
+  less often than once per feature step read low counts and few node-days, and the report says so.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ DEFINITIONS = {
     "false_evacuations_strict_per_1000_node_days": "the same, justified by an incident within the horizon of the episode's last step only",
     "at_budgets": "each predictor at the threshold its manifest lists for the budget (none listed: not evaluated), overall, per family (incident category), per signature (category and the failure mode its description names before ':') and per node type (GPU and HCA counts from the inventory); per-group recall counts precursor incidents only",
     "overlap": "the evaluated data overlaps the training data when it has " + OVERLAP_RULE,
+    "telemetry_interval": ("how often the nodes were sampled: a node whose sampled steps mostly follow an unsampled "
+                           "one is sampled less than once per feature step; node-days count sampled steps"),
     "intervals": (f"*_interval: the {INTERVAL_LEVEL:.0%} interval of the figure, exact (Clopper-Pearson) for a "
                   "recall, exact (Garwood, Poisson) for a rate per 1,000 node-days"),
 }
@@ -480,6 +484,7 @@ class ScoredData:
     types: dict[str, str]      # node -> type (groups.node_types)
     identity: dict             # data_identity
     skipped: dict = field(default_factory=dict)   # node -> why its partition was left out (on_error="skip")
+    telemetry_interval: dict = field(default_factory=dict)   # offline.TelemetryInterval.summary
 
     def type_counts(self) -> dict[str, int]:
         return dict(collections.Counter(self.types.get(ns.node, groups.UNKNOWN_TYPE) for ns in self.nodes))
@@ -497,15 +502,18 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, 
                          "the scores against the logged incidents (docs/schema.md)")
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     nodes = []
+    interval = offline.TelemetryInterval()
     with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address,
                                 on_error=on_error) as fb:
         for nf in fb:
+            interval.add(nf)
             nodes.append(score_node(nf, incidents, predictors, horizon_s, hard_evidence))
         first, last = fb.step_range
         names = fb.nodes
         skipped = dict(fb.skipped)
     types = groups.node_types(ds.read_table(data_dir, "inventory"), names)
-    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last), skipped)
+    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last), skipped,
+                      interval.summary())
 
 
 def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None,
@@ -572,6 +580,7 @@ def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, p
     out["hard_evidence"] = list(model.hard_evidence.names) if model.hard_evidence is not None else []
     out["node_types"] = scored.type_counts()
     out["overlap"] = overlap(man.get("training") or {}, scored.identity)
+    out["telemetry_interval"] = scored.telemetry_interval
     out["budget"] = budget
     out["budget_unit"] = "false evacuations per 1,000 node-days"
     out["horizon_minutes"] = horizon_s / 60

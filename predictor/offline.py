@@ -70,6 +70,55 @@ class NodeFeatures:
         return self.present & ft.scoreable(since)
 
 
+OUTAGE_STEPS = 10        # unsampled steps in a row beyond this are an outage, not the sampling interval
+SPARSE_SHARE = 0.5       # a node whose sampled steps mostly follow an unsampled one is sampled less than once a step
+
+
+class TelemetryInterval:
+    """How often a dataset's nodes were sampled, against the features' step (features.STEP_SECONDS).
+
+    The features read a counter's growth per step, and a delta that spans more than signals.GAP_FACTOR
+    steps is scaled to one step's worth (signals.gap_scale: a missed sample's errors are not one step's
+    burst). A node sampled less often than once a step (a 2-minute collector, another writer's history)
+    has every delta so scaled and its unsampled steps read nothing: its windowed counts read about
+    1 / (steps per sample) of its errors, a condition such as "link down twice in 30 minutes" needs as many
+    times more, and an evaluation's node-days count its sampled steps only. `add` each node's
+    NodeFeatures; `summary` says how the nodes were sampled (telemetry_interval_warning: whether the figures
+    suffer)."""
+
+    def __init__(self):
+        self.steps_per_sample: list[float] = []
+        self.sparse_nodes = 0
+
+    def add(self, nf: NodeFeatures) -> None:
+        d = np.diff(np.flatnonzero(nf.present))
+        d = d[d <= OUTAGE_STEPS]
+        if len(d) == 0:
+            return
+        self.steps_per_sample.append(float(d.mean()))
+        self.sparse_nodes += int((d >= 2).mean() > SPARSE_SHARE)
+
+    def summary(self) -> dict:
+        n = len(self.steps_per_sample)
+        median = float(np.median(self.steps_per_sample)) if n else None
+        return {"step_seconds": ft.STEP_SECONDS, "nodes": n,
+                "median_seconds_between_samples": None if median is None else round(median * ft.STEP_SECONDS, 1),
+                "nodes_sampled_less_than_once_a_step": self.sparse_nodes}
+
+
+def telemetry_interval_warning(summary: dict | None) -> str | None:
+    """The warning for TelemetryInterval.summary, or None when every node was sampled at least once a step."""
+    if not summary or not summary.get("nodes_sampled_less_than_once_a_step"):
+        return None
+    return (f"WARNING: {summary['nodes_sampled_less_than_once_a_step']} of {summary['nodes']} nodes were sampled "
+            f"less often than once per feature step of {summary['step_seconds']} s (median "
+            f"{summary['median_seconds_between_samples']:g} s between samples): their windowed error counts read "
+            "low by about that ratio (a delta spanning a gap is scaled to one step's worth), count conditions "
+            "need more events to be met, and node-days count only their sampled steps, so false evacuations "
+            "per 1,000 node-days read high by the same ratio. Collect at least once a minute "
+            "(docs/predictor.md, \"Telemetry interval\").")
+
+
 def list_dataset_nodes(root) -> list[str]:
     r = ds.dataset_root(root)
     nodes = set()

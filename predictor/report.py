@@ -6,7 +6,7 @@ self-contained page: the result in a sentence, the figures of the model and both
 manifest's thresholds for the budget and for budgets 1, 2 and 5, per family, signature and node type,
 failures per category (those without precursors shown apart), the PR curves, the lead-time
 histogram, the reliability curve and recall per category, and a red banner when the evaluated data
-overlaps the model's training data. `leave_one_out_html` renders the report of leave_one_out.py.
+overlaps the model's training data or its nodes were sampled less often than once per feature step. `leave_one_out_html` renders the report of leave_one_out.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from foreshock import pages  # noqa: E402
 from foreshock.predictor.evaluate import INTERVAL_LEVEL, overlap_warning  # noqa: E402
+from foreshock.predictor.offline import telemetry_interval_warning  # noqa: E402
 
 NAMES = ("model", "rule", "logistic")
 COLORS = {"model": "#1f77b4", "rule": "#d62728", "logistic": "#2ca02c"}
@@ -303,6 +304,7 @@ def to_html(report: dict, title: str = "Foreshock predictor evaluation") -> str:
         data_hash=str(report.get("data_hash", ""))[:12], nodes=report.get("nodes", ""),
         node_days=f"{report.get('node_days', 0):,.0f}", horizon=f"{report.get('horizon_minutes', 30):g}",
         budget=f"{report.get('budget', 2):g}", overlap=overlap_warning(report.get("overlap")) or "",
+        interval=telemetry_interval_warning(report.get("telemetry_interval")) or "",
         headline=_headline(report, present), predictors=predictors, budgets=budgets, fixed=fixed, fleet=fleet,
         parts=parts,
         groups=groups,

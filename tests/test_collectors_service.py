@@ -271,6 +271,15 @@ def test_settings_resolve_file_env_and_flags(monkeypatch):
     assert cfg["peers"] == ["a:1"]
 
 
+def test_an_interval_longer_than_the_predictors_step_is_refused(tmp_path, capsys):
+    """Sampled less than once per feature step, a node's windowed counts read low (docs/predictor.md,
+    "Telemetry interval"): the collector refuses such an interval, naming it, and writes nothing."""
+    assert cli.main(["collect", "--once", "--sources", "netdev", "--interval", "120", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "interval from flag --interval: must be > 0 and <= 60" in err
+    assert not any(tmp_path.iterdir())
+
+
 def test_unknown_source_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["collect", "--once", "--sources", "rdma,gpu_magic", "--out", str(tmp_path)]) == 2
     assert "gpu_magic" in capsys.readouterr().err

@@ -1,16 +1,19 @@
 """A history written by another writer than Foreshock's (schema v1, docs/schema.md) gives the features
 Foreshock's own files give: rows in any order within a file, a column the schema does not name, wider
-floats and plain strings where Foreshock writes float32 and dictionaries."""
+floats and plain strings where Foreshock writes float32 and dictionaries. A writer that samples less often
+than once per feature step is told so by `foreshock evaluate`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from foreshock.predictor import offline
+from foreshock import cli
+from foreshock.predictor import offline, signals
 
 
 def _features(root):
@@ -49,3 +52,29 @@ def test_another_writers_files_give_the_same_features(small_world, tmp_path):
     for node, (ends, X) in ours.items():
         np.testing.assert_array_equal(theirs[node][0], ends)
         np.testing.assert_array_equal(theirs[node][1], X, err_msg=node)   # NaN where NaN, bit for bit
+
+
+def _sampled_every_other_minute(table: pa.Table) -> pa.Table:
+    minute = np.asarray(table.column("ts").cast(pa.int64())) // 60_000_000_000
+    return table.filter(pa.array(minute % 2 == 0))
+
+
+def test_a_history_sampled_every_two_minutes_is_named_by_evaluate(small_world, tmp_path, capsys):
+    """Every sampled table kept at one row in two minutes (events and incidents whole): each node is sampled
+    less often than once per feature step, and evaluate's report and stderr say so; the history as
+    written, sampled every minute with its missed samples and outages, raises no such warning."""
+    sparse = tmp_path / "sparse"
+    shutil.copytree(small_world, sparse)
+    for table in signals.TABLES:
+        if table == "events":
+            continue
+        for path in sorted(sparse.glob(f"table={table}/**/*.parquet")):
+            pq.write_table(_sampled_every_other_minute(pq.read_table(path)), path)
+    for data, sparse_nodes in ((small_world, 0), (sparse, 12)):
+        out = tmp_path / f"{data.name}.json"
+        assert cli.main(["evaluate", "--data", str(data), "--json", str(out)]) == 0
+        interval = json.loads(out.read_text())["telemetry_interval"]
+        assert interval["nodes"] == 12 and interval["nodes_sampled_less_than_once_a_step"] == sparse_nodes
+        err = capsys.readouterr().err
+        assert ("12 of 12 nodes were sampled less often than once per feature step" in err) == bool(sparse_nodes)
+    assert 110 <= interval["median_seconds_between_samples"] <= 130
