@@ -280,7 +280,7 @@ def run_train(args, file_data) -> int:
     print(f"validation slice at threshold {manifest['recommended_threshold']:.4g} "
           f"(budget {manifest['budget']}/1,000 node-days): recall (precursor) "
           f"{_pct(v['incident_recall_precursor'])}{_interval(v.get('incident_recall_precursor_interval'), _pct)}, "
-          f"median lead {v['median_lead_minutes']:.1f} min, {v['false_evacuations_per_1000_node_days']:.2f}"
+          f"median lead {_lead(v['median_lead_minutes'])} min, {v['false_evacuations_per_1000_node_days']:.2f}"
           f"{_interval(v.get('false_evacuations_per_1000_node_days_interval'), _rate)} false evacuations/1,000 "
           f"node-days, PR-AUC {v['pr_auc']:.3f} ([low-high]: {evaluate.INTERVAL_LEVEL:.0%} interval)")
     allowed = manifest["budget"] * v["node_days"] / 1000.0
@@ -331,7 +331,7 @@ def run_train(args, file_data) -> int:
     elif c:
         print(f"{c['path']} (model {c['model_version']}) on the same slice, its threshold chosen there for the same "
               f"budget: recall (precursor) {_pct(c['incident_recall_precursor'])}, median lead "
-              f"{c['median_lead_minutes']:.1f} min, {c['false_evacuations_per_1000_node_days']:.2f} false "
+              f"{_lead(c['median_lead_minutes'])} min, {c['false_evacuations_per_1000_node_days']:.2f} false "
               f"evacuations/1,000 node-days, PR-AUC {c['pr_auc']:.3f}")
         if _better(c, v):
             _err(f"WARNING: on this dataset's own validation slice the model compared with catches more "
@@ -377,13 +377,16 @@ def _figures(m: dict) -> str:
     return _judged(m)
 
 
+def _lead(minutes, width: int = 0) -> str:
+    """A median lead in minutes, or "-" where nothing was caught (no lead: None or NaN)."""
+    return "-".rjust(width) if minutes is None or math.isnan(minutes) else f"{minutes:{width}.1f}"
+
+
 def _judged(m: dict) -> str:
     """Recall of precursor failures, median lead and false evacuations of an at_budget-like row."""
     recall = _interval(m.get("incident_recall_precursor_interval"), _pct)
     rate = _interval(m.get("false_evacuations_per_1000_node_days_interval"), _rate)
-    lead = m["median_lead_minutes"]
-    lead = "     -" if lead is None or math.isnan(lead) else f"{lead:6.1f}"    # nothing caught: no lead
-    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {lead} min, "
+    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {_lead(m['median_lead_minutes'], 6)} min, "
             f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
 
 
@@ -493,7 +496,7 @@ def run_evaluate(args, file_data) -> int:
         if not m:
             continue
         print(f"{name:10} {m['pr_auc']:7.3f} {m['roc_auc']:7.3f} {m['brier']:8.5f} {_pct(m['incident_recall_precursor']):>9} "
-              f"{_pct(m['incident_recall_all']):>11} {m['median_lead_minutes']:6.1f} {m['false_evacuations_per_1000_node_days']:6.2f}")
+              f"{_pct(m['incident_recall_all']):>11} {_lead(m['median_lead_minutes'], 6)} {m['false_evacuations_per_1000_node_days']:6.2f}")
     if rep.get("hard_evidence"):
         print("the model also alarms, whatever its score, where the features show " + ", ".join(rep["hard_evidence"])
               + " (its manifest's hard_evidence); its figures below count those alarms")
