@@ -386,7 +386,8 @@ def _judged(m: dict) -> str:
     """Recall of precursor failures, median lead and false evacuations of an at_budget-like row."""
     recall = _interval(m.get("incident_recall_precursor_interval"), _pct)
     rate = _interval(m.get("false_evacuations_per_1000_node_days_interval"), _rate)
-    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, lead {_lead(m['median_lead_minutes'], 6)} min, "
+    return (f"recall(p) {_pct(m['incident_recall_precursor']):>4}{recall}, "
+            f"lead {_lead(m['median_lead_minutes'], 6)} min, "
             f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
 
 

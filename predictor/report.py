@@ -6,7 +6,8 @@ self-contained page: the result in a sentence, the figures of the model and both
 manifest's thresholds for the budget and for budgets 1, 2 and 5, per family, signature and node type,
 failures per category (those without precursors shown apart), the PR curves, the lead-time
 histogram, the reliability curve and recall per category, and a red banner when the evaluated data
-overlaps the model's training data or its nodes were sampled less often than once per feature step. `leave_one_out_html` renders the report of leave_one_out.py.
+overlaps the model's training data or its nodes were sampled less often than once per feature step.
+`leave_one_out_html` renders the report of leave_one_out.py.
 """
 
 from __future__ import annotations
