@@ -184,10 +184,11 @@ class ServiceClient:
 
     def _set_health(self, ok: bool, why: str = "") -> None:
         if ok and not self.healthy:
-            log.info("control plane %s reachable", self.config.service)
+            log.info("control plane %s answers", self.config.service)
         elif not ok and self.healthy:
-            log.warning("control plane %s unreachable, continuing without directives: %s",
-                        self.config.service, why)
+            # unreachable or only slow (DEADLINE_EXCEEDED): `why` says which
+            log.warning("control plane %s did not answer (%s); the job goes on, and the calls and the "
+                        "directive watch keep trying", self.config.service, why)
         elif not ok:
             log.debug("control plane call failed: %s", why)
         self.healthy = ok

@@ -2,8 +2,10 @@
 
 Why SQLite: one file, transactions, a partial unique index that makes "one active directive per job and
 node" a database invariant (so a directive is never issued twice, even across a restart), and WAL mode
-so readers never block the writer. `synchronous=FULL`: an acknowledged write survives a power cut, and
-writes are rare (registrations, directives, acks), so the fsync costs nothing that matters.
+so readers never block the writer. `synchronous=FULL`: an acknowledged write survives a power cut. Writes
+are few: registrations, directives and acks, one step report per job every few seconds (the migrator's
+`report_interval_s`, 5 s) and the telemetry sequences once a second; each commit is an fsync under the
+store's one lock, so on a loaded disk a step report can wait for another's commit (docs/service.md).
 
 Tables (created on open, versioned by `PRAGMA user_version`):
 - jobs(job_id, generation, spares, max_concurrent, fallback, step, step_seconds, step_at_ns, ...)
@@ -122,8 +124,8 @@ class StateStore:
             raise FailedPrecondition(f"state database {self.path} has schema version {version}; "
                                      f"this build reads version {SCHEMA_VERSION}")
         self._db.executescript(_DDL)
-        # The policy reads every job and active directive each scoring round (ten a second) while writes
-        # are a few an hour: those two reads are cached until the next transaction (rows are frozen).
+        # The policy reads every job and active directive each scoring round (ten a second), more often
+        # than anything writes: those two reads are cached until the next transaction (rows are frozen).
         self._writes = 0
         self._cache: dict[str, tuple[int, list]] = {}
         self._depth = 0              # transactions inside a batch() are savepoints of it
