@@ -5,7 +5,7 @@ node" a database invariant (so a directive is never issued twice, even across a 
 so readers never block the writer. `synchronous=FULL`: an acknowledged write survives a power cut. Writes
 are few: registrations, directives and acks, one step report per job every few seconds (the migrator's
 `report_interval_s`, 5 s) and the telemetry sequences once a second; each commit is an fsync under the
-store's one lock, so on a loaded disk a step report can wait for another's commit (docs/service.md).
+store's one lock, so on a loaded machine a step report can wait for another's commit (docs/service.md).
 
 Tables (created on open, versioned by `PRAGMA user_version`):
 - jobs(job_id, generation, spares, max_concurrent, fallback, step, step_seconds, step_at_ns, ...)
