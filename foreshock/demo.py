@@ -13,7 +13,9 @@ spare on gloo, CPU) that embeds the migrator. Then it injects three things:
 
 The simulated clock starts at a fixed time (`SIM_START`) and the faults land at fixed sweeps after a fixed
 history (`history_minutes`), so a seed gives the same telemetry on every run and every machine: the simulator's
-noise is keyed by absolute time, and a start taken from the wall clock gave each run other noise.
+noise is keyed by absolute time, and a start taken from the wall clock gave each run other noise. The
+history is swept first, faster than real time; the job starts once it is in, and the scenario's first
+sweep waits for the job's first step.
 
 When a failing node still hosts a rank at its failure time, the demo kills that rank's process, as
 the hardware would, and the job counts as restarted. The run ends by itself, prints a summary (also
@@ -148,6 +150,8 @@ class Demo:
         self.threshold = 0.5
         self.horizon_minutes = 30.0
         self._stop = threading.Event()
+        self._history_swept = threading.Event()   # the sweeper's, once the history is in
+        self._job_training = threading.Event()    # the run's, once the job has made a step
         self.job_codes: dict[str, Any] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -226,13 +230,6 @@ class Demo:
                  f"{cfg['budget']:g} false evacuations per 1,000 node-days)")
         self.say(f"Prometheus metrics: http://127.0.0.1:{self.cp.metrics_port}/metrics")
 
-        from foreshock.migrator.example import launch
-        # A warm spare polls the job's store with a timeout and c10d warns at each one: noise here.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        self.job = launch(JOB_ID, ranks, [spare], steps=int(cfg["steps"]), out_dir=self.out / "job",
-                          service=addr, params=int(cfg["params"]), seed=int(cfg["seed"]),
-                          step_sleep_s=float(cfg["step_sleep_seconds"]), fallback="checkpoint_exit")
-
         writer = DatasetWriter(self.out / "telemetry", rotate_seconds=60.0, fsync=False)
         inventory = cluster.inventory()
         import pyarrow.compute as pc
@@ -248,8 +245,6 @@ class Demo:
         self.writer = writer
         self.say(f"{len(names)} simulated nodes, one collector each, streaming every {cfg['interval']:g} s "
                  f"(simulated time runs {self.scale:g}x: one sweep is {cfg['interval'] * self.scale:g} simulated s)")
-        self.job.wait_progress(1, timeout=180.0)
-        self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
         # The scenario's minutes count from the sweep after the history, whatever the wall time the job
         # took to start.
         k0 = self.history_sweeps
@@ -277,6 +272,22 @@ class Demo:
         self.pending = [(k0 + round(minutes * 60e9 / self.step_ns), fault) for minutes, fault in plan]
         self.sweeper = threading.Thread(target=self._sweep_loop, name="demo-sweeper", daemon=True)
         self.sweeper.start()
+        # The job starts on a control plane that has taken the history in: while the history is swept
+        # faster than real time the service scores several steps a second and an in-job call can wait
+        # past its deadline (benchmarks/results/demo-deadlines-2026-12-07.md). The sweeper holds the
+        # scenario's first sweep until the job trains, so no fault comes before it.
+        while not self._history_swept.wait(0.5):
+            if time.time() > self.t0 + float(cfg["time_limit_seconds"]) or not self.sweeper.is_alive():
+                raise RuntimeError("the history was not swept within the demo's time limit")
+        from foreshock.migrator.example import launch
+        # A warm spare polls the job's store with a timeout and c10d warns at each one: noise here.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        self.job = launch(JOB_ID, ranks, [spare], steps=int(cfg["steps"]), out_dir=self.out / "job",
+                          service=addr, params=int(cfg["params"]), seed=int(cfg["seed"]),
+                          step_sleep_s=float(cfg["step_sleep_seconds"]), fallback="checkpoint_exit")
+        self.job.wait_progress(1, timeout=180.0)
+        self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
+        self._job_training.set()
 
         live = None
         if cfg["live"]:
@@ -335,7 +346,7 @@ class Demo:
 
     def _sweep_loop(self) -> None:
         interval, speedup = float(self.cfg["interval"]), float(self.cfg["history_speedup"])
-        next_at = time.time()
+        next_at = started = time.time()
         while not self._stop.is_set():
             ts = self.sim0_ns + self.sweep_index * self.step_ns
             for k_at, fault in self.pending:
@@ -354,6 +365,12 @@ class Demo:
             if self.sweep_index < self.history_sweeps:
                 next_at += interval / speedup
             elif self.sweep_index == self.history_sweeps:
+                self.say(f"{float(self.cfg['history_minutes']):g} simulated minutes of history swept in "
+                         f"{time.time() - started:.0f} s; the training job starts")
+                self._history_swept.set()
+                while not self._job_training.wait(0.5):
+                    if self._stop.is_set():
+                        return
                 # the timeline starts now, not where the history's pace would have it (this machine can
                 # be too slow for that pace, and catching up would run the scenario faster than real time)
                 next_at = time.time() + interval
