@@ -272,22 +272,6 @@ class Demo:
         self.pending = [(k0 + round(minutes * 60e9 / self.step_ns), fault) for minutes, fault in plan]
         self.sweeper = threading.Thread(target=self._sweep_loop, name="demo-sweeper", daemon=True)
         self.sweeper.start()
-        # The job starts on a control plane that has taken the history in: while the history is swept
-        # faster than real time the service scores several steps a second and an in-job call can wait
-        # past its deadline (benchmarks/results/demo-deadlines-2026-12-07.md). The sweeper holds the
-        # scenario's first sweep until the job trains, so no fault comes before it.
-        while not self._history_swept.wait(0.5):
-            if time.time() > self.t0 + float(cfg["time_limit_seconds"]) or not self.sweeper.is_alive():
-                raise RuntimeError("the history was not swept within the demo's time limit")
-        from foreshock.migrator.example import launch
-        # A warm spare polls the job's store with a timeout and c10d warns at each one: noise here.
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        self.job = launch(JOB_ID, ranks, [spare], steps=int(cfg["steps"]), out_dir=self.out / "job",
-                          service=addr, params=int(cfg["params"]), seed=int(cfg["seed"]),
-                          step_sleep_s=float(cfg["step_sleep_seconds"]), fallback="checkpoint_exit")
-        self.job.wait_progress(1, timeout=180.0)
-        self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
-        self._job_training.set()
 
         live = None
         if cfg["live"]:
@@ -296,6 +280,25 @@ class Demo:
             live.start()
         try:
             deadline = self.t0 + float(cfg["time_limit_seconds"])
+            # The job starts on a control plane that has taken the history in: while the history is swept
+            # faster than real time the service scores several steps a second and an in-job call can wait
+            # past its deadline (benchmarks/results/demo-deadlines-2026-12-07.md). The sweeper holds the
+            # scenario's first sweep until the job trains, so no fault comes before it.
+            while not self._history_swept.wait(0.5):
+                if time.time() > deadline or not self.sweeper.is_alive():
+                    raise RuntimeError("the history was not swept within the demo's time limit")
+                if live is not None:
+                    self._poll_riskiest(risk_stub, risk_pb2)
+                    live.update(self._render())
+            from foreshock.migrator.example import launch
+            # A warm spare polls the job's store with a timeout and c10d warns at each one: noise here.
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            self.job = launch(JOB_ID, ranks, [spare], steps=int(cfg["steps"]), out_dir=self.out / "job",
+                              service=addr, params=int(cfg["params"]), seed=int(cfg["seed"]),
+                              step_sleep_s=float(cfg["step_sleep_seconds"]), fallback="checkpoint_exit")
+            self.job.wait_progress(1, timeout=180.0)
+            self.say(f"training job {JOB_ID} is training: ranks on {', '.join(ranks)}, warm spare on {spare}")
+            self._job_training.set()
             job_done = stop_requested = False
             while time.time() < deadline:
                 self._poll(risk_stub, jobs_stub, jobs_pb2, risk_pb2)
@@ -392,10 +395,18 @@ class Demo:
         what = f"fails in {lead:.0f} simulated min" if lead else "fails now"
         self.say(f"fault injected: {fault.label} on {fault.node} component {fault.component}, {what}")
 
-    def _poll(self, risk_stub, jobs_stub, jobs_pb2, risk_pb2) -> None:
+    def _poll_riskiest(self, risk_stub, risk_pb2) -> None:
+        """The riskiest nodes for the live view (the history's too, before the job starts)."""
         import grpc
         try:
             self.riskiest = list(risk_stub.ListRiskiest(risk_pb2.ListRiskiestRequest(limit=6), timeout=2).nodes)
+        except grpc.RpcError as exc:
+            log.warning("polling the control plane: %s", exc.code())
+
+    def _poll(self, risk_stub, jobs_stub, jobs_pb2, risk_pb2) -> None:
+        import grpc
+        self._poll_riskiest(risk_stub, risk_pb2)
+        try:
             self.directives = list(jobs_stub.ListDirectives(jobs_pb2.ListDirectivesRequest(job_id=JOB_ID),
                                                             timeout=2).directives)
             now = self.sim()
