@@ -4,6 +4,8 @@ come back on the acks, and the shard's scorer uses them."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import numpy as np
 import pyarrow as pa
@@ -160,7 +162,10 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path, tin
         lagged = 'foreshock_peer_totals_steps_total{result="lagged"} 2.0'
         assert wait_until(lambda: lagged in generate_latest(plane_a.registry).decode(), 15)
         text = generate_latest(plane_a.registry).decode()
-        assert 'foreshock_forwarder_peer_totals_total{direction="sent"} 3.0' in text
+        # every step the coordinator took was counted as sent (the exact count raced with the round that
+        # handed the last sums over: one run in about twenty read another number)
+        sent = re.search(r'^foreshock_forwarder_peer_totals_total\{direction="sent"\} (\S+)$', text, re.M)
+        assert sent and float(sent.group(1)) >= 3.0, text[-2000:]
     finally:
         for plane, _, _ in shards.values():
             plane.stop(0.5)
