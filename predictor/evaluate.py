@@ -502,18 +502,16 @@ def score_dataset(data_dir, predictors: dict, horizon_s: int, progress=None, *, 
                          "the scores against the logged incidents (docs/schema.md)")
     incidents = lb.Incidents.from_table(ds.read_table(data_dir, "incidents"))
     nodes = []
-    interval = offline.TelemetryInterval()
     with offline.FeatureBuilder(data_dir, progress=progress, executor=executor, ray_address=ray_address,
                                 on_error=on_error) as fb:
         for nf in fb:
-            interval.add(nf)
             nodes.append(score_node(nf, incidents, predictors, horizon_s, hard_evidence))
         first, last = fb.step_range
         names = fb.nodes
         skipped = dict(fb.skipped)
+        interval = fb.telemetry_interval.summary()
     types = groups.node_types(ds.read_table(data_dir, "inventory"), names)
-    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last), skipped,
-                      interval.summary())
+    return ScoredData(nodes, incidents, types, data_identity(data_dir, names, first, last), skipped, interval)
 
 
 def evaluate_dataset(data_dir, model_dir=None, *, budget: float | None = None, progress=None,

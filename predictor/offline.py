@@ -82,9 +82,9 @@ class TelemetryInterval:
     burst). A node sampled less often than once a step (a 2-minute collector, another writer's history)
     has every delta so scaled and its unsampled steps read nothing: its windowed counts read about
     1 / (steps per sample) of its errors, a condition such as "link down twice in 30 minutes" needs as many
-    times more, and an evaluation's node-days count its sampled steps only. `add` each node's
-    NodeFeatures; `summary` says how the nodes were sampled (telemetry_interval_warning: whether the figures
-    suffer)."""
+    times more, and an evaluation's node-days count its sampled steps only. FeatureBuilder `add`s each node
+    it yields (`FeatureBuilder.telemetry_interval`); `summary` says how the nodes were sampled
+    (telemetry_interval_warning: whether the figures suffer)."""
 
     def __init__(self):
         self.steps_per_sample: list[float] = []
@@ -455,6 +455,7 @@ class FeatureBuilder:
         self.step_time_stats: Counter = Counter()
         # gpu and events rows whose fabric reading was left out, by reason (signals.MALFORMED)
         self.fabric_stats: Counter = Counter()
+        self.telemetry_interval = TelemetryInterval()   # how often the nodes iterated over were sampled
         try:
             self._executor = executors.make_executor(executor, self.workers, ray_address)
         except BaseException:
@@ -596,6 +597,7 @@ class FeatureBuilder:
     def __iter__(self) -> Iterator[NodeFeatures]:
         if self.totals is None:
             self.pass1()
+        self.telemetry_interval = TelemetryInterval()
         todo = [(i, node) for i, node in enumerate(self.nodes) if node in self._ranges]
         via_file = not self.in_process
         jobs = ((str(self.cache), self._run, i, node, self.totals.first, self.totals.t,
@@ -608,6 +610,7 @@ class FeatureBuilder:
                 path = self.cache / f"X-{i:06d}.npy"
                 nf.X = np.load(path)
                 os.unlink(path)
+            self.telemetry_interval.add(nf)
             yield nf
             if self.progress:
                 self.progress("features", i + 1, len(self.nodes))

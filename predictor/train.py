@@ -179,10 +179,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
         boundary = (first * offline.STEP_NS) + int(span * (1.0 - val_fraction))
         train_X, train_y, train_w, val_nodes, cal_X, cal_y, cal_w, healthy, val_paths = [], [], [], [], [], [], [], [], []
         steady_healthy = HealthySteadiness()
-        interval = offline.TelemetryInterval()
         n_train_steps = n_val_steps = n_early = 0
         for nf in fb:
-            interval.add(nf)
             node_inc = incidents.of_node(nf.node)
             y, excluded = lb.node_labels(nf.step_end_ns, node_inc, horizon_s)
             y_label = lb.node_labels(nf.step_end_ns, node_inc, label_horizon_s)[0] if label_horizon_s > horizon_s else y
@@ -420,7 +418,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             **({"base": stacked["training"]} if stacked is not None and "training" in stacked else {}),
             # node partitions left out because their data could not be read (--on-corrupt skip)
             "skipped_partitions": skipped,
-            "telemetry_interval": interval.summary(),
+            "telemetry_interval": fb.telemetry_interval.summary(),
             **({"novelty_skipped": novelty_note} if novelty_note else {}),
             "held_out": None if holdout is None else {
                 "kind": holdout.kind, "name": holdout.name, "nodes": len(holdout.windows),
