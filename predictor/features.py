@@ -272,15 +272,17 @@ def anomaly_scores(out: np.ndarray) -> None:
     """Fill the ANOMALY columns of float32 feature rows `out` [M, N_FEATURES] from their core columns.
 
     Both compute paths call it on the same float32 values, so they agree bit for bit. NaN (nothing
-    known) counts as not unusual: 0.
+    known) counts as not unusual: 0. The largest log2 of a row's ratios, floored at 0, is taken as the
+    log2 of its largest ratio floored at 1: log2 is monotone, so the same value for one log2 a row
+    instead of one a ratio.
     """
-    with np.errstate(invalid="ignore", divide="ignore"):
-        own = np.log2(out[:, _VS_BASELINE_COLS])
-        peers = np.log2(out[:, _VS_PEER_COLS])
-        base = N_CORE
-        out[:, base] = np.maximum(np.max(np.where(np.isnan(own), 0.0, own), axis=1), 0.0)
-        out[:, base + 1] = (out[:, _VS_BASELINE_COLS] >= ANOMALY_RATIO).sum(axis=1)
-        out[:, base + 2] = np.maximum(np.max(np.where(np.isnan(peers), 0.0, peers), axis=1), 0.0)
+    own = out[:, _VS_BASELINE_COLS]
+    peers = out[:, _VS_PEER_COLS]
+    one = np.float32(1.0)
+    base = N_CORE
+    out[:, base] = np.log2(np.fmax(np.fmax.reduce(own, axis=1), one))
+    out[:, base + 1] = (own >= ANOMALY_RATIO).sum(axis=1)
+    out[:, base + 2] = np.log2(np.fmax(np.fmax.reduce(peers, axis=1), one))
 
 
 def full_width(row) -> np.ndarray:

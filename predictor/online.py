@@ -988,17 +988,22 @@ class _StepAccumulator:
         """The step's signals of every node that reported in it, as reduce_steps gives them. The worst
         entity sums kept as parts arrived (`running`) where they could be; else, and for the minima,
         kernel: over the entities in the compiled kernel where numba is importable (one pass over the
-        nodes that reported); False: _across_entities, the written reference (the same values)."""
+        nodes that reported); False: _across_entities, the written reference (the same values).
+
+        When every node reported, the frame's values are the accumulator's own rows, not a copy: the
+        step is closed, and the columns written here are written from the entity state, so a second
+        call gives the same frame."""
         from foreshock.predictor import kernels
 
         self._grow_nodes(n_nodes)
         idx = np.flatnonzero(self.touched)
-        values = self.vals[idx]
+        every = len(idx) == len(self.touched)
+        values = self.vals if every else self.vals[idx]
         if self.best is not None:
             for j, best in self.best.items():
                 if len(idx) and idx[-1] >= len(best):   # a node this column never had a row of
                     best = np.concatenate([best, np.full(idx[-1] + 1 - len(best), np.nan)])
-                values[:, j] = best[idx]
+                values[:, j] = best[:len(idx)] if every else best[idx]
         if kernel and kernels.AVAILABLE:
             for j, total in self.entity.items() if self.best is None else ():
                 kernels.across_entities(total, True, idx, values, j)
