@@ -99,8 +99,8 @@ def walk_trees(X, src, num, num_scale, den, den_scale, eps, node, thr, value, st
     a node's right child is its left child + 1: node (int64, -1 at a leaf, else left child << 17 |
     used-column index << 1 | 1 where a missing value goes left), thr (the float64 threshold: x <= thr
     goes left), value (a leaf's value). starts[t] is tree t's root. As scikit-learn's raw-data
-    predictor decides. The three fields a split reads share one word, not three arrays: 7 % less time
-    (benchmarks/results/predictor-round-2026-12-07.md).
+    predictor decides. The three fields a split reads share one word, not three arrays, so a level
+    reads one cache line fewer (benchmarks/results/predictor-round-2026-12-07.md).
     """
     U = src.shape[0]
     T = starts.shape[0]
