@@ -204,17 +204,16 @@ class CompiledTrees:
         cat = np.concatenate
         self.feat = cat(feat).astype(np.int32)
         self.thr = cat(thr).astype(np.float64)
-        self.mgl = cat(mgl).astype(np.uint8)
-        self.child = cat(child).astype(np.int32)
         self.value = cat(value).astype(np.float64)
         self.starts = np.asarray(starts, dtype=np.int32)
         if len(self.columns) > 0xFFFF:
             raise TypeError(f"{len(self.columns)} columns split on; the walk packs at most 65,535")
-        self.node = np.where(self.child < 0, -1, (self.child.astype(np.int64) << 17)
-                             | (self.feat.astype(np.int64) << 1) | self.mgl.astype(np.int64))
+        left = cat(child).astype(np.int64)
+        inner_nodes = left >= 0
+        self.node = np.where(inner_nodes, (left << 17) | (self.feat.astype(np.int64) << 1)
+                             | cat(mgl).astype(np.int64), -1)
         roots = np.bincount(self.feat[self.starts], minlength=len(self.columns))
         self.sort_columns = [int(j) for j in np.argsort(-roots, kind="stable")[:SORT_KEYS] if roots[j] > 0]
-        inner_nodes = self.child >= 0
         # per used column, its split thresholds (FastPredictor.probe puts rows on and around them)
         finite = inner_nodes & np.isfinite(self.thr)
         self.thresholds = [np.unique(self.thr[finite & (self.feat == j)]) for j in range(len(self.columns))]

@@ -162,8 +162,8 @@ def test_shard_servers_send_their_totals_and_score_with_the_others(tmp_path, tin
         lagged = 'foreshock_peer_totals_steps_total{result="lagged"} 2.0'
         assert wait_until(lambda: lagged in generate_latest(plane_a.registry).decode(), 15)
         text = generate_latest(plane_a.registry).decode()
-        # at least every step the coordinator took: an exact 3 failed in one CI run of about twenty, its
-        # value not kept, and the extra round above may close a step whose totals go out too
+        # at least every step the coordinator took: the extra round above may close another step, whose
+        # totals go out too
         sent = re.search(r'^foreshock_forwarder_peer_totals_total\{direction="sent"\} (\S+)$', text, re.M)
         assert sent and float(sent.group(1)) >= 3.0, text[-2000:]
     finally:
