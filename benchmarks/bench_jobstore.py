@@ -23,10 +23,11 @@ import time
 
 import numpy as np
 
+from foreshock.migrator.config import MigratorConfig
 from foreshock.service import store as st
 from foreshock.service.jobs import JobDirectory
 
-REPORT_INTERVAL_S = 5.0       # migrator/config.py report_interval_s
+REPORT_INTERVAL_S = MigratorConfig.report_interval_s   # how often each job's coordinator reports its step
 COLLECTORS = 1000
 
 
