@@ -32,7 +32,9 @@ by the model and both baselines) and the incidents table (labels.py). Definition
   `training` section: data hash, node names' hash, first and last step): figures on it are not
   evidence of how the model does on new data, and the report says so (`overlap`).
 * `telemetry_interval` says how often the nodes were sampled (offline.TelemetryInterval); nodes sampled
-  less often than once per feature step read low counts and few node-days, and the report says so.
+  less often than once per feature step have their counts spread over the steps each sample covers (read
+  up to one interval late), or, sampled too seldom for that, read low counts and few node-days; the
+  report says which.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ DEFINITIONS = {
     "at_budgets": "each predictor at the threshold its manifest lists for the budget (none listed: not evaluated), overall, per family (incident category), per signature (category and the failure mode its description names before ':') and per node type (GPU and HCA counts from the inventory); per-group recall counts precursor incidents only",
     "overlap": "the evaluated data overlaps the training data when it has " + OVERLAP_RULE,
     "telemetry_interval": ("how often the nodes were sampled: a node whose sampled steps mostly follow an unsampled "
-                           "one is sampled less than once per feature step; node-days count sampled steps"),
+                           "one is sampled less than once per feature step; of those, the nodes whose counts were "
+                           "spread over the steps each sample covers (signals.py), and how many steps that filled; "
+                           "node-days count steps with a sample or a spread share"),
     "intervals": (f"*_interval: the {INTERVAL_LEVEL:.0%} interval of the figure, exact (Clopper-Pearson) for a "
                   "recall, exact (Garwood, Poisson) for a rate per 1,000 node-days"),
 }

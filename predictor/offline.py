@@ -70,53 +70,74 @@ class NodeFeatures:
         return self.present & ft.scoreable(since)
 
 
-OUTAGE_STEPS = 10        # unsampled steps in a row beyond this are an outage, not the sampling interval
 SPARSE_SHARE = 0.5       # a node whose sampled steps mostly follow an unsampled one is sampled less than once a step
 
 
 class TelemetryInterval:
     """How often a dataset's nodes were sampled, against the features' step (features.STEP_SECONDS).
 
-    The features read a counter's growth per step, and a delta that spans more than signals.GAP_FACTOR
-    steps is scaled to one step's worth (signals.gap_scale: a missed sample's errors are not one step's
-    burst). A node sampled less often than once a step (a 2-minute collector, another writer's history)
-    has every delta so scaled and its unsampled steps read nothing: its windowed counts read about
-    1 / (steps per sample) of its errors, a condition such as "link down twice in 30 minutes" needs as many
-    times more, and an evaluation's node-days count its sampled steps only. FeatureBuilder `add`s each node
-    it yields (`FeatureBuilder.telemetry_interval`); `summary` says how the nodes were sampled
-    (telemetry_interval_warning: whether the figures suffer)."""
+    The features read a counter's growth per step. A delta that spans more than signals.GAP_FACTOR steps
+    is scaled to one step's worth (signals.gap_scale: a missed sample's errors are not one step's burst),
+    except where an entity is sampled less often than once a step (a 2-minute collector, another writer's
+    history): from its signals.SPREAD_AFTER_GAPS-th gap in a row, each delta is spread over the steps its
+    span covers, gauges held (signals.py), so windowed counts and node-days read as a once-a-step
+    collector's would, up to one sampling interval later. Spans of more than signals.OUTAGE_STEPS steps
+    are outages and stay scaled: a node sampled that seldom has its windowed counts read low by about the
+    ratio, a condition such as "link down twice in 30 minutes" needs as many times more, and an
+    evaluation's node-days count its sampled steps only. FeatureBuilder `add`s each node in its first
+    pass (`FeatureBuilder.telemetry_interval`); `summary` says how the nodes were sampled
+    (telemetry_interval_warning: what the figures then mean)."""
 
     def __init__(self):
         self.steps_per_sample: list[float] = []
         self.sparse_nodes = 0
+        self.spread_nodes = 0
+        self.spread_steps = 0
 
-    def add(self, nf: NodeFeatures) -> None:
-        d = np.diff(np.flatnonzero(nf.present))
-        d = d[d <= OUTAGE_STEPS]
+    def add(self, sampled: np.ndarray, spread_steps: int = 0) -> None:
+        """One node: `sampled` [T] whether it had a row in each step of its range (a sample, not a spread
+        delta's share), `spread_steps` how many of its steps a spread delta filled."""
+        d = np.diff(np.flatnonzero(sampled))
         if len(d) == 0:
             return
-        self.steps_per_sample.append(float(d.mean()))
-        self.sparse_nodes += int((d >= 2).mean() > SPARSE_SHARE)
+        interval = d[d <= sg.OUTAGE_STEPS]
+        if len(interval) == 0:   # never sampled within an outage's span: the interval is the gaps
+            interval = d
+        self.steps_per_sample.append(float(interval.mean()))
+        sparse = bool((interval >= 2).mean() > SPARSE_SHARE)
+        self.sparse_nodes += sparse
+        self.spread_nodes += sparse and spread_steps > 0
+        self.spread_steps += int(spread_steps)
 
     def summary(self) -> dict:
         n = len(self.steps_per_sample)
         median = float(np.median(self.steps_per_sample)) if n else None
         return {"step_seconds": ft.STEP_SECONDS, "nodes": n,
                 "median_seconds_between_samples": None if median is None else round(median * ft.STEP_SECONDS, 1),
-                "nodes_sampled_less_than_once_a_step": self.sparse_nodes}
+                "nodes_sampled_less_than_once_a_step": self.sparse_nodes,
+                "of_those_spread_over_their_steps": self.spread_nodes,
+                "entity_steps_filled_by_spreading": self.spread_steps}
 
 
 def telemetry_interval_warning(summary: dict | None) -> str | None:
     """The warning for TelemetryInterval.summary, or None when every node was sampled at least once a step."""
     if not summary or not summary.get("nodes_sampled_less_than_once_a_step"):
         return None
-    return (f"WARNING: {summary['nodes_sampled_less_than_once_a_step']} of {summary['nodes']} nodes were sampled "
-            f"less often than once per feature step of {summary['step_seconds']} s (median "
-            f"{summary['median_seconds_between_samples']:g} s between samples): their windowed error counts read "
-            "low by about that ratio (a delta spanning a gap is scaled to one step's worth), count conditions "
-            "need more events to be met, and node-days count only their sampled steps, so false evacuations "
-            "per 1,000 node-days read high by the same ratio. Collect at least once a minute "
-            "(docs/predictor.md, \"Telemetry interval\").")
+    sparse = summary["nodes_sampled_less_than_once_a_step"]
+    spread = summary.get("of_those_spread_over_their_steps", 0)
+    out = (f"WARNING: {sparse} of {summary['nodes']} nodes were sampled less often than once per feature step of "
+           f"{summary['step_seconds']} s (median {summary['median_seconds_between_samples']:g} s between samples).")
+    if spread:
+        out += (f" {spread} of them had each sample's counts spread over the steps it covers: their windowed counts "
+                "and node-days read as a once-a-step collector's would, up to one sampling interval later, a burst "
+                "shorter than the interval reads as a steady rate, and the model learned from histories sampled "
+                "every step.")
+    if sparse > spread:
+        out += (f" {sparse - spread} {'was' if sparse - spread == 1 else 'were'} sampled too seldom to spread (gaps of "
+                f"more than {sg.OUTAGE_STEPS} steps are outages): their windowed error counts read low by about that "
+                "ratio, count conditions need more events to be met, and node-days count only their sampled steps, "
+                "so false evacuations per 1,000 node-days read high by the same ratio.")
+    return out + " Collect at least once a minute (docs/predictor.md, \"Telemetry interval\")."
 
 
 def list_dataset_nodes(root) -> list[str]:
@@ -340,16 +361,23 @@ def densify(base: sg.StepSignals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _base_pass(root: ds.DatasetRoot, node: str, cache_path: str, dates: dict[str, list[str]]):
     """Pass 1 for one node (in a worker): base signals to the cache; returns what the totals need.
     `root` comes pickled, its filesystem with it: the worker reads the dataset wherever it is. Also
-    returns the fabric readings the signals left out, by reason (signals.MALFORMED)."""
-    malformed = Counter()
-    base = sg.node_base_signals(read_node(root, node, dates), malformed=malformed)
+    returns the fabric readings the signals left out, by reason (signals.MALFORMED), and what
+    TelemetryInterval.add reads: the steps with a row of the node's own, and how many a spread delta filled."""
+    malformed, spread = Counter(), Counter()
+    tables = read_node(root, node, dates)
+    base = sg.node_base_signals(tables, malformed=malformed, spread=spread)
     if len(base) == 0:
         return None
     steps, x, present = densify(base)
+    sampled = np.zeros(len(steps), dtype=bool)
+    for data in tables.values():
+        if data.num_rows:
+            got = pc.cast(data.column("ts"), pa.int64()).to_numpy(zero_copy_only=False) // STEP_NS - steps[0]
+            sampled[got[(got >= 0) & (got < len(steps))]] = True
     cols = {"step": steps, "present": present}
     cols.update({name: x[:, j] for j, name in enumerate(sg.STEP_NAMES)})
     pq.write_table(pa.table(cols), cache_path, compression="zstd")
-    return steps, present, ft.peer_inputs(x), malformed
+    return steps, present, ft.peer_inputs(x), malformed, (sampled, sum(spread.values()))
 
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
@@ -501,14 +529,16 @@ class FeatureBuilder:
         return self.cache / f"base-{i:06d}.parquet"
 
     def pass1(self) -> None:
+        self.telemetry_interval = TelemetryInterval()
         dates = {table: ds.table_dates(self.root, table) for table in sg.TABLES}
         # each node's peer inputs wait on disk (bounded memory) until every node's step range is known
         got = {}
         jobs = ((self.root, node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
         for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs, self.nodes))):
             if res is not None:
-                steps, present, own, malformed = res
+                steps, present, own, malformed, (sampled, spread_steps) = res
                 self.fabric_stats.update(malformed)
+                self.telemetry_interval.add(sampled, spread_steps)
                 self._ranges[node] = (int(steps[0]), int(steps[-1]))
                 np.savez(self.cache / f"own-{i:06d}.npz", steps=steps, present=present, own=own)
                 got[i] = node
@@ -597,7 +627,6 @@ class FeatureBuilder:
     def __iter__(self) -> Iterator[NodeFeatures]:
         if self.totals is None:
             self.pass1()
-        self.telemetry_interval = TelemetryInterval()
         todo = [(i, node) for i, node in enumerate(self.nodes) if node in self._ranges]
         via_file = not self.in_process
         jobs = ((str(self.cache), self._run, i, node, self.totals.first, self.totals.t,
@@ -610,7 +639,6 @@ class FeatureBuilder:
                 path = self.cache / f"X-{i:06d}.npy"
                 nf.X = np.load(path)
                 os.unlink(path)
-            self.telemetry_interval.add(nf)
             yield nf
             if self.progress:
                 self.progress("features", i + 1, len(self.nodes))

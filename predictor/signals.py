@@ -15,7 +15,12 @@ scorer (batches as they arrive):
   then the new value: what it counted since). InfiniBand PMA error counters saturate at their
   maximum and are cleared, never wrapped; a saturated counter is flagged (`ib_counter_saturated`).
   A delta that spans a gap (a missed sample, a collector outage) is scaled to one step's worth of
-  the elapsed time, so a gap's errors do not land in one step as a burst.
+  the elapsed time, so a gap's errors do not land in one step as a burst. An entity sampled less
+  often than once a step (a 2- or 5-minute collector: its SPREAD_AFTER_GAPS-th gap in a row, each of
+  at most OUTAGE_STEPS steps) has each delta spread instead, in equal shares, over its own step and
+  the steps after it that the span covers, its gauges held there: every step reads the rate of the last
+  sample, as a once-a-step collector would show it one interval later, and windowed counts and the
+  steps with data do not shrink with the interval (docs/predictor.md, "Telemetry interval").
   A duplicate or late row (not newer than the entity's last sample) is dropped and counted.
 * `reduce_steps(table, samples)`: per (node, step) sums, maxima and minima. Only exact operations
   are used (sums of integer-valued deltas, max, min), so the result does not depend on how the
@@ -355,6 +360,11 @@ def counter_delta(cur: np.ndarray, prev: np.ndarray, width: int | None) -> np.nd
 
 GAP_FACTOR = 1.5        # a delta spanning more than this many steps is a gap's, not one step's
 RATE_QUANTUM = 64.0     # gap-scaled deltas are rounded to 1/64: dyadic, so their sums stay exact
+# A sampling interval, not a missed sample: an entity's fourth gap in a row. Missed samples at random
+# (a few per cent of a once-a-minute collector's) make four gaps in a row about never, so histories
+# sampled every step keep their features; a collector's first three coarse deltas are scaled as gaps.
+SPREAD_AFTER_GAPS = 4
+OUTAGE_STEPS = 10       # a longer span is a collector outage, not a sampling interval: scaled, never spread
 
 
 def gap_scale(ts: np.ndarray, prev_ts: np.ndarray, step_ns: int) -> np.ndarray | None:
@@ -368,6 +378,24 @@ def gap_scale(ts: np.ndarray, prev_ts: np.ndarray, step_ns: int) -> np.ndarray |
     return np.where(gap, step_ns / np.where(gap, span, 1).astype(np.float64), 1.0)
 
 
+def gap_runs(gap: np.ndarray, first: np.ndarray, carried: np.ndarray) -> np.ndarray:
+    """Per row (rows sorted by entity, then time): how many gaps in a row its entity's samples end with
+    at this row, 0 where the row is not a gap. `first` marks each entity's first row of the batch and
+    `carried` the run its entity ended the previous batch with (read at first rows only)."""
+    idx = np.arange(len(gap))
+    start = np.maximum.accumulate(np.where(~gap | first, idx, 0))
+    run = idx - start + np.where(gap[start] & first[start], 1 + carried[start], 0)
+    return np.where(gap, run, 0)
+
+
+def spread_shares(total: np.ndarray, share: np.ndarray, shares: np.ndarray) -> np.ndarray:
+    """Share `share` (0-based) of `shares` equal shares of each delta, rounded to 1/RATE_QUANTUM as
+    differences of rounded cumulative fractions, so a delta's shares add up to it exactly."""
+    hi = np.round(total * ((share + 1) / shares) * RATE_QUANTUM)
+    lo = np.round(total * (share / shares) * RATE_QUANTUM)
+    return (hi - lo) / RATE_QUANTUM
+
+
 def per_step(delta: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """A delta scaled to one step's worth, rounded to 1/RATE_QUANTUM so that sums of deltas stay
     exact in any order (the offline and online paths add them in different orders)."""
@@ -379,10 +407,11 @@ class StageStats:
     rows: Counter
     dropped_late: Counter
     malformed: Counter   # rows whose fabric reading was left out, by reason (MALFORMED)
+    spread: Counter      # steps filled with a share of a coarsely sampled entity's delta, by table
 
     @classmethod
     def new(cls):
-        return cls(Counter(), Counter(), Counter())
+        return cls(Counter(), Counter(), Counter(), Counter())
 
 
 NODE_SHIFT = 1 << 20   # entity key = node code * NODE_SHIFT + entity code
@@ -461,8 +490,8 @@ class SampleStage:
         self.node_names: list[str] = []
         self._entity_index: dict[tuple, int] = {}
         self.entity_labels: list[str] = []
-        # table -> (sorted entity keys, last ts, last raw counter values [n, c])
-        self._last: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # table -> (sorted entity keys, last ts, last raw counter values [n, c], gaps in a row (gap_runs))
+        self._last: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self.stats = StageStats.new()
 
     def node_code(self, name: str) -> int:
@@ -518,8 +547,9 @@ class SampleStage:
                              for (table, vals), code in self._entity_index.items()],
                 "tables": sorted(self._last)}
         arrays = {}
-        for table, (keys, ts, vals) in self._last.items():
+        for table, (keys, ts, vals, runs) in self._last.items():
             arrays[f"last.{table}.keys"], arrays[f"last.{table}.ts"], arrays[f"last.{table}.vals"] = keys, ts, vals
+            arrays[f"last.{table}.gaps"] = runs
         return meta, arrays
 
     @classmethod
@@ -541,10 +571,13 @@ class SampleStage:
             keys = np.asarray(arrays[f"last.{table}.keys"], dtype=np.int64)
             ts = np.asarray(arrays[f"last.{table}.ts"], dtype=np.int64)
             vals = np.asarray(arrays[f"last.{table}.vals"], dtype=np.float64)
+            # without the runs (a checkpoint that has none) every entity starts a new run
+            runs = np.asarray(arrays.get(f"last.{table}.gaps", np.zeros(len(keys))), dtype=np.int64)
             width = sum(len(spec.columns) for spec in COUNTERS[table])
-            if not (len(keys) == len(ts) == len(vals) and vals.shape[1:] == (width,)) or np.any(np.diff(keys) <= 0):
+            if (not (len(keys) == len(ts) == len(vals) == len(runs) and vals.shape[1:] == (width,))
+                    or np.any(np.diff(keys) <= 0)):
                 raise ValueError(f"sample stage: table {table!r}: inconsistent last samples")
-            stage._last[table] = (keys, ts, vals)
+            stage._last[table] = (keys, ts, vals, runs)
         return stage
 
     def samples(self, table: str, batch: pa.Table) -> Samples:
@@ -579,13 +612,15 @@ class SampleStage:
                 p_[1:] = raw[c][:-1]
                 p_[first] = np.nan
                 prev[c] = p_
+            carried = np.zeros(n, dtype=np.int64)
             state = self._last.get(table)
             if state is not None and len(state[0]):
-                skeys, sts, svals = state
+                skeys, sts, svals, sruns = state
                 fi = np.flatnonzero(first)
                 pos, hit = _find_sorted(skeys, key[fi])
                 rows, pos = fi[hit], pos[hit]
                 prev_ts[rows] = sts[pos]
+                carried[rows] = sruns[pos]
                 for j, c in enumerate(raw_cols):
                     prev[c][rows] = svals[pos, j]
             late = ts <= prev_ts
@@ -601,44 +636,72 @@ class SampleStage:
                 return Samples.empty()
         cols: dict[str, np.ndarray] = {}
         scale = gap_scale(ts, prev_ts, self.step_ns)
+        runs = np.zeros(n, dtype=np.int64) if scale is None else gap_runs(scale < 1.0, first, carried)
+        # rows spread over the steps their span covers (module docstring), into `shares` rows each
+        shares = None
+        if scale is not None and runs.max() >= SPREAD_AFTER_GAPS:
+            span_steps = (ts - np.where(runs > 0, prev_ts, ts)) / self.step_ns
+            spread = (runs >= SPREAD_AFTER_GAPS) & (span_steps <= OUTAGE_STEPS)
+            if spread.any():
+                shares = np.where(spread, np.clip(np.rint(span_steps), 2, OUTAGE_STEPS), 1).astype(np.int64)
         for spec in counters:
             total = None
             for c in spec.columns:
                 d = counter_delta(raw[c], prev[c], spec.width)
                 total = d if total is None else total + d
             cols[spec.sample] = total if scale is None else per_step(total, scale)
-        self._table_samples(table, extra, raw, cols, len(ts))
+            if shares is not None:
+                cols[spec.sample] = np.where(spread, total, cols[spec.sample])
+        step = ts // self.step_ns
+        real = None
+        if shares is not None:
+            src = np.repeat(np.arange(n), shares)
+            share = np.arange(len(src)) - np.repeat(np.cumsum(shares) - shares, shares)
+            for name, v in cols.items():
+                v = v[src]
+                cols[name] = np.where(spread[src], spread_shares(v, share, shares[src]), v)
+            self.stats.spread[table] += len(src) - n
+            real = share == 0
+            node_out, step_out, key_out = node[src], step[src] + share, key[src]
+            extra_out, raw_out = {c: v[src] for c, v in extra.items()}, {c: v[src] for c, v in raw.items()}
+        else:
+            node_out, step_out, key_out, extra_out, raw_out = node, step, key, extra, raw
+        self._table_samples(table, extra_out, raw_out, cols, len(step_out), real)
         # carry each entity's last sample
         last = np.ones(len(ts), dtype=bool)
         last[:-1] = key[1:] != key[:-1]
         new_keys, new_ts = key[last], ts[last]
         new_vals = (np.column_stack([raw[c][last] for c in raw_cols]) if raw_cols
                     else np.zeros((int(last.sum()), 0)))
-        self._carry(table, new_keys, new_ts, new_vals)
-        return Samples(node, ts // self.step_ns, key, cols)
+        self._carry(table, new_keys, new_ts, new_vals, np.minimum(runs[last], SPREAD_AFTER_GAPS))
+        return Samples(node_out, step_out, key_out, cols)
 
-    def _carry(self, table: str, keys: np.ndarray, ts: np.ndarray, vals: np.ndarray) -> None:
+    def _carry(self, table: str, keys: np.ndarray, ts: np.ndarray, vals: np.ndarray, runs: np.ndarray) -> None:
         """Each entity's last sample (keys sorted and distinct) into the carried state. Entities seen
         before are updated in place: a batch holds a few nodes, the state every entity of the cluster
         (300k NVLink links at 2,048 nodes), so merging and re-sorting all of it per batch was the
         ingest's largest cost. Only a batch with new entities re-sorts."""
         state = self._last.get(table)
         if state is None or not len(state[0]):
-            self._last[table] = (keys.copy(), ts.copy(), np.array(vals, dtype=np.float64))
+            self._last[table] = (keys.copy(), ts.copy(), np.array(vals, dtype=np.float64), runs.copy())
             return
-        skeys, sts, svals = state
+        skeys, sts, svals, sruns = state
         pos, hit = _find_sorted(skeys, keys)
         sts[pos[hit]] = ts[hit]
         svals[pos[hit]] = vals[hit]
+        sruns[pos[hit]] = runs[hit]
         if hit.all():
             return
         miss = ~hit
         keys = np.concatenate([skeys, keys[miss]])
         o = np.argsort(keys, kind="stable")
         self._last[table] = (keys[o], np.concatenate([sts, ts[miss]])[o],
-                             np.concatenate([svals, vals[miss]])[o])
+                             np.concatenate([svals, vals[miss]])[o], np.concatenate([sruns, runs[miss]])[o])
 
-    def _table_samples(self, table: str, col: dict, raw: dict, out: dict, n: int) -> None:
+    def _table_samples(self, table: str, col: dict, raw: dict, out: dict, n: int,
+                       real: np.ndarray | None = None) -> None:
+        """The table's sample columns besides its counters' deltas, into `out`. `real` marks the rows that
+        are samples, not a spread delta's later steps (None: all are), for counting what was left out."""
         out["one"] = np.ones(n)
         if table == "gpu":
             out["temperature_c"] = col["temperature_c"]
@@ -661,6 +724,8 @@ class SampleStage:
                 undefined |= bad
             out[FABRIC_REGISTRATION], bad_state = fabric.registration_failed(col["fabric_state"], col["fabric_status"])
             for reason, bad in (("fabric_mask_undefined", undefined), ("fabric_state_undefined", bad_state)):
+                if real is not None:
+                    bad = bad & real
                 if bad.any():
                     self.stats.malformed[reason] += int(bad.sum())
         elif table == "nvlink":
@@ -939,9 +1004,10 @@ def finish(blocks: list[StepSignals], kernel: bool = False) -> StepSignals:
 
 
 def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECONDS,
-                      malformed: Counter | None = None) -> StepSignals:
+                      malformed: Counter | None = None, spread: Counter | None = None) -> StepSignals:
     """The offline path for one node partition: every table at once, one row per step with data.
-    `malformed` gets the stage's counts of fabric readings left out (MALFORMED)."""
+    `malformed` gets the stage's counts of fabric readings left out (MALFORMED), `spread` its counts of
+    steps filled with a coarsely sampled entity's delta (StageStats.spread)."""
     stage = SampleStage(step_seconds)
     blocks = []
     for table in TABLES:
@@ -951,4 +1017,6 @@ def node_base_signals(tables: dict[str, pa.Table], step_seconds: int = STEP_SECO
         blocks.append(reduce_steps(table, stage.samples(table, data)))
     if malformed is not None:
         malformed.update(stage.stats.malformed)
+    if spread is not None:
+        spread.update(stage.stats.spread)
     return finish(blocks)

@@ -67,6 +67,65 @@ def test_a_delta_across_a_gap_is_scaled_to_one_step():
     np.testing.assert_array_equal(base["ecc_sbe"], [0, 2, 10, 1])
 
 
+def _coarse_rows(interval_s, minutes=40, missed=()):
+    """One GPU sampled every `interval_s`, its corrected ECC growing 6 a minute, its temperature rising
+    a degree a sample; `missed` names sample indexes that are not written."""
+    out = []
+    for i, t in enumerate(range(0, minutes * 60, interval_s)):
+        if i not in missed:
+            out.append({"ts": _ts(T0 + t), "node": "n1", "gpu": 0, "gpu_lost": False,
+                        "ecc_corrected_volatile": 6 * (t // 60), "temperature_c": 40.0 + i})
+    return out
+
+
+def test_a_collector_sampling_every_few_steps_has_each_delta_spread_over_the_steps_it_covers():
+    """Every 2 or 5 minutes: from the entity's fourth gap in a row, each sample's errors are shared out
+    over its own step and the steps after it that its span covers, its gauges held there, so every step
+    reads the rate (6 a step) a once-a-minute collector shows, and no step goes without a value. The
+    first three gaps are scaled to one step's worth, as a missed sample's are."""
+    for every in (2, 5):
+        base = sg.node_base_signals({"gpu": sch.to_table("gpu", _coarse_rows(every * STEP))})
+        steps = base.step - base.step[0]
+        ecc = base["ecc_sbe"]
+        spread_from = sg.SPREAD_AFTER_GAPS * every
+        np.testing.assert_array_equal(steps[steps >= spread_from], np.arange(spread_from, steps[-1] + 1))
+        np.testing.assert_array_equal(ecc[steps >= spread_from], 6.0)
+        np.testing.assert_array_equal(ecc[(steps > 0) & (steps < spread_from)], 6.0)   # scaled, one a sample
+        assert len(ecc[(steps > 0) & (steps < spread_from)]) == sg.SPREAD_AFTER_GAPS - 1
+        temp = base["temp_max"][steps >= spread_from]
+        np.testing.assert_array_equal(temp, 40.0 + sg.SPREAD_AFTER_GAPS + np.arange(len(temp)) // every)
+
+
+def test_missed_samples_and_outages_are_scaled_not_spread():
+    """A once-a-minute collector missing samples here and there (three gaps in a row at most, one fewer
+    than spreading needs) and an entity silent for longer than an outage's span: each such delta is
+    scaled to one step's worth, the unsampled steps stay without a value, as before spreading existed."""
+    assert sg.SPREAD_AFTER_GAPS == 4
+    missed = {3, 5, 7, 10, 11, 12}   # gaps of 2, 2, 2 (in a row), a sample a step later, a gap of 4
+    base = sg.node_base_signals({"gpu": sch.to_table("gpu", _coarse_rows(STEP, 20, missed))})
+    steps = list(base.step - base.step[0])
+    assert steps == [k for k in range(20) if k not in missed]
+    np.testing.assert_array_equal(base["ecc_sbe"][1:], 6.0)
+    outage = sg.node_base_signals({"gpu": sch.to_table("gpu", _coarse_rows(12 * STEP, 120))})
+    assert len(outage) == 10 and np.all(outage["ecc_sbe"][1:] == 6.0)
+
+
+def test_spreading_gives_the_same_values_in_one_batch_or_a_row_at_a_time_across_a_restart():
+    """The online path: rows one at a time, the stage saved and restored halfway (OnlineScorer's state
+    carries each entity's run of gaps), the same per-step values as the offline batch."""
+    rows = _coarse_rows(2 * STEP, 60)
+    offline_ = sg.reduce_steps("gpu", sg.SampleStage().samples("gpu", sch.to_table("gpu", rows)))
+    stage, parts = sg.SampleStage(), []
+    for i, r in enumerate(rows):
+        if i == 6:   # inside the run of gaps that spreads
+            stage = sg.SampleStage.from_state(*stage.state())
+        parts.append(stage.samples("gpu", sch.to_table("gpu", [r])))
+    online_ = sg.reduce_steps("gpu", sg.Samples.concat(parts))
+    np.testing.assert_array_equal(online_.keys, offline_.keys)
+    np.testing.assert_array_equal(online_.values, offline_.values)
+    assert stage.stats.spread["gpu"] > 20
+
+
 def test_error_counters_reduce_to_the_worst_device_so_node_sizes_compare():
     """Four quiet GPUs or eight: the same worst-GPU count; the failing GPU shows as itself."""
     def node(gpus, noisy):

@@ -10,6 +10,7 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 
 from foreshock import cli
@@ -61,8 +62,9 @@ def _sampled_every_other_minute(table: pa.Table) -> pa.Table:
 
 def test_a_history_sampled_every_two_minutes_is_named_by_evaluate(small_world, tmp_path, capsys):
     """Every sampled table kept at one row in two minutes (events and incidents whole): each node is sampled
-    less often than once per feature step, and evaluate's report and stderr say so; the history as
-    written, sampled every minute with its missed samples and outages, raises no such warning."""
+    less often than once per feature step, and evaluate's report and stderr say so and that its counts were
+    spread over the steps between samples, so it evaluates about as many node-days as the history as
+    written, sampled every minute with its missed samples and outages, which raises no such warning."""
     sparse = tmp_path / "sparse"
     shutil.copytree(small_world, sparse)
     for table in signals.TABLES:
@@ -70,11 +72,17 @@ def test_a_history_sampled_every_two_minutes_is_named_by_evaluate(small_world, t
             continue
         for path in sorted(sparse.glob(f"table={table}/**/*.parquet")):
             pq.write_table(_sampled_every_other_minute(pq.read_table(path)), path)
+    node_days = []
     for data, sparse_nodes in ((small_world, 0), (sparse, 12)):
         out = tmp_path / f"{data.name}.json"
         assert cli.main(["evaluate", "--data", str(data), "--json", str(out)]) == 0
-        interval = json.loads(out.read_text())["telemetry_interval"]
+        report = json.loads(out.read_text())
+        interval = report["telemetry_interval"]
         assert interval["nodes"] == 12 and interval["nodes_sampled_less_than_once_a_step"] == sparse_nodes
+        assert interval["of_those_spread_over_their_steps"] == sparse_nodes
         err = capsys.readouterr().err
         assert ("12 of 12 nodes were sampled less often than once per feature step" in err) == bool(sparse_nodes)
+        assert ("12 of them had each sample's counts spread over the steps it covers" in err) == bool(sparse_nodes)
+        node_days.append(report["node_days"])
     assert 110 <= interval["median_seconds_between_samples"] <= 130
+    assert node_days[1] == pytest.approx(node_days[0], rel=0.02)

@@ -253,6 +253,25 @@ def test_online_features_equal_offline_features_in_a_simulated_nvl72_rack_whose_
     assert not {k: v for k, v in scorer.stats.items() if k.startswith(("fabric_", "sxid_"))}
 
 
+@pytest.mark.parametrize("interval_s", [120, 300])
+def test_online_features_equal_offline_features_when_the_collector_samples_every_few_steps(
+        tmp_path, interval_s, tiny_model_dir):
+    """A collector sampling every 2 or 5 minutes: each delta spread over the steps its sample covers
+    (signals.py) lands in steps the online scorer has not closed yet, so it gives the offline features at
+    every step, and every step of the node has features, the ECC ramp's count live in them."""
+    tables = {n: synthetic.node_tables(n, 40, seed=i, ecc_ramp_from=8 if n == "node-b" else None,
+                                       interval_s=interval_s) for i, n in enumerate(NODES)}
+    merged = {name: pa.concat_tables([tables[n][name] for n in NODES]) for name in tables["node-a"]}
+    inv = synthetic.inventory(NODES, leaf_of=lambda i: f"leaf-{i // 2}", job_of=lambda i: "job-1")
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
+    off, scorer = _offline_and_online(tmp_path, merged, inv, model, kernel=True)
+    for n in NODES:
+        sampled_steps = 40 * interval_s // ft.STEP_SECONDS
+        assert off[n].present.sum() >= sampled_steps - sampled_steps // 5, n
+    ecc = off["node-b"].X[:, ft.FEATURE_NAMES.index("ecc_sbe_30m")]
+    assert np.nanmax(ecc) > 0
+
+
 def test_block_size_does_not_change_features():
     rng = np.random.default_rng(3)
     x = rng.poisson(0.3, (2, 300, len(ft.ALL_NAMES))).astype(float) * 1.7
