@@ -76,8 +76,9 @@ DEFINITIONS = {
     "overlap": "the evaluated data overlaps the training data when it has " + OVERLAP_RULE,
     "telemetry_interval": ("how often the nodes were sampled: a node whose sampled steps mostly follow an unsampled "
                            "one is sampled less than once per feature step; of those, the nodes whose counts were "
-                           "spread over the steps each sample covers (signals.py), and how many steps that filled; "
-                           "node-days count steps with a sample or a spread share"),
+                           "spread over the steps each sample covers (signals.py), and how many entity steps that "
+                           "filled; overall (a node by its most seldom sampled table) and by table; node-days count "
+                           "steps with a sample or a spread share"),
     "intervals": (f"*_interval: the {INTERVAL_LEVEL:.0%} interval of the figure, exact (Clopper-Pearson) for a "
                   "recall, exact (Garwood, Poisson) for a rate per 1,000 node-days"),
 }

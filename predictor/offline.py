@@ -84,39 +84,59 @@ class TelemetryInterval:
     collector's would, up to one sampling interval later. Spans of more than signals.OUTAGE_STEPS steps
     are outages and stay scaled: a node sampled that seldom has its windowed counts read low by about the
     ratio, a condition such as "link down twice in 30 minutes" needs as many times more, and an
-    evaluation's node-days count its sampled steps only. FeatureBuilder `add`s each node in its first
-    pass (`FeatureBuilder.telemetry_interval`); `summary` says how the nodes were sampled
-    (telemetry_interval_warning: what the figures then mean)."""
+    evaluation's node-days count its sampled steps only. Each table is judged on its own, since a writer
+    may sample its GPUs every minute and its ports every two. FeatureBuilder `add`s each node in its first
+    pass (`FeatureBuilder.telemetry_interval`); `summary` says how the nodes were sampled, overall and by
+    table (telemetry_interval_warning: what the figures then mean)."""
 
     def __init__(self):
-        self.steps_per_sample: list[float] = []
+        self.steps_per_sample: list[float] = []   # per node, its most seldom sampled table's mean interval
         self.sparse_nodes = 0
         self.spread_nodes = 0
         self.spread_steps = 0
+        self.by_table: dict[str, dict] = {}
 
-    def add(self, sampled: np.ndarray, spread_steps: int = 0) -> None:
-        """One node: `sampled` [T] whether it had a row in each step of its range (a sample, not a spread
-        delta's share), `spread_steps` how many of its steps a spread delta filled."""
-        d = np.diff(np.flatnonzero(sampled))
-        if len(d) == 0:
+    def add(self, sampled: dict[str, np.ndarray], spread: Counter | None = None) -> None:
+        """One node: per sampled table (not events), `sampled[table]` [T] whether the node had a row of it
+        in each step of its range (a sample, not a spread delta's share); `spread` the entity steps a
+        spread delta filled, by table. A node is sampled less than once a step when any table is."""
+        spread = spread or Counter()
+        coarsest, sparse_tables = None, []
+        for table, got in sorted(sampled.items()):
+            d = np.diff(np.flatnonzero(got))
+            if len(d) == 0:
+                continue
+            interval = d[d <= sg.OUTAGE_STEPS]
+            if len(interval) == 0:   # never sampled within an outage's span: the interval is the gaps
+                interval = d
+            mean = float(interval.mean())
+            t = self.by_table.setdefault(table, {"steps_per_sample": [], "sparse": 0, "spread": 0})
+            t["steps_per_sample"].append(mean)
+            if (interval >= 2).mean() > SPARSE_SHARE:
+                sparse_tables.append(table)
+                t["sparse"] += 1
+                t["spread"] += spread[table] > 0
+            coarsest = mean if coarsest is None else max(coarsest, mean)
+        if coarsest is None:
             return
-        interval = d[d <= sg.OUTAGE_STEPS]
-        if len(interval) == 0:   # never sampled within an outage's span: the interval is the gaps
-            interval = d
-        self.steps_per_sample.append(float(interval.mean()))
-        sparse = bool((interval >= 2).mean() > SPARSE_SHARE)
-        self.sparse_nodes += sparse
-        self.spread_nodes += sparse and spread_steps > 0
-        self.spread_steps += int(spread_steps)
+        self.steps_per_sample.append(coarsest)
+        self.sparse_nodes += bool(sparse_tables)
+        self.spread_nodes += bool(sparse_tables) and all(spread[t] > 0 for t in sparse_tables)
+        self.spread_steps += int(sum(spread.values()))
 
     def summary(self) -> dict:
-        n = len(self.steps_per_sample)
-        median = float(np.median(self.steps_per_sample)) if n else None
-        return {"step_seconds": ft.STEP_SECONDS, "nodes": n,
-                "median_seconds_between_samples": None if median is None else round(median * ft.STEP_SECONDS, 1),
+        def seconds(steps):
+            return round(float(np.median(steps)) * ft.STEP_SECONDS, 1) if steps else None
+        return {"step_seconds": ft.STEP_SECONDS, "nodes": len(self.steps_per_sample),
+                "median_seconds_between_samples": seconds(self.steps_per_sample),
                 "nodes_sampled_less_than_once_a_step": self.sparse_nodes,
                 "of_those_spread_over_their_steps": self.spread_nodes,
-                "entity_steps_filled_by_spreading": self.spread_steps}
+                "entity_steps_filled_by_spreading": self.spread_steps,
+                "by_table": {table: {"nodes": len(t["steps_per_sample"]),
+                                     "median_seconds_between_samples": seconds(t["steps_per_sample"]),
+                                     "nodes_sampled_less_than_once_a_step": t["sparse"],
+                                     "of_those_spread_over_their_steps": t["spread"]}
+                             for table, t in sorted(self.by_table.items())}}
 
 
 def telemetry_interval_warning(summary: dict | None) -> str | None:
@@ -125,8 +145,11 @@ def telemetry_interval_warning(summary: dict | None) -> str | None:
         return None
     sparse = summary["nodes_sampled_less_than_once_a_step"]
     spread = summary.get("of_those_spread_over_their_steps", 0)
+    tables = ", ".join(f"{table} on {t['nodes_sampled_less_than_once_a_step']} (median {t['median_seconds_between_samples']:g} s)"
+                       for table, t in summary.get("by_table", {}).items() if t["nodes_sampled_less_than_once_a_step"])
     out = (f"WARNING: {sparse} of {summary['nodes']} nodes were sampled less often than once per feature step of "
-           f"{summary['step_seconds']} s (median {summary['median_seconds_between_samples']:g} s between samples).")
+           f"{summary['step_seconds']} s (median {summary['median_seconds_between_samples']:g} s between samples"
+           + (f"; by table: {tables}" if tables else "") + ").")
     if spread:
         out += (f" {spread} of them had each sample's counts spread over the steps it covers: their windowed counts "
                 "and node-days read as a once-a-step collector's would, up to one sampling interval later, a burst "
@@ -362,22 +385,24 @@ def _base_pass(root: ds.DatasetRoot, node: str, cache_path: str, dates: dict[str
     """Pass 1 for one node (in a worker): base signals to the cache; returns what the totals need.
     `root` comes pickled, its filesystem with it: the worker reads the dataset wherever it is. Also
     returns the fabric readings the signals left out, by reason (signals.MALFORMED), and what
-    TelemetryInterval.add reads: the steps with a row of the node's own, and how many a spread delta filled."""
+    TelemetryInterval.add reads: per sampled table, the steps with a row of the node's own, and the entity
+    steps a spread delta filled."""
     malformed, spread = Counter(), Counter()
     tables = read_node(root, node, dates)
     base = sg.node_base_signals(tables, malformed=malformed, spread=spread)
     if len(base) == 0:
         return None
     steps, x, present = densify(base)
-    sampled = np.zeros(len(steps), dtype=bool)
-    for data in tables.values():
-        if data.num_rows:
+    sampled = {}
+    for table, data in tables.items():
+        if table != "events" and data.num_rows:
             got = pc.cast(data.column("ts"), pa.int64()).to_numpy(zero_copy_only=False) // STEP_NS - steps[0]
-            sampled[got[(got >= 0) & (got < len(steps))]] = True
+            sampled[table] = np.zeros(len(steps), dtype=bool)
+            sampled[table][got[(got >= 0) & (got < len(steps))]] = True
     cols = {"step": steps, "present": present}
     cols.update({name: x[:, j] for j, name in enumerate(sg.STEP_NAMES)})
     pq.write_table(pa.table(cols), cache_path, compression="zstd")
-    return steps, present, ft.peer_inputs(x), malformed, (sampled, sum(spread.values()))
+    return steps, present, ft.peer_inputs(x), malformed, (sampled, spread)
 
 
 _WORKER_TOTALS: dict[tuple, PeerTotals] = {}
@@ -536,9 +561,9 @@ class FeatureBuilder:
         jobs = ((self.root, node, str(self._cache_path(i)), dates) for i, node in enumerate(self.nodes))
         for i, (node, res) in enumerate(zip(self.nodes, self._map(_base_pass, jobs, self.nodes))):
             if res is not None:
-                steps, present, own, malformed, (sampled, spread_steps) = res
+                steps, present, own, malformed, (sampled, spread) = res
                 self.fabric_stats.update(malformed)
-                self.telemetry_interval.add(sampled, spread_steps)
+                self.telemetry_interval.add(sampled, spread)
                 self._ranges[node] = (int(steps[0]), int(steps[-1]))
                 np.savez(self.cache / f"own-{i:06d}.npz", steps=steps, present=present, own=own)
                 got[i] = node

@@ -64,25 +64,33 @@ def test_a_history_sampled_every_two_minutes_is_named_by_evaluate(small_world, t
     """Every sampled table kept at one row in two minutes (events and incidents whole): each node is sampled
     less often than once per feature step, and evaluate's report and stderr say so and that its counts were
     spread over the steps between samples, so it evaluates about as many node-days as the history as
-    written, sampled every minute with its missed samples and outages, which raises no such warning."""
-    sparse = tmp_path / "sparse"
-    shutil.copytree(small_world, sparse)
-    for table in signals.TABLES:
-        if table == "events":
-            continue
-        for path in sorted(sparse.glob(f"table={table}/**/*.parquet")):
-            pq.write_table(_sampled_every_other_minute(pq.read_table(path)), path)
-    node_days = []
-    for data, sparse_nodes in ((small_world, 0), (sparse, 12)):
+    written, sampled every minute with its missed samples and outages, which raises no such warning. With
+    only its ports' rows thinned so, the warning names that table alone."""
+    thinned = {}
+    for name, tables in (("sparse", [t for t in signals.TABLES if t != "events"]), ("ports", ["rdma_port"])):
+        thinned[name] = tmp_path / name
+        shutil.copytree(small_world, thinned[name])
+        for table in tables:
+            for path in sorted(thinned[name].glob(f"table={table}/**/*.parquet")):
+                pq.write_table(_sampled_every_other_minute(pq.read_table(path)), path)
+    reports = {}
+    for data, sparse_nodes in ((small_world, 0), (thinned["sparse"], 12), (thinned["ports"], 12)):
         out = tmp_path / f"{data.name}.json"
         assert cli.main(["evaluate", "--data", str(data), "--json", str(out)]) == 0
-        report = json.loads(out.read_text())
+        report = reports[data.name] = json.loads(out.read_text())
         interval = report["telemetry_interval"]
         assert interval["nodes"] == 12 and interval["nodes_sampled_less_than_once_a_step"] == sparse_nodes
         assert interval["of_those_spread_over_their_steps"] == sparse_nodes
         err = capsys.readouterr().err
         assert ("12 of 12 nodes were sampled less often than once per feature step" in err) == bool(sparse_nodes)
         assert ("12 of them had each sample's counts spread over the steps it covers" in err) == bool(sparse_nodes)
-        node_days.append(report["node_days"])
-    assert 110 <= interval["median_seconds_between_samples"] <= 130
-    assert node_days[1] == pytest.approx(node_days[0], rel=0.02)
+    sparse, ports = reports["sparse"]["telemetry_interval"], reports["ports"]["telemetry_interval"]
+    assert 110 <= sparse["median_seconds_between_samples"] <= 130
+    assert sparse["by_table"]["gpu"]["nodes_sampled_less_than_once_a_step"] == 12
+    # only the ports every two minutes: named by table, the GPUs sampled every minute are not
+    assert ports["by_table"]["rdma_port"]["nodes_sampled_less_than_once_a_step"] == 12
+    assert ports["by_table"]["rdma_port"]["of_those_spread_over_their_steps"] == 12
+    assert ports["by_table"]["gpu"]["nodes_sampled_less_than_once_a_step"] == 0
+    assert "by table: rdma_port on 12 (median 120 s)" in err and "gpu on" not in err
+    for name in ("sparse", "ports"):
+        assert reports[name]["node_days"] == pytest.approx(reports[small_world.name]["node_days"], rel=0.02)
