@@ -28,45 +28,16 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks import worlds
+
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
-RATE_SCALE, RECOVERY_RATIO = 5.0, 0.2
-BUDGETS = ("1.0", "2.0", "5.0")
 DRIVER_BUDGET = "5.0"
-
-
-def _simulate(out: Path, args, scenario: Path | None) -> float:
-    cmd = [sys.executable, "-m", "foreshock", "simulate", "--nodes", str(args.nodes), "--days", str(args.days),
-           "--seed", str(args.seed), "--rate-scale", str(RATE_SCALE), "--recovery-ratio", str(RECOVERY_RATIO),
-           "--start", "2026-10-05T00:00:00Z", "--out", str(out), "--log-level", "WARNING"]
-    cmd += ["--scenario", str(scenario)] if scenario else ["--world", "random"]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t0
-
-
-def _print_report(name: str, rep: dict) -> None:
-    print(f"{name}: {rep['nodes']} nodes, {rep['node_days']:.0f} node-days, "
-          f"{rep['at_budgets'][BUDGETS[0]]['model']['incidents_precursor']} precursor failures")
-    print(f"  {'budget':>6} {'predictor':18} {'recall':>7} {'lead min':>9} {'FE/1k':>7}")
-    for b in BUDGETS:
-        for who in ("model", "rule"):
-            r = rep["at_budgets"][b].get(who)
-            if r is None:
-                continue
-            print(f"  {float(b):6g} {who:18} {r['incident_recall_precursor']:7.0%} "
-                  f"{r['median_lead_minutes']:9.1f} {r['false_evacuations_per_1000_node_days']:7.2f}")
-        fc = (rep.get("fleet_calibrated") or {}).get("at_budgets", {}).get(b)
-        if fc:
-            print(f"  {float(b):6g} {'fleet-calibrated':18} {fc['incident_recall_precursor']:7.0%} "
-                  f"{fc['median_lead_minutes']:9.1f} {fc['false_evacuations_per_1000_node_days']:7.2f}")
 
 
 def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Counter, int]:
@@ -123,12 +94,12 @@ def main(argv: list[str]) -> int:
         for name, world in (("catalogue", None), (scenario.stem, scenario)):
             data = where / f"{name}-{args.seed}-{args.nodes}n-{args.days:g}d"
             if not (data / "table=incidents").exists():
-                took = _simulate(data, args, world)
+                took = worlds.simulate(data, nodes=args.nodes, days=args.days, seed=args.seed, scenario=world)
                 print(f"simulated the {name} world in {took:.0f} s", flush=True)
             t0 = time.perf_counter()
             rep = ev.evaluate_dataset(data, args.model)
             print(f"evaluated in {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.2f}")
-            _print_report(f"{name} world (seed {args.seed})", rep)
+            worlds.print_budgets(f"{name} world (seed {args.seed})", rep)
             if world is not None:
                 first, per_node, n = _drivers(data, args.model)
                 print(f"  false evacuations at budget {float(DRIVER_BUDGET):g}: {n}; the signal named first: "
