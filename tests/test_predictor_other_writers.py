@@ -10,8 +10,8 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
-import pytest
 import pyarrow.parquet as pq
+import pytest
 
 from foreshock import cli
 from foreshock.predictor import offline, signals
