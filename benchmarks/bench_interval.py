@@ -56,11 +56,7 @@ def thinned(src: Path, dst: Path, keep_one_in: dict[str, int]) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_interval")
-    parser.add_argument("--nodes", type=int, default=128)
-    parser.add_argument("--days", type=float, default=14.0)
-    parser.add_argument("--seed", type=int, default=661)
-    parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
-    parser.add_argument("--keep", type=Path, default=None, help="write the world here and keep it (reused when present)")
+    worlds.add_world_arguments(parser, seed=661, keep_help="write the world here and keep it (reused when present)")
     args = parser.parse_args(argv)
 
     from foreshock.predictor import evaluate as ev

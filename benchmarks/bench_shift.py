@@ -74,12 +74,8 @@ def _drivers(data: Path, model_dir) -> tuple[collections.Counter, collections.Co
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench_shift")
-    parser.add_argument("--nodes", type=int, default=128)
-    parser.add_argument("--days", type=float, default=14.0)
-    parser.add_argument("--seed", type=int, default=171)
-    parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
-    parser.add_argument("--keep", type=Path, default=None, help="write the two worlds here and keep them "
-                        "(reused when present)")
+    worlds.add_world_arguments(parser, seed=171, keep_help="write the two worlds here and keep them (reused "
+                               "when present)")
     parser.add_argument("--scenario", default="shifted", help="the noisier world: a scenario of "
                         f"{SCENARIOS} by name (shifted, far) or a .toml file (default shifted)")
     args = parser.parse_args(argv)

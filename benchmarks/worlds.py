@@ -15,6 +15,16 @@ RATE_SCALE, RECOVERY_RATIO = 5.0, 0.2
 BUDGETS = ("1.0", "2.0", "5.0")
 
 
+def add_world_arguments(parser, *, seed: int, keep_help: str) -> None:
+    """The world's size, seed, the model to evaluate and where to keep the world: the options every
+    benchmark of simulated worlds takes."""
+    parser.add_argument("--nodes", type=int, default=128)
+    parser.add_argument("--days", type=float, default=14.0)
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--model", default=None, help="model directory (default: the shipped model)")
+    parser.add_argument("--keep", type=Path, default=None, help=keep_help)
+
+
 def simulate(out: Path, *, nodes: int, days: float, seed: int, scenario: Path | None = None,
              start: str = "2026-10-05T00:00:00Z") -> float:
     """The catalogue's random world (or `scenario`'s) at RATE_SCALE x the failure rate, into `out`;
