@@ -33,13 +33,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks import worlds
+from foreshock.predictor import signals
 
-SAMPLE_ROUND_NS = 60 * 1_000_000_000
+SAMPLE_ROUND_NS = worlds.INTERVAL_S * 1_000_000_000
+SAMPLED_TABLES = tuple(t for t in signals.TABLES if t != "events")
 # version name -> {table: keep one sample round in k}; a table not named keeps every row
 VERSIONS = {
     "every 60 s": {},
-    "every 120 s": {t: 2 for t in ("gpu", "nvlink", "rdma_port", "netdev", "host_net", "path_probe")},
-    "every 300 s": {t: 5 for t in ("gpu", "nvlink", "rdma_port", "netdev", "host_net", "path_probe")},
+    "every 120 s": {t: 2 for t in SAMPLED_TABLES},
+    "every 300 s": {t: 5 for t in SAMPLED_TABLES},
     "ports 120 s, NVLink 300 s": {"rdma_port": 2, "nvlink": 5},
 }
 

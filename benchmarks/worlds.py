@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 RATE_SCALE, RECOVERY_RATIO = 5.0, 0.2
+INTERVAL_S = 60   # seconds between a world's samples: the predictor's feature step
 BUDGETS = ("1.0", "2.0", "5.0")
 
 
@@ -31,7 +32,7 @@ def simulate(out: Path, *, nodes: int, days: float, seed: int, scenario: Path | 
     returns the seconds it took."""
     cmd = [sys.executable, "-m", "foreshock", "simulate", "--nodes", str(nodes), "--days", str(days),
            "--seed", str(seed), "--rate-scale", str(RATE_SCALE), "--recovery-ratio", str(RECOVERY_RATIO),
-           "--interval", "60", "--start", start, "--out", str(out), "--log-level", "WARNING"]
+           "--interval", str(INTERVAL_S), "--start", start, "--out", str(out), "--log-level", "WARNING"]
     cmd += ["--scenario", str(scenario)] if scenario else ["--world", "random"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
