@@ -128,6 +128,12 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
         since = get(f"minutes_since_{signal}")
         if np.isfinite(since) and since < ft.SINCE_CAP_MINUTES:
             parts.append(f"the last {since:.0f} min ago")
+    elif spec is not None and signal + "_vs_usual" in FIDX:
+        rise, day = get(signal + "_vs_usual"), get("remap_correctable_decayed_12h")
+        if np.isfinite(rise):
+            parts.append(f"{rise:+.1f}{_unit(spec.unit, 2.0)} against its usual")
+        if np.isfinite(day) and day >= ft.WARMING_REMAPPED:
+            parts.append(f"about {_fmt(max(round(day), 1))} HBM rows remapped over the last day")
     elif spec is not None and spec.kind in ("gauge", "flag"):
         now, mx = get(f"{signal}_now"), get(f"{signal}_max30m")
         if spec.kind == "flag":

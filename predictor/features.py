@@ -17,7 +17,10 @@ its maximum over 5 and 30 minutes and the share of the last 30 minutes' judged s
 the registration flag now and at any time in 30 minutes, and fatal and non-fatal (correctable included)
 NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC). Then how loud the node's
 neighbourhood usually is: per error family, the 3-day EWMA of the mean count of the other nodes under its
-leaf switch (CONTEXT).
+leaf switch (CONTEXT). Then whether a GPU's HBM warms apart from its die (signals.WARMING_SIGNALS): that
+gap's recent level against the node's usual, the same of the gap between its hottest and coolest dies
+(temp_spread), and the HBM's where the node remapped an HBM row in about the last day and its dies did not
+warm apart as much (WARMING).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -33,9 +36,9 @@ too (model.estimator_feature_names); the STEADINESS columns feed the novelty ala
 the STEP_TIMES, FABRIC and CONTEXT columns after those are read by no shipped model (explanations name
 them where a model does: explain.py). Feature version 7 only appended the STEADINESS columns, version 8
 the STEP_TIMES columns, version 9 the FABRIC columns (and read the step times a step later:
-steptimes.LAG_STEPS) and version 10 the CONTEXT columns (and four counts to PEER_INPUTS), so a model of
-version 6 to 9, whose names are a prefix of FEATURE_NAMES, still loads (READABLE_VERSIONS,
-registry.check_compatible).
+steptimes.LAG_STEPS), version 10 the CONTEXT columns (and four counts to PEER_INPUTS) and version 11 the
+WARMING columns, so a model of version 6 to 10, whose names are a prefix of FEATURE_NAMES, still loads
+(READABLE_VERSIONS, registry.check_compatible).
 """
 
 from __future__ import annotations
@@ -48,16 +51,16 @@ from scipy.signal import lfilter
 from foreshock.predictor import signals as sg
 from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "10"
-# 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns and 10 the CONTEXT
-# columns; the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
+FEATURE_VERSION = "11"
+# 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
+# columns and 11 the WARMING columns; the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
 # well, which they did not at first: no model reads them, and names and layout stay 9's, so 9's
 # checkpoints and models fit.
-READABLE_VERSIONS = ("6", "7", "8", "9", "10")
+READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
-# the CONTEXT filter's state (FeatureState.CARRIED_SINCE), so a version-9 checkpoint keeps every node's
-# baselines across the upgrade and the neighbourhood's usual starts from zero.
-RESTORABLE_VERSIONS = ("9", "10")
+# the CONTEXT filter's state and 11 the WARMING filters' (FeatureState.CARRIED_SINCE), so an older
+# checkpoint keeps every node's baselines across the upgrade and what it lacks starts from zero.
+RESTORABLE_VERSIONS = ("9", "10", "11")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -67,6 +70,17 @@ RECENT_ALPHA = 1.0 - 2.0 ** (-1.0 / RECENT_HALF_LIFE_STEPS)
 SINCE_CAP_MINUTES = 1440.0
 DECAYED_HALF_LIFE_STEPS = 12 * 60   # "over the last day": a count that halves every 12 hours
 DECAYED_KEEP = 2.0 ** (-1.0 / DECAYED_HALF_LIFE_STEPS)
+# The WARMING columns: a signal's recent level is its EWMA over known steps with a 15-minute half-life,
+# its usual the same with the baselines' 3-day half-life; judged from 6 hours of known steps on (a node's
+# first hours have no usual). The node is remapping where an HBM row remapped for correctable errors is
+# still counted at half or more of one (remap_correctable_decayed_12h: within about the last 12 hours),
+# and its HBM warms apart where its dies' spread rose by less than WARMING_DIE_SHARE of the HBM gap's
+# rise (a GPU that runs hot heats its die first, and its HBM with it).
+WARMING_HALF_LIFE_STEPS = 15
+WARMING_ALPHA = 1.0 - 2.0 ** (-1.0 / WARMING_HALF_LIFE_STEPS)
+WARMING_MIN_KNOWN = 1.0 - (1.0 - EWMA_ALPHA) ** (6 * 60)
+WARMING_REMAPPED = 0.5
+WARMING_DIE_SHARE = 0.5
 
 # Peer base signals, computed across nodes per step (peer_signals below) and appended to the base.
 PEER_SIGNALS: tuple[sg.BaseSignal, ...] = (
@@ -92,10 +106,10 @@ CONTEXT_SIGNALS: tuple[sg.BaseSignal, ...] = tuple(
     sg.BaseSignal(f"leaf_peers_{family}", "peer", f"{what} per minute of the other nodes under this leaf switch", unit)
     for family, _, what, unit in CONTEXT_FAMILIES)
 # The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them,
-# the NVLink fabric's (signals.FABRIC_SIGNALS) after those and the CONTEXT_SIGNALS last (all_signals
-# lays a block out so).
+# the NVLink fabric's (signals.FABRIC_SIGNALS) and the warming's (signals.WARMING_SIGNALS) after those and
+# the CONTEXT_SIGNALS last (all_signals lays a block out so).
 ALL_SIGNALS: tuple[sg.BaseSignal, ...] = (sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS + sg.FABRIC_SIGNALS
-                                          + CONTEXT_SIGNALS)
+                                          + sg.WARMING_SIGNALS + CONTEXT_SIGNALS)
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
 IDX = {n: i for i, n in enumerate(ALL_NAMES)}
 PEER_GROUPS = ("leaf_switch", "job", "site")
@@ -151,12 +165,13 @@ STEADY_IDX = [IDX[n] for n in STEADY]
 STEP_TIME_IDX = [IDX[n] for n in stt.NAMES]
 FABRIC_IDX = [IDX[n] for n in sg.FABRIC_NAMES]   # the flags, then the counts
 CONTEXT_IDX = [IDX[s.name] for s in CONTEXT_SIGNALS]
+WARMING_IDX = [IDX[n] for n in sg.WARMING_NAMES + ("temp_spread",)]   # what the WARMING filters follow
 PEER_WIDTH = len(PEER_SIGNALS) + len(CONTEXT_SIGNALS)   # the columns peer_signals returns
 
 
 def all_signals(x: np.ndarray, peers: np.ndarray, step_times: np.ndarray, *, kernel: bool = False) -> np.ndarray:
     """[..., S] in ALL_NAMES order from a block's per-step signals x [..., signals.STEP_NAMES] (the
-    base signals, then the fabric's), its peer and context signals (peer_signals: PEER_SIGNALS, then
+    base signals, then the fabric's and the warming's), its peer and context signals (peer_signals: PEER_SIGNALS, then
     CONTEXT_SIGNALS) and its step-time signals: the layout compute reads, the same for the offline and
     the online path. kernel: a block of one step [N, 1, ...] copied row by row in the compiled kernel
     where numba is importable; False: np.concatenate, the written reference (the same values)."""
@@ -177,7 +192,7 @@ class FeatureSpec:
     name: str
     signal: str       # the base/peer signal it is computed from (explanations group by it)
     op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed
-                      # steady job_max5 job_max30 slow_share30 context
+                      # steady job_max5 job_max30 slow_share30 context warming warming_remapping
 
 
 def _specs() -> tuple[FeatureSpec, ...]:
@@ -254,15 +269,26 @@ FABRIC: tuple[FeatureSpec, ...] = (
 # do (`foreshock train --context-columns`; docs/predictor.md, "Context").
 CONTEXT: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{s.name}_3d", s.name, "context")
                                          for s in CONTEXT_SIGNALS)
+# HBM warming apart from its die (signals.WARMING_SIGNALS): the HBM gap's recent level less its usual, in
+# degC (NaN: no gap known this step, or under WARMING_MIN_KNOWN of usual); the same of the dies' spread
+# (temp_spread); and the HBM gap's where the node remapped an HBM row recently and its dies' spread rose
+# by less than WARMING_DIE_SHARE of it (0 where not). A failing HBM stack remaps rows and heats apart from
+# its die; a GPU that runs hot heats its die and its HBM, and a single remap does not warm.
+WARMING: tuple[FeatureSpec, ...] = (FeatureSpec("hbm_gap_excess_vs_usual", "hbm_gap_excess", "warming"),
+                                    FeatureSpec("temp_spread_vs_usual", "temp_spread", "warming"),
+                                    FeatureSpec("hbm_gap_excess_remapping", "hbm_gap_excess", "warming_remapping"))
 N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
-FEATURES: tuple[FeatureSpec, ...] = CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC + CONTEXT
+FEATURES: tuple[FeatureSpec, ...] = (CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC + CONTEXT
+                                     + WARMING)
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 MODEL_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES[:N_MODEL]
 N_FEATURES = len(FEATURES)
 STEADY_COLS = slice(N_MODEL, N_MODEL + len(STEADINESS))
 STEP_TIME_COLS = slice(STEADY_COLS.stop, STEADY_COLS.stop + len(STEP_TIMES))
 FABRIC_COLS = slice(STEP_TIME_COLS.stop, STEP_TIME_COLS.stop + len(FABRIC))
-CONTEXT_COLS = slice(FABRIC_COLS.stop, N_FEATURES)
+CONTEXT_COLS = slice(FABRIC_COLS.stop, FABRIC_COLS.stop + len(CONTEXT))
+WARMING_COLS = slice(CONTEXT_COLS.stop, N_FEATURES)
+_REMAP_DECAYED_COL = FEATURE_NAMES.index("remap_correctable_decayed_12h")
 _VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
 _VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
                          dtype=np.intp)
@@ -361,6 +387,8 @@ class FeatureState:
     fhead: int
     flast: np.ndarray       # [N, 2F + C] the last step of each fabric flag at 1, of it known, of each SXid count > 0
     zc: np.ndarray          # [N, X] EWMA state of the CONTEXT signals, 3-day
+    zw: np.ndarray          # [N, 8] EWMA states of the WARMING filters: per WARMING_IDX signal (value x known,
+                            # known), recent, then usual
     gmax: "_SlidingMax | None" = None   # the one-step path's running maximum of gring (None: rebuild)
     # the compiled one-step path's running sums of the step-time and SXid rings (_RingSums; None: rebuild)
     rings: "_RingSums | None" = None
@@ -376,7 +404,7 @@ class FeatureState:
                    np.repeat(stt.empty_values(GRING)[:, None, :], n, axis=1), 0,
                    np.zeros((GRING, n, 2 * len(sg.FABRIC_COUNTS))), 0,
                    np.full((n, 2 * len(sg.FABRIC_FLAGS) + len(sg.FABRIC_COUNTS)), -np.inf),
-                   np.zeros((n, len(CONTEXT_IDX))))
+                   np.zeros((n, len(CONTEXT_IDX))), np.zeros((n, 4 * len(WARMING_IDX))))
 
     def grow(self, n: int) -> "FeatureState":
         """The same state with n new nodes appended (their history empty, as offline starts them)."""
@@ -390,18 +418,18 @@ class FeatureState:
                             cat([self.za, add.za]), cat([self.zar, add.zar]),
                             cat([self.tring, add.tring], axis=1), self.thead,
                             cat([self.fring, add.fring], axis=1), self.fhead, cat([self.flast, add.flast]),
-                            cat([self.zc, add.zc]))
+                            cat([self.zc, add.zc]), cat([self.zw, add.zw]))
 
     def __len__(self) -> int:
         return len(self.seen)
 
     # What a checkpoint keeps (OnlineScorer.save_state): the running sums, the baselines, the day-long
-    # counts, the steadiness shares, the last events (the fabric's too) and the neighbourhood's usual, a
-    # few numbers per node. Not the 30-step rings (the step times' and SXids' too), 30x the rest and
-    # refilled by 30 steps of telemetry.
-    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar", "flast", "zc")
+    # counts, the steadiness shares, the last events (the fabric's too), the neighbourhood's usual and the
+    # HBM gap's filters, a few numbers per node. Not the 30-step rings (the step times' and SXids' too), 30x
+    # the rest and refilled by 30 steps of telemetry.
+    CARRIED = ("cum", "cumv", "z", "zr", "seen", "last_event", "zd", "za", "zar", "flast", "zc", "zw")
     # the feature version that began to carry each array a checkpoint of an earlier one lacks
-    CARRIED_SINCE = {"zc": "10"}
+    CARRIED_SINCE = {"zc": "10", "zw": "11"}
 
     def carried(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(getattr(self, k)) for k in self.CARRIED}
@@ -656,6 +684,8 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     out[:, :, FABRIC_COLS] = _fabric(xt[:, :, FABRIC_IDX], steps, state)
     usual, zcf = ewma(EWMA_ALPHA, state.zc, np.nan_to_num(xt[:, :, CONTEXT_IDX]))
     out[:, :, CONTEXT_COLS] = usual
+    remapped = decayed[:, :, DECAYED.index("remap_correctable")].astype(np.float32)
+    out[:, :, WARMING_COLS] = _warming(xt[:, :, WARMING_IDX], remapped, state)
 
     # carry the state
     h0 = state.head
@@ -731,6 +761,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         rings.peak = _SlidingMax(state.tring[:, :, 0:1], (state.thead + 1) % GRING)
     state.thead = (state.thead + 1) % GRING
     state.fhead = (state.fhead + 1) % GRING
+    out[:, WARMING_COLS] = _warming(x[None, :, WARMING_IDX], out[None, :, _REMAP_DECAYED_COL], state)[0]
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -775,6 +806,38 @@ def _context_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base:
     y = EWMA_ALPHA * np.nan_to_num(x[:, CONTEXT_IDX]) + state.zc
     state.zc = (1.0 - EWMA_ALPHA) * y
     out[:, CONTEXT_COLS] = y / den_base[:, None]
+
+
+def _warming(v: np.ndarray, remapped: np.ndarray, state: FeatureState) -> np.ndarray:
+    """The WARMING columns of a block of steps: v [T, N, 2] the HBM gap (signals.WARMING_SIGNALS) and the
+    dies' spread (WARMING_IDX), remapped [T, N] the node's remap_correctable_decayed_12h as its float32
+    feature column reads; carries state.zw. Each level is a weighted mean over the known steps: the EWMA
+    of value x known over the EWMA of known (the filters start at 0, so no bias correction is needed).
+    One function for any block: lfilter's recursion on a block, the same recursion element by element on
+    one step (y = a x + z, z = (1 - a) y), as the baselines' (tests/test_predictor_skew.py)."""
+    known = ~np.isnan(v)
+    series = np.concatenate([np.where(known, v, 0.0), known.astype(np.float64)], axis=-1)   # [T, N, 4]
+    k = series.shape[-1]
+    levels = []
+    for j, alpha in ((0, WARMING_ALPHA), (k, EWMA_ALPHA)):
+        z = state.zw[:, j:j + k]
+        if v.shape[0] == 1:
+            y = alpha * series + z[None]
+            zf = (1.0 - alpha) * y[-1]
+        else:
+            y, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], series, axis=0, zi=z[None])
+            zf = zz[0]
+        state.zw[:, j:j + k] = zf
+        levels.append(y)
+    recent, usual = levels
+    m = v.shape[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rise = np.where(known & (usual[..., m:] >= WARMING_MIN_KNOWN),
+                        recent[..., :m] / recent[..., m:] - usual[..., :m] / usual[..., m:], np.nan)
+    hbm, die = rise[..., 0], rise[..., 1]
+    apart = ~(die >= WARMING_DIE_SHARE * hbm)     # a die spread not known is no sign of a hot GPU
+    gated = np.where(np.isnan(hbm), np.nan, np.where((remapped >= WARMING_REMAPPED) & apart, hbm, 0.0))
+    return np.concatenate([rise, gated[..., None]], axis=-1)
 
 
 def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
@@ -939,6 +1002,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     out[:, STEP_TIME_COLS] = _step_times(x[None, :, STEP_TIME_IDX], state)[0]
     out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
     _context_step(x, state, out, den_base)
+    out[:, WARMING_COLS] = _warming(x[None, :, WARMING_IDX], out[None, :, _REMAP_DECAYED_COL], state)[0]
     anomaly_scores(out)
 
     state.ring[h] = c

@@ -595,8 +595,8 @@ def scatter_columns(src, dest, values, helpers):
 def derive_columns(values, helpers, ops):
     """signals.finish's derived signals, row by row: per ops row (kind, result column, a, b, c), the
     operands read as scatter_columns' dest; kind 0: a - b, 1: a / b, 2: floor(a * b / c) where c > 0
-    (else NaN), 3: a / b where b > 0 (else NaN). Every result is computed from the row before any is
-    written back, as the numpy path does."""
+    (else NaN), 3: a / b where b > 0 (else NaN), 4: a - b / c where c > 0 (else NaN). Every result is
+    computed from the row before any is written back, as the numpy path does."""
     k = ops.shape[0]
     got = np.empty(k)
     for i in range(values.shape[0]):
@@ -615,6 +615,10 @@ def derive_columns(values, helpers, ops):
                 w = ops[r, 4]
                 c = values[i, w] if w >= 0 else helpers[i, -w - 1]
                 v = np.floor(a * b / c) if c > 0 else np.nan
+            elif kind == 4:
+                w = ops[r, 4]
+                c = values[i, w] if w >= 0 else helpers[i, -w - 1]
+                v = a - b / c if c > 0 else np.nan
             else:
                 v = a / b if b > 0 else np.nan
             got[r] = v

@@ -46,6 +46,11 @@ none. Whatever their number, since Foreshock keeps no SXid number table. A value
 fabric state or a health-mask field nvml.h does not define, a completed registration without its
 status, an SXid row of a severity the collector never writes or without its code) is left out of the
 signal and counted by reason in the stage's `stats.malformed` (MALFORMED), never an error.
+
+The warming group (WARMING_SIGNALS) comes last, from the gpu table's two temperatures: per GPU sample the
+HBM temperature less the die's (nvmlDeviceGetTemperatureV and field 82, NVML_FI_DEV_MEMORY_TEMP), and per
+node and step the largest of those gaps less their mean over the node's GPU samples. NaN where no GPU
+reports both temperatures.
 """
 
 from __future__ import annotations
@@ -184,10 +189,23 @@ FABRIC_SIGNALS: tuple[BaseSignal, ...] = (
 FABRIC_NAMES: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS)
 FABRIC_FLAGS: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS if s.kind == "flag")
 FABRIC_COUNTS: tuple[str, ...] = tuple(s.name for s in FABRIC_SIGNALS if s.kind == "count")
-# What `finish` returns per (node, step): the base signals, then the fabric's.
-STEP_NAMES: tuple[str, ...] = BASE_NAMES + FABRIC_NAMES
+# A GPU's HBM warming apart from its die (module docstring): per node and step, the largest of its GPUs'
+# HBM-over-die temperature gap, less the mean of that gap over its GPUs. The load, the room, the rack
+# and a GPU's place in the airflow move a GPU's die and its HBM together and every GPU of a node alike;
+# HBM that heats on its own (failing stacks, more refresh and more errors to correct) moves only its
+# own GPU's gap. A group of its own after the fabric's, so that the feature columns over it come after
+# every older model's (features.WARMING).
+WARMING_SIGNALS: tuple[BaseSignal, ...] = (
+    _g("hbm_gap_excess", "one GPU's HBM warmer than its die, beyond the node's other GPUs", "degC"),
+)
+WARMING_NAMES: tuple[str, ...] = tuple(s.name for s in WARMING_SIGNALS)
+# What `finish` returns per (node, step): the base signals, then the fabric's, then the warming's.
+STEP_NAMES: tuple[str, ...] = BASE_NAMES + FABRIC_NAMES + WARMING_NAMES
 STEP_INDEX = {name: i for i, name in enumerate(STEP_NAMES)}
-BY_NAME = {s.name: s for s in BASE_SIGNALS + FABRIC_SIGNALS}
+BY_NAME = {s.name: s for s in BASE_SIGNALS + FABRIC_SIGNALS + WARMING_SIGNALS}
+# The gap is rounded to 1/64 degC per sample: dyadic, so the step's sums over GPUs stay exact in any
+# order (a step's rows may reach the online scorer in several batches).
+GAP_QUANTUM = 64.0
 # Reasons a row's fabric reading is left out (module docstring), counted in SampleStage.stats.malformed.
 MALFORMED = ("fabric_state_undefined", "fabric_mask_undefined", "sxid_unknown_class", "sxid_no_code")
 
@@ -285,6 +303,8 @@ REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("sm_clock_min", "sm_clock_mhz", "min"), ("gpu_lost", "gpu_lost", "max"),
         ("remap_rows_total", "remap_rows_total", "max"),
         *((name, name, "max") for name in FABRIC_FLAGS),
+        ("_hbm_gap_max", "hbm_gap", "max"), ("_hbm_gap_sum", "hbm_gap", "sum"),
+        ("_hbm_gap_known", "hbm_gap_known", "sum"),
     ),
     "nvlink": (
         ("nvl_replay", "nvl_replay", "emax"), ("nvl_recovery", "nvl_recovery", "emax"),
@@ -706,6 +726,9 @@ class SampleStage:
         if table == "gpu":
             out["temperature_c"] = col["temperature_c"]
             out["hbm_temperature_c"] = col["hbm_temperature_c"]
+            gap = np.round((col["hbm_temperature_c"] - col["temperature_c"]) * GAP_QUANTUM) / GAP_QUANTUM
+            out["hbm_gap"] = gap
+            out["hbm_gap_known"] = (~np.isnan(gap)).astype(np.float64)
             out["sm_clock_mhz"] = col["sm_clock_mhz"]
             reasons = col["clock_event_reasons"]
             thr = np.full(n, np.nan)
@@ -922,20 +945,21 @@ def reduce_steps(table: str, s: Samples) -> StepSignals:
 
 
 # finish's derived signals as kernels.derive_columns reads them: (kind, result, operands...), kind 0:
-# a - b, 1: a / b, 2: floor(a * b / c) where c > 0, 3: a / b where b > 0; the numpy path below is the
-# written reference
+# a - b, 1: a / b, 2: floor(a * b / c) where c > 0, 3: a / b where b > 0, 4: a - b / c where c > 0;
+# the numpy path below is the written reference
 _DERIVED = ((0, "temp_spread", "temp_max", "_temp_coolest_peak"),
             (1, "thermal_throttle_frac", "_throttled", "_gpu_samples"),
             (1, "ib_port_down_frac", "_ib_down", "_ib_samples"),
             (1, "eth_down_frac", "_eth_nocarrier", "_eth_samples"),
             (2, "ib_traffic", "ib_traffic", "_ib_port_samples", "_ib_samples"),
             (2, "nvl_traffic", "nvl_traffic", "_nvl_gpu_samples", "_nvl_samples"),
-            (3, "tcp_retrans_ratio", "tcp_retrans", "tcp_out"))
+            (3, "tcp_retrans_ratio", "tcp_retrans", "tcp_out"),
+            (4, "hbm_gap_excess", "_hbm_gap_max", "_hbm_gap_sum", "_hbm_gap_known"))
 
 
 def finish(blocks: list[StepSignals], kernel: bool = False) -> StepSignals:
     """Join the per-table signals of the same (node, step) and derive the ratios; names STEP_NAMES
-    (the base signals, then the fabric's). kernel: when every table reports the same (node, step)s,
+    (the base signals, then the fabric's, then the warming's). kernel: when every table reports the same (node, step)s,
     the columns copied and the ratios derived row by row in compiled kernels where numba is importable
     (the online round); False: column by column in numpy, the written reference (the same values)."""
     from foreshock.predictor import kernels
@@ -998,8 +1022,11 @@ def finish(blocks: list[StepSignals], kernel: bool = False) -> StepSignals:
             derived[name] = np.where(n > 0, np.floor(get(name) * get(per_entity) / np.where(n > 0, n, 1.0)), np.nan)
         sent = get("tcp_out")
         derived["tcp_retrans_ratio"] = np.where(sent > 0, get("tcp_retrans") / np.where(sent > 0, sent, 1.0), np.nan)
+        known = get("_hbm_gap_known")
+        derived["hbm_gap_excess"] = np.where(known > 0, get("_hbm_gap_max") - get("_hbm_gap_sum") / np.where(
+            known > 0, known, 1.0), np.nan)
     for name, v in derived.items():
-        values[:, BASE_INDEX[name]] = v
+        values[:, STEP_INDEX[name]] = v
     return StepSignals(keys, STEP_NAMES, values)
 
 

@@ -102,20 +102,28 @@ def test_a_restored_scorer_carries_on(tmp_path, telemetry, tiny_model_dir):
 
 def test_a_checkpoint_of_feature_version_9_keeps_its_baselines_and_learns_the_context_again(tmp_path, telemetry,
                                                                                             tiny_model_dir):
-    """Version 10 only added the context filter's state: a version-9 checkpoint restores, every column
-    but the context's carries on as if the scorer never stopped, and the context's starts over; a
-    version-10 checkpoint without it is refused."""
+    """Version 10 only added the context filter's state and 11 the warming filters': a version-9
+    checkpoint restores, every column but the context's and the warming's carries on as if the scorer
+    never stopped, and those start over; a checkpoint of a version that carried a state, without it, is
+    refused."""
     tables, inv, first = telemetry
     model, steady, before = _fed_pair(tmp_path, telemetry, tiny_model_dir)
     path = tmp_path / "state.npz"
     before.save_state(path)
     after = online.OnlineScorer(model, explain_top=0)
-    after.restore_state(_rewritten(path, tmp_path / "v9.npz", "9", drop=("features.zc",)))
+    after.restore_state(_rewritten(path, tmp_path / "v9.npz", "9", drop=("features.zc", "features.zw")))
     broken = online.OnlineScorer(model, explain_top=0)
     with pytest.raises(ValueError, match="v10.npz: feature state zc: missing from a version-10 state"):
-        broken.restore_state(_rewritten(path, tmp_path / "v10.npz", "10", drop=("features.zc",)))
+        broken.restore_state(_rewritten(path, tmp_path / "v10.npz", "10", drop=("features.zc", "features.zw")))
+    with pytest.raises(ValueError, match="v11.npz: feature state zw: missing from a version-11 state"):
+        broken.restore_state(_rewritten(path, tmp_path / "v11.npz", "11", drop=("features.zw",)))
     assert broken.nodes == []
-    others = [i for i in range(ft.N_FEATURES) if i not in range(ft.N_FEATURES)[ft.CONTEXT_COLS]]
+    # a version-10 checkpoint lacks only the warming filters
+    v10 = online.OnlineScorer(model, explain_top=0)
+    v10.restore_state(_rewritten(path, tmp_path / "v10w.npz", "10", drop=("features.zw",)))
+    assert v10.nodes == after.nodes
+    restarted = set(range(ft.N_FEATURES)[ft.CONTEXT_COLS]) | set(range(ft.N_FEATURES)[ft.WARMING_COLS])
+    others = [i for i in range(ft.N_FEATURES) if i not in restarted]
     for k, step in enumerate(range(first + RESTART_AT, first + RESTART_AT + ft.HISTORY + 3)):
         _feed(steady, tables, step)
         _feed(after, tables, step)

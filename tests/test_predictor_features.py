@@ -199,6 +199,69 @@ def test_the_temperature_gap_does_not_depend_on_the_sampling_interval():
     assert frame.values[0, sg.BASE_INDEX["temp_spread"]] == 10
 
 
+def test_hbm_warming_apart_from_its_die_is_the_gpu_furthest_above_the_nodes_other_gpus():
+    """Per node and step, the largest HBM-over-die gap of its GPUs less their mean: the load moving every
+    GPU's die and HBM at once leaves it as it is; one GPU's HBM heating on its own moves it; a GPU
+    without an HBM temperature is left out, and a node with none has none."""
+    def rows(load, hbm_extra, missing=()):
+        out = []
+        for g in range(4):
+            die = 40.0 + 30.0 * load + 2.0 * g          # each GPU's own place in the airflow
+            out.append({"ts": _ts(T0), "node": "n1", "gpu": g, "temperature_c": die, "gpu_lost": False,
+                        "hbm_temperature_c": None if g in missing else die + 5.0 + hbm_extra.get(g, 0.0)})
+        return out
+
+    def excess(r):
+        return sg.node_base_signals({"gpu": sch.to_table("gpu", r)}).row(0)["hbm_gap_excess"]
+
+    assert excess(rows(0.1, {})) == 0.0 and excess(rows(0.9, {})) == 0.0
+    # GPU 2's HBM 6 degC warmer than its die than the others: 6 less the mean of (0, 0, 6, 0)
+    assert excess(rows(0.5, {2: 6.0})) == 4.5
+    assert excess(rows(0.5, {2: 6.0}, missing=(0,))) == 4.0
+    assert np.isnan(excess(rows(0.5, {}, missing=(0, 1, 2, 3))))
+
+
+def _warming_signals(t, gap, remap_at=None, die=None):
+    x = np.full((1, t, len(ft.ALL_NAMES)), np.nan)
+    x[0, :, ft.IDX["hbm_gap_excess"]] = gap
+    x[0, :, ft.IDX["temp_spread"]] = 3.0 if die is None else die
+    x[0, :, ft.IDX["remap_correctable"]] = 0.0
+    if remap_at is not None:
+        x[0, remap_at, ft.IDX["remap_correctable"]] = 1.0
+    return x
+
+
+def test_the_warming_columns_read_the_gap_against_its_usual_and_the_remaps_and_dies_beside_it():
+    t, rise_at = 600, 500
+    gap = np.where(np.arange(t) < rise_at, 1.0, 4.0) + 0.25 * (np.arange(t) % 2)
+    gap[550] = np.nan
+    cols = [ft.FEATURE_NAMES.index(n) for n in ("hbm_gap_excess_vs_usual", "temp_spread_vs_usual",
+                                                 "hbm_gap_excess_remapping")]
+    for remap_at in (None, 480):
+        X, _ = ft.compute(_warming_signals(t, gap, remap_at), np.arange(t), ft.FeatureState.empty(1))
+        vs_usual, die, remapping = X[0, :, cols[0]], X[0, :, cols[1]], X[0, :, cols[2]]
+        # no usual in the first 6 hours; then a chronic gap reads about 0 whatever its size
+        assert np.isnan(vs_usual[:359]).all() and abs(vs_usual[499]) < 0.2 and abs(die[540]) < 1e-6
+        assert vs_usual[540] > 2.0 and np.isnan(vs_usual[550]) and np.isnan(remapping[550])
+        if remap_at is None:
+            assert (remapping[360:550] == 0.0).all()
+        else:
+            assert remapping[470] == 0.0 and remapping[540] == vs_usual[540]
+    # a GPU whose die heats (a cooling fault) warms its HBM too: the dies' spread rises as much, not apart
+    hot = np.where(np.arange(t) < rise_at, 3.0, 9.0)
+    X, _ = ft.compute(_warming_signals(t, gap, 480, die=hot), np.arange(t), ft.FeatureState.empty(1))
+    assert X[0, 540, cols[0]] > 2.0 and X[0, 540, cols[1]] > 4.0 and X[0, 540, cols[2]] == 0.0
+    # any split of the steps into blocks gives the same values, the compiled and numpy one-step paths too
+    x = _warming_signals(t, gap, 480, die=np.where(np.arange(t) % 7 == 0, np.nan, hot))
+    whole, _ = ft.compute(x, np.arange(t), ft.FeatureState.empty(1))
+    for block, kernel in ((1, True), (1, False), (7, True), (33, True)):
+        state, parts = ft.FeatureState.empty(1), []
+        for a in range(0, t, block):
+            got, state = ft.compute(x[:, a:a + block], np.arange(a, min(a + block, t)), state, kernel=kernel)
+            parts.append(got)
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1)[0, :, cols], whole[0, :, cols])
+
+
 def test_events_are_counted_by_class():
     rows = [{"ts": _ts(T0), "node": "n1", "kind": "xid", "source": "kmsg", "severity": s, "xid": x}
             for s, x in (("fatal", 79), ("precursor", 92), ("application", 13), ("fatal", 74))]

@@ -272,6 +272,40 @@ def test_online_features_equal_offline_features_when_the_collector_samples_every
     assert np.nanmax(ecc) > 0
 
 
+def _warming_hbm(tables: dict[str, pa.Table], gpu: int, warm_from: int, remaps_at: tuple[int, ...]) -> dict:
+    """The node's tables with one GPU's HBM warming apart from its die from sample `warm_from` (up to 6
+    degC over 40 samples) and a row remapped for correctable errors at each of `remaps_at`."""
+    g = tables["gpu"]
+    idx = g.column("gpu").to_numpy()
+    sample = np.arange(g.num_rows) // (idx.max() + 1)
+    mine = idx == gpu
+    hbm = g.column("hbm_temperature_c").to_numpy().astype(np.float64)
+    hbm = hbm + np.where(mine, np.clip((sample - warm_from) / 40.0, 0.0, 1.0) * 6.0, 0.0)
+    remapped = np.where(mine, sum((sample >= s_).astype(np.int64) for s_ in remaps_at), 0)
+    for col, values in (("hbm_temperature_c", np.round(hbm)), ("remapped_rows_correctable", remapped)):
+        g = g.set_column(g.schema.get_field_index(col), col, pa.array(values, g.schema.field(col).type))
+    return dict(tables, gpu=g)
+
+
+def test_online_warming_columns_equal_offline_over_the_hours_their_usual_needs(tmp_path, tiny_model_dir):
+    """The warming columns need 6 hours of a node's usual: over 7 hours, one GPU's HBM warming apart from
+    its die while its node remaps rows reads the same online and offline at every step (from the raw rows,
+    in shuffled batches), and only that node's remapping column is set."""
+    steps = 7 * 60 + 30
+    nodes = ["node-a", "node-b"]
+    tables = {n: synthetic.node_tables(n, steps, seed=i) for i, n in enumerate(nodes)}
+    tables["node-a"] = _warming_hbm(tables["node-a"], gpu=3, warm_from=steps - 60, remaps_at=(steps - 70, steps - 40))
+    merged = {name: pa.concat_tables([tables[n][name] for n in nodes]) for name in tables["node-a"]}
+    inv = synthetic.inventory(nodes, leaf_of=lambda i: "leaf-0", job_of=lambda i: "job-1")
+    model = registry.load_model(tiny_model_dir(tmp_path / "m"))
+    off, _ = _offline_and_online(tmp_path, merged, inv, model, kernel=True)
+    col = {n: ft.FEATURE_NAMES.index(n) for n in ("hbm_gap_excess_vs_usual", "hbm_gap_excess_remapping")}
+    a, b = off["node-a"].X, off["node-b"].X
+    assert a[-1, col["hbm_gap_excess_vs_usual"]] > 3.0 and a[-1, col["hbm_gap_excess_remapping"]] > 3.0
+    assert np.isnan(a[:6 * 60 - 1, col["hbm_gap_excess_vs_usual"]]).all()
+    assert np.nanmax(b[:, col["hbm_gap_excess_remapping"]]) == 0.0
+
+
 def test_block_size_does_not_change_features():
     rng = np.random.default_rng(3)
     x = rng.poisson(0.3, (2, 300, len(ft.ALL_NAMES))).astype(float) * 1.7

@@ -199,7 +199,9 @@ def test_trees_that_read_the_context_columns_hold_the_step_times_and_fabric_befo
                      "--context-columns"]) == 0
     capsys.readouterr()
     m = registry.load_model(model_dir)
-    assert m.manifest["feature_names"] == list(ft.FEATURE_NAMES) and m.n_model_features == ft.N_FEATURES
+    # through the context columns, not the warming columns after them (features v11)
+    assert m.manifest["feature_names"] == list(ft.FEATURE_NAMES[:ft.CONTEXT_COLS.stop])
+    assert m.n_model_features == ft.CONTEXT_COLS.stop < ft.N_FEATURES
     held = {f.name for f in ft.STEADINESS + ft.STEP_TIMES + ft.FABRIC}
     assert held <= set(m.manifest["estimator"]["blind_to"])
     assert not {f.name for f in ft.CONTEXT} & set(m.manifest["estimator"]["blind_to"])
@@ -211,7 +213,8 @@ def test_trees_that_read_the_context_columns_hold_the_step_times_and_fabric_befo
         range(ft.FABRIC_COLS.start, ft.FABRIC_COLS.stop))
     assert mdl.context_held(mdl.estimator_feature_names()) == []
     X = np.nan_to_num(np.random.default_rng(4).standard_normal((100, ft.N_FEATURES)).astype(np.float32))
-    np.testing.assert_allclose(m.probability(X), m.estimator.predict_proba(X)[:, 1], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(m.probability(X), m.estimator.predict_proba(X[:, :ft.CONTEXT_COLS.stop])[:, 1],
+                               rtol=1e-9, atol=1e-12)
 
 
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
