@@ -305,6 +305,9 @@ HARD_EVIDENCE_CONDITIONS: tuple[tuple[str, float], ...] = (
     ("nvl_links_down_now", _RULE["nvl_links_down_now"]),            # an NVLink link down
     ("pcie_width_deficit_now", _RULE["pcie_width_deficit_now"]),    # a PCIe link trained below its width
     ("ib_link_downed_30m", 1.0),            # the worst InfiniBand port down twice or more in 30 min
+    # one GPU's HBM 1 degC or more warmer than its die, beyond the node's other GPUs and its usual, while
+    # the node remaps HBM rows and its dies do not warm apart as much (features.WARMING)
+    ("hbm_gap_excess_remapping", 1.0),
 )
 # What `foreshock train` writes into a new model's manifest.
 HARD_EVIDENCE: tuple[str, ...] = tuple(name for name, _ in HARD_EVIDENCE_CONDITIONS)
@@ -314,8 +317,8 @@ class HardEvidence:
     """Which feature rows meet any of the named HARD_EVIDENCE_CONDITIONS (`met`), and what each says (`reasons`).
 
     `names`: features of HARD_EVIDENCE_CONDITIONS; an unknown one raises ValueError naming it and `where`.
-    Rows are feature rows whose leading columns are features.MODEL_FEATURE_NAMES (the estimator's or
-    full width); NaN meets nothing."""
+    Rows are full-width feature rows (features.FEATURE_NAMES, as every scoring path keeps them); rows of
+    the estimator's width do for conditions on its columns. NaN meets nothing."""
 
     def __init__(self, names=HARD_EVIDENCE, where: str = "hard evidence"):
         known = dict(HARD_EVIDENCE_CONDITIONS)
@@ -324,8 +327,7 @@ class HardEvidence:
             raise ValueError(f"{where}: {unknown} are not hard evidence "
                              f"(predictor/model.py HARD_EVIDENCE_CONDITIONS: {sorted(known)})")
         self.names = tuple(names)
-        model_names = list(ft.MODEL_FEATURE_NAMES)
-        self.columns = np.array([model_names.index(n) for n in self.names], dtype=np.int64)
+        self.columns = np.array([ft.FEATURE_NAMES.index(n) for n in self.names], dtype=np.int64)
         self.thresholds = np.array([known[n] for n in self.names], dtype=np.float64)
         self.signals = tuple(ft.FEATURES[c].signal for c in self.columns)
 

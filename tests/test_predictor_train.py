@@ -345,7 +345,8 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     assert parts["hard_evidence_alone"]["incident_recall_precursor"] == 1.0
     assert parts["hard_evidence_alone"]["median_lead_minutes"] == pytest.approx(15)
     assert {m["condition"]: m["incident_recall_precursor"] for m in parts["conditions"]} == {
-        "nvl_links_down_now": 1.0, "pcie_width_deficit_now": 0.0, "ib_link_downed_30m": 0.0}
+        "nvl_links_down_now": 1.0, "pcie_width_deficit_now": 0.0, "ib_link_downed_30m": 0.0,
+        "hbm_gap_excess_remapping": 0.0}
     assert parts["added_by_hard_evidence"] == 1
     # a risk that warns 20 min ahead on its own: the hard evidence adds nothing, and the risk's own episode
     # starting 20 min out is what the risk alone is judged by
@@ -385,6 +386,22 @@ def test_hard_evidence_asks_more_than_the_rule_of_an_infiniband_link_down():
     assert list(mdl.HardEvidence(["nvl_links_down_now"]).met(X)) == [False] * 3
     with pytest.raises(ValueError, match="thermal_throttle_frac_now"):
         mdl.HardEvidence(["thermal_throttle_frac_now"])
+
+
+def test_hard_evidence_of_hbm_warming_apart_from_its_die_reads_a_column_past_the_models():
+    """The HBM condition reads the warming column after every column the estimators read, from
+    full-width rows: met where the node remaps rows and one GPU's HBM warms apart from its die, not
+    where the HBM warms without a remap (the column reads 0 there), and its reason says both."""
+    col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    assert col["hbm_gap_excess_remapping"] >= ft.N_MODEL
+    X = np.zeros((2, ft.N_FEATURES), np.float32)
+    X[:, col["hbm_gap_excess_vs_usual"]] = 3.2
+    X[0, col["hbm_gap_excess_remapping"]] = 3.2
+    X[0, col["remap_correctable_decayed_12h"]] = 2.6
+    hard = mdl.HardEvidence(["hbm_gap_excess_remapping"])
+    assert list(hard.met(X)) == [True, False]
+    assert hard.reasons(X[0]) == ["One GPU's HBM warmer than its die, beyond the node's other GPUs: +3.2 degC "
+                                  "against its usual, about 3 HBM rows remapped over the last day"]
 
 
 def test_the_validation_slice_counts_episodes_as_evaluate_does_across_a_repair():
