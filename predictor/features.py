@@ -19,8 +19,8 @@ NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC).
 neighbourhood usually is: per error family, the 3-day EWMA of the mean count of the other nodes under its
 leaf switch (CONTEXT). Then whether a GPU's HBM warms apart from its die (signals.WARMING_SIGNALS): that
 gap's recent level against the node's usual, the same of the gap between its hottest and coolest dies
-(temp_spread), and the HBM's where the node remapped an HBM row in about the last day and its dies did not
-warm apart as much (WARMING).
+(temp_spread), and the HBM's where the node remapped an HBM row in about the last 12 hours and its dies
+did not warm apart as much (WARMING).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -53,9 +53,9 @@ from foreshock.predictor import steptimes as stt
 
 FEATURE_VERSION = "11"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
-# columns and 11 the WARMING columns; the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
-# well, which they did not at first: no model reads them, and names and layout stay 9's, so 9's
-# checkpoints and models fit.
+# columns and 11 the WARMING columns; the model columns are 6's. Within 9, the sxid_nonfatal columns
+# count Correctable SXids as well, which they did not at first: no model reads them, and names and
+# layout stay 9's, so 9's checkpoints and models fit.
 READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
 # the CONTEXT filter's state and 11 the WARMING filters' (FeatureState.CARRIED_SINCE), so an older
@@ -171,10 +171,11 @@ PEER_WIDTH = len(PEER_SIGNALS) + len(CONTEXT_SIGNALS)   # the columns peer_signa
 
 def all_signals(x: np.ndarray, peers: np.ndarray, step_times: np.ndarray, *, kernel: bool = False) -> np.ndarray:
     """[..., S] in ALL_NAMES order from a block's per-step signals x [..., signals.STEP_NAMES] (the
-    base signals, then the fabric's and the warming's), its peer and context signals (peer_signals: PEER_SIGNALS, then
-    CONTEXT_SIGNALS) and its step-time signals: the layout compute reads, the same for the offline and
-    the online path. kernel: a block of one step [N, 1, ...] copied row by row in the compiled kernel
-    where numba is importable; False: np.concatenate, the written reference (the same values)."""
+    base signals, then the fabric's and the warming's), its peer and context signals (peer_signals:
+    PEER_SIGNALS, then CONTEXT_SIGNALS) and its step-time signals: the layout compute reads, the same
+    for the offline and the online path. kernel: a block of one step [N, 1, ...] copied row by row in
+    the compiled kernel where numba is importable; False: np.concatenate, the written reference (the
+    same values)."""
     from foreshock.predictor import kernels
 
     nb, npeer = len(sg.BASE_NAMES), len(PEER_SIGNALS)
