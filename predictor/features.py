@@ -685,8 +685,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     out[:, :, FABRIC_COLS] = _fabric(xt[:, :, FABRIC_IDX], steps, state)
     usual, zcf = ewma(EWMA_ALPHA, state.zc, np.nan_to_num(xt[:, :, CONTEXT_IDX]))
     out[:, :, CONTEXT_COLS] = usual
-    remapped = decayed[:, :, DECAYED.index("remap_correctable")].astype(np.float32)
-    out[:, :, WARMING_COLS] = _warming(xt[:, :, WARMING_IDX], remapped, state)
+    out[:, :, WARMING_COLS] = _warming(xt[:, :, WARMING_IDX], out[:, :, _REMAP_DECAYED_COL].astype(np.float32), state)
 
     # carry the state
     h0 = state.head

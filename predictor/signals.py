@@ -203,9 +203,6 @@ WARMING_NAMES: tuple[str, ...] = tuple(s.name for s in WARMING_SIGNALS)
 STEP_NAMES: tuple[str, ...] = BASE_NAMES + FABRIC_NAMES + WARMING_NAMES
 STEP_INDEX = {name: i for i, name in enumerate(STEP_NAMES)}
 BY_NAME = {s.name: s for s in BASE_SIGNALS + FABRIC_SIGNALS + WARMING_SIGNALS}
-# The gap is rounded to 1/64 degC per sample: dyadic, so the step's sums over GPUs stay exact in any
-# order (a step's rows may reach the online scorer in several batches).
-GAP_QUANTUM = 64.0
 # Reasons a row's fabric reading is left out (module docstring), counted in SampleStage.stats.malformed.
 MALFORMED = ("fabric_state_undefined", "fabric_mask_undefined", "sxid_unknown_class", "sxid_no_code")
 
@@ -379,7 +376,9 @@ def counter_delta(cur: np.ndarray, prev: np.ndarray, width: int | None) -> np.nd
 
 
 GAP_FACTOR = 1.5        # a delta spanning more than this many steps is a gap's, not one step's
-RATE_QUANTUM = 64.0     # gap-scaled deltas are rounded to 1/64: dyadic, so their sums stay exact
+# Gap-scaled deltas and the HBM-over-die temperature gap are rounded to 1/64: dyadic, so their sums stay
+# exact in any order (a step's rows may reach the online scorer in several batches).
+RATE_QUANTUM = 64.0
 # A sampling interval, not a missed sample: an entity's fourth gap in a row. Missed samples at random
 # (a few per cent of a once-a-minute collector's) make four gaps in a row about never, so histories
 # sampled every step keep their features; a collector's first three coarse deltas are scaled as gaps.
@@ -726,7 +725,7 @@ class SampleStage:
         if table == "gpu":
             out["temperature_c"] = col["temperature_c"]
             out["hbm_temperature_c"] = col["hbm_temperature_c"]
-            gap = np.round((col["hbm_temperature_c"] - col["temperature_c"]) * GAP_QUANTUM) / GAP_QUANTUM
+            gap = np.round((col["hbm_temperature_c"] - col["temperature_c"]) * RATE_QUANTUM) / RATE_QUANTUM
             out["hbm_gap"] = gap
             out["hbm_gap_known"] = (~np.isnan(gap)).astype(np.float64)
             out["sm_clock_mhz"] = col["sm_clock_mhz"]
