@@ -32,6 +32,9 @@ MIN_RANKS = 3               # ranks that reported a step before it is judged (an
 MAD_K = 3.0                 # and this many robust standard deviations above the median
 MIN_EXCESS_SECONDS = 0.002  # and this much above it: sub-millisecond jitter is no fault
 MAD_SIGMA = 1.4826          # the median absolute deviation of a normal sample, in standard deviations
+# The fail-slow rule's defaults (service/steptimes.py FailSlowSettings, `foreshock serve`): a rank is fail-slow
+# when it was slow in at least FAIL_SLOW_MIN_STEPS of its last FAIL_SLOW_WINDOW judged steps.
+FAIL_SLOW_MIN_STEPS, FAIL_SLOW_WINDOW = 12, 16
 
 
 @dataclass(frozen=True)
@@ -82,4 +85,5 @@ def compare(total: np.ndarray, compute: np.ndarray, ranks, *, ratio: float = RAT
     return Compared(judged, use_compute, x, rel, slow)
 
 
-__all__ = ["Compared", "compare", "row_median", "RATIO", "MIN_RANKS", "MAD_K", "MIN_EXCESS_SECONDS", "MAD_SIGMA"]
+__all__ = ["Compared", "compare", "row_median", "RATIO", "MIN_RANKS", "MAD_K", "MIN_EXCESS_SECONDS", "MAD_SIGMA",
+           "FAIL_SLOW_MIN_STEPS", "FAIL_SLOW_WINDOW"]

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from foreshock import config
+from foreshock import config, stepcompare
 from foreshock.service.actions import CHECKS as ACTION_CHECKS
 from foreshock.service.actions import ActionSettings
 from foreshock.service.coordinator import MAX_RECONFIRM_SECONDS, MIN_RECONFIRM_SECONDS, RECONFIRM_SECONDS
@@ -79,9 +79,9 @@ DEFAULTS = {
     "shard_inventory": "",       # a dataset with an inventory table each version of the map is checked against
     **{key: getattr(ActionSettings(), name) for key, name in ACTION_KEYS.items()},
     "fail_slow": True,           # the fail-slow rule over jobs' step times (docs/service.md, "Fail-slow")
-    "fail_slow_ratio": 1.2,      # a rank's step at this multiple of its job's median is slow ...
-    "fail_slow_min_steps": 12,   # ... and this many slow steps ...
-    "fail_slow_window": 16,      # ... of its last this many make it fail-slow
+    "fail_slow_ratio": stepcompare.RATIO,     # a rank's step at this multiple of its job's median is slow ...
+    "fail_slow_min_steps": stepcompare.FAIL_SLOW_MIN_STEPS,   # ... and this many slow steps ...
+    "fail_slow_window": stepcompare.FAIL_SLOW_WINDOW,         # ... of its last this many make it fail-slow
     "xid_context_seconds": 5.0,  # a collateral Xid waits this long for its job's other nodes; 0: off
     "xid_context_min_nodes": 3,
     "xid_context_fraction": 0.25,

@@ -69,8 +69,8 @@ class FailSlowSettings:
 
     enabled: bool = True
     ratio: float = stepcompare.RATIO    # the comparison's thresholds (foreshock/stepcompare.py) ...
-    min_steps: int = 12             # slow in at least this many ...
-    window: int = 16                # ... of its last this many judged steps
+    min_steps: int = stepcompare.FAIL_SLOW_MIN_STEPS    # slow in at least this many ...
+    window: int = stepcompare.FAIL_SLOW_WINDOW          # ... of its last this many judged steps
     min_ranks: int = stepcompare.MIN_RANKS
     mad_k: float = stepcompare.MAD_K
     min_excess_seconds: float = stepcompare.MIN_EXCESS_SECONDS
