@@ -8,8 +8,9 @@
 * `RuleBaseline`: DCGM-health-style thresholds (any fatal Xid, uncorrected ECC, a row-remap failure,
   a link down, a GPU lost, PCIe width degraded, thermal slowdown, early-warning Xids): its score is the
   share of conditions met in the last 5 minutes, so it too has a precision-recall curve.
-* `HardEvidence`: states of the hardware (HARD_EVIDENCE_CONDITIONS) that alarm whatever the model's score:
-  the manifest's `hard_evidence` names them for a model (registry.LoadedModel.hard_evidence).
+* `HardEvidence`: states of the hardware, or of a node its job waits for (HARD_EVIDENCE_CONDITIONS), that
+  alarm whatever the model's score: the manifest's `hard_evidence` names them for a model
+  (registry.LoadedModel.hard_evidence).
 * `make_logistic()`: logistic regression on log1p-scaled features (missing values as 0).
 * `LogitBlend`: fitted models stacked on their logits. `foreshock train` stacks the model of a user's
   history with the shipped model (weights fitted), so a small history leans on what the shipped model
@@ -295,11 +296,11 @@ def conditions_met(X, columns: np.ndarray, thresholds: np.ndarray) -> np.ndarray
     return np.nan_to_num(np.asarray(X)[:, columns].astype(np.float64), nan=0.0) > thresholds
 
 
-# Hard evidence (docs/predictor.md, *Hard evidence*): states of the hardware that alarm on their own,
-# whatever the model's score and the threshold in force, where the model reads rates that a noisy fleet
-# also moves. (feature, threshold) as in RULE_CONDITIONS: met when the feature exceeds it. Two are the
-# rule's own conditions; the third asks more than the rule's link-down does, because a healthy link goes
-# down once on a reseat or a switch reboot, and a failing cable flaps.
+# Hard evidence (docs/predictor.md, *Hard evidence*): states of the hardware, or of a node its job waits
+# for, that alarm on their own, whatever the model's score and the threshold in force, where the model
+# reads rates that a noisy fleet also moves. (feature, threshold) as in RULE_CONDITIONS: met when the
+# feature exceeds it. Two are the rule's own conditions; the third asks more than the rule's link-down
+# does, because a healthy link goes down once on a reseat or a switch reboot, and a failing cable flaps.
 _RULE = dict(RULE_CONDITIONS)
 HARD_EVIDENCE_CONDITIONS: tuple[tuple[str, float], ...] = (
     ("nvl_links_down_now", _RULE["nvl_links_down_now"]),            # an NVLink link down
@@ -308,6 +309,9 @@ HARD_EVIDENCE_CONDITIONS: tuple[tuple[str, float], ...] = (
     # one GPU's HBM 1 degC or more warmer than its die, beyond the node's other GPUs and its usual, while
     # the node remaps HBM rows and its dies do not warm apart as much (features.WARMING)
     ("hbm_gap_excess_remapping", 1.0),
+    # the node's ranks slow against their job's other ranks (the fail-slow rule's comparison, stepcompare) in
+    # more than 9 of 10 of their steps judged over 30 minutes: a straggler its job waits for
+    ("steptime_slow_share_30m", 0.9),
 )
 # What `foreshock train` writes into a new model's manifest.
 HARD_EVIDENCE: tuple[str, ...] = tuple(name for name, _ in HARD_EVIDENCE_CONDITIONS)

@@ -113,7 +113,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
     novelty: fit the novelty alarm beside the model (novelty.py: each signal's steadiness scale from
     the healthy training rows) and choose the thresholds on the two fused; False: the model alone.
 
-    hard_evidence: the states of the hardware (model.HARD_EVIDENCE_CONDITIONS) that alarm the model
+    hard_evidence: the states of the hardware or a job (model.HARD_EVIDENCE_CONDITIONS) that alarm the model
     whatever its score (model.HardEvidence; the manifest's `hard_evidence`); the thresholds are chosen with
     their alarms counted on the validation slice. Empty: the score alone.
 

@@ -346,7 +346,7 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     assert parts["hard_evidence_alone"]["median_lead_minutes"] == pytest.approx(15)
     assert {m["condition"]: m["incident_recall_precursor"] for m in parts["conditions"]} == {
         "nvl_links_down_now": 1.0, "pcie_width_deficit_now": 0.0, "ib_link_downed_30m": 0.0,
-        "hbm_gap_excess_remapping": 0.0}
+        "hbm_gap_excess_remapping": 0.0, "steptime_slow_share_30m": 0.0}
     assert parts["added_by_hard_evidence"] == 1
     # a risk that warns 20 min ahead on its own: the hard evidence adds nothing, and the risk's own episode
     # starting 20 min out is what the risk alone is judged by
@@ -402,6 +402,23 @@ def test_hard_evidence_of_hbm_warming_apart_from_its_die_reads_a_column_past_the
     assert list(hard.met(X)) == [True, False]
     assert hard.reasons(X[0]) == ["One GPU's HBM warmer than its die, beyond the node's other GPUs: +3.2 degC "
                                   "against its usual, about 3 HBM rows remapped over the last day"]
+
+
+def test_hard_evidence_of_a_node_its_job_waits_for_asks_for_sustained_slowness():
+    """A node whose ranks were slow against their job (the fail-slow rule's comparison) in more than 9 of 10
+    of their steps judged over 30 minutes is hard evidence, and its reason says how slow; a node slow in
+    half of them, or in one slow minute (the ratio's 30-minute maximum alone), or with no step judged (NaN:
+    its job reports none), is not."""
+    col = {n: i for i, n in enumerate(ft.FEATURE_NAMES)}
+    X = np.zeros((4, ft.N_FEATURES), np.float32)
+    X[:, col["steptime_vs_job_30m"]] = [1.53, 1.41, 1.62, np.nan]
+    X[:, col["steptime_vs_job_5m"]] = [1.52, 1.40, 1.01, np.nan]
+    X[:, col["steptime_slow_share_30m"]] = [0.97, 0.5, 0.04, np.nan]
+    hard = mdl.HardEvidence(["steptime_slow_share_30m"])
+    assert list(hard.met(X)) == [True, False, False, False]
+    assert hard.reasons(X[0]) == ["Step time against its job's other ranks (its slowest rank): 1.53x its job's "
+                                  "median at most in 30 min (1.52x in 5 min), slow in 97% of its judged steps"]
+    assert list(mdl.HardEvidence().met(X)) == [True, False, False, False]
 
 
 def test_the_validation_slice_counts_episodes_as_evaluate_does_across_a_repair():
