@@ -453,3 +453,35 @@ def test_a_checkpoint_written_while_a_judgement_runs_is_the_one_written_after_it
     m.score(scorer, 3)
     assert scorer.features_of("n2")[VS_JOB] == np.float32(1.5)
     scorer.close()
+
+
+def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_reads_its_steps(tmp_path, tiny_model_dir):
+    """Through the online scorer, with a manifest that names the step-time condition: n2, slow at every
+    judged step of its job, is named with the step times' reason from the round that reads its first slow
+    minute (stt.LAG_STEPS after it); n3, slow at half of them, is never named, nor is anyone before."""
+    import json
+
+    from foreshock.predictor import online, registry, synthetic
+
+    d = tiny_model_dir(tmp_path / "m")
+    man = json.loads((d / registry.MANIFEST_FILE).read_text())
+    man["hard_evidence"] = ["steptime_slow_share_30m"]
+    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    scorer = online.OnlineScorer(registry.load_model(d), explain_top=0)
+    tables = {n: synthetic.node_tables(n, 8, seed=i) for i, n in enumerate(NODES)}
+    first = synthetic.T0_NS // STEP_NS
+    ranks = NODES + ["n0"]                  # five ranks: two slow at a step stay fewer than half
+    named = []
+    for k in range(6):
+        synthetic.ingest_sample(scorer, tables, k)
+        if k >= 1:
+            scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.5, 1.0], step=2 * k, nodes=ranks)
+                                              + _job([1.0, 1.0, 1.5, 1.0, 1.0], step=2 * k + 1, nodes=ranks),
+                                              minute=first + k))
+        batch = scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
+        named.append(dict(batch.evidence))
+    assert [sorted(e) for e in named] == [[]] * (1 + stt.LAG_STEPS) + [["n2"]] * (5 - stt.LAG_STEPS)
+    assert named[-1]["n2"] == ("Step time against its job's other ranks (its slowest rank): 1.50x its job's "
+                               "median at most in 30 min (1.50x in 5 min), slow in 100% of its judged steps")
+    share = scorer.features_of("n3")[ft.FEATURE_NAMES.index("steptime_slow_share_30m")]
+    assert share == np.float32(0.5)
