@@ -609,12 +609,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     seen = state.seen[None, :] + np.arange(1, t + 1, dtype=np.float64)[:, None]
 
     def ewma(alpha, z, xin=xb):
-        if t == 1:
-            y_ = alpha * xin + z[None]
-            zf_ = (1.0 - alpha) * y_[-1]
-        else:
-            y_, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], xin, axis=0, zi=z[None])
-            zf_ = zz[0]
+        y_, zf_ = _ewma(alpha, z, xin)
         return y_ / (1.0 - (1.0 - alpha) ** seen)[:, :, None], zf_
 
     baseline, zf = ewma(EWMA_ALPHA, state.z)
@@ -808,6 +803,17 @@ def _context_step(x: np.ndarray, state: FeatureState, out: np.ndarray, den_base:
     out[:, CONTEXT_COLS] = y / den_base[:, None]
 
 
+def _ewma(alpha: float, z: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An EWMA over a block x [T, N, K] from the carried state z [N, K] (lfilter's zi), not bias-corrected:
+    (y [T, N, K], the state after it). lfilter's recursion on a block, the same recursion element by
+    element on one step (y = a x + z, z = (1 - a) y): both paths' values alike."""
+    if x.shape[0] == 1:
+        y = alpha * x + z[None]
+        return y, (1.0 - alpha) * y[-1]
+    y, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], x, axis=0, zi=z[None])
+    return y, zz[0]
+
+
 def _warming(v: np.ndarray, remapped: np.ndarray, state: FeatureState) -> np.ndarray:
     """The WARMING columns of a block of steps: v [T, N, 2] the HBM gap (signals.WARMING_SIGNALS) and the
     dies' spread (WARMING_IDX), remapped [T, N] the node's remap_correctable_decayed_12h as its float32
@@ -820,14 +826,7 @@ def _warming(v: np.ndarray, remapped: np.ndarray, state: FeatureState) -> np.nda
     k = series.shape[-1]
     levels = []
     for j, alpha in ((0, WARMING_ALPHA), (k, EWMA_ALPHA)):
-        z = state.zw[:, j:j + k]
-        if v.shape[0] == 1:
-            y = alpha * series + z[None]
-            zf = (1.0 - alpha) * y[-1]
-        else:
-            y, zz = lfilter([alpha], [1.0, -(1.0 - alpha)], series, axis=0, zi=z[None])
-            zf = zz[0]
-        state.zw[:, j:j + k] = zf
+        y, state.zw[:, j:j + k] = _ewma(alpha, state.zw[:, j:j + k], series)
         levels.append(y)
     recent, usual = levels
     m = v.shape[-1]
