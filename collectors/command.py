@@ -7,12 +7,14 @@ writes the Parquet dataset under --out (rotated every --rotate-seconds, bounded 
 plane (--service HOST:PORT, or the address of its shard in --shard-map, through
 foreshock.collectors.uplink.StreamingUplink), and on SIGTERM/SIGINT finishes the sweep in progress,
 flushes every buffered row to Parquet and exits 0. SIGHUP reads the shard map again (so does a change of
-its mtime).
+its mtime). A stop that overruns SHUTDOWN_SECONDS (a sweep, a flush or the uplink's close stuck) writes
+every thread's stack to stderr and exits 1, before the init system's kill would end it without a word.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -28,6 +30,12 @@ from foreshock.service.shardmap import LABEL_VALUE_RE, PLACEMENT_LABELS
 from .repeats import DEFAULT_WINDOW_SECONDS, MAX_WINDOW_SECONDS
 
 log = logging.getLogger("foreshock.collectors")
+
+# The stop's parts are each bounded (the uplink's close by UPLINK_CLOSE_SECONDS, and what it waits on
+# by its own deadlines); the whole stop by SHUTDOWN_SECONDS, under the 30 s that deploy/ gives before a
+# SIGKILL (systemd TimeoutStopSec, Kubernetes terminationGracePeriodSeconds).
+UPLINK_CLOSE_SECONDS = 5.0
+SHUTDOWN_SECONDS = 20.0
 
 DEFAULTS = {
     "interval": 1.0,
@@ -240,7 +248,11 @@ def serve_forever(collector, cfg: dict) -> int:
     stop = threading.Event()
 
     def _on_signal(signum, _frame):
-        log.info("signal %s: finishing the sweep, flushing and exiting", signal.Signals(signum).name)
+        if stop.is_set():
+            return
+        log.info("signal %s: finishing the sweep, flushing and exiting (within %g s, or the threads' stacks "
+                 "are written here and it exits 1)", signal.Signals(signum).name, SHUTDOWN_SECONDS)
+        faulthandler.dump_traceback_later(SHUTDOWN_SECONDS, exit=True)
         stop.set()
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -277,7 +289,7 @@ def serve_forever(collector, cfg: dict) -> int:
         collector.close()
         if collector.uplink is not None:
             try:
-                collector.uplink.close(5.0)
+                collector.uplink.close(UPLINK_CLOSE_SECONDS)
             except Exception as exc:  # noqa: BLE001
                 log.warning("uplink close: %s", exc)
         if server is not None:

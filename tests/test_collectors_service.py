@@ -157,6 +157,51 @@ def test_sigterm_flushes_everything(procfs_fixture, tmp_path):
     assert not list(out.rglob(".*.tmp")) and "flushing" in err
 
 
+_STUCK_AT_CLOSE = """
+import logging, sys, time
+from foreshock.collectors import command
+from foreshock.collectors.base import Source
+from foreshock.collectors.collector import Collector
+from foreshock.collectors.simulated import SimulatedSource
+from foreshock.dataset import DatasetWriter
+
+class Wedged(Source):
+    name = "wedged"          # NVML's shutdown on a wedged GPU can block like this
+    def sweep(self, ts_ns):
+        print("swept", flush=True)
+        return {}
+    def close(self):
+        time.sleep(3600)
+
+logging.basicConfig(level=logging.INFO)
+command.SHUTDOWN_SECONDS = float(sys.argv[2])
+col = Collector("n1", [SimulatedSource("n1", gpus=1, hcas=1), Wedged("n1")], DatasetWriter(sys.argv[1], fsync=False))
+sys.exit(command.serve_forever(col, {"metrics_listen": "", "interval": 0.05, "out": sys.argv[1]}))
+"""
+
+
+def test_a_stop_that_overruns_its_bound_writes_the_stacks_and_exits_1(tmp_path):
+    """A source that never lets go at close: the collector's rows are flushed first, then, past
+    SHUTDOWN_SECONDS, every thread's stack names where it hangs and the process exits 1 on its own."""
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK_AT_CLOSE, str(tmp_path / "ds"), "1.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "swept"
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "within 1.5 s, or the threads' stacks are written here" in err and "Timeout (0:00:01" in err
+    assert "in close" in err and "in serve_forever" in err
+    assert 1.5 <= took < 30
+    assert read_table(tmp_path / "ds", "gpu").num_rows >= 1   # flushed before the sources were released
+
+
 def test_sigkill_loses_no_sweep_the_metrics_counted(procfs_fixture, tmp_path):
     """kill -9 with the default-length interval open: the next start replays the journal, so every sweep
     counted before the kill is in the dataset (issue 23: 300 s of sweeps were lost)."""

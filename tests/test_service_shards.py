@@ -338,9 +338,13 @@ def test_collect_moves_to_the_shard_the_map_names_after_sighup(tmp_path):
         proc = _collect(tmp_path, "--shard-map", str(path), "--leaf-switch", "leaf-01")
         a, b = planes["a"].ingest, planes["b"].ingest
         assert wait_until(lambda: a.accepted_rows["gpu"] >= 3, timeout=30), proc.stderr
-        _write(path, two_shard_map(addresses["a"], addresses["b"], a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
-        os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
-        assert path.stat().st_size == stamp.st_size
+        # written beside it, stamped with its mtime and moved over it, so the collector never sees a stamp
+        # of its own (a half-written file, or the new text before its mtime is set back)
+        staged = _write(tmp_path / "map.toml.new", two_shard_map(addresses["a"], addresses["b"],
+                                                                   a_leaves=("leaf-02",), b_leaves=("leaf-01",)))
+        os.utime(staged, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        os.replace(staged, path)
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (stamp.st_size, stamp.st_mtime_ns)
         time.sleep(1.5)
         assert b.accepted_rows["gpu"] == 0   # not read again yet
         proc.send_signal(signal.SIGHUP)
@@ -349,7 +353,7 @@ def test_collect_moves_to_the_shard_the_map_names_after_sighup(tmp_path):
         time.sleep(0.5)
         assert a.accepted_rows["gpu"] == moved_at   # a hears no more from it
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=30)   # a stop past its bound exits 1 with the threads' stacks
         assert proc.returncode == 0, err
         assert "now places it in shard b" in err
     finally:
