@@ -12,8 +12,8 @@ slows with it), and TCP retransmissions of the other nodes of the site; and thre
 derived from those (ANOMALY: how far the node is from its own history and from its peers), which
 need no failure seen before. Last, from the job-relative step-time signal of steptimes.py (a node's
 slowest rank's step time over its job's median, by the comparison the service's fail-slow rule makes):
-its maximum over 5 and 30 minutes and the share of the last 30 minutes' judged steps that were slow
-(STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each fabric health-mask flag and
+its maximum over 5 and 30 minutes and the share of its slowest rank's judged steps in the last 30
+minutes that were slow (STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each fabric health-mask flag and
 the registration flag now and at any time in 30 minutes, and fatal and non-fatal (correctable included)
 NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC). Then how loud the node's
 neighbourhood usually is: per error family, the 3-day EWMA of the mean count of the other nodes under its
@@ -38,7 +38,8 @@ them where a model does: explain.py). Feature version 7 only appended the STEADI
 the STEP_TIMES columns, version 9 the FABRIC columns (and read the step times a step later:
 steptimes.LAG_STEPS), version 10 the CONTEXT columns (and four counts to PEER_INPUTS) and version 11 the
 WARMING columns, so a model of version 6 to 10, whose names are a prefix of FEATURE_NAMES, still loads
-(READABLE_VERSIONS, registry.check_compatible).
+(READABLE_VERSIONS, registry.check_compatible). Version 12 took the step-time slow share over the node's
+slowest rank's steps instead of all its ranks' (steptimes.py): the same on a node with one rank.
 """
 
 from __future__ import annotations
@@ -51,16 +52,18 @@ from scipy.signal import lfilter
 from foreshock.predictor import signals as sg
 from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "11"
+FEATURE_VERSION = "12"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
-# columns and 11 the WARMING columns; the model columns are 6's. Within 9, the sxid_nonfatal columns
+# columns and 11 the WARMING columns; 12 changed no name (the slow share counts the slowest rank's
+# steps); the model columns are 6's. Within 9, the sxid_nonfatal columns
 # count Correctable SXids as well, which they did not at first: no model reads them, and names and
 # layout stay 9's, so 9's checkpoints and models fit.
-READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11")
+READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
 # the CONTEXT filter's state and 11 the WARMING filters' (FeatureState.CARRIED_SINCE), so an older
-# checkpoint keeps every node's baselines across the upgrade and what it lacks starts from zero.
-RESTORABLE_VERSIONS = ("9", "10", "11")
+# checkpoint keeps every node's baselines across the upgrade and what it lacks starts from zero; 12
+# carries what 11 did (an 11 checkpoint's step-time counts are all ranks' for their last 30 minutes).
+RESTORABLE_VERSIONS = ("9", "10", "11", "12")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -239,8 +242,8 @@ ANOMALY: tuple[FeatureSpec, ...] = (
 ANOMALY_RATIO = 4.0
 STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n, "steady") for n in STEADY)
 # Step times against the job's (predictor/steptimes.py): the node's slowest rank's ratio to its job's
-# median, at most, over 5 and 30 minutes (NaN: no step of it judged), and the share of its ranks' steps
-# judged in the last 30 minutes that were slow (NaN: none judged). A node that slows its job's steps
+# median, at most, over 5 and 30 minutes (NaN: no step of it judged), and the share of its slowest rank's
+# steps (each minute's) judged in the last 30 minutes that were slow (NaN: none judged). A node that slows its job's steps
 # shows here whatever slows it (a throttling GPU, a failing HBM stack, a link retraining); the
 # fail-slow rule of the service (service/steptimes.py) acts on the same comparison. The shipped
 # estimator does not read them (`foreshock train --step-time-columns` does; judged, not shipped:

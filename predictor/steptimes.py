@@ -16,8 +16,9 @@ signal depends on that step's rows only: offline (all rows of a date at once, of
 - `steptime_vs_job`: its slowest rank's ratio, a rank's ratio being the median of its judged steps'
   ratios (time over the job's median) in the step; 1.0: as fast as its peers. NaN: no step of a rank
   on the node was judged (it ran no job that reported, or its job has fewer than MIN_RANKS reporting).
-- `steptime_slow`, `steptime_judged`: of its ranks' judged steps, how many were slow, and how many were
-  judged (0 where none).
+- `steptime_slow`, `steptime_judged`: of the judged steps of its slowest rank (the one whose ratio is
+  `steptime_vs_job`), how many were slow, and how many were judged (0 where none). A node's one slow GPU
+  of eight counts as its own share of slow steps, not an eighth of it.
 
 Step times come in after their steps end (the migrator reports every few seconds, batched): online, a
 step's rows are taken until the step OPEN_STEPS after it closes, and rows that come later still are
@@ -50,8 +51,8 @@ LAG_STEPS = 2    # the feature step that reads them: judged in between, off the 
 COLUMNS = ("ts", "node", "job", "generation", "rank", "step", "step_seconds", "compute_seconds")
 SIGNALS: tuple[sg.BaseSignal, ...] = (
     sg.BaseSignal("steptime_vs_job", "step", "step time against its job's other ranks (its slowest rank)", "x"),
-    sg.BaseSignal("steptime_slow", "step", "its ranks' steps judged slow against their job", "steps"),
-    sg.BaseSignal("steptime_judged", "step", "its ranks' steps judged against their job", "steps"),
+    sg.BaseSignal("steptime_slow", "step", "its slowest rank's steps judged slow against their job", "steps"),
+    sg.BaseSignal("steptime_judged", "step", "its slowest rank's steps judged against their job", "steps"),
 )
 NAMES = tuple(s.name for s in SIGNALS)
 SKIP_REASONS = ("no_node", "no_job", "no_time", "bad_step_seconds", "bad_compute_seconds", "repeated")
@@ -175,7 +176,7 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
     c_node, c_min, c_run, c_rank, c_ratio, c_slow = (np.concatenate([c[k] for c in cells]) for k in range(6))
 
     # per (node, feature step, job run, rank): the median of the rank's ratios; per (node, feature step):
-    # the largest of those, and the slow and judged counts. The cells are grouped by their integer keys
+    # the largest of those, and that rank's slow and judged counts. The cells are grouped by their integer keys
     # alone, and each group's few ratios sorted apart (_group_medians): sorting every cell on the ratio
     # too is a lexsort (the packed key repeats in every group), a third of the judging's time.
     o = _order([c_node, c_min, c_run, c_rank], [])
@@ -190,9 +191,15 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
     nm = np.stack([r_node, r_min], axis=1)
     nstart = np.flatnonzero(np.concatenate([[True], np.any(nm[1:] != nm[:-1], axis=1)]))
     worst = np.maximum.reduceat(rank_ratio, nstart)
-    slow = np.add.reduceat(c_slow.astype(np.float64), start)
-    slow = np.add.reduceat(slow, nstart)
-    judged = np.add.reduceat(n.astype(np.float64), nstart)
+    # the slow and judged counts are the slowest rank's: one slow GPU of eight is its node's fault as much
+    # as eight slow ones are, where it would count 1/8 among all. Of ranks as slow, the one with the most
+    # slow steps, then the most judged: ranks that tie on all three give the same values, so the choice
+    # does not depend on the cells' order (job codes differ between the offline and online rows)
+    member = np.repeat(np.arange(len(nstart)), np.diff(np.append(nstart, len(rank_ratio))))
+    rank_slow = np.add.reduceat(c_slow.astype(np.float64), start)
+    by = np.lexsort((n, rank_slow, rank_ratio, member))
+    chosen = by[np.flatnonzero(np.append(member[by][1:] != member[by][:-1], True))]
+    slow, judged = rank_slow[chosen], n[chosen].astype(np.float64)
     names = np.array(node_names, dtype=object)[r_node[nstart]]
     return NodeMinutes(names, r_min[nstart].astype(np.int64), np.stack([worst, slow, judged], axis=1))
 

@@ -44,12 +44,36 @@ def test_a_rank_half_again_as_slow_as_its_job_gets_the_ratio_and_is_counted_slow
 
 
 def test_a_nodes_value_is_its_slowest_ranks_median_over_its_judged_steps():
-    """n0 holds ranks 0 and 4: rank 4 is 1.5x at one step of three (median 1.0), rank 0 1.25x at two."""
+    """n0 holds ranks 0 and 4: rank 4 is 1.5x at one step of three (median 1.0), rank 0 1.25x at two;
+    the counts are rank 0's, not the node's six judged steps with three slow."""
     nodes = ["n0", "n1", "n2", "n3", "n0"]
     samples = (_job([1.25, 1.0, 1.0, 1.0, 1.5], nodes=nodes, step=0) + _job([1.25, 1.0, 1.0, 1.0, 1.0], nodes=nodes, step=1)
                + _job([1.0, 1.0, 1.0, 1.0, 1.0], nodes=nodes, step=2))
     got = _by_node(stt.node_minutes(_rows(samples)))
-    assert got["n0"][0] == 1.25 and got["n0"][2] == 6
+    assert got["n0"].tolist() == [1.25, 2.0, 3.0]
+
+
+def test_one_slow_gpu_of_eight_gives_its_node_that_ranks_share_of_slow_steps():
+    """Four 8-GPU nodes in one job, one rank per GPU: n1's GPU 5 is 1.4x at every step, the rest even."""
+    nodes = [n for n in NODES for _ in range(8)]
+    steps = [1.0 + 0.01 * (r % 3) for r in range(32)]
+    samples = []
+    for step in range(6):
+        samples += _job([1.4 if r == 13 else c for r, c in enumerate(steps)], nodes=nodes, step=step)
+    got = _by_node(stt.node_minutes(_rows(samples)))
+    assert got["n1"].tolist() == [pytest.approx(1.4 / 1.01), 6.0, 6.0]   # slow at all of its 6, not 6 of 48
+    assert got["n0"][1:].tolist() == [0.0, 6.0]
+
+
+def test_ranks_as_slow_as_each_other_give_the_same_counts_in_any_order_of_jobs():
+    """n0 runs a rank of job a and one of job b, each its job's median (1.0x), one judged at 3 steps
+    and one at 2: the node's counts are those of the one with more judged steps, whichever job's rows
+    come first (the offline and online rows order jobs differently)."""
+    a = [r for s in range(3) for r in _job([1.0, 0.9, 1.1], job="a", step=s, nodes=["n0", "n1", "n2"])]
+    b = [r for s in range(2) for r in _job([1.0, 0.95, 1.05], job="b", step=s, nodes=["n0", "n3", "n1"])]
+    for samples in (a + b, b + a):
+        got = _by_node(stt.node_minutes(_rows(samples)))
+        assert got["n0"].tolist() == [1.0, 0.0, 3.0]
 
 
 @pytest.mark.parametrize("samples", [
@@ -123,7 +147,7 @@ def test_the_step_time_columns_come_after_the_steadiness_ones_so_older_models_re
     assert ft.FEATURE_NAMES[ft.STEP_TIME_COLS] == ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
     # only the fabric's (feature version 9), the context's (10) and the warming's (11) columns come after them
     assert ft.STEADY_COLS.stop == ft.STEP_TIME_COLS.start and ft.STEP_TIME_COLS.stop == ft.FABRIC_COLS.start
-    assert ft.READABLE_VERSIONS == ("6", "7", "8", "9", "10", "11") and ft.FEATURE_VERSION == "11"
+    assert ft.READABLE_VERSIONS == ("6", "7", "8", "9", "10", "11", "12") and ft.FEATURE_VERSION == "12"
 
 
 def test_the_row_median_is_numpys_over_the_known_values():
@@ -229,7 +253,8 @@ def _random_samples(rng) -> list[dict]:
 def _plainly(samples: list[dict]) -> dict:
     """node_minutes written plainly: each training step's part in a minute judged by stepcompare over
     the ranks that reported it, a rank's median over its steps in the minute from a sorted list, per
-    node and minute the largest median and the sums."""
+    node and minute the largest median and that rank's counts (of ranks as slow, the most slow steps,
+    then the most judged)."""
     ranks = collections.defaultdict(set)
     steps = collections.defaultdict(list)
     for r in samples:
@@ -250,8 +275,7 @@ def _plainly(samples: list[dict]) -> dict:
     for key, values in ratios.items():
         s = sorted(values)
         median = (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2.0
-        worst, n_slow, judged = out.get(key[:2], (-np.inf, 0.0, 0.0))
-        out[key[:2]] = (max(worst, median), n_slow + slow[key], judged + len(values))
+        out[key[:2]] = max(out.get(key[:2], (-np.inf, 0.0, 0.0)), (median, float(slow[key]), float(len(values))))
     return out
 
 
