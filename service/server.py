@@ -577,6 +577,9 @@ class ControlPlane:
             # No BDP probing: each stream's HTTP/2 window stays at the default, so a service that falls
             # behind holds back its collectors (flow control) instead of buffering gigabytes for them.
             ("grpc.http2.bdp_probe", 0),
+            # gRPC's default lets a second server bind the same address and takes half the connections
+            # to it: a second service there (a stale one, a shard given another's port) is refused instead
+            ("grpc.so_reuseport", 0),
         ]
         # Credentials are checked before the request's bytes are looked at: the decode check runs inside.
         return grpc.aio.server(interceptors=[AuthInterceptor(self.authenticator), UndecodableRequests()],
@@ -584,12 +587,17 @@ class ControlPlane:
 
     def _bind(self, server, listen: str) -> int:
         s = self.settings
-        if s.insecure:
-            port = server.add_insecure_port(listen)
-        else:
-            port = server.add_secure_port(listen, server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca or None))
+        try:
+            if s.insecure:
+                port = server.add_insecure_port(listen)
+            else:
+                port = server.add_secure_port(listen, server_credentials(s.tls_cert, s.tls_key,
+                                                                         s.tls_client_ca or None))
+        except RuntimeError:
+            port = 0
         if not port:
-            raise SettingsError(f"listen {listen!r}: could not bind")
+            raise SettingsError(f"listen {listen!r}: could not bind (another process listens there, or the "
+                                "address is not this host's)")
         return port
 
     def _served_names(self) -> tuple[str, ...]:

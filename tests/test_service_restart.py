@@ -108,6 +108,22 @@ def test_serve_refuses_unsafe_settings(tmp_path):
     assert out.returncode == 2 and "missing" in out.stderr
 
 
+def test_a_second_service_on_a_listening_address_is_refused_and_the_first_keeps_serving(tmp_path):
+    """gRPC lets two servers share a port by default and splits the connections between them: a stale
+    service, or a shard given another's port, would take half of the collectors' streams unseen."""
+    first = Serve(tmp_path / "first")
+    try:
+        out = subprocess.run([sys.executable, "-m", "foreshock.cli", "serve", "--insecure", "--listen", first.address,
+                              "--metrics-listen", "", "--no-model", "--state", str(tmp_path / "second")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, out.stderr
+        assert f"listen {first.address!r}: could not bind (another process listens there" in out.stderr
+        assert first.ready() == 200
+        assert first.term() == 0
+    finally:
+        first.kill()
+
+
 # -- telemetry sequences across a restart ------------------------------------------------------------
 def test_every_uint64_sequence_survives_a_restart_and_one_bad_stream_fails_alone(tmp_path):
     from foreshock.service import store as store_mod
