@@ -13,9 +13,10 @@ derived from those (ANOMALY: how far the node is from its own history and from i
 need no failure seen before. Last, from the job-relative step-time signal of steptimes.py (a node's
 slowest rank's step time over its job's median, by the comparison the service's fail-slow rule makes):
 its maximum over 5 and 30 minutes and the share of its slowest rank's judged steps in the last 30
-minutes that were slow (STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each fabric health-mask flag and
-the registration flag now and at any time in 30 minutes, and fatal and non-fatal (correctable included)
-NVSwitch SXids in the step, over 30 minutes and minutes since the last (FABRIC). Then how loud the node's
+minutes that were slow (STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each
+fabric health-mask flag and the registration flag now and at any time in 30 minutes, and fatal and
+non-fatal (correctable included) NVSwitch SXids in the step, over 30 minutes and minutes since the last
+(FABRIC). Then how loud the node's
 neighbourhood usually is: per error family, the 3-day EWMA of the mean count of the other nodes under its
 leaf switch (CONTEXT). Then whether a GPU's HBM warms apart from its die (signals.WARMING_SIGNALS): that
 gap's recent level against the node's usual, the same of the gap between its hottest and coolest dies
@@ -55,9 +56,9 @@ from foreshock.predictor import steptimes as stt
 FEATURE_VERSION = "12"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
 # columns and 11 the WARMING columns; 12 changed no name (the slow share counts the slowest rank's
-# steps); the model columns are 6's. Within 9, the sxid_nonfatal columns
-# count Correctable SXids as well, which they did not at first: no model reads them, and names and
-# layout stay 9's, so 9's checkpoints and models fit.
+# steps); the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
+# well, which they did not at first: no model reads them, and names and layout stay 9's, so 9's
+# checkpoints and models fit.
 READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
 # the CONTEXT filter's state and 11 the WARMING filters' (FeatureState.CARRIED_SINCE), so an older
@@ -243,11 +244,11 @@ ANOMALY_RATIO = 4.0
 STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n, "steady") for n in STEADY)
 # Step times against the job's (predictor/steptimes.py): the node's slowest rank's ratio to its job's
 # median, at most, over 5 and 30 minutes (NaN: no step of it judged), and the share of its slowest rank's
-# steps (each minute's) judged in the last 30 minutes that were slow (NaN: none judged). A node that slows its job's steps
-# shows here whatever slows it (a throttling GPU, a failing HBM stack, a link retraining); the
-# fail-slow rule of the service (service/steptimes.py) acts on the same comparison. The shipped
-# estimator does not read them (`foreshock train --step-time-columns` does; judged, not shipped:
-# docs/predictor.md, Results).
+# steps (each minute's) judged in the last 30 minutes that were slow (NaN: none judged). A node that
+# slows its job's steps shows here whatever slows it (a throttling GPU, a failing HBM stack, a link
+# retraining); the fail-slow rule of the service (service/steptimes.py) acts on the same comparison.
+# The shipped estimator does not read them (`foreshock train --step-time-columns` does; judged, not
+# shipped: docs/predictor.md, Results).
 STEP_TIMES: tuple[FeatureSpec, ...] = (
     FeatureSpec("steptime_vs_job_5m", "steptime_vs_job", "job_max5"),
     FeatureSpec("steptime_vs_job_30m", "steptime_vs_job", "job_max30"),

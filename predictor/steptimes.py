@@ -176,9 +176,9 @@ def node_minutes(rows: pa.Table, skipped: Counter | None = None) -> NodeMinutes:
     c_node, c_min, c_run, c_rank, c_ratio, c_slow = (np.concatenate([c[k] for c in cells]) for k in range(6))
 
     # per (node, feature step, job run, rank): the median of the rank's ratios; per (node, feature step):
-    # the largest of those, and that rank's slow and judged counts. The cells are grouped by their integer keys
-    # alone, and each group's few ratios sorted apart (_group_medians): sorting every cell on the ratio
-    # too is a lexsort (the packed key repeats in every group), a third of the judging's time.
+    # the largest of those, and that rank's slow and judged counts. The cells are grouped by their integer
+    # keys alone, and each group's few ratios sorted apart (_group_medians): sorting every cell on the
+    # ratio too is a lexsort (the packed key repeats in every group), a third of the judging's time.
     o = _order([c_node, c_min, c_run, c_rank], [])
     c_node, c_min, c_run, c_rank, c_ratio, c_slow = (a[o] for a in (c_node, c_min, c_run, c_rank, c_ratio, c_slow))
     new_group = np.ones(len(o), dtype=bool)
