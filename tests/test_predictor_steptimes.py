@@ -509,3 +509,35 @@ def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_read
                                "median at most in 30 min (1.50x in 5 min), slow in 100% of its judged steps")
     share = scorer.features_of("n3")[ft.FEATURE_NAMES.index("steptime_slow_share_30m")]
     assert share == np.float32(0.5)
+
+
+def test_one_slow_gpu_of_an_eight_gpu_node_names_its_node_as_hard_evidence(tmp_path, tiny_model_dir):
+    """A rank per GPU, eight a node: n1's GPU 5 is 1.5x its job's median at every step. The node is named
+    from the round that reads its first slow minute, as a node with one rank is; its seven even ranks do
+    not dilute it (features v12), and no other node is named."""
+    import json
+
+    from foreshock.predictor import online, registry, synthetic
+
+    d = tiny_model_dir(tmp_path / "m")
+    man = json.loads((d / registry.MANIFEST_FILE).read_text())
+    man["hard_evidence"] = ["steptime_slow_share_30m"]
+    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    scorer = online.OnlineScorer(registry.load_model(d), explain_top=0)
+    tables = {n: synthetic.node_tables(n, 8, seed=i) for i, n in enumerate(NODES)}
+    first = synthetic.T0_NS // STEP_NS
+    ranks = [n for n in NODES for _ in range(8)]
+    even = [1.0 + 0.01 * (r % 3) for r in range(len(ranks))]
+    named = []
+    for k in range(5):
+        synthetic.ingest_sample(scorer, tables, k)
+        if k >= 1:
+            rows = []
+            for step in (2 * k, 2 * k + 1):
+                rows += _job([1.5 if r == 13 else c for r, c in enumerate(even)], step=step, nodes=ranks)
+            scorer.ingest("step_times", _rows(rows, minute=first + k))
+        named.append(sorted(scorer.score((first + k + 1) * STEP_NS + 6_000_000_000).evidence))
+    assert named == [[]] * (1 + stt.LAG_STEPS) + [["n1"]] * (4 - stt.LAG_STEPS)
+    share = ft.FEATURE_NAMES.index("steptime_slow_share_30m")
+    assert [scorer.features_of(n)[share] for n in NODES] == [0.0, 1.0, 0.0, 0.0]
+    scorer.close()
