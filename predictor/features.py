@@ -40,7 +40,8 @@ the STEP_TIMES columns, version 9 the FABRIC columns (and read the step times a 
 steptimes.LAG_STEPS), version 10 the CONTEXT columns (and four counts to PEER_INPUTS) and version 11 the
 WARMING columns, so a model of version 6 to 10, whose names are a prefix of FEATURE_NAMES, still loads
 (READABLE_VERSIONS, registry.check_compatible). Version 12 took the step-time slow share over the node's
-slowest rank's steps instead of all its ranks' (steptimes.py): the same on a node with one rank.
+slowest rank's steps instead of all its ranks' (steptimes.py; the same on a node with one rank), known
+from a second judged minute on (SLOW_SHARE_MIN_STEPS).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from foreshock.predictor import steptimes as stt
 FEATURE_VERSION = "12"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
 # columns and 11 the WARMING columns; 12 changed no name (the slow share counts the slowest rank's
-# steps); the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
+# steps, from a second judged minute on); the model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as
 # well, which they did not at first: no model reads them, and names and layout stay 9's, so 9's
 # checkpoints and models fit.
 READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12")
@@ -244,11 +245,14 @@ ANOMALY_RATIO = 4.0
 STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n, "steady") for n in STEADY)
 # Step times against the job's (predictor/steptimes.py): the node's slowest rank's ratio to its job's
 # median, at most, over 5 and 30 minutes (NaN: no step of it judged), and the share of its slowest rank's
-# steps (each minute's) judged in the last 30 minutes that were slow (NaN: none judged). A node that
-# slows its job's steps shows here whatever slows it (a throttling GPU, a failing HBM stack, a link
-# retraining); the fail-slow rule of the service (service/steptimes.py) acts on the same comparison.
-# The shipped estimator does not read them (`foreshock train --step-time-columns` does; judged, not
-# shipped: docs/predictor.md, Results).
+# steps (each minute's) judged in the last 30 minutes that were slow. A node that slows its job's steps
+# shows here whatever slows it (a throttling GPU, a failing HBM stack, a link retraining); the fail-slow
+# rule of the service (service/steptimes.py) acts on the same comparison. The shipped estimator does not
+# read them (`foreshock train --step-time-columns` does; judged, not shipped: docs/predictor.md, Results).
+# The share is known (else NaN) once training steps of at least SLOW_SHARE_MIN_STEPS feature steps of the
+# window were judged: a job's first minute (compilation, a rank loading its checkpoint or starting its
+# data loaders) never decides it alone.
+SLOW_SHARE_MIN_STEPS = 2
 STEP_TIMES: tuple[FeatureSpec, ...] = (
     FeatureSpec("steptime_vs_job_5m", "steptime_vs_job", "job_max5"),
     FeatureSpec("steptime_vs_job_30m", "steptime_vs_job", "job_max30"),
@@ -754,7 +758,8 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         x, *_KERNEL_INDEX[7:], len(sg.FABRIC_FLAGS), state.zd, state.za, state.zar, state.zc,
         state.tring, state.thead, state.fring, state.fhead, state.flast, rings.sums, rings.unsafe, peak,
         _RingSums.LIMIT, den_base, den_recent, DECAYED_KEEP,
-        EWMA_ALPHA, RECENT_ALPHA, st, float(HISTORY), STEP_SECONDS / 60.0, SINCE_CAP_MINUTES, N_KERNEL,
+        EWMA_ALPHA, RECENT_ALPHA, st, float(HISTORY), STEP_SECONDS / 60.0, SINCE_CAP_MINUTES,
+        float(SLOW_SHARE_MIN_STEPS), N_KERNEL,
         STEADY_COLS.start, STEP_TIME_COLS.start, FABRIC_COLS.start, CONTEXT_COLS.start, out))
     if not rings.peak.push(state.tring[state.thead, :, 0:1]):
         rings.peak = _SlidingMax(state.tring[:, :, 0:1], (state.thead + 1) % GRING)
@@ -858,13 +863,15 @@ def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
         out[0, :, 0] = np.fmax(np.fmax.reduce(ring[recent, :, 0], axis=0), cur[:, 0])
         out[0, :, 1] = np.fmax(np.fmax.reduce(ring[:, :, 0], axis=0), cur[:, 0])
         slow, judged = ring[:, :, 1].sum(axis=0) + cur[:, 1], ring[:, :, 2].sum(axis=0) + cur[:, 2]
+        steps_judged = (ring[:, :, 2] > 0).sum(axis=0) + (cur[:, 2] > 0)
     else:
         win = _windows(state.tring, state.thead, v)                          # [T, N, 3, HISTORY]
         out[:, :, 0] = np.fmax.reduce(win[:, :, 0, -5:], axis=-1)
         out[:, :, 1] = np.fmax.reduce(win[:, :, 0], axis=-1)
         slow, judged = win[:, :, 1].sum(axis=-1), win[:, :, 2].sum(axis=-1)
+        steps_judged = (win[:, :, 2] > 0).sum(axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        out[:, :, 2] = np.where(judged > 0, slow / judged, np.nan)
+        out[:, :, 2] = np.where((judged > 0) & (steps_judged >= SLOW_SHARE_MIN_STEPS), slow / judged, np.nan)
     state.thead = _push(state.tring, state.thead, v)
     state.rings = None
     return out

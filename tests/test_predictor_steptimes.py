@@ -140,7 +140,27 @@ def test_the_windows_keep_a_slow_minute_5_and_30_minutes_and_share_the_slow_step
     assert r5[2:7].tolist() == [pytest.approx(1.6)] * 5 and r5[7] == 1.0
     assert r30[31] == pytest.approx(1.6) and r30[32] == 1.0
     assert share[2] == pytest.approx(4 / 12) and share[31] == pytest.approx(4 / 120) and share[32] == 0.0
-    assert np.isnan(out[0, 0, ft.STEP_TIME_COLS]).sum() == 0   # judged from the first step
+    assert np.isnan(out[0, 0, ft.STEP_TIME_COLS]).tolist() == [False, False, True]   # the ratio from the first step
+    assert share[1] == 0.0          # the share once a second minute was judged (SLOW_SHARE_MIN_STEPS)
+
+
+def test_a_first_minute_all_slow_does_not_decide_the_share_alone():
+    """A job's first minute of a rank slow at every step (warm-up), then even: the share is unknown in
+    that minute, and diluted by the next; judged minutes 29 apart still make two."""
+    t = 40
+    x = np.full((1, t, len(ft.ALL_NAMES)), np.nan)
+    x[0, :, ft.STEP_TIME_IDX] = stt.empty_values(t).T
+    x[0, 5, ft.STEP_TIME_IDX] = [1.6, 30.0, 30.0]      # its job's first minute: every judged step slow
+    x[0, 6, ft.STEP_TIME_IDX] = [1.0, 0.0, 30.0]
+    x[0, 35, ft.STEP_TIME_IDX] = [1.0, 0.0, 30.0]
+    # offline as a block; online a step at a time, in the compiled kernel and in numpy: the same values
+    for block, kernel in ((40, True), (1, True), (1, False)):
+        state, share = ft.FeatureState.empty(1), []
+        for a in range(0, t, block):
+            out, state = ft.compute(x[:, a:a + block], np.arange(a, min(t, a + block)), state, kernel=kernel)
+            share += out[0, :, ft.STEP_TIME_COLS.stop - 1].tolist()
+        assert np.isnan(share[:6]).all() and share[6] == 0.5 and share[34] == 0.5, (block, kernel)
+        assert share[35] == 0.0 and np.isnan(share[36:]).all(), (block, kernel)
 
 
 def test_the_step_time_columns_come_after_the_steadiness_ones_so_older_models_read_a_prefix():
@@ -481,8 +501,9 @@ def test_a_checkpoint_written_while_a_judgement_runs_is_the_one_written_after_it
 
 def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_reads_its_steps(tmp_path, tiny_model_dir):
     """Through the online scorer, with a manifest that names the step-time condition: n2, slow at every
-    judged step of its job, is named with the step times' reason from the round that reads its first slow
-    minute (stt.LAG_STEPS after it); n3, slow at half of them, is never named, nor is anyone before."""
+    judged step of its job, is named with the step times' reason from the round that reads its second slow
+    minute (stt.LAG_STEPS after it; features.SLOW_SHARE_MIN_STEPS); n3, slow at half of them, is never
+    named, nor is anyone before."""
     import json
 
     from foreshock.predictor import online, registry, synthetic
@@ -504,7 +525,7 @@ def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_read
                                               minute=first + k))
         batch = scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
         named.append(dict(batch.evidence))
-    assert [sorted(e) for e in named] == [[]] * (1 + stt.LAG_STEPS) + [["n2"]] * (5 - stt.LAG_STEPS)
+    assert [sorted(e) for e in named] == [[]] * (2 + stt.LAG_STEPS) + [["n2"]] * (4 - stt.LAG_STEPS)
     assert named[-1]["n2"] == ("Step time against its job's other ranks (its slowest rank): 1.50x its job's "
                                "median at most in 30 min (1.50x in 5 min), slow in 100% of its judged steps")
     share = scorer.features_of("n3")[ft.FEATURE_NAMES.index("steptime_slow_share_30m")]
@@ -513,7 +534,7 @@ def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_read
 
 def test_one_slow_gpu_of_an_eight_gpu_node_names_its_node_as_hard_evidence(tmp_path, tiny_model_dir):
     """A rank per GPU, eight a node: n1's GPU 5 is 1.5x its job's median at every step. The node is named
-    from the round that reads its first slow minute, as a node with one rank is; its seven even ranks do
+    from the round that reads its second slow minute, as a node with one rank is; its seven even ranks do
     not dilute it (features v12), and no other node is named."""
     import json
 
@@ -537,7 +558,7 @@ def test_one_slow_gpu_of_an_eight_gpu_node_names_its_node_as_hard_evidence(tmp_p
                 rows += _job([1.5 if r == 13 else c for r, c in enumerate(even)], step=step, nodes=ranks)
             scorer.ingest("step_times", _rows(rows, minute=first + k))
         named.append(sorted(scorer.score((first + k + 1) * STEP_NS + 6_000_000_000).evidence))
-    assert named == [[]] * (1 + stt.LAG_STEPS) + [["n1"]] * (4 - stt.LAG_STEPS)
+    assert named == [[]] * (2 + stt.LAG_STEPS) + [["n1"]] * (3 - stt.LAG_STEPS)
     share = ft.FEATURE_NAMES.index("steptime_slow_share_30m")
     assert [scorer.features_of(n)[share] for n in NODES] == [0.0, 1.0, 0.0, 0.0]
     scorer.close()

@@ -236,31 +236,42 @@ def test_each_shards_scorer_judges_every_rank_of_its_jobs_as_offline(tmp_path, t
         assert [coordinator.coordinator.shard_of(n) for n in NODES] == ["shard-a"] * 2 + ["shard-b"] * 2
         _register(coordinator.address)
         minute = first + 2
-        rows = _report(coordinator.address, lambda rank, node: _samples(minute, _compute(rank)))
-        whole.ingest("step_times", rows)
+        # two minutes of the job's steps (the share is known from a second judged minute on:
+        # features.SLOW_SHARE_MIN_STEPS), each reported while it is the minute being collected
+        parts = []
+        for j in range(2):
+            parts.append(_report(coordinator.address, lambda rank, node: [
+                (8 * j + k, t, c, e) for k, t, c, e in _samples(minute + j, _compute(rank))]))
+            whole.ingest("step_times", parts[-1])
+            if j == 0:
+                close(minute)
+        rows = pa.concat_tables(parts)
         # every shard gets every rank's rows: the comparison needs them all
         assert wait_until(lambda: all(p.forwarder.step_time_rows_received_total == rows.num_rows
                                       for p, _, _ in shards.values()), 15)
-        for k in range(stt.LAG_STEPS + 1):
-            close(minute + k)       # the last reads the rows of `minute` (steptimes.LAG_STEPS)
+        for k in range(1, stt.LAG_STEPS + 2):
+            close(minute + k)       # the last reads the rows of `minute` + 1 (steptimes.LAG_STEPS)
 
-        expected = {n: v for n, s, v in zip(*(lambda m: (m.node.tolist(), m.step.tolist(), m.values))(
-            stt.node_minutes(rows))) if s == minute}
-        assert set(expected) == set(NODES)
+        judged_rows = stt.node_minutes(rows)
+        expected = {}
+        for n, step, v in zip(judged_rows.node.tolist(), judged_rows.step.tolist(), judged_rows.values):
+            expected.setdefault(n, {})[step] = v
+        assert set(expected) == set(NODES) and all(set(v) == {minute, minute + 1} for v in expected.values())
         for name, (plane, scorer, nodes) in shards.items():
             assert scorer._online.stats["late_step_times"] == 0
             for n in nodes:
                 got = scorer._online.features_of(n)[COLUMNS]
-                worst, slow, judged = expected[n]
-                np.testing.assert_array_equal(got, np.float32([worst, worst, slow / judged]), err_msg=n)
+                (w0, s0, j0), (w1, s1, j1) = expected[n][minute], expected[n][minute + 1]
+                np.testing.assert_array_equal(got, np.float32([w1, max(w0, w1), (s0 + s1) / (j0 + j1)]), err_msg=n)
                 np.testing.assert_array_equal(got, whole.features_of(n)[COLUMNS], err_msg=n)
+        assert shards["shard-b"][1]._online.features_of(SLOW)[COLUMNS[2]] == 1.0
         assert shards["shard-b"][1]._online.features_of(SLOW)[COLUMNS[0]] > 1.2
         assert shards["shard-b"][1]._online.features_of("node-d")[COLUMNS[0]] == pytest.approx(1.0, abs=0.05)
         assert shards["shard-a"][1]._online.features_of("node-a")[COLUMNS[0]] == pytest.approx(1.0, abs=0.05)
         text = generate_latest(coordinator.registry).decode()
-        assert 'foreshock_coordinator_step_time_rows_total{result="sent",shard="shard-b"} 32.0' in text
+        assert f'foreshock_coordinator_step_time_rows_total{{result="sent",shard="shard-b"}} {rows.num_rows}.0' in text
         text = generate_latest(shards["shard-a"][0].registry).decode()
-        assert "foreshock_forwarder_step_time_rows_total 32.0" in text
+        assert f"foreshock_forwarder_step_time_rows_total {rows.num_rows}.0" in text and rows.num_rows == 64
     finally:
         for plane, _, _ in shards.values():
             plane.stop(0.5)
@@ -352,13 +363,13 @@ def test_a_new_nodes_rows_wait_at_the_coordinator_until_its_shard_names_it(tmp_p
         offline = {(n, s): v for n, s, v in zip(judged.node.tolist(), judged.step.tolist(), judged.values)}
         for n in SHARDS["shard-b"]:
             worst, slow, judged_steps = offline[(n, new + 1)]
-            np.testing.assert_array_equal(b.features_of(n)[COLUMNS], np.float32([worst, worst, slow / judged_steps]),
-                                          err_msg=n)
+            # one judged minute: the share not known yet (features.SLOW_SHARE_MIN_STEPS)
+            np.testing.assert_array_equal(b.features_of(n)[COLUMNS], np.float32([worst, worst, np.nan]), err_msg=n)
         assert b.features_of(SLOW)[COLUMNS[0]] > 1.2
         # without their first minute, which offline (and a scorer given the rows in time) has: 8 more
-        # judged steps of node-c's, none slow, in the 30-minute share
+        # judged steps of node-c's, none slow, and a second judged minute in the 30-minute share
         assert offline[(SLOW, new)][1:] == pytest.approx([0, 8])
-        assert b.features_of(SLOW)[COLUMNS[2]] == 1.0 and whole.features_of(SLOW)[COLUMNS[2]] == 0.5
+        assert np.isnan(b.features_of(SLOW)[COLUMNS[2]]) and whole.features_of(SLOW)[COLUMNS[2]] == 0.5
         # shard-a had every row in time: its nodes' features are one unsharded scorer's
         a = shards["shard-a"][1]._online
         assert a.stats["late_step_times"] == 0
