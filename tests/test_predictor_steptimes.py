@@ -499,11 +499,9 @@ def test_a_checkpoint_written_while_a_judgement_runs_is_the_one_written_after_it
     scorer.close()
 
 
-def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_reads_its_steps(tmp_path, tiny_model_dir):
-    """Through the online scorer, with a manifest that names the step-time condition: n2, slow at every
-    judged step of its job, is named with the step times' reason from the round that reads its second slow
-    minute (stt.LAG_STEPS after it; features.SLOW_SHARE_MIN_STEPS); n3, slow at half of them, is never
-    named, nor is anyone before."""
+def _scorer_with_the_step_time_condition(tmp_path, tiny_model_dir):
+    """An online scorer whose manifest names the step-time condition as hard evidence, NODES' telemetry,
+    and the first feature step of it."""
     import json
 
     from foreshock.predictor import online, registry, synthetic
@@ -513,8 +511,17 @@ def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_read
     man["hard_evidence"] = ["steptime_slow_share_30m"]
     (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
     scorer = online.OnlineScorer(registry.load_model(d), explain_top=0)
-    tables = {n: synthetic.node_tables(n, 8, seed=i) for i, n in enumerate(NODES)}
-    first = synthetic.T0_NS // STEP_NS
+    return scorer, {n: synthetic.node_tables(n, 8, seed=i) for i, n in enumerate(NODES)}, synthetic.T0_NS // STEP_NS
+
+
+def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_reads_its_steps(tmp_path, tiny_model_dir):
+    """Through the online scorer, with a manifest that names the step-time condition: n2, slow at every
+    judged step of its job, is named with the step times' reason from the round that reads its second slow
+    minute (stt.LAG_STEPS after it; features.SLOW_SHARE_MIN_STEPS); n3, slow at half of them, is never
+    named, nor is anyone before."""
+    from foreshock.predictor import synthetic
+
+    scorer, tables, first = _scorer_with_the_step_time_condition(tmp_path, tiny_model_dir)
     ranks = NODES + ["n0"]                  # five ranks: two slow at a step stay fewer than half
     named = []
     for k in range(6):
@@ -536,17 +543,9 @@ def test_one_slow_gpu_of_an_eight_gpu_node_names_its_node_as_hard_evidence(tmp_p
     """A rank per GPU, eight a node: n1's GPU 5 is 1.5x its job's median at every step. The node is named
     from the round that reads its second slow minute, as a node with one rank is; its seven even ranks do
     not dilute it (features v12), and no other node is named."""
-    import json
+    from foreshock.predictor import synthetic
 
-    from foreshock.predictor import online, registry, synthetic
-
-    d = tiny_model_dir(tmp_path / "m")
-    man = json.loads((d / registry.MANIFEST_FILE).read_text())
-    man["hard_evidence"] = ["steptime_slow_share_30m"]
-    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
-    scorer = online.OnlineScorer(registry.load_model(d), explain_top=0)
-    tables = {n: synthetic.node_tables(n, 8, seed=i) for i, n in enumerate(NODES)}
-    first = synthetic.T0_NS // STEP_NS
+    scorer, tables, first = _scorer_with_the_step_time_condition(tmp_path, tiny_model_dir)
     ranks = [n for n in NODES for _ in range(8)]
     even = [1.0 + 0.01 * (r % 3) for r in range(len(ranks))]
     named = []
