@@ -309,8 +309,8 @@ HARD_EVIDENCE_CONDITIONS: tuple[tuple[str, float], ...] = (
     # one GPU's HBM 1 degC or more warmer than its die, beyond the node's other GPUs and its usual, while
     # the node remaps HBM rows and its dies do not warm apart as much (features.WARMING)
     ("hbm_gap_excess_remapping", 1.0),
-    # the node's ranks slow against their job's other ranks (the fail-slow rule's comparison, stepcompare) in
-    # more than 9 of 10 of their steps judged over 30 minutes: a straggler its job waits for
+    # the node's slowest rank slow against its job's other ranks (the fail-slow rule's comparison,
+    # stepcompare) in more than 9 of 10 of its steps judged over 30 minutes: a straggler its job waits for
     ("steptime_slow_share_30m", 0.9),
 )
 # What `foreshock train` writes into a new model's manifest.
