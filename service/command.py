@@ -3,7 +3,8 @@
 Settings: defaults < `[serve]` in the TOML config < FORESHOCK_SERVE_<KEY> environment variables < flags
 (foreshock/config.py). It prints `foreshock serve: listening on HOST:PORT` once it serves, and on
 SIGTERM/SIGINT stops accepting calls, gives in-flight ones `--grace` seconds, flushes the decision log
-and closes the state; under `--shard`, SIGHUP reads the shard map again (so does a change of its mtime;
+and closes the state; a stop that overruns `--grace` plus STOP_SECONDS_AFTER_GRACE writes every thread's
+stack to stderr and exits 1. Under `--shard`, SIGHUP reads the shard map again (so does a change of its mtime;
 without `--shard` SIGHUP is ignored).
 docs/service.md describes every setting.
 """
@@ -11,6 +12,7 @@ docs/service.md describes every setting.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import signal
 import sys
@@ -52,6 +54,15 @@ FORWARD_KEYS = {
 FORWARD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ForwardSettings)}
 
 log = logging.getLogger(__name__)
+
+# The stop's parts are each bounded (in-flight calls by --grace, the joins, the drain and the forwarder's
+# flush by their own deadlines); the whole stop by --grace plus STOP_SECONDS_AFTER_GRACE, counted from the
+# signal: 25 s with the default grace, under the 30 s deploy/ gives before a SIGKILL. Past it every
+# thread's stack goes to stderr and the process exits 1, where the kill would leave no trace. It cuts
+# short no more than a kill would: the scorer checkpoint and the score level are written beside their
+# file and renamed over it, the state store commits each change as it is made (the telemetry sequences
+# once a second), and the archive is best-effort (docs/service.md, "The archive").
+STOP_SECONDS_AFTER_GRACE = 20.0
 
 DEFAULTS = {
     "listen": "127.0.0.1:7443",
@@ -364,7 +375,12 @@ def run(args, file_data) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        log.info("signal %s: stopping", signal.Signals(signum).name)
+        if stop.is_set():
+            return
+        bound = cfg["grace"] + STOP_SECONDS_AFTER_GRACE
+        log.info("signal %s: stopping (within %g s, or the threads' stacks are written here and it exits 1)",
+                 signal.Signals(signum).name, bound)
+        faulthandler.dump_traceback_later(bound, exit=True)
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -4,6 +4,7 @@ nothing acknowledged is lost, nothing is issued twice, finished directives are n
 from __future__ import annotations
 
 import datetime as dt
+import signal
 import subprocess
 import sys
 import time
@@ -122,6 +123,43 @@ def test_a_second_service_on_a_listening_address_is_refused_and_the_first_keeps_
         assert first.term() == 0
     finally:
         first.kill()
+
+
+_STUCK_AT_CLOSE = """
+import sys, time
+from foreshock.cli import main
+from foreshock.service import command, store
+
+def wedged(self):
+    time.sleep(3600)      # the state's disk stops answering (a hung NFS mount, a dying SSD)
+
+store.StateStore.close = wedged
+command.STOP_SECONDS_AFTER_GRACE = float(sys.argv[1])
+sys.exit(main(["serve", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "", "--no-model",
+               "--grace", "0.5", "--state", sys.argv[2]]))
+"""
+
+
+def test_a_stop_that_overruns_grace_and_its_bound_writes_the_stacks_and_exits_1(tmp_path):
+    """A stop stuck closing the state: past --grace plus STOP_SECONDS_AFTER_GRACE, counted from the
+    signal, every thread's stack names where it hangs and the service exits 1 on its own, before the
+    init system's kill would end it without a word."""
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK_AT_CLOSE, "1.0", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "stopping (within 1.5 s, or the threads' stacks are written here and it exits 1)" in err
+    assert "Timeout (0:00:01" in err and "in wedged" in err and "in stop" in err and "in run" in err
+    assert 1.5 <= took < 30
 
 
 # -- telemetry sequences across a restart ------------------------------------------------------------
