@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 # file and renamed over it, the state store commits each change as it is made (the telemetry sequences
 # once a second), and the archive is best-effort (docs/service.md, "The archive").
 STOP_SECONDS_AFTER_GRACE = 20.0
+MAX_GRACE_SECONDS = 300.0
 
 DEFAULTS = {
     "listen": "127.0.0.1:7443",
@@ -134,7 +135,7 @@ CHECKS = {
     "cooldown_seconds": config.at_least(0),
     "max_concurrent": config.at_least(1),
     "sustain_seconds": config.at_least(0),
-    "grace": config.at_least(0),
+    "grace": config.between(0, MAX_GRACE_SECONDS),
     "fabric_service_hold_seconds": config.between(MIN_HOLD_SECONDS, MAX_HOLD_SECONDS),
     "fabric_service_crash_loop_restarts": config.between(MIN_CRASH_LOOP_RESTARTS, MAX_CRASH_LOOP_RESTARTS),
     "fabric_service_crash_loop_window_seconds": config.between(MIN_CRASH_LOOP_WINDOW_SECONDS,
@@ -172,7 +173,7 @@ def register(subparsers) -> None:
     p.add_argument("--cooldown-seconds", type=float, help="no new directive for a node this long after one")
     p.add_argument("--max-concurrent", type=int, help="default concurrent evacuations per job (1)")
     p.add_argument("--sustain-seconds", type=float, help="risk must stay above the threshold this long (0)")
-    p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown (5)")
+    p.add_argument("--grace", type=float, help="seconds in-flight calls get on shutdown, 0-300 (5)")
     p.add_argument("--close-hold-seconds", type=float,
                    help="telemetry streams pause at most this long while a complete step's closing round "
                         "runs, so the risk path gets the CPU (0.5; 0 turns it off)")

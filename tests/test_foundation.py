@@ -154,7 +154,8 @@ def test_cli_refuses_bad_config_before_doing_anything(tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("key, value", [("max_concurrent", "0"), ("max_concurrent", "-1"),
                                         ("score_interval", "nan"), ("score_interval", "0"),
-                                        ("cooldown_seconds", "-1"), ("threshold", "1.5"), ("grace", "-1")])
+                                        ("cooldown_seconds", "-1"), ("threshold", "1.5"), ("grace", "-1"),
+                                        ("grace", "1e12"), ("grace", "nan")])
 def test_serve_settings_are_range_checked(key, value):
     from foreshock.service import command
     with pytest.raises(config.ConfigError, match=key):
