@@ -4,8 +4,8 @@ Settings: defaults < `[serve]` in the TOML config < FORESHOCK_SERVE_<KEY> enviro
 (foreshock/config.py). It prints `foreshock serve: listening on HOST:PORT` once it serves, and on
 SIGTERM/SIGINT stops accepting calls, gives in-flight ones `--grace` seconds, flushes the decision log
 and closes the state; a stop that overruns `--grace` plus STOP_SECONDS_AFTER_GRACE writes every thread's
-stack to stderr and exits 1. Under `--shard`, SIGHUP reads the shard map again (so does a change of its mtime;
-without `--shard` SIGHUP is ignored).
+stack to stderr and exits 1. Under `--shard`, SIGHUP reads the shard map again (so does a change of its
+mtime; without `--shard` SIGHUP is ignored).
 docs/service.md describes every setting.
 """
 
