@@ -1,7 +1,8 @@
 """Helpers the tests share (conftest.py puts this folder on the import path): waiting on a condition
-that a real process or thread brings about, a clock the test sets, `foreshock serve` as a real
-process, a stand-in for `systemctl` that the systemd source runs, a free loopback port and a two-shard
-map. Fixtures the tests share (a control plane on a loopback port) are in conftest.py."""
+that a real process or thread brings about, a clock the test sets, a script's stop timed from its
+SIGTERM, `foreshock serve` as a real process, a stand-in for `systemctl` that the systemd source runs,
+a free loopback port and a two-shard map. Fixtures the tests share (a control plane on a loopback
+port) are in conftest.py."""
 
 from __future__ import annotations
 
@@ -61,6 +62,24 @@ def two_shard_map(a: str, b: str, a_leaves=("leaf-01",), b_leaves=("leaf-02",)) 
         return ", ".join(f'"{x}"' for x in xs)
     return (f'[shards.a]\naddress = "{a}"\nleaves = [{leaves(a_leaves)}]\n'
             f'[shards.b]\naddress = "{b}"\nleaves = [{leaves(b_leaves)}]\n')
+
+
+def stop_stuck_script(script: str, *args: str, ready) -> tuple[int, str, float]:
+    """Run `python -c script args`, wait for its first stdout line to satisfy `ready`, SIGTERM it, and
+    wait at most 60 s for it to exit by itself: (exit status, its stderr, seconds from the signal)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert ready(line), f"not ready: {line!r}"
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        return proc.returncode, err, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def wait_until(pred, timeout: float = 15.0, step: float = 0.05):

@@ -24,7 +24,7 @@ from foreshock.collectors.collector import Collector
 from foreshock.collectors.rdma import RdmaSource
 from foreshock.collectors.simulated import SimulatedSource
 from foreshock.dataset import DatasetWriter, read_table
-from support import free_port
+from support import free_port, stop_stuck_script
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
@@ -183,19 +183,9 @@ sys.exit(command.serve_forever(col, {"metrics_listen": "", "interval": 0.05, "ou
 def test_a_stop_that_overruns_its_bound_writes_the_stacks_and_exits_1(tmp_path):
     """A source that never lets go at close: the collector's rows are flushed first, then, past
     SHUTDOWN_SECONDS, every thread's stack names where it hangs and the process exits 1 on its own."""
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK_AT_CLOSE, str(tmp_path / "ds"), "1.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "swept"
-        proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, err
+    rc, err, took = stop_stuck_script(_STUCK_AT_CLOSE, str(tmp_path / "ds"), "1.5",
+                                      ready=lambda ln: ln.strip() == "swept")
+    assert rc == 1, err
     assert "within 1.5 s, or the threads' stacks are written here" in err and "Timeout (0:00:01" in err
     assert "in close" in err and "in serve_forever" in err
     assert 1.5 <= took < 30

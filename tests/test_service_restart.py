@@ -4,7 +4,6 @@ nothing acknowledged is lost, nothing is issued twice, finished directives are n
 from __future__ import annotations
 
 import datetime as dt
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from foreshock import schema as sch
 from foreshock.service.decisions import read_decisions
 from foreshock.v1 import jobs_pb2 as pb
 from foreshock.v1 import jobs_pb2_grpc, telemetry_pb2 as tpb, telemetry_pb2_grpc
-from support import Serve
+from support import Serve, stop_stuck_script
 
 T = 10
 
@@ -144,19 +143,8 @@ def test_a_stop_that_overruns_grace_and_its_bound_writes_the_stacks_and_exits_1(
     """A stop stuck closing the state: past --grace plus STOP_SECONDS_AFTER_GRACE, counted from the
     signal, every thread's stack names where it hangs and the service exits 1 on its own, before the
     init system's kill would end it without a word."""
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK_AT_CLOSE, "1.0", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert "listening on" in proc.stdout.readline()
-        proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, err
+    rc, err, took = stop_stuck_script(_STUCK_AT_CLOSE, "1.0", str(tmp_path), ready=lambda ln: "listening on" in ln)
+    assert rc == 1, err
     assert "stopping (within 1.5 s, or the threads' stacks are written here and it exits 1)" in err
     assert "Timeout (0:00:01" in err and "in wedged" in err and "in stop" in err and "in run" in err
     assert 1.5 <= took < 30
