@@ -16,12 +16,11 @@ its maximum over 5 and 30 minutes and the share of its slowest rank's judged ste
 minutes that were slow (STEP_TIMES). Last of all, the NVLink fabric's (signals.FABRIC_SIGNALS): each
 fabric health-mask flag and the registration flag now and at any time in 30 minutes, and fatal and
 non-fatal (correctable included) NVSwitch SXids in the step, over 30 minutes and minutes since the last
-(FABRIC). Then how loud the node's
-neighbourhood usually is: per error family, the 3-day EWMA of the mean count of the other nodes under its
-leaf switch (CONTEXT). Then whether a GPU's HBM warms apart from its die (signals.WARMING_SIGNALS): that
-gap's recent level against the node's usual, the same of the gap between its hottest and coolest dies
-(temp_spread), and the HBM's where the node remapped an HBM row in about the last 12 hours and its dies
-did not warm apart as much (WARMING).
+(FABRIC). Then how loud the node's neighbourhood usually is: per error family, the 3-day EWMA of the mean
+count of the other nodes under its leaf switch (CONTEXT). Then whether a GPU's HBM warms apart from its
+die (signals.WARMING_SIGNALS): that gap's recent level against the node's usual, the same of the gap
+between its hottest and coolest dies (temp_spread), and the HBM's where the node remapped an HBM row in
+about the last 12 hours and its dies did not warm apart as much (WARMING).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
