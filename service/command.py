@@ -57,13 +57,21 @@ log = logging.getLogger(__name__)
 
 # The stop's parts are each bounded (in-flight calls by --grace, the joins, the drain and the forwarder's
 # flush by their own deadlines); the whole stop by --grace plus STOP_SECONDS_AFTER_GRACE, counted from the
-# signal: 25 s with the default grace, under the 30 s deploy/ gives before a SIGKILL. Past it every
-# thread's stack goes to stderr and the process exits 1, where the kill would leave no trace. It cuts
+# signal (stop_bound_seconds): 25 s with the default grace, 30 s with deploy/'s 10, which gives 40 s
+# before a SIGKILL (tests/test_deploy_config.py checks every deployed bound against its kill). Past it
+# every thread's stack goes to stderr and the process exits 1, where the kill would leave no trace. It cuts
 # short no more than a kill would: the scorer checkpoint and the score level are written beside their
 # file and renamed over it, the state store commits each change as it is made (the telemetry sequences
 # once a second), and the archive is best-effort (docs/service.md, "The archive").
 STOP_SECONDS_AFTER_GRACE = 20.0
 MAX_GRACE_SECONDS = 300.0
+
+
+def stop_bound_seconds(cfg: dict) -> float:
+    """Seconds from the first SIGTERM/SIGINT after which a stop still running writes every thread's stack
+    and exits 1: resolved settings' `grace` plus STOP_SECONDS_AFTER_GRACE. The init system's kill must
+    come later (systemd TimeoutStopSec, Kubernetes terminationGracePeriodSeconds)."""
+    return float(cfg["grace"]) + STOP_SECONDS_AFTER_GRACE
 
 DEFAULTS = {
     "listen": "127.0.0.1:7443",
@@ -378,7 +386,7 @@ def run(args, file_data) -> int:
     def on_signal(signum, _frame):
         if stop.is_set():
             return
-        bound = cfg["grace"] + STOP_SECONDS_AFTER_GRACE
+        bound = stop_bound_seconds(cfg)
         log.info("signal %s: stopping (within %g s, or the threads' stacks are written here and it exits 1)",
                  signal.Signals(signum).name, bound)
         faulthandler.dump_traceback_later(bound, exit=True)

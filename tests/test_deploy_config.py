@@ -159,8 +159,6 @@ def test_kubernetes_serve_paths_and_ports_match_the_statefulset():
     ports = {p["name"]: p["containerPort"] for p in spec["containers"][0]["ports"]}
     assert port_of(cfg["listen"]) == ports["grpc"] and port_of(cfg["metrics_listen"]) == ports["metrics"]
     assert not cfg["insecure"] and not cfg["tls_client_ca"]
-    grace = yaml.safe_load((KUBE / "serve-statefulset.yaml").read_text())["spec"]["template"]["spec"]
-    assert cfg["grace"] < grace["terminationGracePeriodSeconds"], "SIGKILL would cut the graceful stop short"
 
 
 def test_systemd_serve_paths_match_the_unit():
@@ -172,8 +170,53 @@ def test_systemd_serve_paths_match_the_unit():
         assert directory == "/run/credentials/foreshock-serve.service" and name in credentials, key
     service = unit("foreshock-serve.service")
     assert cfg["state"] == "/var/lib/" + service["StateDirectory"]
-    timeout = float(service["TimeoutStopSec"])
-    assert cfg["grace"] < timeout, "systemd would SIGKILL the service before its graceful stop ends"
+
+
+SHARDED = REPO / "deploy" / "kubernetes-sharded"
+# What deploy/ leaves between a process's own stop bound (past it, every thread's stack is written and it
+# exits 1) and the init system's SIGKILL: time to write the stacks and exit on a loaded node, so that a
+# stuck stop leaves its trace rather than racing the kill.
+KILL_HEADROOM_SECONDS = 5.0
+
+
+def _stop_and_kill(where: str, name: str) -> tuple[float, float]:
+    """(the process's stop bound, seconds deploy/ gives it from SIGTERM to SIGKILL) for one deployed
+    long-running process: a systemd unit or the pod of a Kubernetes workload, with the settings it runs."""
+    collect = importlib.import_module(COMMANDS["collect"])
+    serve = importlib.import_module(COMMANDS["serve"])
+    section = "collect" if "collect" in name else "serve"
+    if where == "systemd":
+        kill = float(unit(name)["TimeoutStopSec"])
+        cfg = settings(section, SYSTEMD_TOML)
+    else:
+        root = KUBE if where == "kubernetes" else SHARDED
+        (workload,) = [d for d in yaml.safe_load_all((root / name).read_text()) if d]
+        kill = float(workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
+        configmap = {"collector-daemonset.yaml": "collector-configmap.yaml", "serve-statefulset.yaml":
+                     "serve-configmap.yaml", "shard-statefulset.yaml": "shard-configmap.yaml",
+                     "coordinator-deployment.yaml": "coordinator-configmap.yaml"}[name]
+        doc = yaml.safe_load((root / configmap).read_text())
+        env = {"FORESHOCK_SERVE_SHARD": "shard-0"} if name.startswith("shard") else {}
+        module = collect if section == "collect" else serve
+        cfg = resolve(section, module.DEFAULTS, file_data=tomllib.loads(doc["data"]["foreshock.toml"]), env=env,
+                      checks=getattr(module, "CHECKS", None))
+    bound = collect.SHUTDOWN_SECONDS if section == "collect" else serve.stop_bound_seconds(cfg)
+    return bound, kill
+
+
+@pytest.mark.parametrize("where,name", [
+    ("systemd", "foreshock-collect.service"), ("systemd", "foreshock-serve.service"),
+    ("kubernetes", "collector-daemonset.yaml"), ("kubernetes", "serve-statefulset.yaml"),
+    ("kubernetes-sharded", "shard-statefulset.yaml"), ("kubernetes-sharded", "coordinator-deployment.yaml")])
+def test_a_stuck_stop_writes_its_stacks_before_the_kill(where, name):
+    """Every long-running process deploy/ starts bounds its own stop (the collector by SHUTDOWN_SECONDS,
+    serve by its grace plus STOP_SECONDS_AFTER_GRACE) at least KILL_HEADROOM_SECONDS before the init
+    system's SIGKILL, with the settings deploy/ gives it: a grace raised in a settings file without the
+    kill's timeout fails here."""
+    bound, kill = _stop_and_kill(where, name)
+    assert bound + KILL_HEADROOM_SECONDS <= kill, (
+        f"{where}/{name}: the stop is bounded at {bound:g} s and the kill comes at {kill:g} s; raise the kill's "
+        f"timeout to at least {bound + KILL_HEADROOM_SECONDS:g} s or lower the grace")
 
 
 @pytest.mark.parametrize("where", ["systemd", "kubernetes"])

@@ -603,7 +603,6 @@ def test_sharded_settings_paths_and_ports_match_their_pods(configmap, kind, name
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert int(cfg["listen"].rpartition(":")[2]) == ports["grpc"]
     assert int(cfg["metrics_listen"].rpartition(":")[2]) == ports["metrics"]
-    assert cfg.get("grace", 0) < pod["terminationGracePeriodSeconds"]
 
 
 def _sharded_settings(section: str, configmap: str, env: dict[str, str]) -> dict:
