@@ -40,7 +40,8 @@ steptimes.LAG_STEPS), version 10 the CONTEXT columns (and four counts to PEER_IN
 WARMING columns, so a model of version 6 to 10, whose names are a prefix of FEATURE_NAMES, still loads
 (READABLE_VERSIONS, registry.check_compatible). Version 12 took the step-time slow share over the node's
 slowest rank's steps instead of all its ranks' (steptimes.py; the same on a node with one rank), known
-from a second judged minute on (SLOW_SHARE_MIN_STEPS).
+from a second judged minute on (SLOW_SHARE_MIN_STEPS); version 13 knows it only once as many training
+steps were judged as the fail-slow rule needs to move a rank (SLOW_SHARE_MIN_JUDGED).
 """
 
 from __future__ import annotations
@@ -50,21 +51,23 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.signal import lfilter
 
+from foreshock import stepcompare
 from foreshock.predictor import signals as sg
 from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "12"
+FEATURE_VERSION = "13"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
-# columns and 11 the WARMING columns; 12 changed no name (the slow share counts the slowest rank's
-# steps, from a second judged minute on); the model columns are 6's. Within 9, the sxid_nonfatal
+# columns and 11 the WARMING columns; 12 and 13 changed no name (the slow share counts the slowest
+# rank's steps, from a second judged minute on; from its twelfth judged step on); the model columns
+# are 6's. Within 9, the sxid_nonfatal
 # columns count Correctable SXids as well, which they did not at first: no model reads them, and names
 # and layout stay 9's, so 9's checkpoints and models fit.
-READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12")
+READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12", "13")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
 # the CONTEXT filter's state and 11 the WARMING filters' (FeatureState.CARRIED_SINCE), so an older
 # checkpoint keeps every node's baselines across the upgrade and what it lacks starts from zero; 12
-# carries what 11 did (an 11 checkpoint's step-time counts are all ranks' for their last 30 minutes).
-RESTORABLE_VERSIONS = ("9", "10", "11", "12")
+# and 13 carry what 11 did (an 11 checkpoint's step-time counts are all ranks' for their last 30 minutes).
+RESTORABLE_VERSIONS = ("9", "10", "11", "12", "13")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -249,9 +252,12 @@ STEADINESS: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{n}_steadiness_2h", n,
 # rule of the service (service/steptimes.py) acts on the same comparison. The shipped estimator does not
 # read them (`foreshock train --step-time-columns` does; judged, not shipped: docs/predictor.md, Results).
 # The share is known (else NaN) once training steps of at least SLOW_SHARE_MIN_STEPS feature steps of the
-# window were judged: a job's first minute (compilation, a rank loading its checkpoint or starting its
-# data loaders) never decides it alone.
+# window were judged, at least SLOW_SHARE_MIN_JUDGED of them: a job's first minute (compilation, a rank
+# loading its checkpoint or starting its data loaders) never decides it alone, nor do the first few steps
+# of a job whose steps take a minute or more, its warm-up steps most of them; and the hard evidence never
+# drains a node on fewer of its rank's steps than the fail-slow rule needs to move that rank.
 SLOW_SHARE_MIN_STEPS = 2
+SLOW_SHARE_MIN_JUDGED = stepcompare.FAIL_SLOW_MIN_STEPS
 STEP_TIMES: tuple[FeatureSpec, ...] = (
     FeatureSpec("steptime_vs_job_5m", "steptime_vs_job", "job_max5"),
     FeatureSpec("steptime_vs_job_30m", "steptime_vs_job", "job_max30"),
@@ -758,7 +764,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
         state.tring, state.thead, state.fring, state.fhead, state.flast, rings.sums, rings.unsafe, peak,
         _RingSums.LIMIT, den_base, den_recent, DECAYED_KEEP,
         EWMA_ALPHA, RECENT_ALPHA, st, float(HISTORY), STEP_SECONDS / 60.0, SINCE_CAP_MINUTES,
-        float(SLOW_SHARE_MIN_STEPS), N_KERNEL,
+        float(SLOW_SHARE_MIN_STEPS), float(SLOW_SHARE_MIN_JUDGED), N_KERNEL,
         STEADY_COLS.start, STEP_TIME_COLS.start, FABRIC_COLS.start, CONTEXT_COLS.start, out))
     if not rings.peak.push(state.tring[state.thead, :, 0:1]):
         rings.peak = _SlidingMax(state.tring[:, :, 0:1], (state.thead + 1) % GRING)
@@ -870,7 +876,8 @@ def _step_times(v: np.ndarray, state: FeatureState) -> np.ndarray:
         slow, judged = win[:, :, 1].sum(axis=-1), win[:, :, 2].sum(axis=-1)
         steps_judged = (win[:, :, 2] > 0).sum(axis=-1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        out[:, :, 2] = np.where((judged > 0) & (steps_judged >= SLOW_SHARE_MIN_STEPS), slow / judged, np.nan)
+        known = (judged >= SLOW_SHARE_MIN_JUDGED) & (steps_judged >= SLOW_SHARE_MIN_STEPS)
+        out[:, :, 2] = np.where(known, slow / judged, np.nan)
     state.thead = _push(state.tring, state.thead, v)
     state.rings = None
     return out

@@ -410,8 +410,8 @@ def _unsafe(v, limit):
 def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fabric_idx, n_flags,
                       zd, za, zar, zc, tring, thead, fring, fhead, flast, sums, unsafe, peak, limit,
                       den_base, den_recent, decayed_keep, ewma_alpha, recent_alpha, st, history,
-                      minutes_per_step, since_cap, min_judged_steps, decayed_col, steady_col, step_time_col,
-                      fabric_col, context_col, out, lo, hi):
+                      minutes_per_step, since_cap, min_judged_steps, min_judged, decayed_col, steady_col,
+                      step_time_col, fabric_col, context_col, out, lo, hi):
     """The one-step columns after kernels.feature_step's, for nodes lo..hi: features._decayed_step,
     _steady_step, _step_times, _fabric and _context_step (the numpy references) written per node, in
     their arithmetic and order. Updates the state rows of those nodes in place (zd, za, zar, zc,
@@ -475,7 +475,7 @@ def feature_rest_step(x, decayed_idx, steady_idx, context_idx, step_time_idx, fa
         out[i, step_time_col] = _fmax(m5, r0)
         out[i, step_time_col + 1] = _fmax(peak[i], r0)
         share = nan
-        if judged > 0:
+        if judged >= min_judged:
             steps_judged = 1.0 if cur[1] > 0 else 0.0     # the window's steps with a judged training step
             for k in range(G):
                 if tring[k, i, 2] > 0:

@@ -122,19 +122,22 @@ def test_a_checkpoint_of_feature_version_9_keeps_its_baselines_and_learns_the_co
     v10 = online.OnlineScorer(model, explain_top=0)
     v10.restore_state(_rewritten(path, tmp_path / "v10w.npz", "10", drop=("features.zw",)))
     assert v10.nodes == after.nodes
-    # a version-11 checkpoint carries what 12 does (12 changed how the slow share counts, not the state)
-    v11, v12 = online.OnlineScorer(model, explain_top=0), online.OnlineScorer(model, explain_top=0)
+    # version-11 and 12 checkpoints carry what 13 does (12 and 13 changed when and how the slow share
+    # counts, not the state)
+    v11, v12, v13 = (online.OnlineScorer(model, explain_top=0) for _ in range(3))
     v11.restore_state(_rewritten(path, tmp_path / "v11full.npz", "11"))
-    v12.restore_state(path)
+    v12.restore_state(_rewritten(path, tmp_path / "v12.npz", "12"))
+    v13.restore_state(path)
     restarted = set(range(ft.N_FEATURES)[ft.CONTEXT_COLS]) | set(range(ft.N_FEATURES)[ft.WARMING_COLS])
     others = [i for i in range(ft.N_FEATURES) if i not in restarted]
     for k, step in enumerate(range(first + RESTART_AT, first + RESTART_AT + ft.HISTORY + 3)):
         _feed(steady, tables, step)
         _feed(after, tables, step)
-        _feed(v11, tables, step)
-        _feed(v12, tables, step)
+        for scorer in (v11, v12, v13):
+            _feed(scorer, tables, step)
         for n in NODES:
-            np.testing.assert_array_equal(v11.features_of(n), v12.features_of(n))
+            np.testing.assert_array_equal(v11.features_of(n), v13.features_of(n))
+            np.testing.assert_array_equal(v12.features_of(n), v13.features_of(n))
         if k >= ft.HISTORY:
             for n in NODES:
                 np.testing.assert_array_equal(after.features_of(n)[others], steady.features_of(n)[others])

@@ -219,7 +219,7 @@ def test_the_fabric_context_and_warming_columns_come_last_so_older_models_read_a
     assert ft.FEATURE_NAMES[ft.CONTEXT_COLS] == tuple(f"{s.name}_3d" for s in ft.CONTEXT_SIGNALS)
     assert ft.FEATURE_NAMES[ft.WARMING_COLS] == ("hbm_gap_excess_vs_usual", "temp_spread_vs_usual",
                                                  "hbm_gap_excess_remapping")
-    assert ft.FEATURE_VERSION == "12" and {"7", "8", "9", "10", "11"} <= set(ft.READABLE_VERSIONS)
+    assert ft.FEATURE_VERSION == "13" and {"7", "8", "9", "10", "11"} <= set(ft.READABLE_VERSIONS)
     # the health-mask flags are foreshock/fabric.py's fields, declared there once
     assert sg.FABRIC_FLAGS[:len(fabric.HEALTH_FIELDS)] == tuple(f.column for f in fabric.HEALTH_FIELDS)
 

@@ -141,7 +141,8 @@ def test_the_windows_keep_a_slow_minute_5_and_30_minutes_and_share_the_slow_step
     assert r30[31] == pytest.approx(1.6) and r30[32] == 1.0
     assert share[2] == pytest.approx(4 / 12) and share[31] == pytest.approx(4 / 120) and share[32] == 0.0
     assert np.isnan(out[0, 0, ft.STEP_TIME_COLS]).tolist() == [False, False, True]   # the ratio from the first step
-    assert share[1] == 0.0          # the share once a second minute was judged (SLOW_SHARE_MIN_STEPS)
+    # two minutes judged, 8 steps: not yet the 12 the share needs (SLOW_SHARE_MIN_JUDGED); the third makes 12
+    assert np.isnan(share[1]) and ft.SLOW_SHARE_MIN_JUDGED == 12
 
 
 def test_a_first_minute_all_slow_does_not_decide_the_share_alone():
@@ -163,11 +164,34 @@ def test_a_first_minute_all_slow_does_not_decide_the_share_alone():
         assert share[35] == 0.0 and np.isnan(share[36:]).all(), (block, kernel)
 
 
+def test_a_job_of_minute_long_steps_is_judged_on_as_many_steps_as_the_fail_slow_rule_needs():
+    """One training step a minute: a rank slow in its first two (warm-up) has a share only from its twelfth
+    judged step on, 2 of 12 then, never the 1.0 of its first two; a rank slow at every step reaches 1.0
+    there, as the fail-slow rule would move it at its twelfth slow step (stepcompare.FAIL_SLOW_MIN_STEPS)."""
+    t = 20
+    x = np.full((2, t, len(ft.ALL_NAMES)), np.nan)
+    ratio, slow, judged = ft.STEP_TIME_IDX
+    x[:, :, ft.STEP_TIME_IDX] = stt.empty_values(t)[None]
+    x[:, 3:, ratio], x[:, 3:, slow], x[:, 3:, judged] = 1.0, 0.0, 1.0   # its job starts at step 3
+    x[0, 3:5, ratio], x[0, 3:5, slow] = 1.6, 1.0        # node 0: its first two steps slow
+    x[1, 3:, ratio], x[1, 3:, slow] = 1.6, 1.0          # node 1: every step slow
+    first = 3 + stepcompare.FAIL_SLOW_MIN_STEPS - 1     # the feature step of the twelfth judged step
+    for block, kernel in ((t, True), (1, True), (1, False)):
+        state, share = ft.FeatureState.empty(2), []
+        for a in range(0, t, block):
+            out, state = ft.compute(x[:, a:a + block], np.arange(a, min(t, a + block)), state, kernel=kernel)
+            share.append(out[:, :, ft.STEP_TIME_COLS.stop - 1])
+        share = np.concatenate(share, axis=1)
+        assert np.isnan(share[:, :first]).all(), (block, kernel)
+        assert share[0, first] == pytest.approx(2 / 12) and share[1, first] == 1.0, (block, kernel)
+        assert share[0, -1] == pytest.approx(2 / 17) and share[1, -1] == 1.0, (block, kernel)
+
+
 def test_the_step_time_columns_come_after_the_steadiness_ones_so_older_models_read_a_prefix():
     assert ft.FEATURE_NAMES[ft.STEP_TIME_COLS] == ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
     # only the fabric's (feature version 9), the context's (10) and the warming's (11) columns come after them
     assert ft.STEADY_COLS.stop == ft.STEP_TIME_COLS.start and ft.STEP_TIME_COLS.stop == ft.FABRIC_COLS.start
-    assert ft.READABLE_VERSIONS == ("6", "7", "8", "9", "10", "11", "12") and ft.FEATURE_VERSION == "12"
+    assert ft.READABLE_VERSIONS == ("6", "7", "8", "9", "10", "11", "12", "13") and ft.FEATURE_VERSION == "13"
 
 
 def test_the_row_median_is_numpys_over_the_known_values():
@@ -517,8 +541,8 @@ def _scorer_with_the_step_time_condition(tmp_path, tiny_model_dir):
 def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_reads_its_steps(tmp_path, tiny_model_dir):
     """Through the online scorer, with a manifest that names the step-time condition: n2, slow at every
     judged step of its job, is named with the step times' reason from the round that reads its second slow
-    minute (stt.LAG_STEPS after it; features.SLOW_SHARE_MIN_STEPS); n3, slow at half of them, is never
-    named, nor is anyone before."""
+    minute (stt.LAG_STEPS after it; features.SLOW_SHARE_MIN_STEPS), its twelfth slow step
+    (SLOW_SHARE_MIN_JUDGED); n3, slow at half of them, is never named, nor is anyone before."""
     from foreshock.predictor import synthetic
 
     scorer, tables, first = _scorer_with_the_step_time_condition(tmp_path, tiny_model_dir)
@@ -527,9 +551,9 @@ def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_read
     for k in range(6):
         synthetic.ingest_sample(scorer, tables, k)
         if k >= 1:
-            scorer.ingest("step_times", _rows(_job([1.0, 1.0, 1.5, 1.5, 1.0], step=2 * k, nodes=ranks)
-                                              + _job([1.0, 1.0, 1.5, 1.0, 1.0], step=2 * k + 1, nodes=ranks),
-                                              minute=first + k))
+            steps = [_job([1.0, 1.0, 1.5, 1.5 if j % 2 == 0 else 1.0, 1.0], step=6 * k + j, nodes=ranks)
+                     for j in range(6)]
+            scorer.ingest("step_times", _rows(sum(steps, []), minute=first + k))
         batch = scorer.score((first + k + 1) * STEP_NS + 6_000_000_000)
         named.append(dict(batch.evidence))
     assert [sorted(e) for e in named] == [[]] * (2 + stt.LAG_STEPS) + [["n2"]] * (4 - stt.LAG_STEPS)
@@ -541,8 +565,8 @@ def test_a_node_its_job_waits_for_is_named_as_hard_evidence_once_the_scorer_read
 
 def test_one_slow_gpu_of_an_eight_gpu_node_names_its_node_as_hard_evidence(tmp_path, tiny_model_dir):
     """A rank per GPU, eight a node: n1's GPU 5 is 1.5x its job's median at every step. The node is named
-    from the round that reads its second slow minute, as a node with one rank is; its seven even ranks do
-    not dilute it (features v12), and no other node is named."""
+    from the round that reads its second slow minute (its twelfth slow step), as a node with one rank is;
+    its seven even ranks do not dilute it (features v12), and no other node is named."""
     from foreshock.predictor import synthetic
 
     scorer, tables, first = _scorer_with_the_step_time_condition(tmp_path, tiny_model_dir)
@@ -553,7 +577,7 @@ def test_one_slow_gpu_of_an_eight_gpu_node_names_its_node_as_hard_evidence(tmp_p
         synthetic.ingest_sample(scorer, tables, k)
         if k >= 1:
             rows = []
-            for step in (2 * k, 2 * k + 1):
+            for step in range(6 * k, 6 * k + 6):
                 rows += _job([1.5 if r == 13 else c for r, c in enumerate(even)], step=step, nodes=ranks)
             scorer.ingest("step_times", _rows(rows, minute=first + k))
         named.append(sorted(scorer.score((first + k + 1) * STEP_NS + 6_000_000_000).evidence))
