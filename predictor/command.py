@@ -44,6 +44,9 @@ TRAIN_DEFAULTS = {"data": "", "out": "", "horizon_minutes": 30.0, "budget": 2.0,
                   "on_corrupt": "stop", "novelty": True, "linear_member": False,
                   "absolute_counts": False, "steadiness_columns": 0, "step_time_columns": False,
                   "context_columns": False, "incident_weights": False, "hard_evidence": True,
+                  # comma-separated names of model.HARD_EVIDENCE_CONDITIONS ("": all of model.HARD_EVIDENCE);
+                  # train.train refuses an unknown one, naming it, before it reads anything
+                  "hard_evidence_conditions": "",
                   # calibration.DEFAULT_PRIOR_NODE_DAYS, as THRESHOLDS_DEFAULTS' (a test holds them equal)
                   "threshold_prior_node_days": 1000.0}
 THRESHOLDS_DEFAULTS = {"data": "", "model": "", "out": "", "prior_node_days": TRAIN_DEFAULTS["threshold_prior_node_days"]}
@@ -59,6 +62,9 @@ LABEL_HORIZON_CHECK = {"label_horizon_minutes": config.Check(lambda v: v == 0 or
 EVALUATE_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK}
 TRAIN_CHECKS = {**EXECUTOR_CHECKS, **LABEL_HORIZON_CHECK,
                 "early_label_weight": config.Check(lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+                "hard_evidence_conditions": config.Check(
+                    lambda v: v == "" or all(n.strip().isidentifier() for n in v.split(",")),
+                    "must be comma-separated condition names (docs/predictor.md, Hard evidence)"),
                 # the upper bound (how many STEADINESS columns there are) is model.estimator_feature_names'
                 "steadiness_columns": config.Check(lambda v: v >= 0, "must be 0 or more"),
                 # calibration.PRIOR_NODE_DAYS_RANGE, or 0 for none
@@ -104,8 +110,14 @@ def register(subparsers) -> None:
                         f"{TRAIN_DEFAULTS['threshold_prior_node_days']:g}, as foreshock thresholds; docs/predictor.md, "
                         "Stacked with the shipped model); 0: the validation slice alone")
     p.add_argument("--no-hard-evidence", dest="hard_evidence", action="store_const", const=False,
-                   help="no hard evidence: an NVLink link down, a PCIe link below its width or an InfiniBand link "
-                        "down twice in 30 min alarms only through the model's score (docs/predictor.md, Hard evidence)")
+                   help="no hard evidence: an NVLink link down, a PCIe link below its width, an InfiniBand link "
+                        "down twice in 30 min, HBM warming apart while rows are remapped or a node its job waits "
+                        "for alarms only through the model's score (docs/predictor.md, Hard evidence)")
+    p.add_argument("--hard-evidence", dest="hard_evidence_conditions", metavar="NAMES",
+                   help="only these hard-evidence conditions, comma-separated (nvl_links_down_now, "
+                        "pcie_width_deficit_now, ib_link_downed_30m, hbm_gap_excess_remapping, "
+                        "steptime_slow_share_30m; default: all): leave out one that alarms on this fleet's healthy "
+                        "nodes (train prints what each spends on the validation slice)")
     p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
                    help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
                         "sets the risk and the thresholds")
@@ -260,7 +272,7 @@ def run_train(args, file_data) -> int:
                                    step_time_columns=cfg["step_time_columns"],
                                    context_columns=cfg["context_columns"],
                                    incident_weights=cfg["incident_weights"],
-                                   **({} if cfg["hard_evidence"] else {"hard_evidence": ()}),
+                                   **_hard_evidence_argument(cfg),
                                    threshold_prior_node_days=cfg["threshold_prior_node_days"] or None)
     except executors.ExecutorError as exc:
         print(f"foreshock train: {exc}", file=sys.stderr)
@@ -283,6 +295,12 @@ def run_train(args, file_data) -> int:
           f"median lead {_lead(v['median_lead_minutes'])} min, {v['false_evacuations_per_1000_node_days']:.2f}"
           f"{_interval(v.get('false_evacuations_per_1000_node_days_interval'), _rate)} false evacuations/1,000 "
           f"node-days, PR-AUC {v['pr_auc']:.3f} ([low-high]: {evaluate.INTERVAL_LEVEL:.0%} interval)")
+    parts = manifest["metrics"].get("validation_parts")
+    if parts:
+        _print_parts(parts, " on the validation slice")
+    over = hard_evidence_over_budget(manifest)
+    if over:
+        _err(over)
     allowed = manifest["budget"] * v["node_days"] / 1000.0
     pool = manifest.get("threshold_pooling")
     pooled = bool(pool) and "skipped" not in pool
@@ -341,6 +359,34 @@ def run_train(args, file_data) -> int:
     return 0
 
 
+def _hard_evidence_argument(cfg: dict) -> dict:
+    """train.train's `hard_evidence` from [train] hard_evidence and hard_evidence_conditions ({}: its default)."""
+    if not cfg["hard_evidence"]:
+        return {"hard_evidence": ()}
+    names = [n.strip() for n in cfg["hard_evidence_conditions"].split(",") if n.strip()]
+    return {"hard_evidence": tuple(names)} if names else {}
+
+
+def hard_evidence_over_budget(manifest: dict) -> str | None:
+    """A warning when a model's hard evidence alone spent more than its budget on the validation slice
+    (manifest metrics.validation_parts): the thresholds count its alarms, so that budget leaves the risk
+    none and its threshold sits at the top of its scores. Names what each condition spent. None otherwise."""
+    parts = manifest.get("metrics", {}).get("validation_parts")
+    if not parts:
+        return None
+    rate = parts["hard_evidence_alone"]["false_evacuations_per_1000_node_days"]
+    over = sorted(float(b) for b in manifest.get("thresholds", {}) if float(b) < rate)
+    if not over or manifest["budget"] not in over:
+        return None
+    spent = ", ".join(f"{m['condition']} {m['false_evacuations_per_1000_node_days']:.2f}"
+                      for m in sorted(parts["conditions"], key=lambda m: -m["false_evacuations_per_1000_node_days"]))
+    return (f"WARNING: on the validation slice the hard evidence alone spent {rate:.2f} false evacuations/1,000 "
+            f"node-days, over the budgets {', '.join(f'{b:g}' for b in over)}: the thresholds count its alarms, so "
+            f"at those the model's risk has no budget left and its threshold sits at the top of its scores. Each "
+            f"condition alone: {spent}. Leave out one that alarms on this "
+            f"fleet's healthy nodes (--hard-evidence with the others), or train with --no-hard-evidence.")
+
+
 def _compare_with(value: str):
     from foreshock.predictor import registry
     return registry.default_model_path() if value == "shipped" else (value or None)
@@ -391,7 +437,7 @@ def _judged(m: dict) -> str:
             f"FE/1k {m['false_evacuations_per_1000_node_days']:6.2f}{rate}")
 
 
-def _print_parts(pp: dict) -> None:
+def _print_parts(pp: dict, where: str = "") -> None:
     """evaluate.policy_parts (or pooling's), one line a part; a pooled part's median lead is per report."""
     def line(m: dict) -> str:
         if "median_lead_minutes" in m:
@@ -401,7 +447,7 @@ def _print_parts(pp: dict) -> None:
                 f"FE/1k {m['false_evacuations_per_1000_node_days']:.2f}"
                 f"{_interval(m['false_evacuations_per_1000_node_days_interval'], _rate)}")
 
-    print(f"model at budget {pp['budget']:g}, each part alone (its hard evidence adds "
+    print(f"model at budget {pp['budget']:g}{where}, each part alone (its hard evidence adds "
           f"{pp['added_by_hard_evidence']} precursor failures to what its risk alone catches):")
     print(f"  risk alone          {line(pp['risk_alone'])}")
     print(f"  hard evidence alone {line(pp['hard_evidence_alone'])}")

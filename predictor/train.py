@@ -115,7 +115,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
 
     hard_evidence: the states of the hardware or a job (model.HARD_EVIDENCE_CONDITIONS) that alarm the model
     whatever its score (model.HardEvidence; the manifest's `hard_evidence`); the thresholds are chosen with
-    their alarms counted on the validation slice. Empty: the score alone.
+    their alarms counted on the validation slice, and the manifest's metrics.validation_parts says what
+    each part spends there (evaluate.policy_parts). Empty: the score alone.
 
     compare_with: a model directory (the shipped model, for `foreshock train`) scored on the same
     validation slice at a threshold chosen there for the same budget; the manifest's
@@ -315,7 +316,8 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             for name, fn in predictors.items():
                 vn.scores[name] = (fn(Xv) if len(Xv) else np.zeros(0)).astype(np.float32)
             # the model's thresholds are chosen with its hard evidence's alarms counted: they spend the budget too
-            vn.forced = evidence.met(Xv) if evidence is not None else None
+            vn.evidence = evidence.met_each(Xv) if evidence is not None else None
+            vn.forced = vn.evidence.any(axis=1) if evidence is not None else None
             levels.append(alarm.level(Xv) if alarm is not None else None)
         keep_val = [i for i, vn in enumerate(val_nodes) if len(vn.y)]
         val_nodes, levels = [val_nodes[i] for i in keep_val], [levels[i] for i in keep_val]
@@ -353,6 +355,10 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
                 curves["model"] = pooled["curve"]
         chosen = {name: risk.pick_threshold(curves[name], budget) for name in names}
         validation = ev.evaluate_all(val_nodes, val_inc, chosen, horizon_s)
+        # which part spends the slice's budget: where the hard evidence alone spends more than a budget, that
+        # budget leaves the risk nothing and its threshold goes to the top of its scores
+        parts = (None if evidence is None else
+                 {"budget": budget, **ev.policy_parts(val_nodes, val_inc, chosen["model"], evidence.names, horizon_s)})
         # the healthy level the thresholds were chosen at, so a fleet that scores higher raises them
         score_reference = fleetlevel.reference_level(val_nodes, "model")
         for m in validation.values():
@@ -437,6 +443,7 @@ def train(data_dir, out_dir, *, horizon_s: int = lb.DEFAULT_HORIZON_S, budget: f
             "command": command,
         },
         "metrics": {"validation": validation,
+                    **({"validation_parts": parts} if parts is not None else {}),
                     **({"validation_compared": compared} if compared is not None else {})},
     }
     registry.save_model(out_dir, model, manifest, baselines={"rule": rule, "logistic": logistic})

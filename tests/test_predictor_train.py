@@ -64,8 +64,13 @@ def test_train_then_evaluate_writes_model_manifest_and_reports(sim_data, trained
     assert f"WARNING: the thresholds rest on a validation slice of {days:,.0f} node-days" in err, err
     # nor a score level: 8 nodes are fewer than a level is taken over, so the thresholds stay fixed
     assert "score_level" not in man
-    # the hard evidence by default, its alarms counted in the thresholds chosen
+    # the hard evidence by default, its alarms counted in the thresholds chosen, and what each part spent on
+    # the validation slice, in the manifest and printed
     assert man["hard_evidence"] == list(mdl.HARD_EVIDENCE) and m.hard_evidence.names == mdl.HARD_EVIDENCE
+    vparts = man["metrics"]["validation_parts"]
+    assert vparts["budget"] == 2 and [c["condition"] for c in vparts["conditions"]] == list(mdl.HARD_EVIDENCE)
+    assert vparts["hard_evidence_alone"]["node_days"] == pytest.approx(days)
+    assert "model at budget 2 on the validation slice, each part alone" in out
     js, page = tmp_path / "e.json", tmp_path / "e.html"
     rc = cli.main(["evaluate", "--data", str(sim_data), "--model", str(model_dir), "--json", str(js),
                    "--html", str(page), "--budget", "5"])
@@ -215,6 +220,47 @@ def test_trees_that_read_the_context_columns_hold_the_step_times_and_fabric_befo
     X = np.nan_to_num(np.random.default_rng(4).standard_normal((100, ft.N_FEATURES)).astype(np.float32))
     np.testing.assert_allclose(m.probability(X), m.estimator.predict_proba(X[:, :ft.CONTEXT_COLS.stop])[:, 1],
                                rtol=1e-9, atol=1e-12)
+
+
+def test_train_takes_the_hard_evidence_conditions_it_is_given_and_refuses_an_unknown_one(sim_data, tmp_path, capsys):
+    """`--hard-evidence NAMES`: only those conditions alarm the model (the manifest's hard_evidence) and are
+    counted on the validation slice; a name that is no condition is refused, naming it, before anything is
+    written, and a list that is not names is refused as a setting."""
+    chosen = ["ib_link_downed_30m", "nvl_links_down_now"]
+    out = tmp_path / "two"
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(out), "--max-iter", "10", "--compare-with", "",
+                     "--base", "", "--no-novelty", "--hard-evidence", " ,".join(chosen)]) == 0, capsys.readouterr().err
+    man = registry.load_model(out).manifest
+    assert man["hard_evidence"] == chosen
+    assert [c["condition"] for c in man["metrics"]["validation_parts"]["conditions"]] == chosen
+    capsys.readouterr()
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(tmp_path / "bad"),
+                     "--hard-evidence", "nvl_links_down_now,nvlink_flapping"]) == 1
+    err = capsys.readouterr().err
+    assert "nvlink_flapping" in err and "are not hard evidence" in err and "ib_link_downed_30m" in err, err
+    assert not (tmp_path / "bad").exists()
+    assert cli.main(["train", "--data", str(sim_data), "--out", str(tmp_path / "bad"),
+                     "--hard-evidence", "nvl links down"]) == 2
+    assert "hard_evidence_conditions" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_train_warns_when_the_hard_evidence_alone_spends_over_the_budget_and_names_what_spends_it():
+    from foreshock.predictor.command import hard_evidence_over_budget
+
+    def manifest(hard: float) -> dict:
+        conditions = [{"condition": "nvl_links_down_now", "false_evacuations_per_1000_node_days": 0.5 * hard},
+                      {"condition": "steptime_slow_share_30m", "false_evacuations_per_1000_node_days": 0.75 * hard}]
+        return {"budget": 2.0, "thresholds": {"0.5": 0.9, "1.0": 0.9, "2.0": 0.9, "5.0": 0.3, "10.0": 0.1},
+                "metrics": {"validation_parts": {"hard_evidence_alone": {"false_evacuations_per_1000_node_days": hard},
+                                                 "conditions": conditions}}}
+
+    assert hard_evidence_over_budget(manifest(1.9)) is None        # under its budget: the risk has the rest
+    assert hard_evidence_over_budget({"budget": 2.0, "thresholds": {}, "metrics": {}}) is None
+    warning = hard_evidence_over_budget(manifest(4.0))
+    assert "spent 4.00 false evacuations/1,000 node-days, over the budgets 0.5, 1, 2:" in warning
+    # the condition that spends most first, so the one to leave out is named first
+    assert "Each condition alone: steptime_slow_share_30m 3.00, nvl_links_down_now 2.00." in warning
+    assert "--hard-evidence" in warning and "--no-hard-evidence" in warning
 
 
 def test_train_refuses_a_missing_dataset(tmp_path, capsys):
