@@ -110,14 +110,13 @@ def register(subparsers) -> None:
                         f"{TRAIN_DEFAULTS['threshold_prior_node_days']:g}, as foreshock thresholds; docs/predictor.md, "
                         "Stacked with the shipped model); 0: the validation slice alone")
     p.add_argument("--no-hard-evidence", dest="hard_evidence", action="store_const", const=False,
-                   help="no hard evidence: an NVLink link down, a PCIe link below its width, an InfiniBand link "
-                        "down twice in 30 min, HBM warming apart while rows are remapped or a node its job waits "
-                        "for alarms only through the model's score (docs/predictor.md, Hard evidence)")
+                   help="no hard evidence: the states that alarm whatever the score (an NVLink link down, a "
+                        "failing cable, a node its job waits for, ...: docs/predictor.md, Hard evidence) alarm only "
+                        "through the model's score")
     p.add_argument("--hard-evidence", dest="hard_evidence_conditions", metavar="NAMES",
-                   help="only these hard-evidence conditions, comma-separated (nvl_links_down_now, "
-                        "pcie_width_deficit_now, ib_link_downed_30m, hbm_gap_excess_remapping, "
-                        "steptime_slow_share_30m; default: all): leave out one that alarms on this fleet's healthy "
-                        "nodes (train prints what each spends on the validation slice)")
+                   help="only these hard-evidence conditions, comma-separated (default: all; an unknown name is "
+                        "refused with the list): leave out one that alarms on this fleet's healthy nodes (train "
+                        "prints what each spends on the validation slice)")
     p.add_argument("--no-novelty", dest="novelty", action="store_const", const=False,
                    help="no novelty alarm beside the model (docs/predictor.md, Novelty alarm): the model alone "
                         "sets the risk and the thresholds")
@@ -383,8 +382,8 @@ def hard_evidence_over_budget(manifest: dict) -> str | None:
     return (f"WARNING: on the validation slice the hard evidence alone spent {rate:.2f} false evacuations/1,000 "
             f"node-days, over the budgets {', '.join(f'{b:g}' for b in over)}: the thresholds count its alarms, so "
             f"at those the model's risk has no budget left and its threshold sits at the top of its scores. Each "
-            f"condition alone: {spent}. Leave out one that alarms on this "
-            f"fleet's healthy nodes (--hard-evidence with the others), or train with --no-hard-evidence.")
+            f"condition alone: {spent}. Leave out one that alarms on this fleet's healthy nodes (--hard-evidence "
+            f"with the others), or train with --no-hard-evidence.")
 
 
 def _compare_with(value: str):
