@@ -73,6 +73,7 @@ def stop_bound_seconds(cfg: dict) -> float:
     come later (systemd TimeoutStopSec, Kubernetes terminationGracePeriodSeconds)."""
     return float(cfg["grace"]) + STOP_SECONDS_AFTER_GRACE
 
+
 DEFAULTS = {
     "listen": "127.0.0.1:7443",
     "metrics_listen": "127.0.0.1:9464",

@@ -49,8 +49,8 @@ def settings(section: str, file_data: dict) -> dict:
         os.environ.update(saved)
 
 
-def configmap_toml(name: str) -> dict:
-    doc = yaml.safe_load((KUBE / name).read_text())
+def configmap_toml(name: str, root: Path = KUBE) -> dict:
+    doc = yaml.safe_load((root / name).read_text())
     return tomllib.loads(doc["data"]["foreshock.toml"])
 
 
@@ -195,10 +195,9 @@ def _stop_and_kill(where: str, name: str) -> tuple[float, float]:
         configmap = {"collector-daemonset.yaml": "collector-configmap.yaml", "serve-statefulset.yaml":
                      "serve-configmap.yaml", "shard-statefulset.yaml": "shard-configmap.yaml",
                      "coordinator-deployment.yaml": "coordinator-configmap.yaml"}[name]
-        doc = yaml.safe_load((root / configmap).read_text())
         env = {"FORESHOCK_SERVE_SHARD": "shard-0"} if name.startswith("shard") else {}
         module = collect if section == "collect" else serve
-        cfg = resolve(section, module.DEFAULTS, file_data=tomllib.loads(doc["data"]["foreshock.toml"]), env=env,
+        cfg = resolve(section, module.DEFAULTS, file_data=configmap_toml(configmap, root), env=env,
                       checks=getattr(module, "CHECKS", None))
     bound = collect.SHUTDOWN_SECONDS if section == "collect" else serve.stop_bound_seconds(cfg)
     return bound, kill
