@@ -21,6 +21,7 @@ import numpy as np
 
 from foreshock import stepcompare
 from foreshock.predictor import features as ft
+from foreshock.predictor import onset
 from foreshock.predictor import signals as sg
 
 
@@ -134,6 +135,11 @@ def describe(signal: str, row: np.ndarray, entity: str | None = None) -> str:
             parts.append(f"{rise:+.1f}{_unit(spec.unit, 2.0)} against its usual")
         if np.isfinite(day) and day >= ft.WARMING_REMAPPED:
             parts.append(f"about {_fmt(max(round(day), 1))} HBM rows remapped over the last day")
+    elif signal in sg.ONSET_NAMES:
+        bins = get(f"{signal}_now")
+        if np.isfinite(bins) and bins > 0:
+            parts.append(f"{bins:.0f} of the last {onset.RECENT_BINS}, where it had counted in at most "
+                         f"{onset.USUAL_SHARE_MAX:.0%} of its bins before")
     elif spec is not None and spec.kind in ("gauge", "flag"):
         now, mx = get(f"{signal}_now"), get(f"{signal}_max30m")
         if spec.kind == "flag":

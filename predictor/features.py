@@ -20,7 +20,8 @@ non-fatal (correctable included) NVSwitch SXids in the step, over 30 minutes and
 count of the other nodes under its leaf switch (CONTEXT). Then whether a GPU's HBM warms apart from its
 die (signals.WARMING_SIGNALS): that gap's recent level against the node's usual, the same of the gap
 between its hottest and coolest dies (temp_spread), and the HBM's where the node remapped an HBM row in
-about the last 12 hours and its dies did not warm apart as much (WARMING).
+about the last 12 hours and its dies did not warm apart as much (WARMING). Last, the ten-minute bins of the
+last five hours in which a GPU that seldom counted corrected ECC counted (ONSET, predictor/onset.py).
 
 ONE implementation serves the offline pipeline and the online scorer: `compute(x, steps, state)`
 takes a block of steps `x[nodes, steps, signals]` and the carried `FeatureState`, and returns the
@@ -41,7 +42,8 @@ WARMING columns, so a model of version 6 to 10, whose names are a prefix of FEAT
 (READABLE_VERSIONS, registry.check_compatible). Version 12 took the step-time slow share over the node's
 slowest rank's steps instead of all its ranks' (steptimes.py; the same on a node with one rank), known
 from a second judged minute on (SLOW_SHARE_MIN_STEPS); version 13 knows it only once as many training
-steps were judged as the fail-slow rule needs to move a rank (SLOW_SHARE_MIN_JUDGED).
+steps were judged as the fail-slow rule needs to move a rank (SLOW_SHARE_MIN_JUDGED). Version 14 appended
+the ONSET column, a GPU whose corrected ECC starts and does not stop (predictor/onset.py).
 """
 
 from __future__ import annotations
@@ -55,18 +57,19 @@ from foreshock import stepcompare
 from foreshock.predictor import signals as sg
 from foreshock.predictor import steptimes as stt
 
-FEATURE_VERSION = "13"
+FEATURE_VERSION = "14"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
-# columns and 11 the WARMING columns; 12 and 13 changed no name (the slow share counts the slowest
+# columns, 11 the WARMING columns and 14 the ONSET column; 12 and 13 changed no name (the slow share counts the slowest
 # rank's steps, from a second judged minute on; from its twelfth judged step on); the model columns
 # are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did not at
 # first: no model reads them, and names and layout stay 9's, so 9's checkpoints and models fit.
-READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12", "13")
+READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12", "13", "14")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added
 # the CONTEXT filter's state and 11 the WARMING filters' (FeatureState.CARRIED_SINCE), so an older
 # checkpoint keeps every node's baselines across the upgrade and what it lacks starts from zero; 12
-# and 13 carry what 11 did (an 11 checkpoint's step-time counts are all ranks' for their last 30 minutes).
-RESTORABLE_VERSIONS = ("9", "10", "11", "12", "13")
+# and 13 carry what 11 did (an 11 checkpoint's step-time counts are all ranks' for their last 30 minutes);
+# 14's onset state is the sample stage's, and an older checkpoint's GPUs start it over (onset.OnsetTracker).
+RESTORABLE_VERSIONS = ("9", "10", "11", "12", "13", "14")
 STEP_SECONDS = sg.STEP_SECONDS
 HISTORY = 30                     # steps of history the longest window needs
 BASELINE_HALF_LIFE_STEPS = 3 * 24 * 60
@@ -112,10 +115,10 @@ CONTEXT_SIGNALS: tuple[sg.BaseSignal, ...] = tuple(
     sg.BaseSignal(f"leaf_peers_{family}", "peer", f"{what} per minute of the other nodes under this leaf switch", unit)
     for family, _, what, unit in CONTEXT_FAMILIES)
 # The job-relative step-time signals (predictor/steptimes.py), per node and step, appended after them,
-# the NVLink fabric's (signals.FABRIC_SIGNALS) and the warming's (signals.WARMING_SIGNALS) after those and
-# the CONTEXT_SIGNALS last (all_signals lays a block out so).
+# the NVLink fabric's (signals.FABRIC_SIGNALS), the warming's (signals.WARMING_SIGNALS) and the onset's
+# (signals.ONSET_SIGNALS) after those and the CONTEXT_SIGNALS last (all_signals lays a block out so).
 ALL_SIGNALS: tuple[sg.BaseSignal, ...] = (sg.BASE_SIGNALS + PEER_SIGNALS + stt.SIGNALS + sg.FABRIC_SIGNALS
-                                          + sg.WARMING_SIGNALS + CONTEXT_SIGNALS)
+                                          + sg.WARMING_SIGNALS + sg.ONSET_SIGNALS + CONTEXT_SIGNALS)
 ALL_NAMES = tuple(s.name for s in ALL_SIGNALS)
 IDX = {n: i for i, n in enumerate(ALL_NAMES)}
 PEER_GROUPS = ("leaf_switch", "job", "site")
@@ -172,6 +175,7 @@ STEP_TIME_IDX = [IDX[n] for n in stt.NAMES]
 FABRIC_IDX = [IDX[n] for n in sg.FABRIC_NAMES]   # the flags, then the counts
 CONTEXT_IDX = [IDX[s.name] for s in CONTEXT_SIGNALS]
 WARMING_IDX = [IDX[n] for n in sg.WARMING_NAMES + ("temp_spread",)]   # what the WARMING filters follow
+ONSET_IDX = [IDX[n] for n in sg.ONSET_NAMES]
 PEER_WIDTH = len(PEER_SIGNALS) + len(CONTEXT_SIGNALS)   # the columns peer_signals returns
 
 
@@ -199,7 +203,7 @@ class FeatureSpec:
     name: str
     signal: str       # the base/peer signal it is computed from (explanations group by it)
     op: str           # sum1 sum5 sum30 vs_baseline recent_vs_baseline now max30 rise30 since mean5 mean30 decayed
-                      # steady job_max5 job_max30 slow_share30 context warming warming_remapping
+                      # steady job_max5 job_max30 slow_share30 context warming warming_remapping onset
 
 
 def _specs() -> tuple[FeatureSpec, ...]:
@@ -290,9 +294,13 @@ CONTEXT: tuple[FeatureSpec, ...] = tuple(FeatureSpec(f"{s.name}_3d", s.name, "co
 WARMING: tuple[FeatureSpec, ...] = (FeatureSpec("hbm_gap_excess_vs_usual", "hbm_gap_excess", "warming"),
                                     FeatureSpec("temp_spread_vs_usual", "temp_spread", "warming"),
                                     FeatureSpec("hbm_gap_excess_remapping", "hbm_gap_excess", "warming_remapping"))
+# A GPU whose corrected ECC starts and does not stop (predictor/onset.py, signals.ONSET_SIGNALS): the node's
+# value in the step, the ten-minute bins of the last 30 in which such a GPU counted. Its state is per GPU
+# and lives in the sample stage (signals.SampleStage.onset), so the column is the signal as it is.
+ONSET: tuple[FeatureSpec, ...] = (FeatureSpec("ecc_onset_bins_now", "ecc_onset_bins", "onset"),)
 N_MODEL = N_CORE + len(ANOMALY)   # the columns an estimator reads
 FEATURES: tuple[FeatureSpec, ...] = (CORE_FEATURES + ANOMALY + STEADINESS + STEP_TIMES + FABRIC + CONTEXT
-                                     + WARMING)
+                                     + WARMING + ONSET)
 FEATURE_NAMES: tuple[str, ...] = tuple(f.name for f in FEATURES)
 MODEL_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES[:N_MODEL]
 N_FEATURES = len(FEATURES)
@@ -300,7 +308,8 @@ STEADY_COLS = slice(N_MODEL, N_MODEL + len(STEADINESS))
 STEP_TIME_COLS = slice(STEADY_COLS.stop, STEADY_COLS.stop + len(STEP_TIMES))
 FABRIC_COLS = slice(STEP_TIME_COLS.stop, STEP_TIME_COLS.stop + len(FABRIC))
 CONTEXT_COLS = slice(FABRIC_COLS.stop, FABRIC_COLS.stop + len(CONTEXT))
-WARMING_COLS = slice(CONTEXT_COLS.stop, N_FEATURES)
+WARMING_COLS = slice(CONTEXT_COLS.stop, CONTEXT_COLS.stop + len(WARMING))
+ONSET_COLS = slice(WARMING_COLS.stop, N_FEATURES)
 _REMAP_DECAYED_COL = FEATURE_NAMES.index("remap_correctable_decayed_12h")
 _VS_BASELINE_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m_vs_baseline") for n in BASELINED], dtype=np.intp)
 _VS_PEER_COLS = np.array([FEATURE_NAMES.index(f"{n}_30m") for n in ("link_err_vs_leaf", "gpu_err_vs_job")],
@@ -693,6 +702,7 @@ def compute(x: np.ndarray, steps: np.ndarray, state: FeatureState, *,
     usual, zcf = ewma(EWMA_ALPHA, state.zc, np.nan_to_num(xt[:, :, CONTEXT_IDX]))
     out[:, :, CONTEXT_COLS] = usual
     out[:, :, WARMING_COLS] = _warming(xt[:, :, WARMING_IDX], out[:, :, _REMAP_DECAYED_COL].astype(np.float32), state)
+    out[:, :, ONSET_COLS] = xt[:, :, ONSET_IDX]
 
     # carry the state
     h0 = state.head
@@ -770,6 +780,7 @@ def _compute_step(x: np.ndarray, steps: np.ndarray, state: FeatureState, kernel:
     state.thead = (state.thead + 1) % GRING
     state.fhead = (state.fhead + 1) % GRING
     out[:, WARMING_COLS] = _warming(x[None, :, WARMING_IDX], out[None, :, _REMAP_DECAYED_COL], state)[0]
+    out[:, ONSET_COLS] = x[:, ONSET_IDX]
     anomaly_scores(out)
     g = x[:, GAUGE_IDX]
     state.head = (h + 1) % RING
@@ -1018,6 +1029,7 @@ def _compute_step_numpy(x: np.ndarray, steps: np.ndarray, state: FeatureState) -
     out[:, FABRIC_COLS] = _fabric(x[None, :, FABRIC_IDX], steps, state)[0]
     _context_step(x, state, out, den_base)
     out[:, WARMING_COLS] = _warming(x[None, :, WARMING_IDX], out[None, :, _REMAP_DECAYED_COL], state)[0]
+    out[:, ONSET_COLS] = x[:, ONSET_IDX]
     anomaly_scores(out)
 
     state.ring[h] = c

@@ -66,6 +66,7 @@ from foreshock import fabric
 from foreshock import schema as sch
 from foreshock import xid as xidcat
 from foreshock.collectors import sxid as sxidcat
+from foreshock.predictor import onset
 
 STEP_SECONDS = 60
 STEP_NS = STEP_SECONDS * 1_000_000_000
@@ -199,10 +200,18 @@ WARMING_SIGNALS: tuple[BaseSignal, ...] = (
     _g("hbm_gap_excess", "one GPU's HBM warmer than its die, beyond the node's other GPUs", "degC"),
 )
 WARMING_NAMES: tuple[str, ...] = tuple(s.name for s in WARMING_SIGNALS)
-# What `finish` returns per (node, step): the base signals, then the fabric's, then the warming's.
-STEP_NAMES: tuple[str, ...] = BASE_NAMES + FABRIC_NAMES + WARMING_NAMES
+# A GPU whose corrected ECC starts and does not stop (predictor/onset.py): per node and step, the largest of
+# its GPUs' onset values, the whole ten-minute bins of the last five hours in which the GPU counted, where it
+# seldom counted before (0: it counts as usual; NaN: no GPU judged yet). A group of its own after the
+# warming's (features.ONSET).
+ONSET_SIGNALS: tuple[BaseSignal, ...] = (
+    _g("ecc_onset_bins", "ten-minute bins in which a GPU that seldom counted corrected ECC counted", "bins"),
+)
+ONSET_NAMES: tuple[str, ...] = tuple(s.name for s in ONSET_SIGNALS)
+# What `finish` returns per (node, step): the base signals, then the fabric's, the warming's and the onset's.
+STEP_NAMES: tuple[str, ...] = BASE_NAMES + FABRIC_NAMES + WARMING_NAMES + ONSET_NAMES
 STEP_INDEX = {name: i for i, name in enumerate(STEP_NAMES)}
-BY_NAME = {s.name: s for s in BASE_SIGNALS + FABRIC_SIGNALS + WARMING_SIGNALS}
+BY_NAME = {s.name: s for s in BASE_SIGNALS + FABRIC_SIGNALS + WARMING_SIGNALS + ONSET_SIGNALS}
 # Reasons a row's fabric reading is left out (module docstring), counted in SampleStage.stats.malformed.
 MALFORMED = ("fabric_state_undefined", "fabric_mask_undefined", "sxid_unknown_class", "sxid_no_code")
 
@@ -301,7 +310,7 @@ REDUCTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("remap_rows_total", "remap_rows_total", "max"),
         *((name, name, "max") for name in FABRIC_FLAGS),
         ("_hbm_gap_max", "hbm_gap", "max"), ("_hbm_gap_sum", "hbm_gap", "sum"),
-        ("_hbm_gap_known", "hbm_gap_known", "sum"),
+        ("_hbm_gap_known", "hbm_gap_known", "sum"), ("ecc_onset_bins", "ecc_onset", "max"),
     ),
     "nvlink": (
         ("nvl_replay", "nvl_replay", "emax"), ("nvl_recovery", "nvl_recovery", "emax"),
@@ -511,6 +520,7 @@ class SampleStage:
         self.entity_labels: list[str] = []
         # table -> (sorted entity keys, last ts, last raw counter values [n, c], gaps in a row (gap_runs))
         self._last: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.onset = onset.OnsetTracker()   # each GPU's corrected-ECC onset (ONSET_SIGNALS)
         self.stats = StageStats.new()
 
     def node_code(self, name: str) -> int:
@@ -569,6 +579,7 @@ class SampleStage:
         for table, (keys, ts, vals, runs) in self._last.items():
             arrays[f"last.{table}.keys"], arrays[f"last.{table}.ts"], arrays[f"last.{table}.vals"] = keys, ts, vals
             arrays[f"last.{table}.gaps"] = runs
+        arrays.update(self.onset.state())
         return meta, arrays
 
     @classmethod
@@ -597,6 +608,7 @@ class SampleStage:
                     or np.any(np.diff(keys) <= 0)):
                 raise ValueError(f"sample stage: table {table!r}: inconsistent last samples")
             stage._last[table] = (keys, ts, vals, runs)
+        stage.onset = onset.OnsetTracker.from_state(arrays)
         return stage
 
     def samples(self, table: str, batch: pa.Table) -> Samples:
@@ -686,6 +698,8 @@ class SampleStage:
         else:
             node_out, step_out, key_out, extra_out, raw_out = node, step, key, extra, raw
         self._table_samples(table, extra_out, raw_out, cols, len(step_out), real)
+        if table == "gpu":
+            cols["ecc_onset"] = self.onset.update(key_out, step_out, cols["ecc_sbe"], self.step_ns // 1_000_000_000)
         # carry each entity's last sample
         last = np.ones(len(ts), dtype=bool)
         last[:-1] = key[1:] != key[:-1]

@@ -211,15 +211,16 @@ def test_the_fabric_windows_hold_a_flag_30_minutes_and_count_sxids_with_minutes_
         np.testing.assert_array_equal(np.concatenate(parts, axis=1), feats)
 
 
-def test_the_fabric_context_and_warming_columns_come_last_so_older_models_read_a_prefix():
+def test_the_fabric_context_warming_and_onset_columns_come_last_so_older_models_read_a_prefix():
     assert ft.FABRIC_COLS.start == ft.STEP_TIME_COLS.stop and ft.FABRIC_COLS.stop == ft.CONTEXT_COLS.start
-    assert ft.CONTEXT_COLS.stop == ft.WARMING_COLS.start and ft.WARMING_COLS.stop == ft.N_FEATURES
+    assert ft.CONTEXT_COLS.stop == ft.WARMING_COLS.start and ft.WARMING_COLS.stop == ft.ONSET_COLS.start
+    assert ft.ONSET_COLS.stop == ft.N_FEATURES and ft.FEATURE_NAMES[ft.ONSET_COLS] == ("ecc_onset_bins_now",)
     assert ft.FEATURE_NAMES[:ft.FABRIC_COLS.start] == tuple(f.name for f in ft.CORE_FEATURES + ft.ANOMALY
                                                            + ft.STEADINESS + ft.STEP_TIMES)
     assert ft.FEATURE_NAMES[ft.CONTEXT_COLS] == tuple(f"{s.name}_3d" for s in ft.CONTEXT_SIGNALS)
     assert ft.FEATURE_NAMES[ft.WARMING_COLS] == ("hbm_gap_excess_vs_usual", "temp_spread_vs_usual",
                                                  "hbm_gap_excess_remapping")
-    assert ft.FEATURE_VERSION == "13" and {"7", "8", "9", "10", "11"} <= set(ft.READABLE_VERSIONS)
+    assert ft.FEATURE_VERSION == "14" and {"7", "8", "9", "10", "11", "12", "13"} <= set(ft.READABLE_VERSIONS)
     # the health-mask flags are foreshock/fabric.py's fields, declared there once
     assert sg.FABRIC_FLAGS[:len(fabric.HEALTH_FIELDS)] == tuple(f.column for f in fabric.HEALTH_FIELDS)
 

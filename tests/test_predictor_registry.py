@@ -103,13 +103,14 @@ def test_the_shipped_default_model_loads_and_has_its_report():
     p = m.probability(X)
     assert p.shape == (3,) and np.all((0 <= p) & (p <= 1))
     # trained on feature version 7: today's rows (8 appended the step-time columns, 9 the fabric's, 10
-    # the context's, 11 the warming's) still feed it
-    assert man["feature_version"] == "7" and ft.FEATURE_VERSION == "13"
+    # the context's, 11 the warming's, 14 the onset's) still feed it
+    assert man["feature_version"] == "7" and ft.FEATURE_VERSION == "14"
     assert len(man["feature_names"]) < ft.N_FEATURES
     X[:, ft.STEP_TIME_COLS] = [1.5, 1.5, 0.5]
     X[:, ft.FABRIC_COLS] = 1.0
     X[:, ft.CONTEXT_COLS] = 3.0
     X[:, ft.WARMING_COLS] = 4.0
+    X[:, ft.ONSET_COLS] = 30.0
     np.testing.assert_array_equal(m.probability(X), p)
 
 

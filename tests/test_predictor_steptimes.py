@@ -189,9 +189,10 @@ def test_a_job_of_minute_long_steps_is_judged_on_as_many_steps_as_the_fail_slow_
 
 def test_the_step_time_columns_come_after_the_steadiness_ones_so_older_models_read_a_prefix():
     assert ft.FEATURE_NAMES[ft.STEP_TIME_COLS] == ("steptime_vs_job_5m", "steptime_vs_job_30m", "steptime_slow_share_30m")
-    # only the fabric's (feature version 9), the context's (10) and the warming's (11) columns come after them
+    # only the fabric's (feature version 9), the context's (10), the warming's (11) and the onset's (14) columns
+    # come after them
     assert ft.STEADY_COLS.stop == ft.STEP_TIME_COLS.start and ft.STEP_TIME_COLS.stop == ft.FABRIC_COLS.start
-    assert ft.READABLE_VERSIONS == ("6", "7", "8", "9", "10", "11", "12", "13") and ft.FEATURE_VERSION == "13"
+    assert ft.READABLE_VERSIONS == ("6", "7", "8", "9", "10", "11", "12", "13", "14") and ft.FEATURE_VERSION == "14"
 
 
 def test_the_row_median_is_numpys_over_the_known_values():
