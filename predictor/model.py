@@ -312,6 +312,9 @@ HARD_EVIDENCE_CONDITIONS: tuple[tuple[str, float], ...] = (
     # the node's slowest rank slow against its job's other ranks (the fail-slow rule's comparison,
     # stepcompare) in more than 9 of 10 of its steps judged over 30 minutes: a straggler its job waits for
     ("steptime_slow_share_30m", 0.9),
+    # a GPU whose corrected ECC counted in at least 27 of the last 30 ten-minute bins, where it counted in at
+    # most a fifth of its bins before (features.ONSET, predictor/onset.py): failing HBM that corrects and goes on
+    ("ecc_onset_bins_now", 26.0),
 )
 # What `foreshock train` writes into a new model's manifest.
 HARD_EVIDENCE: tuple[str, ...] = tuple(name for name, _ in HARD_EVIDENCE_CONDITIONS)

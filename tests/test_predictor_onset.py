@@ -95,7 +95,7 @@ def test_a_state_that_does_not_fit_is_refused_and_none_starts_over():
         onset.OnsetTracker.from_state({k: v for k, v in state.items() if k != "onset.usual_seen"})
 
 
-def _gpu_table(hours: int, start_hour: int):
+def _gpu_table(hours: int, start_hour: int, node: str = "n1"):
     """One node's gpu rows, a sample a minute: GPU 0 counts corrected ECC in every minute from the start
     (chronic), GPU 2 from `start_hour` on, GPUs 1 and 3 never; the volatile counter is cumulative."""
     t0 = 1_780_000_000
@@ -109,7 +109,7 @@ def _gpu_table(hours: int, start_hour: int):
                 count = 5 * max(0, m - start_hour * 60)
             else:
                 count = 0
-            rows.append({"ts": ts, "node": "n1", "gpu": gpu, "ecc_corrected_volatile": count})
+            rows.append({"ts": ts, "node": node, "gpu": gpu, "gpu_lost": False, "ecc_corrected_volatile": count})
     return sch.to_table("gpu", rows)
 
 
@@ -147,3 +147,36 @@ def test_an_operator_reads_how_many_of_the_last_bins_counted():
                     "where it had counted in at most 20% of its bins before")
     row[ft.FEATURE_NAMES.index("ecc_onset_bins_now")] = 0.0
     assert "0 of" not in explain.describe("ecc_onset_bins", row)
+
+
+def test_the_online_scorer_names_a_node_whose_gpu_starts_correcting_errors(tmp_path, tiny_model_dir):
+    """Through the online scorer, a minute at a time: n1's GPU 2 starts counting corrected ECC at hour 19 and
+    its node is named as hard evidence once 27 of its last 30 bins counted, with the condition's words; n2,
+    whose GPU 0 has always counted, never is."""
+    import json
+
+    from foreshock.predictor import online, registry
+
+    d = tiny_model_dir(tmp_path / "m")
+    man = json.loads((d / registry.MANIFEST_FILE).read_text())
+    man["hard_evidence"] = ["ecc_onset_bins_now"]
+    (d / registry.MANIFEST_FILE).write_text(json.dumps(man))
+    scorer = online.OnlineScorer(registry.load_model(d), explain_top=0)
+    hours = 25
+    sick = _gpu_table(hours, 19)
+    chronic = _gpu_table(hours, hours + 1, node="n2")
+    first = (1_780_000_000 + 7) // 60   # the step of _gpu_table's first sample
+    named = {}
+    for m in range(hours * 60):
+        for table in (sick, chronic):
+            scorer.ingest("gpu", table.slice(4 * m, 4))
+        batch = scorer.score(((first + m + 1) * 60 + 6) * 1_000_000_000)
+        for node in batch.evidence:
+            named.setdefault(node, m)
+    assert list(named) == ["n1"] and scorer.stats["late_rows"] == 0
+    # once 27 bins counted from its start at minute 19 * 60 (the first of them partly), from the next bin on
+    assert 19 * 60 + 26 * 10 <= named["n1"] <= 19 * 60 + 28 * 10
+    assert scorer.features_of("n2")[ft.FEATURE_NAMES.index("ecc_onset_bins_now")] == 0.0
+    said = registry.load_model(d).hard_evidence.reasons(scorer.features_of("n1"))
+    assert said[0].startswith("Ten-minute bins in which a GPU that seldom counted corrected ECC counted: ")
+    scorer.close()

@@ -392,7 +392,7 @@ def test_hard_evidence_alarms_the_model_whatever_its_score_and_no_other_predicto
     assert parts["hard_evidence_alone"]["median_lead_minutes"] == pytest.approx(15)
     assert {m["condition"]: m["incident_recall_precursor"] for m in parts["conditions"]} == {
         "nvl_links_down_now": 1.0, "pcie_width_deficit_now": 0.0, "ib_link_downed_30m": 0.0,
-        "hbm_gap_excess_remapping": 0.0, "steptime_slow_share_30m": 0.0}
+        "hbm_gap_excess_remapping": 0.0, "steptime_slow_share_30m": 0.0, "ecc_onset_bins_now": 0.0}
     assert parts["added_by_hard_evidence"] == 1
     # a risk that warns 20 min ahead on its own: the hard evidence adds nothing, and the risk's own episode
     # starting 20 min out is what the risk alone is judged by
@@ -465,6 +465,20 @@ def test_hard_evidence_of_a_node_its_job_waits_for_asks_for_sustained_slowness()
     assert hard.reasons(X[0]) == ["Step time against its job's other ranks (its slowest rank): 1.53x its job's "
                                   "median at most in 30 min (1.52x in 5 min), slow in 97% of its judged steps"]
     assert list(mdl.HardEvidence().met(X)) == [True, False, False, False]
+
+
+def test_hard_evidence_of_a_gpu_whose_corrected_ecc_starts_needs_27_of_the_last_30_bins():
+    """The onset condition reads the column after every column the estimators read: met from 27 of the last
+    30 ten-minute bins on, not at 26, never where the GPU's usual was too high (0) or not judged yet (NaN),
+    and its reason says how many bins counted against what."""
+    col = ft.FEATURE_NAMES.index("ecc_onset_bins_now")
+    assert col >= ft.N_MODEL
+    X = np.zeros((4, ft.N_FEATURES), np.float32)
+    X[:, col] = [27.0, 26.0, 0.0, np.nan]
+    hard = mdl.HardEvidence(["ecc_onset_bins_now"])
+    assert list(hard.met(X)) == [True, False, False, False]
+    assert hard.reasons(X[0]) == ["Ten-minute bins in which a GPU that seldom counted corrected ECC counted: 27 of "
+                                  "the last 30, where it had counted in at most 20% of its bins before"]
 
 
 def test_the_validation_slice_counts_episodes_as_evaluate_does_across_a_repair():
