@@ -297,6 +297,7 @@ ENTITY_SIGNALS = {
     "nvl_replay": ("nvlink", "nvl_errors", "GPU"),
     "ib_symbol_error": ("rdma_port", "ib_link_errors", "port"),
     "ib_link_error_recovery": ("rdma_port", "ib_link_errors", "port"),
+    "ecc_onset_bins": ("gpu", "ecc_onset", "GPU"),   # the GPU whose corrected ECC started (onset.py)
 }
 for _name, (_t, _c, _kind) in ENTITY_SIGNALS.items():
-    assert _name in sg.BASE_INDEX
+    assert _name in sg.STEP_INDEX

@@ -59,9 +59,9 @@ from foreshock.predictor import steptimes as stt
 
 FEATURE_VERSION = "14"
 # 7 appended the STEADINESS columns, 8 the STEP_TIMES columns, 9 the FABRIC columns, 10 the CONTEXT
-# columns, 11 the WARMING columns and 14 the ONSET column; 12 and 13 changed no name (the slow share counts the slowest
-# rank's steps, from a second judged minute on; from its twelfth judged step on); the model columns
-# are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did not at
+# columns, 11 the WARMING columns and 14 the ONSET column; 12 and 13 changed no name (the slow share
+# counts the slowest rank's steps, from a second judged minute on; from its twelfth judged step on); the
+# model columns are 6's. Within 9, the sxid_nonfatal columns count Correctable SXids as well, which they did not at
 # first: no model reads them, and names and layout stay 9's, so 9's checkpoints and models fit.
 READABLE_VERSIONS = ("6", "7", "8", "9", "10", "11", "12", "13", "14")
 # Scorer checkpoints (online.OnlineScorer.save_state) of these versions restore: version 10 only added

@@ -349,13 +349,15 @@ class HardEvidence:
             return np.zeros((len(X), len(self.names)), dtype=bool)
         return conditions_met(X, self.columns, self.thresholds)
 
-    def reasons(self, row) -> list[str]:
-        """What one feature row shows, in an operator's words (explain.describe), for each condition met."""
+    def reasons(self, row, entities: dict[str, str] | None = None) -> list[str]:
+        """What one feature row shows, in an operator's words (explain.describe), for each condition met;
+        `entities`: the node's device per signal where the scorer knows it (explain.ENTITY_SIGNALS: the GPU
+        whose corrected ECC started), named in the words."""
         from foreshock.predictor import explain as ex
 
         row = np.asarray(row)
         met = conditions_met(row[None, :], self.columns, self.thresholds)[0]
-        return [ex.describe(signal, row) for signal, m in zip(self.signals, met) if m]
+        return [ex.describe(signal, row, (entities or {}).get(signal)) for signal, m in zip(self.signals, met) if m]
 
 
 class RuleBaseline(ClassifierMixin, BaseEstimator):

@@ -661,7 +661,7 @@ class OnlineScorer:
         hard = getattr(self.model, "hard_evidence", None)
         if hard is not None and len(X):
             for i in np.flatnonzero(hard.met(X)).tolist():
-                evidence[nodes[i]] = "; ".join(hard.reasons(X[i]))
+                evidence[nodes[i]] = "; ".join(hard.reasons(X[i], self._entities(int(idx[i]))))
         manifest = getattr(self.model, "manifest", {}) or {}
         end = self._last_step
         return ScoreBatch(nodes=nodes, probability=prob, signals=signals,

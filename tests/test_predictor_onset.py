@@ -171,12 +171,14 @@ def test_the_online_scorer_names_a_node_whose_gpu_starts_correcting_errors(tmp_p
         for table in (sick, chronic):
             scorer.ingest("gpu", table.slice(4 * m, 4))
         batch = scorer.score(((first + m + 1) * 60 + 6) * 1_000_000_000)
-        for node in batch.evidence:
-            named.setdefault(node, m)
+        for node, said in batch.evidence.items():
+            named.setdefault(node, (m, said))
     assert list(named) == ["n1"] and scorer.stats["late_rows"] == 0
-    # once 27 bins counted from its start at minute 19 * 60 (the first of them partly), from the next bin on
-    assert 19 * 60 + 26 * 10 <= named["n1"] <= 19 * 60 + 28 * 10
+    # once 27 bins counted from its start at minute 19 * 60 (the first of them partly), from the next bin on;
+    # the words name the GPU
+    minute, said = named["n1"]
+    assert 19 * 60 + 26 * 10 <= minute <= 19 * 60 + 28 * 10
+    assert said == ("Ten-minute bins in which a GPU that seldom counted corrected ECC counted: 27 of the last 30, "
+                    "where it had counted in at most 20% of its bins before, worst on GPU 2")
     assert scorer.features_of("n2")[ft.FEATURE_NAMES.index("ecc_onset_bins_now")] == 0.0
-    said = registry.load_model(d).hard_evidence.reasons(scorer.features_of("n1"))
-    assert said[0].startswith("Ten-minute bins in which a GPU that seldom counted corrected ECC counted: ")
     scorer.close()
