@@ -4,8 +4,8 @@ A failing HBM stack corrects errors in every ten minutes for hours, at whatever 
 chronic corrected errors has counted like that for days, so it is its own usual; a benign burst stops.
 A node's sum (or its worst GPU's count) hides a new GPU's onset behind its healthy GPUs' chronic errors,
 so the state is per GPU (benchmarks/results/predictor-ecc-onset-2026-12-07.md; a node-level share of
-GPUs counting raised 15-235 false episodes per 1,000 node-days on far worlds where this raised none:
-predictor-onset-design-2026-12-07.md).
+GPUs counting raised 5-190 false episodes per 1,000 node-days past the scenario catalogue where this
+raised none: predictor-onset-design-2026-12-07.md).
 
 Per GPU, in BIN_SECONDS bins of absolute time: whether its corrected-ECC delta was above 0 in the bin
 ("counted") and whether it had a known delta in it ("seen"). Its value at a sample is judged from the
@@ -127,8 +127,11 @@ class OnsetTracker:
         pos_of_key = self._positions(seg_key[key_starts])
         seg_pos = np.repeat(pos_of_key, np.diff(np.append(key_starts, len(starts))))
         seg_value = np.full(len(starts), np.nan)
-        for r in range(int(rank.max()) + 1):
-            at = np.flatnonzero(rank == r)
+        # the GPUs' r-th bins together, r = 0, 1, ...: each GPU's bins in order, every GPU at once
+        by_rank = np.argsort(rank, kind="stable")
+        bounds = np.searchsorted(rank[by_rank], np.arange(int(rank.max()) + 2))
+        for r in range(len(bounds) - 1):
+            at = by_rank[bounds[r]:bounds[r + 1]]
             p, b = seg_pos[at], seg_bin[at]
             fresh = self.bin[p] == NO_BIN
             self.bin[p[fresh]] = b[fresh]
