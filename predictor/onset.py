@@ -107,9 +107,8 @@ class OnsetTracker:
         """Each row's value (module docstring) for rows sorted by (key, step); `delta` the rows' corrected-ECC
         deltas (NaN: not known). Carries the state: the rows' bins count from here on."""
         n = len(key)
-        out = np.full(n, np.nan)
         if n == 0:
-            return out
+            return np.full(0, np.nan)
         bins = (np.asarray(step, dtype=np.int64) * int(step_seconds)) // BIN_SECONDS
         known = ~np.isnan(delta)
         counted = known & (np.nan_to_num(delta) > 0)
@@ -123,9 +122,9 @@ class OnsetTracker:
         first_of_key = np.ones(len(starts), dtype=bool)
         first_of_key[1:] = seg_key[1:] != seg_key[:-1]
         key_starts = np.flatnonzero(first_of_key)
-        rank = np.arange(len(starts)) - np.repeat(key_starts, np.diff(np.append(key_starts, len(starts))))
-        pos_of_key = self._positions(seg_key[key_starts])
-        seg_pos = np.repeat(pos_of_key, np.diff(np.append(key_starts, len(starts))))
+        segs_of_key = np.diff(np.append(key_starts, len(starts)))
+        rank = np.arange(len(starts)) - np.repeat(key_starts, segs_of_key)
+        seg_pos = np.repeat(self._positions(seg_key[key_starts]), segs_of_key)
         seg_value = np.full(len(starts), np.nan)
         # the GPUs' r-th bins together, r = 0, 1, ...: each GPU's bins in order, every GPU at once
         by_rank = np.argsort(rank, kind="stable")
@@ -139,8 +138,7 @@ class OnsetTracker:
             seg_value[at] = self._value(p)
             self.open_counted[p] |= seg_counted[at]
             self.open_seen[p] |= seg_seen[at]
-        out[:] = np.repeat(seg_value, np.diff(np.append(starts, n)))
-        return out
+        return np.repeat(seg_value, np.diff(np.append(starts, n)))
 
     def _advance(self, p: np.ndarray, b: np.ndarray) -> None:
         """Close the open bins of the GPUs at positions p that are older than their rows' bins b, and the
